@@ -1,0 +1,46 @@
+"""The `dgr` command line: thin. Parses, calls the library, prints; typed errors become exit codes.
+
+Each area registers its own subcommands from `dgr.commands.<area>` (one file per area, so areas grow
+independently). A command handler takes the parsed args and returns an exit code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from dgr import __version__
+from dgr.errors import DgrError
+
+# Areas, in the order their commands are listed in `dgr --help`.
+AREAS = ("bundles", "upstream", "engine", "wire", "build")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="dgr", description="Distributed GGUF runtime")
+    parser.add_argument("--version", action="version", version=f"dgr {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for area in AREAS:
+        importlib.import_module(f"dgr.commands.{area}").register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    try:
+        return int(args.func(args) or 0)
+    except DgrError as err:
+        print(f"dgr: error: {err}", file=sys.stderr)
+        return err.exit_code
+    except KeyboardInterrupt:
+        print("dgr: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

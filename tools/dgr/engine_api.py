@@ -1,0 +1,90 @@
+"""The ShardEngine's Python-facing contract, shared by the real engine binding (`dgr.engine`, ctypes
+over worker/engine's C ABI) and the fake engine (`dgr.fake_engine`, numpy) used by protocol tests.
+
+Shapes: a boundary is float32 `[n_tokens, n_streams, n_embd]` (n_streams is 1 for plain residual
+streams, hc_mult=4 for DeepSeek V4's mHC). Layer ranges are half-open `[begin, end)` in the model's
+global numbering. A session is keyed by (session_id, epoch); its cache holds positions `0..n_cached-1`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class StageInfo:
+    arch: str
+    layer_begin: int
+    layer_end: int          # exclusive
+    n_layer: int            # total layers of the whole model
+    n_embd: int
+    n_streams: int          # residual streams crossing the seam (1, or 4 for V4 mHC)
+    n_vocab: int
+    is_first: bool          # takes token ids and looks up embeddings
+    is_last: bool           # applies output norm + head, returns logits
+    needs_token_ids: bool   # a non-first stage that needs the token-id sideband (V4 hash layers)
+    has_vocab: bool         # can tokenize/detokenize (every stage file keeps the tokenizer metadata)
+    n_ctx: int              # positions a session may hold
+    max_sessions: int
+
+    @property
+    def boundary_shape_per_token(self) -> tuple[int, int]:
+        return (self.n_streams, self.n_embd)
+
+
+@dataclass
+class Step:
+    """One session's slice of a forward batch."""
+
+    session_id: str
+    epoch: int
+    positions: np.ndarray                    # int32 [n], must continue the session's cache exactly
+    token_ids: np.ndarray | None = None      # int32 [n]: required on the first stage and where needs_token_ids
+    boundary: np.ndarray | None = None       # float32 [n, n_streams, n_embd]: required unless is_first
+    want_logits: str = "last"                # last stage: "all" | "last" | "none" (logits rows returned)
+
+
+@dataclass
+class StepResult:
+    session_id: str
+    epoch: int
+    boundary: np.ndarray | None = None       # non-last stages: float32 [n, n_streams, n_embd]
+    logits: np.ndarray | None = None         # last stage: float32 [rows, n_vocab]
+    next_token: int | None = None            # last stage: greedy argmax of the last position's logits
+    n_cached: int = 0                        # positions the session holds after this step
+
+
+@dataclass(frozen=True)
+class MemoryReport:
+    weights_bytes: int
+    kv_bytes: int                            # KV and other per-layer state actually allocated
+    compute_bytes: int
+    layers_with_state: tuple[int, ...] = field(default_factory=tuple)
+
+
+class ShardEngine(Protocol):
+    """What a worker needs from an engine. Errors are dgr.errors types (CacheMiss, SchemaMismatch,
+    EngineError); an engine never crashes the process on bad input."""
+
+    def describe(self) -> StageInfo: ...
+
+    def open_session(self, session_id: str, epoch: int) -> None: ...
+
+    def close_session(self, session_id: str, epoch: int) -> None: ...
+
+    def n_cached(self, session_id: str, epoch: int) -> int: ...
+
+    def forward(self, steps: list[Step]) -> list[StepResult]:
+        """Run the steps of one or more sessions in one batch (where the engine allows)."""
+        ...
+
+    def tokenize(self, text: str, add_special: bool = True) -> list[int]: ...
+
+    def detokenize(self, ids: list[int]) -> str: ...
+
+    def memory(self) -> MemoryReport: ...
+
+    def close(self) -> None: ...

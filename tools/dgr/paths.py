@@ -1,0 +1,17 @@
+"""Where things live: the repository root and the ignored workspace."""
+
+import os
+from pathlib import Path
+
+from dgr.constants import WORKSPACE_DIRNAME, WORKSPACE_ENV
+
+# tools/dgr/paths.py -> repository root (when running from a checkout or an editable install).
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def workspace() -> Path:
+    """The ignored workspace (upstream source, builds, download cache)."""
+    env = os.environ.get(WORKSPACE_ENV)
+    root = Path(env) if env else REPO_ROOT / WORKSPACE_DIRNAME
+    root.mkdir(parents=True, exist_ok=True)
+    return root
