@@ -1,0 +1,177 @@
+"""Build the ShardEngine library (worker/ over the patched llama.cpp) for one backend lane, cached.
+
+    ensure_engine("cpu") -> <workspace>/build/cpu/libdgr_engine.so
+
+The first build takes minutes (llama.cpp itself); later calls return in milliseconds: a stamp
+records the build's inputs (pin commit and tree hash, the applied patches' blake3, a hash of every
+file under worker/, the lane, the CMake arguments and the compiler) and CMake is not run at all when
+it matches and the library is still the one built. When the inputs change, CMake and Ninja rebuild
+only what changed, and ccache serves objects compiled before (GGML_CCACHE). The engine's own
+worker/CMakeLists.txt (engine area) defines the shared library target `dgr_engine` and writes it
+into the build folder's top level; it finds llama.cpp through -DDGR_LLAMA_SRC.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from dgr import treehash, upstream
+from dgr.constants import LANES
+from dgr.errors import EngineError
+from dgr.paths import REPO_ROOT, workspace
+
+TARGET = "dgr_engine"
+LIBRARY = "libdgr_engine.so"
+WORKER_DIR = REPO_ROOT / "worker"
+
+# CMake switches per lane (llama.cpp's GGML_* options). Only `cpu` is built and tested by this
+# command here; the others are llama.cpp's documented switches, built by CI on their hardware.
+LANE_FLAGS: dict[str, list[str]] = {
+    "cpu": [],
+    "cuda": ["-DGGML_CUDA=ON"],
+    "rocm": ["-DGGML_HIP=ON"],
+    "vulkan": ["-DGGML_VULKAN=ON"],
+    "metal": ["-DGGML_METAL=ON"],
+}
+assert set(LANE_FLAGS) == set(LANES)
+
+_INSTALL_HINT = "install it (Debian: apt-get install cmake ninja-build g++ ccache)"
+
+
+def _say(msg: str) -> None:
+    print(f"dgr: {msg}", file=sys.stderr, flush=True)
+
+
+def _compiler() -> str:
+    cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
+    if not cxx or not shutil.which(cxx):
+        raise EngineError(f"no C++ compiler found (CXX, c++, g++ or clang++); {_INSTALL_HINT}")
+    return cxx
+
+
+def check_tools() -> dict[str, str]:
+    """The build tools, or an error naming what is missing and how to install it."""
+    tools = {}
+    for name in ("cmake", "ninja"):
+        path = shutil.which(name)
+        if not path:
+            raise EngineError(f"`{name}` is not on PATH, and the engine build needs it; {_INSTALL_HINT}")
+        tools[name] = path
+    tools["cxx"] = _compiler()
+    version = subprocess.run([tools["cxx"], "--version"], capture_output=True, text=True).stdout
+    tools["cxx_version"] = version.splitlines()[0] if version else "unknown"
+    return tools
+
+
+def build_dir(lane: str = "cpu", ws: Path | None = None) -> Path:
+    return (Path(ws) if ws else workspace()) / "build" / lane
+
+
+def cmake_args(lane: str, worker_dir: Path, bdir: Path, llama_src: Path) -> list[str]:
+    return [
+        "-S", str(worker_dir), "-B", str(bdir), "-G", "Ninja",
+        "-DCMAKE_BUILD_TYPE=Release",
+        "-DGGML_CCACHE=ON",
+        f"-DDGR_LLAMA_SRC={llama_src}",
+        # The verified tree holds only what the tree hash covers (no tests/ or examples/).
+        "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
+        *LANE_FLAGS[lane],
+    ]
+
+
+def _inputs(lane: str, pin: upstream.Pin, worker_dir: Path, args: list[str], tools: dict[str, str]) -> dict[str, Any]:
+    return {
+        "lane": lane,
+        "commit": pin.commit,
+        "tree_hash": pin.tree_hash,
+        "patches": [[p.file, p.blake3] for p in pin.patches],
+        "worker": treehash.tree_hash(worker_dir, treehash.any_file),
+        "cmake_args": args,
+        "compiler": tools["cxx_version"],
+    }
+
+
+def _run_logged(cmd: list[str], log: Path, what: str, progress: bool) -> None:
+    """Run a build step, teeing its output to `log`; print Ninja's progress now and then."""
+    _say(f"{what}: {' '.join(cmd[:4])} ... (log: {log})")
+    last_pct = -10
+    with open(log, "a") as logf:
+        logf.write(f"$ {' '.join(cmd)}\n")
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        assert proc.stdout
+        for line in proc.stdout:
+            logf.write(line)
+            if progress and line.startswith("[") and "/" in line.split("]", 1)[0]:
+                done, total = line[1:].split("]", 1)[0].split("/")
+                pct = 100 * int(done) // max(int(total), 1)
+                if pct >= last_pct + 10 or done == total:
+                    last_pct = pct
+                    _say(f"  {what} {pct}% ({done}/{total})")
+        rc = proc.wait()
+    if rc != 0:
+        tail = "".join(log.read_text().splitlines(keepends=True)[-25:])
+        raise EngineError(f"{what} failed (exit {rc}); the full log is {log}. Last lines:\n{tail}")
+
+
+def ensure_engine(
+    lane: str = "cpu",
+    *,
+    pin: upstream.Pin | None = None,
+    ws: Path | None = None,
+    worker_dir: Path | None = None,
+    jobs: int | None = None,
+    force: bool = False,
+) -> Path:
+    """Build (or reuse) the engine library for `lane`; returns the library's path."""
+    if lane not in LANE_FLAGS:
+        raise EngineError(f"unknown lane {lane!r}; lanes: {', '.join(LANE_FLAGS)}")
+    pin = pin or upstream.load_pin()
+    worker_dir = Path(worker_dir) if worker_dir else WORKER_DIR
+    if not (worker_dir / "CMakeLists.txt").exists():
+        raise EngineError(f"{worker_dir}/CMakeLists.txt not found: the engine's CMake project is missing")
+    tools = check_tools()
+    llama_src = upstream.ensure_patched(pin, ws)
+    bdir = build_dir(lane, ws)
+    lib = bdir / LIBRARY
+    stamp_path = bdir / "dgr-build.stamp.json"
+    args = cmake_args(lane, worker_dir, bdir, llama_src)
+    inputs = _inputs(lane, pin, worker_dir, args, tools)
+    # Edits in the patched tree (patch development) are invisible to the stamp: let Ninja decide.
+    dirty = upstream.local_changes(llama_src)
+    if not force and not dirty and stamp_path.exists() and lib.exists():
+        stamp = json.loads(stamp_path.read_text())
+        if stamp.get("inputs") == inputs and stamp.get("library_blake3") == treehash.file_digest(lib):
+            return lib
+    if dirty:
+        _say(f"{llama_src} has local changes ({', '.join(dirty[:3])}...): building them, not the pinned patches")
+    if not shutil.which("ccache"):
+        _say("ccache not found: rebuilds will recompile everything (apt-get install ccache)")
+    bdir.mkdir(parents=True, exist_ok=True)
+    log = bdir / "dgr-build.log"
+    log.write_text("")
+    stamp_path.unlink(missing_ok=True)
+    t0 = time.monotonic()
+    configured = bdir / "dgr-configure.json"
+    if not (bdir / "build.ninja").exists() or not configured.exists() or json.loads(configured.read_text()) != args:
+        _run_logged(["cmake", *args], log, f"configure {lane}", progress=False)
+        configured.write_text(json.dumps(args))
+    jobs = jobs or min(2, os.cpu_count() or 1)
+    _run_logged(["cmake", "--build", str(bdir), "-j", str(jobs), "--target", TARGET], log,
+                f"build {lane}", progress=True)
+    if not lib.exists():
+        found = sorted(bdir.rglob(LIBRARY))
+        where = f"; it was written to {found[0]}" if found else ""
+        raise EngineError(f"the build did not produce {lib}{where}: worker/CMakeLists.txt must put target "
+                          f"{TARGET} in the build folder's top level (LIBRARY_OUTPUT_DIRECTORY)")
+    seconds = round(time.monotonic() - t0, 1)
+    stamp_path.write_text(json.dumps({"inputs": inputs, "library_blake3": treehash.file_digest(lib),
+                                      "build_seconds": seconds}, indent=2) + "\n")
+    _say(f"engine ({lane}) built in {seconds}s: {lib}")
+    return lib
