@@ -1,0 +1,97 @@
+"""The tree hash: any change to a build-relevant file changes it, and the difference is named."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from test_upstream_support import TREEHASH_SCRIPT, make_tree
+
+from dgr import treehash
+
+
+def _hash_and_listing(tree):
+    entries = treehash.listing(tree)
+    return treehash.hash_listing(entries), entries
+
+
+def test_one_changed_byte_changes_the_hash_and_is_named(tmp_path):
+    tree = make_tree(tmp_path / "t")
+    before, old = _hash_and_listing(tree)
+    p = tree / "src" / "llama.cpp"
+    data = bytearray(p.read_bytes())
+    data[10] ^= 0x01
+    p.write_bytes(bytes(data))
+    after, new = _hash_and_listing(tree)
+    assert after != before
+    diff = treehash.first_difference(old, new)
+    assert diff.startswith("src/llama.cpp: content changed")
+
+
+def test_added_and_removed_files_change_the_hash(tmp_path):
+    tree = make_tree(tmp_path / "t")
+    base, old = _hash_and_listing(tree)
+    (tree / "src" / "extra.cpp").write_text("int x;\n")
+    added, new = _hash_and_listing(tree)
+    assert added != base
+    assert treehash.first_difference(old, new) == "src/extra.cpp: added (not in the expected listing)"
+    (tree / "src" / "extra.cpp").unlink()
+    assert treehash.tree_hash(tree) == base
+    (tree / "ggml" / "src" / "ggml.c").unlink()
+    removed, new = _hash_and_listing(tree)
+    assert removed != base
+    assert treehash.first_difference(old, new) == "ggml/src/ggml.c: removed (expected in the listing)"
+
+
+def test_execute_bit_counts_but_timestamps_do_not(tmp_path):
+    tree = make_tree(tmp_path / "t")
+    base = treehash.tree_hash(tree)
+    import os
+
+    os.utime(tree / "CMakeLists.txt", (1, 1))
+    assert treehash.tree_hash(tree) == base
+    (tree / "tools" / "run.sh").chmod(0o644)
+    assert treehash.tree_hash(tree) != base
+
+
+def test_files_a_packager_may_add_or_drop_do_not_count(tmp_path):
+    tree = make_tree(tmp_path / "t")
+    base = treehash.tree_hash(tree)
+    (tree / ".git").write_text("gitdir: ../../.git/modules/vendor/llama.cpp\n")  # the sdist's pointer
+    (tree / "ggml" / ".gitignore").write_text("build/\n")
+    (tree / "src" / "NOTES.md").write_text("notes\n")
+    (tree / "docs" / "other.txt").write_text("x\n")
+    (tree / "examples").mkdir()
+    (tree / "examples" / "main.cpp").write_text("int main(){}\n")
+    (tree / "tools" / "ui" / "static" / "logo.svg").write_text("<svg/>\n")
+    (tree / "src" / "__pycache__").mkdir()
+    (tree / "src" / "__pycache__" / "x.pyc").write_bytes(b"\0")
+    assert treehash.tree_hash(tree) == base
+
+
+def test_symlink_is_hashed_by_its_target(tmp_path):
+    tree = make_tree(tmp_path / "t")
+    (tree / "include" / "alias.h").symlink_to("llama.h")
+    first = treehash.tree_hash(tree)
+    (tree / "include" / "alias.h").unlink()
+    (tree / "include" / "alias.h").symlink_to("../src/llama.cpp")
+    assert treehash.tree_hash(tree) != first
+    assert [e.mode for e in treehash.listing(tree) if e.path == "include/alias.h"] == ["l"]
+
+
+def test_script_expect_says_expected_and_got_and_names_the_file(tmp_path):
+    tree = make_tree(tmp_path / "t")
+    good = treehash.tree_hash(tree)
+    listing = tmp_path / "listing.txt"
+    run = lambda *a: subprocess.run([sys.executable, "-I", str(TREEHASH_SCRIPT), *map(str, a)],  # noqa: E731
+                                    capture_output=True, text=True, cwd=tmp_path)
+    assert run(tree, "--expect", good).returncode == 0
+    listing.write_text(run(tree, "--listing").stdout)
+    (tree / "include" / "llama.h").write_text("#pragma once\n#define TINY_LLAMA_VALUE 40\n")
+    bad = run(tree, "--expect", good, "--expect-listing", listing)
+    assert bad.returncode == 1
+    assert f"expected {good}" in bad.stderr
+    assert f"got {treehash.tree_hash(tree)}" in bad.stderr
+    assert "include/llama.h: content changed" in bad.stderr
+    missing = run(tmp_path / "nope")
+    assert missing.returncode == 2 and "not a directory" in missing.stderr
