@@ -1,0 +1,290 @@
+"""What a GGUF file holds, read from its header alone: metadata, tensors, and which layer owns each tensor.
+
+Other areas reuse this module (the engine and worker describe stages with it). It reads the header
+with its own small parser instead of `gguf.GGUFReader` because the reader builds a numpy view per
+vocabulary string (seconds on a 49k-token vocabulary) and because bundle building needs every
+metadata entry's exact bytes so stage files keep the source's metadata bit for bit. Constants (value
+and quantization types, block sizes) come from the `gguf` package.
+
+Tensor ownership (`classify`): `blk.N.*` belongs to layer N; the token embedding belongs to the first
+stage; `output_norm`, `output` and DeepSeek V4's hyper-connection head (`output_hc_*`) to the last;
+rope frequency tables to every stage; anything else is unknown and reported.
+"""
+
+from __future__ import annotations
+
+import re
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import gguf
+
+from dgr.errors import GGUFError
+
+GGUF_MAGIC = b"GGUF"
+DEFAULT_ALIGNMENT = 32
+
+_SCALAR = {
+    gguf.GGUFValueType.UINT8: "<B", gguf.GGUFValueType.INT8: "<b",
+    gguf.GGUFValueType.UINT16: "<H", gguf.GGUFValueType.INT16: "<h",
+    gguf.GGUFValueType.UINT32: "<I", gguf.GGUFValueType.INT32: "<i",
+    gguf.GGUFValueType.FLOAT32: "<f", gguf.GGUFValueType.BOOL: "<?",
+    gguf.GGUFValueType.UINT64: "<Q", gguf.GGUFValueType.INT64: "<q",
+    gguf.GGUFValueType.FLOAT64: "<d",
+}
+
+# Roles of tensors that belong to no single layer.
+INPUT = "input"    # first stage: token embedding
+OUTPUT = "output"  # last stage: output norm, LM head (and the tied embedding)
+SHARED = "shared"  # every stage: tables each layer reads (rope frequencies)
+
+_INPUT_NAMES = ("token_embd", "token_embd_norm", "token_types", "position_embd")
+_OUTPUT_NAMES = ("output_norm", "output", "output_hc_fn", "output_hc_base", "output_hc_scale",
+                 "output_hc_norm", "output_hc_down", "output_hc_up", "cls", "cls.output")
+_SHARED_NAMES = ("rope_freqs", "rope_factors_long", "rope_factors_short")
+_BLK = re.compile(r"^blk\.(\d+)\.")
+
+
+@dataclass(frozen=True)
+class KV:
+    key: str
+    type: gguf.GGUFValueType
+    value: Any
+    raw: bytes  # the whole entry (key, type, value) exactly as in the file
+    sub_type: gguf.GGUFValueType | None = None
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    name: str
+    shape: tuple[int, ...]  # ggml order (ne0 first)
+    type: gguf.GGMLQuantizationType
+    offset: int             # relative to the data section
+    nbytes: int
+
+    @property
+    def n_elements(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+
+@dataclass
+class GGUFHeader:
+    path: Path
+    version: int
+    kvs: dict[str, KV]
+    tensors: list[TensorInfo]
+    alignment: int
+    data_offset: int  # absolute start of the data section
+
+    def get(self, key: str, default: Any = None) -> Any:
+        kv = self.kvs.get(key)
+        return default if kv is None else kv.value
+
+    def tensor(self, name: str) -> TensorInfo:
+        for t in self.tensors:
+            if t.name == name:
+                return t
+        raise GGUFError(f"{self.path}: no tensor named {name!r}")
+
+
+def tensor_nbytes(shape: tuple[int, ...], qtype: gguf.GGMLQuantizationType) -> int:
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    n = 1
+    for d in shape:
+        n *= d
+    if n % block:
+        raise GGUFError(f"tensor of shape {shape} is not a whole number of {qtype.name} blocks ({block})")
+    return n // block * size
+
+
+class _Buf:
+    """Reads the header from a file in growing pieces (the header can be tens of MB of vocabulary)."""
+
+    def __init__(self, f: BinaryIO, path: Path):
+        self.f, self.path = f, path
+        self.buf = b""
+        self.pos = 0
+
+    def need(self, n: int) -> None:
+        if self.pos + n > len(self.buf):
+            more = self.f.read(max(n, 1 << 20))
+            if self.pos + n > len(self.buf) + len(more):
+                raise GGUFError(f"{self.path}: truncated GGUF header (needed {n} bytes at offset {self.pos})")
+            self.buf += more
+
+    def unpack(self, fmt: str) -> Any:
+        size = struct.calcsize(fmt)
+        self.need(size)
+        (v,) = struct.unpack_from(fmt, self.buf, self.pos)
+        self.pos += size
+        return v
+
+    def string(self) -> str:
+        n = self.unpack("<Q")
+        if n > 1 << 30:
+            raise GGUFError(f"{self.path}: implausible string length {n} at offset {self.pos - 8}")
+        self.need(n)
+        s = self.buf[self.pos:self.pos + n]
+        self.pos += n
+        try:
+            return s.decode("utf-8")
+        except UnicodeDecodeError:
+            return s.decode("utf-8", errors="surrogateescape")
+
+    def value(self, vtype: gguf.GGUFValueType) -> tuple[Any, gguf.GGUFValueType | None]:
+        if vtype in _SCALAR:
+            return self.unpack(_SCALAR[vtype]), None
+        if vtype == gguf.GGUFValueType.STRING:
+            return self.string(), None
+        if vtype == gguf.GGUFValueType.ARRAY:
+            sub = gguf.GGUFValueType(self.unpack("<I"))
+            n = self.unpack("<Q")
+            if sub in _SCALAR:
+                fmt = _SCALAR[sub]
+                size = struct.calcsize(fmt)
+                self.need(size * n)
+                vals = list(struct.unpack_from("<" + fmt[1] * n, self.buf, self.pos))
+                self.pos += size * n
+                return vals, sub
+            return [self.value(sub)[0] for _ in range(n)], sub
+        raise GGUFError(f"{self.path}: unknown GGUF value type {vtype} at offset {self.pos}")
+
+
+def read_header(path: str | Path) -> GGUFHeader:
+    """Parse a GGUF file's header (metadata and tensor table) without reading tensor data."""
+    path = Path(path)
+    try:
+        f = open(path, "rb")
+    except OSError as e:
+        raise GGUFError(f"{path}: cannot open ({e.strerror})") from e
+    with f:
+        b = _Buf(f, path)
+        b.need(4)
+        if b.buf[:4] != GGUF_MAGIC:
+            raise GGUFError(f"{path}: not a GGUF file (magic {b.buf[:4]!r}, expected b'GGUF')")
+        b.pos = 4
+        version = b.unpack("<I")
+        if version not in (2, 3):
+            raise GGUFError(f"{path}: GGUF version {version} is not supported (2 or 3)")
+        n_tensors = b.unpack("<Q")
+        n_kv = b.unpack("<Q")
+        kvs: dict[str, KV] = {}
+        for _ in range(n_kv):
+            start = b.pos
+            key = b.string()
+            vtype = gguf.GGUFValueType(b.unpack("<I"))
+            val, sub = b.value(vtype)
+            if key in kvs:
+                raise GGUFError(f"{path}: duplicate metadata key {key!r}")
+            kvs[key] = KV(key, vtype, val, bytes(b.buf[start:b.pos]), sub)
+        tensors: list[TensorInfo] = []
+        seen: set[str] = set()
+        for _ in range(n_tensors):
+            name = b.string()
+            n_dims = b.unpack("<I")
+            shape = tuple(b.unpack("<Q") for _ in range(n_dims))
+            qtype = gguf.GGMLQuantizationType(b.unpack("<I"))
+            offset = b.unpack("<Q")
+            if name in seen:
+                raise GGUFError(f"{path}: duplicate tensor {name!r}")
+            seen.add(name)
+            tensors.append(TensorInfo(name, shape, qtype, offset, tensor_nbytes(shape, qtype)))
+        alignment = int(kvs["general.alignment"].value) if "general.alignment" in kvs else DEFAULT_ALIGNMENT
+        data_offset = -(-b.pos // alignment) * alignment
+        size = path.stat().st_size
+        for t in tensors:
+            if data_offset + t.offset + t.nbytes > size:
+                raise GGUFError(f"{path}: tensor {t.name!r} extends past the end of the file "
+                                f"({data_offset + t.offset + t.nbytes} > {size} bytes): the file is truncated")
+    return GGUFHeader(path, version, kvs, tensors, alignment, data_offset)
+
+
+def classify(name: str) -> int | str | None:
+    """Layer index for `blk.N.*`, INPUT / OUTPUT / SHARED for global tensors, None when unknown."""
+    m = _BLK.match(name)
+    if m:
+        return int(m.group(1))
+    base = name.rsplit(".", 1)[0] if name.endswith((".weight", ".bias")) else name
+    if base in _INPUT_NAMES:
+        return INPUT
+    if base in _OUTPUT_NAMES:
+        return OUTPUT
+    if base in _SHARED_NAMES:
+        return SHARED
+    return None
+
+
+@dataclass
+class ModelInfo:
+    """A model's shape as dgr sees it: layers, widths, the boundary a split carries, tensor owners."""
+
+    path: Path
+    arch: str
+    n_layer: int          # main layers (placement covers [0, n_layer))
+    n_layer_all: int      # block_count, including MTP / next-n layers
+    n_embd: int
+    n_streams: int        # residual streams crossing a seam (DeepSeek V4 mHC: hc_mult)
+    n_hash_layers: int    # leading layers that route by token id (need the token-id sideband)
+    tied_embeddings: bool
+    header: GGUFHeader
+    layer_of: dict[str, int | str] = field(default_factory=dict)
+    unknown: list[str] = field(default_factory=list)
+
+    @property
+    def mtp_layers(self) -> range:
+        return range(self.n_layer, self.n_layer_all)
+
+    def layer_bytes(self) -> list[int]:
+        out = [0] * self.n_layer_all
+        for t in self.header.tensors:
+            owner = self.layer_of.get(t.name)
+            if isinstance(owner, int) and owner < self.n_layer_all:
+                out[owner] += t.nbytes
+        return out
+
+    def role_bytes(self, role: str) -> int:
+        return sum(t.nbytes for t in self.header.tensors if self.layer_of.get(t.name) == role)
+
+    def needs_token_ids(self, begin: int, end: int) -> bool:
+        """Whether a stage owning [begin, end) needs token ids beside the residual."""
+        return begin > 0 and begin < self.n_hash_layers
+
+
+def _arch_int(h: GGUFHeader, arch: str, key: str, default: int | None = None) -> int:
+    v = h.get(f"{arch}.{key}", default)
+    if v is None:
+        raise GGUFError(f"{h.path}: metadata key {arch}.{key} is missing; is this a complete model file?")
+    if isinstance(v, list):
+        v = v[0]
+    return int(v)
+
+
+def model_info(path_or_header: str | Path | GGUFHeader) -> ModelInfo:
+    h = path_or_header if isinstance(path_or_header, GGUFHeader) else read_header(path_or_header)
+    arch = h.get("general.architecture")
+    if not isinstance(arch, str):
+        raise GGUFError(f"{h.path}: general.architecture is missing; not a llama.cpp model file")
+    n_all = _arch_int(h, arch, "block_count")
+    n_nextn = _arch_int(h, arch, "nextn_predict_layers", 0)
+    n_embd = _arch_int(h, arch, "embedding_length")
+    n_streams = _arch_int(h, arch, "hyper_connection.count", 1) if arch == "deepseek4" else 1
+    n_hash = _arch_int(h, arch, "hash_layer_count", 0)
+    layer_of: dict[str, int | str] = {}
+    unknown: list[str] = []
+    for t in h.tensors:
+        owner = classify(t.name)
+        if owner is None or (isinstance(owner, int) and owner >= n_all):
+            unknown.append(t.name)
+        else:
+            layer_of[t.name] = owner
+    names = {t.name for t in h.tensors}
+    return ModelInfo(
+        path=h.path, arch=arch, n_layer=n_all - n_nextn, n_layer_all=n_all, n_embd=n_embd,
+        n_streams=n_streams, n_hash_layers=n_hash, tied_embeddings="output.weight" not in names,
+        header=h, layer_of=layer_of, unknown=unknown,
+    )

@@ -1,0 +1,266 @@
+"""Recipes: TOML in, a validated frozen model out. Every error names the file, the field and the fix.
+
+A recipe declares the source model (with its blake3), quantization rules, placement (explicit
+half-open layer ranges or workers with memory for the planner), the boundary wire dtype and the
+backend lanes. See docs/bundles.md for the format with a real example.
+"""
+
+from __future__ import annotations
+
+import re
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+import blake3
+import gguf
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from dgr.constants import DEFAULT_CHUNK_SIZE, LANES
+from dgr.errors import RecipeError
+
+_STRICT = ConfigDict(extra="forbid", strict=True, frozen=True)
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*$")
+_NAME = re.compile(r"^[a-z0-9][a-z0-9._-]{0,63}$")
+_HEX64 = re.compile(r"^[0-9a-f]{64}$")
+KEEP = "keep"
+
+
+def parse_size(value: int | str) -> int:
+    """Bytes from an int or a string like "512MiB", "24GiB", "1.5GB"."""
+    if isinstance(value, bool):
+        raise ValueError("a size is a number of bytes or a string like '24GiB'")
+    if isinstance(value, int):
+        if value <= 0:
+            raise ValueError(f"a size must be positive, got {value}")
+        return value
+    m = _SIZE.match(value)
+    if not m or m.group(2).upper() not in _UNITS:
+        raise ValueError(f"{value!r} is not a size; write bytes (an integer) or e.g. '512MiB', '24GiB', '2GB'")
+    n = int(float(m.group(1)) * _UNITS[m.group(2).upper()])
+    if n <= 0:
+        raise ValueError(f"a size must be positive, got {value!r}")
+    return n
+
+
+def ggml_type(name: str) -> gguf.GGMLQuantizationType:
+    try:
+        return gguf.GGMLQuantizationType[name.upper()]
+    except KeyError:
+        known = ", ".join(t.name for t in gguf.GGMLQuantizationType)
+        raise ValueError(f"unknown GGML type {name!r}; known: keep, {known}") from None
+
+
+class Provenance(BaseModel):
+    model_config = _STRICT
+    repo: str
+    revision: str | None = None
+    note: str | None = None
+
+
+class Source(BaseModel):
+    model_config = _STRICT
+    uri: str = Field(description="local path (relative to the recipe), http(s) URL, or pypi:PKG==VER#path/in/wheel")
+    blake3: str
+    provenance: Provenance | None = None
+
+    @field_validator("blake3")
+    @classmethod
+    def _hex(cls, v: str) -> str:
+        if not _HEX64.match(v):
+            raise ValueError("must be the 64 lowercase hex digits of the file's blake3 (run `b3sum FILE` "
+                             "or `python -c 'import blake3,sys;print(blake3.blake3(open(sys.argv[1],\"rb\").read()).hexdigest())' FILE`)")
+        return v
+
+
+class QuantRule(BaseModel):
+    model_config = _STRICT
+    pattern: str = Field(description="glob over tensor names, e.g. 'blk.*.ffn_*.weight'")
+    type: str
+
+    @field_validator("type")
+    @classmethod
+    def _type(cls, v: str) -> str:
+        if v.lower() == KEEP:
+            return KEEP
+        return ggml_type(v).name
+
+
+class Quantization(BaseModel):
+    model_config = _STRICT
+    default: str = KEEP
+    rules: list[QuantRule] = []
+
+    @field_validator("default")
+    @classmethod
+    def _default(cls, v: str) -> str:
+        if v.lower() == KEEP:
+            return KEEP
+        return ggml_type(v).name
+
+
+class Worker(BaseModel):
+    model_config = _STRICT
+    name: str
+    memory: int
+    speed: float = 1.0
+
+    @field_validator("memory", mode="before")
+    @classmethod
+    def _mem(cls, v: Any) -> int:
+        return parse_size(v)
+
+    @field_validator("speed", mode="before")
+    @classmethod
+    def _speed(cls, v: Any) -> float:
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0:
+            raise ValueError(f"speed is a positive number (relative), got {v!r}")
+        return float(v)
+
+
+class Placement(BaseModel):
+    model_config = _STRICT
+    stages: list[tuple[int, int]] | None = Field(default=None, description="half-open layer ranges [begin, end)")
+    workers: list[Worker] | None = None
+
+    @field_validator("stages", mode="before")
+    @classmethod
+    def _pairs(cls, v: Any) -> Any:
+        if v is None:
+            return v
+        if not isinstance(v, list) or not all(isinstance(p, list) and len(p) == 2 for p in v):
+            raise ValueError("stages is a list of [begin, end) pairs, e.g. [[0, 15], [15, 30]]")
+        return [tuple(p) for p in v]
+
+    @model_validator(mode="after")
+    def _one(self) -> "Placement":
+        if (self.stages is None) == (self.workers is None):
+            raise ValueError("give exactly one of placement.stages (explicit ranges) or placement.workers (planned)")
+        if self.stages is not None:
+            if not self.stages:
+                raise ValueError("placement.stages is empty; give at least one [begin, end) range")
+            check_ranges(self.stages, None)
+        if self.workers is not None:
+            if not self.workers:
+                raise ValueError("placement.workers is empty; give at least one worker")
+            names = [w.name for w in self.workers]
+            if len(set(names)) != len(names):
+                raise ValueError(f"placement.workers names must be unique, got {names}")
+        return self
+
+
+class Boundary(BaseModel):
+    model_config = _STRICT
+    dtype: Literal["f32", "f16", "bf16"] = "f32"
+
+
+class BundleOptions(BaseModel):
+    model_config = _STRICT
+    chunk_size: int = DEFAULT_CHUNK_SIZE
+    include_mtp: bool = False
+
+    @field_validator("chunk_size")
+    @classmethod
+    def _chunk(cls, v: int) -> int:
+        if v < 4096 or v & (v - 1):
+            raise ValueError(f"chunk_size must be a power of two >= 4096, got {v}")
+        return v
+
+    @field_validator("include_mtp")
+    @classmethod
+    def _mtp(cls, v: bool) -> bool:
+        if v:
+            raise ValueError("MTP layers are reserved and off for alpha: remove include_mtp (or set it false)")
+        return v
+
+
+class Recipe(BaseModel):
+    model_config = _STRICT
+    name: str
+    description: str = ""
+    source: Source
+    quantization: Quantization = Quantization()
+    placement: Placement
+    boundary: Boundary = Boundary()
+    lanes: list[str] = ["cpu"]
+    bundle: BundleOptions = BundleOptions()
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v: str) -> str:
+        if not _NAME.match(v):
+            raise ValueError("name must be 1-64 of a-z 0-9 . _ - starting with a letter or digit")
+        return v
+
+    @field_validator("lanes")
+    @classmethod
+    def _lanes(cls, v: list[str]) -> list[str]:
+        bad = [x for x in v if x not in LANES]
+        if bad or not v:
+            raise ValueError(f"lanes must be a non-empty subset of {list(LANES)}, got {v}")
+        return v
+
+
+def check_ranges(stages: list[tuple[int, int]], n_layer: int | None, where: str = "placement.stages") -> None:
+    """Ranges must be half-open, contiguous from 0, non-overlapping and (with n_layer) end at n_layer."""
+    expect = 0
+    for i, (b, e) in enumerate(stages):
+        if b < 0 or e <= b:
+            raise ValueError(f"{where}[{i}] = [{b}, {e}) is empty or negative; a range is [begin, end) with begin < end")
+        if b < expect:
+            raise ValueError(f"{where}[{i}] = [{b}, {e}) overlaps the previous range (which ends at {expect})")
+        if b > expect:
+            raise ValueError(f"{where}[{i}] = [{b}, {e}) leaves layers [{expect}, {b}) in no stage")
+        expect = e
+    if n_layer is not None and expect != n_layer:
+        if expect > n_layer:
+            raise ValueError(f"{where} ends at layer {expect}, past the model's last layer "
+                             f"(it has {n_layer} layers: the last range must end at {n_layer})")
+        raise ValueError(f"{where} ends at layer {expect}: layers [{expect}, {n_layer}) are in no stage")
+
+
+def _fmt_error(path: str, err: ValidationError) -> str:
+    lines = []
+    for e in err.errors():
+        loc = ".".join(str(x) for x in e["loc"]) or "(top level)"
+        msg = e["msg"].removeprefix("Value error, ")
+        if e["type"] == "extra_forbidden":
+            msg = "unknown field; remove it or check its spelling (see docs/bundles.md)"
+        elif e["type"] == "missing":
+            msg = "required field is missing"
+        lines.append(f"  {loc}: {msg}")
+    return f"{path}: invalid recipe:\n" + "\n".join(lines)
+
+
+def parse_recipe(text: str, path: str = "<recipe>") -> Recipe:
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise RecipeError(f"{path}: not valid TOML: {e}") from e
+    try:
+        return Recipe.model_validate(data)
+    except ValidationError as e:
+        raise RecipeError(_fmt_error(path, e)) from e
+
+
+class LoadedRecipe(BaseModel):
+    """A recipe with where it came from: its exact text and hash are part of the bundle's identity."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, arbitrary_types_allowed=True)
+    recipe: Recipe
+    path: Path
+    text: str
+    blake3: str
+
+
+def load_recipe(path: str | Path) -> LoadedRecipe:
+    path = Path(path)
+    try:
+        raw = path.read_bytes()
+    except OSError as e:
+        raise RecipeError(f"{path}: cannot read recipe ({e.strerror})") from e
+    text = raw.decode("utf-8")
+    return LoadedRecipe(recipe=parse_recipe(text, str(path)), path=path, text=text,
+                        blake3=blake3.blake3(raw).hexdigest())

