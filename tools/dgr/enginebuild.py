@@ -98,13 +98,13 @@ def _inputs(lane: str, pin: upstream.Pin, worker_dir: Path, args: list[str], too
     }
 
 
-def _run_logged(cmd: list[str], log: Path, what: str, progress: bool) -> None:
+def _run_logged(cmd: list[str], log: Path, what: str, progress: bool, env: dict[str, str] | None = None) -> None:
     """Run a build step, teeing its output to `log`; print Ninja's progress now and then."""
     _say(f"{what}: {' '.join(cmd[:4])} ... (log: {log})")
     last_pct = -10
     with open(log, "a") as logf:
         logf.write(f"$ {' '.join(cmd)}\n")
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
         assert proc.stdout
         for line in proc.stdout:
             logf.write(line)
@@ -163,8 +163,10 @@ def ensure_engine(
         _run_logged(["cmake", *args], log, f"configure {lane}", progress=False)
         configured.write_text(json.dumps(args))
     jobs = jobs or min(2, os.cpu_count() or 1)
+    # ccache keys on paths relative to the workspace, so a second clone or workspace hits its cache.
+    env = {"CCACHE_BASEDIR": str(bdir.parents[1]), **os.environ}
     _run_logged(["cmake", "--build", str(bdir), "-j", str(jobs), "--target", TARGET], log,
-                f"build {lane}", progress=True)
+                f"build {lane}", progress=True, env=env)
     if not lib.exists():
         found = sorted(bdir.rglob(LIBRARY))
         where = f"; it was written to {found[0]}" if found else ""
