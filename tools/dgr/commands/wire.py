@@ -1,5 +1,121 @@
-"""`dgr` subcommands of the wire area."""
+"""`dgr` subcommands of the wire area: worker serve, generate, demo, wire protoc."""
+
+from __future__ import annotations
+
+import signal
+import sys
+import threading
+
+from dgr.errors import WireError
 
 
 def register(sub) -> None:
     """Add this area's subcommands to the `dgr` parser."""
+    from dgr.wire.codec import DEFAULT_MAX_MESSAGE_BYTES
+
+    w = sub.add_parser("worker", help="run a shard worker")
+    wsub = w.add_subparsers(dest="worker_command", metavar="ACTION", required=True)
+    s = wsub.add_parser("serve", help="serve one stage of a bundle over gRPC (dgr.v1.Stage)")
+    s.add_argument("--bundle", help="bundle folder (manifest.json and stage files)")
+    s.add_argument("--fake-engine", metavar="SPEC",
+                   help="serve a stage of the numpy fake model SPEC instead (tests), e.g. 'layers=6,cuts=2:4'")
+    s.add_argument("--stage", type=int, required=True, help="stage index in the bundle")
+    s.add_argument("--listen", default="127.0.0.1:0", help="HOST:PORT (port 0 picks a free one)")
+    s.add_argument("--lane", default="cpu", help="backend lane of the engine")
+    s.add_argument("--wire-dtype", default=None, help="f32 | f16 | bf16 (default: the bundle's)")
+    s.add_argument("--max-message-bytes", type=int, default=DEFAULT_MAX_MESSAGE_BYTES)
+    s.add_argument("--max-batch-tokens", type=int, default=512)
+    s.add_argument("--n-ctx", type=int, default=4096, help="positions per session (real engine)")
+    s.add_argument("--max-sessions", type=int, default=16, help="concurrent sessions (real engine)")
+    s.set_defaults(func=_serve)
+
+    g = sub.add_parser("generate", help="generate text through a route of stage workers")
+    g.add_argument("--route", required=True, help="HOST:PORT,... stage 0 first")
+    g.add_argument("--max-tokens", type=int, default=32)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--top-p", type=float, default=0.0)
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--chunk-tokens", type=int, default=256, help="prefill tokens per frame")
+    g.add_argument("--max-message-bytes", type=int, default=DEFAULT_MAX_MESSAGE_BYTES)
+    g.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for a token")
+    g.add_argument("--stats", action="store_true", help="print tokens/s and per-hop timing to stderr")
+    g.add_argument("prompt")
+    g.set_defaults(func=_generate)
+
+    d = sub.add_parser("demo", help="SmolLM2 split over local worker processes vs the whole model")
+    d.add_argument("--stages", type=int, default=3)
+    d.add_argument("--max-tokens", type=int, default=32)
+    d.add_argument("--prompt", default="The capital of France is")
+    d.set_defaults(func=_demo)
+
+    p = sub.add_parser("wire", help="wire protocol maintenance")
+    psub = p.add_subparsers(dest="wire_command", metavar="ACTION", required=True)
+    pc = psub.add_parser("protoc", help="regenerate the committed Python stubs from proto/dgr/v1")
+    pc.add_argument("--check", action="store_true", help="only report drift (exit 1 on drift)")
+    pc.set_defaults(func=_protoc)
+
+
+def _serve(args) -> int:
+    from dgr.wire import stages
+    from dgr.wire.worker import serve
+
+    if bool(args.bundle) == bool(args.fake_engine):
+        raise WireError("give exactly one of --bundle BUNDLE or --fake-engine SPEC")
+    if args.fake_engine:
+        engine, ident = stages.fake_stage(args.fake_engine, args.stage, args.wire_dtype or "f32")
+    else:
+        engine, ident = stages.bundle_stage(args.bundle, args.stage, lane=args.lane, wire_dtype=args.wire_dtype,
+                                            n_ctx=args.n_ctx, max_sessions=args.max_sessions)
+    server, worker, address = serve(engine, ident, args.listen, max_message_bytes=args.max_message_bytes,
+                                    max_batch_tokens=args.max_batch_tokens)
+    info = worker.info
+    print(f"dgr worker: stage {ident.stage_index} [{info.layer_begin}, {info.layer_end}) of bundle "
+          f"{ident.bundle_id} serving on {address}", flush=True)
+    done = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: done.set())
+    done.wait()
+    worker.stop()
+    server.stop(2).wait()
+    engine.close()
+    return 0
+
+
+def _generate(args) -> int:
+    from dgr.wire.client import RouteClient
+
+    route = [a.strip() for a in args.route.split(",") if a.strip()]
+    with RouteClient(route, max_message_bytes=args.max_message_bytes, timeout=args.timeout,
+                     chunk_tokens=args.chunk_tokens) as client:
+        for ev in client.generate(args.prompt, max_new_tokens=args.max_tokens, temperature=args.temperature,
+                                  top_k=args.top_k, top_p=args.top_p, seed=args.seed):
+            sys.stdout.write(ev.text)
+            sys.stdout.flush()
+        sys.stdout.write("\n")
+        if args.stats:
+            from dgr.wire.stats import summarize
+
+            print(summarize(client.last, len(route)), file=sys.stderr)
+    return 0
+
+
+def _demo(args) -> int:
+    from dgr.wire.demo import run_demo
+
+    return run_demo(stages=args.stages, max_tokens=args.max_tokens, prompt=args.prompt)
+
+
+def _protoc(args) -> int:
+    from dgr.wire import protogen
+
+    if args.check:
+        bad = protogen.drift()
+        if bad:
+            print(f"stubs out of date: {', '.join(bad)}; run `dgr wire protoc`", file=sys.stderr)
+            return 1
+        print("stubs match proto/")
+        return 0
+    for path in protogen.write():
+        print(path)
+    return 0

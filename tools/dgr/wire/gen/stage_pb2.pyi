@@ -260,12 +260,14 @@ class Step(_message.Message):
     def __init__(self, positions: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., boundary: _Optional[_Union[Boundary, _Mapping]] = ..., schema: _Optional[_Union[BoundarySchema, _Mapping]] = ..., cache_expect: _Optional[int] = ..., sample: _Optional[bool] = ...) -> None: ...
 
 class Generate(_message.Message):
-    __slots__ = ("max_new_tokens", "stop_token_ids")
+    __slots__ = ("max_new_tokens", "stop_token_ids", "context_ids")
     MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    CONTEXT_IDS_FIELD_NUMBER: _ClassVar[int]
     max_new_tokens: int
     stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, max_new_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    context_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, max_new_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., context_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class HopTiming(_message.Message):
     __slots__ = ("stage_index", "queue_ns", "compute_ns", "wire_ns")
@@ -280,7 +282,7 @@ class HopTiming(_message.Message):
     def __init__(self, stage_index: _Optional[int] = ..., queue_ns: _Optional[int] = ..., compute_ns: _Optional[int] = ..., wire_ns: _Optional[int] = ...) -> None: ...
 
 class Token(_message.Message):
-    __slots__ = ("token_id", "position", "logits", "logits_positions", "text", "done", "timings", "origin_sent_ns")
+    __slots__ = ("token_id", "position", "logits", "logits_positions", "text", "done", "timings", "origin_sent_ns", "ring_ns")
     TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     POSITION_FIELD_NUMBER: _ClassVar[int]
     LOGITS_FIELD_NUMBER: _ClassVar[int]
@@ -289,6 +291,7 @@ class Token(_message.Message):
     DONE_FIELD_NUMBER: _ClassVar[int]
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
     ORIGIN_SENT_NS_FIELD_NUMBER: _ClassVar[int]
+    RING_NS_FIELD_NUMBER: _ClassVar[int]
     token_id: int
     position: int
     logits: _containers.RepeatedScalarFieldContainer[float]
@@ -297,7 +300,8 @@ class Token(_message.Message):
     done: bool
     timings: _containers.RepeatedCompositeFieldContainer[HopTiming]
     origin_sent_ns: int
-    def __init__(self, token_id: _Optional[int] = ..., position: _Optional[int] = ..., logits: _Optional[_Iterable[float]] = ..., logits_positions: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., done: _Optional[bool] = ..., timings: _Optional[_Iterable[_Union[HopTiming, _Mapping]]] = ..., origin_sent_ns: _Optional[int] = ...) -> None: ...
+    ring_ns: int
+    def __init__(self, token_id: _Optional[int] = ..., position: _Optional[int] = ..., logits: _Optional[_Iterable[float]] = ..., logits_positions: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., done: _Optional[bool] = ..., timings: _Optional[_Iterable[_Union[HopTiming, _Mapping]]] = ..., origin_sent_ns: _Optional[int] = ..., ring_ns: _Optional[int] = ...) -> None: ...
 
 class Logits(_message.Message):
     __slots__ = ("positions", "values")
