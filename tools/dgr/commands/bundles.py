@@ -1,5 +1,167 @@
-"""`dgr` subcommands of the bundles area."""
+"""`dgr` subcommands of the bundles area: inspect, recipe new/plan/build, bundle verify/provision, synth."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from dgr.errors import RecipeError
+
+
+def _recipe_path(p: str) -> Path:
+    path = Path(p)
+    return path / "recipe.toml" if path.is_dir() else path
+
+
+def _inspect(args) -> int:
+    from dgr.inspect import format_report, inspect_model
+
+    r = inspect_model(args.file)
+    print(json.dumps(r, indent=2, sort_keys=True) if args.json else format_report(r))
+    return 0
+
+
+def _synth(args) -> int:
+    from dgr.synth import ARCHS, synth
+
+    if args.arch == "deepseek4" and "deepseek4" not in ARCHS:
+        from dgr.synth_deepseek4 import synth_deepseek4  # V4 has its own writer (not a table row)
+
+        kw = {}
+        if args.compress_ratios:
+            kw["compress_ratios"] = [int(x) for x in args.compress_ratios.split(",")]
+        out = synth_deepseek4(args.output, layers=args.layers, embd=args.embd, seed=args.seed, dtype=args.dtype,
+                              hash_layers=args.hash_layers, mtp=args.mtp, **kw)
+    else:
+        out = synth(args.arch, args.layers, args.embd, args.seed, args.output, tied=args.tied, dtype=args.dtype)
+    print(out)
+    return 0
+
+
+def _plan(args) -> int:
+    from dgr.bundle import make_plan
+    from dgr.recipe import load_recipe
+
+    bp = make_plan(load_recipe(_recipe_path(args.recipe)), progress=True)
+    print(f"{bp.recipe.recipe.name}: {bp.info.arch}, {bp.info.n_layer} layers, {len(bp.stages)} stages")
+    for sp in bp.stages:
+        print(f"  stage {sp.index}: layers [{sp.begin}, {sp.end})  {len(sp.tensors)} tensors  "
+              f"{sp.weight_bytes} bytes ({sp.weight_bytes / 2**20:.1f} MiB)")
+    return 0
+
+
+def _build(args) -> int:
+    from dgr.bundle import build
+
+    b = build(_recipe_path(args.recipe), args.store, progress=not args.quiet)
+    m = b.manifest
+    print(f"bundle {b.id}")
+    print(f"  at {b.root}")
+    for s in m.stages:
+        print(f"  {s.file}: layers [{s.layer_begin}, {s.layer_end})  {s.tensor_count} tensors  {s.size} bytes  "
+              f"blake3 {s.blake3[:16]}")
+    return 0
+
+
+def _verify(args) -> int:
+    from dgr.bundle import verify_bundle
+
+    rep = verify_bundle(args.bundle, resume=not args.fresh, progress=not args.quiet)
+    if args.expect_id and rep.bundle_id != args.expect_id:
+        print(f"dgr: error: bundle id is {rep.bundle_id}, expected {args.expect_id}", file=sys.stderr)
+        return 1
+    print(f"ok: bundle {rep.bundle_id}: {rep.chunks_total} chunks verified "
+          f"({rep.chunks_read} read now, {rep.chunks_skipped} verified by an earlier interrupted run)")
+    return 0
+
+
+def _provision(args) -> int:
+    from dgr.bundle import provision
+
+    rep = provision(args.bundle, args.to, progress=not args.quiet)
+    print(f"provisioned bundle {rep.bundle_id} to {rep.dest} "
+          f"({rep.chunks_copied} chunks copied, {rep.chunks_reused} already there and re-verified)")
+    return 0
+
+
+def _new(args) -> int:
+    from cookiecutter.main import cookiecutter
+
+    template = Path(__file__).resolve().parents[1] / "templates" / "recipe"
+    ctx: dict[str, str] = {}
+    for kv in args.set or []:
+        if "=" not in kv:
+            raise RecipeError(f"--set {kv!r}: write KEY=VALUE (keys: see {template / 'cookiecutter.json'})")
+        k, v = kv.split("=", 1)
+        ctx[k] = v
+    if args.name:
+        ctx["name"] = args.name
+    if args.from_model:
+        from dgr.ggufmodel import model_info
+        from dgr.source import file_blake3
+
+        model = Path(args.from_model)
+        info = model_info(model)
+        ctx.setdefault("source_uri", str(model))
+        ctx.setdefault("source_blake3", file_blake3(model))
+        ctx.setdefault("n_layer", str(info.n_layer))
+    out = cookiecutter(str(template), no_input=not args.interactive, extra_context=ctx,
+                       output_dir=args.output_dir, overwrite_if_exists=False)
+    print(Path(out) / "recipe.toml")
+    return 0
 
 
 def register(sub) -> None:
     """Add this area's subcommands to the `dgr` parser."""
+    p = sub.add_parser("inspect", help="show a GGUF model's layers, widths, seam and bytes")
+    p.add_argument("file")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=_inspect)
+
+    p = sub.add_parser("synth", help="write a tiny random-weight GGUF model")
+    p.add_argument("--arch", required=True, help="llama, qwen2, qwen3, gemma3, qwen3moe, deepseek4")
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--embd", type=int, default=64)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tied", action=argparse.BooleanOptionalAction, default=None, help="tie the LM head to the embedding")
+    p.add_argument("--dtype", default="f32", choices=("f32", "f16"))
+    p.add_argument("--hash-layers", type=int, default=3, help="deepseek4: leading hash-routed layers")
+    p.add_argument("--compress-ratios", help="deepseek4: per-layer ratios from {0,4,128}, e.g. 0,4,128,0")
+    p.add_argument("--mtp", action=argparse.BooleanOptionalAction, default=True, help="deepseek4: MTP block")
+    p.add_argument("-o", "--output", required=True)
+    p.set_defaults(func=_synth)
+
+    recipe = sub.add_parser("recipe", help="recipes: new, plan, build")
+    rsub = recipe.add_subparsers(dest="recipe_command", metavar="ACTION", required=True)
+    p = rsub.add_parser("build", help="build a recipe into a bundle in a store")
+    p.add_argument("recipe", help="recipe.toml or a folder holding one")
+    p.add_argument("--store", required=True, help="store folder (a mounted drive; not under /home)")
+    p.add_argument("-q", "--quiet", action="store_true")
+    p.set_defaults(func=_build)
+    p = rsub.add_parser("plan", help="show the stages a recipe would build, without building")
+    p.add_argument("recipe")
+    p.set_defaults(func=_plan)
+    p = rsub.add_parser("new", help="scaffold a recipe from the cookiecutter template")
+    p.add_argument("--name")
+    p.add_argument("--from-model", help="a local GGUF: fills in uri, blake3 and layer count")
+    p.add_argument("--set", action="append", metavar="KEY=VALUE", help="template variable (repeatable)")
+    p.add_argument("-o", "--output-dir", default=".")
+    p.add_argument("--interactive", action="store_true", help="prompt for every template variable")
+    p.set_defaults(func=_new)
+
+    bundle = sub.add_parser("bundle", help="bundles: verify, provision")
+    bsub = bundle.add_subparsers(dest="bundle_command", metavar="ACTION", required=True)
+    p = bsub.add_parser("verify", help="check every chunk of a bundle (resumes an interrupted check)")
+    p.add_argument("bundle")
+    p.add_argument("--fresh", action="store_true", help="ignore an interrupted run's progress")
+    p.add_argument("--expect-id", help="fail unless the bundle id is this")
+    p.add_argument("-q", "--quiet", action="store_true")
+    p.set_defaults(func=_verify)
+    p = bsub.add_parser("provision", help="copy a bundle into a store, verifying as it copies (resumable)")
+    p.add_argument("bundle")
+    p.add_argument("--to", required=True, help="store folder on a mounted drive (not under /home)")
+    p.add_argument("-q", "--quiet", action="store_true")
+    p.set_defaults(func=_provision)
+

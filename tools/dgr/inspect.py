@@ -1,0 +1,88 @@
+"""`dgr inspect`: what a GGUF model looks like to dgr (layers, widths, seam, bytes, ownership)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from dgr.ggufmodel import INPUT, OUTPUT, SHARED, model_info
+
+_DTYPE_BYTES = {"f32": 4, "f16": 2, "bf16": 2}
+
+
+def inspect_model(path: str | Path) -> dict[str, Any]:
+    info = model_info(path)
+    h = info.header
+    lb = info.layer_bytes()
+    types: dict[str, int] = {}
+    for t in h.tensors:
+        types[t.type.name] = types.get(t.type.name, 0) + 1
+    width = info.n_streams * info.n_embd
+    return {
+        "file": str(path),
+        "arch": info.arch,
+        "name": h.get("general.name"),
+        "n_layer": info.n_layer,
+        "n_layer_mtp": info.n_layer_all - info.n_layer,
+        "n_embd": info.n_embd,
+        "n_streams": info.n_streams,
+        "n_hash_layers": info.n_hash_layers,
+        "boundary_shape": [info.n_streams, info.n_embd],
+        "boundary_bytes_per_token": {d: width * n for d, n in _DTYPE_BYTES.items()},
+        "tied_embeddings": info.tied_embeddings,
+        "n_tensors": len(h.tensors),
+        "tensor_types": dict(sorted(types.items())),
+        "layer_bytes": lb[:info.n_layer],
+        "mtp_layer_bytes": lb[info.n_layer:],
+        "input_bytes": info.role_bytes(INPUT),
+        "output_bytes": info.role_bytes(OUTPUT) + (info.header.tensor("token_embd.weight").nbytes
+                                                   if info.tied_embeddings else 0),
+        "shared_bytes": info.role_bytes(SHARED),
+        "total_tensor_bytes": sum(t.nbytes for t in h.tensors),
+        "unknown_tensors": info.unknown,
+    }
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.2f} MiB ({n} B)"
+
+
+def format_report(r: dict[str, Any]) -> str:
+    lb = r["layer_bytes"]
+    lines = [
+        f"file:            {r['file']}",
+        f"architecture:    {r['arch']}" + (f"  ({r['name']})" if r["name"] else ""),
+        f"layers:          {r['n_layer']}" + (f" + {r['n_layer_mtp']} MTP (reserved, excluded from bundles)"
+                                              if r["n_layer_mtp"] else ""),
+        f"embedding width: {r['n_embd']}",
+        f"boundary:        [n_tokens, {r['n_streams']}, {r['n_embd']}] per seam"
+        + (f" (mHC: {r['n_streams']} x {r['n_embd']})" if r["n_streams"] > 1 else "")
+        + "; bytes/token " + ", ".join(f"{d} {n}" for d, n in r["boundary_bytes_per_token"].items()),
+    ]
+    if r["n_hash_layers"]:
+        lines.append(f"hash layers:     {r['n_hash_layers']} (a stage starting inside them needs the token ids)")
+    lines += [
+        f"tied embeddings: {'yes (the last stage carries token_embd as the LM head)' if r['tied_embeddings'] else 'no'}",
+        f"tensors:         {r['n_tensors']} (" + ", ".join(f"{k} {v}" for k, v in r["tensor_types"].items()) + ")",
+    ]
+    if lb and min(lb) == max(lb):
+        lines.append(f"bytes per layer: {_mib(lb[0])} each")
+    elif lb:
+        lines.append(f"bytes per layer: min {_mib(min(lb))}, max {_mib(max(lb))}")
+        lines.append("                 " + " ".join(str(b) for b in lb))
+    if r["mtp_layer_bytes"]:
+        lines.append(f"MTP layer bytes: {' '.join(str(b) for b in r['mtp_layer_bytes'])}")
+    lines += [
+        f"first stage:     {_mib(r['input_bytes'])} (token embedding)",
+        f"last stage:      {_mib(r['output_bytes'])} (output norm and head"
+        + (", the tied token_embd)" if r["tied_embeddings"] else ")"),
+    ]
+    if r["shared_bytes"]:
+        lines.append(f"every stage:     {_mib(r['shared_bytes'])} (shared tables)")
+    lines.append(f"total:           {_mib(r['total_tensor_bytes'])}")
+    if r["unknown_tensors"]:
+        lines.append(f"UNKNOWN tensors (belong to no layer dgr understands; a build would fail): "
+                     f"{', '.join(r['unknown_tensors'])}")
+    else:
+        lines.append("unknown tensors: none")
+    return "\n".join(lines)
