@@ -70,8 +70,9 @@ def check_tools() -> dict[str, str]:
     return tools
 
 
-def build_dir(lane: str = "cpu", ws: Path | None = None) -> Path:
-    return (Path(ws) if ws else workspace()) / "build" / lane
+def build_dir(lane: str = "cpu", ws: Path | None = None, *, pristine: bool = False) -> Path:
+    """<workspace>/build/<lane>, or build/<lane>-pristine for the engine over unpatched llama.cpp."""
+    return (Path(ws) if ws else workspace()) / "build" / (f"{lane}-pristine" if pristine else lane)
 
 
 def cmake_args(lane: str, worker_dir: Path, bdir: Path, llama_src: Path) -> list[str]:
@@ -128,8 +129,15 @@ def ensure_engine(
     worker_dir: Path | None = None,
     jobs: int | None = None,
     force: bool = False,
+    pristine: bool = False,
+    defines: dict[str, str] | None = None,
 ) -> Path:
-    """Build (or reuse) the engine library for `lane`; returns the library's path."""
+    """Build (or reuse) the engine library for `lane`; returns the library's path.
+
+    `pristine=True` builds over the verified but unpatched tree (a reference build; pass the
+    engine's own switch for that in `defines`, e.g. {"DGR_WITH_HOOKS": "OFF"}) into
+    build/<lane>-pristine. `defines` are extra -D cache entries, part of the cached inputs.
+    """
     if lane not in LANE_FLAGS:
         raise EngineError(f"unknown lane {lane!r}; lanes: {', '.join(LANE_FLAGS)}")
     pin = pin or upstream.load_pin()
@@ -137,14 +145,19 @@ def ensure_engine(
     if not (worker_dir / "CMakeLists.txt").exists():
         raise EngineError(f"{worker_dir}/CMakeLists.txt not found: the engine's CMake project is missing")
     tools = check_tools()
-    llama_src = upstream.ensure_patched(pin, ws)
-    bdir = build_dir(lane, ws)
+    if pristine:
+        upstream.fetch(pin, ws)
+        upstream.verify(pin, ws)
+        llama_src = upstream.layout(pin, ws).pristine
+    else:
+        llama_src = upstream.ensure_patched(pin, ws)
+    bdir = build_dir(lane, ws, pristine=pristine)
     lib = bdir / LIBRARY
     stamp_path = bdir / "dgr-build.stamp.json"
-    args = cmake_args(lane, worker_dir, bdir, llama_src)
+    args = cmake_args(lane, worker_dir, bdir, llama_src) + [f"-D{k}={v}" for k, v in sorted((defines or {}).items())]
     inputs = _inputs(lane, pin, worker_dir, args, tools)
     # Edits in the patched tree (patch development) are invisible to the stamp: let Ninja decide.
-    dirty = upstream.local_changes(llama_src)
+    dirty = [] if pristine else upstream.local_changes(llama_src)
     if not force and not dirty and stamp_path.exists() and lib.exists():
         stamp = json.loads(stamp_path.read_text())
         if stamp.get("inputs") == inputs and stamp.get("library_blake3") == treehash.file_digest(lib):

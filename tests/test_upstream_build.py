@@ -1,0 +1,96 @@
+"""`ensure_engine`: builds a CMake project over the patched upstream, then reuses it until an input
+changes. Uses a stand-in engine project (a real CMake/Ninja build, seconds) over the tiny upstream;
+the real engine is built by the engine tests through the same function.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import shutil
+import time
+import uuid
+
+import pytest
+from test_upstream_support import format_patch, http_dir, tiny  # noqa: F401  (fixtures)
+
+from dgr import enginebuild, upstream
+from dgr.errors import EngineError
+
+STANDIN_CMAKE = """cmake_minimum_required(VERSION 3.16)
+project(standin CXX)
+add_library(dgr_engine SHARED engine.cpp)
+target_include_directories(dgr_engine PRIVATE ${DGR_LLAMA_SRC}/include)
+set_target_properties(dgr_engine PROPERTIES LIBRARY_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR})
+"""
+ENGINE_CPP = '#include "llama.h"\nextern "C" int dgr_value(void) { return TINY_LLAMA_VALUE * %d; }\n'
+
+
+def _value(lib, tmp_path) -> int:
+    # dlopen caches by name: load a uniquely named copy so a rebuilt library is really loaded.
+    copy = tmp_path / f"lib-{uuid.uuid4().hex}.so"
+    shutil.copy(lib, copy)
+    return ctypes.CDLL(str(copy)).dgr_value()
+
+
+@pytest.fixture
+def standin(tiny, tmp_path):
+    worker = tmp_path / "worker"
+    worker.mkdir()
+    (worker / "CMakeLists.txt").write_text(STANDIN_CMAKE)
+    (worker / "engine.cpp").write_text(ENGINE_CPP % 1)
+    format_patch(tiny["tree"], [("Hook", {"include/llama.h": "#pragma once\n#define TINY_LLAMA_VALUE 42\n"})],
+                 tiny["repo"] / "patches" / "llama.cpp")
+    upstream.pin_patches(upstream.load_pin(tiny["pin"]))
+    return {**tiny, "worker": worker, "pin_obj": upstream.load_pin(tiny["pin"])}
+
+
+@pytest.mark.skipif(not (shutil.which("cmake") and shutil.which("ninja")), reason="needs cmake and ninja")
+def test_build_then_reuse_then_rebuild_on_change(standin, tmp_path):
+    kw = dict(pin=standin["pin_obj"], ws=standin["ws"], worker_dir=standin["worker"])
+    lib = enginebuild.ensure_engine("cpu", **kw)
+    assert lib == standin["ws"] / "build" / "cpu" / "libdgr_engine.so"
+    assert _value(lib, tmp_path) == 42  # built over the patched tree
+    log = lib.parent / "dgr-build.log"
+    log_mtime = log.stat().st_mtime_ns
+
+    t0 = time.monotonic()
+    assert enginebuild.ensure_engine("cpu", **kw) == lib
+    assert time.monotonic() - t0 < 2.0
+    assert log.stat().st_mtime_ns == log_mtime  # CMake was not run at all
+
+    (standin["worker"] / "engine.cpp").write_text(ENGINE_CPP % 2)
+    assert _value(enginebuild.ensure_engine("cpu", **kw), tmp_path) == 84
+    assert "cmake --build" in log.read_text()
+
+    # The reference build over the unpatched tree lives beside it and sees the pristine header.
+    ref = enginebuild.ensure_engine("cpu", pristine=True, **kw)
+    assert ref == standin["ws"] / "build" / "cpu-pristine" / "libdgr_engine.so"
+    assert _value(ref, tmp_path) == 82
+
+
+@pytest.mark.skipif(not (shutil.which("cmake") and shutil.which("ninja")), reason="needs cmake and ninja")
+def test_a_library_in_the_wrong_place_is_reported(standin):
+    (standin["worker"] / "CMakeLists.txt").write_text(STANDIN_CMAKE.replace(
+        "LIBRARY_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}", "LIBRARY_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/lib"))
+    with pytest.raises(EngineError, match=r"did not produce .*libdgr_engine.so; it was written to .*/lib/"):
+        enginebuild.ensure_engine("cpu", pin=standin["pin_obj"], ws=standin["ws"], worker_dir=standin["worker"])
+
+
+@pytest.mark.skipif(not (shutil.which("cmake") and shutil.which("ninja")), reason="needs cmake and ninja")
+def test_a_compile_error_shows_the_log_tail(standin):
+    (standin["worker"] / "engine.cpp").write_text("this is not C++\n")
+    with pytest.raises(EngineError, match=r"build cpu failed(.|\n)*engine.cpp"):
+        enginebuild.ensure_engine("cpu", pin=standin["pin_obj"], ws=standin["ws"], worker_dir=standin["worker"])
+
+
+def test_missing_tools_say_what_to_install(standin, monkeypatch, tmp_path):
+    empty = tmp_path / "empty-bin"
+    empty.mkdir()
+    monkeypatch.setenv("PATH", str(empty))
+    with pytest.raises(EngineError, match=r"`cmake` is not on PATH.*apt-get install cmake ninja-build"):
+        enginebuild.ensure_engine("cpu", pin=standin["pin_obj"], ws=standin["ws"], worker_dir=standin["worker"])
+
+
+def test_unknown_lane_is_refused(standin):
+    with pytest.raises(EngineError, match="unknown lane 'tpu'; lanes: cpu, cuda"):
+        enginebuild.ensure_engine("tpu", pin=standin["pin_obj"], ws=standin["ws"], worker_dir=standin["worker"])
