@@ -1,0 +1,299 @@
+"""The real ShardEngine: ctypes over worker/engine's C ABI (dgr_engine.h), implementing
+`dgr.engine_api.ShardEngine`.
+
+    eng = Engine.open("stage-00-of-02.gguf")                 # a stage of a bundle
+    eng = Engine.open("model.gguf", layer_range=(0, 12))     # a whole GGUF with a range override (tests)
+    eng = Engine.open("model.gguf")                          # the whole model (baseline)
+
+The library is `$DGR_ENGINE_LIB` when set, else `dgr.enginebuild.ensure_engine("cpu")` (built on
+first use, cached). Every C status becomes a dgr.errors type; the engine never crashes on bad input.
+"""
+
+from __future__ import annotations
+
+import ctypes as C
+import os
+import threading
+from pathlib import Path
+
+import numpy as np
+
+from dgr.engine_api import MemoryReport, StageInfo, Step, StepResult
+from dgr.errors import CacheMiss, EngineError, SchemaMismatch
+
+ABI_VERSION = 1
+LIB_ENV = "DGR_ENGINE_LIB"
+
+OK, E_ENGINE, E_CACHE_MISS, E_SCHEMA, E_ARTIFACT, E_UNSUPPORTED = range(6)
+_WANT = {"none": 0, "last": 1, "all": 2}
+
+
+class _OpenParams(C.Structure):
+    _fields_ = [("n_ctx", C.c_int32), ("max_sessions", C.c_int32), ("n_ubatch", C.c_int32),
+                ("n_threads", C.c_int32), ("layer_begin", C.c_int32), ("layer_end", C.c_int32)]
+
+
+class _StageInfo(C.Structure):
+    _fields_ = [("arch", C.c_char * 64),
+                ("layer_begin", C.c_int32), ("layer_end", C.c_int32), ("n_layer", C.c_int32),
+                ("n_embd", C.c_int32), ("n_streams", C.c_int32), ("n_vocab", C.c_int32),
+                ("is_first", C.c_int32), ("is_last", C.c_int32), ("needs_token_ids", C.c_int32),
+                ("has_vocab", C.c_int32), ("n_ctx", C.c_int32), ("max_sessions", C.c_int32)]
+
+
+class _Step(C.Structure):
+    _fields_ = [("session_id", C.c_char_p), ("epoch", C.c_int64), ("n_tokens", C.c_int32),
+                ("positions", C.POINTER(C.c_int32)), ("token_ids", C.POINTER(C.c_int32)),
+                ("boundary", C.POINTER(C.c_float)), ("boundary_width", C.c_int32),
+                ("want_logits", C.c_int32)]
+
+
+class _StepOut(C.Structure):
+    _fields_ = [("boundary", C.POINTER(C.c_float)), ("logits", C.POINTER(C.c_float)),
+                ("n_logit_rows", C.c_int32), ("next_token", C.c_int32), ("n_cached", C.c_int32)]
+
+
+class _Memory(C.Structure):
+    _fields_ = [("weights_bytes", C.c_uint64), ("kv_bytes", C.c_uint64), ("compute_bytes", C.c_uint64)]
+
+
+_libs: dict[str, C.CDLL] = {}
+_lock = threading.Lock()
+
+
+def library_path(lib: str | Path | None = None) -> Path:
+    """Where the engine library is: the argument, $DGR_ENGINE_LIB, or the cached CPU build."""
+    if lib:
+        return Path(lib)
+    env = os.environ.get(LIB_ENV)
+    if env:
+        return Path(env)
+    from dgr.enginebuild import ensure_engine
+
+    return ensure_engine("cpu")
+
+
+def load_library(lib: str | Path | None = None) -> C.CDLL:
+    path = library_path(lib).resolve()
+    with _lock:
+        if str(path) in _libs:
+            return _libs[str(path)]
+        if not path.exists():
+            raise EngineError(f"engine library {path} does not exist; unset {LIB_ENV} or run `dgr build-engine`")
+        try:
+            h = C.CDLL(str(path))
+        except OSError as err:
+            raise EngineError(f"cannot load the engine library {path}: {err}") from None
+        h.dgr_abi_version.restype = C.c_int32
+        if h.dgr_abi_version() != ABI_VERSION:
+            raise EngineError(f"{path} has C ABI {h.dgr_abi_version()}, this dgr expects {ABI_VERSION}; rebuild it")
+        h.dgr_has_hooks.restype = C.c_int32
+        h.dgr_last_error.restype = C.c_char_p
+        h.dgr_last_cache_miss.argtypes = [C.POINTER(C.c_int64), C.POINTER(C.c_int64)]
+        h.dgr_engine_open.argtypes = [C.c_char_p, C.POINTER(_OpenParams), C.POINTER(C.c_void_p)]
+        h.dgr_engine_close.argtypes = [C.c_void_p]
+        h.dgr_engine_close.restype = None
+        h.dgr_engine_describe.argtypes = [C.c_void_p, C.POINTER(_StageInfo)]
+        h.dgr_engine_memory.argtypes = [C.c_void_p, C.POINTER(_Memory)]
+        for name in ("dgr_session_open", "dgr_session_close"):
+            getattr(h, name).argtypes = [C.c_void_p, C.c_char_p, C.c_int64]
+        h.dgr_session_n_cached.argtypes = [C.c_void_p, C.c_char_p, C.c_int64, C.POINTER(C.c_int32)]
+        h.dgr_forward.argtypes = [C.c_void_p, C.c_int32, C.POINTER(_Step), C.POINTER(_StepOut)]
+        h.dgr_tokenize.argtypes = [C.c_void_p, C.c_char_p, C.c_int32, C.POINTER(C.c_int32), C.c_int32]
+        h.dgr_detokenize.argtypes = [C.c_void_p, C.POINTER(C.c_int32), C.c_int32, C.c_char_p, C.c_int32]
+        for name in ("dgr_engine_open", "dgr_engine_describe", "dgr_engine_memory", "dgr_session_open",
+                     "dgr_session_close", "dgr_session_n_cached", "dgr_forward", "dgr_tokenize", "dgr_detokenize"):
+            getattr(h, name).restype = C.c_int32
+        _libs[str(path)] = h
+        return h
+
+
+def _raise(h: C.CDLL, status: int) -> None:
+    msg = (h.dgr_last_error() or b"").decode(errors="replace") or f"engine status {status}"
+    if status == E_CACHE_MISS:
+        held, expected = C.c_int64(), C.c_int64()
+        h.dgr_last_cache_miss(C.byref(held), C.byref(expected))
+        raise CacheMiss(msg, held=held.value, expected=expected.value)
+    if status == E_SCHEMA:
+        raise SchemaMismatch(msg)
+    raise EngineError(msg)
+
+
+def _i32(a, n: int, what: str) -> np.ndarray:
+    arr = np.ascontiguousarray(np.asarray(a), dtype=np.int32)
+    if arr.ndim != 1 or arr.shape[0] != n:
+        raise SchemaMismatch(f"{what} must be int32 [{n}], got shape {arr.shape}")
+    return arr
+
+
+class Engine:
+    """One stage (or the whole model) in this process. Implements dgr.engine_api.ShardEngine."""
+
+    def __init__(self, handle: C.c_void_p, lib: C.CDLL, path: Path):
+        self._h = handle
+        self._lib = lib
+        self.path = path
+        self._info = self._describe()
+
+    @classmethod
+    def open(cls, path: str | Path, *, layer_range: tuple[int, int] | None = None, n_ctx: int = 4096,
+             max_sessions: int = 4, n_ubatch: int = 512, n_threads: int = 0,
+             lib: str | Path | None = None) -> "Engine":
+        h = load_library(lib)
+        path = Path(path)
+        if not path.is_file():
+            raise EngineError(f"{path}: no such stage file")
+        p = _OpenParams(n_ctx=n_ctx, max_sessions=max_sessions, n_ubatch=n_ubatch, n_threads=n_threads,
+                        layer_begin=layer_range[0] if layer_range else 0,
+                        layer_end=layer_range[1] if layer_range else 0)
+        if layer_range and layer_range[1] <= 0:
+            raise EngineError(f"layer range {layer_range} is empty; give [begin, end) with end > begin >= 0")
+        out = C.c_void_p()
+        st = h.dgr_engine_open(str(path).encode(), C.byref(p), C.byref(out))
+        if st != OK:
+            _raise(h, st)
+        return cls(out, h, path)
+
+    @property
+    def has_hooks(self) -> bool:
+        return bool(self._lib.dgr_has_hooks())
+
+    def _check(self, status: int) -> None:
+        if status != OK:
+            _raise(self._lib, status)
+
+    def _handle(self) -> C.c_void_p:
+        if self._h is None:
+            raise EngineError(f"engine for {self.path} is closed")
+        return self._h
+
+    def _describe(self) -> StageInfo:
+        s = _StageInfo()
+        self._check(self._lib.dgr_engine_describe(self._handle(), C.byref(s)))
+        return StageInfo(arch=s.arch.decode(), layer_begin=s.layer_begin, layer_end=s.layer_end,
+                         n_layer=s.n_layer, n_embd=s.n_embd, n_streams=s.n_streams, n_vocab=s.n_vocab,
+                         is_first=bool(s.is_first), is_last=bool(s.is_last),
+                         needs_token_ids=bool(s.needs_token_ids), has_vocab=bool(s.has_vocab),
+                         n_ctx=s.n_ctx, max_sessions=s.max_sessions)
+
+    def describe(self) -> StageInfo:
+        return self._info
+
+    def open_session(self, session_id: str, epoch: int) -> None:
+        self._check(self._lib.dgr_session_open(self._handle(), session_id.encode(), epoch))
+
+    def close_session(self, session_id: str, epoch: int) -> None:
+        self._check(self._lib.dgr_session_close(self._handle(), session_id.encode(), epoch))
+
+    def n_cached(self, session_id: str, epoch: int) -> int:
+        out = C.c_int32()
+        self._check(self._lib.dgr_session_n_cached(self._handle(), session_id.encode(), epoch, C.byref(out)))
+        return out.value
+
+    def forward(self, steps: list[Step]) -> list[StepResult]:
+        info = self._info
+        if not steps:
+            raise EngineError("forward needs at least one step")
+        width = info.n_streams * info.n_embd
+        c_steps = (_Step * len(steps))()
+        c_outs = (_StepOut * len(steps))()
+        keep: list[np.ndarray] = []   # arrays the C side reads or writes, alive until the call returns
+        outs: list[tuple[np.ndarray | None, np.ndarray | None]] = []
+        for k, s in enumerate(steps):
+            pos = np.asarray(s.positions)
+            n = int(pos.shape[0]) if pos.ndim == 1 else -1
+            if n <= 0:
+                raise SchemaMismatch(f"step {k} ({s.session_id}): positions must be a non-empty int32 [n]")
+            pos = _i32(pos, n, "positions")
+            cs = c_steps[k]
+            cs.session_id = s.session_id.encode()
+            cs.epoch = s.epoch
+            cs.n_tokens = n
+            cs.positions = pos.ctypes.data_as(C.POINTER(C.c_int32))
+            keep.append(pos)
+            if s.token_ids is not None:
+                tok = _i32(s.token_ids, n, f"step {k} token_ids")
+                cs.token_ids = tok.ctypes.data_as(C.POINTER(C.c_int32))
+                keep.append(tok)
+            if s.boundary is not None:
+                b = np.asarray(s.boundary)
+                if b.dtype != np.float32:
+                    raise SchemaMismatch(f"step {k}: boundary dtype is {b.dtype}; the engine takes float32 (convert wire dtypes first)")
+                if b.shape != (n, info.n_streams, info.n_embd):
+                    raise SchemaMismatch(f"step {k}: boundary shape {b.shape}, this stage (layers [{info.layer_begin}, "
+                                         f"{info.layer_end})) takes [n_tokens, n_streams, n_embd] = [{n}, {info.n_streams}, {info.n_embd}]")
+                b = np.ascontiguousarray(b)
+                cs.boundary = b.ctypes.data_as(C.POINTER(C.c_float))
+                cs.boundary_width = width
+                keep.append(b)
+            if s.want_logits not in _WANT:
+                raise EngineError(f"step {k}: want_logits must be one of {sorted(_WANT)}, got {s.want_logits!r}")
+            cs.want_logits = _WANT[s.want_logits]
+            bout = lout = None
+            if not info.is_last:
+                bout = np.empty((n, info.n_streams, info.n_embd), dtype=np.float32)
+                c_outs[k].boundary = bout.ctypes.data_as(C.POINTER(C.c_float))
+            elif s.want_logits != "none":
+                rows = n if s.want_logits == "all" else 1
+                lout = np.empty((rows, info.n_vocab), dtype=np.float32)
+                c_outs[k].logits = lout.ctypes.data_as(C.POINTER(C.c_float))
+            outs.append((bout, lout))
+        self._check(self._lib.dgr_forward(self._handle(), len(steps), c_steps, c_outs))
+        results = []
+        for k, s in enumerate(steps):
+            bout, lout = outs[k]
+            o = c_outs[k]
+            results.append(StepResult(
+                session_id=s.session_id, epoch=s.epoch, boundary=bout,
+                logits=lout[: o.n_logit_rows] if lout is not None else None,
+                next_token=o.next_token if info.is_last else None, n_cached=o.n_cached))
+        return results
+
+    def tokenize(self, text: str, add_special: bool = True) -> list[int]:
+        raw = text.encode()
+        cap = len(raw) + 16
+        while True:
+            buf = (C.c_int32 * cap)()
+            n = self._lib.dgr_tokenize(self._handle(), raw, int(add_special), buf, cap)
+            if n < 0:
+                _raise(self._lib, E_ENGINE)
+            if n <= cap:
+                return list(buf[:n])
+            cap = n
+
+    def detokenize(self, ids: list[int]) -> str:
+        arr = (C.c_int32 * max(1, len(ids)))(*ids)
+        cap = 16 * len(ids) + 16
+        while True:
+            buf = C.create_string_buffer(cap)
+            n = self._lib.dgr_detokenize(self._handle(), arr, len(ids), buf, cap)
+            if n < 0:
+                _raise(self._lib, E_ENGINE)
+            if n <= cap:
+                return buf.raw[:n].decode(errors="replace")
+            cap = n
+
+    def memory(self) -> MemoryReport:
+        m = _Memory()
+        self._check(self._lib.dgr_engine_memory(self._handle(), C.byref(m)))
+        info = self._info
+        layers = tuple(range(info.layer_begin, info.layer_end)) if m.kv_bytes else ()
+        return MemoryReport(weights_bytes=m.weights_bytes, kv_bytes=m.kv_bytes, compute_bytes=m.compute_bytes,
+                            layers_with_state=layers)
+
+    def close(self) -> None:
+        if self._h is not None:
+            self._lib.dgr_engine_close(self._h)
+            self._h = None
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass

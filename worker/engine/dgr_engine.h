@@ -1,0 +1,105 @@
+// The ShardEngine's C ABI: one stage of a model (layers [begin, end)) over the patched llama.cpp.
+//
+// Opaque handles, plain structs, status codes; no C++ exception crosses this boundary. On a non-zero
+// status, dgr_last_error() (thread-local) says what was wrong and what to do.
+//
+// Boundary: float32 [n_tokens, n_streams, n_embd], row-major, one row per token in step order.
+#pragma once
+
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#if defined(_WIN32)
+#  define DGR_API __declspec(dllexport)
+#else
+#  define DGR_API __attribute__((visibility("default")))
+#endif
+
+#define DGR_ABI_VERSION 1
+
+enum dgr_status {
+    DGR_OK              = 0,
+    DGR_E_ENGINE        = 1, // generic refusal / failure (EngineError)
+    DGR_E_CACHE_MISS    = 2, // positions do not continue the session's cache (CacheMiss)
+    DGR_E_SCHEMA        = 3, // boundary / sideband does not match the stage's schema (SchemaMismatch)
+    DGR_E_ARTIFACT      = 4, // the stage file is unreadable or its dgr.* keys contradict its tensors
+    DGR_E_UNSUPPORTED   = 5, // e.g. an architecture that has not opted in to layer ranges
+};
+
+typedef struct dgr_engine dgr_engine;
+
+typedef struct dgr_open_params {
+    int32_t n_ctx;          // KV positions per session (0: 4096, capped by the model's training context)
+    int32_t max_sessions;   // sessions that may hold a cache at once (llama seq ids), >= 1
+    int32_t n_ubatch;       // physical batch (0: 512)
+    int32_t n_threads;      // 0: all cores
+    // Range override for a whole GGUF (tests): layer_end > 0 makes [layer_begin, layer_end) the owned
+    // range (passed to llama.cpp as kv overrides of dgr.layer.*). Refused on a stage file.
+    int32_t layer_begin;
+    int32_t layer_end;
+} dgr_open_params;
+
+typedef struct dgr_stage_info {
+    char    arch[64];
+    int32_t layer_begin, layer_end, n_layer;   // [begin, end) of n_layer
+    int32_t n_embd, n_streams, n_vocab;
+    int32_t is_first, is_last, needs_token_ids, has_vocab;
+    int32_t n_ctx, max_sessions;
+} dgr_stage_info;
+
+enum dgr_want_logits { DGR_LOGITS_NONE = 0, DGR_LOGITS_LAST = 1, DGR_LOGITS_ALL = 2 };
+
+typedef struct dgr_step {
+    const char *    session_id;
+    int64_t         epoch;
+    int32_t         n_tokens;
+    const int32_t * positions;      // [n_tokens], must be n_cached, n_cached+1, ...
+    const int32_t * token_ids;      // [n_tokens]: first stage (and needs_token_ids); else NULL
+    const float *   boundary;       // [n_tokens * boundary_width]: non-first stages; else NULL
+    int32_t         boundary_width; // floats per token the caller sends (must be n_streams*n_embd)
+    int32_t         want_logits;    // last stage: dgr_want_logits
+} dgr_step;
+
+typedef struct dgr_step_out {
+    float * boundary;         // non-last: caller buffer [n_tokens * n_streams * n_embd]
+    float * logits;           // last: caller buffer [n_tokens * n_vocab] (rows used: n_logit_rows)
+    int32_t n_logit_rows;     // out
+    int32_t next_token;       // out: greedy argmax of the last position (last stage), else -1
+    int32_t n_cached;         // out: positions the session holds after the step
+} dgr_step_out;
+
+typedef struct dgr_memory {
+    uint64_t weights_bytes;   // model buffers actually allocated/mapped
+    uint64_t kv_bytes;        // KV cache and other per-layer state
+    uint64_t compute_bytes;   // compute buffers
+} dgr_memory;
+
+DGR_API int32_t      dgr_abi_version(void);
+DGR_API int32_t      dgr_has_hooks(void);          // 1 when built over the patched tree
+DGR_API const char * dgr_last_error(void);
+// details of the last DGR_E_CACHE_MISS on this thread
+DGR_API void         dgr_last_cache_miss(int64_t * held, int64_t * expected);
+
+DGR_API int32_t dgr_engine_open (const char * path, const dgr_open_params * params, dgr_engine ** out);
+DGR_API void    dgr_engine_close(dgr_engine * eng);
+DGR_API int32_t dgr_engine_describe(dgr_engine * eng, dgr_stage_info * out);
+DGR_API int32_t dgr_engine_memory  (dgr_engine * eng, dgr_memory * out);
+
+DGR_API int32_t dgr_session_open    (dgr_engine * eng, const char * session_id, int64_t epoch);
+DGR_API int32_t dgr_session_close   (dgr_engine * eng, const char * session_id, int64_t epoch);
+DGR_API int32_t dgr_session_n_cached(dgr_engine * eng, const char * session_id, int64_t epoch, int32_t * out);
+
+// One llama_decode for all steps (distinct sessions). Either every step runs or none does.
+DGR_API int32_t dgr_forward(dgr_engine * eng, int32_t n_steps, const dgr_step * steps, dgr_step_out * outs);
+
+// Returns the number of ids (written up to cap), or -1 on error.
+DGR_API int32_t dgr_tokenize  (dgr_engine * eng, const char * text, int32_t add_special, int32_t * out, int32_t cap);
+// Returns the number of bytes (written up to cap), or -1 on error.
+DGR_API int32_t dgr_detokenize(dgr_engine * eng, const int32_t * ids, int32_t n, char * out, int32_t cap);
+
+#ifdef __cplusplus
+}
+#endif

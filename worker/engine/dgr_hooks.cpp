@@ -1,0 +1,198 @@
+// Layer-range ownership: the logic behind the call sites the patch stack inserts (see dgr_hooks.h).
+#include "dgr_hooks.h"
+#include "dgr_keys.h"
+
+#include "llama-arch.h"
+#include "llama-graph.h"
+#include "llama-hparams.h"
+#include "llama-impl.h"
+#include "llama-model-loader.h"
+
+#include "ggml.h"
+#include "gguf.h"
+
+#include <cstring>
+#include <memory>
+#include <stdexcept>
+#include <string>
+
+namespace {
+
+// An integer key from the kv overrides (tests) or the file; any integer GGUF type is accepted.
+bool read_int_key(const llama_model_loader & ml, const char * key, int64_t & out) {
+    auto it = ml.kv_overrides.find(key);
+    if (it != ml.kv_overrides.end()) {
+        if (it->second.tag != LLAMA_KV_OVERRIDE_TYPE_INT) {
+            throw std::runtime_error(format("dgr: override of %s must be an integer", key));
+        }
+        out = it->second.val_i64;
+        return true;
+    }
+    const int64_t id = gguf_find_key(ml.metadata, key);
+    if (id < 0) {
+        return false;
+    }
+    switch (gguf_get_kv_type(ml.metadata, id)) {
+        case GGUF_TYPE_UINT8:  out = gguf_get_val_u8 (ml.metadata, id); return true;
+        case GGUF_TYPE_INT8:   out = gguf_get_val_i8 (ml.metadata, id); return true;
+        case GGUF_TYPE_UINT16: out = gguf_get_val_u16(ml.metadata, id); return true;
+        case GGUF_TYPE_INT16:  out = gguf_get_val_i16(ml.metadata, id); return true;
+        case GGUF_TYPE_UINT32: out = gguf_get_val_u32(ml.metadata, id); return true;
+        case GGUF_TYPE_INT32:  out = gguf_get_val_i32(ml.metadata, id); return true;
+        case GGUF_TYPE_UINT64: out = (int64_t) gguf_get_val_u64(ml.metadata, id); return true;
+        case GGUF_TYPE_INT64:  out = gguf_get_val_i64(ml.metadata, id); return true;
+        default:
+            throw std::runtime_error(format("dgr: key %s must be an integer, got %s", key,
+                    gguf_type_name(gguf_get_kv_type(ml.metadata, id))));
+    }
+}
+
+// The boundary input of a non-first stage: the residual from ubatch.embd, nothing else.
+// (The V4 token-id sideband will add an I32 [n_tokens] tensor here, set from ubatch.token.)
+class dgr_graph_input_boundary : public llm_graph_input_i {
+public:
+    explicit dgr_graph_input_boundary(int64_t width) : width(width) {}
+
+    void set_input(const llama_ubatch * ubatch) override {
+        GGML_ASSERT(ubatch->embd && "dgr: a non-first stage needs the boundary (batch.embd)");
+        ggml_backend_tensor_set(embd, ubatch->embd, 0, ubatch->n_tokens*width*ggml_element_size(embd));
+    }
+
+    bool can_reuse(const llm_graph_params & params) override {
+        return params.ubatch.embd && embd->ne[1] == params.ubatch.n_tokens;
+    }
+
+    ggml_tensor * embd = nullptr; // F32 [width, n_tokens]
+    const int64_t width;
+};
+
+} // namespace
+
+bool dgr_arch_supports_range(int arch) {
+    // An architecture opts in when its graph builder calls dgr_layer_begin/end and
+    // dgr_build_boundary_out (one patch per architecture).
+    switch ((llm_arch) arch) {
+        case LLM_ARCH_LLAMA:
+        case LLM_ARCH_QWEN2:
+        case LLM_ARCH_QWEN3:
+        case LLM_ARCH_QWEN3MOE:
+        case LLM_ARCH_GEMMA3:
+            return true;
+        default:
+            return false;
+    }
+}
+
+void dgr_load_range(llama_model_loader & ml, int arch, llama_hparams & hp) {
+    hp.dgr = dgr_layer_range{};
+
+    int64_t begin = 0, end = 0, total = 0;
+    const bool has_b = read_int_key(ml, DGR_KEY_LAYER_BEGIN, begin);
+    const bool has_e = read_int_key(ml, DGR_KEY_LAYER_END,   end);
+    const bool has_t = read_int_key(ml, DGR_KEY_LAYER_TOTAL, total);
+    if (!has_b && !has_e && !has_t) {
+        return; // a whole model
+    }
+    if (!(has_b && has_e && has_t)) {
+        throw std::runtime_error(format("dgr: a stage needs all of %s, %s and %s (got only some); rebuild the bundle",
+                DGR_KEY_LAYER_BEGIN, DGR_KEY_LAYER_END, DGR_KEY_LAYER_TOTAL));
+    }
+    const int64_t n_layer = hp.n_layer();
+    if (total != n_layer) {
+        throw std::runtime_error(format("dgr: %s = %lld but the model has %lld layers (%s)",
+                DGR_KEY_LAYER_TOTAL, (long long) total, (long long) n_layer, "block_count"));
+    }
+    if (begin < 0 || begin >= end || end > n_layer) {
+        throw std::runtime_error(format("dgr: layer range [%lld, %lld) is not inside [0, %lld)",
+                (long long) begin, (long long) end, (long long) n_layer));
+    }
+    int64_t n_streams = 1;
+    read_int_key(ml, DGR_KEY_BOUNDARY_N_STREAMS, n_streams);
+    if (n_streams != 1) {
+        throw std::runtime_error(format("dgr: %s = %lld is not supported for %s yet (only 1)",
+                DGR_KEY_BOUNDARY_N_STREAMS, (long long) n_streams, llm_arch_name((llm_arch) arch)));
+    }
+    if (begin == 0 && end == n_layer) {
+        return; // the whole range: nothing to restrict
+    }
+    if (!dgr_arch_supports_range(arch)) {
+        throw std::runtime_error(format("dgr: architecture '%s' does not support layer ranges yet; "
+                "run it as a single stage [0, %lld) or port it (docs/engine.md)",
+                llm_arch_name((llm_arch) arch), (long long) n_layer));
+    }
+    hp.dgr.active    = true;
+    hp.dgr.begin     = (int32_t) begin;
+    hp.dgr.end       = (int32_t) end;
+    hp.dgr.n_streams = (uint32_t) n_streams;
+    LLAMA_LOG_INFO("dgr: this model owns layers [%d, %d) of %lld (first = %d, last = %d)\n",
+            hp.dgr.begin, hp.dgr.end, (long long) n_layer, dgr_is_first(hp), dgr_is_last(hp));
+}
+
+bool dgr_is_first(const llama_hparams & hp) {
+    return !hp.dgr.active || hp.dgr.begin == 0;
+}
+
+bool dgr_is_last(const llama_hparams & hp) {
+    return !hp.dgr.active || hp.dgr.end == (int32_t) hp.n_layer();
+}
+
+int dgr_layer_begin(const llama_hparams & hp) {
+    return hp.dgr.active ? hp.dgr.begin : 0;
+}
+
+int dgr_layer_end(const llama_hparams & hp) {
+    return hp.dgr.active ? hp.dgr.end : (int) hp.n_layer();
+}
+
+bool dgr_layer_owned(const llama_hparams & hp, uint32_t il) {
+    return !hp.dgr.active || ((int32_t) il >= hp.dgr.begin && (int32_t) il < hp.dgr.end);
+}
+
+bool dgr_tensor_owned(const llama_hparams & hp, const LLM_TN_IMPL & tn, int flags) {
+    if (!hp.dgr.active) {
+        return true;
+    }
+    if (tn.bid >= 0) {
+        return dgr_layer_owned(hp, (uint32_t) tn.bid);
+    }
+    // the token embedding created a second time (TENSOR_DUPLICATED) is the tied output head
+    llm_tensor tensor = tn.tensor;
+    if (tensor == LLM_TENSOR_TOKEN_EMBD && (flags & llama_model_loader::TENSOR_DUPLICATED)) {
+        tensor = LLM_TENSOR_OUTPUT;
+    }
+    switch (llm_tensor_info_for(tensor).layer) {
+        case LLM_TENSOR_LAYER_INPUT:  return dgr_is_first(hp);
+        case LLM_TENSOR_LAYER_OUTPUT: return dgr_is_last(hp);
+        default:                      return true;
+    }
+}
+
+ggml_tensor * dgr_build_inp_boundary(const llm_graph_context & g) {
+    const int64_t width = (int64_t) g.hparams.n_embd * g.hparams.dgr.n_streams;
+
+    auto inp = std::make_unique<dgr_graph_input_boundary>(width);
+    inp->embd = ggml_new_tensor_2d(g.ctx0, GGML_TYPE_F32, width, g.n_tokens);
+    ggml_set_input(inp->embd);
+    g.cb(inp->embd, "dgr_inp_boundary", -1);
+
+    ggml_tensor * cur = inp->embd;
+    g.res->t_inp_embd = cur;
+    g.res->add_input(std::move(inp));
+    ggml_build_forward_expand(g.gf, cur);
+    return cur;
+}
+
+bool dgr_build_boundary_out(const llm_graph_context & g, ggml_tensor * cur, ggml_tensor * inp_out_ids) {
+    if (dgr_is_last(g.hparams)) {
+        return false;
+    }
+    // the engine marks every token as an output, so this selects all rows in batch order; it also
+    // keeps the out_ids input in the graph (an input outside the graph has no buffer)
+    if (inp_out_ids) {
+        cur = ggml_get_rows(g.ctx0, cur, inp_out_ids);
+    }
+    g.cb(cur, "dgr_boundary_out", -1);
+    g.res->t_embd = cur;
+    ggml_build_forward_expand(g.gf, cur);
+    return true;
+}

@@ -1,0 +1,50 @@
+// Layer-range ownership inside llama.cpp: the logic behind the call sites that
+// patches/llama.cpp/*.patch insert. Compiled into the `llama` target (worker/CMakeLists.txt), so it
+// may use llama.cpp's internal headers. Nothing here is part of the C ABI (see dgr_engine.h).
+//
+// A model owns layers [begin, end) of n_layer (global numbering kept). The range comes from the
+// stage GGUF's dgr.layer.* keys, or from kv overrides of the same keys (tests on a full GGUF).
+// Without a range (`active == false`) every hook is the identity: the model is the whole model.
+#pragma once
+
+#include <cstdint>
+
+struct ggml_tensor;
+struct llama_hparams;
+struct llama_model_loader;
+struct llm_graph_context;
+struct LLM_TN_IMPL;
+
+struct dgr_layer_range {
+    bool     active    = false; // a range was given
+    int32_t  begin     = 0;     // first owned layer
+    int32_t  end       = 0;     // one past the last owned layer
+    uint32_t n_streams = 1;     // residual streams crossing the seam (V4 mHC: 4)
+};
+
+// patch 0001: read the range after the arch hparams are known; throws std::runtime_error when the
+// range is inconsistent or the architecture has not opted in (see dgr_arch_supports_range).
+// (`arch` is an llm_arch; int here so this header stays light enough for llama-hparams.h.)
+void dgr_load_range(llama_model_loader & ml, int arch, llama_hparams & hparams);
+bool dgr_arch_supports_range(int arch);
+
+// patch 0002: whether the model creates (and loads) this tensor. Non-owned repeating tensors,
+// input tensors past the first stage and output tensors before the last stage are not created.
+bool dgr_tensor_owned(const llama_hparams & hparams, const LLM_TN_IMPL & tn, int flags);
+
+// patch 0003: whether a layer gets KV cache / recurrent state.
+bool dgr_layer_owned(const llama_hparams & hparams, uint32_t il);
+
+// patch 0004 and the per-arch opt-ins.
+bool dgr_is_first(const llama_hparams & hparams);
+bool dgr_is_last(const llama_hparams & hparams);
+int  dgr_layer_begin(const llama_hparams & hparams);   // loop start of a graph
+int  dgr_layer_end(const llama_hparams & hparams);     // loop end of a graph
+
+// A non-first stage: the graph input is the incoming boundary [n_streams*n_embd, n_tokens] taken from
+// ubatch.embd (no token lookup, no embedding scaling).
+ggml_tensor * dgr_build_inp_boundary(const llm_graph_context & g);
+
+// After the owned layers: on a non-last stage, make `cur` (the raw residual, every output token in
+// batch order) the graph's embeddings output and return true; the arch then returns without norm/head.
+bool dgr_build_boundary_out(const llm_graph_context & g, ggml_tensor * cur, ggml_tensor * inp_out_ids);
