@@ -18,7 +18,7 @@ import numpy as np
 from dgr.errors import WireError
 from dgr.wire import codec
 from dgr.wire.codec import hop_name
-from dgr.wire.errors import HopUnreachable, RemoteCacheMiss, StageError, from_proto
+from dgr.wire.errors import HopUnreachable, RemoteCacheMiss, StageError, UnknownSession, from_proto
 from dgr.wire.gen import stage_pb2 as pb
 from dgr.wire.gen import stage_pb2_grpc as pb_grpc
 
@@ -163,7 +163,9 @@ class RouteClient:
             try:
                 yield from self._run_epoch(gen, sid, epoch, max_new_tokens, stop_token_ids)
                 break
-            except RemoteCacheMiss as miss:
+            except (RemoteCacheMiss, UnknownSession) as miss:
+                # A hop lost or never had this session's cache (eviction, restart, route change):
+                # rebuild it from the token history at a new epoch.
                 print(f"dgr: {miss}; re-prefilling {len(ids) + len(gen.token_ids)} tokens at epoch "
                       f"{epoch + 1}", file=sys.stderr)
             finally:
@@ -178,7 +180,7 @@ class RouteClient:
         history = gen.prompt_ids + gen.token_ids
         yield pb.Frame(session_id=sid, epoch=epoch, generate=pb.Generate(
             max_new_tokens=max_new - len(gen.token_ids), stop_token_ids=stop_ids,
-            context_ids=gen.token_ids))
+            context_ids=gen.token_ids, context_text=gen.text))
         for lo in range(0, len(history), self.chunk_tokens):
             hi = min(len(history), lo + self.chunk_tokens)
             f = pb.Frame(session_id=sid, epoch=epoch, step=pb.Step(

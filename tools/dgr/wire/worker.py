@@ -385,7 +385,7 @@ class StageWorker(pb_grpc.StageServicer):
                     sess.max_new = frame.generate.max_new_tokens
                     sess.stop_ids = frozenset(frame.generate.stop_token_ids)
                     sess.context_ids = list(frame.generate.context_ids)
-                    sess.text = self._detok(sess.context_ids)
+                    sess.text = frame.generate.context_text
                 return
             if kind != "step":
                 raise _WireFault(pb.BAD_FRAME, f"unexpected frame body {kind!r}")

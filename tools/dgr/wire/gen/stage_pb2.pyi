@@ -260,14 +260,16 @@ class Step(_message.Message):
     def __init__(self, positions: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., boundary: _Optional[_Union[Boundary, _Mapping]] = ..., schema: _Optional[_Union[BoundarySchema, _Mapping]] = ..., cache_expect: _Optional[int] = ..., sample: _Optional[bool] = ...) -> None: ...
 
 class Generate(_message.Message):
-    __slots__ = ("max_new_tokens", "stop_token_ids", "context_ids")
+    __slots__ = ("max_new_tokens", "stop_token_ids", "context_ids", "context_text")
     MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_IDS_FIELD_NUMBER: _ClassVar[int]
+    CONTEXT_TEXT_FIELD_NUMBER: _ClassVar[int]
     max_new_tokens: int
     stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
     context_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, max_new_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., context_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    context_text: str
+    def __init__(self, max_new_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., context_ids: _Optional[_Iterable[int]] = ..., context_text: _Optional[str] = ...) -> None: ...
 
 class HopTiming(_message.Message):
     __slots__ = ("stage_index", "queue_ns", "compute_ns", "wire_ns")

@@ -1,0 +1,74 @@
+"""The fake engine is a faithful stand-in: split == whole bit for bit, real cache and schema checks."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from dgr.engine_api import Step
+from dgr.errors import CacheMiss, EngineError, SchemaMismatch
+from dgr.fake_engine import FakeEngine, FakeModel
+
+SPEC = "layers=7,embd=8,streams=2,cuts=2:5,hash_layers=3,seed=3"
+
+
+def _run_split(model, ids, chunks):
+    stages = [FakeEngine(model, i) for i in range(len(model.ranges))]
+    for e in stages:
+        e.open_session("s", 1)
+    rows = []
+    for lo, hi in chunks:
+        pos, tid, b = np.arange(lo, hi), np.array(ids[lo:hi]), None
+        for e in stages:
+            r = e.forward([Step("s", 1, pos, tid, boundary=b, want_logits="all")])[0]
+            b = r.boundary
+        rows.append(r.logits)
+    return np.concatenate(rows)
+
+
+def test_split_equals_whole_bit_for_bit_for_any_chunking():
+    model = FakeModel.from_spec(SPEC)
+    ids = FakeEngine(model).tokenize("the fake model has memory")
+    whole = FakeEngine(model)
+    whole.open_session("s", 1)
+    ref = whole.forward([Step("s", 1, np.arange(len(ids)), np.array(ids), want_logits="all")])[0].logits
+    assert np.array_equal(_run_split(model, ids, [(0, len(ids))]), ref)
+    assert np.array_equal(_run_split(model, ids, [(0, 3), (3, 4), (4, len(ids))]), ref)
+
+
+def test_output_depends_on_history():
+    model = FakeModel.from_spec(SPEC)
+    e = FakeEngine(model)
+    e.open_session("a", 1)
+    e.open_session("b", 1)
+    ra = e.forward([Step("a", 1, np.arange(2), np.array([5, 9]), want_logits="all")])[0]
+    rb = e.forward([Step("b", 1, np.arange(2), np.array([6, 9]), want_logits="all")])[0]
+    assert not np.array_equal(ra.logits[1], rb.logits[1])
+
+
+def test_cache_miss_and_schema_checks():
+    model = FakeModel.from_spec(SPEC)
+    s1 = FakeEngine(model, 1)
+    assert s1.describe().needs_token_ids and not s1.describe().is_first
+    s1.open_session("s", 1)
+    b = np.zeros((2, 2, 8), np.float32)
+    with pytest.raises(CacheMiss) as miss:
+        s1.forward([Step("s", 1, np.arange(3, 5), np.array([1, 2]), boundary=b)])
+    assert (miss.value.held, miss.value.expected) == (0, 3)
+    with pytest.raises(SchemaMismatch, match="token ids"):
+        s1.forward([Step("s", 1, np.arange(2), None, boundary=b)])
+    with pytest.raises(SchemaMismatch, match=r"\[2, 2, 8\]"):
+        s1.forward([Step("s", 1, np.arange(2), np.array([1, 2]), boundary=np.zeros((2, 1, 8), np.float32))])
+    with pytest.raises(EngineError, match="no open session"):
+        s1.forward([Step("t", 1, np.arange(2), np.array([1, 2]), boundary=b)])
+    assert s1.n_cached("s", 1) == 0          # nothing half-applied
+
+
+def test_spec_roundtrip_and_bad_spec():
+    m = FakeModel.from_spec(SPEC)
+    assert FakeModel.from_spec(m.to_spec()) == m and m.ranges == [(0, 2), (2, 5), (5, 7)]
+    assert FakeModel.from_spec(SPEC.replace("seed=3", "seed=4")).bundle_id != m.bundle_id
+    with pytest.raises(EngineError, match="bad item"):
+        FakeModel.from_spec("layers=4,colour=blue")
+    with pytest.raises(EngineError, match="cuts"):
+        FakeModel.from_spec("layers=4,cuts=4")

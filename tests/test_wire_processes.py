@@ -1,0 +1,63 @@
+"""Real worker processes on loopback (fake engine): the CLI end to end, and a worker killed mid-run."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+
+import pytest
+
+from dgr.fake_engine import FakeModel
+from dgr.wire.client import RouteClient
+from dgr.wire.errors import HopUnreachable
+from dgr.wire.local import LocalRoute
+
+SPEC = "layers=6,embd=16,cuts=2:4,hash_layers=3,seed=8"
+
+
+def _workers(spec=SPEC):
+    return LocalRoute([["--fake-engine", spec, "--stage", str(i)] for i in range(len(FakeModel.from_spec(spec).ranges))])
+
+
+def test_cli_generate_streams_the_same_text_as_the_library():
+    with _workers() as r:
+        with RouteClient(r.addresses) as c:
+            want = c.run("Hello, ring", max_new_tokens=12).text
+        out = subprocess.run([sys.executable, "-m", "dgr", "generate", "--route", r.route, "--max-tokens", "12",
+                              "--stats", "Hello, ring"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout == want + "\n"
+    assert "decode" in out.stderr and "per-hop overhead" in out.stderr
+
+
+@pytest.mark.parametrize("victim", [1, 2])
+def test_killed_worker_mid_generation_names_the_hop(victim):
+    with _workers() as r, RouteClient(r.addresses, timeout=30) as c:
+        got = []
+        with pytest.raises(HopUnreachable) as err:
+            for ev in c.generate("keep going " * 4, max_new_tokens=5000, stop_token_ids=[]):
+                got.append(ev.token_id)
+                if len(got) == 10:
+                    threading.Thread(target=r.kill, args=(victim,)).start()
+        assert len(got) >= 10
+        assert f"stage {victim} ({r.addresses[victim]})" in str(err.value)
+        assert err.value.hop == f"stage {victim} ({r.addresses[victim]})"
+
+
+def test_dead_worker_before_start_names_the_hop():
+    with _workers() as r:
+        r.kill(0)
+        out = subprocess.run([sys.executable, "-m", "dgr", "generate", "--route", r.route, "hi"],
+                             capture_output=True, text=True, timeout=60)
+    assert out.returncode != 0
+    assert f"stage 0 ({r.addresses[0]})" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_worker_refuses_bad_arguments():
+    out = subprocess.run([sys.executable, "-m", "dgr", "worker", "serve", "--stage", "0"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "--bundle BUNDLE or --fake-engine SPEC" in out.stderr
+    out = subprocess.run([sys.executable, "-m", "dgr", "worker", "serve", "--fake-engine", SPEC, "--stage", "7"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "no stage 7" in out.stderr
