@@ -18,3 +18,47 @@ def fake_stage(spec: str, stage: int, wire_dtype: str = "f32") -> tuple[ShardEng
                           stage_count=len(model.ranges), lane="cpu", engine="fake", wire_dtype=wire_dtype,
                           eos_token_ids=tuple(engine.eos_token_ids()))
     return engine, ident
+
+
+def patch_series() -> tuple[str, str]:
+    """(upstream commit, hash over the ordered patch stack) from the one pin file."""
+    import blake3
+
+    from dgr.upstream import load_pin
+
+    pin = load_pin()
+    h = blake3.blake3()
+    for p in pin.patches:
+        h.update(f"{p.file}\0{p.blake3}\n".encode())
+    return pin.commit, h.hexdigest()
+
+
+def bundle_stage(path: str | Path, stage: int, *, lane: str = "cpu", wire_dtype: str | None = None,
+                 n_ctx: int = 4096, max_sessions: int = 16, verify: bool = True
+                 ) -> tuple[ShardEngine, StageIdentity]:
+    """Open stage `stage` of the bundle at `path` on the real engine (after checking its hashes)."""
+    from dgr.bundle import load_bundle, verify_bundle
+    from dgr.engine import Engine
+    from dgr.ggufmodel import read_header
+
+    b = load_bundle(path)
+    stages = b.manifest.stages
+    if not 0 <= stage < len(stages):
+        raise WireError(f"bundle {b.root} has {len(stages)} stages (0..{len(stages) - 1}); there is no stage {stage}")
+    if verify:
+        verify_bundle(b.root)
+    entry = stages[stage]
+    file = b.stage_path(stage)
+    engine = Engine.open(file, n_ctx=n_ctx, max_sessions=max_sessions)
+    info = engine.describe()
+    if (info.layer_begin, info.layer_end) != (entry.layer_begin, entry.layer_end):
+        engine.close()
+        raise WireError(f"{file}: the engine opened layers [{info.layer_begin}, {info.layer_end}) but the "
+                        f"manifest says [{entry.layer_begin}, {entry.layer_end}): rebuild the bundle")
+    eos = read_header(file).get("tokenizer.ggml.eos_token_id")
+    commit, series = patch_series()
+    ident = StageIdentity(model=b.manifest.recipe.name, bundle_id=b.id, stage_index=stage,
+                          stage_count=len(stages), upstream_commit=commit, patch_series=series, lane=lane,
+                          engine="llama.cpp", wire_dtype=wire_dtype or b.manifest.boundary_dtype,
+                          eos_token_ids=() if eos is None else (int(eos),))
+    return engine, ident
