@@ -1,0 +1,66 @@
+"""The real engine behind real worker processes: SmolLM2 split 2, 3 and 4 ways equals the whole model."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from dgr.wire.client import RouteClient
+from dgr.wire.errors import StageError
+from dgr.wire.local import LocalRoute
+from dgr.wire.stats import summarize
+
+pytestmark = [pytest.mark.engine, pytest.mark.slow]
+
+PROMPT = "The three primary colors are"
+MAX_NEW = 16
+
+
+@pytest.fixture(scope="module")
+def whole(engine_lib, smollm2_gguf):
+    """Greedy tokens and logits of the unsplit GGUF on the same engine (the independent baseline)."""
+    from dgr.engine import Engine
+    from dgr.wire.demo import whole_model_run
+
+    eng = Engine.open(smollm2_gguf, lib=engine_lib)
+    try:
+        ids = eng.tokenize(PROMPT)
+        yield ids, whole_model_run(eng, ids, MAX_NEW)
+    finally:
+        eng.close()
+
+
+def _bundle(stages: int):
+    from dgr.wire.demo import ensure_bundle
+
+    return ensure_bundle(stages, progress=False)[0]
+
+
+def _route(engine_lib, stage_args):
+    return LocalRoute(stage_args, env={"DGR_ENGINE_LIB": str(engine_lib)}, timeout=300)
+
+
+@pytest.mark.parametrize("stages", [2, 3, 4])
+def test_split_equals_whole_model_token_for_token_and_logits(stages, engine_lib, whole):
+    ids, ref = whole
+    b = _bundle(stages)
+    with _route(engine_lib, [["--bundle", str(b.root), "--stage", str(i)] for i in range(stages)]) as r, \
+            RouteClient(r.addresses) as c:
+        gen = c.run(ids, max_new_tokens=MAX_NEW, logits="last", stop_token_ids=[])
+        print(f"\n{stages} stages: {summarize(gen, stages)}; whole: prefill {ref.prefill_tokens_per_s:.1f} "
+              f"tok/s, decode {ref.decode_tokens_per_s:.1f} tok/s")
+    assert gen.token_ids == ref.token_ids
+    rows = [gen.logits[len(ids) - 1 + k] for k in range(MAX_NEW)]
+    worst = max(float(np.max(np.abs(a - b))) for a, b in zip(rows, ref.logits))
+    assert all(np.array_equal(a, b) for a, b in zip(rows, ref.logits)), f"max |logit diff| {worst}"
+
+
+def test_stages_of_different_bundles_are_refused_at_open(engine_lib):
+    b3, b2 = _bundle(3), _bundle(2)
+    # stage 0 of the 3-stage bundle hands over at layer 10; stage 1 of the 2-stage bundle starts at 15
+    with _route(engine_lib, [["--bundle", str(b3.root), "--stage", "0"],
+                             ["--bundle", str(b2.root), "--stage", "1"]]) as r, RouteClient(r.addresses) as c:
+        with pytest.raises(StageError) as err:
+            c.run("hi", max_new_tokens=2)
+    msg = str(err.value)
+    assert b3.id in msg and b2.id in msg and f"stage 1 ({r.addresses[1]})" in msg
