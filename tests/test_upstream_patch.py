@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
-from test_upstream_support import git, format_patch, http_dir, tiny  # noqa: F401  (fixtures)
+from test_upstream_support import RangeHandler, git, format_patch, http_dir, tiny  # noqa: F401  (fixtures)
 
 from dgr import upstream
 from dgr.errors import UpstreamError
@@ -127,3 +129,16 @@ def test_pin_patch_list_must_equal_the_folder(tiny):
     raw = json.loads(tiny["pin"].read_text())
     assert raw["patches"] == entries and raw["commit"] == pin.commit  # the rest of the pin is kept
     upstream.check_patch_list(upstream.load_pin(tiny["pin"]))
+
+
+def test_concurrent_processes_share_one_fetch_and_one_patched_tree(tiny):
+    _pinned(tiny, [FIRST])
+    code = ("import sys, pathlib; from dgr import upstream; "
+            "print(upstream.ensure_patched(upstream.load_pin(sys.argv[1]), pathlib.Path(sys.argv[2])))")
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(tiny["pin"]), str(tiny["ws"])],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(3)]
+    outs = [(p.communicate(), p.returncode) for p in procs]
+    assert [rc for _, rc in outs] == [0, 0, 0], [err for (_, err), _ in outs]
+    assert {out.strip() for (out, _), _ in outs} == {str(tiny["ws"] / "upstream" / "llama.cpp")}
+    assert len(RangeHandler.seen) == 1  # downloaded once
+    assert upstream.status(upstream.load_pin(tiny["pin"]), tiny["ws"])["patches_current"]

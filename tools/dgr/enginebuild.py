@@ -158,10 +158,23 @@ def ensure_engine(
     inputs = _inputs(lane, pin, worker_dir, args, tools)
     # Edits in the patched tree (patch development) are invisible to the stamp: let Ninja decide.
     dirty = [] if pristine else upstream.local_changes(llama_src)
-    if not force and not dirty and stamp_path.exists() and lib.exists():
-        stamp = json.loads(stamp_path.read_text())
-        if stamp.get("inputs") == inputs and stamp.get("library_blake3") == treehash.file_digest(lib):
+    if not force and not dirty and _up_to_date(stamp_path, lib, inputs):
+        return lib
+    with upstream.locked(bdir.parent / f".{bdir.name}.lock"):
+        if not force and not dirty and _up_to_date(stamp_path, lib, inputs):  # built meanwhile
             return lib
+        return _build(lane, bdir, lib, stamp_path, args, inputs, jobs, dirty, llama_src)
+
+
+def _up_to_date(stamp_path: Path, lib: Path, inputs: dict[str, Any]) -> bool:
+    if not (stamp_path.exists() and lib.exists()):
+        return False
+    stamp = json.loads(stamp_path.read_text())
+    return stamp.get("inputs") == inputs and stamp.get("library_blake3") == treehash.file_digest(lib)
+
+
+def _build(lane: str, bdir: Path, lib: Path, stamp_path: Path, args: list[str], inputs: dict[str, Any],
+           jobs: int | None, dirty: list[str], llama_src: Path) -> Path:
     if dirty:
         _say(f"{llama_src} has local changes ({', '.join(dirty[:3])}...): building them, not the pinned patches")
     if not shutil.which("ccache"):

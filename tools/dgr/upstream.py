@@ -16,6 +16,8 @@ hash are written; Bazel and Nix read the same file.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import json
 import os
@@ -27,7 +29,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import blake3
 
@@ -49,6 +51,22 @@ _GIT_ENV = {
 
 def _say(msg: str) -> None:
     print(f"dgr: {msg}", file=sys.stderr, flush=True)
+
+
+@contextlib.contextmanager
+def locked(lockfile: Path) -> Iterator[None]:
+    """Serialise work on one workspace folder across processes (two test sessions, a CLI call)."""
+    lockfile.parent.mkdir(parents=True, exist_ok=True)
+    with open(lockfile, "w") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            _say(f"waiting for another dgr process ({lockfile})")
+            fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 # --------------------------------------------------------------------------------------------
@@ -310,8 +328,16 @@ def fetch(pin: Pin | None = None, ws: Path | None = None) -> Path:
     lay = layout(pin, ws)
     if lay.pristine.is_dir() and lay.pristine_meta.exists():
         return lay.pristine
+    with locked(lay.upstream / ".fetch.lock"):
+        return _fetch_locked(pin, lay)
+
+
+def _fetch_locked(pin: Pin, lay: Layout) -> Path:
+    if lay.pristine.is_dir() and lay.pristine_meta.exists():  # another process just made it
+        return lay.pristine
     expected = _require_tree_hash(pin)
     lay.upstream.mkdir(parents=True, exist_ok=True)
+    lay.pristine_meta.unlink(missing_ok=True)
     failures = []
     for src in pin.sources:
         t0 = time.monotonic()
@@ -487,6 +513,11 @@ def patch(pin: Pin | None = None, ws: Path | None = None, *, force: bool = False
     pin = pin or load_pin()
     lay = layout(pin, ws)
     check_patch_list(pin)
+    with locked(lay.upstream / ".patch.lock"):
+        return _patch_locked(pin, lay, ws, force)
+
+
+def _patch_locked(pin: Pin, lay: Layout, ws: Path | None, force: bool) -> Path:
     stamp = _patch_stamp(pin)
     if lay.patched.is_dir() and lay.patched_stamp.exists():
         if json.loads(lay.patched_stamp.read_text()) == stamp:
