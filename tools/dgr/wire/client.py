@@ -35,6 +35,7 @@ class TokenEvent:
     ring_ns: int
     compute_ns: int                      # summed over the stages this token passed through
     logits: np.ndarray | None = None     # LOGITS_LAST: the row the token was sampled from
+    timings: list[tuple[int, int, int, int]] = field(default_factory=list)  # (stage, queue, compute, wire) ns
 
 
 @dataclass
@@ -238,7 +239,8 @@ class RouteClient:
                 if row is not None:
                     gen.logits[t.position] = row
                 ev = TokenEvent(t.token_id, t.text, t.position, epoch, t.ring_ns,
-                                sum(h.compute_ns for h in t.timings), row)
+                                sum(h.compute_ns for h in t.timings), row,
+                                [(h.stage_index, h.queue_ns, h.compute_ns, h.wire_ns) for h in t.timings])
                 gen.token_ids.append(t.token_id)
                 gen.text += t.text
                 gen.events.append(ev)
