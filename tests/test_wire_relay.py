@@ -244,3 +244,23 @@ def test_wire_dtype_bf16_runs_and_stays_close():
         gen = c.run("lossy wire", max_new_tokens=1, logits="last")
     _, rows = whole_model(spec, gen.prompt_ids, 1)
     assert np.max(np.abs(gen.logits[len(gen.prompt_ids) - 1] - rows[0])) < 0.1
+
+
+def test_a_client_that_goes_away_stops_the_ring_and_frees_its_sessions(route):
+    import time
+
+    c = RouteClient(route.addresses)
+    c.open("gone", 1, pb.Sampling(), pb.LOGITS_NONE)
+    raw = RawStream(route.addresses[0])
+    raw.q.put(pb.Frame(session_id="gone", epoch=1, generate=pb.Generate(max_new_tokens=100000)))
+    ids = c.tokenize("walk away")
+    first = raw.ask(pb.Frame(session_id="gone", epoch=1, step=pb.Step(
+        positions=range(len(ids)), token_ids=ids, cache_expect=0, sample=True)))
+    assert first.WhichOneof("body") == "token"
+    raw.call.cancel()                                        # no CloseSession: the client just vanishes
+    deadline = time.monotonic() + 10
+    while any(("gone", 1) in w.sessions for w in route.workers) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(("gone", 1) in w.sessions for w in route.workers)
+    assert all(("gone", 1) not in w.engine.sessions for w in route.workers)
+    c.close()

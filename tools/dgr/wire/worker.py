@@ -350,12 +350,22 @@ class StageWorker(pb_grpc.StageServicer):
                 out.put(_END)
 
         threading.Thread(target=read, daemon=True, name="frames-in").start()
-        context.add_callback(lambda: out.put(_END))
+        context.add_callback(lambda: (out.put(_END), self._client_gone(out)))
         while True:
             item = out.get()
             if item is _END:
                 return
             yield item
+
+    def _client_gone(self, out: queue.Queue) -> None:
+        """The client's stream ended: stop decoding for it and free its sessions along the route."""
+        with self.lock:
+            orphans = [k for k, v in self.sessions.items() if v.client is out and not v.done]
+            for k in orphans:
+                self.sessions[k].failed = True
+        for sid, epoch in orphans:
+            threading.Thread(target=self.CloseSession, args=(
+                pb.CloseSessionRequest(session_id=sid, epoch=epoch, chain=True), None), daemon=True).start()
 
     def _reply_error(self, reply: queue.Queue | None, frame: pb.Frame, err: pb.WireError) -> None:
         if reply is not None:
