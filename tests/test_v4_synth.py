@@ -171,6 +171,7 @@ def test_options_change_structure(tmp_path):
     ({"indexer_dim": 96}, "multiple of 64"),
     ({"hash_layers": 5}, "--hash-layers"),
     ({"n_experts_used": 9}, "experts used"),
+    ({"head_dim": 64, "indexer_dim": 64}, "must differ"),
 ])
 def test_invalid_shapes_are_refused(tmp_path, kw, msg):
     with pytest.raises(DgrError, match=msg):

@@ -73,7 +73,10 @@ class DeepSeek4Shape:
     embd: int = 128
     hc_mult: int = 4
     n_head: int = 4
-    head_dim: int = 64            # key_length == value_length (K-only MQA: one KV head)
+    # key_length == value_length (K-only MQA: one KV head). Not equal to the indexer key length, as in
+    # the real model (512 vs 128): when they are equal, llama.cpp Hadamard-rotates every V4 K cache,
+    # not only the indexer's (src/llama-kv-cache.cpp:328), which is another code path.
+    head_dim: int = 128
     rope_dim: int = 16
     q_lora_rank: int = 64
     o_groups: int = 2
@@ -128,6 +131,9 @@ class DeepSeek4Shape:
             raise bad(f"indexer key length must be a multiple of {INDEXER_KEY_MULTIPLE}, got {self.indexer_dim}")
         if not 0 < self.rope_dim <= self.head_dim or self.rope_dim % 2:
             raise bad(f"rope dim must be even and in (0, head_dim={self.head_dim}], got {self.rope_dim}")
+        if self.head_dim == self.indexer_dim:
+            raise bad(f"head dim and indexer key length must differ (both {self.head_dim}): equal sizes switch "
+                      f"llama.cpp to rotating every V4 K cache, unlike the real model")
         if self.rope_dim > self.indexer_dim:
             raise bad(f"rope dim {self.rope_dim} must not exceed the indexer key length {self.indexer_dim}")
         if not 0 < self.n_expert_used <= self.n_expert:
