@@ -25,8 +25,8 @@ def register(sub) -> None:
     s.add_argument("--wire-dtype", default=None, help="f32 | f16 | bf16 (default: the bundle's)")
     s.add_argument("--max-message-bytes", type=int, default=DEFAULT_MAX_MESSAGE_BYTES)
     s.add_argument("--max-batch-tokens", type=int, default=512)
-    s.add_argument("--n-ctx", type=int, default=4096, help="positions per session (real engine)")
-    s.add_argument("--max-sessions", type=int, default=16, help="concurrent sessions (real engine)")
+    s.add_argument("--n-ctx", type=int, default=2048, help="positions per session (real engine)")
+    s.add_argument("--max-sessions", type=int, default=8, help="concurrent sessions (real engine)")
     s.set_defaults(func=_serve)
 
     g = sub.add_parser("generate", help="generate text through a route of stage workers")
@@ -47,6 +47,7 @@ def register(sub) -> None:
     d.add_argument("--stages", type=int, default=3)
     d.add_argument("--max-tokens", type=int, default=32)
     d.add_argument("--prompt", default="The capital of France is")
+    d.add_argument("--prefill-tokens", type=int, default=256, help="also time prefill of a prompt this long (0: skip)")
     d.set_defaults(func=_demo)
 
     p = sub.add_parser("wire", help="wire protocol maintenance")
@@ -103,7 +104,8 @@ def _generate(args) -> int:
 def _demo(args) -> int:
     from dgr.wire.demo import run_demo
 
-    return run_demo(stages=args.stages, max_tokens=args.max_tokens, prompt=args.prompt)
+    return run_demo(stages=args.stages, max_tokens=args.max_tokens, prompt=args.prompt,
+                    prefill_tokens=args.prefill_tokens)
 
 
 def _protoc(args) -> int:

@@ -85,7 +85,19 @@ def source_gguf(recipe) -> Path:
     return resolve(src.uri, src.blake3, base_dir=recipe.path.parent, progress=False)
 
 
-def run_demo(*, stages: int = 3, max_tokens: int = 32, prompt: str = "The capital of France is") -> int:
+def long_prompt(tokenize, n: int) -> list[int]:
+    """About `n` tokens of plain text (for prefill throughput)."""
+    text = ("In a distributed pipeline each machine owns a contiguous range of layers and passes the "
+            "residual stream on to the next one. ")
+    reps, ids = 1, tokenize(text)
+    while len(ids) < n:
+        reps *= 2
+        ids = tokenize(text * reps)
+    return ids[:n]
+
+
+def run_demo(*, stages: int = 3, max_tokens: int = 32, prompt: str = "The capital of France is",
+             prefill_tokens: int = 256) -> int:
     from dgr.engine import Engine
     from dgr.enginebuild import ensure_engine
     from dgr.wire.client import RouteClient
@@ -104,10 +116,14 @@ def run_demo(*, stages: int = 3, max_tokens: int = 32, prompt: str = "The capita
             print(ev.text, end="", flush=True)
         print("\n")
         gen = client.last
+        eos = tuple(client._hops[-1].eos_token_ids)
+        long_ids = long_prompt(client.tokenize, prefill_tokens) if prefill_tokens else []
+        if long_ids:
+            long_gen = client.run(long_ids, max_new_tokens=1)
     whole_engine = Engine.open(source_gguf(recipe), lib=lib)
     try:
-        eos = tuple(client._hops[-1].eos_token_ids) if client._hops else ()
         whole = whole_model_run(whole_engine, gen.prompt_ids, max_tokens, eos)
+        long_whole = whole_model_run(whole_engine, long_ids, 1) if long_ids else None
     finally:
         whole_engine.close()
     same = whole.token_ids == gen.token_ids
@@ -119,4 +135,8 @@ def run_demo(*, stages: int = 3, max_tokens: int = 32, prompt: str = "The capita
           f"{gen.decode_tokens_per_s:.1f} tok/s; per-hop overhead {hop_overhead_ms(gen, stages):.2f} ms")
     print(f"whole model:        prefill {whole.prefill_tokens_per_s:.1f} tok/s, decode "
           f"{whole.decode_tokens_per_s:.1f} tok/s")
+    if long_ids:
+        print(f"prefill of a {len(long_ids)}-token prompt: pipeline {long_gen.prefill_tokens_per_s:.1f} tok/s, "
+              f"whole model {long_whole.prefill_tokens_per_s:.1f} tok/s"
+              f"{'' if long_gen.token_ids == long_whole.token_ids else ' (next token DIFFERS)'}")
     return 0 if same else 1
