@@ -1,0 +1,217 @@
+"""Recipes to bundles: split and rejoin byte for byte, determinism, dgr.* keys, quantization, recipe errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+
+from dgr.bundle import build, load_bundle
+from dgr.cli import main
+from dgr.constants import FORMAT_VERSION, MANIFEST_NAME, Keys
+from dgr.ggufmodel import read_header
+from dgr.source import file_blake3
+from dgr.synth import synth
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def write_recipe(dirpath: Path, model: Path, placement: str, *, name: str = "t", extra: str = "",
+                 blake: str | None = None, chunk: int = 65536) -> Path:
+    p = dirpath / f"{name}.toml"
+    p.write_text(f'''name = "{name}"
+{extra}
+[source]
+uri = "{os.path.relpath(model, dirpath)}"
+blake3 = "{blake or file_blake3(model)}"
+
+[placement]
+{placement}
+
+[bundle]
+chunk_size = {chunk}
+''')
+    return p
+
+
+def source_bytes(h, name: str) -> bytes:
+    t = h.tensor(name)
+    with open(h.path, "rb") as f:
+        f.seek(h.data_offset + t.offset)
+        return f.read(t.nbytes)
+
+
+def assert_split_rejoins(bundle, source: Path) -> None:
+    """Every stage tensor equals the source tensor; every source tensor is where it belongs."""
+    src = read_header(source)
+    m = bundle.manifest
+    n = len(m.stages)
+    seen: dict[str, list[int]] = {}
+    for s in m.stages:
+        h = read_header(bundle.root / s.file)
+        assert h.get(Keys.STAGE_INDEX) == s.index and h.get(Keys.STAGE_COUNT) == n
+        assert (h.get(Keys.LAYER_BEGIN), h.get(Keys.LAYER_END)) == (s.layer_begin, s.layer_end)
+        assert h.get(Keys.LAYER_TOTAL) == m.model.n_layer and h.get(Keys.FORMAT_VERSION) == FORMAT_VERSION
+        assert h.get(Keys.SOURCE_BLAKE3) == m.source.blake3 and h.get(Keys.RECIPE_BLAKE3) == m.recipe.blake3
+        assert h.get(Keys.BOUNDARY_N_EMBD) == m.model.n_embd and h.get(Keys.BOUNDARY_N_STREAMS) == 1
+        # original metadata kept bit for bit (block_count stays the whole model's)
+        for key, kv in src.kvs.items():
+            assert h.kvs[key].raw == kv.raw, key
+        assert len(h.tensors) == s.tensor_count
+        for t in h.tensors:
+            st = src.tensor(t.name)
+            assert (t.shape, t.type) == (st.shape, st.type)
+            assert source_bytes(h, t.name) == source_bytes(src, t.name), t.name
+            seen.setdefault(t.name, []).append(s.index)
+    tied = m.model.tied_embeddings
+    for t in src.tensors:
+        if t.name.startswith("blk."):
+            layer = int(t.name.split(".")[1])
+            want = [s.index for s in m.stages if s.layer_begin <= layer < s.layer_end]
+        elif t.name == "token_embd.weight":
+            want = sorted({0, n - 1}) if tied else [0]
+        else:  # output_norm, output
+            want = [n - 1]
+        assert seen.get(t.name) == want, (t.name, seen.get(t.name), want)
+
+
+@pytest.mark.parametrize("arch,tied", [("llama", False), ("llama", True), ("qwen2", False), ("qwen3", False),
+                                       ("gemma3", True), ("qwen3moe", False)])
+def test_split_rejoin_synthetic(tmp_path, arch, tied):
+    model = synth(arch, 5, 64, 3, tmp_path / "m.gguf", tied=tied)
+    r = write_recipe(tmp_path, model, "stages = [[0, 1], [1, 3], [3, 5]]")
+    b = build(r, tmp_path / "store")
+    assert [(s.layer_begin, s.layer_end) for s in b.manifest.stages] == [(0, 1), (1, 3), (3, 5)]
+    assert_split_rejoins(b, model)
+    # stage files open with the gguf package's reader too (an independent parser)
+    for p in b.stage_paths:
+        assert len(gguf.GGUFReader(p).tensors) > 0
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_split_rejoin_smollm2(tmp_path, smollm2_gguf, n):
+    b = build(REPO / "recipes" / f"smollm2-135m-{n}stage" / "recipe.toml", tmp_path / "store")
+    assert len(b.manifest.stages) == n
+    assert b.manifest.source.blake3 == file_blake3(smollm2_gguf)
+    assert_split_rejoins(b, smollm2_gguf)
+    # the tied embedding rides on the last stage as the LM head
+    last = read_header(b.stage_paths[-1])
+    assert {t.name for t in last.tensors} >= {"token_embd.weight", "output_norm.weight"}
+
+
+def test_two_builds_are_identical(tmp_path):
+    model = synth("qwen3", 4, 64, 11, tmp_path / "m.gguf")
+    r = write_recipe(tmp_path, model, "stages = [[0, 2], [2, 4]]")
+    a = build(r, tmp_path / "s1")
+    b = build(r, tmp_path / "s2")
+    assert a.id == b.id
+    for pa, pb in zip(a.stage_paths, b.stage_paths):
+        assert pa.read_bytes() == pb.read_bytes()
+    assert (a.root / MANIFEST_NAME).read_bytes() == (b.root / MANIFEST_NAME).read_bytes()
+    raw = (a.root / MANIFEST_NAME).read_text()
+    assert str(tmp_path) not in raw  # no absolute paths from the build machine
+    man = json.loads(raw)
+    assert man["recipe"]["text"] == r.read_text() and man["stages"][1]["boundary_in"]["dtype"] == "f32"
+
+
+def test_smollm2_build_twice_same_id(tmp_path, smollm2_gguf):
+    r = REPO / "recipes" / "smollm2-135m-planned" / "recipe.toml"
+    a, b = build(r, tmp_path / "s1"), build(r, tmp_path / "s2")
+    assert a.id == b.id and a.root.name == b.root.name
+    assert [p.read_bytes() == q.read_bytes() for p, q in zip(a.stage_paths, b.stage_paths)] == [True] * 3
+    # the planned placement fits each worker's memory
+    mem = [64 * 2**20, 40 * 2**20, 48 * 2**20]
+    assert all(s.weight_bytes <= m for s, m in zip(a.manifest.stages, mem))
+    assert a.manifest.stages[1].boundary_in.dtype == "f16"
+
+
+def test_quantization_rules(tmp_path):
+    model = synth("llama", 2, 64, 2, tmp_path / "m.gguf")
+    extra = '[quantization]\nrules = [{ pattern = "blk.*.ffn_[gud]*.weight", type = "Q8_0" }, ' \
+            '{ pattern = "blk.*.attn_[qk].weight", type = "F16" }]'
+    b = build(write_recipe(tmp_path, model, "stages = [[0, 1], [1, 2]]", extra=extra), tmp_path / "store")
+    src = gguf.GGUFReader(model)
+    srcs = {t.name: t for t in src.tensors}
+    for p in b.stage_paths:
+        for t in gguf.GGUFReader(p).tensors:
+            f = np.asarray(srcs[t.name].data, dtype=np.float32)
+            if ".ffn_" in t.name and "norm" not in t.name:
+                assert t.tensor_type == gguf.GGMLQuantizationType.Q8_0
+                want = gguf.quants.quantize(f.reshape(-1, f.shape[-1]), gguf.GGMLQuantizationType.Q8_0)
+                assert bytes(t.data) == want.tobytes()
+            elif t.name.endswith(("attn_q.weight", "attn_k.weight")):
+                assert t.tensor_type == gguf.GGMLQuantizationType.F16
+                assert bytes(t.data) == f.astype(np.float16).tobytes()
+            else:
+                assert t.tensor_type == srcs[t.name].tensor_type and bytes(t.data) == bytes(srcs[t.name].data)
+
+
+def _err(capsys, argv) -> str:
+    code = main(argv)
+    err = capsys.readouterr().err
+    assert code != 0, err
+    return err
+
+
+def test_recipe_errors_say_what_to_fix(tmp_path, capsys):
+    model = synth("llama", 4, 64, 0, tmp_path / "m.gguf")
+    store = str(tmp_path / "store")
+
+    def err_for(placement: str, **kw) -> str:
+        r = write_recipe(tmp_path, model, placement, **kw)
+        return _err(capsys, ["recipe", "build", str(r), "--store", store, "-q"])
+
+    e = err_for("stages = [[0, 3], [2, 4]]")
+    assert "placement.stages" in e and "overlaps" in e
+    e = err_for("stages = [[0, 1], [2, 4]]")
+    assert "layers [1, 2) in no stage" in e
+    e = err_for("stages = [[0, 2], [2, 6]]")
+    assert "past the model's last layer" in e and "4 layers" in e
+    e = err_for("stages = [[0, 2]]")
+    assert "layers [2, 4) are in no stage" in e
+    e = err_for("stages = [[0, 4]]", extra='[quantization]\nrules = [{ pattern = "*", type = "Q9_Z" }]')
+    assert "quantization.rules.0.type" in e and "unknown GGML type 'Q9_Z'" in e
+    e = err_for("stages = [[0, 4]]", extra='[quantization]\nrules = [{ pattern = "blk.*.ffn_up.weight", type = "Q4_K" }]')
+    assert "needs the pinned llama.cpp quantizer" in e and "blk.0.ffn_up.weight" in e
+    e = err_for("stages = [[0, 4]]", blake="0" * 64)
+    assert "blake3 mismatch" in e and file_blake3(model) in e
+    e = err_for("stages = [[0, 4]]", extra='colour = "blue"')
+    assert "colour: unknown field" in e
+    e = err_for('workers = [{ name = "a", memory = "10KiB" }]')
+    assert "does not fit" in e
+    r = write_recipe(tmp_path, model, "stages = [[0, 4]]")
+    e = _err(capsys, ["recipe", "build", str(r), "--store", "/home/someone/models"])
+    assert "under /home" in e and "mounted" in e
+    assert not list((tmp_path / "store").glob("t-*")), "a failed build leaves no bundle behind"
+
+
+def test_recipe_new_scaffolds_a_buildable_recipe(tmp_path, capsys):
+    model = synth("llama", 6, 32, 0, tmp_path / "m.gguf")
+    assert main(["recipe", "new", "--name", "my-split", "--from-model", str(model), "--set", "n_stages=3",
+                 "-o", str(tmp_path)]) == 0
+    path = Path(capsys.readouterr().out.strip())
+    assert path == tmp_path / "my-split" / "recipe.toml"
+    assert "stages = [[0, 2], [2, 4], [4, 6]]" in path.read_text()
+    assert main(["recipe", "build", str(path.parent), "--store", str(tmp_path / "store"), "-q"]) == 0
+    b = load_bundle(next((tmp_path / "store").glob("my-split-*")))
+    assert len(b.manifest.stages) == 3
+
+
+def test_load_bundle_rejects_edited_manifest(tmp_path):
+    model = synth("llama", 2, 32, 0, tmp_path / "m.gguf")
+    b = build(write_recipe(tmp_path, model, "stages = [[0, 1], [1, 2]]"), tmp_path / "store")
+    assert load_bundle(b.root).id == b.id
+    assert [p.name for p in b.stage_paths] == ["stage-00-of-02.gguf", "stage-01-of-02.gguf"]
+    other = tmp_path / "copy"
+    shutil.copytree(b.root, other)
+    raw = json.loads((other / MANIFEST_NAME).read_text())
+    (other / MANIFEST_NAME).write_text(json.dumps(raw, indent=1))
+    from dgr.errors import BundleError
+
+    with pytest.raises(BundleError, match="canonical"):
+        load_bundle(other)
