@@ -61,3 +61,27 @@ def test_worker_refuses_bad_arguments():
     out = subprocess.run([sys.executable, "-m", "dgr", "worker", "serve", "--fake-engine", SPEC, "--stage", "7"],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "no stage 7" in out.stderr
+
+
+def test_health_and_describe():
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from dgr.wire.gen import stage_pb2 as pb
+    from dgr.wire.gen import stage_pb2_grpc as pb_grpc
+
+    model = FakeModel.from_spec(SPEC)
+    with _workers() as r:
+        for i, address in enumerate(r.addresses):
+            with grpc.insecure_channel(address) as ch:
+                for service in ("", "dgr.v1.Stage"):
+                    status = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=service),
+                                                                 timeout=10).status
+                    assert status == health_pb2.HealthCheckResponse.SERVING
+                d = pb_grpc.StageStub(ch).Describe(pb.DescribeRequest(), timeout=10)
+            assert (d.identity.stage_index, d.identity.stage_count, d.identity.bundle_id) == (i, 3, model.bundle_id)
+            assert (d.identity.layer_begin, d.identity.layer_end) == model.ranges[i]
+            assert d.is_first == (i == 0) and d.is_last == (i == 2) and d.has_vocab
+            assert d.HasField("schema_in") == (i > 0) and d.HasField("schema_out") == (i < 2)
+            if i == 1:
+                assert d.schema_in.token_ids and d.schema_in.layer == 2 and d.seam_bytes_per_token == 16 * 4
