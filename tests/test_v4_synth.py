@@ -164,6 +164,14 @@ def test_options_change_structure(tmp_path):
     assert list(t["blk.0.ffn_gate_tid2eid.weight"].shape)[0] == 3
 
 
+def test_hash_layers_default_to_three_or_fewer(tmp_path):
+    assert make_shape().hash_layers == 3
+    r = GGUFReader(synth_deepseek4(tmp_path / "two.gguf", layers=2, compress_ratios=[4, 128]))
+    assert _kv(r, A + "hash_layer_count") == 2
+    assert {t.name for t in r.tensors if "tid2eid" in t.name} == {"blk.0.ffn_gate_tid2eid.weight",
+                                                                   "blk.1.ffn_gate_tid2eid.weight"}
+
+
 @pytest.mark.parametrize("kw, msg", [
     ({"compress_ratios": [0, 4, 64, 0]}, "compress ratios must be from"),
     ({"compress_ratios": [0, 4]}, "one ratio per main layer"),

@@ -239,7 +239,7 @@ def make_shape(
     *,
     layers: int = 4,
     embd: int = 128,
-    hash_layers: int = 3,
+    hash_layers: int | None = None,
     compress_ratios: tuple[int, ...] | list[int] | None = None,
     mtp: bool = True,
     n_experts: int = 8,
@@ -250,6 +250,8 @@ def make_shape(
     from dgr.synth import tokenizer_vocab  # the byte-level BPE shared by all synthetic models
 
     ratios = tuple(default_ratios(layers) if compress_ratios is None else compress_ratios)
+    if hash_layers is None:
+        hash_layers = min(3, layers)  # V4 has 3
     shape = DeepSeek4Shape(
         layers=layers, embd=embd, hash_layers=hash_layers, compress_ratios=ratios, mtp=mtp,
         n_expert=n_experts, n_expert_used=n_experts_used, n_vocab=len(tokenizer_vocab()[0]), **overrides,
@@ -264,7 +266,7 @@ def synth_deepseek4(
     layers: int = 4,
     embd: int = 128,
     seed: int = 0,
-    hash_layers: int = 3,
+    hash_layers: int | None = None,
     compress_ratios: tuple[int, ...] | list[int] | None = None,
     mtp: bool = True,
     n_experts: int = 8,
@@ -275,6 +277,7 @@ def synth_deepseek4(
 ) -> Path:
     """Write a random-weight `deepseek4` GGUF to `path` and return it.
 
+    `hash_layers` defaults to V4's 3 (fewer when there are fewer layers).
     `compress_ratios` gives one ratio from {0, 4, 128} per main layer (default: 0, 4, 128 repeating);
     the MTP block, when `mtp`, is appended with ratio 0. `overrides` set other `DeepSeek4Shape` fields
     (n_head, head_dim, sliding_window, ...). `dtype` is the type of the matrices (f32 or f16); norms,
