@@ -19,9 +19,10 @@ import pytest
 from gguf import GGUFReader, GGMLQuantizationType
 
 from dgr.errors import DgrError
+from dgr.ggufmodel import INPUT, OUTPUT, classify
 from dgr.synth_deepseek4 import (
-    COMPRESS_RATIOS, CSA_RATIO, HCA_RATIO, INDEXER_KEY_MULTIPLE, make_shape, synth_deepseek4,
-    synth_deepseek4_v4shape, tensor_inventory,
+    COMPRESS_RATIOS, CSA_RATIO, GLOBAL_INPUT, GLOBAL_OUTPUT, HCA_RATIO, INDEXER_KEY_MULTIPLE, make_shape,
+    synth_deepseek4, synth_deepseek4_v4shape, tensor_inventory,
 )
 
 A = "deepseek4."
@@ -151,6 +152,22 @@ def test_inventory_matches_file(tiny):
     shape = make_shape()
     assert [(n, tuple(reversed(s))) for n, s, _ in tensor_inventory(shape)] == \
         [(t.name, tuple(int(x) for x in t.shape)) for t in GGUFReader(tiny).tensors]
+
+
+def test_stage_roles_of_global_tensors():
+    # what dgr's bundle builder places on the first / last stage agrees with the V4 layout
+    names = [n for n, _, _ in tensor_inventory(make_shape()) if not n.startswith("blk.")]
+    assert sorted(names) == sorted(GLOBAL_INPUT + GLOBAL_OUTPUT)
+    assert all(classify(n) == INPUT for n in GLOBAL_INPUT)
+    assert all(classify(n) == OUTPUT for n in GLOBAL_OUTPUT)
+    assert classify("blk.4.nextn.eh_proj.weight") == 4 and classify("blk.0.ffn_gate_tid2eid.weight") == 0
+
+
+def test_f16_matrices(tmp_path):
+    t = _tensors(GGUFReader(synth_deepseek4(tmp_path / "h.gguf", dtype="f16")))
+    assert t["blk.1.ffn_up_exps.weight"].tensor_type == GGMLQuantizationType.F16
+    assert t["blk.1.attn_norm.weight"].tensor_type == GGMLQuantizationType.F32
+    assert t["blk.0.ffn_gate_tid2eid.weight"].tensor_type == GGMLQuantizationType.I32
 
 
 def test_options_change_structure(tmp_path):

@@ -30,38 +30,20 @@ from dgr.errors import DgrError
 
 ARCH = "deepseek4"
 
-# Compression ratios the pinned loader accepts, and the one the MTP block must have.
+# Compression ratios the pinned loader accepts (the MTP block always has 0).
 COMPRESS_RATIOS = (0, 4, 128)
 CSA_RATIO = 4     # compressed sparse attention: compressor + lightning indexer
 HCA_RATIO = 128   # heavily compressed attention: compressor only
 EXPERT_GATING_SQRT_SOFTPLUS = 4  # LLAMA_EXPERT_GATING_FUNC_TYPE_SQRT_SOFTPLUS
 INDEXER_KEY_MULTIPLE = 64
 
-# Per-block tensors: (name pattern, kind). Shapes come from `_block_shapes`.
-# kinds: "w" weight (normal * scale), "one" RMS-norm multiplier (ones), "small" F32 vector (normal * scale),
-# "tid2eid" I32 hash-routing table.
-_ATTN = (
-    "attn_norm", "attn_sinks", "attn_q_a", "attn_q_a_norm", "attn_q_b", "attn_kv", "attn_kv_a_norm",
-    "attn_output_a", "attn_output_b",
-)
-_HC = ("hc_attn_fn", "hc_attn_base", "hc_attn_scale", "hc_ffn_fn", "hc_ffn_base", "hc_ffn_scale")
-_COMPRESSOR = ("attn_compressor_kv", "attn_compressor_gate", "attn_compressor_ape", "attn_compressor_norm")
-_INDEXER = (
-    "indexer.proj", "indexer.attn_q_b", "indexer_compressor_kv", "indexer_compressor_gate",
-    "indexer_compressor_ape", "indexer_compressor_norm",
-)
-_FFN = (
-    "ffn_gate_inp", "ffn_norm", "ffn_gate_exps", "ffn_down_exps", "ffn_up_exps",
-    "ffn_gate_shexp", "ffn_down_shexp", "ffn_up_shexp",
-)
-_MTP = ("nextn.eh_proj", "nextn.enorm", "nextn.hnorm")
+# Tensor kinds (how values are drawn): "w" weight (normal * scale, in the file's dtype), "one" RMS-norm
+# multiplier (ones), "small" F32 vector (normal * scale), "tid2eid" I32 hash-routing table.
+
 # Model-level tensors: token embedding (first stage), hyper-connection head + output norm + head (last).
 GLOBAL_INPUT = ("token_embd.weight",)
 GLOBAL_OUTPUT = ("output_hc_fn.weight", "output_hc_base.weight", "output_hc_scale.weight",
                  "output_norm.weight", "output.weight")
-
-_ONES = {"attn_norm", "attn_q_a_norm", "attn_kv_a_norm", "attn_compressor_norm", "indexer_compressor_norm",
-         "ffn_norm", "nextn.enorm", "nextn.hnorm", "output_norm"}
 
 
 @dataclass(frozen=True)
