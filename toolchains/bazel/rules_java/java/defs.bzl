@@ -1,0 +1,34 @@
+"""Offline stand-in for @rules_java//java:defs.bzl: the native Java rules of Bazel 4.
+
+dgr builds no Java; Bazel 4's @bazel_tools loads these names while it sets up its default toolchains.
+"""
+
+def java_binary(**kwargs):
+    native.java_binary(**kwargs)
+
+def java_import(**kwargs):
+    native.java_import(**kwargs)
+
+def java_library(**kwargs):
+    native.java_library(**kwargs)
+
+def java_test(**kwargs):
+    native.java_test(**kwargs)
+
+def java_plugin(**kwargs):
+    native.java_plugin(**kwargs)
+
+def java_proto_library(**kwargs):
+    native.java_proto_library(**kwargs)
+
+def java_lite_proto_library(**kwargs):
+    native.java_lite_proto_library(**kwargs)
+
+def java_runtime(**kwargs):
+    native.java_runtime(**kwargs)
+
+def java_toolchain(**kwargs):
+    native.java_toolchain(**kwargs)
+
+def java_package_configuration(**kwargs):
+    native.java_package_configuration(**kwargs)

@@ -1,0 +1,97 @@
+"""Backend lanes: one table and one macro per side, never a copy per backend.
+
+A lane is a backend build of llama.cpp + the ShardEngine (dgr.constants.LANES). Every lane has the
+same targets, made by the macros below from the `LANES` table:
+
+  @llama_cpp//:ggml_<lane>            ggml's backend registry with the lane's backend linked in
+  //worker:libdgr_engine_<lane>.so    the engine (C ABI) as a shared library
+  //worker:engine_<lane>              the same as a cc_library (for cc_test and other C++ users)
+  //:release_<lane>                   worker + engine + MANIFEST.json (blake3 of each file), a .tar
+
+`--config=<lane>` (.bazelrc) points the unsuffixed aliases (//worker:engine, //:release) at one lane.
+Lanes that need hardware this machine lacks are tagged `manual` (so `bazel test //...` skips them)
+plus `requires-<hardware>`; lanes that cannot be built here at all say why when built.
+"""
+
+# How the CPU lane's code may be vectorized. x86-64-v3 (AVX2, FMA, F16C, BMI2: Haswell and later) so
+# that a release runs on any such machine, rather than -march=native, which would tie the release to
+# the build machine and make it differ between builders.
+CPU_ARCH_COPTS = select({
+    "@bazel_tools//src/conditions:linux_x86_64": ["-march=x86-64-v3"],
+    "//conditions:default": [],
+})
+
+# status: "built-here" (built and tested by `bazel test //...`), "compiles-here" (built here, runs
+# only on hardware: manual + requires-*), "declared" (cannot be built here; `reason` says why).
+LANES = {
+    "cpu": struct(
+        defines = ["GGML_USE_CPU"],
+        backend = None,
+        tags = [],
+        status = "built-here",
+        reason = "",
+    ),
+    "cuda": struct(
+        defines = ["GGML_USE_CPU", "GGML_USE_CUDA"],
+        backend = None,
+        tags = ["manual", "requires-gpu", "requires-cuda"],
+        status = "declared",
+        reason = ("the CUDA lane is declared, not yet built by Bazel: build it with " +
+                  "`dgr build-engine --lane cuda` (CMake) or the Nix package .#cuda"),
+    ),
+    "vulkan": struct(
+        defines = ["GGML_USE_CPU", "GGML_USE_VULKAN"],
+        backend = None,
+        tags = ["manual", "requires-vulkan"],
+        status = "declared",
+        reason = ("the Vulkan lane is declared, not yet built by Bazel: build it with " +
+                  "`dgr build-engine --lane vulkan` (CMake) or the Nix package .#vulkan"),
+    ),
+    "rocm": struct(
+        defines = ["GGML_USE_CPU", "GGML_USE_HIP"],
+        backend = None,
+        tags = ["manual", "requires-gpu", "requires-rocm"],
+        status = "declared",
+        reason = ("the ROCm lane is declared, not built: Debian's HIP (5.2) is older than the HIP the " +
+                  "pinned llama.cpp needs (ROCm >= 6.1); build it with the Nix package .#rocm or a " +
+                  "host with ROCm 6.1+"),
+    ),
+    "metal": struct(
+        defines = ["GGML_USE_CPU", "GGML_USE_METAL"],
+        backend = None,
+        tags = ["manual", "requires-macos"],
+        status = "declared",
+        reason = ("the Metal lane is declared, not built: it needs macOS (Metal framework, Apple " +
+                  "clang); build it with the Nix package .#metal on a Mac"),
+    ),
+}
+
+def _declared_unavailable(name, lane, tags):
+    """A target that fails with the lane's reason when built (only by name: it is manual)."""
+    native.genrule(
+        name = name,
+        outs = [name + ".unavailable"],
+        cmd = "echo 'dgr: %s' >&2; exit 1" % LANES[lane].reason.replace("'", ""),
+        tags = tags,
+    )
+
+def ggml_lane_libraries(cxx_copts, defines, linkopts):
+    """In @llama_cpp's BUILD: `ggml_<lane>` for every lane (registry + CPU backend + the lane's)."""
+    for lane, info in LANES.items():
+        deps = [":ggml_base", ":ggml_cpu_backend"]
+        srcs = ["ggml/src/ggml-backend-reg.cpp", "ggml/src/ggml-backend-dl.cpp"]
+        if info.status == "declared":
+            _declared_unavailable("ggml_%s_unavailable" % lane, lane, info.tags)
+            srcs = srcs + [":ggml_%s_unavailable" % lane]
+        elif info.backend:
+            deps = deps + [":" + info.backend]
+        native.cc_library(
+            name = "ggml_" + lane,
+            srcs = srcs,
+            copts = cxx_copts,
+            linkopts = linkopts,
+            local_defines = defines + info.defines + ["GGML_BUILD"],
+            deps = deps,
+            tags = info.tags,
+            alwayslink = True,
+        )
