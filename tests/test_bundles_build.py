@@ -215,3 +215,19 @@ def test_load_bundle_rejects_edited_manifest(tmp_path):
 
     with pytest.raises(BundleError, match="canonical"):
         load_bundle(other)
+
+
+def test_build_fails_naming_a_tensor_that_fits_no_stage(tmp_path, capsys):
+    p = tmp_path / "odd.gguf"
+    w = gguf.GGUFWriter(str(p), "llama")
+    w.add_block_count(2)
+    w.add_embedding_length(8)
+    for name in ("token_embd.weight", "blk.0.attn_norm.weight", "blk.1.attn_norm.weight", "mystery_table.weight"):
+        w.add_tensor(name, np.zeros((8,), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    r = write_recipe(tmp_path, p, "stages = [[0, 1], [1, 2]]")
+    err = _err(capsys, ["recipe", "build", str(r), "--store", str(tmp_path / "store"), "-q"])
+    assert "mystery_table.weight" in err and "no layer dgr understands" in err

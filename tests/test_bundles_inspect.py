@@ -1,0 +1,55 @@
+"""`dgr inspect`: layers, widths, the boundary a split carries, bytes, tied embeddings, unknown tensors."""
+
+from __future__ import annotations
+
+import json
+
+import gguf
+import numpy as np
+
+from dgr.cli import main
+from dgr.ggufmodel import model_info
+from dgr.synth import synth
+
+
+def test_inspect_smollm2(smollm2_gguf, capsys):
+    assert main(["inspect", str(smollm2_gguf), "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert (r["arch"], r["n_layer"], r["n_embd"], r["n_streams"]) == ("llama", 30, 576, 1)
+    assert r["boundary_shape"] == [1, 576] and r["boundary_bytes_per_token"]["f32"] == 576 * 4
+    assert r["tied_embeddings"] is True and r["unknown_tensors"] == []
+    total = r["input_bytes"] + sum(r["layer_bytes"]) + r["output_bytes"] - r["input_bytes"]  # tied: counted twice
+    assert total == r["total_tensor_bytes"] and len(set(r["layer_bytes"])) == 1
+    assert main(["inspect", str(smollm2_gguf)]) == 0
+    text = capsys.readouterr().out
+    assert "layers:          30" in text and "tied embeddings: yes" in text and "unknown tensors: none" in text
+
+
+def test_inspect_deepseek4_mhc_boundary(tmp_path, capsys):
+    out = tmp_path / "v4.gguf"
+    assert main(["synth", "--arch", "deepseek4", "--layers", "4", "--embd", "128", "-o", str(out)]) == 0
+    capsys.readouterr()
+    assert main(["inspect", str(out), "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["arch"] == "deepseek4" and r["n_layer"] == 4 and r["n_layer_mtp"] == 1
+    assert r["boundary_shape"] == [4, 128] and r["boundary_bytes_per_token"]["bf16"] == 4 * 128 * 2
+    assert r["n_hash_layers"] == 3 and r["unknown_tensors"] == []
+    info = model_info(out)
+    assert info.needs_token_ids(1, 2) and info.needs_token_ids(2, 4) and not info.needs_token_ids(3, 4)
+
+
+def test_inspect_reports_unknown_tensors(tmp_path, capsys):
+    p = tmp_path / "odd.gguf"
+    w = gguf.GGUFWriter(str(p), "llama")
+    w.add_block_count(1)
+    w.add_embedding_length(8)
+    for name in ("token_embd.weight", "blk.0.attn_norm.weight", "mystery_table.weight"):
+        w.add_tensor(name, np.zeros((8,), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    assert main(["inspect", str(p)]) == 0
+    assert "UNKNOWN tensors" in capsys.readouterr().out and "mystery_table.weight" in model_info(p).unknown
+    assert main(["inspect", str(tmp_path / "missing.gguf")]) != 0
+    assert "cannot open" in capsys.readouterr().err
