@@ -701,25 +701,27 @@ class StageWorker(pb_grpc.StageServicer):
         tok.ring_ns = time.monotonic_ns() - tok.origin_sent_ns if tok.origin_sent_ns else 0
         sess.produced += 1
         sess.context_ids.append(tok.token_id)
+        tok.done = tok.token_id in sess.stop_ids or sess.produced >= sess.max_new
+        pos = tok.position + 1
+        if not tok.done and not sess.failed:
+            # queue the next decode step first: the ring goes on while this token is detokenized and sent
+            if pos >= self.info.n_ctx:
+                sess.failed = True
+                sess.client.put(pb.Frame(session_id=sess.session_id, epoch=sess.epoch, error=self._err(
+                    pb.ENGINE, f"the context of {self.info.n_ctx} positions is full")))
+            else:
+                nxt = pb.Frame(session_id=sess.session_id, epoch=sess.epoch, origin_sent_ns=time.monotonic_ns(),
+                               step=pb.Step(positions=[pos], token_ids=[tok.token_id], cache_expect=pos,
+                                            sample=True))
+                self._enqueue(_Work(nxt, sess.client, time.monotonic_ns()), sess)
+        else:
+            sess.done = True
         full = self._detok(sess.context_ids)
-        if full.endswith("\ufffd"):
+        if full.endswith("\ufffd") and not tok.done:
             tok.text = ""                               # an unfinished UTF-8 sequence: wait for more
         else:
             tok.text, sess.text = full[len(sess.text):], full
-        stop = tok.token_id in sess.stop_ids or sess.produced >= sess.max_new
-        tok.done = stop
         sess.client.put(frame)
-        if stop or sess.failed:
-            sess.done = True
-            return
-        pos = tok.position + 1
-        nxt = pb.Frame(session_id=sess.session_id, epoch=sess.epoch, origin_sent_ns=time.monotonic_ns(),
-                       step=pb.Step(positions=[pos], token_ids=[tok.token_id], cache_expect=pos, sample=True))
-        if pos >= self.info.n_ctx:
-            sess.client.put(pb.Frame(session_id=sess.session_id, epoch=sess.epoch, error=self._err(
-                pb.ENGINE, f"the context of {self.info.n_ctx} positions is full")))
-            return
-        self._enqueue(_Work(nxt, sess.client, time.monotonic_ns()), sess)
 
     # ------------------------------------------------------------------ lifecycle
     def stop(self) -> None:
