@@ -554,9 +554,12 @@ def build(recipe_path: str | Path, store: str | Path, *, progress: bool = False)
         (tmp / MANIFEST_NAME).write_bytes(raw)
         bid = blake3.blake3(raw).hexdigest()
         final = store / f"{r.name}-{bid[:12]}"
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
+        if (final / MANIFEST_NAME).is_file() and (final / MANIFEST_NAME).read_bytes() == raw:
+            shutil.rmtree(tmp)  # already built (builds are deterministic); leave the existing one in place
+        else:
+            if final.exists():
+                shutil.rmtree(final)
+            os.replace(tmp, final)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

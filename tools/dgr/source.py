@@ -30,8 +30,14 @@ _READ = 4 * 1024 * 1024
 
 
 def file_blake3(path: Path) -> str:
+    """blake3 of a file, read in fixed pieces into one buffer: memory stays bounded for any size
+    (`update_mmap` would map the whole file and show it all as resident memory)."""
     h = blake3.blake3(max_threads=blake3.blake3.AUTO)
-    h.update_mmap(path)
+    buf = bytearray(16 * 1024 * 1024)
+    view = memoryview(buf)
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(buf):
+            h.update(view[:n])
     return h.hexdigest()
 
 
