@@ -95,3 +95,64 @@ def ggml_lane_libraries(cxx_copts, defines, linkopts):
             tags = info.tags,
             alwayslink = True,
         )
+
+# The engine's own C++ (worker/engine): hidden visibility, only the C ABI (DGR_API) is exported.
+ENGINE_COPTS = [
+    "-std=gnu++17",
+    "-O3",
+    "-fopenmp",
+    "-fvisibility=hidden",
+    "-fvisibility-inlines-hidden",
+]
+
+def dgr_engine_lanes(srcs, hdrs, defines = []):
+    """In worker/engine: `engine_<lane>` (cc_library) and `libdgr_engine_<lane>.so` for every lane,
+    and `engine` / `libdgr_engine.so` aliases that follow --config=<lane> (default: cpu)."""
+    for lane, info in LANES.items():
+        native.cc_library(
+            name = "engine_" + lane,
+            srcs = srcs,
+            hdrs = hdrs,
+            copts = ENGINE_COPTS,
+            local_defines = defines,
+            includes = ["."],
+            deps = [
+                "@llama_cpp//:llama",
+                "@llama_cpp//:ggml_" + lane,
+            ],
+            tags = info.tags,
+            visibility = ["//visibility:public"],
+            alwayslink = True,
+        )
+        native.cc_binary(
+            name = "libdgr_engine_%s.so" % lane,
+            linkshared = True,
+            linkopts = ["-fopenmp"],
+            deps = [":engine_" + lane],
+            tags = info.tags,
+            visibility = ["//visibility:public"],
+        )
+    native.alias(
+        name = "engine",
+        actual = select(_lane_select(":engine_%s")),
+        visibility = ["//visibility:public"],
+    )
+    native.alias(
+        name = "libdgr_engine.so",
+        actual = select(_lane_select(":libdgr_engine_%s.so")),
+        visibility = ["//visibility:public"],
+    )
+
+def lane_config_settings():
+    """In toolchains/: `lane_<lane>` config_settings that --config=<lane> (--define=dgr_lane=) selects."""
+    for lane in LANES:
+        native.config_setting(
+            name = "lane_" + lane,
+            define_values = {"dgr_lane": lane},
+            visibility = ["//visibility:public"],
+        )
+
+def _lane_select(pattern):
+    choices = {"//toolchains:lane_" + lane: pattern % lane for lane in LANES if lane != "cpu"}
+    choices["//conditions:default"] = pattern % "cpu"
+    return choices

@@ -176,6 +176,8 @@ def _llama_cpp_repository_impl(ctx):
     ctx.file("WORKSPACE", 'workspace(name = "%s")\n' % ctx.name)
     ctx.template("BUILD.bazel", ctx.attr._build_template, {
         "%{UNITY_MODELS}": repr(unity),
+        # The patches call into worker/engine/dgr_hooks.cpp, compiled into llama beside them.
+        "%{HOOK_DEPS}": repr(["@//worker/engine:dgr_hooks"] if pin.get("patches") else []),
     }, executable = False)
 
 llama_cpp_repository = repository_rule(
