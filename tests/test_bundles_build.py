@@ -231,3 +231,26 @@ def test_build_fails_naming_a_tensor_that_fits_no_stage(tmp_path, capsys):
     r = write_recipe(tmp_path, p, "stages = [[0, 1], [1, 2]]")
     err = _err(capsys, ["recipe", "build", str(r), "--store", str(tmp_path / "store"), "-q"])
     assert "mystery_table.weight" in err and "no layer dgr understands" in err
+
+
+def test_deepseek4_bundle_carries_mhc_schema_sideband_and_excludes_mtp(tmp_path):
+    from dgr.synth_deepseek4 import synth_deepseek4
+
+    model = synth_deepseek4(tmp_path / "v4.gguf", layers=4, embd=128, seed=0, hash_layers=3, mtp=True)
+    b = build(write_recipe(tmp_path, model, "stages = [[0, 1], [1, 3], [3, 4]]"), tmp_path / "store")
+    m = b.manifest
+    assert (m.model.n_streams, m.model.n_layer, m.model.n_layer_all, m.model.n_hash_layers) == (4, 4, 5, 3)
+    assert m.excluded_tensors and all(t.startswith("blk.4.") for t in m.excluded_tensors)
+    s0, s1, s2 = m.stages
+    assert s0.boundary_in is None and s0.boundary_out.n_streams == 4 and s0.boundary_out.n_embd == 128
+    assert s1.boundary_in.token_ids is True   # starts inside the hash-routed layers
+    assert s2.boundary_in.token_ids is False and s2.boundary_out is None
+    for s, want in zip(m.stages, (False, True, False)):
+        h = read_header(b.root / s.file)
+        assert h.get(Keys.BOUNDARY_N_STREAMS) == 4 and h.get(Keys.BOUNDARY_TOKEN_IDS) is want
+        assert not any(t.name.startswith("blk.4.") for t in h.tensors)
+    last = {t.name for t in read_header(b.stage_paths[-1]).tensors}
+    assert {"output_hc_fn.weight", "output_norm.weight", "output.weight"} <= last
+    src = read_header(model)
+    placed = {t.name for p in b.stage_paths for t in read_header(p).tensors}
+    assert placed | set(m.excluded_tensors) == {t.name for t in src.tensors}
