@@ -635,8 +635,9 @@ int32_t dgr_detokenize(dgr_engine * eng, const int32_t * ids, int32_t n_ids, cha
 
 } // extern "C"
 
-// memory report: llama-ext.h's breakdown (C++ API of the same library)
+// memory report: llama-ext.h's breakdown (C++ API of the same library) and the model's own tensors
 #include "llama-ext.h"
+#include "llama-model.h"
 
 extern "C" int32_t dgr_engine_memory(dgr_engine * eng, dgr_memory * out) {
     return guarded([&] {
@@ -645,9 +646,14 @@ extern "C" int32_t dgr_engine_memory(dgr_engine * eng, dgr_memory * out) {
         dgr_memory m {};
         for (const auto & [buft, d] : llama_get_memory_breakdown(eng->ctx)) {
             (void) buft;
-            m.weights_bytes += d.model;
             m.kv_bytes      += d.context;
             m.compute_bytes += d.compute;
+        }
+        // the tensors the model created (with mmap, the mapped range of a whole file can be larger:
+        // it spans skipped tensors that are never read)
+        for (const auto & [name, t] : eng->model->tensors_by_name) {
+            (void) name;
+            m.weights_bytes += ggml_nbytes(t);
         }
         *out = m;
     });

@@ -72,7 +72,7 @@ typedef struct dgr_step_out {
 } dgr_step_out;
 
 typedef struct dgr_memory {
-    uint64_t weights_bytes;   // model buffers actually allocated/mapped
+    uint64_t weights_bytes;   // bytes of the weight tensors the model created (owned ones only)
     uint64_t kv_bytes;        // KV cache and other per-layer state
     uint64_t compute_bytes;   // compute buffers
 } dgr_memory;

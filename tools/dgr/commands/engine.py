@@ -23,7 +23,7 @@ def register(sub) -> None:
     p.add_argument("--ranges", help="with a whole GGUF: split it in this process, e.g. 0:10,10:30")
     _schedule_args(p)
     p.add_argument("--perturb-boundary", type=int, metavar="STAGE",
-                   help="negative control: add 1e-3 to one value of STAGE's output boundary (parity must fail)")
+                   help="negative control: add 1.0 to one value of STAGE's output boundary (parity must fail)")
     p.set_defaults(func=cmd_parity)
 
 
@@ -131,7 +131,9 @@ def cmd_parity(args) -> int:
         if args.perturb_boundary is not None:
             if not 0 <= args.perturb_boundary < len(engines) - 1:
                 raise DgrError(f"--perturb-boundary must name a non-last stage, 0..{len(engines) - 2}")
-            perturb = (args.perturb_boundary, 0, 0, 1e-3)
+            # a visible change: quantized matmuls round activations to 8 bits per block, so a tiny
+            # perturbation can vanish there and prove nothing
+            perturb = (args.perturb_boundary, 0, 0, 1.0)
         run = run_pipeline(engines, sched, perturb=perturb)
         stages = [f"[{e.describe().layer_begin},{e.describe().layer_end})" for e in engines]
     finally:

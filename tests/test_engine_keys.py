@@ -1,0 +1,14 @@
+"""worker/engine/dgr_keys.h mirrors dgr.constants.Keys: the C++ engine reads the same GGUF keys."""
+
+from __future__ import annotations
+
+import re
+
+from dgr.constants import Keys
+
+
+def test_cpp_keys_mirror_python_constants(repo_root):
+    text = (repo_root / "worker/engine/dgr_keys.h").read_text()
+    cpp = dict(re.findall(r'#define DGR_KEY_(\w+)\s+"([^"]+)"', text))
+    py = {k: v for k, v in vars(Keys).items() if k.isupper()}
+    assert cpp == py

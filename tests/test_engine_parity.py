@@ -1,0 +1,67 @@
+"""Exact parity: a split run of a bundle reproduces the whole model bit for bit (CPU, f32 boundary).
+
+Every architecture dgr claims: tiny random-weight models (dgr synth) split into 2, 3 and 4 stages
+(uneven splits, a one-layer stage, cuts on each side of a sliding-window layer for gemma3), prompts
+longer than one ubatch, two sessions interleaved in each batch, then greedy decode steps.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from dgr.parity import Schedule
+from test_engine_support import baseline_and_split, long_prompts, make_bundle, synth_model
+
+pytestmark = pytest.mark.engine
+
+# 6 layers; gemma3 (swa_pattern 2): layers 0, 2, 4 slide, 1, 3, 5 are full attention.
+SPLITS = {
+    "2-uneven": [(0, 1), (1, 6)],
+    "3-one-layer": [(0, 2), (2, 3), (3, 6)],     # [2, 3) is one (sliding-window) layer
+    "4": [(0, 1), (1, 2), (2, 5), (5, 6)],        # cuts before and after layer 1 (full), before 5
+}
+ARCHS = ["llama", "qwen2", "qwen3", "gemma3", "qwen3moe"]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    d = tmp_path_factory.mktemp("synth")
+    return {a: synth_model(d, a) for a in ARCHS}
+
+
+@pytest.mark.parametrize("split", sorted(SPLITS))
+@pytest.mark.parametrize("arch", ARCHS)
+def test_split_bundle_matches_whole_model_exactly(arch, split, models, engine_lib, tmp_path):
+    whole = models[arch]
+    bundle = make_bundle(whole, SPLITS[split], tmp_path)
+    # two sessions sharing every batch; prompts of 41 and 29 tokens over ubatches of 16
+    sched = Schedule(prompts=long_prompts(256), steps=4, n_ubatch=16)
+    base, run, c = baseline_and_split(whole, bundle.stage_paths, sched, engine_lib)
+    assert c.n_values == sum(len(p) + sched.steps for p in sched.prompts) * base.prefill_logits[0].shape[1]
+    assert c.first_diverging is None, f"{arch} {split}: first difference at {c.first_diverging}"
+    assert c.max_abs_diff == 0.0
+    assert run.generated == base.generated
+    # the boundary that crossed each seam: [tokens, 1, n_embd] float32 per forward
+    n_tok = sum(len(p) + sched.steps for p in sched.prompts)
+    assert run.boundary_bytes == [n_tok * 64 * 4] * (len(SPLITS[split]) - 1)
+
+
+def test_negative_control_one_perturbed_boundary_value_fails_parity(models, engine_lib, tmp_path):
+    whole = models["llama"]
+    bundle = make_bundle(whole, SPLITS["3-one-layer"], tmp_path)
+    sched = Schedule(prompts=long_prompts(256), steps=2, n_ubatch=16)
+    _, _, clean = baseline_and_split(whole, bundle.stage_paths, sched, engine_lib)
+    assert clean.exact
+    # add 1e-3 to the first value of stage 1's output boundary (session 0, position 0)
+    _, _, c = baseline_and_split(whole, bundle.stage_paths, sched, engine_lib, perturb=(1, 0, 0, 1e-3))
+    assert not c.exact
+    assert c.first_diverging == (0, "prefill", 0)
+    assert c.max_abs_diff > 0
+
+
+def test_range_overrides_on_a_whole_gguf_match_too(models, engine_lib):
+    whole = models["qwen3"]
+    sched = Schedule(prompts=long_prompts(256, lengths=(23,)), steps=3, n_ubatch=8)
+    ranges = [(0, 3), (3, 4), (4, 6)]
+    _, _, c = baseline_and_split(whole, [whole] * 3, sched, engine_lib, ranges=ranges)
+    assert c.exact, c

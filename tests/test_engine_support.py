@@ -1,0 +1,102 @@
+"""Helpers shared by the engine tests (imported by tests/test_engine_*.py): tiny models, bundles built
+by the real `dgr recipe build` code, and GGUF rewriting for bad-input tests. No tests here."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import blake3
+import gguf
+import numpy as np
+
+from dgr.engine import Engine
+from dgr.parity import Schedule, compare, open_stages, run_pipeline
+
+
+def b3(path: Path) -> str:
+    h = blake3.blake3()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def synth_model(dirpath: Path, arch: str, layers: int = 6, embd: int = 64, seed: int = 7) -> Path:
+    from dgr.synth import synth
+
+    return synth(arch, layers, embd, seed, Path(dirpath) / f"{arch}-{layers}L.gguf")
+
+
+def make_bundle(src: Path, ranges: list[tuple[int, int]], store: Path, name: str = "t"):
+    """A bundle of `src` split at `ranges`, written by dgr.bundle.build from a recipe."""
+    from dgr.bundle import build
+
+    store.mkdir(parents=True, exist_ok=True)
+    recipe = store / f"{name}.toml"
+    pairs = ", ".join(f"[{a}, {b}]" for a, b in ranges)
+    recipe.write_text(f'name = "{name}"\n\n[source]\nuri = "{src}"\nblake3 = "{b3(src)}"\n\n'
+                      f"[placement]\nstages = [{pairs}]\n")
+    return build(recipe, store / "out")
+
+
+def rewrite_gguf(src: Path, dst: Path, *, arch: str | None = None, set_kv: dict | None = None,
+                 drop_tensors: tuple[str, ...] = ()) -> Path:
+    """Copy a GGUF, optionally renaming its architecture (and its `<arch>.*` keys), overriding
+    integer keys, or dropping tensors."""
+    r = gguf.GGUFReader(str(src))
+    old_arch = str(r.fields["general.architecture"].contents())
+    new_arch = arch or old_arch
+    w = gguf.GGUFWriter(str(dst), new_arch)
+    set_kv = dict(set_kv or {})
+    for name, f in r.fields.items():
+        if name.startswith("GGUF.") or name == "general.architecture":
+            continue
+        key = new_arch + name[len(old_arch):] if name.startswith(old_arch + ".") else name
+        vtype = f.types[0]
+        if key in set_kv:
+            w.add_key_value(key, set_kv.pop(key), gguf.GGUFValueType.UINT32)
+            continue
+        if vtype == gguf.GGUFValueType.ARRAY:
+            w.add_key_value(key, f.contents(), vtype, sub_type=f.types[-1])
+        else:
+            w.add_key_value(key, f.contents(), vtype)
+    for key, val in set_kv.items():
+        w.add_key_value(key, val, gguf.GGUFValueType.UINT32)
+    for t in r.tensors:
+        if t.name in drop_tensors:
+            continue
+        shape = tuple(int(x) for x in reversed(t.shape.tolist()))  # numpy order of the logical tensor
+        w.add_tensor(t.name, np.asarray(t.data), raw_shape=shape, raw_dtype=t.tensor_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return dst
+
+
+def long_prompts(n_vocab: int, lengths=(41, 29), seed: int = 3) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, min(n_vocab, 256), size=n).tolist() for n in lengths]
+
+
+def baseline_and_split(whole: Path, stage_paths: list[Path], sched: Schedule, lib, *, ranges=None, perturb=None):
+    """(baseline, split run, comparison) for one schedule; the baseline is the whole file alone."""
+    n_ctx = max(len(p) for p in sched.prompts) + sched.steps + 8
+    [w] = open_stages([whole], n_ubatch=sched.n_ubatch, n_ctx=n_ctx, max_sessions=len(sched.prompts), lib=lib)
+    try:
+        base = run_pipeline([w], sched)
+    finally:
+        w.close()
+    forced = Schedule(prompts=sched.prompts, steps=sched.steps, n_ubatch=sched.n_ubatch,
+                      forced=[g[: sched.steps] for g in base.generated])
+    engines = open_stages(stage_paths, n_ubatch=sched.n_ubatch, n_ctx=n_ctx, max_sessions=len(sched.prompts),
+                          ranges=ranges, lib=lib)
+    try:
+        run = run_pipeline(engines, forced, perturb=perturb)
+    finally:
+        for e in engines:
+            e.close()
+    return base, run, compare(base, run)
+
+
+__all__ = ["Engine", "b3", "synth_model", "make_bundle", "rewrite_gguf", "long_prompts", "baseline_and_split"]
