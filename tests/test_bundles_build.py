@@ -254,3 +254,26 @@ def test_deepseek4_bundle_carries_mhc_schema_sideband_and_excludes_mtp(tmp_path)
     src = read_header(model)
     placed = {t.name for p in b.stage_paths for t in read_header(p).tensors}
     assert placed | set(m.excluded_tensors) == {t.name for t in src.tensors}
+
+
+@pytest.mark.slow
+def test_build_memory_stays_bounded(tmp_path):
+    """A build copies tensor data in pieces: peak memory grows far less than the model's size."""
+    import subprocess
+    import sys
+
+    model = synth("llama", 8, 1024, 0, tmp_path / "big.gguf", dtype="f16")
+    size = model.stat().st_size
+    assert size > 140 * 2**20
+    r = write_recipe(tmp_path, model, "stages = [[0, 3], [3, 8]]", chunk=8 * 2**20)
+    code = f"""
+import resource
+from dgr.bundle import build
+from dgr.source import file_blake3
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+build({str(r)!r}, {str(tmp_path / 'store')!r})
+print(before, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    before, after = (int(x) * 1024 for x in out.split())
+    assert after - before < 48 * 2**20 < size / 3, (before, after, size)
