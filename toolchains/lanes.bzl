@@ -134,12 +134,12 @@ def dgr_engine_lanes(srcs, hdrs, defines = []):
         )
     native.alias(
         name = "engine",
-        actual = select(_lane_select(":engine_%s")),
+        actual = select(lane_select(":engine_%s")),
         visibility = ["//visibility:public"],
     )
     native.alias(
         name = "libdgr_engine.so",
-        actual = select(_lane_select(":libdgr_engine_%s.so")),
+        actual = select(lane_select(":libdgr_engine_%s.so")),
         visibility = ["//visibility:public"],
     )
 
@@ -152,7 +152,43 @@ def lane_config_settings():
             visibility = ["//visibility:public"],
         )
 
-def _lane_select(pattern):
+def lane_select(pattern):
     choices = {"//toolchains:lane_" + lane: pattern % lane for lane in LANES if lane != "cpu"}
     choices["//conditions:default"] = pattern % "cpu"
     return choices
+
+def dgr_releases():
+    """At the top level: `release_<lane>` for every lane (and `release`, which follows --config).
+
+    Outputs release_<lane>.tar.gz and release_<lane>.MANIFEST.json (toolchains/bazel/release.py)."""
+    for lane, info in LANES.items():
+        engine = "//worker/engine:libdgr_engine_%s.so" % lane
+        native.genrule(
+            name = "release_" + lane,
+            srcs = [
+                engine,
+                "@llama_cpp//:dgr_upstream.json",
+                "//tools/dgr:dgr_files",
+            ],
+            outs = [
+                "release_%s.tar.gz" % lane,
+                "release_%s.MANIFEST.json" % lane,
+            ],
+            cmd = " ".join([
+                "python3 $(location //toolchains/bazel:release.py)",
+                "--lane " + lane,
+                "--out $(location release_%s.tar.gz)" % lane,
+                "--manifest $(location release_%s.MANIFEST.json)" % lane,
+                "--engine $(location %s)" % engine,
+                "--upstream $(location @llama_cpp//:dgr_upstream.json)",
+                "--python-root tools",
+                "$(locations //tools/dgr:dgr_files)",
+            ]),
+            tools = ["//toolchains/bazel:release.py"],
+            tags = info.tags,
+            visibility = ["//visibility:public"],
+        )
+    native.alias(
+        name = "release",
+        actual = select(lane_select(":release_%s")),
+    )

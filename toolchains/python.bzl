@@ -1,0 +1,48 @@
+"""The Python test suite as Bazel targets: one py_test per tests/test_*.py file.
+
+Each test runs through toolchains/bazel/dgr_launcher.py, which hands it the lane's Bazel-built engine
+(found through runfiles) as $DGR_ENGINE_LIB. Tests share dgr's workspace (.dgr/ or $DGR_WORKSPACE:
+the fetched upstream, downloaded models), which Bazel does not see: they are tagged `external` (never
+cached as passed) and run one at a time (.bazelrc: --local_test_jobs=1).
+"""
+
+load("@rules_python//python:defs.bzl", "py_binary", "py_test")
+load("//toolchains:lanes.bzl", "LANES", "lane_select")
+
+def dgr_py_tests(srcs, lane = "cpu", data = [], slow = [], tags = []):
+    engine = "//worker/engine:libdgr_engine_%s.so" % lane
+    for src in srcs:
+        name = src[:-len(".py")]
+        py_test(
+            name = name,
+            srcs = ["//toolchains/bazel:dgr_launcher.py", src],
+            main = "//toolchains/bazel:dgr_launcher.py",
+            args = ["--engine", "$(rootpath %s)" % engine, "--pytest", "$(rootpath %s)" % src],
+            data = data + [engine],
+            python_version = "PY3",
+            deps = ["//tools/dgr:dgr_lib", "@rules_python//python/runfiles"],
+            timeout = "eternal" if src in slow else "long",
+            tags = ["external"] + tags,
+        )
+
+def dgr_workers():
+    """`worker_<lane>`: `bazel run //worker:worker_cpu -- serve ...` runs `dgr worker serve ...` with
+    the lane's engine, found through runfiles. Tagged like the lane (manual where hardware is needed)."""
+    for lane, info in LANES.items():
+        engine = "//worker/engine:libdgr_engine_%s.so" % lane
+        py_binary(
+            name = "worker_" + lane,
+            srcs = ["//toolchains/bazel:dgr_launcher.py"],
+            main = "//toolchains/bazel:dgr_launcher.py",
+            args = ["--engine", "$(rootpath %s)" % engine, "worker"],
+            data = [engine],
+            python_version = "PY3",
+            deps = ["//tools/dgr:dgr_lib", "@rules_python//python/runfiles"],
+            tags = info.tags,
+            visibility = ["//visibility:public"],
+        )
+    native.alias(
+        name = "worker",
+        actual = select(lane_select(":worker_%s")),
+        visibility = ["//visibility:public"],
+    )
