@@ -9,7 +9,6 @@ import numpy as np
 
 from dgr.cli import main
 from dgr.ggufmodel import model_info
-from dgr.synth import synth
 
 
 def test_inspect_smollm2(smollm2_gguf, capsys):

@@ -676,6 +676,9 @@ def provision(path: str | Path, to: str | Path, *, max_chunks: int | None = None
     m = b.manifest
     chunk = m.chunk_size
     dest = to / f"{m.recipe.name}-{b.id[:12]}"
+    if dest.exists() and dest.resolve() == b.root.resolve():
+        raise StoreError(f"{dest} is the bundle itself; provision copies into another store "
+                         f"(use `dgr bundle verify {b.root}` to check it in place)")
     dest.mkdir(parents=True, exist_ok=True)
     rep = ProvisionReport(dest=dest, bundle_id=b.id, chunks_total=sum(len(s.chunks) for s in m.stages))
     for s in m.stages:
