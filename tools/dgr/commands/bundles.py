@@ -35,7 +35,11 @@ def _synth(args) -> int:
         out = synth_deepseek4(args.output, layers=args.layers, embd=args.embd, seed=args.seed, dtype=args.dtype,
                               hash_layers=args.hash_layers, mtp=args.mtp, **kw)
     else:
-        out = synth(args.arch, args.layers, args.embd, args.seed, args.output, tied=args.tied, dtype=args.dtype)
+        opts = {k: v for k, v in (("n_ff", args.n_ff), ("n_expert", args.experts),
+                                  ("n_expert_used", args.experts_used), ("swa", args.swa),
+                                  ("swa_pattern", args.swa_pattern)) if v is not None}
+        out = synth(args.arch, args.layers, args.embd, args.seed, args.output, tied=args.tied, dtype=args.dtype,
+                    **opts)
     print(out)
     return 0
 
@@ -127,6 +131,11 @@ def register(sub) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tied", action=argparse.BooleanOptionalAction, default=None, help="tie the LM head to the embedding")
     p.add_argument("--dtype", default="f32", choices=("f32", "f16"))
+    p.add_argument("--n-ff", type=int, help="FFN width (default 2 x embd; expert FFN width for MoE: embd)")
+    p.add_argument("--experts", type=int, help="qwen3moe: experts (default 4)")
+    p.add_argument("--experts-used", type=int, help="qwen3moe: experts per token (default 2)")
+    p.add_argument("--swa", type=int, help="gemma3: sliding window (default 8)")
+    p.add_argument("--swa-pattern", type=int, help="gemma3: every Nth layer is full attention (default 2)")
     p.add_argument("--hash-layers", type=int, default=3, help="deepseek4: leading hash-routed layers")
     p.add_argument("--compress-ratios", help="deepseek4: per-layer ratios from {0,4,128}, e.g. 0,4,128,0")
     p.add_argument("--mtp", action=argparse.BooleanOptionalAction, default=True, help="deepseek4: MTP block")
