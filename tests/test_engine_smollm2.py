@@ -31,7 +31,7 @@ def prompt_ids(smollm2_gguf, engine_lib):
 ], ids=["2", "3", "4"])
 def test_smollm2_bundle_parity_is_exact(ranges, smollm2_gguf, prompt_ids, engine_lib, tmp_path):
     bundle = make_bundle(smollm2_gguf, ranges, tmp_path, name="smol")
-    sched = Schedule(prompts=[prompt_ids, prompt_ids[:17]], steps=4, n_ubatch=16)
+    sched = Schedule(prompts=[prompt_ids, prompt_ids[:17]], steps=6, n_ubatch=16)
     base, run, c = baseline_and_split(smollm2_gguf, bundle.stage_paths, sched, engine_lib)
     assert c.exact, f"max abs {c.max_abs_diff}, first diverging {c.first_diverging}"
     assert run.generated == base.generated

@@ -627,7 +627,7 @@ int32_t dgr_detokenize(dgr_engine * eng, const int32_t * ids, int32_t n_ids, cha
                 throw dgr_exc(DGR_E_ENGINE, fmt("token id %d is outside the vocabulary [0, %d)", ids[i], eng->info.n_vocab));
             }
         }
-        n = llama_detokenize(eng->vocab, ids, n_ids, out, cap, false, false);
+        n = llama_detokenize(eng->vocab, ids, n_ids, out, cap, false, true); // render specials: round-trips tokenize()
         if (n < 0) n = -n;
     });
     return rc == DGR_OK ? n : -1;
