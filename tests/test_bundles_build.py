@@ -277,3 +277,12 @@ print(before, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     before, after = (int(x) * 1024 for x in out.split())
     assert after - before < 48 * 2**20 < size / 3, (before, after, size)
+
+
+def test_recipe_asking_for_mtp_is_refused(tmp_path, capsys):
+    model = synth("llama", 2, 32, 0, tmp_path / "m.gguf")
+    r = tmp_path / "mtp.toml"
+    r.write_text(f'name = "mtp"\n[source]\nuri = "m.gguf"\nblake3 = "{file_blake3(model)}"\n'
+                 '[placement]\nstages = [[0, 2]]\n[bundle]\ninclude_mtp = true\n')
+    err = _err(capsys, ["recipe", "build", str(r), "--store", str(tmp_path / "store")])
+    assert "bundle.include_mtp" in err and "reserved and off for alpha" in err
