@@ -379,6 +379,10 @@ def make_plan(recipe: LoadedRecipe, *, progress: bool = False) -> BuildPlan:
     r = recipe.recipe
     src = resolve(r.source.uri, r.source.blake3, base_dir=recipe.path.parent, progress=progress)
     info = model_info(src)
+    n_split = info.header.get("split.count", 1)
+    if n_split and int(n_split) > 1:
+        raise BundleError(f"{src}: is part 1 of a {n_split}-file split GGUF; dgr reads single-file models: "
+                          f"merge it first (llama-gguf-split --merge) and point source.uri at the merged file")
     if info.unknown:
         raise BundleError(f"{src}: tensors that belong to no layer dgr understands: {info.unknown[:10]}"
                           f"{' ...' if len(info.unknown) > 10 else ''}; dgr cannot place them in a stage "
