@@ -1,0 +1,31 @@
+{
+  # dgr as Nix packages and shells. Thin: the work is in nix/. docs/build.md.
+  #   nix develop            CPU shell (compilers, CMake, Bazel, Python with dgr's dependencies)
+  #   nix develop .#cuda     and .#rocm, .#vulkan, .#metal: the same plus the lane's toolkit
+  #   nix build .#cpu        the worker (engine + dgr) of a lane; .#dgr the tool alone
+  # llama.cpp's source and patches come from toolchains/llama.cpp.pin.json and patches/llama.cpp/
+  # (read here, never copied): the same pin Bazel and `dgr upstream` read.
+  description = "dgr: distributed GGUF runtime (shard workers over a pinned, patched llama.cpp)";
+
+  # Pinned nixpkgs (nixos-unstable, 2025-09-28). To update: change the rev, run `nix flake lock`.
+  inputs.nixpkgs.url = "github:NixOS/nixpkgs/e9f00bd893984bc8ce46c895c3bf7cac95331127";
+
+  outputs =
+    { self, nixpkgs }:
+    let
+      systems = [
+        "x86_64-linux"
+        "aarch64-linux"
+        "aarch64-darwin"
+      ];
+      forSystems = f: builtins.listToAttrs (map (system: { name = system; value = f system; }) systems);
+      pin = builtins.fromJSON (builtins.readFile ./toolchains/llama.cpp.pin.json);
+      scopeFor = system: import ./nix/scope.nix { inherit nixpkgs system pin; root = ./.; };
+    in
+    {
+      packages = forSystems (system: (scopeFor system).packages);
+      devShells = forSystems (system: (scopeFor system).devShells);
+      # The pin as Nix reads it (for checks and for `nix eval .#lib.pin.commit`).
+      lib = { inherit pin; };
+    };
+}
