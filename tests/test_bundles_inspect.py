@@ -52,3 +52,25 @@ def test_inspect_reports_unknown_tensors(tmp_path, capsys):
     assert "UNKNOWN tensors" in capsys.readouterr().out and "mystery_table.weight" in model_info(p).unknown
     assert main(["inspect", str(tmp_path / "missing.gguf")]) != 0
     assert "cannot open" in capsys.readouterr().err
+
+
+def test_inspect_a_bundle_stage(tmp_path, capsys):
+    from dgr.bundle import build
+    from dgr.source import file_blake3
+    from dgr.synth import synth
+
+    model = synth("llama", 4, 32, 0, tmp_path / "m.gguf", tied=True)
+    r = tmp_path / "r.toml"
+    r.write_text(f'name = "st"\n[source]\nuri = "m.gguf"\nblake3 = "{file_blake3(model)}"\n'
+                 '[placement]\nstages = [[0, 1], [1, 3], [3, 4]]\n[boundary]\ndtype = "bf16"\n')
+    b = build(r, tmp_path / "store")
+    reports = []
+    for p in b.stage_paths:
+        assert main(["inspect", str(p), "--json"]) == 0
+        reports.append(json.loads(capsys.readouterr().out))
+    assert [(x["stage"]["layer_begin"], x["stage"]["layer_end"]) for x in reports] == [(0, 1), (1, 3), (3, 4)]
+    assert [x["tied_embeddings"] for x in reports] == [False, False, True]
+    assert all(x["stage"]["boundary_dtype"] == "bf16" and x["n_layer"] == 4 for x in reports)
+    assert [sum(1 for v in x["layer_bytes"] if v) for x in reports] == [1, 2, 1]
+    assert main(["inspect", str(b.stage_paths[1])]) == 0
+    assert "bundle stage:    1 of 3 (recipe st), owns layers [1, 3)" in capsys.readouterr().out

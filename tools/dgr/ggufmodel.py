@@ -307,8 +307,12 @@ def model_info(path_or_header: str | Path | GGUFHeader) -> ModelInfo:
         else:
             layer_of[t.name] = owner
     names = {t.name for t in h.tensors}
+    tied = "output.weight" not in names
+    idx, cnt = h.get("dgr.stage.index"), h.get("dgr.stage.count")
+    if idx is not None and cnt is not None:  # a bundle stage: only the last one shows the LM head
+        tied = tied and idx == cnt - 1 and "token_embd.weight" in names
     return ModelInfo(
         path=h.path, arch=arch, n_layer=n_all - n_nextn, n_layer_all=n_all, n_embd=n_embd,
-        n_streams=n_streams, n_hash_layers=n_hash, tied_embeddings="output.weight" not in names,
+        n_streams=n_streams, n_hash_layers=n_hash, tied_embeddings=tied,
         header=h, layer_of=layer_of, unknown=unknown,
     )

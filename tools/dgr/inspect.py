@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from dgr.constants import Keys
 from dgr.ggufmodel import INPUT, OUTPUT, SHARED, model_info
 
 _DTYPE_BYTES = {"f32": 4, "f16": 2, "bf16": 2}
@@ -35,11 +36,17 @@ def inspect_model(path: str | Path) -> dict[str, Any]:
         "layer_bytes": lb[:info.n_layer],
         "mtp_layer_bytes": lb[info.n_layer:],
         "input_bytes": info.role_bytes(INPUT),
-        "output_bytes": info.role_bytes(OUTPUT) + (info.header.tensor("token_embd.weight").nbytes
-                                                   if info.tied_embeddings else 0),
+        "output_bytes": info.role_bytes(OUTPUT) + sum(t.nbytes for t in h.tensors
+                                                      if info.tied_embeddings and t.name == "token_embd.weight"),
         "shared_bytes": info.role_bytes(SHARED),
         "total_tensor_bytes": sum(t.nbytes for t in h.tensors),
         "unknown_tensors": info.unknown,
+        "stage": None if Keys.STAGE_INDEX not in h.kvs else {
+            "index": h.get(Keys.STAGE_INDEX), "count": h.get(Keys.STAGE_COUNT),
+            "layer_begin": h.get(Keys.LAYER_BEGIN), "layer_end": h.get(Keys.LAYER_END),
+            "recipe": h.get(Keys.RECIPE_NAME), "boundary_dtype": h.get(Keys.BOUNDARY_DTYPE),
+            "token_ids": h.get(Keys.BOUNDARY_TOKEN_IDS),
+        },
     }
 
 
@@ -59,6 +66,11 @@ def format_report(r: dict[str, Any]) -> str:
         + (f" (mHC: {r['n_streams']} x {r['n_embd']})" if r["n_streams"] > 1 else "")
         + "; bytes/token " + ", ".join(f"{d} {n}" for d, n in r["boundary_bytes_per_token"].items()),
     ]
+    st = r.get("stage")
+    if st:
+        lines.append(f"bundle stage:    {st['index']} of {st['count']} (recipe {st['recipe']}), owns layers "
+                     f"[{st['layer_begin']}, {st['layer_end']}); wire dtype {st['boundary_dtype']}"
+                     + ("; needs the token-id sideband" if st["token_ids"] else ""))
     if r["n_hash_layers"]:
         lines.append(f"hash layers:     {r['n_hash_layers']} (a stage starting inside them needs the token ids)")
     lines += [
