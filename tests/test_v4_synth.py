@@ -246,5 +246,6 @@ def test_llama_runs_it(tiny):
         pytest.skip("set DGR_LLAMA_BIN to a folder with the pinned llama.cpp's llama-simple")
     prompt = "hello world " * 30  # > 128 tokens, so the 128-compressed attention commits a block
     out = subprocess.run([str(Path(bindir) / "llama-simple"), "-m", str(tiny), "-n", "8", prompt],
-                         capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr[-2000:]
+                         capture_output=True, timeout=120)
+    assert out.returncode == 0, out.stderr.decode(errors="replace")[-2000:]
+    assert out.stdout.startswith(prompt.encode())  # the prompt, then up to 8 (random) generated tokens
