@@ -54,14 +54,14 @@ def rewrite_gguf(src: Path, dst: Path, *, arch: str | None = None, set_kv: dict 
         key = new_arch + name[len(old_arch):] if name.startswith(old_arch + ".") else name
         vtype = f.types[0]
         if key in set_kv:
-            w.add_key_value(key, set_kv.pop(key), gguf.GGUFValueType.UINT32)
+            _add(w, key, set_kv.pop(key))
             continue
         if vtype == gguf.GGUFValueType.ARRAY:
             w.add_key_value(key, f.contents(), vtype, sub_type=f.types[-1])
         else:
             w.add_key_value(key, f.contents(), vtype)
     for key, val in set_kv.items():
-        w.add_key_value(key, val, gguf.GGUFValueType.UINT32)
+        _add(w, key, val)
     for t in r.tensors:
         if t.name in drop_tensors:
             continue
@@ -72,6 +72,11 @@ def rewrite_gguf(src: Path, dst: Path, *, arch: str | None = None, set_kv: dict 
     w.write_tensors_to_file()
     w.close()
     return dst
+
+
+def _add(w: gguf.GGUFWriter, key: str, val) -> None:
+    vtype = gguf.GGUFValueType.BOOL if isinstance(val, bool) else gguf.GGUFValueType.UINT32
+    w.add_key_value(key, val, vtype)
 
 
 def long_prompts(n_vocab: int, lengths=(41, 29), seed: int = 3) -> list[list[int]]:

@@ -521,9 +521,6 @@ int32_t dgr_forward(dgr_engine * eng, int32_t n_steps, const dgr_step * steps, d
                     throw dgr_exc(DGR_E_SCHEMA, fmt("step %d: boundary has %d floats per token, this stage takes n_streams * n_embd = %d * %d = %d",
                             k, st.boundary_width, in.n_streams, in.n_embd, width));
                 }
-                if (in.needs_token_ids) {
-                    throw dgr_exc(DGR_E_UNSUPPORTED, "the token-id sideband is not implemented in this engine yet");
-                }
             }
             ss[k] = &s;
             n_total += st.n_tokens;
@@ -533,6 +530,10 @@ int32_t dgr_forward(dgr_engine * eng, int32_t n_steps, const dgr_step * steps, d
         }
 
         llama_batch batch = llama_batch_init((int32_t) n_total, in.is_first ? 0 : width, 1);
+        if (!in.is_first && in.needs_token_ids) {
+            // the sideband: each entry carries its token id and its boundary row (freed by llama_batch_free)
+            batch.token = (llama_token *) malloc(sizeof(llama_token) * n_total);
+        }
         struct batch_guard { llama_batch & b; ~batch_guard() { llama_batch_free(b); } } bg { batch };
         std::vector<int32_t> row_of_step(n_steps);
         int32_t j = 0;
@@ -540,9 +541,10 @@ int32_t dgr_forward(dgr_engine * eng, int32_t n_steps, const dgr_step * steps, d
             const dgr_step & st = steps[k];
             row_of_step[k] = j;
             for (int32_t i = 0; i < st.n_tokens; ++i, ++j) {
-                if (in.is_first) {
+                if (batch.token) {
                     batch.token[j] = st.token_ids[i];
-                } else {
+                }
+                if (!in.is_first) {
                     memcpy(batch.embd + (int64_t) j * width, st.boundary + (int64_t) i * width, sizeof(float) * width);
                 }
                 batch.pos[j]       = st.positions[i];

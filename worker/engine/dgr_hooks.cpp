@@ -47,8 +47,8 @@ bool read_int_key(const llama_model_loader & ml, const char * key, int64_t & out
     }
 }
 
-// The boundary input of a non-first stage: the residual from ubatch.embd, nothing else.
-// (The V4 token-id sideband will add an I32 [n_tokens] tensor here, set from ubatch.token.)
+// The boundary input of a non-first stage: the residual from ubatch.embd and, with the sideband, the
+// token ids from ubatch.token (the same batch entry carries both).
 class dgr_graph_input_boundary : public llm_graph_input_i {
 public:
     explicit dgr_graph_input_boundary(int64_t width) : width(width) {}
@@ -56,15 +56,44 @@ public:
     void set_input(const llama_ubatch * ubatch) override {
         GGML_ASSERT(ubatch->embd && "dgr: a non-first stage needs the boundary (batch.embd)");
         ggml_backend_tensor_set(embd, ubatch->embd, 0, ubatch->n_tokens*width*ggml_element_size(embd));
+        if (tokens) {
+            GGML_ASSERT(ubatch->token && "dgr: this stage needs the token-id sideband (batch.token)");
+            // an architecture that does not read the ids leaves the tensor out of the graph (no buffer)
+            if (tokens->buffer) {
+                ggml_backend_tensor_set(tokens, ubatch->token, 0, ubatch->n_tokens*ggml_element_size(tokens));
+            }
+        }
     }
 
     bool can_reuse(const llm_graph_params & params) override {
-        return params.ubatch.embd && embd->ne[1] == params.ubatch.n_tokens;
+        return params.ubatch.embd && embd->ne[1] == params.ubatch.n_tokens &&
+            (!tokens || (params.ubatch.token && tokens->ne[0] == params.ubatch.n_tokens));
     }
 
-    ggml_tensor * embd = nullptr; // F32 [width, n_tokens]
+    ggml_tensor * embd   = nullptr; // F32 [width, n_tokens]
+    ggml_tensor * tokens = nullptr; // I32 [n_tokens], sideband only
     const int64_t width;
 };
+
+bool read_bool_key(const llama_model_loader & ml, const char * key, bool & out) {
+    auto it = ml.kv_overrides.find(key);
+    if (it != ml.kv_overrides.end()) {
+        if (it->second.tag != LLAMA_KV_OVERRIDE_TYPE_BOOL) {
+            throw std::runtime_error(format("dgr: override of %s must be a bool", key));
+        }
+        out = it->second.val_bool;
+        return true;
+    }
+    const int64_t id = gguf_find_key(ml.metadata, key);
+    if (id < 0) {
+        return false;
+    }
+    if (gguf_get_kv_type(ml.metadata, id) != GGUF_TYPE_BOOL) {
+        throw std::runtime_error(format("dgr: key %s must be a bool", key));
+    }
+    out = gguf_get_val_bool(ml.metadata, id);
+    return true;
+}
 
 } // namespace
 
@@ -108,12 +137,15 @@ void dgr_load_range(llama_model_loader & ml, int arch, llama_hparams & hp) {
     }
     int64_t n_streams = 1;
     read_int_key(ml, DGR_KEY_BOUNDARY_N_STREAMS, n_streams);
-    if (n_streams != 1) {
-        throw std::runtime_error(format("dgr: %s = %lld is not supported for %s yet (only 1)",
-                DGR_KEY_BOUNDARY_N_STREAMS, (long long) n_streams, llm_arch_name((llm_arch) arch)));
-    }
+    bool token_ids = false;
+    read_bool_key(ml, DGR_KEY_BOUNDARY_TOKEN_IDS, token_ids);
     if (begin == 0 && end == n_layer) {
         return; // the whole range: nothing to restrict
+    }
+    if (n_streams != 1) {
+        // V4 (mHC) will set this; the input/output hooks already size the boundary by n_streams
+        throw std::runtime_error(format("dgr: %s = %lld is not supported for %s yet (only 1)",
+                DGR_KEY_BOUNDARY_N_STREAMS, (long long) n_streams, llm_arch_name((llm_arch) arch)));
     }
     if (!dgr_arch_supports_range(arch)) {
         throw std::runtime_error(format("dgr: architecture '%s' does not support layer ranges yet; "
@@ -124,6 +156,7 @@ void dgr_load_range(llama_model_loader & ml, int arch, llama_hparams & hp) {
     hp.dgr.begin     = (int32_t) begin;
     hp.dgr.end       = (int32_t) end;
     hp.dgr.n_streams = (uint32_t) n_streams;
+    hp.dgr.token_ids = token_ids && begin > 0;
     LLAMA_LOG_INFO("dgr: this model owns layers [%d, %d) of %lld (first = %d, last = %d)\n",
             hp.dgr.begin, hp.dgr.end, (long long) n_layer, dgr_is_first(hp), dgr_is_last(hp));
 }
@@ -174,6 +207,13 @@ ggml_tensor * dgr_build_inp_boundary(const llm_graph_context & g) {
     inp->embd = ggml_new_tensor_2d(g.ctx0, GGML_TYPE_F32, width, g.n_tokens);
     ggml_set_input(inp->embd);
     g.cb(inp->embd, "dgr_inp_boundary", -1);
+
+    if (g.hparams.dgr.token_ids) {
+        inp->tokens = ggml_new_tensor_1d(g.ctx0, GGML_TYPE_I32, g.n_tokens);
+        ggml_set_input(inp->tokens);
+        g.cb(inp->tokens, "dgr_inp_tokens", -1);
+        g.res->t_inp_tokens = inp->tokens;
+    }
 
     ggml_tensor * cur = inp->embd;
     g.res->t_inp_embd = cur;

@@ -20,6 +20,7 @@ struct dgr_layer_range {
     int32_t  begin     = 0;     // first owned layer
     int32_t  end       = 0;     // one past the last owned layer
     uint32_t n_streams = 1;     // residual streams crossing the seam (V4 mHC: 4)
+    bool     token_ids = false; // a non-first stage also takes the token ids (sideband, V4 hash layers)
 };
 
 // patch 0001: read the range after the arch hparams are known; throws std::runtime_error when the
@@ -42,7 +43,8 @@ int  dgr_layer_begin(const llama_hparams & hparams);   // loop start of a graph
 int  dgr_layer_end(const llama_hparams & hparams);     // loop end of a graph
 
 // A non-first stage: the graph input is the incoming boundary [n_streams*n_embd, n_tokens] taken from
-// ubatch.embd (no token lookup, no embedding scaling).
+// ubatch.embd (no token lookup, no embedding scaling). With the token-id sideband (dgr.boundary.token_ids)
+// the ubatch's token ids become the graph's token input too (res->t_inp_tokens, as build_inp_embd sets it).
 ggml_tensor * dgr_build_inp_boundary(const llm_graph_context & g);
 
 // After the owned layers: on a non-last stage, make `cur` (the raw residual, every output token in
