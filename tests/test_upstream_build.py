@@ -69,6 +69,18 @@ def test_build_then_reuse_then_rebuild_on_change(standin, tmp_path):
 
 
 @pytest.mark.skipif(not (shutil.which("cmake") and shutil.which("ninja")), reason="needs cmake and ninja")
+def test_removing_a_patch_rebuilds_what_it_touched(standin, tmp_path):
+    # The header goes back to its pristine bytes (and the pristine file is older than the object):
+    # the rebuild must still pick it up.
+    kw = dict(ws=standin["ws"], worker_dir=standin["worker"])
+    assert _value(enginebuild.ensure_engine("cpu", pin=standin["pin_obj"], **kw), tmp_path) == 42
+    for p in (standin["repo"] / "patches" / "llama.cpp").glob("*.patch"):
+        p.unlink()
+    upstream.pin_patches(upstream.load_pin(standin["pin"]))
+    assert _value(enginebuild.ensure_engine("cpu", pin=upstream.load_pin(standin["pin"]), **kw), tmp_path) == 41
+
+
+@pytest.mark.skipif(not (shutil.which("cmake") and shutil.which("ninja")), reason="needs cmake and ninja")
 def test_a_library_in_the_wrong_place_is_reported(standin):
     (standin["worker"] / "CMakeLists.txt").write_text(STANDIN_CMAKE.replace(
         "LIBRARY_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}", "LIBRARY_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/lib"))

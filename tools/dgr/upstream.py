@@ -500,12 +500,38 @@ def apply_patches(pin: Pin, pristine: Path, dest: Path) -> None:
             else:  # a plain diff: apply it and commit under the file's name
                 _git(tmp, "apply", "--index", "--whitespace=nowarn", str(path))
                 _git(tmp, "commit", "-q", "--no-verify", "-m", Path(p.file).name)
+        _carry_mtimes(tmp, dest)
+        _git(tmp, "update-index", "-q", "--refresh", check=False)
         if dest.exists():
             shutil.rmtree(dest)
         os.replace(tmp, dest)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp)
+
+
+def _carry_mtimes(new: Path, old: Path) -> None:
+    """Give each file of the new tree a timestamp that makes incremental builds right.
+
+    A file identical to the one in the tree it replaces keeps that file's timestamp (nothing to
+    rebuild); any other file, including one that a removed patch turns back to pristine content,
+    is stamped now, so Ninja rebuilds what depends on it instead of trusting an older object.
+    """
+    now = time.time()
+    for dirpath, dirnames, filenames in os.walk(new):
+        if ".git" in dirnames and Path(dirpath) == new:
+            dirnames.remove(".git")
+        for name in filenames:
+            path = Path(dirpath) / name
+            prev = old / path.relative_to(new)
+            if path.is_symlink():
+                continue
+            try:
+                same = prev.stat().st_size == path.stat().st_size and prev.read_bytes() == path.read_bytes()
+            except OSError:
+                same = False
+            mtime = prev.stat().st_mtime if same else now
+            os.utime(path, (mtime, mtime))
 
 
 def patch(pin: Pin | None = None, ws: Path | None = None, *, force: bool = False) -> Path:
