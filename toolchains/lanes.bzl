@@ -13,6 +13,8 @@ Lanes that need hardware this machine lacks are tagged `manual` (so `bazel test 
 plus `requires-<hardware>`; lanes that cannot be built here at all say why when built.
 """
 
+load("@rules_cc//cc:defs.bzl", "cc_binary", "cc_library")
+
 # How the CPU lane's code may be vectorized. x86-64-v3 (AVX2, FMA, F16C, BMI2: Haswell and later) so
 # that a release runs on any such machine, rather than -march=native, which would tie the release to
 # the build machine and make it differ between builders.
@@ -85,7 +87,7 @@ def ggml_lane_libraries(cxx_copts, defines, linkopts):
             srcs = srcs + [":ggml_%s_unavailable" % lane]
         elif info.backend:
             deps = deps + [":" + info.backend]
-        native.cc_library(
+        cc_library(
             name = "ggml_" + lane,
             srcs = srcs,
             copts = cxx_copts,
@@ -109,7 +111,7 @@ def dgr_engine_lanes(srcs, hdrs, defines = []):
     """In worker/engine: `engine_<lane>` (cc_library) and `libdgr_engine_<lane>.so` for every lane,
     and `engine` / `libdgr_engine.so` aliases that follow --config=<lane> (default: cpu)."""
     for lane, info in LANES.items():
-        native.cc_library(
+        cc_library(
             name = "engine_" + lane,
             srcs = srcs,
             hdrs = hdrs,
@@ -124,7 +126,7 @@ def dgr_engine_lanes(srcs, hdrs, defines = []):
             visibility = ["//visibility:public"],
             alwayslink = True,
         )
-        native.cc_binary(
+        cc_binary(
             name = "libdgr_engine_%s.so" % lane,
             linkshared = True,
             linkopts = ["-fopenmp"],

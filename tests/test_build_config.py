@@ -1,0 +1,66 @@
+"""The build's configuration agrees with itself: lanes, configs, Nix packages, offline stand-ins.
+
+Fast checks of files only; the tests that run Bazel and Nix are test_build_bazel_*.py and
+test_build_nix.py.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from dgr.constants import LANES
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _lanes_table() -> dict[str, str]:
+    """lane -> its struct(...) text, from toolchains/lanes.bzl's LANES table."""
+    text = (REPO / "toolchains/lanes.bzl").read_text()
+    table = text[text.index("LANES = {"):]
+    table = table[: table.index("\n}\n")]
+    parts = re.split(r'\n    "(\w+)": struct\(', table)
+    return dict(zip(parts[1::2], parts[2::2]))
+
+
+def test_every_lane_has_a_bazel_entry_a_config_and_a_nix_package():
+    table = _lanes_table()
+    assert sorted(table) == sorted(LANES), "toolchains/lanes.bzl LANES must list dgr.constants.LANES"
+    bazelrc = (REPO / ".bazelrc").read_text()
+    scope = (REPO / "nix/scope.nix").read_text()
+    for lane in LANES:
+        assert f"build:{lane} --define=dgr_lane={lane}" in bazelrc, f".bazelrc lacks --config={lane}"
+        assert re.search(rf"^\s+{lane} = ", scope, re.M), f"nix/scope.nix lacks the {lane} package"
+
+
+def test_lanes_that_need_hardware_are_kept_out_of_bazel_test_all():
+    for lane, body in _lanes_table().items():
+        tags = re.search(r"tags = \[([^\]]*)\]", body).group(1)
+        status = re.search(r'status = "([\w-]+)"', body).group(1)
+        if lane == "cpu":
+            assert status == "built-here" and "manual" not in tags
+        else:
+            assert '"manual"' in tags, f"lane {lane} needs hardware or another OS: it must be manual"
+            assert status in ("compiles-here", "declared")
+            if status == "declared":
+                assert re.search(r'reason = \(?\s*"\S', body), f"declared lane {lane} must say why"
+
+
+def test_offline_stand_ins_exist_for_every_local_repository():
+    workspace = (REPO / "WORKSPACE").read_text()
+    repos = re.findall(r'local_repository\(\s*name = "(\w+)",\s*path = "([^"]+)"', workspace)
+    assert {name for name, _ in repos} >= {"rules_cc", "rules_java", "remote_coverage_tools"}
+    for name, path in repos:
+        assert (REPO / path / "WORKSPACE").read_text().strip() == f'workspace(name = "{name}")'
+    ignored = (REPO / ".bazelignore").read_text().split()
+    for _, path in repos:
+        assert path in ignored, f"{path} must be in .bazelignore (it is its own repository)"
+
+
+def test_bazel_and_nix_read_the_one_pin_file():
+    rule = (REPO / "toolchains/llama_cpp.bzl").read_text()
+    assert "json.decode(ctx.read(" in rule and '"//toolchains:llama.cpp.pin.json"' in rule
+    flake = (REPO / "flake.nix").read_text()
+    assert "builtins.fromJSON (builtins.readFile ./toolchains/llama.cpp.pin.json)" in flake
+    src = (REPO / "nix/llama-cpp-src.nix").read_text()
+    assert "pin.patches" in src and "pin.tree_hash" in src and "tools/dgr/treehash.py" in src
