@@ -111,6 +111,14 @@ def test_local_edits_in_the_patched_tree_are_not_silently_discarded(tiny):
         upstream.patch(pin, tiny["ws"])
     out = upstream.patch(pin, tiny["ws"], force=True)
     assert "VALUE + 1" in (out / "src" / "llama.cpp").read_text()
+    # A commit made in the tree (not yet exported as a patch) counts as local work too.
+    (out / "src" / "llama.cpp").write_text("// committed work\n")
+    git(out, "commit", "-qam", "wip")
+    assert upstream.local_changes(out)[0].startswith("HEAD moved from ")
+    (tiny["repo"] / "patches" / "llama.cpp" / "0002-Use-the-hook.patch").unlink()
+    upstream.pin_patches(upstream.load_pin(tiny["pin"]))
+    with pytest.raises(UpstreamError, match="HEAD moved"):
+        upstream.patch(upstream.load_pin(tiny["pin"]), tiny["ws"])
 
 
 def test_pin_patch_list_must_equal_the_folder(tiny):

@@ -460,11 +460,17 @@ def _patch_stamp(pin: Pin) -> dict[str, Any]:
 
 
 def local_changes(tree: Path) -> list[str]:
-    """Files changed in the patched tree since it was made (git status), or commits added to it."""
+    """Files changed in the patched tree since it was made (git status), and commits made in it."""
     if not (tree / ".git").exists():
         return []
     out = _git(tree, "status", "--porcelain", "--untracked-files=normal").stdout.splitlines()
-    return [line[3:] for line in out]
+    changes = [line[3:] for line in out]
+    made = tree / ".git" / "dgr-head"
+    if made.exists():
+        head = _git(tree, "rev-parse", "HEAD").stdout.strip()
+        if head != made.read_text().strip():
+            changes.append(f"HEAD moved from {made.read_text().strip()[:12]} (commits not exported as patches?)")
+    return changes
 
 
 def _regen_hint(pin: Pin, patch: str) -> str:
@@ -502,6 +508,7 @@ def apply_patches(pin: Pin, pristine: Path, dest: Path) -> None:
                 _git(tmp, "commit", "-q", "--no-verify", "-m", Path(p.file).name)
         _carry_mtimes(tmp, dest)
         _git(tmp, "update-index", "-q", "--refresh", check=False)
+        (tmp / ".git" / "dgr-head").write_text(_git(tmp, "rev-parse", "HEAD").stdout)
         if dest.exists():
             shutil.rmtree(dest)
         os.replace(tmp, dest)
