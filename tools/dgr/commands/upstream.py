@@ -19,6 +19,10 @@ def _verify(args) -> int:
     got = upstream.verify(pin)
     upstream.check_patch_list(pin)
     print(f"verified: llama.cpp {pin.commit} tree hash {got}; patch list matches {upstream.PATCH_DIR_REL}/")
+    patched = upstream.layout(pin).patched
+    changes = upstream.local_changes(patched) if patched.is_dir() else []
+    if changes:
+        print(f"note: {patched} has local edits, not in the patches: {', '.join(changes[:10])}")
     return 0
 
 
