@@ -46,9 +46,10 @@ def _status(args) -> int:
     print(f"workspace   {st['workspace']}")
     print(f"fetched     {yes(st['fetched'])}" + (f" from {st['source']}" if st["source"] else ""))
     print(f"verified    {yes(st['verified'])}" + (f": {st['verify_error']}" if st["verify_error"] else ""))
-    applied = ", ".join(p.rsplit("/", 1)[1] for p in st["patches_applied"]) or "none"
-    print(f"patched     {st['patched'] or 'no'} (patches: {applied}; "
-          f"{'current' if st['patches_current'] else 'NOT the pinned list: run dgr upstream patch'})")
+    state = "the pinned list" if st["patches_current"] else "NOT the pinned list: run dgr upstream patch"
+    print(f"patched     {st['patched'] or 'no'} ({len(st['patches_applied'])} patches, {state})")
+    for p in st["patches_applied"]:
+        print(f"  applied   {p.rsplit('/', 1)[1]}")
     if st["patch_list_error"]:
         print(f"patch list  {st['patch_list_error']}")
     if st["local_changes"]:
