@@ -107,3 +107,19 @@ def test_pin_errors_name_the_file_and_field(tmp_path):
     write_pin(tmp_path, [{"kind": "archive", "url": "x", "sha256": "0" * 64, "strip_prefix": "p"}], None)
     with pytest.raises(UpstreamError, match="tree_hash is null.*treehash.py"):
         upstream.fetch(upstream.load_pin(pin), tmp_path / "ws")
+
+
+def test_an_archive_member_escaping_the_tree_is_refused(tiny):
+    import io
+    import tarfile
+
+    with tarfile.open(tiny["tarball"], "w:gz") as tar:
+        data = b"escaped\n"
+        info = tarfile.TarInfo(f"{tiny['prefix']}/src/../../evil.txt")
+        info.size = len(data)
+        tar.addfile(info, io.BytesIO(data))
+    write_pin(tiny["repo"], [{**tiny["source"], "sha256": upstream.sha256_file(tiny["tarball"])}],
+              treehash.tree_hash(tiny["tree"]))
+    with pytest.raises(UpstreamError, match=r"member .*evil.txt points outside"):
+        upstream.fetch(upstream.load_pin(tiny["pin"]), tiny["ws"])
+    assert not (tiny["ws"] / "upstream" / "evil.txt").exists()

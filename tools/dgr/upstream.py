@@ -303,12 +303,18 @@ def _extract(archive: Path, strip_prefix: str, into: Path) -> int:
     """Extract the tree-hash files below strip_prefix into `into`; returns the number of files."""
     prefix = strip_prefix.strip("/") + "/"
     n = 0
-    with tarfile.open(archive) as tar:
+    try:
+        tar = tarfile.open(archive)
+    except tarfile.TarError as err:
+        raise UpstreamError(f"{archive}: not a readable tar archive ({err}); delete it and fetch again")
+    with tar:
         members = []
         for m in tar:
             if not m.name.startswith(prefix):
                 continue
             rel = m.name[len(prefix):]
+            if ".." in rel.split("/") or rel.startswith("/"):
+                raise UpstreamError(f"{archive.name}: member {m.name} points outside {strip_prefix}; refused")
             if not rel or m.isdir() or not treehash.is_upstream_file(rel):
                 continue
             if not (m.isfile() or m.issym()):
@@ -317,7 +323,10 @@ def _extract(archive: Path, strip_prefix: str, into: Path) -> int:
             members.append(m)
         if not members:
             raise UpstreamError(f"{archive.name}: nothing under {strip_prefix!r}; check the pin's strip_prefix")
-        tar.extractall(into, members=members, filter="data")
+        try:
+            tar.extractall(into, members=members, filter="data")
+        except tarfile.FilterError as err:
+            raise UpstreamError(f"{archive.name}: unsafe member refused ({err})")
         n = len(members)
     return n
 
@@ -349,7 +358,12 @@ def _fetch_locked(pin: Pin, lay: Layout) -> Path:
             continue
         tmp = Path(tempfile.mkdtemp(dir=lay.upstream, prefix=f".src-{pin.commit[:12]}-"))
         try:
-            n = _extract(archive, src.strip_prefix, tmp)
+            try:
+                n = _extract(archive, src.strip_prefix, tmp)
+            except UpstreamError as err:
+                failures.append(str(err))
+                _say(f"source failed: {err}")
+                continue
             entries = treehash.listing(tmp)
             got = treehash.hash_listing(entries)
             if got != expected:
