@@ -123,3 +123,12 @@ def test_an_archive_member_escaping_the_tree_is_refused(tiny):
     with pytest.raises(UpstreamError, match=r"member .*evil.txt points outside"):
         upstream.fetch(upstream.load_pin(tiny["pin"]), tiny["ws"])
     assert not (tiny["ws"] / "upstream" / "evil.txt").exists()
+
+
+def test_a_pristine_tree_fetched_for_another_tree_hash_is_not_reused(tiny):
+    upstream.fetch(upstream.load_pin(tiny["pin"]), tiny["ws"])
+    other = make_tree(tiny["tree"].parent / "other")
+    (other / "src" / "new.cpp").write_text("int n;\n")
+    write_pin(tiny["repo"], [tiny["source"]], treehash.tree_hash(other))  # same commit, re-pinned tree
+    with pytest.raises(UpstreamError, match="tree hash .* does not match the pin's"):
+        upstream.fetch(upstream.load_pin(tiny["pin"]), tiny["ws"])

@@ -335,14 +335,21 @@ def fetch(pin: Pin | None = None, ws: Path | None = None) -> Path:
     """Fetch and verify the pristine tree (no-op when present). Returns upstream/src-<commit>/."""
     pin = pin or load_pin()
     lay = layout(pin, ws)
-    if lay.pristine.is_dir() and lay.pristine_meta.exists():
+    if _fetched(pin, lay):
         return lay.pristine
     with locked(lay.upstream / ".fetch.lock"):
         return _fetch_locked(pin, lay)
 
 
+def _fetched(pin: Pin, lay: Layout) -> bool:
+    """A pristine tree is there, verified against this pin's tree hash when it was fetched."""
+    if not (lay.pristine.is_dir() and lay.pristine_meta.exists()):
+        return False
+    return json.loads(lay.pristine_meta.read_text()).get("tree_hash") == pin.tree_hash
+
+
 def _fetch_locked(pin: Pin, lay: Layout) -> Path:
-    if lay.pristine.is_dir() and lay.pristine_meta.exists():  # another process just made it
+    if _fetched(pin, lay):  # another process just made it
         return lay.pristine
     expected = _require_tree_hash(pin)
     lay.upstream.mkdir(parents=True, exist_ok=True)
