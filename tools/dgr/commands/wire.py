@@ -27,6 +27,7 @@ def register(sub) -> None:
     s.add_argument("--max-batch-tokens", type=int, default=512)
     s.add_argument("--n-ctx", type=int, default=2048, help="positions per session (real engine)")
     s.add_argument("--max-sessions", type=int, default=8, help="concurrent sessions (real engine)")
+    s.add_argument("--threads", type=int, default=0, help="engine compute threads (0: the engine's default)")
     s.set_defaults(func=_serve)
 
     g = sub.add_parser("generate", help="generate text through a route of stage workers")
@@ -47,6 +48,8 @@ def register(sub) -> None:
     d.add_argument("--stages", type=int, default=3)
     d.add_argument("--max-tokens", type=int, default=32)
     d.add_argument("--prompt", default="The capital of France is")
+    d.add_argument("--threads", type=int, default=0,
+                   help="compute threads per worker (0: the CPU count divided by the stages)")
     d.add_argument("--prefill-tokens", type=int, default=256, help="also time prefill of a prompt this long (0: skip)")
     d.set_defaults(func=_demo)
 
@@ -67,7 +70,8 @@ def _serve(args) -> int:
         engine, ident = stages.fake_stage(args.fake_engine, args.stage, args.wire_dtype or "f32")
     else:
         engine, ident = stages.bundle_stage(args.bundle, args.stage, lane=args.lane, wire_dtype=args.wire_dtype,
-                                            n_ctx=args.n_ctx, max_sessions=args.max_sessions)
+                                            n_ctx=args.n_ctx, max_sessions=args.max_sessions,
+                                            n_threads=args.threads)
     server, worker, address = serve(engine, ident, args.listen, max_message_bytes=args.max_message_bytes,
                                     max_batch_tokens=args.max_batch_tokens)
     info = worker.info
@@ -105,7 +109,7 @@ def _demo(args) -> int:
     from dgr.wire.demo import run_demo
 
     return run_demo(stages=args.stages, max_tokens=args.max_tokens, prompt=args.prompt,
-                    prefill_tokens=args.prefill_tokens)
+                    prefill_tokens=args.prefill_tokens, threads=args.threads)
 
 
 def _protoc(args) -> int:

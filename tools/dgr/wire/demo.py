@@ -97,7 +97,7 @@ def long_prompt(tokenize, n: int) -> list[int]:
 
 
 def run_demo(*, stages: int = 3, max_tokens: int = 32, prompt: str = "The capital of France is",
-             prefill_tokens: int = 256) -> int:
+             prefill_tokens: int = 256, threads: int = 0) -> int:
     from dgr.engine import Engine
     from dgr.enginebuild import ensure_engine
     from dgr.wire.client import RouteClient
@@ -107,8 +107,11 @@ def run_demo(*, stages: int = 3, max_tokens: int = 32, prompt: str = "The capita
     lib = ensure_engine("cpu")
     os.environ["DGR_ENGINE_LIB"] = str(lib)
     bundle, recipe = ensure_bundle(stages)
-    print(f"dgr demo: bundle {bundle.root.name} ({stages} stages), engine {lib}", file=sys.stderr)
-    args = [["--bundle", str(bundle.root), "--stage", str(i)] for i in range(stages)]
+    # ggml's CPU threads spin while they wait: workers sharing a machine split its cores between them
+    threads = threads or max(1, (os.cpu_count() or 1) // stages)
+    print(f"dgr demo: bundle {bundle.root.name} ({stages} stages), engine {lib}, {threads} compute "
+          f"thread(s) per process", file=sys.stderr)
+    args = [["--bundle", str(bundle.root), "--stage", str(i), "--threads", str(threads)] for i in range(stages)]
     with LocalRoute(args, env={"DGR_ENGINE_LIB": str(lib)}) as route, RouteClient(route.addresses) as client:
         print(f"dgr demo: {stages} workers on {route.route}", file=sys.stderr)
         print(f"\n{prompt}", end="", flush=True)
@@ -120,7 +123,7 @@ def run_demo(*, stages: int = 3, max_tokens: int = 32, prompt: str = "The capita
         long_ids = long_prompt(client.tokenize, prefill_tokens) if prefill_tokens else []
         if long_ids:
             long_gen = client.run(long_ids, max_new_tokens=1)
-    whole_engine = Engine.open(source_gguf(recipe), lib=lib)
+    whole_engine = Engine.open(source_gguf(recipe), lib=lib, n_threads=threads)   # same compute per process
     try:
         whole = whole_model_run(whole_engine, gen.prompt_ids, max_tokens, eos)
         long_whole = whole_model_run(whole_engine, long_ids, 1) if long_ids else None

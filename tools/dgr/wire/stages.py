@@ -34,7 +34,7 @@ def patch_series() -> tuple[str, str]:
 
 
 def bundle_stage(path: str | Path, stage: int, *, lane: str = "cpu", wire_dtype: str | None = None,
-                 n_ctx: int = 4096, max_sessions: int = 16, verify: bool = True
+                 n_ctx: int = 4096, max_sessions: int = 16, n_threads: int = 0, verify: bool = True
                  ) -> tuple[ShardEngine, StageIdentity]:
     """Open stage `stage` of the bundle at `path` on the real engine (after checking its hashes)."""
     from dgr.bundle import load_bundle, verify_bundle
@@ -46,10 +46,18 @@ def bundle_stage(path: str | Path, stage: int, *, lane: str = "cpu", wire_dtype:
     if not 0 <= stage < len(stages):
         raise WireError(f"bundle {b.root} has {len(stages)} stages (0..{len(stages) - 1}); there is no stage {stage}")
     if verify:
-        verify_bundle(b.root)
+        # Workers of one bundle usually start together; verify one at a time (the later ones find the
+        # chunks already checked in the resumable verify state).
+        import fcntl
+
+        from dgr.paths import workspace
+
+        with open(workspace() / f"verify-{b.id[:16]}.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            verify_bundle(b.root)
     entry = stages[stage]
     file = b.stage_path(stage)
-    engine = Engine.open(file, n_ctx=n_ctx, max_sessions=max_sessions)
+    engine = Engine.open(file, n_ctx=n_ctx, max_sessions=max_sessions, n_threads=n_threads)
     info = engine.describe()
     if (info.layer_begin, info.layer_end) != (entry.layer_begin, entry.layer_end):
         engine.close()

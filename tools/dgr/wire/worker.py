@@ -156,6 +156,7 @@ class StageWorker(pb_grpc.StageServicer):
         self.latest_epoch: dict[str, int] = {}
         self.pending: dict[tuple[str, int], collections.deque] = {}
         self.n_pending = 0
+        self.jobs: collections.deque = collections.deque()   # engine-thread work that may wait a forward
         self.wake = threading.Condition(self.lock)
         self.links: dict[str, _Link] = {}
         self.max_frame_bytes_sent = 0
@@ -470,7 +471,7 @@ class StageWorker(pb_grpc.StageServicer):
     # ------------------------------------------------------------------ the engine loop
     def _take_batch(self) -> list[_Work]:
         with self.lock:
-            while not self.stopping and not self.n_pending:
+            while not self.stopping and not self.n_pending and not self.jobs:
                 self.wake.wait(0.5)
             batch, tokens = [], 0
             for key in list(self.pending):
@@ -483,8 +484,7 @@ class StageWorker(pb_grpc.StageServicer):
                 self.n_pending -= 1
                 if not dq:
                     del self.pending[key]
-                    # keep round-robin fair: sessions served now go to the back next time
-                elif len(self.pending) > 1:
+                elif len(self.pending) > 1:             # round robin: served sessions go to the back
                     self.pending[key] = self.pending.pop(key)
             return batch
 
@@ -499,6 +499,24 @@ class StageWorker(pb_grpc.StageServicer):
                     for w in batch:
                         self._reply_error(w.reply, w.frame, self._err(pb.INTERNAL, "the worker failed on "
                                                                       "this step; see its log"))
+            self._run_jobs()
+
+    def _defer(self, job) -> None:
+        """Run `job` on the engine thread after the current forward (never ahead of queued steps' start)."""
+        with self.lock:
+            self.jobs.append(job)
+            self.wake.notify()
+
+    def _run_jobs(self) -> None:
+        while True:
+            with self.lock:
+                if not self.jobs:
+                    return
+                job = self.jobs.popleft()
+            try:
+                job()
+            except Exception:
+                log.exception("deferred job failed")
 
     def _to_step(self, w: _Work, sess: _Session) -> Step:
         s = w.frame.step
@@ -676,12 +694,6 @@ class StageWorker(pb_grpc.StageServicer):
             else:
                 self._to_origin(sess, frame)
 
-    def _detok(self, ids: list[int]) -> str:
-        if not ids or not self.info.has_vocab:
-            return ""
-        with self.engine_lock:
-            return self.engine.detokenize(ids)
-
     def _deliver_to_client(self, frame: pb.Frame) -> None:
         """Origin: a token, logits rows or an error came back around the ring."""
         key = (frame.session_id, frame.epoch)
@@ -716,7 +728,16 @@ class StageWorker(pb_grpc.StageServicer):
                 self._enqueue(_Work(nxt, sess.client, time.monotonic_ns()), sess)
         else:
             sess.done = True
-        full = self._detok(sess.context_ids)
+        # Detokenize on the engine thread once the next step's forward has started: text never delays
+        # the ring, and the engine is never called from two threads.
+        self._defer(lambda n=len(sess.context_ids): self._send_token(sess, frame, n))
+
+    def _send_token(self, sess: _Session, frame: pb.Frame, n_ids: int) -> None:
+        tok = frame.token
+        full = ""
+        if self.info.has_vocab:
+            with self.engine_lock:
+                full = self.engine.detokenize(sess.context_ids[:n_ids])
         if full.endswith("\ufffd") and not tok.done:
             tok.text = ""                               # an unfinished UTF-8 sequence: wait for more
         else:
