@@ -132,3 +132,18 @@ def test_a_pristine_tree_fetched_for_another_tree_hash_is_not_reused(tiny):
     write_pin(tiny["repo"], [tiny["source"]], treehash.tree_hash(other))  # same commit, re-pinned tree
     with pytest.raises(UpstreamError, match="tree hash .* does not match the pin's"):
         upstream.fetch(upstream.load_pin(tiny["pin"]), tiny["ws"])
+
+
+def test_a_different_tree_is_named_by_the_pinned_listing(tiny):
+    # The pin keeps the listing of its tree (blake3 of the listing = tree_hash): a source whose
+    # archive hash is right but whose tree differs is refused naming the file.
+    listing = tiny["repo"] / "toolchains" / "tree.txt"
+    listing.write_text(treehash.listing_text(treehash.listing(tiny["tree"])))
+    (tiny["tree"] / "ggml" / "src" / "ggml.c").write_text("int ggml_tiny(void) { return 2; }\n")
+    make_tarball(tiny["tree"], tiny["prefix"], tiny["tarball"])
+    raw = json.loads(tiny["pin"].read_text())
+    raw["sources"][0]["sha256"] = upstream.sha256_file(tiny["tarball"])
+    raw["tree_listing"] = "toolchains/tree.txt"
+    tiny["pin"].write_text(json.dumps(raw))
+    with pytest.raises(UpstreamError, match=r"first difference: ggml/src/ggml.c: content changed"):
+        upstream.fetch(upstream.load_pin(tiny["pin"]), tiny["ws"])

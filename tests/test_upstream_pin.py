@@ -63,6 +63,18 @@ def test_the_repeat_check_can_fail(tmp_path):
     assert repeats_of_the_pin(tmp_path, values) == ["notes.txt repeats the pin's commit"]
 
 
+def test_the_pinned_listing_is_the_pinned_tree():
+    # Bazel, Nix and dgr name the first differing file with it; it can only vouch for the pin's tree.
+    pin = upstream.load_pin()
+    listing = REPO / pin.tree_listing
+    tracked = subprocess.run(["git", "ls-files", pin.tree_listing], cwd=REPO, capture_output=True, text=True)
+    assert tracked.stdout.strip() == pin.tree_listing
+    import blake3
+
+    assert blake3.blake3(listing.read_bytes()).hexdigest() == pin.tree_hash
+    assert len(listing.read_text().splitlines()) > 1000  # the whole build-relevant tree
+
+
 def test_the_pins_patch_list_equals_the_patch_folder():
     pin = upstream.load_pin()
     upstream.check_patch_list(pin)  # raises, naming the patch, when they disagree

@@ -95,3 +95,15 @@ def test_script_expect_says_expected_and_got_and_names_the_file(tmp_path):
     assert "include/llama.h: content changed" in bad.stderr
     missing = run(tmp_path / "nope")
     assert missing.returncode == 2 and "not a directory" in missing.stderr
+
+
+def test_script_does_not_trust_a_listing_of_another_tree(tmp_path):
+    tree = make_tree(tmp_path / "t")
+    good = treehash.tree_hash(tree)
+    other = tmp_path / "other.txt"
+    other.write_text("0" * 64 + " - src/llama.cpp\n")  # claims a file differs, but is not good's listing
+    (tree / "src" / "llama.cpp").write_text("changed\n")
+    bad = subprocess.run([sys.executable, "-I", str(TREEHASH_SCRIPT), str(tree), "--expect", good,
+                          "--expect-listing", str(other)], capture_output=True, text=True)
+    assert bad.returncode == 1
+    assert "is not the expected tree's listing" in bad.stderr and "first difference" not in bad.stderr

@@ -8,6 +8,8 @@ standard library and `blake3` only, and runs as a script:
     python3 tools/dgr/treehash.py DIR                  # prints the tree hash
     python3 tools/dgr/treehash.py DIR --expect HASH    # exit 1 on mismatch (expected vs got)
     python3 tools/dgr/treehash.py DIR --listing        # prints the canonical listing
+    python3 tools/dgr/treehash.py DIR --expect HASH --expect-listing toolchains/llama.cpp.tree.txt
+                                                       # also names the first differing file
 
 Which files count (rules version 1; changing them changes every hash: bump RULES_VERSION and
 re-pin). Kept: the inputs of llama.cpp's CMake build of its libraries and tools, that is the
@@ -195,11 +197,22 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     msg = f"treehash.py: {args.dir}: tree hash mismatch: expected {args.expect}, got {got}"
     if args.expect_listing:
-        diff = first_difference(parse_listing(args.expect_listing.read_text()), entries)
-        if diff:
-            msg += f"; first difference: {diff}"
+        msg += "; " + explain(args.expect_listing, args.expect.strip().lower(), entries)
     print(msg, file=sys.stderr)
     return 1
+
+
+def explain(listing_file: Path, expected_hash: str, entries: list[Entry]) -> str:
+    """Name the first file that differs from a stored listing, trusting it only if it hashes to
+    `expected_hash` (so a listing kept beside the pin can never vouch for a different tree)."""
+    try:
+        text = Path(listing_file).read_text()
+    except OSError as err:
+        return f"(listing unreadable: {err})"
+    if blake3.blake3(text.encode()).hexdigest() != expected_hash:
+        return f"(listing {listing_file} is not the expected tree's listing; cannot name the file)"
+    diff = first_difference(parse_listing(text), entries)
+    return f"first difference: {diff}" if diff else "(no file differs?)"
 
 
 if __name__ == "__main__":

@@ -104,6 +104,14 @@ class Pin:
     tree_hash: str | None
     patches: tuple[PatchEntry, ...]
     raw: dict[str, Any] = field(repr=False, compare=False)
+    tree_listing: str | None = None  # repository-relative; its blake3 is tree_hash
+
+    def explain_tree(self, entries: list[treehash.Entry], fallback: Path | None = None) -> str:
+        """Name the first file of `entries` that differs from the pinned tree, when a listing says."""
+        for listing in ([self.root / self.tree_listing] if self.tree_listing else []) + ([fallback] if fallback else []):
+            if listing.exists() and self.tree_hash:
+                return treehash.explain(listing, self.tree_hash, entries)
+        return "(no listing of the pinned tree to name the file)"
 
     @property
     def root(self) -> Path:
@@ -157,7 +165,10 @@ def load_pin(path: Path | str | None = None) -> Pin:
     patches = []
     for i, p in enumerate(need(raw, "patches", "", list)):
         patches.append(PatchEntry(need(p, "file", f"patches[{i}]."), need(p, "blake3", f"patches[{i}].")))
-    return Pin(path, commit, raw.get("release", ""), tuple(sources), tree, tuple(patches), raw)
+    listing = raw.get("tree_listing")
+    if listing is not None and not isinstance(listing, str):
+        raise UpstreamError(f"{path}: field tree_listing must be a repository-relative path or absent")
+    return Pin(path, commit, raw.get("release", ""), tuple(sources), tree, tuple(patches), raw, listing)
 
 
 def _archive_suffix(url: str) -> str:
@@ -374,7 +385,8 @@ def _fetch_locked(pin: Pin, lay: Layout) -> Path:
             entries = treehash.listing(tmp)
             got = treehash.hash_listing(entries)
             if got != expected:
-                failures.append(f"{src.describe()}: tree hash {got} does not match the pin's {expected}")
+                failures.append(f"{src.describe()}: tree hash {got} does not match the pin's {expected}; "
+                                + pin.explain_tree(entries))
                 _say(f"source failed: {failures[-1]}")
                 continue
             if lay.pristine.exists():
@@ -406,11 +418,8 @@ def verify(pin: Pin | None = None, ws: Path | None = None) -> str:
     entries = treehash.listing(lay.pristine)
     got = treehash.hash_listing(entries)
     if got != expected:
-        msg = f"{lay.pristine}: tree hash {got} does not match the pin's {expected}"
-        if lay.pristine_listing.exists():
-            diff = treehash.first_difference(treehash.parse_listing(lay.pristine_listing.read_text()), entries)
-            if diff:
-                msg += f"; first difference: {diff}"
+        msg = f"{lay.pristine}: tree hash {got} does not match the pin's {expected}; "
+        msg += pin.explain_tree(entries, fallback=lay.pristine_listing)
         raise UpstreamError(msg + "; delete the folder and run `dgr upstream fetch` to restore it")
     return got
 
