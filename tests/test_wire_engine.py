@@ -22,7 +22,7 @@ def whole(engine_lib, smollm2_gguf):
     from dgr.engine import Engine
     from dgr.wire.demo import whole_model_run
 
-    eng = Engine.open(smollm2_gguf, lib=engine_lib)
+    eng = Engine.open(smollm2_gguf, lib=engine_lib, n_threads=1)
     try:
         ids = eng.tokenize(PROMPT)
         yield ids, whole_model_run(eng, ids, MAX_NEW)
@@ -37,7 +37,9 @@ def _bundle(stages: int):
 
 
 def _route(engine_lib, stage_args):
-    return LocalRoute(stage_args, env={"DGR_ENGINE_LIB": str(engine_lib)}, timeout=300)
+    # one compute thread per worker: ggml's threads spin while waiting, and workers share the cores here
+    return LocalRoute([[*a, "--threads", "1", "--n-ctx", "512"] for a in stage_args],
+                      env={"DGR_ENGINE_LIB": str(engine_lib)}, timeout=300)
 
 
 @pytest.mark.parametrize("stages", [2, 3, 4])
