@@ -85,3 +85,25 @@ def test_concurrent_sessions_share_batches_and_equal_sequential(engine_lib):
     # (logits differ by up to ~1 here), so the contract under batching is the tokens.
     assert concurrent == sequential
     assert len({tuple(s) for s in sequential}) == len(prompts)
+
+
+@pytest.mark.parametrize("arch", ["gemma3", "qwen3moe"])
+def test_other_architectures_through_worker_processes(arch, engine_lib, tmp_path):
+    """Tiny random-weight models (sliding-window attention; MoE) split 3 ways over the wire: exact."""
+    from dgr.engine import Engine
+    from dgr.wire.demo import whole_model_run
+    from test_engine_support import long_prompts, make_bundle, synth_model
+
+    whole_path = synth_model(tmp_path, arch)
+    bundle = make_bundle(whole_path, [(0, 2), (2, 3), (3, 6)], tmp_path)
+    eng = Engine.open(whole_path, lib=engine_lib, n_threads=1)
+    try:
+        ids = long_prompts(eng.describe().n_vocab, lengths=(45,))[0]
+        ref = whole_model_run(eng, ids, 8)
+    finally:
+        eng.close()
+    with _route(engine_lib, [["--bundle", str(bundle.root), "--stage", str(i)] for i in range(3)]) as r, \
+            RouteClient(r.addresses, chunk_tokens=16) as c:
+        gen = c.run(ids, max_new_tokens=8, logits="last", stop_token_ids=[])
+    assert gen.token_ids == ref.token_ids
+    assert all(np.array_equal(gen.logits[len(ids) - 1 + k], row) for k, row in enumerate(ref.logits))

@@ -63,6 +63,14 @@ def bundle_stage(path: str | Path, stage: int, *, lane: str = "cpu", wire_dtype:
         engine.close()
         raise WireError(f"{file}: the engine opened layers [{info.layer_begin}, {info.layer_end}) but the "
                         f"manifest says [{entry.layer_begin}, {entry.layer_end}): rebuild the bundle")
+    sch = entry.boundary_in
+    if sch is not None and (sch.n_streams, sch.n_embd, sch.token_ids) != \
+            (info.n_streams, info.n_embd, info.needs_token_ids):
+        engine.close()
+        raise WireError(f"{file}: the manifest says stage {stage} takes [n, {sch.n_streams}, {sch.n_embd}]"
+                        f"{' +token ids' if sch.token_ids else ''} but the engine takes [n, {info.n_streams}, "
+                        f"{info.n_embd}]{' +token ids' if info.needs_token_ids else ''}: rebuild the bundle "
+                        "with this dgr, or use the engine it was built for")
     eos = read_header(file).get("tokenizer.ggml.eos_token_id")
     commit, series = patch_series()
     ident = StageIdentity(model=b.manifest.recipe.name, bundle_id=b.id, stage_index=stage,
