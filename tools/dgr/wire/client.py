@@ -35,7 +35,9 @@ class TokenEvent:
     ring_ns: int
     compute_ns: int                      # summed over the stages this token passed through
     logits: np.ndarray | None = None     # LOGITS_LAST: the row the token was sampled from
-    timings: list[tuple[int, int, int, int]] = field(default_factory=list)  # (stage, queue, compute, wire) ns
+    # per stage: (stage, transit in, queue, compute, encode+send) in ns
+    timings: list[tuple[int, int, int, int, int]] = field(default_factory=list)
+    return_ns: int = 0                   # transit of the token from the last stage to the origin
 
 
 @dataclass
@@ -224,7 +226,7 @@ class RouteClient:
                 if kind == "error":
                     raise from_proto(item.error)
                 if kind == "logits":
-                    rows = np.asarray(item.logits.values, dtype=np.float32).reshape(len(item.logits.positions), -1)
+                    rows = np.frombuffer(item.logits.values, dtype="<f4").reshape(len(item.logits.positions), -1)
                     for p, row in zip(item.logits.positions, rows):
                         gen.logits[p] = row
                     continue
@@ -235,12 +237,13 @@ class RouteClient:
                 if not gen.token_ids:
                     gen.t_first = now
                 gen.t_last = now
-                row = np.asarray(t.logits, dtype=np.float32) if len(t.logits) else None
+                row = np.frombuffer(t.logits, dtype="<f4").astype(np.float32) if t.logits else None
                 if row is not None:
                     gen.logits[t.position] = row
                 ev = TokenEvent(t.token_id, t.text, t.position, epoch, t.ring_ns,
                                 sum(h.compute_ns for h in t.timings), row,
-                                [(h.stage_index, h.queue_ns, h.compute_ns, h.wire_ns) for h in t.timings])
+                                [(h.stage_index, h.transit_ns, h.queue_ns, h.compute_ns, h.wire_ns)
+                                 for h in t.timings], t.return_ns)
                 gen.token_ids.append(t.token_id)
                 gen.text += t.text
                 gen.events.append(ev)

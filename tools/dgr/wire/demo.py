@@ -102,7 +102,7 @@ def run_demo(*, stages: int = 3, max_tokens: int = 32, prompt: str = "The capita
     from dgr.enginebuild import ensure_engine
     from dgr.wire.client import RouteClient
     from dgr.wire.local import LocalRoute
-    from dgr.wire.stats import hop_overhead_ms
+    from dgr.wire.stats import hop_overhead_ms, summarize
 
     lib = ensure_engine("cpu")
     os.environ["DGR_ENGINE_LIB"] = str(lib)
@@ -138,6 +138,7 @@ def run_demo(*, stages: int = 3, max_tokens: int = 32, prompt: str = "The capita
           f"{gen.decode_tokens_per_s:.1f} tok/s; per-hop overhead {hop_overhead_ms(gen, stages):.2f} ms")
     print(f"whole model:        prefill {whole.prefill_tokens_per_s:.1f} tok/s, decode "
           f"{whole.decode_tokens_per_s:.1f} tok/s")
+    print(summarize(gen, stages).split("\n", 1)[-1], file=sys.stderr)
     if long_ids:
         print(f"prefill of a {len(long_ids)}-token prompt: pipeline {long_gen.prefill_tokens_per_s:.1f} tok/s, "
               f"whole model {long_whole.prefill_tokens_per_s:.1f} tok/s"

@@ -94,6 +94,7 @@ class _Work:
     reply: queue.Queue | None          # where errors about this frame go
     t_recv: int
     x: np.ndarray | None = None
+    transit_ns: int = 0
 
 
 class _Link:
@@ -374,6 +375,9 @@ class StageWorker(pb_grpc.StageServicer):
 
     def _on_frame(self, frame: pb.Frame, reply: queue.Queue) -> None:
         kind = frame.WhichOneof("body")
+        transit = max(0, time.time_ns() - frame.sent_unix_ns) if frame.sent_unix_ns else 0
+        if kind == "token":
+            frame.token.return_ns = transit
         if kind in ("token", "logits", "error"):
             self._deliver_to_client(frame)             # returns into the origin
             return
@@ -409,7 +413,7 @@ class StageWorker(pb_grpc.StageServicer):
                 if sess.client is None:
                     sess.client = reply
             frame.origin_sent_ns = time.monotonic_ns()
-        self._enqueue(_Work(frame, reply, time.monotonic_ns(), x), sess)
+        self._enqueue(_Work(frame, reply, time.monotonic_ns(), x, transit), sess)
 
     def _enqueue(self, work: _Work, sess: _Session) -> None:
         key = (work.frame.session_id, work.frame.epoch)
@@ -557,6 +561,7 @@ class StageWorker(pb_grpc.StageServicer):
             if res is None:
                 continue
             timing = pb.HopTiming(stage_index=self.identity.stage_index, queue_ns=t0 - w.t_recv,
+                                  transit_ns=w.transit_ns,
                                   compute_ns=compute)
             if self.info.is_last:
                 self._emit_last(w, sess, res, timing)
@@ -596,6 +601,7 @@ class StageWorker(pb_grpc.StageServicer):
         self._reply_error(w.reply, w.frame, e)
 
     def _send(self, address: str, hop_index: int, frame: pb.Frame, sess: _Session) -> None:
+        frame.sent_unix_ns = time.time_ns()
         size = frame.ByteSize()
         if size > self.max_message_bytes:               # a bug if it happens: frames are sized below
             self._to_origin(sess, pb.Frame(session_id=sess.session_id, epoch=sess.epoch, error=self._err(
@@ -638,7 +644,7 @@ class StageWorker(pb_grpc.StageServicer):
             for lo in range(0, len(res.logits), rows_per):
                 rows = res.logits[lo:lo + rows_per]
                 frames.append(pb.Frame(session_id=sess.session_id, epoch=sess.epoch, logits=pb.Logits(
-                    positions=s.positions[lo:lo + len(rows)], values=rows.reshape(-1).tolist())))
+                    positions=s.positions[lo:lo + len(rows)], values=rows.astype("<f4").tobytes())))
         if s.sample:
             row = res.logits[-1]
             sp = sess.sampling
@@ -647,7 +653,7 @@ class StageWorker(pb_grpc.StageServicer):
                          position=pos)
             token = pb.Token(token_id=tok, position=pos, origin_sent_ns=w.frame.origin_sent_ns)
             if sess.logits == pb.LOGITS_LAST:
-                token.logits.extend(row.tolist())
+                token.logits = row.astype("<f4").tobytes()
             frames.append(pb.Frame(session_id=sess.session_id, epoch=sess.epoch, token=token,
                                    origin_sent_ns=w.frame.origin_sent_ns, timings=w.frame.timings))
         timing.wire_ns = time.monotonic_ns() - t0

@@ -272,46 +272,48 @@ class Generate(_message.Message):
     def __init__(self, max_new_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., context_ids: _Optional[_Iterable[int]] = ..., context_text: _Optional[str] = ...) -> None: ...
 
 class HopTiming(_message.Message):
-    __slots__ = ("stage_index", "queue_ns", "compute_ns", "wire_ns")
+    __slots__ = ("stage_index", "queue_ns", "compute_ns", "wire_ns", "transit_ns")
     STAGE_INDEX_FIELD_NUMBER: _ClassVar[int]
     QUEUE_NS_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_NS_FIELD_NUMBER: _ClassVar[int]
     WIRE_NS_FIELD_NUMBER: _ClassVar[int]
+    TRANSIT_NS_FIELD_NUMBER: _ClassVar[int]
     stage_index: int
     queue_ns: int
     compute_ns: int
     wire_ns: int
-    def __init__(self, stage_index: _Optional[int] = ..., queue_ns: _Optional[int] = ..., compute_ns: _Optional[int] = ..., wire_ns: _Optional[int] = ...) -> None: ...
+    transit_ns: int
+    def __init__(self, stage_index: _Optional[int] = ..., queue_ns: _Optional[int] = ..., compute_ns: _Optional[int] = ..., wire_ns: _Optional[int] = ..., transit_ns: _Optional[int] = ...) -> None: ...
 
 class Token(_message.Message):
-    __slots__ = ("token_id", "position", "logits", "logits_positions", "text", "done", "timings", "origin_sent_ns", "ring_ns")
+    __slots__ = ("token_id", "position", "logits", "text", "done", "timings", "origin_sent_ns", "ring_ns", "return_ns")
     TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     POSITION_FIELD_NUMBER: _ClassVar[int]
     LOGITS_FIELD_NUMBER: _ClassVar[int]
-    LOGITS_POSITIONS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     DONE_FIELD_NUMBER: _ClassVar[int]
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
     ORIGIN_SENT_NS_FIELD_NUMBER: _ClassVar[int]
     RING_NS_FIELD_NUMBER: _ClassVar[int]
+    RETURN_NS_FIELD_NUMBER: _ClassVar[int]
     token_id: int
     position: int
-    logits: _containers.RepeatedScalarFieldContainer[float]
-    logits_positions: _containers.RepeatedScalarFieldContainer[int]
+    logits: bytes
     text: str
     done: bool
     timings: _containers.RepeatedCompositeFieldContainer[HopTiming]
     origin_sent_ns: int
     ring_ns: int
-    def __init__(self, token_id: _Optional[int] = ..., position: _Optional[int] = ..., logits: _Optional[_Iterable[float]] = ..., logits_positions: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., done: _Optional[bool] = ..., timings: _Optional[_Iterable[_Union[HopTiming, _Mapping]]] = ..., origin_sent_ns: _Optional[int] = ..., ring_ns: _Optional[int] = ...) -> None: ...
+    return_ns: int
+    def __init__(self, token_id: _Optional[int] = ..., position: _Optional[int] = ..., logits: _Optional[bytes] = ..., text: _Optional[str] = ..., done: _Optional[bool] = ..., timings: _Optional[_Iterable[_Union[HopTiming, _Mapping]]] = ..., origin_sent_ns: _Optional[int] = ..., ring_ns: _Optional[int] = ..., return_ns: _Optional[int] = ...) -> None: ...
 
 class Logits(_message.Message):
     __slots__ = ("positions", "values")
     POSITIONS_FIELD_NUMBER: _ClassVar[int]
     VALUES_FIELD_NUMBER: _ClassVar[int]
     positions: _containers.RepeatedScalarFieldContainer[int]
-    values: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, positions: _Optional[_Iterable[int]] = ..., values: _Optional[_Iterable[float]] = ...) -> None: ...
+    values: bytes
+    def __init__(self, positions: _Optional[_Iterable[int]] = ..., values: _Optional[bytes] = ...) -> None: ...
 
 class WireError(_message.Message):
     __slots__ = ("code", "message", "hop", "held", "expected")
@@ -328,7 +330,7 @@ class WireError(_message.Message):
     def __init__(self, code: _Optional[_Union[ErrorCode, str]] = ..., message: _Optional[str] = ..., hop: _Optional[str] = ..., held: _Optional[int] = ..., expected: _Optional[int] = ...) -> None: ...
 
 class Frame(_message.Message):
-    __slots__ = ("session_id", "epoch", "step", "generate", "token", "logits", "error", "origin_sent_ns", "timings")
+    __slots__ = ("session_id", "epoch", "step", "generate", "token", "logits", "error", "origin_sent_ns", "timings", "sent_unix_ns")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
@@ -338,6 +340,7 @@ class Frame(_message.Message):
     ERROR_FIELD_NUMBER: _ClassVar[int]
     ORIGIN_SENT_NS_FIELD_NUMBER: _ClassVar[int]
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
+    SENT_UNIX_NS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     epoch: int
     step: Step
@@ -347,4 +350,5 @@ class Frame(_message.Message):
     error: WireError
     origin_sent_ns: int
     timings: _containers.RepeatedCompositeFieldContainer[HopTiming]
-    def __init__(self, session_id: _Optional[str] = ..., epoch: _Optional[int] = ..., step: _Optional[_Union[Step, _Mapping]] = ..., generate: _Optional[_Union[Generate, _Mapping]] = ..., token: _Optional[_Union[Token, _Mapping]] = ..., logits: _Optional[_Union[Logits, _Mapping]] = ..., error: _Optional[_Union[WireError, _Mapping]] = ..., origin_sent_ns: _Optional[int] = ..., timings: _Optional[_Iterable[_Union[HopTiming, _Mapping]]] = ...) -> None: ...
+    sent_unix_ns: int
+    def __init__(self, session_id: _Optional[str] = ..., epoch: _Optional[int] = ..., step: _Optional[_Union[Step, _Mapping]] = ..., generate: _Optional[_Union[Generate, _Mapping]] = ..., token: _Optional[_Union[Token, _Mapping]] = ..., logits: _Optional[_Union[Logits, _Mapping]] = ..., error: _Optional[_Union[WireError, _Mapping]] = ..., origin_sent_ns: _Optional[int] = ..., timings: _Optional[_Iterable[_Union[HopTiming, _Mapping]]] = ..., sent_unix_ns: _Optional[int] = ...) -> None: ...
