@@ -6,6 +6,7 @@ import subprocess
 import sys
 import threading
 
+import numpy as np
 import pytest
 
 from dgr.fake_engine import FakeModel
@@ -20,15 +21,21 @@ def _workers(spec=SPEC):
     return LocalRoute([["--fake-engine", spec, "--stage", str(i)] for i in range(len(FakeModel.from_spec(spec).ranges))])
 
 
-def test_cli_generate_streams_the_same_text_as_the_library():
+def test_cli_generate_streams_the_same_text_as_the_library(tmp_path):
     with _workers() as r:
         with RouteClient(r.addresses) as c:
             want = c.run("Hello, ring", max_new_tokens=12).text
+            ref = c.run("Hello, ring", max_new_tokens=12, logits="last")
+        npz = tmp_path / "logits.npz"
         out = subprocess.run([sys.executable, "-m", "dgr", "generate", "--route", r.route, "--max-tokens", "12",
-                              "--stats", "Hello, ring"], capture_output=True, text=True, timeout=60)
+                              "--stats", "--logits-out", str(npz), "Hello, ring"],
+                             capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout == want + "\n"
-    assert "decode" in out.stderr and "per-hop overhead" in out.stderr
+    assert "decode" in out.stderr and "per-hop overhead" in out.stderr and "stage 2: transit in" in out.stderr
+    saved = np.load(npz)
+    assert saved["token_ids"].tolist() == ref.token_ids
+    assert np.array_equal(saved["logits"], np.stack([ref.logits[p] for p in sorted(ref.logits)]))
 
 
 @pytest.mark.parametrize("victim", [1, 2])

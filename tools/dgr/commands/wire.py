@@ -41,6 +41,8 @@ def register(sub) -> None:
     g.add_argument("--max-message-bytes", type=int, default=DEFAULT_MAX_MESSAGE_BYTES)
     g.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for a token")
     g.add_argument("--stats", action="store_true", help="print tokens/s and per-hop timing to stderr")
+    g.add_argument("--logits-out", metavar="FILE.npz",
+                   help="save the logits row of every sampled position (parity checks)")
     g.add_argument("prompt")
     g.set_defaults(func=_generate)
 
@@ -94,10 +96,19 @@ def _generate(args) -> int:
     with RouteClient(route, max_message_bytes=args.max_message_bytes, timeout=args.timeout,
                      chunk_tokens=args.chunk_tokens) as client:
         for ev in client.generate(args.prompt, max_new_tokens=args.max_tokens, temperature=args.temperature,
-                                  top_k=args.top_k, top_p=args.top_p, seed=args.seed):
+                                  top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+                                  logits="last" if args.logits_out else "none"):
             sys.stdout.write(ev.text)
             sys.stdout.flush()
         sys.stdout.write("\n")
+        if args.logits_out:
+            import numpy as np
+
+            gen = client.last
+            pos = sorted(gen.logits)
+            np.savez(args.logits_out, token_ids=np.array(gen.token_ids, np.int32),
+                     prompt_ids=np.array(gen.prompt_ids, np.int32), positions=np.array(pos, np.int32),
+                     logits=np.stack([gen.logits[p] for p in pos]) if pos else np.zeros((0, 0), np.float32))
         if args.stats:
             from dgr.wire.stats import summarize
 
