@@ -37,7 +37,8 @@ def register(sub) -> None:
     g.add_argument("--top-k", type=int, default=0)
     g.add_argument("--top-p", type=float, default=0.0)
     g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--chunk-tokens", type=int, default=256, help="prefill tokens per frame")
+    g.add_argument("--chunk-tokens", type=int, default=64,
+                   help="prefill tokens per frame (smaller chunks let the stages overlap)")
     g.add_argument("--max-message-bytes", type=int, default=DEFAULT_MAX_MESSAGE_BYTES)
     g.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for a token")
     g.add_argument("--stats", action="store_true", help="print tokens/s and per-hop timing to stderr")

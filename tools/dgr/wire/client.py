@@ -65,7 +65,7 @@ class Generation:
 
 class RouteClient:
     def __init__(self, route: list[str], *, max_message_bytes: int = codec.DEFAULT_MAX_MESSAGE_BYTES,
-                 timeout: float = 120.0, chunk_tokens: int = 256):
+                 timeout: float = 120.0, chunk_tokens: int = 64):
         if not route:
             raise WireError("the route is empty: give HOST:PORT of every stage, stage 0 first")
         self.route = list(route)
@@ -200,6 +200,8 @@ class RouteClient:
         outgoing: queue.Queue = queue.Queue()
         for f in self._frames(gen, sid, epoch, max_new, stop_ids):
             outgoing.put(f)
+        if epoch == 1:
+            gen.t_start = time.perf_counter()           # prefill time starts with the first chunk sent
         call = self.stubs[0].Frames(iter(outgoing.get, _END))
 
         def read():
