@@ -34,6 +34,8 @@ def _schedule_args(p: argparse.ArgumentParser) -> None:
                    f"(default: {DEFAULT_PROMPT[:30]!r}...)")
     p.add_argument("--steps", type=int, default=8, help="greedy decode steps (default 8)")
     p.add_argument("--n-ubatch", type=int, default=512, help="physical batch size (default 512)")
+    p.add_argument("--threads", type=int, default=0, help="CPU threads per engine (default: all cores; "
+                   "use fewer on a shared machine, spinning threads then cost more than they give)")
     p.add_argument("--lib", type=Path, help="engine library (default: $DGR_ENGINE_LIB or the cached CPU build)")
 
 
@@ -54,11 +56,11 @@ def _schedule(args, engine):
     return Schedule(prompts=prompts, steps=args.steps, n_ubatch=args.n_ubatch)
 
 
-def run_baseline(model: Path, sched, lib=None):
+def run_baseline(model: Path, sched, lib=None, n_threads: int = 0):
     from dgr.parity import open_stages, run_pipeline
 
     [eng] = open_stages([model], n_ubatch=sched.n_ubatch, n_ctx=_ctx_for(sched.prompts, sched.steps),
-                        max_sessions=len(sched.prompts), lib=lib)
+                        max_sessions=len(sched.prompts), lib=lib, n_threads=n_threads)
     try:
         info = eng.describe()
         if info.layer_begin != 0 or info.layer_end != info.n_layer:
@@ -74,7 +76,7 @@ def cmd_baseline(args) -> int:
 
     with Engine.open(args.model, n_ctx=64, max_sessions=1, lib=args.lib) as tok:
         sched = _schedule(args, tok)
-    res = run_baseline(args.model, sched, args.lib)
+    res = run_baseline(args.model, sched, args.lib, args.threads)
     n_pre = sum(len(p) for p in sched.prompts)
     n_dec = sched.steps * len(sched.prompts)
     meta = {"model": str(args.model), "prefill_tokens": n_pre, "decode_tokens": n_dec,
@@ -121,11 +123,11 @@ def cmd_parity(args) -> int:
     else:
         with Engine.open(source, n_ctx=64, max_sessions=1, lib=args.lib) as tok:
             sched = _schedule(args, tok)
-        base = run_baseline(source, sched, args.lib)
+        base = run_baseline(source, sched, args.lib, args.threads)
         sched.forced = [g[: sched.steps] for g in base.generated]
 
     engines = open_stages(paths, n_ubatch=sched.n_ubatch, n_ctx=_ctx_for(sched.prompts, sched.steps),
-                          max_sessions=len(sched.prompts), ranges=ranges, lib=args.lib)
+                          max_sessions=len(sched.prompts), ranges=ranges, lib=args.lib, n_threads=args.threads)
     try:
         perturb = None
         if args.perturb_boundary is not None:
@@ -146,6 +148,10 @@ def cmd_parity(args) -> int:
     print(f"  first diverging: {'none' if c.first_diverging is None else '%s (session %d, %s, position %d)' % ('yes', *c.first_diverging)}")
     print(f"  greedy tokens agree: {c.greedy_agree}")
     print(f"  boundary bytes per seam: {run.boundary_bytes}")
+    n_pre = sum(len(p) for p in sched.prompts)
+    n_dec = sched.steps * len(sched.prompts)
+    print(f"  split run (one process): prefill {n_pre / max(run.prefill_seconds, 1e-9):.1f} tok/s, "
+          f"decode {n_dec / max(run.decode_seconds, 1e-9):.1f} tok/s")
     if not c.exact:
         raise ParityError("parity FAILED: the split run differs from the whole model"
                           + ("" if math.isnan(c.max_abs_diff) else f" (max abs {c.max_abs_diff:g})"))
