@@ -50,3 +50,7 @@ class SchemaMismatch(EngineError):
 
 class WireError(DgrError):
     """A remote hop failed or answered a typed error; names the hop."""
+
+
+class ReleaseError(DgrError):
+    """A release archive does not match its manifest (names the file), or could not be built."""
