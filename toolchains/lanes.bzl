@@ -38,8 +38,10 @@ LANES = {
         backend = None,
         tags = ["manual", "requires-gpu", "requires-cuda"],
         status = "declared",
-        reason = ("the CUDA lane is declared, not yet built by Bazel: build it with " +
-                  "`dgr build-engine --lane cuda` (CMake) or the Nix package .#cuda"),
+        reason = ("the CUDA lane is declared, not yet built by Bazel: its nvcc rules are not " +
+                  "written (ggml-cuda is ~200 .cu files), and this machine's CUDA 13 toolkit has no " +
+                  "cuBLAS, which ggml-cuda includes; build it with the Nix package .#cuda or CMake " +
+                  "(`dgr build-engine --lane cuda`) on a CUDA host"),
     ),
     "vulkan": struct(
         defines = ["GGML_USE_CPU", "GGML_USE_VULKAN"],

@@ -1,0 +1,103 @@
+"""Release archives: deterministic bytes, and `dgr release verify` names any file that differs.
+
+Uses the release writer of the Bazel targets (toolchains/bazel/release.py) on small inputs, so it
+runs in seconds; the full CPU release is checked in tests/test_build_bazel_release.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import io
+import json
+import tarfile
+from pathlib import Path
+
+import pytest
+
+from dgr.cli import main
+from dgr.commands.build import verify_release
+from dgr.errors import ReleaseError
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def release_writer():
+    spec = importlib.util.spec_from_file_location("release", REPO / "toolchains/bazel/release.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def inputs(tmp: Path) -> argparse.Namespace:
+    (tmp / "tools/dgr").mkdir(parents=True)
+    (tmp / "tools/dgr/__init__.py").write_text("")
+    (tmp / "tools/dgr/cli.py").write_text("def main():\n    return 0\n")
+    (tmp / "libdgr_engine.so").write_bytes(b"\x7fELF" + bytes(range(256)) * 4)
+    (tmp / "up.json").write_text(json.dumps({"commit": "c" * 40, "tree_hash": "t" * 64, "patches": []}))
+    return argparse.Namespace(
+        lane="cpu", engine=str(tmp / "libdgr_engine.so"), upstream=str(tmp / "up.json"),
+        python_root=str(tmp / "tools"),
+        python=[str(tmp / "tools/dgr/__init__.py"), str(tmp / "tools/dgr/cli.py")],
+    )
+
+
+def rewrite(archive: bytes, change) -> bytes:
+    """The archive with `change(name, data) -> data | None` applied to each file (None drops it)."""
+    out = io.BytesIO()
+    with tarfile.open(fileobj=io.BytesIO(archive), mode="r:gz") as src, \
+            tarfile.open(fileobj=out, mode="w:gz") as dst:
+        for m in src.getmembers():
+            data = src.extractfile(m).read() if m.isfile() else None
+            if data is not None:
+                data = change(m.name, data)
+                if data is None:
+                    continue
+                m.size = len(data)
+            dst.addfile(m, io.BytesIO(data) if data is not None else None)
+    return out.getvalue()
+
+
+def test_same_inputs_give_the_same_bytes_and_the_manifest_hashes_every_file(tmp_path):
+    rel = release_writer()
+    args = inputs(tmp_path)
+    a1, m1 = rel.build(args)
+    (tmp_path / "tools/dgr/cli.py").touch()  # a new mtime changes nothing
+    a2, m2 = rel.build(args)
+    assert a1 == a2 and m1 == m2
+    files = json.loads(m1)["files"]
+    assert set(files) == {"lib/libdgr_engine.so", "bin/dgr-worker", "upstream.json",
+                          "python/dgr/__init__.py", "python/dgr/cli.py"}
+    path = tmp_path / "r.tar.gz"
+    path.write_bytes(a1)
+    assert verify_release(path)["lane"] == "cpu"
+    assert main(["release", "verify", str(path)]) == 0
+
+
+@pytest.mark.parametrize("case", ["changed", "removed", "added"])
+def test_verify_names_the_file_that_differs(tmp_path, case):
+    archive, _ = release_writer().build(inputs(tmp_path))
+    target = "dgr-cpu/lib/libdgr_engine.so"
+
+    def change(name, data):
+        if name == target and case == "changed":
+            return data[:10] + bytes([data[10] ^ 1]) + data[11:]
+        if name == target and case == "removed":
+            return None
+        return data
+
+    bad = rewrite(archive, change)
+    if case == "added":
+        out = io.BytesIO()
+        with tarfile.open(fileobj=io.BytesIO(bad), mode="r:gz") as src, tarfile.open(fileobj=out, mode="w:gz") as dst:
+            for m in src.getmembers():
+                dst.addfile(m, src.extractfile(m) if m.isfile() else None)
+            extra = tarfile.TarInfo("dgr-cpu/lib/extra.so")
+            extra.size = 3
+            dst.addfile(extra, io.BytesIO(b"abc"))
+        bad, target = out.getvalue(), "dgr-cpu/lib/extra.so"
+    path = tmp_path / "bad.tar.gz"
+    path.write_bytes(bad)
+    with pytest.raises(ReleaseError, match=target.replace(".", r"\.")):
+        verify_release(path)
+    assert main(["release", "verify", str(path)]) != 0
