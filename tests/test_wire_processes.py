@@ -92,3 +92,14 @@ def test_health_and_describe():
             assert d.HasField("schema_in") == (i > 0) and d.HasField("schema_out") == (i < 2)
             if i == 1:
                 assert d.schema_in.token_ids and d.schema_in.layer == 2 and d.seam_bytes_per_token == 16 * 4
+
+
+def test_a_taken_port_or_a_bad_address_is_refused():
+    with _workers() as r:
+        taken = r.addresses[0]
+        out = subprocess.run([sys.executable, "-m", "dgr", "worker", "serve", "--fake-engine", SPEC, "--stage", "0",
+                              "--listen", taken], capture_output=True, text=True, timeout=60)
+        assert out.returncode == 2 and f"cannot listen on '{taken}'" in out.stderr
+    out = subprocess.run([sys.executable, "-m", "dgr", "worker", "serve", "--fake-engine", SPEC, "--stage", "0",
+                          "--listen", "nonsense"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "give HOST:PORT" in out.stderr and "Traceback" not in out.stderr

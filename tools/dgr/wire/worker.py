@@ -27,7 +27,7 @@ import numpy as np
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from dgr.engine_api import ShardEngine, Step
-from dgr.errors import CacheMiss, DgrError, SchemaMismatch
+from dgr.errors import CacheMiss, DgrError, SchemaMismatch, WireError
 from dgr.wire import codec
 from dgr.wire.codec import hop_name, schema_diff, schema_str
 from dgr.wire.gen import stage_pb2 as pb
@@ -765,12 +765,16 @@ def serve(engine: ShardEngine, identity: StageIdentity, listen: str, *,
           threads: int | None = None) -> tuple[grpc.Server, StageWorker, str]:
     """Start serving; returns (server, worker, bound address). Port 0 picks a free port."""
     info = engine.describe()
+    # no SO_REUSEPORT: a second worker on a taken port must fail, not silently share its connections
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=threads or info.max_sessions * 2 + 16),
-                         options=channel_options(max_message_bytes))
+                         options=[*channel_options(max_message_bytes), ("grpc.so_reuseport", 0)])
     host, _, port = listen.rpartition(":")
-    bound = server.add_insecure_port(listen)
-    if bound == 0:
-        raise DgrError(f"cannot listen on {listen}: is the port in use?")
+    try:
+        bound = server.add_insecure_port(listen)
+    except RuntimeError:
+        bound = 0
+    if not host or bound == 0:
+        raise WireError(f"cannot listen on {listen!r}: give HOST:PORT with a free port (port 0 picks one)")
     address = f"{host}:{bound}"
     worker = StageWorker(engine, identity, address=address, max_message_bytes=max_message_bytes,
                          max_batch_tokens=max_batch_tokens)
