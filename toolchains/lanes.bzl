@@ -56,9 +56,11 @@ LANES = {
         backend = None,
         tags = ["manual", "requires-gpu", "requires-rocm"],
         status = "declared",
-        reason = ("the ROCm lane is declared, not built: Debian's HIP (5.2) is older than the HIP the " +
-                  "pinned llama.cpp needs (ROCm >= 6.1); build it with the Nix package .#rocm or a " +
-                  "host with ROCm 6.1+"),
+        # Attempted here: Debian 12 offers hipcc / libamdhip64-dev 5.2.3, and the pinned
+        # ggml/src/ggml-hip/CMakeLists.txt stops at `if (${hip_VERSION} VERSION_LESS 6.1)`.
+        reason = ("the ROCm lane is declared, not built: the Debian HIP (5.2.3) is older than the " +
+                  "HIP 6.1 that the pinned ggml-hip requires; build it with the Nix package .#rocm " +
+                  "or on a host with ROCm 6.1+"),
     ),
     "metal": struct(
         defines = ["GGML_USE_CPU", "GGML_USE_METAL"],
@@ -74,7 +76,7 @@ def _declared_unavailable(name, lane, tags):
     """A target that fails with the lane's reason when built (only by name: it is manual)."""
     native.genrule(
         name = name,
-        outs = [name + ".unavailable"],
+        outs = [name + ".h"],
         cmd = "echo 'dgr: %s' >&2; exit 1" % LANES[lane].reason.replace("'", ""),
         tags = tags,
     )
