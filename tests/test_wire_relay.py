@@ -209,6 +209,11 @@ def test_wrong_order_and_wrong_range_are_refused_at_open():
     with InProcessRoute([(SPEC, 0), (moved, 1), (moved, 2)]) as r, RouteClient(r.addresses) as c:
         with pytest.raises(RemoteSchemaMismatch):            # another cut is another bundle
             c.run("x", max_new_tokens=2)
+    with InProcessRoute.of(SPEC) as r, RouteClient(r.addresses) as c:
+        c.describe()
+        c._hops[1].identity.layer_end = 6                    # the route claims stage 1 owns [2, 6)
+        with pytest.raises(WrongRange, match=r"expects stage 1 \[2, 6\).*serves stage 1 \[2, 5\)"):
+            c.run("x", max_new_tokens=2)
 
 
 def test_overloaded_at_open():
