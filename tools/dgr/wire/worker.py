@@ -17,6 +17,7 @@ from __future__ import annotations
 import collections
 import logging
 import queue
+import socket
 import threading
 import time
 from concurrent import futures
@@ -775,7 +776,8 @@ def serve(engine: ShardEngine, identity: StageIdentity, listen: str, *,
         bound = 0
     if not host or bound == 0:
         raise WireError(f"cannot listen on {listen!r}: give HOST:PORT with a free port (port 0 picks one)")
-    address = f"{host}:{bound}"
+    # errors name this hop by its address; a wildcard listen address names no machine, the host name does
+    address = f"{socket.gethostname() if host in ('0.0.0.0', '[::]') else host}:{bound}"
     worker = StageWorker(engine, identity, address=address, max_message_bytes=max_message_bytes,
                          max_batch_tokens=max_batch_tokens)
     pb_grpc.add_StageServicer_to_server(worker, server)
