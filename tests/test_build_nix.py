@@ -45,7 +45,9 @@ let
       name = args.name or "${args.pname}-${args.version}";
       d = derivation (builtins.removeAttrs args [ "passthru" "meta" "pname" "version" ] // {
         inherit name system;
-        builder = "/bin/sh";
+        # bash, and `outputs` in the environment: `nix develop` runs its get-env.sh with the builder.
+        builder = "/bin/bash";
+        outputs = [ "out" ];
         args = [ "-c" "echo stand-in > $out" ];
       });
     in args // (args.passthru or { }) // d // { passthru = args.passthru or { }; meta = args.meta or { }; };
@@ -152,6 +154,24 @@ def test_each_lane_turns_on_its_backend(standin):
     assert any(f.startswith("-DCMAKE_CUDA_ARCHITECTURES=") for f in flags["cuda"])
     broken = eval_json(standin, f"packages.{SYSTEM}", "ps: builtins.mapAttrs (n: p: p.meta.broken or false) ps")
     assert broken["metal"] is True and broken["cpu"] is False, "Metal is marked broken off macOS"
+
+
+@pytest.mark.parametrize("shell", ["default", *LANES])
+def test_each_shell_can_be_entered(standin, shell):
+    # `nix develop .#<lane> -c ...`: builds the stand-in inputs (trivial), runs the shell hook.
+    nix = shutil.which("nix")
+    assert nix, "nix is not installed (Debian: apt-get install nix-bin; scripts/setup does)"
+    proc = subprocess.run(
+        [nix, "--extra-experimental-features", "nix-command flakes", "develop", "--offline",
+         "--no-write-lock-file", "--override-input", "nixpkgs", f"path:{standin}", f".#{shell}",
+         "-c", "bash", "-c", 'echo "lane=$DGR_LANE"'],
+        cwd=REPO, capture_output=True, text=True, timeout=300,
+        env={**os.environ, "NIX_CONFIG": "warn-dirty = false\nsandbox = false"},
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lane = "cpu" if shell == "default" else shell
+    assert f"lane={lane}" in proc.stdout.splitlines()
+    assert f"dgr {lane} shell" in proc.stdout
 
 
 def test_a_missing_nixpkgs_attribute_fails_the_evaluation(tmp_path):
