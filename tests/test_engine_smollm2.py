@@ -75,3 +75,16 @@ def test_range_override_loads_only_owned_tensors_of_a_whole_file(smollm2_gguf, e
     assert m.kv_bytes * 10 == w.kv_bytes
     # 3 of 30 layers and no embedding/head: well under a tenth of the whole file's weights
     assert 0 < m.weights_bytes < w.weights_bytes / 10
+
+
+def test_smollm2_session_is_bit_identical_alone_or_sharing_batches(smollm2_gguf, engine_lib):
+    """With SmolLM2's Q4_1 weights (quantized dot products, per row), a session computes the same bits
+    whether or not another session shares its batches: concurrent sessions are exact here."""
+    from test_engine_parity import _alone_and_shared
+
+    with Engine.open(smollm2_gguf, n_ctx=64, max_sessions=1, lib=engine_lib) as e:
+        a = e.tokenize("The capital of France is")
+        b = e.tokenize("Once upon a time, there was a little dragon who lived in")
+    alone, shared = _alone_and_shared(smollm2_gguf, engine_lib, a, b, steps=5)
+    for i, (x, y) in enumerate(zip(alone, shared)):
+        assert x.tobytes() == y.tobytes(), f"forward {i} differs"
