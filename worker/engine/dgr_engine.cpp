@@ -147,6 +147,11 @@ file_facts read_facts(const std::string & path) {
         }
         f.arch = gguf_get_val_str(g, aid);
         gguf_int(g, (f.arch + ".block_count").c_str(), f.n_layer, path);
+        // block_count includes trailing MTP (nextn) blocks; the trunk is what a range divides
+        int64_t n_nextn = 0;
+        if (gguf_int(g, (f.arch + ".nextn_predict_layers").c_str(), n_nextn, path) && n_nextn > 0 && n_nextn < f.n_layer) {
+            f.n_layer -= n_nextn;
+        }
         gguf_int(g, (f.arch + ".embedding_length").c_str(), f.n_embd, path);
 
         const bool hb = gguf_int(g, DGR_KEY_LAYER_BEGIN, f.begin, path);
@@ -202,7 +207,7 @@ void check_stage_file(const std::string & path, const file_facts & f) {
     }
     const char * p = path.c_str();
     if (f.total != f.n_layer) {
-        throw dgr_exc(DGR_E_ARTIFACT, fmt("%s: %s = %lld but %s.block_count = %lld",
+        throw dgr_exc(DGR_E_ARTIFACT, fmt("%s: %s = %lld but %s.block_count (less MTP blocks) = %lld",
                 p, DGR_KEY_LAYER_TOTAL, (long long) f.total, f.arch.c_str(), (long long) f.n_layer));
     }
     if (f.begin < 0 || f.begin >= f.end || f.end > f.total) {
