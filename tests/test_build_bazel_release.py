@@ -1,8 +1,8 @@
 """The CPU release is reproducible: two clean builds give the same bytes.
 
-Build 1: `bazel build //:release_cpu` in this checkout (its output base; the disk cache may serve it).
-Build 2: the same in a copy of the checkout at another path, in a fresh output base, with no disk
-cache: every object compiled again. Timestamps (tar and gzip), absolute paths (sandbox and checkout)
+Build 1: `bazel build //:release_cpu` in a copy of this checkout, in a fresh output base (the disk
+cache may serve it). Build 2: the same in a second copy at another path, in a fresh output base, with
+no disk cache: every object compiled again. Timestamps (tar and gzip), absolute paths (sandbox and checkout)
 and build ids (derived from the content by the linker) must not make them differ.
 Slow (a full llama.cpp build): marked `slow`.
 """
@@ -58,10 +58,12 @@ def tracked_copy(dest: Path) -> Path:
 
 @pytest.mark.slow
 def test_cpu_release_is_identical_across_two_clean_builds(tmp_path):
-    archive1, manifest1 = build_release(REPO)
-    other = tracked_copy(tmp_path / "elsewhere")
+    # Two checkouts of one snapshot (work going on in the repository cannot slip in between).
+    first = tracked_copy(tmp_path / "first")
+    other = shutil.copytree(first, tmp_path / "elsewhere")
+    archive1, manifest1 = build_release(first, "--batch", f"--output_base={tmp_path / 'output_base1'}")
     archive2, manifest2 = build_release(
-        other, "--batch", f"--output_base={tmp_path / 'output_base'}", extra=("--disk_cache=",)
+        other, "--batch", f"--output_base={tmp_path / 'output_base2'}", extra=("--disk_cache=",)
     )
     if manifest1 != manifest2:
         diff = {p for p in manifest1["files"] if manifest1["files"][p] != manifest2["files"].get(p)}
