@@ -99,19 +99,3 @@ def test_unported_architecture_refuses_a_range(llama6, engine_lib, tmp_path):
 
 UNPORTED_ARCH = "smollm3"
 
-
-def test_deepseek4_runs_whole_and_refuses_a_range_until_ported(engine_lib, tmp_path):
-    """V4 is not ported yet (docs/engine.md says what it needs): as a whole model it runs, with the
-    trunk (block_count less the MTP block) as its layer count; a range is refused, not miscomputed."""
-    from dgr.synth_deepseek4 import synth_deepseek4
-
-    model = synth_deepseek4(tmp_path / "v4.gguf", layers=4)
-    with Engine.open(model, n_ctx=160, max_sessions=1, lib=engine_lib) as e:
-        info = e.describe()
-        assert (info.arch, info.n_layer, info.layer_end) == ("deepseek4", 4, 4)
-        e.open_session("a", 0)
-        ids = np.arange(140) % 200
-        r = e.forward([Step("a", 0, np.arange(140, dtype=np.int32), token_ids=ids)])
-        assert 0 <= r[0].next_token < info.n_vocab and np.isfinite(r[0].logits).all()
-    with pytest.raises(EngineError, match="'deepseek4' does not support layer ranges"):
-        Engine.open(model, layer_range=(0, 2), lib=engine_lib)

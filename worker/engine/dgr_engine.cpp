@@ -109,6 +109,8 @@ struct file_facts {
     int64_t begin = 0, end = 0, total = 0;
     int64_t n_streams = 1;
     bool token_ids = false;
+    int64_t arch_streams = 1;      // <arch>.hyper_connection.count (V4 mHC), else 1
+    int64_t hash_layers  = 0;      // <arch>.hash_layer_count: layers that route by token id
     std::set<int64_t> blocks;             // block ids that have tensors
     bool has_tok_embd = false, has_output_norm = false, has_output = false;
 };
@@ -162,7 +164,11 @@ file_facts read_facts(const std::string & path) {
             throw dgr_exc(DGR_E_ARTIFACT, fmt("%s: has only some of %s, %s, %s; rebuild the bundle",
                     path.c_str(), DGR_KEY_LAYER_BEGIN, DGR_KEY_LAYER_END, DGR_KEY_LAYER_TOTAL));
         }
-        gguf_int(g, DGR_KEY_BOUNDARY_N_STREAMS, f.n_streams, path);
+        gguf_int(g, (f.arch + ".hyper_connection.count").c_str(), f.arch_streams, path);
+        gguf_int(g, (f.arch + ".hash_layer_count").c_str(), f.hash_layers, path);
+        if (!gguf_int(g, DGR_KEY_BOUNDARY_N_STREAMS, f.n_streams, path)) {
+            f.n_streams = f.arch_streams;
+        }
         const int64_t tid = gguf_find_key(g, DGR_KEY_BOUNDARY_TOKEN_IDS);
         if (tid >= 0 && gguf_get_kv_type(g, tid) == GGUF_TYPE_BOOL) {
             f.token_ids = gguf_get_val_bool(g, tid);
@@ -323,6 +329,14 @@ int32_t dgr_engine_open(const char * path_c, const dgr_open_params * params, dgr
             add(DGR_KEY_LAYER_BEGIN, begin);
             add(DGR_KEY_LAYER_END,   end);
             add(DGR_KEY_LAYER_TOTAL, f.n_layer);
+            add(DGR_KEY_BOUNDARY_N_STREAMS, f.n_streams);
+            // what a bundle would write: the ids ride along into a stage that starts among the hash layers
+            f.token_ids = begin > 0 && begin < f.hash_layers;
+            llama_model_kv_override o {};
+            o.tag = LLAMA_KV_OVERRIDE_TYPE_BOOL;
+            snprintf(o.key, sizeof(o.key), "%s", DGR_KEY_BOUNDARY_TOKEN_IDS);
+            o.val_bool = f.token_ids;
+            kvo.push_back(o);
             kvo.push_back(llama_model_kv_override {}); // terminator (key[0] == 0)
         }
 

@@ -106,10 +106,17 @@ bool dgr_arch_supports_range(int arch) {
         case LLM_ARCH_QWEN3:
         case LLM_ARCH_QWEN3MOE:
         case LLM_ARCH_GEMMA3:
+        case LLM_ARCH_DEEPSEEK4:
             return true;
         default:
             return false;
     }
+}
+
+bool dgr_is_stage_file(const llama_model_loader & ml) {
+    int64_t v = 0;
+    return read_int_key(ml, DGR_KEY_LAYER_BEGIN, v) || read_int_key(ml, DGR_KEY_LAYER_END, v) ||
+        read_int_key(ml, DGR_KEY_LAYER_TOTAL, v);
 }
 
 void dgr_load_range(llama_model_loader & ml, int arch, llama_hparams & hp) {
@@ -142,10 +149,11 @@ void dgr_load_range(llama_model_loader & ml, int arch, llama_hparams & hp) {
     if (begin == 0 && end == n_layer) {
         return; // the whole range: nothing to restrict
     }
-    if (n_streams != 1) {
-        // V4 (mHC) will set this; the input/output hooks already size the boundary by n_streams
-        throw std::runtime_error(format("dgr: %s = %lld is not supported for %s yet (only 1)",
-                DGR_KEY_BOUNDARY_N_STREAMS, (long long) n_streams, llm_arch_name((llm_arch) arch)));
+    // residual streams crossing the seam: deepseek4's hyper-connection count, else one
+    const int64_t want_streams = (llm_arch) arch == LLM_ARCH_DEEPSEEK4 ? (int64_t) hp.dsv4_hc_mult : 1;
+    if (n_streams != want_streams) {
+        throw std::runtime_error(format("dgr: %s = %lld but %s carries %lld residual stream(s) across a seam",
+                DGR_KEY_BOUNDARY_N_STREAMS, (long long) n_streams, llm_arch_name((llm_arch) arch), (long long) want_streams));
     }
     if (!dgr_arch_supports_range(arch)) {
         throw std::runtime_error(format("dgr: architecture '%s' does not support layer ranges yet; "

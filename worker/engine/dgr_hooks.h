@@ -28,6 +28,9 @@ struct dgr_layer_range {
 // (`arch` is an llm_arch; int here so this header stays light enough for llama-hparams.h.)
 void dgr_load_range(llama_model_loader & ml, int arch, llama_hparams & hparams);
 bool dgr_arch_supports_range(int arch);
+// whether the file (or the kv overrides) carries a dgr layer range: for arch probes that run before
+// the range is loaded (deepseek4's MTP probe)
+bool dgr_is_stage_file(const llama_model_loader & ml);
 
 // patch 0002: whether the model creates (and loads) this tensor. Non-owned repeating tensors,
 // input tensors past the first stage and output tensors before the last stage are not created.
