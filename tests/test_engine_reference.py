@@ -23,17 +23,24 @@ def pristine_lib():
 
 
 def _run(path, lib, sched):
-    [e] = open_stages([path], n_ubatch=sched.n_ubatch, n_ctx=64, max_sessions=len(sched.prompts), lib=lib)
+    n_ctx = max(len(p) for p in sched.prompts) + sched.steps + 8
+    [e] = open_stages([path], n_ubatch=sched.n_ubatch, n_ctx=n_ctx, max_sessions=len(sched.prompts), lib=lib)
     try:
         return run_pipeline([e], sched)
     finally:
         e.close()
 
 
-@pytest.mark.parametrize("arch", ["llama", "gemma3", "qwen3moe"])
+@pytest.mark.parametrize("arch", ["llama", "gemma3", "qwen3moe", "deepseek4"])
 def test_patched_whole_model_is_byte_identical_to_unpatched(arch, engine_lib, pristine_lib, tmp_path):
-    model = synth_model(tmp_path, arch)
-    sched = Schedule(prompts=long_prompts(256), steps=4, n_ubatch=16)
+    if arch == "deepseek4":
+        from dgr.synth_deepseek4 import synth_deepseek4
+
+        model = synth_deepseek4(tmp_path / "v4.gguf", layers=4)
+        sched = Schedule(prompts=long_prompts(256, lengths=(150, 133)), steps=3, n_ubatch=64)
+    else:
+        model = synth_model(tmp_path, arch)
+        sched = Schedule(prompts=long_prompts(256), steps=4, n_ubatch=16)
     a, b = _run(model, engine_lib, sched), _run(model, pristine_lib, sched)
     for k in range(len(sched.prompts)):
         assert a.prefill_logits[k].tobytes() == b.prefill_logits[k].tobytes()
