@@ -107,3 +107,30 @@ def test_other_architectures_through_worker_processes(arch, engine_lib, tmp_path
         gen = c.run(ids, max_new_tokens=8, logits="last", stop_token_ids=[])
     assert gen.token_ids == ref.token_ids
     assert all(np.array_equal(gen.logits[len(ids) - 1 + k], row) for k, row in enumerate(ref.logits))
+
+
+def test_long_prompt_under_a_small_message_limit_is_exact(engine_lib, smollm2_gguf):
+    """A 300-token prompt through 3 workers with a 256 KiB message limit (about 110 tokens of boundary
+    per frame): several chunks, no frame over the limit, and the tokens and logits of the whole model
+    prefilled in the same chunks. (Under 200 KiB a logits row itself would not fit: refused at open.)"""
+    from dgr.engine import Engine
+    from dgr.wire.demo import long_prompt, whole_model_run
+
+    limit = 256 * 1024
+    eng = Engine.open(smollm2_gguf, lib=engine_lib, n_threads=1)
+    ids = long_prompt(eng.tokenize, 300)
+    b = _bundle(3)
+    args = [["--bundle", str(b.root), "--stage", str(i), "--max-message-bytes", str(limit)] for i in range(3)]
+    try:
+        with _route(engine_lib, args) as r, \
+                RouteClient(r.addresses, max_message_bytes=limit, chunk_tokens=250) as c:
+            gen = c.run(ids, max_new_tokens=4, logits="last", stop_token_ids=[])
+            sent = [d.max_frame_bytes_sent for d in c.describe()]
+        # the client lowered its chunks to what one frame of every seam holds; the baseline prefills alike
+        assert 100 < gen.chunk_tokens < 250
+        ref = whole_model_run(eng, ids, 4, chunk_tokens=gen.chunk_tokens)
+    finally:
+        eng.close()
+    assert all(limit // 2 < s <= limit for s in sent[:2]), sent
+    assert gen.token_ids == ref.token_ids
+    assert all(np.array_equal(gen.logits[len(ids) - 1 + k], row) for k, row in enumerate(ref.logits))

@@ -235,11 +235,15 @@ def test_long_prompt_streams_in_chunks_under_the_message_limit():
     with InProcessRoute.of(spec, max_message_bytes=limit) as r, \
             RouteClient(r.addresses, max_message_bytes=limit, chunk_tokens=100) as c:
         gen = c.run(prompt, max_new_tokens=8, logits="last")
+        assert gen.chunk_tokens == codec.tokens_per_frame(limit, 64 * 4 * 4) < 100   # capped to one frame
+        # a caller that sends bigger chunks: the workers split them into frames under the limit
+        c.chunk_tokens = 100
+        big = c.run(prompt, max_new_tokens=8, logits="last")
         sent = [d.max_frame_bytes_sent for d in c.describe()]
     assert len(gen.prompt_ids) > 400
     assert all(0 < s <= limit for s in sent[:-1]) and max(sent) > limit // 2, sent
     assert 0 < c.max_frame_bytes_sent <= limit
-    assert gen.token_ids == whole_model(spec, gen.prompt_ids, 8)[0]
+    assert gen.token_ids == big.token_ids == whole_model(spec, gen.prompt_ids, 8)[0]
 
 
 def test_wire_dtype_bf16_runs_and_stays_close():

@@ -48,6 +48,7 @@ class Generation:
     logits: dict[int, np.ndarray] = field(default_factory=dict)   # position -> row
     events: list[TokenEvent] = field(default_factory=list)
     epochs: int = 0
+    chunk_tokens: int = 0                # prefill tokens per step, the same at every stage
     t_start: float = 0.0
     t_first: float = 0.0
     t_last: float = 0.0
@@ -102,6 +103,13 @@ class RouteClient:
                 raise HopUnreachable(f"cannot reach the worker: {err.code().name}: is it running?",
                                      hop=self.hop(i)) from None
         self._hops = out
+        # Every stage processes the same chunks (no hop re-splits a chunk to fit its message limit), so
+        # prefill follows one schedule end to end and a baseline chunked alike is comparable bit for bit
+        # (llama.cpp's kernels are not batch-size invariant).
+        for d in out:
+            if d.HasField("schema_out") and d.seam_bytes_per_token:
+                self.chunk_tokens = min(self.chunk_tokens, codec.tokens_per_frame(
+                    min(d.max_message_bytes, self.max_message_bytes), d.seam_bytes_per_token))
         return out
 
     def _vocab_stub(self) -> pb_grpc.StageStub:
@@ -154,7 +162,8 @@ class RouteClient:
             hops = self._hops or self.describe()
             stop_token_ids = list(hops[-1].eos_token_ids)
         sampling = pb.Sampling(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
-        gen = self.last = Generation(prompt_ids=ids, t_start=time.perf_counter())
+        self._hops or self.describe()
+        gen = self.last = Generation(prompt_ids=ids, t_start=time.perf_counter(), chunk_tokens=self.chunk_tokens)
         sid = session_id or uuid.uuid4().hex
         epoch = 0
         while len(gen.token_ids) < max_new_tokens:

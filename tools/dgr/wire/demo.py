@@ -29,15 +29,19 @@ class WholeRun:
 
 
 def whole_model_run(engine, ids: list[int], max_new: int, stop_ids: tuple[int, ...] = (),
-                    session: str = "whole") -> WholeRun:
-    """Greedy generation on one engine holding every layer: the independent baseline."""
+                    session: str = "whole", chunk_tokens: int = 0) -> WholeRun:
+    """Greedy generation on one engine holding every layer: the independent baseline. `chunk_tokens`
+    prefills in chunks of that size (as a route does), 0 in one step."""
     from dgr.engine_api import Step
 
     engine.open_session(session, 1)
     try:
         t0 = time.perf_counter()
-        r = engine.forward([Step(session, 1, np.arange(len(ids), dtype=np.int32), np.asarray(ids, np.int32),
-                                 want_logits="last")])[0]
+        step = chunk_tokens or len(ids)
+        for lo in range(0, len(ids), step):
+            hi = min(len(ids), lo + step)
+            r = engine.forward([Step(session, 1, np.arange(lo, hi, dtype=np.int32),
+                                     np.asarray(ids[lo:hi], np.int32), want_logits="last")])[0]
         t1 = time.perf_counter()
         out, rows, pos = [], [], len(ids)
         while True:
@@ -125,8 +129,9 @@ def run_demo(*, stages: int = 3, max_tokens: int = 32, prompt: str = "The capita
             long_gen = client.run(long_ids, max_new_tokens=1)
     whole_engine = Engine.open(source_gguf(recipe), lib=lib, n_threads=threads)   # same compute per process
     try:
-        whole = whole_model_run(whole_engine, gen.prompt_ids, max_tokens, eos)
-        long_whole = whole_model_run(whole_engine, long_ids, 1) if long_ids else None
+        whole = whole_model_run(whole_engine, gen.prompt_ids, max_tokens, eos, chunk_tokens=gen.chunk_tokens)
+        long_whole = whole_model_run(whole_engine, long_ids, 1, chunk_tokens=long_gen.chunk_tokens) \
+            if long_ids else None
     finally:
         whole_engine.close()
     same = whole.token_ids == gen.token_ids
