@@ -103,3 +103,13 @@ def test_a_taken_port_or_a_bad_address_is_refused():
     out = subprocess.run([sys.executable, "-m", "dgr", "worker", "serve", "--fake-engine", SPEC, "--stage", "0",
                           "--listen", "nonsense"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "give HOST:PORT" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_a_dead_hop_at_session_open_is_named():
+    with _workers() as r:
+        with RouteClient(r.addresses) as c:
+            c.describe()
+            r.kill(2)
+            with pytest.raises(HopUnreachable) as err:
+                c.run("hi", max_new_tokens=2)
+    assert err.value.hop == f"stage 2 ({r.addresses[2]})" and "could not open the session" in str(err.value)

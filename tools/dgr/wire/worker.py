@@ -306,10 +306,10 @@ class StageWorker(pb_grpc.StageServicer):
             try:
                 reply = self._link(nxt.address, req.hop_index + 1).stub.OpenSession(fwd, timeout=60)
             except grpc.RpcError as err:
-                reply = pb.OpenSessionReply(error=self._err(
-                    pb.HOP_UNREACHABLE, f"cannot open the session on the next hop "
-                                        f"{hop_name(req.hop_index + 1, nxt.address)}: {err.code().name} "
-                                        f"{err.details()}: is that worker running?"))
+                name = hop_name(req.hop_index + 1, nxt.address)
+                reply = pb.OpenSessionReply(error=pb.WireError(code=pb.HOP_UNREACHABLE, hop=name, message=(
+                    f"{name} is unreachable: {self.hop} could not open the session there ({err.code().name}: "
+                    f"{err.details()}): is that worker running?")))
             if reply.HasField("error"):
                 self._close_local(*key)
                 return reply
@@ -691,10 +691,9 @@ class StageWorker(pb_grpc.StageServicer):
         for sess in sessions:
             idx = next((i for i, h in enumerate(sess.route) if h.address == link.address), -1)
             name = hop_name(idx, link.address) if idx >= 0 else link.address
-            e = self._err(pb.HOP_UNREACHABLE, f"lost the stream to {name}: {err.code().name} "
-                                              f"{err.details() or ''}; that worker may have died: restart it "
-                                              "and retry (recovery comes later)")
-            e.hop = name
+            e = pb.WireError(code=pb.HOP_UNREACHABLE, hop=name, message=(
+                f"{name} is unreachable: {self.hop} lost its stream to it ({err.code().name}: "
+                f"{err.details() or ''}); that worker may have died: restart it and retry (recovery comes later)"))
             frame = pb.Frame(session_id=sess.session_id, epoch=sess.epoch, error=e)
             if link.address == sess.route[0].address:
                 log.warning("origin unreachable for session %s: %s", sess.session_id, e.message)
