@@ -9,7 +9,7 @@ Bazel, through `use_repo_rule`). It reads the single pin file `toolchains/llama.
    pin names: from the workspace's download cache (`cache/downloads/<file>`) or from the pin's URL,
    checked against the pin's sha256 either way;
 2. checks the tree hash by running `tools/dgr/treehash.py --expect` (the one implementation, shared
-   with dgr and Nix); with the workspace's verified listing it names the first changed file;
+   with dgr and Nix); with the pin's listing (`tree_listing`) it names the first changed file;
 3. checks that `patches/llama.cpp/` holds exactly the pin's patch list, and each patch's blake3;
    a patch that changed by one byte fails here, named;
 4. applies the patches in the pin's order with `ctx.patch` (strip 1, `git format-patch` output);
@@ -141,6 +141,11 @@ def _llama_cpp_repository_impl(ctx):
 
     origin, listing = _fetch_source(ctx, pin, ws)
 
+    # The pin's committed listing (its blake3 is the tree hash) names the first differing file for
+    # any source; the workspace's verified listing does when the pin has none.
+    if pin.get("tree_listing"):
+        rel = pin["tree_listing"]
+        listing = ctx.path(Label("//%s:%s" % (rel.rpartition("/")[0], rel.rpartition("/")[2])))
     args = [python, ctx.path(ctx.attr._treehash), ".", "--expect", tree_hash]
     if listing:
         args += ["--expect-listing", str(listing)]
