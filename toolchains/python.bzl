@@ -9,16 +9,19 @@ cached as passed) and run one at a time (.bazelrc: --local_test_jobs=1).
 load("@rules_python//python:defs.bzl", "py_binary", "py_test")
 load("//toolchains:lanes.bzl", "LANES", "lane_select")
 
-def dgr_py_tests(srcs, lane = "cpu", data = [], slow = [], tags = []):
+def dgr_py_tests(srcs, lane = "cpu", data = [], slow = [], tags = [], cmake_engine = []):
+    """`cmake_engine`: tests that compare the engine with another CMake build of it (same flags on
+    both sides), so they keep dgr's own CMake build rather than the Bazel one."""
     engine = "//worker/engine:libdgr_engine_%s.so" % lane
     for src in srcs:
         name = src[:-len(".py")]
+        own = src not in cmake_engine
         py_test(
             name = name,
             srcs = ["//toolchains/bazel:dgr_launcher.py", src],
             main = "//toolchains/bazel:dgr_launcher.py",
-            args = ["--engine", "$(rootpath %s)" % engine, "--pytest", "$(rootpath %s)" % src],
-            data = data + [engine],
+            args = (["--engine", "$(rootpath %s)" % engine] if own else []) + ["--pytest", "$(rootpath %s)" % src],
+            data = data + ([engine] if own else []),
             python_version = "PY3",
             deps = ["//tools/dgr:dgr_lib", "@rules_python//python/runfiles"],
             timeout = "eternal" if src in slow else "long",
