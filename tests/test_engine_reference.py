@@ -31,7 +31,7 @@ def _run(path, lib, sched):
         e.close()
 
 
-@pytest.mark.parametrize("arch", ["llama", "gemma3", "qwen3moe", "deepseek4"])
+@pytest.mark.parametrize("arch", ["llama", "gemma3", "qwen3moe", "deepseek4", "deepseek2"])
 def test_patched_whole_model_is_byte_identical_to_unpatched(arch, engine_lib, pristine_lib, tmp_path):
     if arch == "deepseek4":
         from dgr.synth_deepseek4 import synth_deepseek4

@@ -36,10 +36,11 @@ class LayerTensor:
     suffix: str  # "weight" | "bias"
     shape: Shape
     kind: str
+    when: Callable[[int, dict], bool] | None = None  # (layer, dims) -> present; None: every layer
 
 
-def _lt(tensor, shape, kind=_WEIGHT, suffix="weight") -> LayerTensor:
-    return LayerTensor(tensor, suffix, shape, kind)
+def _lt(tensor, shape, kind=_WEIGHT, suffix="weight", when=None) -> LayerTensor:
+    return LayerTensor(tensor, suffix, shape, kind, when)
 
 
 _ATTN = (
@@ -90,6 +91,49 @@ def _moe_kv(d: dict) -> dict:
     return {"expert_count": d["X"], "expert_used_count": d["X_used"], "expert_feed_forward_length": d["G"]}
 
 
+# deepseek2 (MLA attention, leading dense blocks, then MoE with shared experts). Dims: Q q lora rank,
+# C kv lora rank, R rope head dim, N no-rope head dim, V value head dim, S shared experts, L dense lead.
+def _ds2_dense(il: int, d: dict) -> bool:
+    return il < d["L"]
+
+
+def _ds2_moe(il: int, d: dict) -> bool:
+    return il >= d["L"]
+
+
+_DS2_ATTN = (
+    _lt(T.ATTN_NORM, lambda d: (d["E"],), _NORM),
+    _lt(T.ATTN_Q_A_NORM, lambda d: (d["Q"],), _NORM),
+    _lt(T.ATTN_KV_A_NORM, lambda d: (d["C"],), _NORM),
+    _lt(T.ATTN_Q_A, lambda d: (d["Q"], d["E"])),
+    _lt(T.ATTN_Q_B, lambda d: (d["H"] * (d["N"] + d["R"]), d["Q"])),
+    _lt(T.ATTN_KV_A_MQA, lambda d: (d["C"] + d["R"], d["E"])),
+    _lt(T.ATTN_K_B, lambda d: (d["H"], d["C"], d["N"])),
+    _lt(T.ATTN_V_B, lambda d: (d["H"], d["V"], d["C"])),
+    _lt(T.ATTN_OUT, lambda d: (d["E"], d["H"] * d["V"])),
+)
+_DS2_FFN = _FFN[:1] + tuple(_lt(t.tensor, t.shape, t.kind, t.suffix, _ds2_dense) for t in _FFN[1:]) + tuple(
+    _lt(t.tensor, t.shape, t.kind, t.suffix, _ds2_moe) for t in _MOE[1:]
+) + (
+    _lt(T.FFN_EXP_PROBS_B, lambda d: (d["X"],), _BIAS, "bias", _ds2_moe),
+    _lt(T.FFN_GATE_SHEXP, lambda d: (d["G"] * d["S"], d["E"]), when=_ds2_moe),
+    _lt(T.FFN_UP_SHEXP, lambda d: (d["G"] * d["S"], d["E"]), when=_ds2_moe),
+    _lt(T.FFN_DOWN_SHEXP, lambda d: (d["E"], d["G"] * d["S"]), when=_ds2_moe),
+)
+
+
+def _deepseek2_kv(d: dict) -> dict:
+    # MLA as the pinned llama.cpp reads it (absorbed form: one KV head of width C + R, value width C);
+    # gating func 2 = sigmoid, which uses exp_probs_b as the routing bias.
+    return {
+        "attention.head_count_kv": 1, "attention.key_length": d["C"] + d["R"], "attention.value_length": d["C"],
+        "attention.key_length_mla": d["N"] + d["R"], "attention.value_length_mla": d["V"],
+        "attention.q_lora_rank": d["Q"], "attention.kv_lora_rank": d["C"], "rope.dimension_count": d["R"],
+        "leading_dense_block_count": d["L"], "expert_shared_count": d["S"], "expert_gating_func": 2,
+        "expert_weights_scale": 1.5, "expert_weights_norm": True, **_moe_kv(d),
+    }
+
+
 ARCHS: dict[str, ArchSpec] = {
     "llama": ArchSpec(layer=_ATTN + _FFN),
     "qwen2": ArchSpec(layer=_ATTN + _QKV_BIAS + _FFN),
@@ -101,6 +145,7 @@ ARCHS: dict[str, ArchSpec] = {
         extra_kv=_gemma3_kv,
     ),
     "qwen3moe": ArchSpec(layer=_ATTN + _QK_NORM + _MOE, extra_kv=_moe_kv),
+    "deepseek2": ArchSpec(layer=_DS2_ATTN + _DS2_FFN, extra_kv=_deepseek2_kv),
 }
 
 # A few merges so the BPE path is exercised; each merged token is added to the vocabulary.
@@ -160,6 +205,7 @@ def synth(
     dims = {
         "E": embd, "F": n_ff or 2 * embd, "H": n_head, "K": max(1, n_head // 2), "D": hd,
         "X": n_expert, "X_used": n_expert_used, "G": n_ff or embd, "swa": swa, "swa_pattern": swa_pattern,
+        "Q": embd // 2, "C": embd // 2, "R": hd // 2, "N": hd, "V": hd, "S": 1, "L": min(1, layers - 1),
     }
     tied = spec.tied if tied is None else tied
     tokens, types, merges = tokenizer_vocab()
@@ -181,16 +227,19 @@ def synth(
     w.add_block_count(layers)
     w.add_feed_forward_length(dims["F"])
     w.add_head_count(n_head)
-    w.add_head_count_kv(dims["K"])
-    w.add_key_length(hd)
-    w.add_value_length(hd)
-    w.add_rope_dimension_count(hd)
+    extra = spec.extra_kv(dims)
+    w.add_head_count_kv(extra.pop("attention.head_count_kv", dims["K"]))
+    w.add_key_length(extra.pop("attention.key_length", hd))
+    w.add_value_length(extra.pop("attention.value_length", hd))
+    w.add_rope_dimension_count(extra.pop("rope.dimension_count", hd))
     w.add_rope_freq_base(10000.0)
     w.add_layer_norm_rms_eps(1e-6)
     w.add_vocab_size(n_vocab)
-    for key, val in spec.extra_kv(dims).items():
+    for key, val in extra.items():
         full = f"{arch}.{key}"
-        if isinstance(val, float):
+        if isinstance(val, bool):
+            w.add_bool(full, val)
+        elif isinstance(val, float):
             w.add_float32(full, val)
         else:
             w.add_uint32(full, int(val))
@@ -206,6 +255,8 @@ def synth(
     w.add_tensor(gguf.TENSOR_NAMES[T.TOKEN_EMBD] + ".weight", weight((n_vocab, embd)))
     for il in range(layers):
         for lt in spec.layer:
+            if lt.when is not None and not lt.when(il, dims):
+                continue
             name = gguf.TENSOR_NAMES[lt.tensor].format(bid=il) + "." + lt.suffix
             shape = lt.shape(dims)
             if lt.kind == _NORM:

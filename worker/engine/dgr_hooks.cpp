@@ -106,6 +106,7 @@ bool dgr_arch_supports_range(int arch) {
         case LLM_ARCH_QWEN3:
         case LLM_ARCH_QWEN3MOE:
         case LLM_ARCH_GEMMA3:
+        case LLM_ARCH_DEEPSEEK2:
         case LLM_ARCH_DEEPSEEK4:
             return true;
         default:

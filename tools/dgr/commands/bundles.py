@@ -125,7 +125,7 @@ def register(sub) -> None:
     p.set_defaults(func=_inspect)
 
     p = sub.add_parser("synth", help="write a tiny random-weight GGUF model")
-    p.add_argument("--arch", required=True, help="llama, qwen2, qwen3, gemma3, qwen3moe, deepseek4")
+    p.add_argument("--arch", required=True, help="llama, qwen2, qwen3, gemma3, qwen3moe, deepseek2, deepseek4")
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--embd", type=int, default=64)
     p.add_argument("--seed", type=int, default=0)
