@@ -173,6 +173,19 @@ def tokenizer_vocab() -> tuple[list[str], list[int], list[str]]:
     return tokens, [int(t) for t in types], [f"{a} {b}" for a, b in _MERGES]
 
 
+def add_tokenizer(w: gguf.GGUFWriter) -> None:
+    """Write the synthetic byte-level BPE tokenizer's metadata (shared by every synthetic writer)."""
+    tokens, types, merges = tokenizer_vocab()
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_merges(merges)
+    w.add_bos_token_id(tokens.index(SPECIALS[0]))
+    w.add_eos_token_id(tokens.index(SPECIALS[0]))
+    w.add_add_bos_token(False)
+
+
 def synth(
     arch: str,
     layers: int,
@@ -208,8 +221,7 @@ def synth(
         "Q": embd // 2, "C": embd // 2, "R": hd // 2, "N": hd, "V": hd, "S": 1, "L": min(1, layers - 1),
     }
     tied = spec.tied if tied is None else tied
-    tokens, types, merges = tokenizer_vocab()
-    n_vocab = len(tokens)
+    n_vocab = len(tokenizer_vocab()[0])
     rng = np.random.default_rng(seed)
     wdtype = np.float32 if dtype == "f32" else np.float16
 
@@ -243,14 +255,7 @@ def synth(
             w.add_float32(full, val)
         else:
             w.add_uint32(full, int(val))
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("default")
-    w.add_token_list(tokens)
-    w.add_token_types(types)
-    w.add_token_merges(merges)
-    w.add_bos_token_id(tokens.index(SPECIALS[0]))
-    w.add_eos_token_id(tokens.index(SPECIALS[0]))
-    w.add_add_bos_token(False)
+    add_tokenizer(w)
 
     w.add_tensor(gguf.TENSOR_NAMES[T.TOKEN_EMBD] + ".weight", weight((n_vocab, embd)))
     for il in range(layers):

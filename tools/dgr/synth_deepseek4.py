@@ -265,13 +265,12 @@ def synth_deepseek4(
     (n_head, head_dim, sliding_window, ...). `dtype` is the type of the matrices (f32 or f16); norms,
     vectors and the hash table keep their own types.
     """
-    from dgr.synth import SPECIALS, tokenizer_vocab
+    from dgr.synth import add_tokenizer
 
     if dtype not in ("f32", "f16"):
         raise DgrError(f"dgr synth --arch deepseek4: --dtype must be f32 or f16, got {dtype!r}")
     s = make_shape(layers=layers, embd=embd, hash_layers=hash_layers, compress_ratios=compress_ratios,
                    mtp=mtp, n_experts=n_experts, n_experts_used=n_experts_used, **overrides)
-    tokens, types, merges = tokenizer_vocab()
     rng = np.random.default_rng(seed)
     wdtype = np.float32 if dtype == "f32" else np.float16
 
@@ -325,14 +324,7 @@ def synth_deepseek4(
     w.add_float32(k + "hyper_connection.epsilon", 1e-6)
     w.add_uint32(k + "hash_layer_count", s.hash_layers)
 
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("default")
-    w.add_token_list(tokens)
-    w.add_token_types(types)
-    w.add_token_merges(merges)
-    w.add_bos_token_id(tokens.index(SPECIALS[0]))
-    w.add_eos_token_id(tokens.index(SPECIALS[0]))
-    w.add_add_bos_token(False)
+    add_tokenizer(w)
 
     for name, shape, kind in tensor_inventory(s):
         if kind == "one":
