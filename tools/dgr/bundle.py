@@ -589,7 +589,8 @@ def _state_path(b: Bundle, kind: str) -> Path:
 
 
 def _save_state(path: Path, state: dict) -> None:
-    tmp = path.with_name(path.name + ".tmp")
+    # A per-process temp name: several verifiers of one bundle (workers starting together) may save at once.
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
     tmp.write_text(json.dumps(state, sort_keys=True))
     os.replace(tmp, path)
 

@@ -52,7 +52,9 @@ def bundle_stage(path: str | Path, stage: int, *, lane: str = "cpu", wire_dtype:
 
         from dgr.paths import workspace
 
-        with open(workspace() / f"verify-{b.id[:16]}.lock", "w") as lock:
+        locks = workspace() / "state" / "locks"
+        locks.mkdir(parents=True, exist_ok=True)
+        with open(locks / f"verify-{b.id[:16]}.lock", "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
             verify_bundle(b.root)
     entry = stages[stage]
