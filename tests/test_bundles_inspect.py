@@ -33,8 +33,18 @@ def test_inspect_deepseek4_mhc_boundary(tmp_path, capsys):
     assert r["arch"] == "deepseek4" and r["n_layer"] == 4 and r["n_layer_mtp"] == 1
     assert r["boundary_shape"] == [4, 128] and r["boundary_bytes_per_token"]["bf16"] == 4 * 128 * 2
     assert r["n_hash_layers"] == 3 and r["unknown_tensors"] == []
+    # synth's V4 defaults: 8 routed + 1 shared experts, 2 active, every main layer MoE
+    assert r["experts"] == {"routed": 8, "shared": 1, "active": 2, "moe_layers": 4}
     info = model_info(out)
     assert info.needs_token_ids(1, 2) and info.needs_token_ids(2, 4) and not info.needs_token_ids(3, 4)
+
+
+def test_inspect_dense_model_has_no_experts(tmp_path, capsys):
+    out = tmp_path / "llama.gguf"
+    assert main(["synth", "--arch", "llama", "--layers", "2", "--embd", "32", "-o", str(out)]) == 0
+    capsys.readouterr()
+    assert main(["inspect", str(out), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["experts"] is None
 
 
 def test_inspect_reports_unknown_tensors(tmp_path, capsys):

@@ -28,6 +28,7 @@ def inspect_model(path: str | Path) -> dict[str, Any]:
         "n_embd": info.n_embd,
         "n_streams": info.n_streams,
         "n_hash_layers": info.n_hash_layers,
+        "experts": _experts(info),
         "boundary_shape": [info.n_streams, info.n_embd],
         "boundary_bytes_per_token": {d: width * n for d, n in _DTYPE_BYTES.items()},
         "tied_embeddings": info.tied_embeddings,
@@ -47,6 +48,22 @@ def inspect_model(path: str | Path) -> dict[str, Any]:
             "recipe": h.get(Keys.RECIPE_NAME), "boundary_dtype": h.get(Keys.BOUNDARY_DTYPE),
             "token_ids": h.get(Keys.BOUNDARY_TOKEN_IDS),
         },
+    }
+
+
+def _experts(info) -> dict[str, int] | None:
+    """Mixture-of-experts inventory from metadata and tensors (None for a dense model)."""
+    h, arch = info.header, info.arch
+    routed = h.get(f"{arch}.expert_count")
+    if not routed:
+        return None
+    moe_layers = {info.layer_of[t.name] for t in h.tensors
+                  if t.name.endswith("ffn_gate_exps.weight") and isinstance(info.layer_of.get(t.name), int)}
+    return {
+        "routed": int(routed),
+        "shared": int(h.get(f"{arch}.expert_shared_count", 0) or 0),
+        "active": int(h.get(f"{arch}.expert_used_count", 0) or 0),
+        "moe_layers": len([il for il in moe_layers if il < info.n_layer]),
     }
 
 
@@ -73,6 +90,10 @@ def format_report(r: dict[str, Any]) -> str:
                      + ("; needs the token-id sideband" if st["token_ids"] else ""))
     if r["n_hash_layers"]:
         lines.append(f"hash layers:     {r['n_hash_layers']} (a stage starting inside them needs the token ids)")
+    if r["experts"]:
+        e = r["experts"]
+        lines.append(f"experts:         {e['routed']} routed + {e['shared']} shared, {e['active']} active per token; "
+                     f"{e['moe_layers']} MoE layers")
     lines += [
         f"tied embeddings: {'yes (the last stage carries token_embd as the LM head)' if r['tied_embeddings'] else 'no'}",
         f"tensors:         {r['n_tensors']} (" + ", ".join(f"{k} {v}" for k, v in r["tensor_types"].items()) + ")",
