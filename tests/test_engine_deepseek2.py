@@ -11,7 +11,7 @@ import gguf
 import pytest
 
 from dgr.parity import Schedule
-from test_engine_support import baseline_and_split, long_prompts, make_bundle, synth_model
+from test_engine_support import assert_split_bundle_exact, baseline_and_split, long_prompts, make_bundle, synth_model
 
 pytestmark = pytest.mark.engine
 
@@ -44,16 +44,7 @@ def test_synthetic_deepseek2_has_a_dense_lead_and_moe_layers(model):
 
 @pytest.mark.parametrize("split", sorted(SPLITS))
 def test_split_deepseek2_matches_whole_model_exactly(split, model, engine_lib, tmp_path):
-    bundle = make_bundle(model, SPLITS[split], tmp_path)
-    # prompts of 41 and 29 tokens over ubatches of 16, two sessions per batch, 4 decode steps
-    sched = Schedule(prompts=long_prompts(256), steps=4, n_ubatch=16)
-    base, run, c = baseline_and_split(model, bundle.stage_paths, sched, engine_lib)
-    assert c.n_values == sum(len(p) + sched.steps for p in sched.prompts) * base.prefill_logits[0].shape[1]
-    assert c.first_diverging is None, f"{split}: first difference at {c.first_diverging}"
-    assert c.max_abs_diff == 0.0
-    assert run.generated == base.generated
-    n_tok = sum(len(p) + sched.steps for p in sched.prompts)
-    assert run.boundary_bytes == [n_tok * 64 * 4] * (len(SPLITS[split]) - 1)
+    assert_split_bundle_exact(model, SPLITS[split], tmp_path, engine_lib, split)
 
 
 def test_deepseek2_range_overrides_on_the_whole_gguf_match_too(model, engine_lib):

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from dgr.parity import Schedule
-from test_engine_support import baseline_and_split, long_prompts, make_bundle, synth_model
+from test_engine_support import assert_split_bundle_exact, baseline_and_split, long_prompts, make_bundle, synth_model
 
 pytestmark = pytest.mark.engine
 
@@ -32,18 +32,7 @@ def models(tmp_path_factory):
 @pytest.mark.parametrize("split", sorted(SPLITS))
 @pytest.mark.parametrize("arch", ARCHS)
 def test_split_bundle_matches_whole_model_exactly(arch, split, models, engine_lib, tmp_path):
-    whole = models[arch]
-    bundle = make_bundle(whole, SPLITS[split], tmp_path)
-    # two sessions sharing every batch; prompts of 41 and 29 tokens over ubatches of 16
-    sched = Schedule(prompts=long_prompts(256), steps=4, n_ubatch=16)
-    base, run, c = baseline_and_split(whole, bundle.stage_paths, sched, engine_lib)
-    assert c.n_values == sum(len(p) + sched.steps for p in sched.prompts) * base.prefill_logits[0].shape[1]
-    assert c.first_diverging is None, f"{arch} {split}: first difference at {c.first_diverging}"
-    assert c.max_abs_diff == 0.0
-    assert run.generated == base.generated
-    # the boundary that crossed each seam: [tokens, 1, n_embd] float32 per forward
-    n_tok = sum(len(p) + sched.steps for p in sched.prompts)
-    assert run.boundary_bytes == [n_tok * 64 * 4] * (len(SPLITS[split]) - 1)
+    assert_split_bundle_exact(models[arch], SPLITS[split], tmp_path, engine_lib, f"{arch} {split}")
 
 
 def test_negative_control_one_perturbed_boundary_value_fails_parity(models, engine_lib, tmp_path):

@@ -105,3 +105,19 @@ def baseline_and_split(whole: Path, stage_paths: list[Path], sched: Schedule, li
 
 
 __all__ = ["Engine", "b3", "synth_model", "make_bundle", "rewrite_gguf", "long_prompts", "baseline_and_split"]
+
+
+def assert_split_bundle_exact(whole: Path, ranges: list[tuple[int, int]], store: Path, lib, label: str,
+                              n_embd: int = 64) -> None:
+    """Build a bundle of `ranges`, run it stage by stage against the whole model: every logit of two
+    sessions sharing each batch (prompts of 41 and 29 tokens over ubatches of 16, 4 decode steps) must be
+    bit-identical, and each seam must carry [tokens, 1, n_embd] float32 per forward."""
+    bundle = make_bundle(whole, ranges, store)
+    sched = Schedule(prompts=long_prompts(256), steps=4, n_ubatch=16)
+    base, run, c = baseline_and_split(whole, bundle.stage_paths, sched, lib)
+    n_tok = sum(len(p) + sched.steps for p in sched.prompts)
+    assert c.n_values == n_tok * base.prefill_logits[0].shape[1]
+    assert c.first_diverging is None, f"{label}: first difference at {c.first_diverging}"
+    assert c.max_abs_diff == 0.0
+    assert run.generated == base.generated
+    assert run.boundary_bytes == [n_tok * n_embd * 4] * (len(ranges) - 1)
