@@ -150,3 +150,30 @@ def test_concurrent_processes_share_one_fetch_and_one_patched_tree(tiny):
     assert {out.strip() for (out, _), _ in outs} == {str(tiny["ws"] / "upstream" / "llama.cpp")}
     assert len(RangeHandler.seen) == 1  # downloaded once
     assert upstream.status(upstream.load_pin(tiny["pin"]), tiny["ws"])["patches_current"]
+
+
+VK_FIX = ("Fix the vulkan backend", {"ggml/src/ggml-vulkan/ggml-vulkan.cpp": "int ggml_vk_tiny(void) { return 3; }\n"})
+
+
+def test_a_lane_patch_comes_after_the_common_stack_and_touches_only_its_backend(tiny):
+    """patches/llama.cpp/<lane>/ holds a lane's own patches (e.g. Vulkan's header guard): applied after
+    the common stack, and refused when they reach outside ggml/src/ggml-<lane>/, since every lane
+    shares the one patched tree."""
+    lane_dir = tiny["repo"] / "patches" / "llama.cpp" / "vulkan"
+    format_patch(tiny["tree"], [VK_FIX], lane_dir)
+    pin = _pinned(tiny, [FIRST])
+    assert [p.file for p in pin.patches] == [
+        "patches/llama.cpp/0001-Add-a-tiny-hook.patch",
+        "patches/llama.cpp/vulkan/0001-Fix-the-vulkan-backend.patch",
+    ]
+    out = upstream.ensure_patched(pin, tiny["ws"])
+    assert (out / "ggml" / "src" / "ggml-vulkan" / "ggml-vulkan.cpp").read_text().endswith("return 3; }\n")
+    assert git(out, "log", "--format=%s").splitlines()[:2] == ["Fix the vulkan backend", "Add a tiny hook"]
+
+    # A "vulkan" patch that changes llama.h would change the CPU lane too: refused, named.
+    for p in lane_dir.glob("*.patch"):
+        p.unlink()
+    format_patch(tiny["tree"], [("Sneak into llama.h", THIRD[1])], lane_dir)
+    with pytest.raises(UpstreamError, match=r"vulkan/0001-Sneak-into-llama.h.patch: a vulkan-lane patch may only "
+                                            r"change ggml/src/ggml-vulkan/, but it changes include/llama.h"):
+        upstream.pin_patches(upstream.load_pin(tiny["pin"]))

@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from dgr.constants import LANES
 from dgr import upstream
 
 REPO = Path(__file__).resolve().parents[1]
@@ -31,7 +32,8 @@ def test_the_pin_is_plain_json_with_every_field():
     for s in pin.sources:
         assert re.fullmatch(r"[0-9a-f]{64}", s.sha256) and s.strip_prefix
     for p in pin.patches:
-        assert re.fullmatch(r"patches/llama\.cpp/\d{4}-[^/]+\.patch", p.file)
+        # the common stack, or a lane's own patch in patches/llama.cpp/<lane>/
+        assert re.fullmatch(r"patches/llama\.cpp/((?:%s)/)?\d{4}-[^/]+\.patch" % "|".join(LANES), p.file)
         assert re.fullmatch(r"[0-9a-f]{64}", p.blake3)
 
 

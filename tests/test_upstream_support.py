@@ -28,6 +28,7 @@ TINY_FILES = {
     "include/llama.h": "#pragma once\n#define TINY_LLAMA_VALUE 41\n",
     "src/llama.cpp": "#include \"llama.h\"\nint tiny_llama(void) { return TINY_LLAMA_VALUE; }\n",
     "ggml/src/ggml.c": "int ggml_tiny(void) { return 1; }\n",
+    "ggml/src/ggml-vulkan/ggml-vulkan.cpp": "int ggml_vk_tiny(void) { return 2; }\n",
     "tools/run.sh": "#!/bin/sh\necho run\n",
     # Not build-relevant: must not count for the tree hash nor land in the pristine tree.
     "README.md": "# readme\n",
@@ -36,6 +37,9 @@ TINY_FILES = {
     "tools/ui/static/favicon.svg": "<svg/>\n",
     "models/ggml-vocab-x.gguf": "GGUF....\n",
 }
+# The build-relevant ones, in listing order: what the tree hash covers and the pristine tree holds.
+BUILD_FILES = ["CMakeLists.txt", "ggml/src/ggml-vulkan/ggml-vulkan.cpp", "ggml/src/ggml.c", "include/llama.h",
+               "src/llama.cpp", "tools/run.sh"]
 
 
 def make_tree(root: Path, files: dict[str, str] | None = None) -> Path:
@@ -155,4 +159,4 @@ def test_tiny_upstream_hashes_alike_in_module_and_script(tmp_path):
                          text=True, cwd=tmp_path, check=True)
     assert out.stdout.strip() == treehash.tree_hash(tree)
     listed = [e.path for e in treehash.listing(tree)]
-    assert listed == ["CMakeLists.txt", "ggml/src/ggml.c", "include/llama.h", "src/llama.cpp", "tools/run.sh"]
+    assert listed == BUILD_FILES

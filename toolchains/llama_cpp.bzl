@@ -11,7 +11,9 @@ Bazel, through `use_repo_rule`). It reads the single pin file `toolchains/llama.
 2. checks the tree hash by running `tools/dgr/treehash.py --expect` (the one implementation, shared
    with dgr and Nix); with the pin's listing (`tree_listing`) it names the first changed file;
 3. checks that `patches/llama.cpp/` holds exactly the pin's patch list, and each patch's blake3;
-   a patch that changed by one byte fails here, named;
+   a patch that changed by one byte fails here, named. A lane's own patches
+   (`patches/llama.cpp/<lane>/`) come last; each touches only its lane's backend folder (dgr checks
+   that), so applying them to this one shared tree leaves every other lane's sources unchanged;
 4. applies the patches in the pin's order with `ctx.patch` (strip 1, `git format-patch` output);
 5. writes what CMake would configure (version headers), unity sources for `src/models/*.cpp`, and
    the BUILD file (`toolchains/bazel/llama.cpp.BUILD.bazel`, backend lanes from `lanes.bzl`).
@@ -85,17 +87,23 @@ def _fetch_source(ctx, pin, ws):
     ))
 
 def _check_patches(ctx, pin, root, python):
-    """The pin's patch list, checked against patches/llama.cpp/ and each patch's blake3."""
+    """The pin's patch list, checked against patches/llama.cpp/ (the common stack and each lane's own
+    folder, patches/llama.cpp/<lane>/) and against each patch's blake3."""
     entries = pin.get("patches", [])
     patch_dir = root.get_child("patches").get_child("llama.cpp")
     on_disk = []
     if patch_dir.exists:
-        on_disk = sorted([p.basename for p in patch_dir.readdir() if p.basename.endswith(".patch")])
-    listed = [e["file"].split("/")[-1] for e in entries]
-    for name in on_disk:
+        for p in patch_dir.readdir():
+            if p.basename.endswith(".patch"):
+                on_disk.append(p.basename)
+            elif p.basename != "BUILD.bazel" and not p.basename.startswith("."):
+                on_disk += [p.basename + "/" + q.basename for q in p.readdir() if q.basename.endswith(".patch")]
+    prefix = "patches/llama.cpp/"
+    listed = [e["file"][len(prefix):] if e["file"].startswith(prefix) else e["file"] for e in entries]
+    for name in sorted(on_disk):
         if name not in listed:
             _fail("patches/llama.cpp/%s is not in the pin's patch list (toolchains/llama.cpp.pin.json); " % name +
-                  "add it with its blake3 (docs/upstream.md) or remove it")
+                  "add it with its blake3 (`dgr upstream pin-patches`, docs/upstream.md) or remove it")
     for name in listed:
         if name not in on_disk:
             _fail("the pin lists patches/llama.cpp/%s but there is no such file" % name)

@@ -34,6 +34,7 @@ from typing import Any, Iterator
 import blake3
 
 from dgr import treehash
+from dgr.constants import LANES
 from dgr.errors import UpstreamError
 from dgr.paths import REPO_ROOT, workspace
 
@@ -429,10 +430,50 @@ def verify(pin: Pin | None = None, ws: Path | None = None) -> str:
 
 
 def patch_files_in_dir(pin: Pin) -> list[str]:
-    """The patch files present, as repository-relative paths in apply order (by name: NNNN-topic)."""
+    """The patch files present, as repository-relative paths in apply order: the common stack by name
+    (NNNN-topic), then each lane's own patches (patches/llama.cpp/<lane>/NNNN-topic.patch), lanes by name."""
     if not pin.patch_dir.is_dir():
         return []
-    return [f"{PATCH_DIR_REL}/{p.name}" for p in sorted(pin.patch_dir.glob("*.patch"))]
+    files = [f"{PATCH_DIR_REL}/{p.name}" for p in sorted(pin.patch_dir.glob("*.patch"))]
+    for lane in sorted(LANES):
+        files += [f"{PATCH_DIR_REL}/{lane}/{p.name}" for p in sorted((pin.patch_dir / lane).glob("*.patch"))]
+    return files
+
+
+def patch_lane(file: str) -> str | None:
+    """The lane a patch belongs to (its folder under patches/llama.cpp/), or None for the common stack."""
+    parts = file.split("/")
+    return parts[-2] if len(parts) >= 2 and parts[-2] in LANES else None
+
+
+def lane_dir(lane: str) -> str:
+    """The only upstream folder a lane's own patch may touch: its ggml backend."""
+    return f"ggml/src/ggml-{'hip' if lane == 'rocm' else lane}/"
+
+
+def touched_files(patch: Path) -> list[str]:
+    """Upstream paths a git-format patch changes (from its `diff --git a/X b/Y` lines)."""
+    out = []
+    for line in patch.read_text(errors="replace").splitlines():
+        if line.startswith("diff --git a/"):
+            a, _, b = line[len("diff --git a/"):].partition(" b/")
+            out += [a, b]
+    return out
+
+
+def check_lane_patch(pin: Pin, file: str) -> None:
+    """A lane's own patch touches only that lane's backend folder, so that applying it to the one
+    shared tree leaves every other lane's sources byte-identical (docs/upstream.md, 'Lane patches')."""
+    lane = patch_lane(file)
+    if lane is None:
+        return
+    where = lane_dir(lane)
+    outside = [f for f in touched_files(pin.root / file) if not f.startswith(where)]
+    if outside:
+        raise UpstreamError(
+            f"{file}: a {lane}-lane patch may only change {where}, but it changes {', '.join(sorted(set(outside)))}; "
+            f"move that change into the common stack ({PATCH_DIR_REL}/NNNN-topic.patch) or out of the patch"
+        )
 
 
 def check_patch_list(pin: Pin) -> None:
@@ -455,6 +496,7 @@ def check_patch_list(pin: Pin) -> None:
                 f"{p.file}: blake3 {got} does not match the pin's {p.blake3}: the patch changed after it "
                 f"was pinned; if the change is intended, {fix}"
             )
+        check_lane_patch(pin, p.file)
 
 
 def pin_patches(pin: Pin | None = None) -> list[dict[str, str]]:
@@ -465,6 +507,7 @@ def pin_patches(pin: Pin | None = None) -> list[dict[str, str]]:
         name = f.rsplit("/", 1)[1]
         if not (len(name) > 5 and name[:4].isdigit() and name[4] == "-"):
             raise UpstreamError(f"{f}: patch names must look like NNNN-topic.patch (applied in name order)")
+        check_lane_patch(pin, f)
         entries.append({"file": f, "blake3": treehash.file_digest(pin.root / f)})
     raw = dict(pin.raw)
     raw["patches"] = entries
