@@ -35,13 +35,12 @@ LANES = {
     ),
     "cuda": struct(
         defines = ["GGML_USE_CPU", "GGML_USE_CUDA"],
-        backend = None,
+        backend = "ggml_cuda_backend",
         tags = ["manual", "requires-gpu", "requires-cuda"],
-        status = "declared",
-        reason = ("the CUDA lane is declared, not yet built by Bazel: its nvcc rules are not " +
-                  "written (ggml-cuda is ~200 .cu files), and this machine's CUDA 13 toolkit has no " +
-                  "cuBLAS, which ggml-cuda includes; build it with the Nix package .#cuda or CMake " +
-                  "(`dgr build-engine --lane cuda`) on a CUDA host"),
+        status = "compiles-here",
+        # Built here with the installed nvcc for one architecture (toolchains/cuda.bzl); runs only
+        # on a CUDA host. A missing toolkit or cuBLAS fails the lane's targets with what to install.
+        reason = "",
     ),
     "vulkan": struct(
         defines = ["GGML_USE_CPU", "GGML_USE_VULKAN"],
