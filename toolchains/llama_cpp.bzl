@@ -15,7 +15,8 @@ Bazel, through `use_repo_rule`). It reads the single pin file `toolchains/llama.
    (`patches/llama.cpp/<lane>/`) come last; each touches only its lane's backend folder (dgr checks
    that), so applying them to this one shared tree leaves every other lane's sources unchanged;
 4. applies the patches in the pin's order with `ctx.patch` (strip 1, `git format-patch` output);
-5. writes what CMake would configure (version headers), unity sources for `src/models/*.cpp`, and
+5. writes what CMake would configure (version headers, the Vulkan lane's host tools and glslc
+   features), unity sources for `src/models/*.cpp`, and
    the BUILD file (`toolchains/bazel/llama.cpp.BUILD.bazel`, backend lanes from `lanes.bzl`).
 
 The result is cached by Bazel until the pin, a patch, this file, the BUILD template or
@@ -134,6 +135,44 @@ def _unity_sources(ctx):
         names.append(name)
     return names
 
+def _vulkan_config(ctx):
+    """What the Vulkan lane needs from the host, found like ggml-vulkan's CMake configure step does:
+    glslc, the Vulkan headers and loader, and the shader extensions this glslc supports (each of the
+    pinned tree's vulkan-shaders/feature-tests/<name>.comp that compiles turns on
+    GGML_VULKAN_<NAME>_GLSLC_SUPPORT, for the shader generator and the backend alike). `missing` says
+    what to install; the lane's targets fail with it when built (other lanes are unaffected)."""
+    sdk = ctx.os.environ.get("VULKAN_SDK", "")
+    glslc = None
+    if sdk and ctx.path(sdk + "/bin/glslc").exists:
+        glslc = ctx.path(sdk + "/bin/glslc")
+    if not glslc:
+        glslc = ctx.which("glslc")
+    include_dirs = ([sdk + "/include"] if sdk else []) + ["/usr/include", "/usr/local/include"]
+    headers = [d for d in include_dirs if ctx.path(d + "/vulkan/vulkan.hpp").exists]
+    lib_dirs = ([sdk + "/lib"] if sdk else []) + ["/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu", "/usr/lib64", "/usr/lib", "/usr/local/lib"]
+    loaders = [d for d in lib_dirs if ctx.path(d + "/libvulkan.so").exists or ctx.path(d + "/libvulkan.dylib").exists]
+    missing = []
+    if not glslc:
+        missing.append("glslc (Debian: glslc)")
+    if not headers:
+        missing.append("the Vulkan headers, vulkan/vulkan.hpp (Debian: libvulkan-dev)")
+    if not loaders:
+        missing.append("the Vulkan loader libvulkan.so (Debian: libvulkan-dev)")
+    features = []
+    tests_dir = ctx.path("ggml/src/ggml-vulkan/vulkan-shaders/feature-tests")
+    if glslc and tests_dir.exists:
+        for test in sorted([p.basename for p in tests_dir.readdir() if p.basename.endswith(".comp")]):
+            res = ctx.execute([glslc, "-o", "/dev/null", "-fshader-stage=compute", "--target-env=vulkan1.3", str(tests_dir.get_child(test))], quiet = True)
+            if res.return_code == 0:
+                features.append("GGML_VULKAN_%s_GLSLC_SUPPORT" % test[:-len(".comp")].upper())
+    return {
+        "glslc": str(glslc) if glslc else "",
+        "include_dir": headers[0] if headers else "",
+        "lib_dir": loaders[0] if loaders else "",
+        "features": features,
+        "missing": ", ".join(missing),
+    }
+
 def _llama_cpp_repository_impl(ctx):
     pin_path = ctx.path(ctx.attr.pin)
     pin = json.decode(ctx.read(pin_path))
@@ -191,6 +230,7 @@ def _llama_cpp_repository_impl(ctx):
         "%{UNITY_MODELS}": repr(unity),
         # The patches call into worker/engine/dgr_hooks.cpp, compiled into llama beside them.
         "%{HOOK_DEPS}": repr(["@//worker/engine:dgr_hooks"] if pin.get("patches") else []),
+        "%{VULKAN_CONFIG}": repr(_vulkan_config(ctx)),
     }, executable = False)
 
 llama_cpp_repository = repository_rule(
@@ -201,7 +241,7 @@ llama_cpp_repository = repository_rule(
         "_blake3sum": attr.label(default = "//toolchains/bazel:blake3sum.py", allow_single_file = True),
         "_build_template": attr.label(default = "//toolchains/bazel:llama.cpp.BUILD.bazel", allow_single_file = True),
     },
-    environ = ["DGR_WORKSPACE"],
+    environ = ["DGR_WORKSPACE", "VULKAN_SDK"],
     local = False,
     doc = "llama.cpp at the pinned commit, verified by tree hash, patched in the pin's order.",
 )

@@ -21,7 +21,7 @@ import numpy as np
 from dgr.engine_api import MemoryReport, StageInfo, Step, StepResult
 from dgr.errors import CacheMiss, EngineError, SchemaMismatch
 
-ABI_VERSION = 1
+ABI_VERSION = 2
 LIB_ENV = "DGR_ENGINE_LIB"
 
 OK, E_ENGINE, E_CACHE_MISS, E_SCHEMA, E_ARTIFACT, E_UNSUPPORTED = range(6)
@@ -30,7 +30,8 @@ _WANT = {"none": 0, "last": 1, "all": 2}
 
 class _OpenParams(C.Structure):
     _fields_ = [("n_ctx", C.c_int32), ("max_sessions", C.c_int32), ("n_ubatch", C.c_int32),
-                ("n_threads", C.c_int32), ("layer_begin", C.c_int32), ("layer_end", C.c_int32)]
+                ("n_threads", C.c_int32), ("layer_begin", C.c_int32), ("layer_end", C.c_int32),
+                ("n_gpu_layers", C.c_int32), ("kv_f32", C.c_int32)]
 
 
 class _StageInfo(C.Structure):
@@ -54,7 +55,8 @@ class _StepOut(C.Structure):
 
 
 class _Memory(C.Structure):
-    _fields_ = [("weights_bytes", C.c_uint64), ("kv_bytes", C.c_uint64), ("compute_bytes", C.c_uint64)]
+    _fields_ = [("weights_bytes", C.c_uint64), ("kv_bytes", C.c_uint64), ("compute_bytes", C.c_uint64),
+                ("device_weights_bytes", C.c_uint64), ("device", C.c_char * 64)]
 
 
 _libs: dict[str, C.CDLL] = {}
@@ -137,15 +139,18 @@ class Engine:
 
     @classmethod
     def open(cls, path: str | Path, *, layer_range: tuple[int, int] | None = None, n_ctx: int = 4096,
-             max_sessions: int = 4, n_ubatch: int = 512, n_threads: int = 0,
-             lib: str | Path | None = None) -> "Engine":
+             max_sessions: int = 4, n_ubatch: int = 512, n_threads: int = 0, n_gpu_layers: int = -1,
+             kv_dtype: str = "f16", lib: str | Path | None = None) -> "Engine":
         h = load_library(lib)
         path = Path(path)
         if not path.is_file():
             raise EngineError(f"{path}: no such stage file")
+        if kv_dtype not in ("f16", "f32"):
+            raise EngineError(f"kv_dtype must be f16 or f32, got {kv_dtype!r}")
         p = _OpenParams(n_ctx=n_ctx, max_sessions=max_sessions, n_ubatch=n_ubatch, n_threads=n_threads,
                         layer_begin=layer_range[0] if layer_range else 0,
-                        layer_end=layer_range[1] if layer_range else 0)
+                        layer_end=layer_range[1] if layer_range else 0, n_gpu_layers=n_gpu_layers,
+                        kv_f32=int(kv_dtype == "f32"))
         if layer_range and layer_range[1] <= 0:
             raise EngineError(f"layer range {layer_range} is empty; give [begin, end) with end > begin >= 0")
         out = C.c_void_p()
@@ -279,7 +284,8 @@ class Engine:
         info = self._info
         layers = tuple(range(info.layer_begin, info.layer_end)) if m.kv_bytes else ()
         return MemoryReport(weights_bytes=m.weights_bytes, kv_bytes=m.kv_bytes, compute_bytes=m.compute_bytes,
-                            layers_with_state=layers)
+                            layers_with_state=layers, device_weights_bytes=m.device_weights_bytes,
+                            device=m.device.decode())
 
     def close(self) -> None:
         if self._h is not None:

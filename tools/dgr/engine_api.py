@@ -63,6 +63,8 @@ class MemoryReport:
     kv_bytes: int                            # KV and other per-layer state actually allocated
     compute_bytes: int
     layers_with_state: tuple[int, ...] = field(default_factory=tuple)
+    device_weights_bytes: int = 0            # of weights_bytes, those on the lane's device (not host memory)
+    device: str = ""                         # that device's buffer type, e.g. "Vulkan0"; "" on the CPU lane
 
 
 class ShardEngine(Protocol):

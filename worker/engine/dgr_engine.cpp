@@ -6,6 +6,7 @@
 #include "dgr_keys.h"
 
 #include "ggml.h"
+#include "ggml-backend.h"
 #include "gguf.h"
 #include "llama.h"
 
@@ -341,7 +342,7 @@ int32_t dgr_engine_open(const char * path_c, const dgr_open_params * params, dgr
         }
 
         llama_model_params mp = llama_model_default_params();
-        mp.n_gpu_layers = 0;
+        mp.n_gpu_layers = params->n_gpu_layers; // < 0: every owned layer on the lane's device, if it has one
         mp.kv_overrides = kvo.empty() ? nullptr : kvo.data();
         take_log_errors();
         eng->model = llama_model_load_from_file(path.c_str(), mp);
@@ -373,6 +374,10 @@ int32_t dgr_engine_open(const char * path_c, const dgr_open_params * params, dgr
         cp.n_threads_batch = nt;
         cp.embeddings   = !is_last;              // a non-last stage outputs the residual
         cp.pooling_type = LLAMA_POOLING_TYPE_NONE;
+        if (params->kv_f32) {
+            cp.type_k = GGML_TYPE_F32;
+            cp.type_v = GGML_TYPE_F32;
+        }
         cp.no_perf      = true;
         eng->ctx = llama_init_from_model(eng->model, cp);
         if (!eng->ctx) {
@@ -675,6 +680,12 @@ extern "C" int32_t dgr_engine_memory(dgr_engine * eng, dgr_memory * out) {
         for (const auto & [name, t] : eng->model->tensors_by_name) {
             (void) name;
             m.weights_bytes += ggml_nbytes(t);
+            if (t->buffer && !ggml_backend_buffer_is_host(t->buffer)) {
+                m.device_weights_bytes += ggml_nbytes(t);
+                if (!m.device[0]) {
+                    snprintf(m.device, sizeof(m.device), "%s", ggml_backend_buft_name(ggml_backend_buffer_get_type(t->buffer)));
+                }
+            }
         }
         *out = m;
     });

@@ -18,7 +18,7 @@ extern "C" {
 #  define DGR_API __attribute__((visibility("default")))
 #endif
 
-#define DGR_ABI_VERSION 1
+#define DGR_ABI_VERSION 2
 
 enum dgr_status {
     DGR_OK              = 0,
@@ -40,6 +40,12 @@ typedef struct dgr_open_params {
     // range (passed to llama.cpp as kv overrides of dgr.layer.*). Refused on a stage file.
     int32_t layer_begin;
     int32_t layer_end;
+    // Owned layers to place on the lane's device (Vulkan, CUDA, ...): < 0 all of them, 0 none (host
+    // only). A CPU-lane engine has no such device and ignores it.
+    int32_t n_gpu_layers;
+    // 1: keep the KV cache in F32 (all-F32 reference runs, comparisons across backends); 0: llama.cpp's
+    // default (F16).
+    int32_t kv_f32;
 } dgr_open_params;
 
 typedef struct dgr_stage_info {
@@ -75,6 +81,8 @@ typedef struct dgr_memory {
     uint64_t weights_bytes;   // bytes of the weight tensors the model created (owned ones only)
     uint64_t kv_bytes;        // KV cache and other per-layer state
     uint64_t compute_bytes;   // compute buffers
+    uint64_t device_weights_bytes; // of weights_bytes, those in a device (non-host) buffer
+    char     device[64];      // that buffer's type (e.g. "Vulkan0"), "" when all weights are on the host
 } dgr_memory;
 
 DGR_API int32_t      dgr_abi_version(void);
