@@ -110,3 +110,43 @@ def test_a_perturbed_seam_on_vulkan_fails_the_tolerance(tiny):
     assert out.returncode != 0, out.stdout
     assert "parity FAILED" in out.stderr and f"> tolerance {VULKAN_TOLERANCE:g}" in out.stderr, out.stderr
     assert max_diff(out.stdout) > VULKAN_TOLERANCE
+
+
+def test_real_workers_on_vulkan_generate_what_cpu_workers_generate(tiny, tmp_path):
+    """The runtime as it is deployed: one `dgr worker serve` process per stage of a bundle, talking gRPC
+    over loopback. On Vulkan each worker advertises the vulkan lane (its engine's own) and holds its
+    weights on the device; the route generates the CPU workers' greedy tokens, logits within tolerance."""
+    import numpy as np
+    from test_engine_support import make_bundle
+
+    from dgr.wire.client import RouteClient
+    from dgr.wire.local import LocalRoute
+
+    model, _ = tiny
+    bundle = make_bundle(model, [(0, 2), (2, LAYERS)], tmp_path / "store", name="tiny-vk")
+    stages = [["--bundle", str(bundle.root), "--stage", str(i), "--threads", "1"] for i in range(2)]
+    runs = {}
+    for name, env in (("vulkan", LAVAPIPE), ("cpu", NO_DEVICE)):
+        with LocalRoute(stages, env=env) as route, RouteClient(route.addresses, timeout=300) as client:
+            lanes = [d.identity.lane for d in client.describe()]
+            runs[name] = client.run(PROMPTS[1], max_new_tokens=8, logits="last", stop_token_ids=[])
+            logs = "".join(line for log in route.logs for line in log)
+        assert lanes == ["vulkan", "vulkan"]  # the Vulkan lane's library, whatever device it found
+        where = "weights on Vulkan0" if name == "vulkan" else "weights on the host"
+        assert logs.count(where) == 2, logs[-2000:]
+    vk, cpu = runs["vulkan"], runs["cpu"]
+    assert vk.token_ids == cpu.token_ids and len(vk.token_ids) == 8
+    assert sorted(vk.logits) == sorted(cpu.logits)
+    diff = max(float(np.abs(vk.logits[p] - cpu.logits[p]).max()) for p in vk.logits)
+    assert diff <= VULKAN_TOLERANCE
+
+
+def test_a_worker_refuses_to_advertise_another_lane(tiny, tmp_path):
+    from test_engine_support import make_bundle
+
+    model, _ = tiny
+    bundle = make_bundle(model, [(0, 2), (2, LAYERS)], tmp_path / "store", name="tiny-lane")
+    out = dgr("worker", "serve", "--bundle", str(bundle.root), "--stage", "0", "--lane", "cuda",
+              env=NO_DEVICE, check=False)
+    assert out.returncode != 0
+    assert "built for the vulkan lane" in out.stderr and "worker_cuda" in out.stderr, out.stderr

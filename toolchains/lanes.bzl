@@ -56,11 +56,13 @@ LANES = {
         backend = None,
         tags = ["manual", "requires-gpu", "requires-rocm"],
         status = "declared",
-        # Attempted here: Debian 12 offers hipcc / libamdhip64-dev 5.2.3, and the pinned
-        # ggml/src/ggml-hip/CMakeLists.txt stops at `if (${hip_VERSION} VERSION_LESS 6.1)`.
-        reason = ("the ROCm lane is declared, not built: the Debian HIP (5.2.3) is older than the " +
-                  "HIP 6.1 that the pinned ggml-hip requires; build it with the Nix package .#rocm " +
-                  "or on a host with ROCm 6.1+"),
+        # Attempted here (docs/build.md, "ROCm lane"): Debian 12's hipcc / libamdhip64-dev 5.2.3 install,
+        # but upstream's configure of ggml-hip stops at once (no hip-lang CMake package for
+        # enable_language(HIP)), the pinned ggml-hip/CMakeLists.txt requires HIP >= 6.1, and Debian 12
+        # packages neither rocBLAS nor hipBLAS, which ggml-hip links.
+        reason = ("the ROCm lane is declared, not built: Debian 12's HIP (5.2.3) is older than the HIP " +
+                  "6.1 that the pinned ggml-hip requires, lacks the hip-lang CMake package, and Debian " +
+                  "packages no rocBLAS/hipBLAS; build it with the Nix package .#rocm or on a host with ROCm 6.1+"),
     ),
     "metal": struct(
         defines = ["GGML_USE_CPU", "GGML_USE_METAL"],
@@ -120,7 +122,8 @@ def dgr_engine_lanes(srcs, hdrs, defines = []):
             srcs = srcs,
             hdrs = hdrs,
             copts = ENGINE_COPTS,
-            local_defines = defines,
+            # dgr_engine_lane() reports it; the worker advertises it
+            local_defines = defines + ["DGR_LANE=" + lane],
             includes = ["."],
             deps = [
                 "@llama_cpp//:llama",

@@ -90,6 +90,7 @@ def load_library(lib: str | Path | None = None) -> C.CDLL:
         if h.dgr_abi_version() != ABI_VERSION:
             raise EngineError(f"{path} has C ABI {h.dgr_abi_version()}, this dgr expects {ABI_VERSION}; rebuild it")
         h.dgr_has_hooks.restype = C.c_int32
+        h.dgr_engine_lane.restype = C.c_char_p
         h.dgr_last_error.restype = C.c_char_p
         h.dgr_last_cache_miss.argtypes = [C.POINTER(C.c_int64), C.POINTER(C.c_int64)]
         h.dgr_engine_open.argtypes = [C.c_char_p, C.POINTER(_OpenParams), C.POINTER(C.c_void_p)]
@@ -162,6 +163,11 @@ class Engine:
     @property
     def has_hooks(self) -> bool:
         return bool(self._lib.dgr_has_hooks())
+
+    @property
+    def lane(self) -> str:
+        """The backend lane the library was built for (cpu, vulkan, cuda, ...)."""
+        return self._lib.dgr_engine_lane().decode()
 
     def _check(self, status: int) -> None:
         if status != OK:

@@ -83,6 +83,7 @@ def cmake_args(lane: str, worker_dir: Path, bdir: Path, llama_src: Path) -> list
         f"-DDGR_LLAMA_SRC={llama_src}",
         # The verified tree holds only what the tree hash covers (no tests/ or examples/).
         "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
+        f"-DDGR_LANE={lane}",
         *LANE_FLAGS[lane],
     ]
 

@@ -275,6 +275,15 @@ struct dgr_engine {
 extern "C" {
 
 int32_t dgr_abi_version(void) { return DGR_ABI_VERSION; }
+
+// The lane is a build setting (Bazel: toolchains/lanes.bzl; CMake: -DDGR_LANE=, dgr build-engine):
+// a worker advertises the lane of the engine it really loaded.
+#ifndef DGR_LANE
+#define DGR_LANE cpu
+#endif
+#define DGR_STR2(x) #x
+#define DGR_STR(x) DGR_STR2(x)
+const char * dgr_engine_lane(void) { return DGR_STR(DGR_LANE); }
 int32_t dgr_has_hooks(void)   { return DGR_WITH_HOOKS ? 1 : 0; }
 
 const char * dgr_last_error(void) { return g_last_error.c_str(); }

@@ -87,6 +87,7 @@ typedef struct dgr_memory {
 
 DGR_API int32_t      dgr_abi_version(void);
 DGR_API int32_t      dgr_has_hooks(void);          // 1 when built over the patched tree
+DGR_API const char * dgr_engine_lane(void);        // the backend lane it was built for: "cpu", "vulkan", ...
 DGR_API const char * dgr_last_error(void);
 // details of the last DGR_E_CACHE_MISS on this thread
 DGR_API void         dgr_last_cache_miss(int64_t * held, int64_t * expected);

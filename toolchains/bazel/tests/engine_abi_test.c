@@ -42,7 +42,7 @@ int main(int argc, char ** argv) {
     CHECK(lib != NULL, "dlopen %s: %s", argv[1], dlerror());
     if (!lib) return 1;
     static const char * abi[] = {
-        "dgr_abi_version", "dgr_has_hooks", "dgr_last_error", "dgr_last_cache_miss",
+        "dgr_abi_version", "dgr_has_hooks", "dgr_engine_lane", "dgr_last_error", "dgr_last_cache_miss",
         "dgr_engine_open", "dgr_engine_close", "dgr_engine_describe", "dgr_engine_memory",
         "dgr_session_open", "dgr_session_close", "dgr_session_n_cached", "dgr_forward",
         "dgr_tokenize", "dgr_detokenize",

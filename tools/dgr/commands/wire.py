@@ -21,7 +21,8 @@ def register(sub) -> None:
                    help="serve a stage of the numpy fake model SPEC instead (tests), e.g. 'layers=6,cuts=2:4'")
     s.add_argument("--stage", type=int, required=True, help="stage index in the bundle")
     s.add_argument("--listen", default="127.0.0.1:0", help="HOST:PORT (port 0 picks a free one)")
-    s.add_argument("--lane", default="cpu", help="backend lane of the engine")
+    s.add_argument("--lane", default=None, help="backend lane to advertise; must be the engine's own (default: "
+                   "the lane the engine library was built for)")
     s.add_argument("--wire-dtype", default=None, help="f32 | f16 | bf16 (default: the bundle's)")
     s.add_argument("--max-message-bytes", type=int, default=DEFAULT_MAX_MESSAGE_BYTES)
     s.add_argument("--max-batch-tokens", type=int, default=512)
@@ -78,8 +79,12 @@ def _serve(args) -> int:
     server, worker, address = serve(engine, ident, args.listen, max_message_bytes=args.max_message_bytes,
                                     max_batch_tokens=args.max_batch_tokens)
     info = worker.info
+    where = ""
+    if hasattr(engine, "memory"):
+        device = engine.memory().device
+        where = f", {ident.lane} lane, weights on {device or 'the host'}"
     print(f"dgr worker: stage {ident.stage_index} [{info.layer_begin}, {info.layer_end}) of bundle "
-          f"{ident.bundle_id} serving on {address}", flush=True)
+          f"{ident.bundle_id}{where} serving on {address}", flush=True)
     done = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: done.set())

@@ -33,7 +33,7 @@ def patch_series() -> tuple[str, str]:
     return pin.commit, h.hexdigest()
 
 
-def bundle_stage(path: str | Path, stage: int, *, lane: str = "cpu", wire_dtype: str | None = None,
+def bundle_stage(path: str | Path, stage: int, *, lane: str | None = None, wire_dtype: str | None = None,
                  n_ctx: int = 4096, max_sessions: int = 16, n_threads: int = 0, verify: bool = True
                  ) -> tuple[ShardEngine, StageIdentity]:
     """Open stage `stage` of the bundle at `path` on the real engine (after checking its hashes)."""
@@ -60,6 +60,12 @@ def bundle_stage(path: str | Path, stage: int, *, lane: str = "cpu", wire_dtype:
     entry = stages[stage]
     file = b.stage_path(stage)
     engine = Engine.open(file, n_ctx=n_ctx, max_sessions=max_sessions, n_threads=n_threads)
+    if lane is not None and lane != engine.lane:
+        engine.close()
+        raise WireError(f"--lane {lane}: the engine library was built for the {engine.lane} lane, and a worker "
+                        f"advertises its engine's lane; start it with the {lane} lane's engine ($DGR_ENGINE_LIB, "
+                        f"or `bazel run //worker:worker_{lane}`), or drop --lane")
+    lane = engine.lane
     info = engine.describe()
     if (info.layer_begin, info.layer_end) != (entry.layer_begin, entry.layer_end):
         engine.close()
