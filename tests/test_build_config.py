@@ -33,17 +33,36 @@ def test_every_lane_has_a_bazel_entry_a_config_and_a_nix_package():
         assert re.search(rf"^\s+{lane} = ", scope, re.M), f"nix/scope.nix lacks the {lane} package"
 
 
-def test_lanes_that_need_hardware_are_kept_out_of_bazel_test_all():
-    for lane, body in _lanes_table().items():
+def _status(body: str) -> str:
+    return re.search(r'status = "([\w-]+)"', body).group(1)
+
+
+def test_lanes_built_here_are_tested_and_the_others_kept_out_of_bazel_test_all():
+    tests_build = (REPO / "tests/BUILD.bazel").read_text()
+    table = _lanes_table()
+    assert _status(table["cpu"]) == "built-here"
+    for lane, body in table.items():
         tags = re.search(r"tags = \[([^\]]*)\]", body).group(1)
-        status = re.search(r'status = "([\w-]+)"', body).group(1)
-        if lane == "cpu":
-            assert status == "built-here" and "manual" not in tags
+        status = _status(body)
+        if status == "built-here":
+            # built and tested by `bazel test //...` on this machine: not manual, and its tests exist
+            assert '"manual"' not in tags, f"lane {lane} is built here: `bazel test //...` must build it"
+            assert lane == "cpu" or f'lane = "{lane}"' in tests_build, f"no py_test runs the {lane} lane's engine"
         else:
             assert '"manual"' in tags, f"lane {lane} needs hardware or another OS: it must be manual"
             assert status in ("compiles-here", "declared")
             if status == "declared":
                 assert re.search(r'reason = \(?\s*"\S', body), f"declared lane {lane} must say why"
+
+
+def test_the_lanes_table_in_docs_says_what_each_lane_is():
+    """docs/build.md's lanes table follows LANES (no drift between the docs and the tree)."""
+    doc = (REPO / "docs/build.md").read_text()
+    words = {"built-here": "built and tested", "compiles-here": "compiles and links", "declared": "declared"}
+    for lane, body in _lanes_table().items():
+        row = re.search(rf"^\| {lane} \| ([^|]*)\|", doc, re.M)
+        assert row, f"docs/build.md's lanes table has no row for {lane}"
+        assert row.group(1).strip().startswith(words[_status(body)]), (lane, row.group(0))
 
 
 def test_offline_stand_ins_exist_for_every_local_repository():
