@@ -20,6 +20,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -181,3 +182,18 @@ def test_the_whole_cuda_lane_links_the_engine_and_its_release(bz):
     assert any(s.startswith("dgr_engine_") for s in syms)
     manifest = json.loads((bin_dir / "release_cuda.MANIFEST.json").read_text())
     assert manifest["files"]["lib/libdgr_engine.so"]["size"] > 10_000_000
+
+    # What can run without a GPU: the engine loads with every symbol resolved (RTLD_NOW), cudart and
+    # cuBLAS found through LD_LIBRARY_PATH, and ggml-cuda asks cudart for its devices.
+    info = bz.toolkit()
+    paths = [str(Path(info["cudart"]).parent), str(Path(info["cublas_libs"][0]).parent)]
+    probe = ("import ctypes, os, sys; lib = ctypes.CDLL(sys.argv[1], mode=os.RTLD_NOW); "
+             "print(lib.ggml_backend_cuda_get_device_count())")
+    run = subprocess.run([sys.executable, "-c", probe, str(lib)], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "LD_LIBRARY_PATH": ":".join(paths)})
+    assert run.returncode == 0, run.stderr
+    count = int(run.stdout.strip().splitlines()[-1])
+    if not Path("/dev/nvidia0").exists():
+        assert count == 0 and "failed to initialize CUDA" in run.stderr, run.stderr
+    else:
+        assert count >= 1, run.stderr

@@ -269,7 +269,7 @@ cuda_objects = rule(
             default = Label("@cuda_toolkit//:nvcc"),
             allow_single_file = True,
             executable = True,
-            cfg = "host",
+            cfg = "exec",
         ),
         "_cublas_headers": attr.label(default = Label("@cuda_toolkit//:cublas_headers")),
     },
