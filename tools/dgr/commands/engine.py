@@ -82,9 +82,8 @@ def cmd_baseline(args) -> int:
 
     with Engine.open(args.model, n_ctx=64, max_sessions=1, lib=args.lib) as tok:
         sched = _schedule(args, tok)
+        device = tok.memory().device or "host"  # the same model and library as the baseline run
     kv_dtype = args.kv_dtype or "f16"
-    with Engine.open(args.model, n_ctx=64, max_sessions=1, lib=args.lib) as probe:
-        device = probe.memory().device or "host"
     res = run_baseline(args.model, sched, args.lib, args.threads, kv_dtype)
     n_pre = sum(len(p) for p in sched.prompts)
     n_dec = sched.steps * len(sched.prompts)

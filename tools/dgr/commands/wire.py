@@ -79,10 +79,7 @@ def _serve(args) -> int:
     server, worker, address = serve(engine, ident, args.listen, max_message_bytes=args.max_message_bytes,
                                     max_batch_tokens=args.max_batch_tokens)
     info = worker.info
-    where = ""
-    if hasattr(engine, "memory"):
-        device = engine.memory().device
-        where = f", {ident.lane} lane, weights on {device or 'the host'}"
+    where = f", {ident.lane} lane, weights on {engine.memory().device or 'the host'}"
     print(f"dgr worker: stage {ident.stage_index} [{info.layer_begin}, {info.layer_end}) of bundle "
           f"{ident.bundle_id}{where} serving on {address}", flush=True)
     done = threading.Event()
