@@ -1,7 +1,7 @@
 """The one place for dgr's names: GGUF `dgr.*` keys, manifest fields, workspace paths.
 
-The C++ engine reads the same GGUF keys (worker/engine/dgr_keys.h); tests/test_constants.py fails
-when the two drift.
+The C++ engine reads the same GGUF keys (worker/engine/dgr_keys.h); tests/test_engine_keys.py fails
+when the two drift. Wire dtypes and the stage contract live in `dgr.contract`.
 """
 
 # Version of the stage-GGUF / bundle format written by `dgr recipe build`.
@@ -30,8 +30,9 @@ class Keys:
 MANIFEST_NAME = "manifest.json"
 DEFAULT_CHUNK_SIZE = 8 * 1024 * 1024
 
-# Wire dtypes a boundary may use.
-BOUNDARY_DTYPES = ("f32", "f16", "bf16")
+# Engine and worker defaults, for every entry point (dgr worker serve, Engine.open, parity, demo).
+DEFAULT_N_CTX = 4096        # positions a session may hold
+DEFAULT_MAX_SESSIONS = 8    # concurrent sessions per engine
 
 # Backend lanes (Bazel --config, Nix packages, manifests).
 LANES = ("cpu", "cuda", "rocm", "vulkan", "metal")
