@@ -15,3 +15,17 @@ def workspace() -> Path:
     root = Path(env) if env else REPO_ROOT / WORKSPACE_DIRNAME
     root.mkdir(parents=True, exist_ok=True)
     return root
+
+
+ENGINE_LIBRARY = "libdgr_engine.so"
+
+
+def engine_build_dir(lane: str = "cpu") -> Path:
+    """Where `dgr build-engine --lane LANE` builds (the toolchain writes it, the runtime only reads it)."""
+    return workspace() / "build" / lane
+
+
+def default_engine_library(lane: str = "cpu") -> Path:
+    """The engine library `dgr build-engine --lane LANE` makes; the runtime loads it when it exists and
+    $DGR_ENGINE_LIB is unset, and never builds it."""
+    return engine_build_dir(lane) / ENGINE_LIBRARY
