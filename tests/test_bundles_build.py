@@ -15,7 +15,7 @@ from dgr.bundle import build, load_bundle
 from dgr.cli import main
 from dgr.constants import FORMAT_VERSION, MANIFEST_NAME, Keys
 from dgr.ggufmodel import read_header
-from dgr.source import file_blake3
+from dgr.hashing import file_blake3
 from dgr.synth import synth
 
 REPO = Path(__file__).resolve().parents[1]
@@ -202,6 +202,16 @@ def test_recipe_new_scaffolds_a_buildable_recipe(tmp_path, capsys):
     assert len(b.manifest.stages) == 3
 
 
+def test_recipe_template_offers_dgrs_own_choices():
+    """The template's menus are dgr's tables (cookiecutter.json cannot import them), not second copies."""
+    from dgr.constants import LANES
+    from dgr.contract import DEFAULT_WIRE_DTYPE, WIRE_DTYPES
+
+    ctx = json.loads((REPO / "tools/dgr/templates/recipe/cookiecutter.json").read_text())
+    assert ctx["boundary_dtype"] == list(WIRE_DTYPES) and ctx["boundary_dtype"][0] == DEFAULT_WIRE_DTYPE
+    assert ctx["lane"] == list(LANES)
+
+
 def test_load_bundle_rejects_edited_manifest(tmp_path):
     model = synth("llama", 2, 32, 0, tmp_path / "m.gguf")
     b = build(write_recipe(tmp_path, model, "stages = [[0, 1], [1, 2]]"), tmp_path / "store")
@@ -269,7 +279,7 @@ def test_build_memory_stays_bounded(tmp_path):
     code = f"""
 import resource
 from dgr.bundle import build
-from dgr.source import file_blake3
+from dgr.hashing import file_blake3
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 build({str(r)!r}, {str(tmp_path / 'store')!r})
 print(before, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)

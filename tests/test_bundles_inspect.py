@@ -36,7 +36,7 @@ def test_inspect_deepseek4_mhc_boundary(tmp_path, capsys):
     # synth's V4 defaults: 8 routed + 1 shared experts, 2 active, every main layer MoE
     assert r["experts"] == {"routed": 8, "shared": 1, "active": 2, "moe_layers": 4}
     info = model_info(out)
-    assert info.needs_token_ids(1, 2) and info.needs_token_ids(2, 4) and not info.needs_token_ids(3, 4)
+    assert info.needs_token_ids(1) and info.needs_token_ids(2) and not info.needs_token_ids(3)
 
 
 def test_inspect_dense_model_has_no_experts(tmp_path, capsys):
@@ -66,7 +66,7 @@ def test_inspect_reports_unknown_tensors(tmp_path, capsys):
 
 def test_inspect_a_bundle_stage(tmp_path, capsys):
     from dgr.bundle import build
-    from dgr.source import file_blake3
+    from dgr.hashing import file_blake3
     from dgr.synth import synth
 
     model = synth("llama", 4, 32, 0, tmp_path / "m.gguf", tied=True)

@@ -10,7 +10,8 @@ import pytest
 
 from dgr.errors import SourceError
 from dgr.ggufmodel import model_info
-from dgr.source import file_blake3, resolve
+from dgr.hashing import file_blake3
+from dgr.source import resolve
 from dgr.synth import synth
 
 

@@ -13,11 +13,12 @@ from pathlib import Path
 
 import pytest
 
-from dgr.bundle import _state_path, build, load_bundle, provision, verify_bundle
+from dgr.bundle import build, load_bundle, provision, verify_bundle
+from dgr.bundle.verify import _state_path
 from dgr.cli import main
 from dgr.constants import MANIFEST_NAME
 from dgr.errors import BundleError, StoreError
-from dgr.source import file_blake3
+from dgr.hashing import file_blake3
 from dgr.synth import synth
 
 

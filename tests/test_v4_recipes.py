@@ -1,15 +1,18 @@
-"""The DeepSeek V4 recipes (recipes/deepseek4-*.toml): provenance, expert quantization, and placement.
+"""The DeepSeek V4 Flash recipes (recipes/deepseek4-*.toml): provenance, expert quantization, and placement.
 
 Both recipes name a placeholder source (the real converted GGUF is not on these machines). Here each is
 planned against the V4-shaped synthetic file (43 main layers + MTP at tiny width) in place of that
-source, and its capacities are checked against the real model's sizes computed from V4's published
-shape (the `REAL_V4` assumption below; the compress-ratio pattern only moves the small compressor and
-indexer tensors).
+source, and its capacities are checked against the real model's sizes computed from the published
+shape of deepseek-ai/DeepSeek-V4-Flash (the `REAL_V4` assumption below, itself checked against the
+published 284B total / 13B active parameters; the compress-ratio pattern only moves the small
+compressor and indexer tensors).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+
+import math
 
 import blake3
 import gguf
@@ -22,13 +25,14 @@ from dgr.recipe import LoadedRecipe, Source, load_recipe
 from dgr.synth_deepseek4 import DeepSeek4Shape, default_ratios, synth_deepseek4_v4shape, tensor_inventory
 
 REPO = Path(__file__).resolve().parents[1]
+OFFICIAL_REPO = "deepseek-ai/DeepSeek-V4-Flash"
 OFFICIAL_REVISION = "60d8d70770c6776ff598c94bb586a859a38244f1"
 RECIPES = {"deepseek4-4stage.toml": 4, "deepseek4-12stage.toml": 12}
 Q = gguf.GGMLQuantizationType
 
-# V4's published shape (43 layers, hidden 4096, 64 heads of 512 with rope 64, q-LoRA 1024, 8 output
-# groups of rank 1024, 256 routed experts of 2048 + 1 shared, 6 active, indexer 64 x 128, window 128,
-# vocabulary 129280). Used only for sizes.
+# V4 Flash's published shape (43 layers, hidden 4096, 64 heads of 512 with rope 64, q-LoRA 1024, 8
+# output groups of rank 1024, 256 routed experts of 2048 + 1 shared, 6 active, indexer 64 x 128, window
+# 128, vocabulary 129280). Used only for sizes.
 REAL_V4 = DeepSeek4Shape(
     layers=43, embd=4096, n_head=64, head_dim=512, rope_dim=64, q_lora_rank=1024, o_groups=8, o_lora_rank=1024,
     n_expert=256, n_expert_used=6, n_expert_shared=1, expert_ff=2048, indexer_heads=64, indexer_dim=128,
@@ -55,6 +59,7 @@ def test_recipe_names_the_official_target_and_quantizes_experts(fname):
     lr = load_recipe(REPO / "recipes" / fname)
     r = lr.recipe
     assert r.source.provenance is not None and r.source.provenance.revision == OFFICIAL_REVISION
+    assert r.source.provenance.repo == OFFICIAL_REPO
     assert r.bundle.include_mtp is False
     assert r.placement.workers is not None and len(r.placement.workers) == RECIPES[fname]
     for proj in ("gate", "up", "down"):
@@ -111,5 +116,32 @@ def test_recipe_capacities_hold_the_real_model(fname):
     p = plan(layer_bytes, workers, input_bytes=first, output_bytes=last)
     assert len(p.ranges) == RECIPES[fname]
     assert all(b <= w.memory for b, w in zip(p.stage_bytes, workers))
-    # the routed experts are most of the model: at Q4_0 the whole thing is well under 200 GB
-    assert 100e9 < sum(p.stage_bytes) < 200e9
+    # the routed experts are most of the model: at Q4_0 (4.5 bits) + Q8_0 the whole thing is ~164 GB,
+    # as the recipes' header comments say
+    assert 160e9 < sum(p.stage_bytes) < 168e9
+
+
+def _params(s: DeepSeek4Shape) -> dict[str, int]:
+    """Parameter counts of the main model (no MTP block): routed experts, the rest, the input embedding."""
+    out = {"experts": 0, "rest": 0, "embedding": 0}
+    for name, shape, _ in tensor_inventory(s):
+        if name.startswith(f"blk.{s.layers}."):
+            continue  # the MTP block
+        n = math.prod(shape)
+        out["experts" if "_exps." in name else "rest"] += n
+        if name == "token_embd.weight":
+            out["embedding"] += n
+    return out
+
+
+def test_real_shape_is_the_published_v4_flash():
+    """REAL_V4 (which sizes the recipes) has V4 Flash's published parameter counts, and its published
+    FP4-expert / FP8-rest weights come to ~154 GB (the recipes' header comments)."""
+    p = _params(REAL_V4)
+    total = p["experts"] + p["rest"]
+    assert abs(total - 284e9) < 0.01 * 284e9, total
+    # active per token: 6 of 256 routed experts, everything else but the embedding lookup
+    active = p["experts"] * REAL_V4.n_expert_used / REAL_V4.n_expert + p["rest"] - p["embedding"]
+    assert abs(active - 13e9) < 0.05 * 13e9, active
+    published = p["experts"] * 4.25 / 8 + p["rest"] * 1.0  # FP4 with a scale per 32 values; FP8
+    assert 150e9 < published < 160e9, published

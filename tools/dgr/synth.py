@@ -20,6 +20,8 @@ import numpy as np
 from dgr.errors import DgrError
 
 T = gguf.MODEL_TENSOR
+KA = gguf.Keys.Attention  # metadata key templates ("{arch}.attention..."), formatted with the arch
+KL = gguf.Keys.LLM
 
 # Shapes are numpy (row-major) order: ggml's ne reversed. Dims: E embd, F ffn, H heads, K kv heads,
 # D head dim, X experts, G expert ffn.
@@ -84,11 +86,11 @@ class ArchSpec:
 
 def _gemma3_kv(d: dict) -> dict:
     # Every `swa_pattern`-th layer is full attention, the others slide over `swa` positions.
-    return {"attention.sliding_window": d["swa"], "attention.sliding_window_pattern": d["swa_pattern"]}
+    return {KA.SLIDING_WINDOW: d["swa"], KA.SLIDING_WINDOW_PATTERN: d["swa_pattern"]}
 
 
 def _moe_kv(d: dict) -> dict:
-    return {"expert_count": d["X"], "expert_used_count": d["X_used"], "expert_feed_forward_length": d["G"]}
+    return {KL.EXPERT_COUNT: d["X"], KL.EXPERT_USED_COUNT: d["X_used"], KL.EXPERT_FEED_FORWARD_LENGTH: d["G"]}
 
 
 # deepseek2 (MLA attention, leading dense blocks, then MoE with shared experts). Dims: Q q lora rank,
@@ -126,11 +128,11 @@ def _deepseek2_kv(d: dict) -> dict:
     # MLA as the pinned llama.cpp reads it (absorbed form: one KV head of width C + R, value width C);
     # gating func 2 = sigmoid, which uses exp_probs_b as the routing bias.
     return {
-        "attention.head_count_kv": 1, "attention.key_length": d["C"] + d["R"], "attention.value_length": d["C"],
-        "attention.key_length_mla": d["N"] + d["R"], "attention.value_length_mla": d["V"],
-        "attention.q_lora_rank": d["Q"], "attention.kv_lora_rank": d["C"], "rope.dimension_count": d["R"],
-        "leading_dense_block_count": d["L"], "expert_shared_count": d["S"], "expert_gating_func": 2,
-        "expert_weights_scale": 1.5, "expert_weights_norm": True, **_moe_kv(d),
+        KA.HEAD_COUNT_KV: 1, KA.KEY_LENGTH: d["C"] + d["R"], KA.VALUE_LENGTH: d["C"],
+        KA.KEY_LENGTH_MLA: d["N"] + d["R"], KA.VALUE_LENGTH_MLA: d["V"],
+        KA.Q_LORA_RANK: d["Q"], KA.KV_LORA_RANK: d["C"], gguf.Keys.Rope.DIMENSION_COUNT: d["R"],
+        KL.LEADING_DENSE_BLOCK_COUNT: d["L"], KL.EXPERT_SHARED_COUNT: d["S"], KL.EXPERT_GATING_FUNC: 2,
+        KL.EXPERT_WEIGHTS_SCALE: 1.5, KL.EXPERT_WEIGHTS_NORM: True, **_moe_kv(d),
     }
 
 
@@ -240,15 +242,15 @@ def synth(
     w.add_feed_forward_length(dims["F"])
     w.add_head_count(n_head)
     extra = spec.extra_kv(dims)
-    w.add_head_count_kv(extra.pop("attention.head_count_kv", dims["K"]))
-    w.add_key_length(extra.pop("attention.key_length", hd))
-    w.add_value_length(extra.pop("attention.value_length", hd))
-    w.add_rope_dimension_count(extra.pop("rope.dimension_count", hd))
+    w.add_head_count_kv(extra.pop(KA.HEAD_COUNT_KV, dims["K"]))
+    w.add_key_length(extra.pop(KA.KEY_LENGTH, hd))
+    w.add_value_length(extra.pop(KA.VALUE_LENGTH, hd))
+    w.add_rope_dimension_count(extra.pop(gguf.Keys.Rope.DIMENSION_COUNT, hd))
     w.add_rope_freq_base(10000.0)
     w.add_layer_norm_rms_eps(1e-6)
     w.add_vocab_size(n_vocab)
     for key, val in extra.items():
-        full = f"{arch}.{key}"
+        full = key.format(arch=arch)
         if isinstance(val, bool):
             w.add_bool(full, val)
         elif isinstance(val, float):

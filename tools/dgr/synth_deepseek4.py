@@ -15,7 +15,8 @@ shape {n_expert_used, n_vocab}, the other layers an `exp_probs_b` bias. `block_c
 block too; `nextn_predict_layers` says how many of the last blocks are MTP.
 
 The tensor names below mirror `src/llama-arch.cpp` of the pin (the installed `gguf` package predates
-V4, so it cannot name them). Output is deterministic: the same arguments give the same bytes.
+V4, so it cannot name them); metadata keys come from `gguf.Keys` where it has them, else from
+`dgr.ggufmodel.V4Keys`. Output is deterministic: the same arguments give the same bytes.
 """
 
 from __future__ import annotations
@@ -27,6 +28,10 @@ import gguf
 import numpy as np
 
 from dgr.errors import DgrError
+from dgr.ggufmodel import V4Keys
+
+KA = gguf.Keys.Attention  # metadata key templates ("{arch}...."), formatted with ARCH
+KL = gguf.Keys.LLM
 
 ARCH = "deepseek4"
 
@@ -277,7 +282,10 @@ def synth_deepseek4(
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     w = gguf.GGUFWriter(str(path), ARCH)
-    k = f"{ARCH}."
+
+    def k(template: str) -> str:  # a gguf (or V4Keys) key template for this architecture
+        return template.format(arch=ARCH)
+
     ratios_txt = ",".join(map(str, s.compress_ratios))
     w.add_name(f"dgr-synth-{ARCH}-L{s.layers}{'+mtp' if s.mtp else ''}-E{s.embd}-s{seed}")
     w.add_description(f"dgr synth --arch {ARCH} --layers {s.layers} --embd {s.embd} --seed {seed} "
@@ -286,10 +294,10 @@ def synth_deepseek4(
     w.add_file_type(gguf.LlamaFileType.ALL_F32 if dtype == "f32" else gguf.LlamaFileType.MOSTLY_F16)
     w.add_context_length(s.context)
     w.add_embedding_length(s.embd)
-    w.add_uint32(k + "embedding_length_out", s.hc_mult * s.embd)
+    w.add_uint32(k(KL.EMBEDDING_LENGTH_OUT), s.hc_mult * s.embd)
     w.add_block_count(s.n_blocks)
     if s.mtp:
-        w.add_uint32(k + "nextn_predict_layers", 1)
+        w.add_uint32(k(KL.NEXTN_PREDICT_LAYERS), 1)
     w.add_head_count(s.n_head)
     w.add_head_count_kv(1)
     w.add_key_length(s.head_dim)
@@ -298,31 +306,31 @@ def synth_deepseek4(
     w.add_rope_freq_base(10000.0)
     w.add_layer_norm_rms_eps(1e-6)
     w.add_vocab_size(s.n_vocab)
-    w.add_uint32(k + "attention.q_lora_rank", s.q_lora_rank)
-    w.add_uint32(k + "attention.sliding_window", s.sliding_window)
-    w.add_uint32(k + "attention.output_group_count", s.o_groups)
-    w.add_uint32(k + "attention.output_lora_rank", s.o_lora_rank)
-    w.add_key_value(k + "attention.compress_ratios", list(s.all_ratios), gguf.GGUFValueType.ARRAY,
+    w.add_uint32(k(KA.Q_LORA_RANK), s.q_lora_rank)
+    w.add_uint32(k(KA.SLIDING_WINDOW), s.sliding_window)
+    w.add_uint32(k(V4Keys.OUTPUT_GROUP_COUNT), s.o_groups)
+    w.add_uint32(k(V4Keys.OUTPUT_LORA_RANK), s.o_lora_rank)
+    w.add_key_value(k(V4Keys.COMPRESS_RATIOS), list(s.all_ratios), gguf.GGUFValueType.ARRAY,
                     gguf.GGUFValueType.UINT32)
-    w.add_float32(k + "attention.compress_rope_freq_base", 160000.0)
-    w.add_uint32(k + "attention.indexer.head_count", s.indexer_heads)
-    w.add_uint32(k + "attention.indexer.key_length", s.indexer_dim)
-    w.add_uint32(k + "attention.indexer.top_k", s.indexer_top_k)
-    w.add_uint32(k + "expert_count", s.n_expert)
-    w.add_uint32(k + "expert_used_count", s.n_expert_used)
-    w.add_uint32(k + "expert_shared_count", s.n_expert_shared)
-    w.add_uint32(k + "expert_feed_forward_length", s.expert_ff)
-    w.add_float32(k + "expert_weights_scale", 1.5)
-    w.add_bool(k + "expert_weights_norm", True)
-    w.add_uint32(k + "expert_gating_func", EXPERT_GATING_SQRT_SOFTPLUS)
-    w.add_key_value(k + "swiglu_clamp_exp", [10.0] * s.n_blocks, gguf.GGUFValueType.ARRAY,
+    w.add_float32(k(V4Keys.COMPRESS_ROPE_FREQ_BASE), 160000.0)
+    w.add_uint32(k(KA.Indexer.HEAD_COUNT), s.indexer_heads)
+    w.add_uint32(k(KA.Indexer.KEY_LENGTH), s.indexer_dim)
+    w.add_uint32(k(KA.Indexer.TOP_K), s.indexer_top_k)
+    w.add_uint32(k(KL.EXPERT_COUNT), s.n_expert)
+    w.add_uint32(k(KL.EXPERT_USED_COUNT), s.n_expert_used)
+    w.add_uint32(k(KL.EXPERT_SHARED_COUNT), s.n_expert_shared)
+    w.add_uint32(k(KL.EXPERT_FEED_FORWARD_LENGTH), s.expert_ff)
+    w.add_float32(k(KL.EXPERT_WEIGHTS_SCALE), 1.5)
+    w.add_bool(k(KL.EXPERT_WEIGHTS_NORM), True)
+    w.add_uint32(k(KL.EXPERT_GATING_FUNC), EXPERT_GATING_SQRT_SOFTPLUS)
+    w.add_key_value(k(KL.SWIGLU_CLAMP_EXP), [10.0] * s.n_blocks, gguf.GGUFValueType.ARRAY,
                     gguf.GGUFValueType.FLOAT32)
-    w.add_key_value(k + "swiglu_clamp_shexp", [10.0] * s.n_blocks, gguf.GGUFValueType.ARRAY,
+    w.add_key_value(k(KL.SWIGLU_CLAMP_SHEXP), [10.0] * s.n_blocks, gguf.GGUFValueType.ARRAY,
                     gguf.GGUFValueType.FLOAT32)
-    w.add_uint32(k + "hyper_connection.count", s.hc_mult)
-    w.add_uint32(k + "hyper_connection.sinkhorn_iterations", s.sinkhorn_iters)
-    w.add_float32(k + "hyper_connection.epsilon", 1e-6)
-    w.add_uint32(k + "hash_layer_count", s.hash_layers)
+    w.add_uint32(k(V4Keys.HYPER_CONNECTION_COUNT), s.hc_mult)
+    w.add_uint32(k(V4Keys.HYPER_CONNECTION_SINKHORN_ITERATIONS), s.sinkhorn_iters)
+    w.add_float32(k(V4Keys.HYPER_CONNECTION_EPSILON), 1e-6)
+    w.add_uint32(k(V4Keys.HASH_LAYER_COUNT), s.hash_layers)
 
     add_tokenizer(w)
 

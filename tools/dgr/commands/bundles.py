@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 from dgr.errors import RecipeError
+from dgr.log import get_logger
+
+log = get_logger(__name__)
 
 
 def _recipe_path(p: str) -> Path:
@@ -16,7 +18,7 @@ def _recipe_path(p: str) -> Path:
 
 
 def _inspect(args) -> int:
-    from dgr.inspect import format_report, inspect_model
+    from dgr.modelreport import format_report, inspect_model
 
     r = inspect_model(args.file)
     print(json.dumps(r, indent=2, sort_keys=True) if args.json else format_report(r))
@@ -74,7 +76,7 @@ def _verify(args) -> int:
 
     rep = verify_bundle(args.bundle, resume=not args.fresh, progress=not args.quiet)
     if args.expect_id and rep.bundle_id != args.expect_id:
-        print(f"dgr: error: bundle id is {rep.bundle_id}, expected {args.expect_id}", file=sys.stderr)
+        log.error("error: bundle id is %s, expected %s", rep.bundle_id, args.expect_id)
         return 1
     print(f"ok: bundle {rep.bundle_id}: {rep.chunks_total} chunks verified "
           f"({rep.chunks_read} read now, {rep.chunks_skipped} verified by an earlier interrupted run)")
@@ -104,7 +106,7 @@ def _new(args) -> int:
         ctx["name"] = args.name
     if args.from_model:
         from dgr.ggufmodel import model_info
-        from dgr.source import file_blake3
+        from dgr.hashing import file_blake3
 
         model = Path(args.from_model)
         info = model_info(model)

@@ -1,14 +1,22 @@
-"""`dgr inspect`: what a GGUF model looks like to dgr (layers, widths, seam, bytes, ownership)."""
+"""The report of `dgr inspect`: what a GGUF model looks like to dgr.
+
+Layers, widths, the seam and its bytes per token per wire dtype, bytes per layer, tensor ownership.
+
+(Not named `inspect`: a module of that name would shadow the standard library's.)
+"""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
 
+import gguf
+
 from dgr.constants import Keys
+from dgr.contract import WIRE_DTYPES
 from dgr.ggufmodel import INPUT, OUTPUT, SHARED, model_info
 
-_DTYPE_BYTES = {"f32": 4, "f16": 2, "bf16": 2}
+GK = gguf.Keys
 
 
 def inspect_model(path: str | Path) -> dict[str, Any]:
@@ -22,7 +30,7 @@ def inspect_model(path: str | Path) -> dict[str, Any]:
     return {
         "file": str(path),
         "arch": info.arch,
-        "name": h.get("general.name"),
+        "name": h.get(GK.General.NAME),
         "n_layer": info.n_layer,
         "n_layer_mtp": info.n_layer_all - info.n_layer,
         "n_embd": info.n_embd,
@@ -30,7 +38,7 @@ def inspect_model(path: str | Path) -> dict[str, Any]:
         "n_hash_layers": info.n_hash_layers,
         "experts": _experts(info),
         "boundary_shape": [info.n_streams, info.n_embd],
-        "boundary_bytes_per_token": {d: width * n for d, n in _DTYPE_BYTES.items()},
+        "boundary_bytes_per_token": {name: d.nbytes(width) for name, d in WIRE_DTYPES.items()},
         "tied_embeddings": info.tied_embeddings,
         "n_tensors": len(h.tensors),
         "tensor_types": dict(sorted(types.items())),
@@ -54,15 +62,15 @@ def inspect_model(path: str | Path) -> dict[str, Any]:
 def _experts(info) -> dict[str, int] | None:
     """Mixture-of-experts inventory from metadata and tensors (None for a dense model)."""
     h, arch = info.header, info.arch
-    routed = h.get(f"{arch}.expert_count")
+    routed = h.get(GK.LLM.EXPERT_COUNT.format(arch=arch))
     if not routed:
         return None
     moe_layers = {info.layer_of[t.name] for t in h.tensors
                   if t.name.endswith("ffn_gate_exps.weight") and isinstance(info.layer_of.get(t.name), int)}
     return {
         "routed": int(routed),
-        "shared": int(h.get(f"{arch}.expert_shared_count", 0) or 0),
-        "active": int(h.get(f"{arch}.expert_used_count", 0) or 0),
+        "shared": int(h.get(GK.LLM.EXPERT_SHARED_COUNT.format(arch=arch), 0) or 0),
+        "active": int(h.get(GK.LLM.EXPERT_USED_COUNT.format(arch=arch), 0) or 0),
         "moe_layers": len([il for il in moe_layers if il < info.n_layer]),
     }
 

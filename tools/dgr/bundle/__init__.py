@@ -1,0 +1,47 @@
+"""Bundles: a recipe built into one GGUF per stage plus a canonical, hashed manifest.
+
+One job per module:
+
+- `manifest`: the manifest model, its canonical JSON (the bundle id is its blake3), `load_bundle`;
+- `plan`: a recipe to stages (ranges, tensors, target types, each stage's contract), `make_plan`;
+- `quantize`: target types from the recipe's rules, and conversions the `gguf` package can make;
+- `writer`: the stage GGUF writer (header, tensor table, data, in that order only);
+- `builder`: `build`, plan -> write stage files (hashing as they are written) -> seal manifest -> move into the store;
+- `verify`: `verify_bundle`, resumable chunk-by-chunk verification;
+- `store`: `provision`, a verified, resumable copy into a store, and `refuse_home` (where stores may live).
+
+`load_bundle(path)` is the library entry point for workers: the validated manifest, the bundle id and
+each stage's file path. The names below are imported on first use, so a worker that only loads
+manifests does not import the builder (numpy quantization, source downloads).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "manifest": ("Bundle", "Manifest", "ManifestModel", "ManifestRecipe", "ManifestSource", "StageEntry",
+                 "bundle_id", "canonical_json", "load_bundle", "manifest_bytes", "stage_filename"),
+    "plan": ("BuildPlan", "StagePlan", "make_plan"),
+    "quantize": ("can_dequantize", "can_quantize", "check_conversion", "convert", "target_type"),
+    "writer": ("StageWriter", "pack_kv"),
+    "builder": ("build",),
+    "verify": ("VerifyReport", "verify_bundle"),
+    "store": ("ProvisionReport", "provision", "refuse_home"),
+}
+_WHERE = {name: mod for mod, names in _EXPORTS.items() for name in names}
+__all__ = sorted(_WHERE)
+
+
+def __getattr__(name: str) -> Any:
+    mod = _WHERE.get(name)
+    if mod is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{mod}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
