@@ -37,10 +37,15 @@ def llama_src() -> Path:
     return ensure_patched()
 
 
-# engine: the ShardEngine library over the patched llama.cpp, built once (cached in the workspace);
-# $DGR_ENGINE_LIB points at another build.
+# engine: the ShardEngine library over the patched llama.cpp, built once (cached in the workspace) by
+# the toolchain, never by the runtime; $DGR_ENGINE_LIB points at another build (Bazel sets it).
 @pytest.fixture(scope="session")
 def engine_lib() -> Path:
-    from dgr.engine import library_path
+    env = os.environ.get("DGR_ENGINE_LIB")
+    if env:
+        return Path(env)
+    from dgr.enginebuild import ensure_engine
 
-    return library_path()
+    lib = ensure_engine("cpu")
+    os.environ["DGR_ENGINE_LIB"] = str(lib)  # engines and worker processes opened later find the same one
+    return lib

@@ -141,16 +141,8 @@ def dgr_engine_lanes(srcs, hdrs, defines = []):
             tags = info.tags,
             visibility = ["//visibility:public"],
         )
-    native.alias(
-        name = "engine",
-        actual = select(lane_select(":engine_%s")),
-        visibility = ["//visibility:public"],
-    )
-    native.alias(
-        name = "libdgr_engine.so",
-        actual = select(lane_select(":libdgr_engine_%s.so")),
-        visibility = ["//visibility:public"],
-    )
+    lane_alias("engine", ":engine_%s")
+    lane_alias("libdgr_engine.so", ":libdgr_engine_%s.so")
 
 def lane_config_settings():
     """In toolchains/: `lane_<lane>` config_settings that --config=<lane> (--define=dgr_lane=) selects."""
@@ -165,6 +157,14 @@ def lane_select(pattern):
     choices = {"//toolchains:lane_" + lane: pattern % lane for lane in LANES if lane != "cpu"}
     choices["//conditions:default"] = pattern % "cpu"
     return choices
+
+def lane_alias(name, pattern, visibility = ["//visibility:public"]):
+    """`name`, an alias of `pattern % lane` for the lane --config=<lane> selects (cpu by default)."""
+    native.alias(
+        name = name,
+        actual = select(lane_select(pattern)),
+        visibility = visibility,
+    )
 
 def dgr_releases():
     """At the top level: `release_<lane>` for every lane (and `release`, which follows --config).
@@ -197,7 +197,4 @@ def dgr_releases():
             tags = info.tags,
             visibility = ["//visibility:public"],
         )
-    native.alias(
-        name = "release",
-        actual = select(lane_select(":release_%s")),
-    )
+    lane_alias("release", ":release_%s", visibility = None)

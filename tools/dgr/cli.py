@@ -12,6 +12,7 @@ import sys
 
 from dgr import __version__
 from dgr.errors import DgrError
+from dgr.log import setup as setup_logging
 
 # Areas, in the order their commands are listed in `dgr --help`.
 AREAS = ("bundles", "upstream", "engine", "wire", "build")
@@ -27,6 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    setup_logging()
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):
