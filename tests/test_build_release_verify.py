@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from dgr.cli import main
-from dgr.commands.build import verify_release
+from dgr.release import verify_release
 from dgr.errors import ReleaseError
 
 REPO = Path(__file__).resolve().parents[1]

@@ -106,3 +106,33 @@ def test_missing_tools_say_what_to_install(standin, monkeypatch, tmp_path):
 def test_unknown_lane_is_refused(standin):
     with pytest.raises(EngineError, match="unknown lane 'tpu'; lanes: cpu, cuda"):
         enginebuild.ensure_engine("tpu", pin=standin["pin_obj"], ws=standin["ws"], worker_dir=standin["worker"])
+
+
+def test_ninja_status_lines_are_read_as_steps():
+    assert enginebuild.ninja_step("[24/76] Building CXX object src/llama.cpp.o\n") == (24, 76)
+    assert enginebuild.ninja_step("[1/1] Linking CXX shared library libdgr_engine.so") == (1, 1)
+    for line in ("-- Configuring done", "[ 50%] Building (make style)", "[a/b] x", "[3] x", ""):
+        assert enginebuild.ninja_step(line) is None
+
+
+FAKE_NINJA = "import sys\nfor i in range(1, 4): print(f'[{i}/3] step {i}', flush=True)\nsys.exit(int(sys.argv[1]))\n"
+
+
+@pytest.mark.parametrize("tty", [True, False])
+def test_build_progress_is_a_bar_on_a_terminal_and_the_total_is_logged(tmp_path, monkeypatch, capsys, caplog, tty):
+    import logging
+    import sys
+
+    script = tmp_path / "ninja.py"
+    script.write_text(FAKE_NINJA)
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: tty)
+    log = tmp_path / "build.log"
+    with caplog.at_level(logging.INFO, logger="dgr"):
+        enginebuild._run_logged([sys.executable, str(script), "0"], log, "build cpu", progress=True)
+    assert "[3/3] step 3" in log.read_text()  # the whole output is in the log
+    assert "build cpu: 3/3 steps" in caplog.text  # the same final information either way
+    err = capsys.readouterr().err
+    assert ("build cpu" in err and "/3 [" in err) == tty  # a bar (tqdm's "n/3 [time]") only on a terminal
+    with pytest.raises(EngineError, match=r"build cpu failed \(exit 1\)(.|\n)*\[3/3\] step 3"):
+        enginebuild._run_logged([sys.executable, str(script), "1"], log, "build cpu", progress=False)
+    assert "/3 [" not in capsys.readouterr().err  # progress=False: no bar, even on a terminal

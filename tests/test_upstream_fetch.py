@@ -17,6 +17,7 @@ from test_upstream_support import (  # noqa: F401  (fixtures)
 
 from dgr import treehash, upstream
 from dgr.errors import UpstreamError
+from dgr.hashing import file_sha256
 
 
 def test_fetch_extracts_only_the_verified_files(tiny):
@@ -85,7 +86,7 @@ def test_interrupted_download_resumes(tiny):
     (downloads / f"{pin.commit}.tar.gz.part").write_bytes(data[:half])
     upstream.fetch(pin, tiny["ws"])
     assert RangeHandler.seen == [("/tiny.tar.gz", f"bytes={half}-")]
-    assert upstream.sha256_file(downloads / f"{pin.commit}.tar.gz") == tiny["source"]["sha256"]
+    assert file_sha256(downloads / f"{pin.commit}.tar.gz") == tiny["source"]["sha256"]
 
 
 def test_verify_names_the_changed_file(tiny):
@@ -119,7 +120,7 @@ def test_an_archive_member_escaping_the_tree_is_refused(tiny):
         info = tarfile.TarInfo(f"{tiny['prefix']}/src/../../evil.txt")
         info.size = len(data)
         tar.addfile(info, io.BytesIO(data))
-    write_pin(tiny["repo"], [{**tiny["source"], "sha256": upstream.sha256_file(tiny["tarball"])}],
+    write_pin(tiny["repo"], [{**tiny["source"], "sha256": file_sha256(tiny["tarball"])}],
               treehash.tree_hash(tiny["tree"]))
     with pytest.raises(UpstreamError, match=r"member .*evil.txt points outside"):
         upstream.fetch(upstream.load_pin(tiny["pin"]), tiny["ws"])
@@ -143,7 +144,7 @@ def test_a_different_tree_is_named_by_the_pinned_listing(tiny):
     (tiny["tree"] / "ggml" / "src" / "ggml.c").write_text("int ggml_tiny(void) { return 2; }\n")
     make_tarball(tiny["tree"], tiny["prefix"], tiny["tarball"])
     raw = json.loads(tiny["pin"].read_text())
-    raw["sources"][0]["sha256"] = upstream.sha256_file(tiny["tarball"])
+    raw["sources"][0]["sha256"] = file_sha256(tiny["tarball"])
     raw["tree_listing"] = "toolchains/tree.txt"
     tiny["pin"].write_text(json.dumps(raw))
     with pytest.raises(UpstreamError, match=r"first difference: ggml/src/ggml.c: content changed"):

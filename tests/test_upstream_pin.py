@@ -8,8 +8,12 @@ import subprocess
 import sys
 from pathlib import Path
 
-from dgr.constants import LANES
+import pytest
+
+from dgr import pin as pins
 from dgr import upstream
+from dgr.constants import LANES
+from dgr.errors import UpstreamError
 
 REPO = Path(__file__).resolve().parents[1]
 PIN_REL = "toolchains/llama.cpp.pin.json"
@@ -91,3 +95,50 @@ def test_cli_checks_the_patch_list_and_prints_status():
     st = run("upstream", "status", "--json")
     assert st.returncode == 0, st.stderr
     assert json.loads(st.stdout)["commit"] == upstream.load_pin().commit
+
+
+def test_the_runtime_reads_the_pin_without_the_toolchain():
+    # A worker names its engine (commit + patch series) from the pin; that must not import fetch/patch/build code.
+    code = ("import sys; from dgr.pin import load_pin, patch_series; p = load_pin(); print(patch_series(p)); "
+            "print(sorted(m for m in sys.modules if m.startswith(('dgr.upstream', 'dgr.treehash', 'dgr.enginebuild'))))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split("\n")
+    assert out[1] == "[]"
+    import blake3
+
+    pin = pins.load_pin()
+    h = blake3.blake3()
+    for p in pin.patches:
+        h.update(f"{p.file}\0{p.blake3}\n".encode())
+    assert out[0] == pins.patch_series(pin) == h.hexdigest()
+
+
+def test_the_pin_model_is_frozen():
+    pin = pins.load_pin()
+    with pytest.raises(Exception):
+        pin.commit = "0" * 40
+    assert pins.load_pin() == pin and hash(pin) == hash(pins.load_pin())
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda r: r["sources"][0].update(kind="git"), r"field sources\[0\]\.kind: is 'git'; known kinds: pypi-sdist, archive"),
+    (lambda r: r["sources"][0].pop("filename"), r"field sources\[0\]\.filename: required field is missing"),
+    (lambda r: r["sources"][0].update(url="x"), r"field sources\[0\]\.url: unknown field; remove it"),
+    (lambda r: r.update(commit="abc"), r"field commit: must be a full 40-hex lowercase commit"),
+    (lambda r: r.update(sources=[]), r"field sources: is empty; name at least one source"),
+    (lambda r: r.update(tree_hash=7), r"field tree_hash: Input should be a valid string"),
+    (lambda r: r["patches"][0].update(file="0001-x.patch"), r"field patches\[0\]\.file: must be patches/llama\.cpp/NNNN"),
+    (lambda r: r["patches"][0].update(file="patches/llama.cpp/tpu/0001-x.patch"), r"field patches\[0\]\.file: .*lanes: "),
+    (lambda r: r.pop("patches"), r"field patches: required field is missing"),
+])
+def test_pin_errors_name_the_file_the_field_and_the_fix(tmp_path, change, message):
+    raw = json.loads((REPO / PIN_REL).read_text())
+    change(raw)
+    path = tmp_path / "llama.cpp.pin.json"
+    path.write_text(json.dumps(raw))
+    with pytest.raises(UpstreamError, match=rf"^{re.escape(str(path))}: {message}"):
+        pins.load_pin(path)
+
+
+def test_a_missing_pin_says_where_it_should_be(tmp_path):
+    with pytest.raises(UpstreamError, match=r"pin file not found .*toolchains/llama\.cpp\.pin\.json"):
+        pins.load_pin(tmp_path / "nope.json")

@@ -13,6 +13,7 @@ import pytest
 from test_upstream_support import TREEHASH_SCRIPT
 
 from dgr import treehash, upstream
+from dgr.hashing import file_sha256
 
 pytestmark = pytest.mark.slow
 
@@ -24,7 +25,7 @@ def test_the_workspace_holds_the_verified_patched_pin(llama_src):
     assert st["fetched"] and st["verified"] and st["patches_current"]
     assert st["patched"] == str(llama_src)
     assert [p.file for p in pin.patches] == st["patches_applied"]
-    # DeepSeek V4 is in this commit (DESIGN.md): the tree is really b11312.
+    # DeepSeek V4 is in this commit: the tree is really b11312.
     assert (llama_src / "src" / "models" / "deepseek4.cpp").is_file()
     assert (llama_src / "include" / "llama.h").is_file()
     # Bazel and Nix call the script on the pristine tree: it agrees.
@@ -39,6 +40,6 @@ def test_fresh_workspace_fetches_the_sdist_with_pip(tmp_path):
     sdist = next(s for s in pin.sources if s.kind == "pypi-sdist")
     src = upstream.fetch(pin, tmp_path)
     archive = tmp_path / "cache" / "downloads" / sdist.filename
-    assert upstream.sha256_file(archive) == sdist.sha256
+    assert file_sha256(archive) == sdist.sha256
     assert treehash.tree_hash(src) == pin.tree_hash
     assert upstream.status(pin, tmp_path)["source"] == sdist.describe()

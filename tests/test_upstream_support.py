@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from dgr import treehash, upstream
+from dgr.hashing import file_sha256
 
 REPO = Path(__file__).resolve().parents[1]
 TREEHASH_SCRIPT = REPO / "tools" / "dgr" / "treehash.py"
@@ -59,7 +60,7 @@ def make_tarball(tree: Path, prefix: str, out: Path) -> Path:
 
 
 def git(cwd: Path, *args: str) -> str:
-    env = {**os.environ, **upstream._GIT_ENV}
+    env = {**os.environ, **upstream.GIT_ENV}
     return subprocess.run(["git", *args], cwd=cwd, env=env, check=True, capture_output=True, text=True).stdout
 
 
@@ -146,7 +147,7 @@ def tiny(tmp_path, http_dir):
     prefix = f"llama.cpp-{FAKE_COMMIT}"
     tarball = make_tarball(tree, prefix, served / "tiny.tar.gz")
     repo = tmp_path / "repo"
-    source = {"kind": "archive", "url": f"{base}/tiny.tar.gz", "sha256": upstream.sha256_file(tarball),
+    source = {"kind": "archive", "url": f"{base}/tiny.tar.gz", "sha256": file_sha256(tarball),
               "strip_prefix": prefix}
     pin = write_pin(repo, [source], treehash.tree_hash(tree))
     return {"tree": tree, "served": served, "base": base, "tarball": tarball, "repo": repo, "pin": pin,

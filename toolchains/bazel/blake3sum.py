@@ -1,22 +1,23 @@
 #!/usr/bin/env python3
 """Print the blake3 (hex) of each file given, one `<hash>  <path>` line each (like sha256sum).
 
-Used by toolchains/llama_cpp.bzl to check every patch against the pin; stdlib + blake3 only, so it
-runs in a Bazel repository rule before anything is built.
+Used by toolchains/llama_cpp.bzl and nix/llama-cpp-src.nix to check every patch against the pin. It
+runs before anything is built, where dgr is not installed, so it imports `dgr.hashing` (stdlib +
+blake3) from the source tree: `tools/` of the repository this file is in.
 """
 
+import os
 import sys
 
-import blake3
+_TOOLS = os.path.join(os.path.dirname(os.path.realpath(__file__)), os.pardir, os.pardir, "tools")
+sys.path.insert(0, os.path.normpath(_TOOLS))
+
+from dgr.hashing import file_blake3  # noqa: E402
 
 
 def main(paths: list[str]) -> int:
     for path in paths:
-        h = blake3.blake3()
-        with open(path, "rb") as f:
-            while chunk := f.read(1 << 20):
-                h.update(chunk)
-        print(f"{h.hexdigest()}  {path}")
+        print(f"{file_blake3(path)}  {path}")
     return 0
 
 

@@ -25,10 +25,16 @@ from typing import Any
 from dgr import treehash, upstream
 from dgr.constants import LANES
 from dgr.errors import EngineError
-from dgr.paths import REPO_ROOT, workspace
+from dgr.hashing import file_blake3
+from dgr.locks import locked
+from dgr.log import get_logger
+from dgr.paths import ENGINE_LIBRARY, REPO_ROOT, engine_build_dir
+from dgr.pin import Pin, load_pin
+
+log = get_logger(__name__)
 
 TARGET = "dgr_engine"
-LIBRARY = "libdgr_engine.so"
+LIBRARY = ENGINE_LIBRARY
 WORKER_DIR = REPO_ROOT / "worker"
 
 # CMake switches per lane (llama.cpp's GGML_* options). Only `cpu` is built and tested by this
@@ -43,10 +49,6 @@ LANE_FLAGS: dict[str, list[str]] = {
 assert set(LANE_FLAGS) == set(LANES)
 
 _INSTALL_HINT = "install it (Debian: apt-get install cmake ninja-build g++ ccache)"
-
-
-def _say(msg: str) -> None:
-    print(f"dgr: {msg}", file=sys.stderr, flush=True)
 
 
 def _compiler() -> str:
@@ -71,8 +73,10 @@ def check_tools() -> dict[str, str]:
 
 
 def build_dir(lane: str = "cpu", ws: Path | None = None, *, pristine: bool = False) -> Path:
-    """<workspace>/build/<lane>, or build/<lane>-pristine for the engine over unpatched llama.cpp."""
-    return (Path(ws) if ws else workspace()) / "build" / (f"{lane}-pristine" if pristine else lane)
+    """<workspace>/build/<lane> (`dgr.paths.engine_build_dir`, where the runtime looks for the library),
+    or build/<lane>-pristine for the engine over unpatched llama.cpp; `ws` is another workspace (tests)."""
+    name = f"{lane}-pristine" if pristine else lane
+    return engine_build_dir(name) if ws is None else Path(ws) / "build" / name
 
 
 def cmake_args(lane: str, worker_dir: Path, bdir: Path, llama_src: Path) -> list[str]:
@@ -88,7 +92,7 @@ def cmake_args(lane: str, worker_dir: Path, bdir: Path, llama_src: Path) -> list
     ]
 
 
-def _inputs(lane: str, pin: upstream.Pin, worker_dir: Path, args: list[str], tools: dict[str, str]) -> dict[str, Any]:
+def _inputs(lane: str, pin: Pin, worker_dir: Path, args: list[str], tools: dict[str, str]) -> dict[str, Any]:
     return {
         "lane": lane,
         "commit": pin.commit,
@@ -100,48 +104,66 @@ def _inputs(lane: str, pin: upstream.Pin, worker_dir: Path, args: list[str], too
     }
 
 
-def _run_logged(cmd: list[str], log: Path, what: str, progress: bool, env: dict[str, str] | None = None) -> None:
-    """Run a build step, teeing its output to `log`; print Ninja's progress now and then."""
-    _say(f"{what}: {' '.join(cmd[:4])} ... (log: {log})")
-    last_pct = -10
-    with open(log, "a") as logf:
+def ninja_step(line: str) -> tuple[int, int] | None:
+    """(done, total) from a Ninja status line `[24/76] Building CXX object ...`, else None."""
+    if not line.startswith("["):
+        return None
+    head = line[1:].split("]", 1)[0]
+    done, sep, total = head.partition("/")
+    if not (sep and done.isdigit() and total.isdigit()):
+        return None
+    return int(done), int(total)
+
+
+def _run_logged(cmd: list[str], logfile: Path, what: str, progress: bool, env: dict[str, str] | None = None) -> None:
+    """Run a build step, teeing its output to `logfile`; Ninja's steps drive a progress bar on a terminal."""
+    from tqdm import tqdm
+
+    log.info("%s: %s ... (log: %s)", what, " ".join(cmd[:4]), logfile)
+    step: tuple[int, int] | None = None
+    bar = tqdm(desc=what, unit="step", disable=not (progress and sys.stderr.isatty()), leave=False)
+    with open(logfile, "a") as logf, bar:
         logf.write(f"$ {' '.join(cmd)}\n")
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
         assert proc.stdout
         for line in proc.stdout:
             logf.write(line)
-            if progress and line.startswith("[") and "/" in line.split("]", 1)[0]:
-                done, total = line[1:].split("]", 1)[0].split("/")
-                pct = 100 * int(done) // max(int(total), 1)
-                if pct >= last_pct + 10 or done == total:
-                    last_pct = pct
-                    _say(f"  {what} {pct}% ({done}/{total})")
+            step = ninja_step(line) or step
+            if step and not bar.disable:
+                if bar.total != step[1]:  # known from the first step; grows when CMake re-runs mid-build
+                    bar.total = step[1]
+                    bar.refresh()
+                bar.update(step[0] - bar.n)
         rc = proc.wait()
     if rc != 0:
-        tail = "".join(log.read_text().splitlines(keepends=True)[-25:])
-        raise EngineError(f"{what} failed (exit {rc}); the full log is {log}. Last lines:\n{tail}")
+        tail = "".join(logfile.read_text().splitlines(keepends=True)[-25:])
+        raise EngineError(f"{what} failed (exit {rc}); the full log is {logfile}. Last lines:\n{tail}")
+    if step:
+        log.info("%s: %d/%d steps", what, *step)
 
 
 def ensure_engine(
     lane: str = "cpu",
     *,
-    pin: upstream.Pin | None = None,
+    pin: Pin | None = None,
     ws: Path | None = None,
     worker_dir: Path | None = None,
     jobs: int | None = None,
     force: bool = False,
     pristine: bool = False,
     defines: dict[str, str] | None = None,
+    progress: bool = True,
 ) -> Path:
     """Build (or reuse) the engine library for `lane`; returns the library's path.
 
     `pristine=True` builds over the verified but unpatched tree (a reference build; pass the
     engine's own switch for that in `defines`, e.g. {"DGR_WITH_HOOKS": "OFF"}) into
     build/<lane>-pristine. `defines` are extra -D cache entries, part of the cached inputs.
+    `progress` shows a bar of Ninja's steps on a terminal.
     """
     if lane not in LANE_FLAGS:
         raise EngineError(f"unknown lane {lane!r}; lanes: {', '.join(LANE_FLAGS)}")
-    pin = pin or upstream.load_pin()
+    pin = pin or load_pin()
     worker_dir = Path(worker_dir) if worker_dir else WORKER_DIR
     if not (worker_dir / "CMakeLists.txt").exists():
         raise EngineError(f"{worker_dir}/CMakeLists.txt not found: the engine's CMake project is missing")
@@ -161,46 +183,47 @@ def ensure_engine(
     dirty = [] if pristine else upstream.local_changes(llama_src)
     if not force and not dirty and _up_to_date(stamp_path, lib, inputs):
         return lib
-    with upstream.locked(bdir.parent / f".{bdir.name}.lock"):
+    with locked(bdir.parent / f".{bdir.name}.lock"):
         if not force and not dirty and _up_to_date(stamp_path, lib, inputs):  # built meanwhile
             return lib
-        return _build(lane, bdir, lib, stamp_path, args, inputs, jobs, dirty, llama_src)
+        return _build(lane, bdir, lib, stamp_path, args, inputs, jobs, dirty, llama_src, progress)
 
 
 def _up_to_date(stamp_path: Path, lib: Path, inputs: dict[str, Any]) -> bool:
     if not (stamp_path.exists() and lib.exists()):
         return False
     stamp = json.loads(stamp_path.read_text())
-    return stamp.get("inputs") == inputs and stamp.get("library_blake3") == treehash.file_digest(lib)
+    return stamp.get("inputs") == inputs and stamp.get("library_blake3") == file_blake3(lib)
 
 
 def _build(lane: str, bdir: Path, lib: Path, stamp_path: Path, args: list[str], inputs: dict[str, Any],
-           jobs: int | None, dirty: list[str], llama_src: Path) -> Path:
+           jobs: int | None, dirty: list[str], llama_src: Path, progress: bool) -> Path:
     if dirty:
-        _say(f"{llama_src} has local changes ({', '.join(dirty[:3])}...): building them, not the pinned patches")
+        log.warning("%s has local changes (%s...): building them, not the pinned patches",
+                    llama_src, ", ".join(dirty[:3]))
     if not shutil.which("ccache"):
-        _say("ccache not found: rebuilds will recompile everything (apt-get install ccache)")
+        log.warning("ccache not found: rebuilds will recompile everything (apt-get install ccache)")
     bdir.mkdir(parents=True, exist_ok=True)
-    log = bdir / "dgr-build.log"
-    log.write_text("")
+    logfile = bdir / "dgr-build.log"
+    logfile.write_text("")
     stamp_path.unlink(missing_ok=True)
     t0 = time.monotonic()
     configured = bdir / "dgr-configure.json"
     if not (bdir / "build.ninja").exists() or not configured.exists() or json.loads(configured.read_text()) != args:
-        _run_logged(["cmake", *args], log, f"configure {lane}", progress=False)
+        _run_logged(["cmake", *args], logfile, f"configure {lane}", progress=False)
         configured.write_text(json.dumps(args))
     jobs = jobs or min(2, os.cpu_count() or 1)
     # ccache keys on paths relative to the workspace, so a second clone or workspace hits its cache.
     env = {"CCACHE_BASEDIR": str(bdir.parents[1]), **os.environ}
-    _run_logged(["cmake", "--build", str(bdir), "-j", str(jobs), "--target", TARGET], log,
-                f"build {lane}", progress=True, env=env)
+    _run_logged(["cmake", "--build", str(bdir), "-j", str(jobs), "--target", TARGET], logfile,
+                f"build {lane}", progress=progress, env=env)
     if not lib.exists():
         found = sorted(bdir.rglob(LIBRARY))
         where = f"; it was written to {found[0]}" if found else ""
         raise EngineError(f"the build did not produce {lib}{where}: worker/CMakeLists.txt must put target "
                           f"{TARGET} in the build folder's top level (LIBRARY_OUTPUT_DIRECTORY)")
     seconds = round(time.monotonic() - t0, 1)
-    stamp_path.write_text(json.dumps({"inputs": inputs, "library_blake3": treehash.file_digest(lib),
+    stamp_path.write_text(json.dumps({"inputs": inputs, "library_blake3": file_blake3(lib),
                                       "build_seconds": seconds}, indent=2) + "\n")
-    _say(f"engine ({lane}) built in {seconds}s: {lib}")
+    log.info("engine (%s) built in %ss: %s", lane, seconds, lib)
     return lib

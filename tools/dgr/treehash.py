@@ -3,7 +3,8 @@
 
 Every source named by the pin (PyPI sdist, GitHub archive, ...) must reproduce the pin's
 `tree_hash`. dgr, Bazel's repository rule and Nix all call this file, so it depends on the
-standard library and `blake3` only, and runs as a script:
+standard library, `blake3` and `dgr.hashing` only (imported from the source tree beside it when
+dgr is not installed), and runs as a script:
 
     python3 tools/dgr/treehash.py DIR                  # prints the tree hash
     python3 tools/dgr/treehash.py DIR --expect HASH    # exit 1 on mismatch (expected vs got)
@@ -33,14 +34,23 @@ the blake3 (hex) of the listing's UTF-8 bytes.
 
 from __future__ import annotations
 
-import argparse
 import os
-import stat
 import sys
-from pathlib import Path
-from typing import Callable, Iterable, NamedTuple
 
-import blake3
+if __name__ == "__main__" and not __package__:
+    # Run as a script (Bazel's repository rule, Nix), where dgr is not installed: import dgr.hashing
+    # from the source tree. The script's own folder leaves sys.path: it holds dgr's modules, whose
+    # names must not stand in for the standard library's.
+    _here = os.path.dirname(os.path.realpath(__file__))
+    sys.path[:] = [p for p in sys.path if os.path.realpath(p or ".") != _here]
+    sys.path.insert(0, os.path.dirname(_here))
+
+import argparse  # noqa: E402
+import stat  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Callable, Iterable, NamedTuple  # noqa: E402
+
+from dgr.hashing import bytes_blake3, file_blake3  # noqa: E402
 
 RULES_VERSION = 1
 
@@ -49,8 +59,6 @@ INCLUDE_DIRS = ("cmake", "common", "ggml", "include", "licenses", "src", "tools"
 EXCLUDE_PREFIXES = ("tools/ui/",)
 EXCLUDE_NAMES = ("__pycache__", ".DS_Store")
 EXCLUDE_SUFFIXES = (".md", ".pyc")
-
-_CHUNK = 1 << 20
 
 
 class Entry(NamedTuple):
@@ -82,14 +90,6 @@ def any_file(rel: str) -> bool:
     return not rel.endswith(EXCLUDE_SUFFIXES)
 
 
-def file_digest(path: Path) -> str:
-    h = blake3.blake3()
-    with open(path, "rb") as f:
-        while chunk := f.read(_CHUNK):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def listing(root: Path | str, select: Callable[[str], bool] = is_upstream_file) -> list[Entry]:
     """The canonical listing of the selected files under `root`, sorted by path bytes."""
     root = Path(root)
@@ -115,10 +115,11 @@ def listing(root: Path | str, select: Callable[[str], bool] = is_upstream_file) 
             full = os.path.join(dirpath, name)
             st = os.lstat(full)
             if stat.S_ISLNK(st.st_mode):
-                entries.append(Entry(rel, "l", blake3.blake3(os.readlink(full).encode()).hexdigest()))
+                entries.append(Entry(rel, "l", bytes_blake3(os.readlink(full).encode())))
             elif stat.S_ISREG(st.st_mode):
                 mode = "x" if st.st_mode & 0o111 else "-"
-                entries.append(Entry(rel, mode, file_digest(Path(full))))
+                # Sources are small and many: one thread each (a thread pool per file costs more).
+                entries.append(Entry(rel, mode, file_blake3(full, threads=False)))
             else:
                 raise ValueError(f"{full}: not a regular file or symlink; a source tree holds only those")
     entries.sort(key=lambda e: e.path.encode())
@@ -135,7 +136,7 @@ def listing_text(entries: Iterable[Entry]) -> str:
 
 
 def hash_listing(entries: Iterable[Entry]) -> str:
-    return blake3.blake3(listing_text(entries).encode()).hexdigest()
+    return bytes_blake3(listing_text(entries).encode())
 
 
 def tree_hash(root: Path | str, select: Callable[[str], bool] = is_upstream_file) -> str:
@@ -209,7 +210,7 @@ def explain(listing_file: Path, expected_hash: str, entries: list[Entry]) -> str
         text = Path(listing_file).read_text()
     except OSError as err:
         return f"(listing unreadable: {err})"
-    if blake3.blake3(text.encode()).hexdigest() != expected_hash:
+    if bytes_blake3(text.encode()) != expected_hash:
         return f"(listing {listing_file} is not the expected tree's listing; cannot name the file)"
     diff = first_difference(parse_listing(text), entries)
     return f"first difference: {diff}" if diff else "(no file differs?)"

@@ -1,4 +1,7 @@
-"""`dgr` subcommands of the upstream area: `dgr upstream ...` and `dgr build-engine`."""
+"""`dgr` subcommands of the upstream area: `dgr upstream ...` and `dgr build-engine` (parse, call, print).
+
+The work is in dgr.upstream (fetch, verify, patch, status), dgr.pin and dgr.enginebuild.
+"""
 
 from __future__ import annotations
 
@@ -20,7 +23,7 @@ def _verify(args) -> int:
     upstream.check_patch_list(pin)
     print(f"verified: llama.cpp {pin.commit} tree hash {got}; patch list matches {upstream.PATCH_DIR_REL}/")
     patched = upstream.layout(pin).patched
-    changes = upstream.local_changes(patched) if patched.is_dir() else []
+    changes = upstream.local_changes(patched)  # [] when the tree is not made yet
     if changes:
         print(f"note: {patched} has local edits, not in the patches: {', '.join(changes[:10])}")
     return 0

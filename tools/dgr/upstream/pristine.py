@@ -1,0 +1,122 @@
+"""The pristine tree: fetched from the first pinned source that works, verified against the pin's tree hash."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+from dgr import treehash
+from dgr.errors import UpstreamError
+from dgr.locks import locked
+from dgr.log import get_logger
+from dgr.pin import Pin, load_pin
+from dgr.upstream.extract import extract
+from dgr.upstream.layout import Layout, layout
+from dgr.upstream.sources import fetch_archive
+
+log = get_logger(__name__)
+
+
+def require_tree_hash(pin: Pin) -> str:
+    """The pin's tree hash, or an error saying how to compute it."""
+    if not pin.tree_hash:
+        raise UpstreamError(
+            f"{pin.path}: tree_hash is null; compute it from a trusted copy with "
+            "`python3 tools/dgr/treehash.py DIR` and write it into the pin (docs/upstream.md, 'Updating the pin')"
+        )
+    return pin.tree_hash
+
+
+def explain_tree(pin: Pin, entries: list[treehash.Entry], fallback: Path | None = None) -> str:
+    """Name the first file of `entries` that differs from the pinned tree, when a listing says."""
+    listings = ([pin.root / pin.tree_listing] if pin.tree_listing else []) + ([fallback] if fallback else [])
+    for listing in listings:
+        if listing.exists() and pin.tree_hash:
+            return treehash.explain(listing, pin.tree_hash, entries)
+    return "(no listing of the pinned tree to name the file)"
+
+
+def fetch(pin: Pin | None = None, ws: Path | None = None) -> Path:
+    """Fetch and verify the pristine tree (no-op when present). Returns upstream/src-<commit>/."""
+    pin = pin or load_pin()
+    lay = layout(pin, ws)
+    if _fetched(pin, lay):
+        return lay.pristine
+    with locked(lay.upstream / ".fetch.lock"):
+        return _fetch_locked(pin, lay)
+
+
+def _fetched(pin: Pin, lay: Layout) -> bool:
+    """A pristine tree is there, verified against this pin's tree hash when it was fetched."""
+    if not (lay.pristine.is_dir() and lay.pristine_meta.exists()):
+        return False
+    return json.loads(lay.pristine_meta.read_text()).get("tree_hash") == pin.tree_hash
+
+
+def _fetch_locked(pin: Pin, lay: Layout) -> Path:
+    if _fetched(pin, lay):  # another process just made it
+        return lay.pristine
+    expected = require_tree_hash(pin)
+    lay.upstream.mkdir(parents=True, exist_ok=True)
+    lay.pristine_meta.unlink(missing_ok=True)
+    failures = []
+    for src in pin.sources:
+        t0 = time.monotonic()
+        try:
+            archive = fetch_archive(src, lay.downloads / src.download_name(pin.commit))
+        except UpstreamError as err:
+            failures.append(str(err))
+            log.warning("source failed: %s", err)
+            continue
+        tmp = Path(tempfile.mkdtemp(dir=lay.upstream, prefix=f".src-{pin.commit[:12]}-"))
+        try:
+            try:
+                n = extract(archive, src.strip_prefix, tmp)
+            except UpstreamError as err:
+                failures.append(str(err))
+                log.warning("source failed: %s", err)
+                continue
+            entries = treehash.listing(tmp)
+            got = treehash.hash_listing(entries)
+            if got != expected:
+                failures.append(f"{src.describe()}: tree hash {got} does not match the pin's {expected}; "
+                                + explain_tree(pin, entries))
+                log.warning("source failed: %s", failures[-1])
+                continue
+            if lay.pristine.exists():
+                shutil.rmtree(lay.pristine)
+            os.replace(tmp, lay.pristine)
+        finally:
+            if tmp.exists():
+                shutil.rmtree(tmp)
+        lay.pristine_listing.write_text(treehash.listing_text(entries))
+        meta = {"commit": pin.commit, "source": src.describe(), "archive": archive.name,
+                "sha256": src.sha256, "tree_hash": got, "files": n,
+                "fetch_seconds": round(time.monotonic() - t0, 1)}
+        lay.pristine_meta.write_text(json.dumps(meta, indent=2) + "\n")
+        log.info("llama.cpp %s from %s: %d files, tree hash verified", pin.commit[:12], src.describe(), n)
+        return lay.pristine
+    raise UpstreamError(
+        f"could not fetch llama.cpp {pin.commit} from any source in {pin.path}:\n  "
+        + "\n  ".join(failures)
+    )
+
+
+def verify(pin: Pin | None = None, ws: Path | None = None) -> str:
+    """Recompute the pristine tree's hash; raise naming the first differing file. Returns the hash."""
+    pin = pin or load_pin()
+    lay = layout(pin, ws)
+    expected = require_tree_hash(pin)
+    if not lay.pristine.is_dir():
+        raise UpstreamError(f"{lay.pristine}: not fetched; run `dgr upstream fetch`")
+    entries = treehash.listing(lay.pristine)
+    got = treehash.hash_listing(entries)
+    if got != expected:
+        msg = f"{lay.pristine}: tree hash {got} does not match the pin's {expected}; "
+        msg += explain_tree(pin, entries, fallback=lay.pristine_listing)
+        raise UpstreamError(msg + "; delete the folder and run `dgr upstream fetch` to restore it")
+    return got
