@@ -8,7 +8,7 @@ import pytest
 
 from dgr.cli import main
 from dgr.engine import Engine
-from test_engine_support import make_bundle, synth_model
+from support.engine import make_bundle, synth_model
 
 pytestmark = pytest.mark.engine
 

@@ -11,7 +11,7 @@ import gguf
 import pytest
 
 from dgr.parity import Schedule
-from test_engine_support import assert_split_bundle_exact, baseline_and_split, long_prompts, make_bundle, synth_model
+from support.engine import assert_split_bundle_exact, baseline_and_split, long_prompts, make_bundle, synth_model
 
 pytestmark = pytest.mark.engine
 
@@ -63,7 +63,7 @@ def test_deepseek2_perturbed_boundary_fails_parity(model, engine_lib, tmp_path):
 
 def test_dgr_recipe_build_makes_a_deepseek2_bundle(model, tmp_path):
     from dgr.cli import main
-    from test_engine_support import b3
+    from support.engine import b3
 
     r = tmp_path / "r" / "recipe.toml"
     r.parent.mkdir()

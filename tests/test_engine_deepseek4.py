@@ -11,7 +11,7 @@ from dgr.engine import Engine
 from dgr.engine_api import Step
 from dgr.errors import SchemaMismatch
 from dgr.parity import Schedule
-from test_engine_support import baseline_and_split, make_bundle
+from support.engine import baseline_and_split, make_bundle
 
 pytestmark = pytest.mark.engine
 
@@ -94,3 +94,14 @@ def test_deepseek4_whole_file_with_range_overrides(v4, engine_lib):
     assert c.exact, c
     with Engine.open(v4, layer_range=(2, 4), n_ctx=64, max_sessions=1, lib=engine_lib) as e:
         assert e.describe().needs_token_ids
+
+
+def test_engine_and_python_apply_one_sideband_rule(v4, engine_lib):
+    """worker/engine/dgr_contract.h's rule (range overrides of a whole file) is dgr.contract's, at every
+    start: inside the hash layers (1, 2), at their end (3) and past it, and never on the first stage."""
+    from dgr.contract import needs_token_ids
+
+    for begin in range(6):
+        with Engine.open(v4, layer_range=(begin, 6), n_ctx=64, max_sessions=1, lib=engine_lib) as e:
+            assert e.describe().needs_token_ids == needs_token_ids(begin, 3), begin
+    assert [needs_token_ids(b, 3) for b in range(6)] == [False, True, True, False, False, False]

@@ -8,7 +8,7 @@ import pytest
 from dgr.engine import Engine
 from dgr.engine_api import Step
 from dgr.errors import CacheMiss, EngineError, SchemaMismatch
-from test_engine_support import make_bundle, rewrite_gguf, synth_model
+from support.engine import make_bundle, rewrite_gguf, synth_model
 
 pytestmark = pytest.mark.engine
 

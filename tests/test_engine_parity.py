@@ -10,7 +10,8 @@ from __future__ import annotations
 import pytest
 
 from dgr.parity import Schedule
-from test_engine_support import assert_split_bundle_exact, baseline_and_split, long_prompts, make_bundle, synth_model
+from support.engine import (alone_and_shared, assert_split_bundle_exact, baseline_and_split, long_prompts,
+                            make_bundle, synth_model)
 
 pytestmark = pytest.mark.engine
 
@@ -113,35 +114,6 @@ def test_continuous_batching_sessions_at_different_phases(arch, models, engine_l
             assert r.tobytes() == g.tobytes(), f"batch {i}, step {k} differs"
 
 
-
-def _alone_and_shared(path, lib, a, b, steps=4):
-    """Session a's logits per forward, run alone and with session b in every batch."""
-    import numpy as np
-
-    from dgr.engine import Engine
-    from dgr.engine_api import Step
-
-    def run(with_b: bool):
-        with Engine.open(path, n_ctx=96, max_sessions=2, n_ubatch=16, lib=lib) as e:
-            e.open_session("a", 0)
-            e.open_session("b", 0)
-            batch = [Step("a", 0, np.arange(len(a), dtype=np.int32), token_ids=np.array(a), want_logits="all")]
-            if with_b:
-                batch.append(Step("b", 0, np.arange(len(b), dtype=np.int32), token_ids=np.array(b)))
-            r = e.forward(batch)
-            out, ta, tb = [r[0].logits], r[0].next_token, r[-1].next_token
-            for t in range(steps):
-                batch = [Step("a", 0, np.array([len(a) + t], np.int32), token_ids=np.array([ta]))]
-                if with_b:
-                    batch.append(Step("b", 0, np.array([len(b) + t], np.int32), token_ids=np.array([tb])))
-                r = e.forward(batch)
-                out.append(r[0].logits)
-                ta, tb = r[0].next_token, r[-1].next_token
-            return out
-
-    return run(False), run(True)
-
-
 @pytest.mark.parametrize("arch", ARCHS)
 def test_sharing_batches_keeps_a_session_close_but_not_bitwise_for_f32(arch, models, engine_lib):
     """A fact the wire relies on, measured: a session's logits with another session in its batches
@@ -152,7 +124,7 @@ def test_sharing_batches_keeps_a_session_close_but_not_bitwise_for_f32(arch, mod
     import numpy as np
 
     a, b = long_prompts(256, lengths=(37, 45))
-    alone, shared = _alone_and_shared(models[arch], engine_lib, a, b)
+    alone, shared = alone_and_shared(models[arch], engine_lib, a, b)
     for i, (x, y) in enumerate(zip(alone, shared)):
         assert np.allclose(x, y, rtol=0, atol=1e-3), f"{arch}: forward {i} max diff {np.abs(x - y).max()}"
         assert (x.argmax(-1) == y.argmax(-1)).all()

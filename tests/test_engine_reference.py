@@ -10,7 +10,7 @@ import pytest
 from dgr.engine import Engine
 from dgr.errors import EngineError
 from dgr.parity import Schedule, open_stages, run_pipeline
-from test_engine_support import long_prompts, synth_model
+from support.engine import long_prompts, synth_model
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 

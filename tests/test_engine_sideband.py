@@ -11,7 +11,7 @@ from dgr.engine import Engine
 from dgr.engine_api import Step
 from dgr.errors import SchemaMismatch
 from dgr.parity import Schedule
-from test_engine_support import baseline_and_split, long_prompts, make_bundle, rewrite_gguf, synth_model
+from support.engine import baseline_and_split, long_prompts, make_bundle, rewrite_gguf, synth_model
 
 pytestmark = pytest.mark.engine
 

@@ -8,7 +8,7 @@ import pytest
 
 from dgr.engine import Engine
 from dgr.parity import Schedule
-from test_engine_support import baseline_and_split, make_bundle
+from support.engine import alone_and_shared, baseline_and_split, make_bundle
 
 pytestmark = pytest.mark.engine
 
@@ -80,11 +80,9 @@ def test_range_override_loads_only_owned_tensors_of_a_whole_file(smollm2_gguf, e
 def test_smollm2_session_is_bit_identical_alone_or_sharing_batches(smollm2_gguf, engine_lib):
     """With SmolLM2's Q4_1 weights (quantized dot products, per row), a session computes the same bits
     whether or not another session shares its batches: concurrent sessions are exact here."""
-    from test_engine_parity import _alone_and_shared
-
     with Engine.open(smollm2_gguf, n_ctx=64, max_sessions=1, lib=engine_lib) as e:
         a = e.tokenize("The capital of France is")
         b = e.tokenize("Once upon a time, there was a little dragon who lived in")
-    alone, shared = _alone_and_shared(smollm2_gguf, engine_lib, a, b, steps=5)
+    alone, shared = alone_and_shared(smollm2_gguf, engine_lib, a, b, steps=5)
     for i, (x, y) in enumerate(zip(alone, shared)):
         assert x.tobytes() == y.tobytes(), f"forward {i} differs"

@@ -2,8 +2,8 @@
 
 The requirements checked here are the ones `src/models/deepseek4.cpp` of the pin enforces when it loads
 a file (see the module docstring of dgr.synth_deepseek4). Loading in llama.cpp itself is exercised by
-the engine tests; `test_llama_runs_it` does it here too when DGR_LLAMA_BIN names a folder with an
-(unpatched) `llama-simple`.
+the engine tests; `test_llama_runs_it` does it here too through llama.cpp's own generation path
+(`llama-simple`, built from the engine's CMake tree, or $DGR_LLAMA_BIN's).
 """
 
 from __future__ import annotations
@@ -215,23 +215,11 @@ def test_v4_shaped_file(v4shape):
     assert [n for n in t if ".nextn." in n and not n.startswith("blk.43.")] == []
 
 
-def _pinned_source() -> Path | None:
-    """The pinned llama.cpp source when `dgr upstream fetch` has run (or DGR_LLAMA_SRC names one)."""
+def test_tensor_names_exist_in_pinned_llama_arch(tiny, request):
+    # $DGR_LLAMA_SRC, else the pinned tree (fetched and patched on demand; the patches leave
+    # llama-arch.cpp as it is, so its names are the pin's)
     env = os.environ.get("DGR_LLAMA_SRC")
-    if env:
-        return Path(env)
-    try:
-        from dgr import upstream
-        src = upstream.layout(upstream.load_pin()).pristine
-    except Exception:  # noqa: BLE001 - no pin or workspace yet: nothing to compare with
-        return None
-    return src if src.is_dir() else None
-
-
-def test_tensor_names_exist_in_pinned_llama_arch(tiny):
-    src = _pinned_source()
-    if src is None or not (src / "src/llama-arch.cpp").is_file():
-        pytest.skip("pinned llama.cpp source not fetched (dgr upstream fetch, or set DGR_LLAMA_SRC)")
+    src = Path(env) if env else request.getfixturevalue("llama_src")
     text = (src / "src/llama-arch.cpp").read_text()
     known = set(re.findall(r'"blk\.%d\.([A-Za-z0-9_.]+)"', text)) | set(re.findall(r'"([a-z_]+)"', text))
     for t in GGUFReader(tiny).tensors:
@@ -240,12 +228,16 @@ def test_tensor_names_exist_in_pinned_llama_arch(tiny):
         assert (m.group(1) if m else stem) in known, f"{t.name} is not a tensor name of the pinned llama.cpp"
 
 
-def test_llama_runs_it(tiny):
-    bindir = os.environ.get("DGR_LLAMA_BIN")
-    if not bindir or not (Path(bindir) / "llama-simple").exists():
-        pytest.skip("set DGR_LLAMA_BIN to a folder with the pinned llama.cpp's llama-simple")
+@pytest.fixture(scope="module")
+def llama_simple_bin() -> Path:
+    from support.llama_simple import llama_simple
+
+    return llama_simple()
+
+
+def test_llama_runs_it(tiny, llama_simple_bin):
     prompt = "hello world " * 30  # > 128 tokens, so the 128-compressed attention commits a block
-    out = subprocess.run([str(Path(bindir) / "llama-simple"), "-m", str(tiny), "-n", "8", prompt],
+    out = subprocess.run([str(llama_simple_bin), "-m", str(tiny), "-n", "8", prompt],
                          capture_output=True, timeout=120)
     assert out.returncode == 0, out.stderr.decode(errors="replace")[-2000:]
     assert out.stdout.startswith(prompt.encode())  # the prompt, then up to 8 (random) generated tokens

@@ -10,8 +10,10 @@ load("@rules_python//python:defs.bzl", "py_binary", "py_test")
 load("//toolchains:lanes.bzl", "LANES", "lane_select")
 
 def dgr_py_tests(srcs, lane = "cpu", data = [], slow = [], tags = [], cmake_engine = []):
-    """`cmake_engine`: tests that compare the engine with another CMake build of it (same flags on
-    both sides), so they keep dgr's own CMake build rather than the Bazel one."""
+    """`slow`: tests that get the eternal timeout (those of pytest's `slow` marker that run long under
+    Bazel too). `cmake_engine`: tests that compare the engine with another CMake build of it (same
+    flags on both sides), so they keep dgr's own CMake build rather than the Bazel one. A test file
+    that collects no tests fails (the launcher keeps pytest's exit 5); helpers go in `data`."""
     engine = "//worker/engine:libdgr_engine_%s.so" % lane
     for src in srcs:
         name = src[:-len(".py")]

@@ -1,4 +1,4 @@
-"""Whole-model baselines and split-run parity over the real engine.
+"""Whole-model baselines and split-run parity over the real engine: run, compare, judge.
 
 A *schedule* fixes what is computed: the prompts (one session each), the number of greedy decode steps
 and the physical batch size. `run_pipeline` runs a schedule through a list of engines in one process,
@@ -7,12 +7,14 @@ forward batch, prefill in one step, then one token per session per step. Decode 
 baseline's greedy tokens (teacher forcing), so every step is compared even after a divergence.
 
 The baseline is the whole model through the same library with no range (plain llama.cpp path, no
-stage code); parity is exact when every logit is bit-for-bit equal (DESIGN.md section 4).
+stage code); parity is exact when every logit is bit-for-bit equal (docs/engine.md). `dgr baseline` and
+`dgr parity` (dgr.commands.engine) only parse arguments and print what this module decides.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,6 +26,9 @@ from dgr.engine_api import Step
 from dgr.errors import DgrError, EngineError
 
 DEFAULT_PROMPT = "The quick brown fox jumps over the lazy dog. Once upon a time, in a land far away,"
+DEFAULT_STEPS = 8          # greedy decode steps per session
+DEFAULT_N_UBATCH = 512     # physical batch size (llama.cpp's default)
+TOKENIZER_N_CTX = 64       # an engine opened only to tokenize prompts needs no real context
 
 
 class ParityError(DgrError):
@@ -35,8 +40,8 @@ class ParityError(DgrError):
 @dataclass
 class Schedule:
     prompts: list[list[int]]                 # token ids per session
-    steps: int = 8                           # greedy decode steps per session
-    n_ubatch: int = 512
+    steps: int = DEFAULT_STEPS               # greedy decode steps per session
+    n_ubatch: int = DEFAULT_N_UBATCH
     forced: list[list[int]] | None = None    # decode inputs per session (None: the run's own greedy tokens)
 
 
@@ -48,6 +53,37 @@ class RunResult:
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
     boundary_bytes: list[int] = field(default_factory=list)  # per seam, bytes that crossed it
+
+
+def ctx_for(prompts: list[list[int]], steps: int) -> int:
+    """Positions each session needs to run a schedule: its longest prompt and every step, with room."""
+    return max(64, max(len(p) for p in prompts) + steps + 8)
+
+
+def open_tokenizer(model: str | Path, lib: str | Path | None = None) -> Engine:
+    """A small engine over `model` to tokenize prompts with (the same model and library as the run)."""
+    return Engine.open(model, n_ctx=TOKENIZER_N_CTX, max_sessions=1, lib=lib)
+
+
+def make_schedule(engine: Engine, texts: list[str] | None, steps: int = DEFAULT_STEPS,
+                  n_ubatch: int = DEFAULT_N_UBATCH) -> Schedule:
+    """One session per prompt text (default: DEFAULT_PROMPT), tokenized by `engine` with specials."""
+    if steps < 0:
+        raise DgrError(f"--steps must be >= 0, got {steps}")
+    texts = texts or [DEFAULT_PROMPT]
+    prompts = [engine.tokenize(t, add_special=True) for t in texts]
+    for t, p in zip(texts, prompts):
+        if not p:
+            raise DgrError(f"prompt {t!r} tokenizes to nothing; give a longer prompt")
+    return Schedule(prompts=prompts, steps=steps, n_ubatch=n_ubatch)
+
+
+def parse_ranges(text: str) -> list[tuple[int, int]]:
+    """`0:10,10:30` -> [(0, 10), (10, 30)]."""
+    try:
+        return [tuple(int(x) for x in r.split(":")) for r in text.split(",")]  # type: ignore[misc]
+    except ValueError:
+        raise DgrError(f"--ranges {text!r}: write begin:end pairs separated by commas, e.g. 0:10,10:30") from None
 
 
 def open_stages(paths: list[Path], *, n_ubatch: int, n_ctx: int, max_sessions: int,
@@ -143,7 +179,58 @@ def run_pipeline(engines: list[Engine], sched: Schedule, *,
                      generated=gen, prefill_seconds=t1 - t0, decode_seconds=t2 - t1, boundary_bytes=seam[:-1])
 
 
+def run_baseline(model: str | Path, sched: Schedule, lib: str | Path | None = None, n_threads: int = 0,
+                 kv_dtype: str = "f16") -> RunResult:
+    """`sched` through the whole model alone (no range: llama.cpp's plain path)."""
+    [eng] = open_stages([Path(model)], n_ubatch=sched.n_ubatch, n_ctx=ctx_for(sched.prompts, sched.steps),
+                        max_sessions=len(sched.prompts), lib=lib, n_threads=n_threads, kv_dtype=kv_dtype)
+    try:
+        info = eng.describe()
+        if info.layer_begin != 0 or info.layer_end != info.n_layer:
+            raise DgrError(f"{model} is a stage file (layers [{info.layer_begin}, {info.layer_end})); "
+                           "a baseline needs the whole model")
+        return run_pipeline([eng], sched)
+    finally:
+        eng.close()
+
+
+def token_counts(sched: Schedule) -> tuple[int, int]:
+    """(prefill tokens, decode tokens) of a schedule, over all its sessions."""
+    return sum(len(p) for p in sched.prompts), sched.steps * len(sched.prompts)
+
+
+def throughput(sched: Schedule, res: RunResult) -> tuple[float, float]:
+    """(prefill, decode) tokens per second of a run of `sched`."""
+    n_pre, n_dec = token_counts(sched)
+    return n_pre / max(res.prefill_seconds, 1e-9), n_dec / max(res.decode_seconds, 1e-9)
+
+
+def perturbation(stage: int, n_stages: int) -> tuple[int, int, int, float]:
+    """The negative control `run_pipeline(perturb=...)` takes: +1.0 on the first value of `stage`'s output
+    boundary in session 0. A visible change: quantized matmuls round activations to 8 bits per block,
+    so a tiny perturbation can vanish there and prove nothing."""
+    if not 0 <= stage < n_stages - 1:
+        raise DgrError(f"--perturb-boundary must name a non-last stage, 0..{n_stages - 2}")
+    return (stage, 0, 0, 1.0)
+
+
 # ------------------------------------------------------------------ baseline files
+
+def baseline_meta(model: str | Path, sched: Schedule, res: RunResult, kv_dtype: str, device: str) -> dict:
+    """What a baseline file records beside the logits: the model, its run's size and speed, the KV type."""
+    n_pre, n_dec = token_counts(sched)
+    return {"model": str(model), "prefill_tokens": n_pre, "decode_tokens": n_dec, "kv_dtype": kv_dtype,
+            "device": device, "prefill_seconds": res.prefill_seconds, "decode_seconds": res.decode_seconds}
+
+
+def baseline_kv_dtype(path: str | Path, meta: dict, requested: str | None) -> str:
+    """The KV cache type to compare a baseline with: the one it was made with (like with like)."""
+    made = meta.get("kv_dtype", "f16")
+    if requested and requested != made:
+        raise DgrError(f"{path} was made with a {made} KV cache; compare like with like "
+                       f"(drop --kv-dtype, or make the baseline with --kv-dtype {requested})")
+    return made
+
 
 def save_baseline(path: str | Path, sched: Schedule, res: RunResult, meta: dict) -> Path:
     path = Path(path)
@@ -188,6 +275,31 @@ class Comparison:
     @property
     def exact(self) -> bool:
         return self.max_abs_diff == 0.0 and self.first_diverging is None
+
+    def diverging_text(self) -> str:
+        if self.first_diverging is None:
+            return "none"
+        return "yes (session %d, %s, position %d)" % self.first_diverging
+
+
+def largest_logit(res: RunResult) -> float:
+    """The largest |logit| of a run: the scale a difference is read against."""
+    return max(float(abs(x).max()) for x in [*res.prefill_logits, *res.decode_logits] if x.size)
+
+
+def verdict(c: Comparison, tolerance: float = 0.0) -> str:
+    """"EXACT", or "WITHIN TOLERANCE (...)" when `tolerance` > 0 allows the difference; ParityError otherwise.
+    A NaN difference never passes."""
+    if tolerance < 0:
+        raise DgrError(f"--tolerance must be >= 0, got {tolerance:g}")
+    if c.exact:
+        return "EXACT"
+    if tolerance > 0 and c.max_abs_diff <= tolerance:  # NaN compares false: fails
+        return f"WITHIN TOLERANCE (max abs {c.max_abs_diff:g} <= {tolerance:g})"
+    why = "NaN in the logits" if math.isnan(c.max_abs_diff) else f"max abs {c.max_abs_diff:g}"
+    if tolerance > 0:
+        why += f" > tolerance {tolerance:g}"
+    raise ParityError(f"parity FAILED: the split run differs from the whole model ({why})")
 
 
 def compare(base: RunResult, run: RunResult) -> Comparison:

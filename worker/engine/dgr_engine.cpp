@@ -1,9 +1,14 @@
-// The ShardEngine: the C ABI of dgr_engine.h over (patched) llama.cpp's public API.
-// Only public llama.cpp API is used here, so the same file also builds over the unpatched tree
-// (DGR_WITH_HOOKS=0), which is how the patched library is checked to compute the whole model
-// byte-identically.
+// The ShardEngine: the C ABI of dgr_engine.h over (patched) llama.cpp.
+// Loading, sessions and forward use only llama.cpp's public API (llama.h, gguf.h), so the same file
+// also builds over the unpatched tree (DGR_WITH_HOOKS=0), which is how the patched library is checked
+// to compute the whole model byte-identically. One exception, at the end of this file: the memory
+// report reads two internal headers of the same tree (llama-ext.h, llama-model.h), because the pinned
+// public API has no per-buffer breakdown of weights, KV cache and compute, nor which device holds the
+// weights. Each build reads them from its own tree (the patches leave both files as they are; only
+// llama_hparams, which llama-model.h includes, gains the range), and the report only reads: nothing
+// computed depends on it.
 #include "dgr_engine.h"
-#include "dgr_keys.h"
+#include "dgr_contract.h"
 
 #include "ggml.h"
 #include "ggml-backend.h"
@@ -217,7 +222,7 @@ void check_stage_file(const std::string & path, const file_facts & f) {
         throw dgr_exc(DGR_E_ARTIFACT, fmt("%s: %s = %lld but %s.block_count (less MTP blocks) = %lld",
                 p, DGR_KEY_LAYER_TOTAL, (long long) f.total, f.arch.c_str(), (long long) f.n_layer));
     }
-    if (f.begin < 0 || f.begin >= f.end || f.end > f.total) {
+    if (!dgr_range_valid(f.begin, f.end, f.total)) {
         throw dgr_exc(DGR_E_ARTIFACT, fmt("%s: layer range [%lld, %lld) is not inside [0, %lld)",
                 p, (long long) f.begin, (long long) f.end, (long long) f.total));
     }
@@ -269,7 +274,7 @@ struct dgr_engine {
         if (model) llama_model_free(model);
     }
 
-    int32_t width() const { return info.n_streams * info.n_embd; }
+    int32_t width() const { return (int32_t) dgr_boundary_width(info.n_streams, info.n_embd); }
 };
 
 extern "C" {
@@ -314,7 +319,7 @@ int32_t dgr_engine_open(const char * path_c, const dgr_open_params * params, dgr
             begin = f.begin; end = f.end;
         } else if (override_range) {
             begin = params->layer_begin; end = params->layer_end;
-            if (begin < 0 || begin >= end || end > f.n_layer) {
+            if (!dgr_range_valid(begin, end, f.n_layer)) {
                 throw dgr_exc(DGR_E_ENGINE, fmt("layer range [%lld, %lld) is not inside [0, %lld) of %s",
                         (long long) begin, (long long) end, (long long) f.n_layer, path.c_str()));
             }
@@ -341,7 +346,7 @@ int32_t dgr_engine_open(const char * path_c, const dgr_open_params * params, dgr
             add(DGR_KEY_LAYER_TOTAL, f.n_layer);
             add(DGR_KEY_BOUNDARY_N_STREAMS, f.n_streams);
             // what a bundle would write: the ids ride along into a stage that starts among the hash layers
-            f.token_ids = begin > 0 && begin < f.hash_layers;
+            f.token_ids = dgr_needs_token_ids(begin, f.hash_layers);
             llama_model_kv_override o {};
             o.tag = LLAMA_KV_OVERRIDE_TYPE_BOOL;
             snprintf(o.key, sizeof(o.key), "%s", DGR_KEY_BOUNDARY_TOKEN_IDS);
@@ -366,7 +371,7 @@ int32_t dgr_engine_open(const char * path_c, const dgr_open_params * params, dgr
         const bool is_first = begin == 0;
         const bool is_last  = end == f.n_layer;
         const int32_t max_sessions = std::max(1, params->max_sessions);
-        int32_t n_ctx_seq = params->n_ctx > 0 ? params->n_ctx : 4096;
+        int32_t n_ctx_seq = params->n_ctx > 0 ? params->n_ctx : DGR_DEFAULT_N_CTX;
         const int32_t n_ctx_train = llama_model_n_ctx_train(eng->model);
         if (n_ctx_train > 0) {
             n_ctx_seq = std::min(n_ctx_seq, n_ctx_train);
@@ -404,7 +409,7 @@ int32_t dgr_engine_open(const char * path_c, const dgr_open_params * params, dgr
         in.n_vocab     = llama_vocab_n_tokens(eng->vocab);
         in.is_first    = is_first;
         in.is_last     = is_last;
-        in.needs_token_ids = !is_first && f.token_ids;
+        in.needs_token_ids = dgr_takes_token_ids(begin, f.token_ids);
         in.has_vocab   = in.n_vocab > 0;
         in.n_ctx       = n_ctx_seq;
         in.max_sessions = max_sessions;
@@ -670,7 +675,9 @@ int32_t dgr_detokenize(dgr_engine * eng, const int32_t * ids, int32_t n_ids, cha
 
 } // extern "C"
 
-// memory report: llama-ext.h's breakdown (C++ API of the same library) and the model's own tensors
+// memory report: llama-ext.h's breakdown (C++ API of the same library) and the model's own tensors.
+// Internal headers (see the top of this file): the public API has neither the per-buffer breakdown
+// nor the tensors' buffers; replace these when llama.h gains them.
 #include "llama-ext.h"
 #include "llama-model.h"
 

@@ -1,6 +1,6 @@
 // Layer-range ownership: the logic behind the call sites the patch stack inserts (see dgr_hooks.h).
 #include "dgr_hooks.h"
-#include "dgr_keys.h"
+#include "dgr_contract.h"
 
 #include "llama-arch.h"
 #include "llama-graph.h"
@@ -139,7 +139,7 @@ void dgr_load_range(llama_model_loader & ml, int arch, llama_hparams & hp) {
         throw std::runtime_error(format("dgr: %s = %lld but the model has %lld layers (%s)",
                 DGR_KEY_LAYER_TOTAL, (long long) total, (long long) n_layer, "block_count"));
     }
-    if (begin < 0 || begin >= end || end > n_layer) {
+    if (!dgr_range_valid(begin, end, n_layer)) {
         throw std::runtime_error(format("dgr: layer range [%lld, %lld) is not inside [0, %lld)",
                 (long long) begin, (long long) end, (long long) n_layer));
     }
@@ -165,7 +165,7 @@ void dgr_load_range(llama_model_loader & ml, int arch, llama_hparams & hp) {
     hp.dgr.begin     = (int32_t) begin;
     hp.dgr.end       = (int32_t) end;
     hp.dgr.n_streams = (uint32_t) n_streams;
-    hp.dgr.token_ids = token_ids && begin > 0;
+    hp.dgr.token_ids = dgr_takes_token_ids(begin, token_ids);
     LLAMA_LOG_INFO("dgr: this model owns layers [%d, %d) of %lld (first = %d, last = %d)\n",
             hp.dgr.begin, hp.dgr.end, (long long) n_layer, dgr_is_first(hp), dgr_is_last(hp));
 }
@@ -210,7 +210,7 @@ bool dgr_tensor_owned(const llama_hparams & hp, const LLM_TN_IMPL & tn, int flag
 }
 
 ggml_tensor * dgr_build_inp_boundary(const llm_graph_context & g) {
-    const int64_t width = (int64_t) g.hparams.n_embd * g.hparams.dgr.n_streams;
+    const int64_t width = dgr_boundary_width(g.hparams.dgr.n_streams, g.hparams.n_embd);
 
     auto inp = std::make_unique<dgr_graph_input_boundary>(width);
     inp->embd = ggml_new_tensor_2d(g.ctx0, GGML_TYPE_F32, width, g.n_tokens);

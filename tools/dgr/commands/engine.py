@@ -1,9 +1,11 @@
-"""`dgr` subcommands of the engine area: baseline (whole model) and parity (split vs whole)."""
+"""`dgr` subcommands of the engine area: baseline (whole model) and parity (split vs whole).
+
+Parsing and printing only: what runs and what passes is dgr.parity's.
+"""
 
 from __future__ import annotations
 
 import argparse
-import math
 from pathlib import Path
 
 from dgr.errors import DgrError
@@ -31,12 +33,13 @@ def register(sub) -> None:
 
 
 def _schedule_args(p: argparse.ArgumentParser) -> None:
-    from dgr.parity import DEFAULT_PROMPT
+    from dgr.parity import DEFAULT_N_UBATCH, DEFAULT_PROMPT, DEFAULT_STEPS
 
     p.add_argument("--prompt", action="append", help=f"prompt text; repeat for several sessions sharing each batch "
                    f"(default: {DEFAULT_PROMPT[:30]!r}...)")
-    p.add_argument("--steps", type=int, default=8, help="greedy decode steps (default 8)")
-    p.add_argument("--n-ubatch", type=int, default=512, help="physical batch size (default 512)")
+    p.add_argument("--steps", type=int, default=DEFAULT_STEPS, help=f"greedy decode steps (default {DEFAULT_STEPS})")
+    p.add_argument("--n-ubatch", type=int, default=DEFAULT_N_UBATCH,
+                   help=f"physical batch size (default {DEFAULT_N_UBATCH})")
     p.add_argument("--threads", type=int, default=0, help="CPU threads per engine (default: all cores; "
                    "use fewer on a shared machine, spinning threads then cost more than they give)")
     p.add_argument("--lib", type=Path, help="engine library (default: $DGR_ENGINE_LIB or the cached CPU build)")
@@ -45,71 +48,33 @@ def _schedule_args(p: argparse.ArgumentParser) -> None:
                         "reference; parity takes the baseline's)")
 
 
-def _ctx_for(prompts: list[list[int]], steps: int) -> int:
-    return max(64, max(len(p) for p in prompts) + steps + 8)
-
-
-def _schedule(args, engine):
-    from dgr.parity import DEFAULT_PROMPT, Schedule
-
-    if args.steps < 0:
-        raise DgrError(f"--steps must be >= 0, got {args.steps}")
-    texts = args.prompt or [DEFAULT_PROMPT]
-    prompts = [engine.tokenize(t, add_special=True) for t in texts]
-    for t, p in zip(texts, prompts):
-        if not p:
-            raise DgrError(f"prompt {t!r} tokenizes to nothing; give a longer prompt")
-    return Schedule(prompts=prompts, steps=args.steps, n_ubatch=args.n_ubatch)
-
-
-def run_baseline(model: Path, sched, lib=None, n_threads: int = 0, kv_dtype: str = "f16"):
-    from dgr.parity import open_stages, run_pipeline
-
-    [eng] = open_stages([model], n_ubatch=sched.n_ubatch, n_ctx=_ctx_for(sched.prompts, sched.steps),
-                        max_sessions=len(sched.prompts), lib=lib, n_threads=n_threads, kv_dtype=kv_dtype)
-    try:
-        info = eng.describe()
-        if info.layer_begin != 0 or info.layer_end != info.n_layer:
-            raise DgrError(f"{model} is a stage file (layers [{info.layer_begin}, {info.layer_end})); a baseline needs the whole model")
-        return run_pipeline([eng], sched)
-    finally:
-        eng.close()
-
-
 def cmd_baseline(args) -> int:
-    from dgr.engine import Engine
-    from dgr.parity import save_baseline
+    from dgr.parity import baseline_meta, make_schedule, open_tokenizer, run_baseline, save_baseline, throughput
 
-    with Engine.open(args.model, n_ctx=64, max_sessions=1, lib=args.lib) as tok:
-        sched = _schedule(args, tok)
+    with open_tokenizer(args.model, args.lib) as tok:
+        sched = make_schedule(tok, args.prompt, args.steps, args.n_ubatch)
         device = tok.memory().device or "host"  # the same model and library as the baseline run
     kv_dtype = args.kv_dtype or "f16"
     res = run_baseline(args.model, sched, args.lib, args.threads, kv_dtype)
-    n_pre = sum(len(p) for p in sched.prompts)
-    n_dec = sched.steps * len(sched.prompts)
-    meta = {"model": str(args.model), "prefill_tokens": n_pre, "decode_tokens": n_dec, "kv_dtype": kv_dtype,
-            "device": device,
-            "prefill_seconds": res.prefill_seconds, "decode_seconds": res.decode_seconds}
-    save_baseline(args.output, sched, res, meta)
+    save_baseline(args.output, sched, res, baseline_meta(args.model, sched, res, kv_dtype, device))
     print(f"baseline: {args.model} ({len(sched.prompts)} session(s), prompt {[len(p) for p in sched.prompts]} tokens, "
           f"{sched.steps} steps, weights on {device}, KV cache {kv_dtype}) -> {args.output}")
-    print(f"  prefill {n_pre / max(res.prefill_seconds, 1e-9):.1f} tok/s, decode {n_dec / max(res.decode_seconds, 1e-9):.1f} tok/s")
+    pre, dec = throughput(sched, res)
+    print(f"  prefill {pre:.1f} tok/s, decode {dec:.1f} tok/s")
     print(f"  greedy: {res.generated}")
     return 0
 
 
 def cmd_parity(args) -> int:
-    from dgr.engine import Engine
-    from dgr.parity import ParityError, compare, load_baseline, open_stages, run_pipeline
+    from dgr.parity import (baseline_kv_dtype, compare, ctx_for, largest_logit, load_baseline, make_schedule,
+                            open_stages, open_tokenizer, parse_ranges, perturbation, run_baseline, run_pipeline,
+                            throughput, verdict)
 
     ranges = None
     if args.ranges:
         if not args.bundle.is_file():
             raise DgrError("--ranges splits a whole GGUF file; give a .gguf path (a bundle has its own stages)")
-        try:
-            ranges = [tuple(int(x) for x in r.split(":")) for r in args.ranges.split(",")]
-        except ValueError:
-            raise DgrError(f"--ranges {args.ranges!r}: write begin:end pairs separated by commas, e.g. 0:10,10:30") from None
+        ranges = parse_ranges(args.ranges)
         paths = [args.bundle] * len(ranges)
         source = args.bundle
     else:
@@ -130,28 +95,18 @@ def cmd_parity(args) -> int:
     kv_dtype = args.kv_dtype or "f16"
     if args.baseline:
         sched, base, meta = load_baseline(args.baseline)
-        made = meta.get("kv_dtype", "f16")
-        if args.kv_dtype and args.kv_dtype != made:
-            raise DgrError(f"{args.baseline} was made with a {made} KV cache; compare like with like "
-                           f"(drop --kv-dtype, or make the baseline with --kv-dtype {args.kv_dtype})")
-        kv_dtype = made
+        kv_dtype = baseline_kv_dtype(args.baseline, meta, args.kv_dtype)
     else:
-        with Engine.open(source, n_ctx=64, max_sessions=1, lib=args.lib) as tok:
-            sched = _schedule(args, tok)
+        with open_tokenizer(source, args.lib) as tok:
+            sched = make_schedule(tok, args.prompt, args.steps, args.n_ubatch)
         base = run_baseline(source, sched, args.lib, args.threads, kv_dtype)
         sched.forced = [g[: sched.steps] for g in base.generated]
 
-    engines = open_stages(paths, n_ubatch=sched.n_ubatch, n_ctx=_ctx_for(sched.prompts, sched.steps),
+    engines = open_stages(paths, n_ubatch=sched.n_ubatch, n_ctx=ctx_for(sched.prompts, sched.steps),
                           max_sessions=len(sched.prompts), ranges=ranges, lib=args.lib, n_threads=args.threads,
                           kv_dtype=kv_dtype)
     try:
-        perturb = None
-        if args.perturb_boundary is not None:
-            if not 0 <= args.perturb_boundary < len(engines) - 1:
-                raise DgrError(f"--perturb-boundary must name a non-last stage, 0..{len(engines) - 2}")
-            # a visible change: quantized matmuls round activations to 8 bits per block, so a tiny
-            # perturbation can vanish there and prove nothing
-            perturb = (args.perturb_boundary, 0, 0, 1.0)
+        perturb = None if args.perturb_boundary is None else perturbation(args.perturb_boundary, len(engines))
         run = run_pipeline(engines, sched, perturb=perturb)
         stages = [f"[{e.describe().layer_begin},{e.describe().layer_end})" for e in engines]
         devices = [e.memory().device or "host" for e in engines]
@@ -162,27 +117,11 @@ def cmd_parity(args) -> int:
     print(f"parity: {len(stages)} stages {' '.join(stages)}; {len(sched.prompts)} session(s), "
           f"prompt {[len(p) for p in sched.prompts]} tokens, {sched.steps} decode steps, {c.n_values} logits compared")
     print(f"  weights on: {' '.join(devices)}; KV cache {kv_dtype}")
-    print(f"  max abs difference: {c.max_abs_diff:g} (largest |logit| of the baseline: {_largest(base):g})")
-    print(f"  first diverging: {'none' if c.first_diverging is None else '%s (session %d, %s, position %d)' % ('yes', *c.first_diverging)}")
+    print(f"  max abs difference: {c.max_abs_diff:g} (largest |logit| of the baseline: {largest_logit(base):g})")
+    print(f"  first diverging: {c.diverging_text()}")
     print(f"  greedy tokens agree: {c.greedy_agree}")
     print(f"  boundary bytes per seam: {run.boundary_bytes}")
-    n_pre = sum(len(p) for p in sched.prompts)
-    n_dec = sched.steps * len(sched.prompts)
-    print(f"  split run (one process): prefill {n_pre / max(run.prefill_seconds, 1e-9):.1f} tok/s, "
-          f"decode {n_dec / max(run.decode_seconds, 1e-9):.1f} tok/s")
-    if args.tolerance < 0:
-        raise DgrError(f"--tolerance must be >= 0, got {args.tolerance:g}")
-    if c.exact:
-        print("parity: EXACT")
-        return 0
-    if args.tolerance > 0 and c.max_abs_diff <= args.tolerance:  # NaN compares false: fails
-        print(f"parity: WITHIN TOLERANCE (max abs {c.max_abs_diff:g} <= {args.tolerance:g})")
-        return 0
-    why = "NaN in the logits" if math.isnan(c.max_abs_diff) else f"max abs {c.max_abs_diff:g}"
-    if args.tolerance > 0:
-        why += f" > tolerance {args.tolerance:g}"
-    raise ParityError(f"parity FAILED: the split run differs from the whole model ({why})")
-
-
-def _largest(res) -> float:
-    return max(float(abs(x).max()) for x in [*res.prefill_logits, *res.decode_logits] if x.size)
+    pre, dec = throughput(sched, run)
+    print(f"  split run (one process): prefill {pre:.1f} tok/s, decode {dec:.1f} tok/s")
+    print(f"parity: {verdict(c, args.tolerance)}")  # ParityError (exit 1) when it does not pass
+    return 0

@@ -1,0 +1,147 @@
+"""Helpers shared by the engine tests (and the wire tests that run real engines): tiny models, bundles
+built by the real `dgr recipe build` code, GGUF rewriting for bad-input tests, and the split-vs-whole
+comparison every parity test makes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+import numpy as np
+
+from dgr.engine import Engine
+from dgr.engine_api import Step
+from dgr.hashing import file_blake3
+from dgr.parity import Schedule, compare, open_stages, run_pipeline
+
+
+def b3(path: Path) -> str:
+    """The blake3 a recipe's [source] names."""
+    return file_blake3(path)
+
+
+def synth_model(dirpath: Path, arch: str, layers: int = 6, embd: int = 64, seed: int = 7) -> Path:
+    from dgr.synth import synth
+
+    return synth(arch, layers, embd, seed, Path(dirpath) / f"{arch}-{layers}L.gguf")
+
+
+def make_bundle(src: Path, ranges: list[tuple[int, int]], store: Path, name: str = "t"):
+    """A bundle of `src` split at `ranges`, written by dgr.bundle.build from a recipe."""
+    from dgr.bundle import build
+
+    store.mkdir(parents=True, exist_ok=True)
+    recipe = store / f"{name}.toml"
+    pairs = ", ".join(f"[{a}, {b}]" for a, b in ranges)
+    recipe.write_text(f'name = "{name}"\n\n[source]\nuri = "{src}"\nblake3 = "{b3(src)}"\n\n'
+                      f"[placement]\nstages = [{pairs}]\n")
+    return build(recipe, store / "out")
+
+
+def rewrite_gguf(src: Path, dst: Path, *, arch: str | None = None, set_kv: dict | None = None,
+                 drop_tensors: tuple[str, ...] = ()) -> Path:
+    """Copy a GGUF, optionally renaming its architecture (and its `<arch>.*` keys), overriding
+    integer keys, or dropping tensors."""
+    r = gguf.GGUFReader(str(src))
+    old_arch = str(r.fields["general.architecture"].contents())
+    new_arch = arch or old_arch
+    w = gguf.GGUFWriter(str(dst), new_arch)
+    set_kv = dict(set_kv or {})
+    for name, f in r.fields.items():
+        if name.startswith("GGUF.") or name == "general.architecture":
+            continue
+        key = new_arch + name[len(old_arch):] if name.startswith(old_arch + ".") else name
+        vtype = f.types[0]
+        if key in set_kv:
+            _add(w, key, set_kv.pop(key))
+            continue
+        if vtype == gguf.GGUFValueType.ARRAY:
+            w.add_key_value(key, f.contents(), vtype, sub_type=f.types[-1])
+        else:
+            w.add_key_value(key, f.contents(), vtype)
+    for key, val in set_kv.items():
+        _add(w, key, val)
+    for t in r.tensors:
+        if t.name in drop_tensors:
+            continue
+        shape = tuple(int(x) for x in reversed(t.shape.tolist()))  # numpy order of the logical tensor
+        w.add_tensor(t.name, np.asarray(t.data), raw_shape=shape, raw_dtype=t.tensor_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return dst
+
+
+def _add(w: gguf.GGUFWriter, key: str, val) -> None:
+    vtype = gguf.GGUFValueType.BOOL if isinstance(val, bool) else gguf.GGUFValueType.UINT32
+    w.add_key_value(key, val, vtype)
+
+
+def long_prompts(n_vocab: int, lengths=(41, 29), seed: int = 3) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, min(n_vocab, 256), size=n).tolist() for n in lengths]
+
+
+def baseline_and_split(whole: Path, stage_paths: list[Path], sched: Schedule, lib, *, ranges=None, perturb=None):
+    """(baseline, split run, comparison) for one schedule; the baseline is the whole file alone."""
+    n_ctx = max(len(p) for p in sched.prompts) + sched.steps + 8
+    [w] = open_stages([whole], n_ubatch=sched.n_ubatch, n_ctx=n_ctx, max_sessions=len(sched.prompts), lib=lib)
+    try:
+        base = run_pipeline([w], sched)
+    finally:
+        w.close()
+    forced = Schedule(prompts=sched.prompts, steps=sched.steps, n_ubatch=sched.n_ubatch,
+                      forced=[g[: sched.steps] for g in base.generated])
+    engines = open_stages(stage_paths, n_ubatch=sched.n_ubatch, n_ctx=n_ctx, max_sessions=len(sched.prompts),
+                          ranges=ranges, lib=lib)
+    try:
+        run = run_pipeline(engines, forced, perturb=perturb)
+    finally:
+        for e in engines:
+            e.close()
+    return base, run, compare(base, run)
+
+
+def assert_split_bundle_exact(whole: Path, ranges: list[tuple[int, int]], store: Path, lib, label: str,
+                              n_embd: int = 64) -> None:
+    """Build a bundle of `ranges`, run it stage by stage against the whole model: every logit of two
+    sessions sharing each batch (prompts of 41 and 29 tokens over ubatches of 16, 4 decode steps) must be
+    bit-identical, and each seam must carry [tokens, 1, n_embd] float32 per forward."""
+    bundle = make_bundle(whole, ranges, store)
+    sched = Schedule(prompts=long_prompts(256), steps=4, n_ubatch=16)
+    base, run, c = baseline_and_split(whole, bundle.stage_paths, sched, lib)
+    n_tok = sum(len(p) + sched.steps for p in sched.prompts)
+    assert c.n_values == n_tok * base.prefill_logits[0].shape[1]
+    assert c.first_diverging is None, f"{label}: first difference at {c.first_diverging}"
+    assert c.max_abs_diff == 0.0
+    assert run.generated == base.generated
+    assert run.boundary_bytes == [n_tok * n_embd * 4] * (len(ranges) - 1)
+
+
+def alone_and_shared(path, lib, a, b, steps=4):
+    """Session a's logits per forward, run alone and with session b in every batch."""
+
+    def run(with_b: bool):
+        with Engine.open(path, n_ctx=96, max_sessions=2, n_ubatch=16, lib=lib) as e:
+            e.open_session("a", 0)
+            e.open_session("b", 0)
+            batch = [Step("a", 0, np.arange(len(a), dtype=np.int32), token_ids=np.array(a), want_logits="all")]
+            if with_b:
+                batch.append(Step("b", 0, np.arange(len(b), dtype=np.int32), token_ids=np.array(b)))
+            r = e.forward(batch)
+            out, ta, tb = [r[0].logits], r[0].next_token, r[-1].next_token
+            for t in range(steps):
+                batch = [Step("a", 0, np.array([len(a) + t], np.int32), token_ids=np.array([ta]))]
+                if with_b:
+                    batch.append(Step("b", 0, np.array([len(b) + t], np.int32), token_ids=np.array([tb])))
+                r = e.forward(batch)
+                out.append(r[0].logits)
+                ta, tb = r[0].next_token, r[-1].next_token
+            return out
+
+    return run(False), run(True)
+
+
+__all__ = ["Engine", "b3", "synth_model", "make_bundle", "rewrite_gguf", "long_prompts", "baseline_and_split",
+           "assert_split_bundle_exact", "alone_and_shared"]
