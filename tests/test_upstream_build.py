@@ -11,7 +11,7 @@ import time
 import uuid
 
 import pytest
-from test_upstream_support import format_patch, http_dir, tiny  # noqa: F401  (fixtures)
+from support.upstream import format_patch, http_dir, tiny  # noqa: F401  (fixtures)
 
 from dgr import enginebuild, upstream
 from dgr.errors import EngineError

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from test_upstream_support import (  # noqa: F401  (fixtures)
+from support.upstream import (  # noqa: F401  (fixtures)
     BUILD_FILES,
     RangeHandler,
     http_dir,

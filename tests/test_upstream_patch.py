@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 import pytest
-from test_upstream_support import RangeHandler, git, format_patch, http_dir, tiny  # noqa: F401  (fixtures)
+from support.upstream import RangeHandler, git, format_patch, http_dir, tiny  # noqa: F401  (fixtures)
 
 from dgr import upstream
 from dgr.errors import UpstreamError

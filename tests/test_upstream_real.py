@@ -10,7 +10,7 @@ import subprocess
 import sys
 
 import pytest
-from test_upstream_support import TREEHASH_SCRIPT
+from support.upstream import TREEHASH_SCRIPT
 
 from dgr import treehash, upstream
 from dgr.hashing import file_sha256

@@ -5,7 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from test_upstream_support import TREEHASH_SCRIPT, make_tree
+from support.upstream import BUILD_FILES, TREEHASH_SCRIPT, make_tree
 
 from dgr import treehash
 
@@ -112,7 +112,7 @@ def test_script_does_not_trust_a_listing_of_another_tree(tmp_path):
 def _source_tree_copy(tmp_path):
     """tools/dgr's hashing scripts and what they import, copied into a bare tree, with a dgr.hashing that
     says where it was imported from: the scripts must take it from beside them, not an installed dgr."""
-    from test_upstream_support import REPO
+    from support.upstream import REPO
 
     root = tmp_path / "src"
     (root / "tools" / "dgr").mkdir(parents=True)
@@ -144,3 +144,12 @@ def test_the_scripts_run_where_dgr_is_not_installed(tmp_path):
     assert summed.returncode == 0, summed.stderr
     assert summed.stdout == f"{file_blake3(target)}  {target}\n"
     assert f"hashing: {root / 'tools/dgr/hashing.py'}" in summed.stderr
+
+
+def test_tiny_upstream_hashes_alike_in_module_and_script(tmp_path):
+    tree = make_tree(tmp_path / "tree")
+    out = subprocess.run([sys.executable, "-I", str(TREEHASH_SCRIPT), str(tree)], capture_output=True,
+                         text=True, cwd=tmp_path, check=True)
+    assert out.stdout.strip() == treehash.tree_hash(tree)
+    listed = [e.path for e in treehash.listing(tree)]
+    assert listed == BUILD_FILES
