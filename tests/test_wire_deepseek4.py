@@ -11,13 +11,13 @@ import grpc
 import numpy as np
 import pytest
 
+from dgr.app.local import LocalRoute
 from dgr.wire import codec
 from dgr.wire.client import RouteClient
 from dgr.wire.gen import stage_pb2 as pb
 from dgr.wire.gen import stage_pb2_grpc as pb_grpc
-from dgr.wire.local import LocalRoute
-from test_engine_support import make_bundle
-from test_wire_relay import RawStream, _open_on
+from support.engine import make_bundle
+from support.wire import RawStream, open_on
 
 pytestmark = pytest.mark.engine       # ~15 s on 2 shared cores
 
@@ -47,8 +47,8 @@ def prompt():
 @pytest.fixture(scope="module")
 def whole(v4, prompt, engine_lib):
     """The unsplit file on one engine, prefilled in the route's chunks (CHUNK), then greedy."""
+    from dgr.app.demo import whole_model_run
     from dgr.engine import Engine
-    from dgr.wire.demo import whole_model_run
 
     with Engine.open(v4, lib=engine_lib, n_threads=1, n_ctx=N_CTX) as eng:
         return whole_model_run(eng, prompt, MAX_NEW, chunk_tokens=CHUNK)
@@ -107,7 +107,7 @@ def test_deepseek4_frame_without_the_sideband_is_refused_and_the_worker_keeps_se
         descs = c.describe()
         assert descs[1].schema_in.token_ids and descs[1].schema_in.n_streams == 4
         stub = pb_grpc.StageStub(grpc.insecure_channel(r.addresses[1]))
-        assert not _open_on(stub, r.addresses, 1, descs, "raw", 1).HasField("error")
+        assert not open_on(stub, r.addresses, 1, descs, "raw", 1).HasField("error")
         n, n_embd = 3, descs[1].schema_in.n_embd
         x = np.random.default_rng(2).standard_normal((n, 4, n_embd)).astype(np.float32)
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from dgr.app.local import LocalRoute
 from dgr.wire.client import RouteClient
 from dgr.wire.errors import StageError
-from dgr.wire.local import LocalRoute
 from dgr.wire.stats import summarize
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
@@ -19,8 +19,8 @@ MAX_NEW = 16
 @pytest.fixture(scope="module")
 def whole(engine_lib, smollm2_gguf):
     """Greedy tokens and logits of the unsplit GGUF on the same engine (the independent baseline)."""
+    from dgr.app.demo import whole_model_run
     from dgr.engine import Engine
-    from dgr.wire.demo import whole_model_run
 
     eng = Engine.open(smollm2_gguf, lib=engine_lib, n_threads=1)
     try:
@@ -31,7 +31,7 @@ def whole(engine_lib, smollm2_gguf):
 
 
 def _bundle(stages: int):
-    from dgr.wire.demo import ensure_bundle
+    from dgr.app.demo import ensure_bundle
 
     return ensure_bundle(stages, progress=False)[0]
 
@@ -90,9 +90,9 @@ def test_concurrent_sessions_share_batches_and_equal_sequential(engine_lib):
 @pytest.mark.parametrize("arch", ["gemma3", "qwen3moe"])
 def test_other_architectures_through_worker_processes(arch, engine_lib, tmp_path):
     """Tiny random-weight models (sliding-window attention; MoE) split 3 ways over the wire: exact."""
+    from dgr.app.demo import whole_model_run
     from dgr.engine import Engine
-    from dgr.wire.demo import whole_model_run
-    from test_engine_support import long_prompts, make_bundle, synth_model
+    from support.engine import long_prompts, make_bundle, synth_model
 
     whole_path = synth_model(tmp_path, arch)
     bundle = make_bundle(whole_path, [(0, 2), (2, 3), (3, 6)], tmp_path)
@@ -113,8 +113,8 @@ def test_long_prompt_under_a_small_message_limit_is_exact(engine_lib, smollm2_gg
     """A 300-token prompt through 3 workers with a 256 KiB message limit (about 110 tokens of boundary
     per frame): several chunks, no frame over the limit, and the tokens and logits of the whole model
     prefilled in the same chunks. (Under 200 KiB a logits row itself would not fit: refused at open.)"""
+    from dgr.app.demo import long_prompt, whole_model_run
     from dgr.engine import Engine
-    from dgr.wire.demo import long_prompt, whole_model_run
 
     limit = 256 * 1024
     eng = Engine.open(smollm2_gguf, lib=engine_lib, n_threads=1)

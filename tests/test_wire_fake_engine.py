@@ -7,7 +7,7 @@ import pytest
 
 from dgr.engine_api import Step
 from dgr.errors import CacheMiss, EngineError, SchemaMismatch
-from dgr.fake_engine import FakeEngine, FakeModel
+from dgr.testing.fake_engine import FakeEngine, FakeModel
 
 SPEC = "layers=7,embd=8,streams=2,cuts=2:5,hash_layers=3,seed=3"
 

@@ -9,10 +9,10 @@ import threading
 import numpy as np
 import pytest
 
-from dgr.fake_engine import FakeModel
+from dgr.app.local import LocalRoute
+from dgr.testing.fake_engine import FakeModel
 from dgr.wire.client import RouteClient
 from dgr.wire.errors import HopUnreachable
-from dgr.wire.local import LocalRoute
 
 SPEC = "layers=6,embd=16,cuts=2:4,hash_layers=3,seed=8"
 

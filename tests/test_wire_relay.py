@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import queue
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -10,14 +9,15 @@ import grpc
 import numpy as np
 import pytest
 
+from dgr.app.local import InProcessRoute
 from dgr.engine_api import Step
-from dgr.fake_engine import FakeEngine, FakeModel
+from dgr.testing.fake_engine import FakeEngine, FakeModel
 from dgr.wire import codec
 from dgr.wire.client import RouteClient
 from dgr.wire.errors import Overloaded, RemoteSchemaMismatch, WrongRange, WrongStage
 from dgr.wire.gen import stage_pb2 as pb
 from dgr.wire.gen import stage_pb2_grpc as pb_grpc
-from dgr.wire.local import InProcessRoute
+from support.wire import RawStream, open_on
 
 SPEC = "layers=8,embd=16,streams=2,cuts=2:5,hash_layers=3,seed=5"
 
@@ -102,45 +102,10 @@ def test_cache_miss_reprefills_and_gives_the_same_text(route):
     assert gen.token_ids == ref.token_ids and gen.text == ref.text
 
 
-def _open_on(stub, addresses, hop_index, descs, sid, epoch):
-    route = [pb.Hop(address=a, bundle_id=d.identity.bundle_id, stage_index=d.identity.stage_index,
-                    layer_begin=d.identity.layer_begin, layer_end=d.identity.layer_end)
-             for a, d in zip(addresses, descs)]
-    req = pb.OpenSessionRequest(session_id=sid, epoch=epoch, route=route, hop_index=hop_index)
-    if hop_index:
-        req.upstream.CopyFrom(descs[hop_index - 1])
-    return stub.OpenSession(req, timeout=10)
-
-
-class RawStream:
-    """Act as the previous hop: send hand-made frames, read the typed replies."""
-
-    def __init__(self, address):
-        self.channel = grpc.insecure_channel(address)
-        self.q, self.replies = queue.Queue(), queue.Queue()
-        self.call = pb_grpc.StageStub(self.channel).Frames(iter(self.q.get, None))
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self):
-        try:
-            for f in self.call:
-                self.replies.put(f)
-        except grpc.RpcError:
-            pass                                            # closed by the test
-
-    def ask(self, frame) -> pb.Frame:
-        self.q.put(frame)
-        return self.replies.get(timeout=10)
-
-    def close(self):
-        self.q.put(None)
-        self.channel.close()
-
-
 def test_bad_frames_get_typed_errors_and_the_worker_keeps_serving(route):
     descs = RouteClient(route.addresses).describe()
     stub = pb_grpc.StageStub(grpc.insecure_channel(route.addresses[1]))
-    assert not _open_on(stub, route.addresses, 1, descs, "raw", 1).HasField("error")
+    assert not open_on(stub, route.addresses, 1, descs, "raw", 1).HasField("error")
     schema = descs[0].schema_out
 
     def frame(n=2, epoch=1, sid="raw", shape=None, schema=schema, ids=True, pos0=0, dtype=pb.F32):
@@ -181,7 +146,7 @@ def test_bad_frames_get_typed_errors_and_the_worker_keeps_serving(route):
                 assert reply.error.hop == f"stage 1 ({route.addresses[1]})"
                 assert route.addresses[1] in reply.error.message
         # a newer epoch replaces the old one: frames of the old epoch are stale
-        assert not _open_on(stub, route.addresses, 1, descs, "raw", 2).HasField("error")
+        assert not open_on(stub, route.addresses, 1, descs, "raw", 2).HasField("error")
         reply = raw.ask(frame(epoch=1))
         assert pb.ErrorCode.Name(reply.error.code) == "STALE_EPOCH"
         miss = raw.ask(frame(epoch=2, pos0=3))
@@ -211,7 +176,7 @@ def test_wrong_order_and_wrong_range_are_refused_at_open():
             c.run("x", max_new_tokens=2)
     with InProcessRoute.of(SPEC) as r, RouteClient(r.addresses) as c:
         c.describe()
-        c._hops[1].identity.layer_end = 6                    # the route claims stage 1 owns [2, 6)
+        c.hops[1].identity.layer_end = 6                     # the route claims stage 1 owns [2, 6)
         with pytest.raises(WrongRange, match=r"expects stage 1 \[2, 6\).*serves stage 1 \[2, 5\)"):
             c.run("x", max_new_tokens=2)
 

@@ -5,8 +5,10 @@
     eng = Engine.open("model.gguf", layer_range=(0, 12))     # a whole GGUF with a range override (tests)
     eng = Engine.open("model.gguf")                          # the whole model (baseline)
 
-The library is `$DGR_ENGINE_LIB` when set, else `dgr.enginebuild.ensure_engine("cpu")` (built on
-first use, cached). Every C status becomes a dgr.errors type; the engine never crashes on bad input.
+The library is the `lib` argument, else `$DGR_ENGINE_LIB`, else the CPU build that `dgr build-engine
+--lane cpu` leaves in the workspace. The runtime never builds it (a worker must not compile llama.cpp):
+callers that may build (the demo, test fixtures) call `dgr.enginebuild.ensure_engine()` first. Every C
+status becomes a dgr.errors type; the engine never crashes on bad input.
 """
 
 from __future__ import annotations
@@ -17,9 +19,13 @@ import threading
 from pathlib import Path
 
 import numpy as np
+from pydantic import ValidationError
 
+from dgr.constants import DEFAULT_MAX_SESSIONS, DEFAULT_N_CTX
+from dgr.contract import StageContract
 from dgr.engine_api import MemoryReport, StageInfo, Step, StepResult
 from dgr.errors import CacheMiss, EngineError, SchemaMismatch
+from dgr.paths import default_engine_library
 
 ABI_VERSION = 2
 LIB_ENV = "DGR_ENGINE_LIB"
@@ -64,15 +70,18 @@ _lock = threading.Lock()
 
 
 def library_path(lib: str | Path | None = None) -> Path:
-    """Where the engine library is: the argument, $DGR_ENGINE_LIB, or the cached CPU build."""
+    """Where the engine library is: the argument, $DGR_ENGINE_LIB, or the workspace's CPU build if it
+    exists; EngineError saying how to get one otherwise (this never builds)."""
     if lib:
         return Path(lib)
     env = os.environ.get(LIB_ENV)
     if env:
         return Path(env)
-    from dgr.enginebuild import ensure_engine
-
-    return ensure_engine("cpu")
+    built = default_engine_library("cpu")
+    if built.is_file():
+        return built
+    raise EngineError(f"no engine library: {LIB_ENV} is unset and {built} does not exist; run "
+                      f"`dgr build-engine --lane cpu`, or set {LIB_ENV} to a built libdgr_engine")
 
 
 def load_library(lib: str | Path | None = None) -> C.CDLL:
@@ -139,9 +148,10 @@ class Engine:
         self._info = self._describe()
 
     @classmethod
-    def open(cls, path: str | Path, *, layer_range: tuple[int, int] | None = None, n_ctx: int = 4096,
-             max_sessions: int = 4, n_ubatch: int = 512, n_threads: int = 0, n_gpu_layers: int = -1,
-             kv_dtype: str = "f16", lib: str | Path | None = None) -> "Engine":
+    def open(cls, path: str | Path, *, layer_range: tuple[int, int] | None = None,
+             n_ctx: int = DEFAULT_N_CTX, max_sessions: int = DEFAULT_MAX_SESSIONS, n_ubatch: int = 512,
+             n_threads: int = 0, n_gpu_layers: int = -1, kv_dtype: str = "f16",
+             lib: str | Path | None = None) -> "Engine":
         h = load_library(lib)
         path = Path(path)
         if not path.is_file():
@@ -181,11 +191,20 @@ class Engine:
     def _describe(self) -> StageInfo:
         s = _StageInfo()
         self._check(self._lib.dgr_engine_describe(self._handle(), C.byref(s)))
-        return StageInfo(arch=s.arch.decode(), layer_begin=s.layer_begin, layer_end=s.layer_end,
-                         n_layer=s.n_layer, n_embd=s.n_embd, n_streams=s.n_streams, n_vocab=s.n_vocab,
-                         is_first=bool(s.is_first), is_last=bool(s.is_last),
-                         needs_token_ids=bool(s.needs_token_ids), has_vocab=bool(s.has_vocab),
-                         n_ctx=s.n_ctx, max_sessions=s.max_sessions)
+        # The C side applies the sideband rule (worker/engine/dgr_contract.h) and states first/last; the
+        # contract derives first/last from the range, so a disagreement means a mismatched library. The
+        # engine does not know the next stage's needs (token_ids_out stays False); the worker sends
+        # the ids along anyway.
+        try:
+            contract = StageContract(layer_begin=s.layer_begin, layer_end=s.layer_end, n_layer=s.n_layer,
+                                     n_streams=s.n_streams, n_embd=s.n_embd, token_ids_in=bool(s.needs_token_ids))
+        except ValidationError as err:
+            raise EngineError(f"{self.path}: the engine describes an invalid stage: {err}") from None
+        if (contract.is_first, contract.is_last) != (bool(s.is_first), bool(s.is_last)):
+            raise EngineError(f"{self.path}: the engine says first={bool(s.is_first)} last={bool(s.is_last)} for "
+                              f"{contract.describe()}; rebuild the engine library")
+        return StageInfo(arch=s.arch.decode(), contract=contract, n_vocab=s.n_vocab,
+                         has_vocab=bool(s.has_vocab), n_ctx=s.n_ctx, max_sessions=s.max_sessions)
 
     def describe(self) -> StageInfo:
         return self._info

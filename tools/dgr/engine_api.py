@@ -1,5 +1,5 @@
-"""The ShardEngine's Python-facing contract, shared by the real engine binding (`dgr.engine`, ctypes
-over worker/engine's C ABI) and the fake engine (`dgr.fake_engine`, numpy) used by protocol tests.
+"""The ShardEngine protocol: what a worker needs from an engine, real (`dgr.engine`, ctypes over
+worker/engine's C ABI) or fake (`dgr.testing.fake_engine`, numpy, for protocol tests).
 
 Shapes: a boundary is float32 `[n_tokens, n_streams, n_embd]` (n_streams is 1 for plain residual
 streams, hc_mult=4 for DeepSeek V4's mHC). Layer ranges are half-open `[begin, end)` in the model's
@@ -13,22 +13,59 @@ from typing import Protocol
 
 import numpy as np
 
+from dgr.contract import StageContract
+
 
 @dataclass(frozen=True)
 class StageInfo:
+    """What an engine says about itself: its stage contract (range, n_layer, boundary facts; dtype "f32",
+    the engine's own) and the rest of what a worker needs to serve it."""
+
     arch: str
-    layer_begin: int
-    layer_end: int          # exclusive
-    n_layer: int            # total layers of the whole model
-    n_embd: int
-    n_streams: int          # residual streams crossing the seam (1, or 4 for V4 mHC)
+    contract: StageContract
     n_vocab: int
-    is_first: bool          # takes token ids and looks up embeddings
-    is_last: bool           # applies output norm + head, returns logits
-    needs_token_ids: bool   # a non-first stage that needs the token-id sideband (V4 hash layers)
     has_vocab: bool         # can tokenize/detokenize (every stage file keeps the tokenizer metadata)
     n_ctx: int              # positions a session may hold
     max_sessions: int
+
+    # The contract's facts, read-only, under the names callers have always used.
+    @property
+    def layer_begin(self) -> int:
+        return self.contract.layer_begin
+
+    @property
+    def layer_end(self) -> int:
+        """Exclusive."""
+        return self.contract.layer_end
+
+    @property
+    def n_layer(self) -> int:
+        """Total layers of the whole model."""
+        return self.contract.n_layer
+
+    @property
+    def n_embd(self) -> int:
+        return self.contract.n_embd
+
+    @property
+    def n_streams(self) -> int:
+        """Residual streams crossing the seam (1, or 4 for V4 mHC)."""
+        return self.contract.n_streams
+
+    @property
+    def is_first(self) -> bool:
+        """Takes token ids and looks up embeddings."""
+        return self.contract.is_first
+
+    @property
+    def is_last(self) -> bool:
+        """Applies output norm + head, returns logits."""
+        return self.contract.is_last
+
+    @property
+    def needs_token_ids(self) -> bool:
+        """A non-first stage that needs the token-id sideband (V4 hash layers)."""
+        return self.contract.token_ids_in
 
     @property
     def boundary_shape_per_token(self) -> tuple[int, int]:

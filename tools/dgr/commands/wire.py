@@ -6,7 +6,11 @@ import signal
 import sys
 import threading
 
+from dgr.constants import DEFAULT_MAX_SESSIONS, DEFAULT_N_CTX
 from dgr.errors import WireError
+from dgr.log import get_logger
+
+log = get_logger(__name__)
 
 
 def register(sub) -> None:
@@ -26,8 +30,9 @@ def register(sub) -> None:
     s.add_argument("--wire-dtype", default=None, help="f32 | f16 | bf16 (default: the bundle's)")
     s.add_argument("--max-message-bytes", type=int, default=DEFAULT_MAX_MESSAGE_BYTES)
     s.add_argument("--max-batch-tokens", type=int, default=512)
-    s.add_argument("--n-ctx", type=int, default=2048, help="positions per session (real engine)")
-    s.add_argument("--max-sessions", type=int, default=8, help="concurrent sessions (real engine)")
+    s.add_argument("--n-ctx", type=int, default=DEFAULT_N_CTX, help="positions per session (real engine)")
+    s.add_argument("--max-sessions", type=int, default=DEFAULT_MAX_SESSIONS,
+                   help="concurrent sessions (real engine)")
     s.add_argument("--threads", type=int, default=0, help="engine compute threads (0: the engine's default)")
     s.set_defaults(func=_serve)
 
@@ -65,13 +70,14 @@ def register(sub) -> None:
 
 
 def _serve(args) -> int:
-    from dgr.wire import stages
+    from dgr.app import stages
+    from dgr.contract import DEFAULT_WIRE_DTYPE
     from dgr.wire.worker import serve
 
     if bool(args.bundle) == bool(args.fake_engine):
         raise WireError("give exactly one of --bundle BUNDLE or --fake-engine SPEC")
     if args.fake_engine:
-        engine, ident = stages.fake_stage(args.fake_engine, args.stage, args.wire_dtype or "f32")
+        engine, ident = stages.fake_stage(args.fake_engine, args.stage, args.wire_dtype or DEFAULT_WIRE_DTYPE)
     else:
         engine, ident = stages.bundle_stage(args.bundle, args.stage, lane=args.lane, wire_dtype=args.wire_dtype,
                                             n_ctx=args.n_ctx, max_sessions=args.max_sessions,
@@ -120,7 +126,7 @@ def _generate(args) -> int:
 
 
 def _demo(args) -> int:
-    from dgr.wire.demo import run_demo
+    from dgr.app.demo import run_demo
 
     return run_demo(stages=args.stages, max_tokens=args.max_tokens, prompt=args.prompt,
                     prefill_tokens=args.prefill_tokens, threads=args.threads)
@@ -132,7 +138,7 @@ def _protoc(args) -> int:
     if args.check:
         bad = protogen.drift()
         if bad:
-            print(f"stubs out of date: {', '.join(bad)}; run `dgr wire protoc`", file=sys.stderr)
+            log.error("stubs out of date: %s; run `dgr wire protoc`", ", ".join(bad))
             return 1
         print("stubs match proto/")
         return 0

@@ -5,7 +5,6 @@ from its token history at a new epoch. Shares nothing with the worker but the ge
 from __future__ import annotations
 
 import queue
-import sys
 import threading
 import time
 import uuid
@@ -16,11 +15,14 @@ import grpc
 import numpy as np
 
 from dgr.errors import WireError
+from dgr.log import get_logger
 from dgr.wire import codec
 from dgr.wire.codec import hop_name
 from dgr.wire.errors import HopUnreachable, RemoteCacheMiss, StageError, UnknownSession, from_proto
 from dgr.wire.gen import stage_pb2 as pb
 from dgr.wire.gen import stage_pb2_grpc as pb_grpc
+
+log = get_logger(__name__)
 
 _END = object()
 LOGITS = {"none": pb.LOGITS_NONE, "last": pb.LOGITS_LAST, "all": pb.LOGITS_ALL}
@@ -93,6 +95,14 @@ class RouteClient:
     def hop(self, i: int) -> str:
         return hop_name(i, self.route[i])
 
+    @property
+    def hops(self) -> list[pb.StageDescription]:
+        """What every hop said of itself, stage 0 first: the last `describe()`, made on first use.
+        Sessions open on what these say (bundle, stage, range of each hop)."""
+        if self._hops is None:
+            self.describe()
+        return self._hops
+
     # ------------------------------------------------------------------ control
     def describe(self, timeout: float = 10.0) -> list[pb.StageDescription]:
         out = []
@@ -113,7 +123,7 @@ class RouteClient:
         return out
 
     def _vocab_stub(self) -> pb_grpc.StageStub:
-        hops = self._hops or self.describe()
+        hops = self.hops
         for d, stub in zip(hops, self.stubs):
             if d.has_vocab:
                 return stub
@@ -127,7 +137,7 @@ class RouteClient:
         return self._vocab_stub().Detokenize(pb.DetokenizeRequest(token_ids=ids), timeout=30).text
 
     def open(self, session_id: str, epoch: int, sampling: pb.Sampling, logits: int) -> list[pb.StageDescription]:
-        hops = self._hops or self.describe()
+        hops = self.hops
         route = [pb.Hop(address=a, bundle_id=d.identity.bundle_id, stage_index=d.identity.stage_index,
                         layer_begin=d.identity.layer_begin, layer_end=d.identity.layer_end)
                  for a, d in zip(self.route, hops)]
@@ -159,10 +169,11 @@ class RouteClient:
         if not ids:
             raise WireError("the prompt is empty")
         if stop_token_ids is None:
-            hops = self._hops or self.describe()
+            hops = self.hops
             stop_token_ids = list(hops[-1].eos_token_ids)
         sampling = pb.Sampling(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
-        self._hops or self.describe()
+        if self._hops is None:                          # describe before the clock starts
+            self.describe()
         gen = self.last = Generation(prompt_ids=ids, t_start=time.perf_counter(), chunk_tokens=self.chunk_tokens)
         sid = session_id or uuid.uuid4().hex
         epoch = 0
@@ -178,8 +189,8 @@ class RouteClient:
             except (RemoteCacheMiss, UnknownSession) as miss:
                 # A hop lost or never had this session's cache (eviction, restart, route change):
                 # rebuild it from the token history at a new epoch.
-                print(f"dgr: {miss}; re-prefilling {len(ids) + len(gen.token_ids)} tokens at epoch "
-                      f"{epoch + 1}", file=sys.stderr)
+                log.info("%s; re-prefilling %d tokens at epoch %d", miss, len(ids) + len(gen.token_ids),
+                         epoch + 1)
             finally:
                 self.close_session(sid, epoch)
 

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import numpy as np
 
+from dgr.contract import WIRE_DTYPES, BoundarySchema
 from dgr.errors import WireError
 from dgr.wire.gen import stage_pb2 as pb
 
-DTYPES = {"f32": pb.F32, "f16": pb.F16, "bf16": pb.BF16}
-DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
-DTYPE_BYTES = {pb.F32: 4, pb.F16: 2, pb.BF16: 2}
+# From the one table of wire dtypes (dgr.contract): the proto enum names them in upper case. Bytes are
+# per value: every dtype the codec encodes packs one value per block.
+DTYPES = {name: pb.Dtype.Value(name.upper()) for name in WIRE_DTYPES}
+DTYPE_NAMES = {code: name for name, code in DTYPES.items()}
+DTYPE_BYTES = {DTYPES[name]: d.nbytes(1) for name, d in WIRE_DTYPES.items()}
 
 # Room kept in every frame for everything but the boundary payload and the per-token ids/positions
 # (session id, schema, timings, protobuf tags). Generous: a frame's real size is also checked on send.
@@ -25,6 +28,12 @@ def dtype_code(name: str) -> int:
         return DTYPES[name]
     except KeyError:
         raise WireError(f"unknown wire dtype {name!r}; use one of {', '.join(DTYPES)}") from None
+
+
+def schema_msg(schema: BoundarySchema, bundle_id: str, layer: int) -> pb.BoundarySchema:
+    """The proto of what crosses the seam at `layer` of bundle `bundle_id`."""
+    return pb.BoundarySchema(n_streams=schema.n_streams, n_embd=schema.n_embd, dtype=dtype_code(schema.dtype),
+                             token_ids=schema.token_ids, bundle_id=bundle_id, layer=layer)
 
 
 def encode(x: np.ndarray, dtype: int) -> pb.Boundary:

@@ -9,7 +9,6 @@ token (and logits), tokens/s of each, and the per-hop overhead.
 from __future__ import annotations
 
 import os
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,7 +16,10 @@ from pathlib import Path
 import numpy as np
 
 from dgr.errors import WireError
+from dgr.log import get_logger
 from dgr.paths import REPO_ROOT, workspace
+
+log = get_logger(__name__)
 
 
 @dataclass
@@ -78,7 +80,7 @@ def ensure_bundle(stages: int, *, progress: bool = True):
         if b.manifest.recipe.blake3 == recipe.blake3:
             return b, recipe
     if progress:
-        print(f"dgr demo: building bundle {recipe.recipe.name} into {store}", file=sys.stderr)
+        log.info("demo: building bundle %s into %s", recipe.recipe.name, store)
     return build(recipe_dir / "recipe.toml", store, progress=progress), recipe
 
 
@@ -105,7 +107,7 @@ def run_demo(*, stages: int = 3, max_tokens: int = 32, prompt: str = "The capita
     from dgr.engine import Engine
     from dgr.enginebuild import ensure_engine
     from dgr.wire.client import RouteClient
-    from dgr.wire.local import LocalRoute
+    from dgr.app.local import LocalRoute
     from dgr.wire.stats import hop_overhead_ms, summarize
 
     lib = ensure_engine("cpu")
@@ -113,17 +115,17 @@ def run_demo(*, stages: int = 3, max_tokens: int = 32, prompt: str = "The capita
     bundle, recipe = ensure_bundle(stages)
     # ggml's CPU threads spin while they wait: workers sharing a machine split its cores between them
     threads = threads or max(1, (os.cpu_count() or 1) // stages)
-    print(f"dgr demo: bundle {bundle.root.name} ({stages} stages), engine {lib}, {threads} compute "
-          f"thread(s) per process", file=sys.stderr)
+    log.info("demo: bundle %s (%d stages), engine %s, %d compute thread(s) per process",
+             bundle.root.name, stages, lib, threads)
     args = [["--bundle", str(bundle.root), "--stage", str(i), "--threads", str(threads)] for i in range(stages)]
     with LocalRoute(args, env={"DGR_ENGINE_LIB": str(lib)}) as route, RouteClient(route.addresses) as client:
-        print(f"dgr demo: {stages} workers on {route.route}", file=sys.stderr)
+        log.info("demo: %d workers on %s", stages, route.route)
         print(f"\n{prompt}", end="", flush=True)
         for ev in client.generate(prompt, max_new_tokens=max_tokens, logits="last"):
             print(ev.text, end="", flush=True)
         print("\n")
         gen = client.last
-        eos = tuple(client._hops[-1].eos_token_ids)
+        eos = tuple(client.hops[-1].eos_token_ids)
         long_ids = long_prompt(client.tokenize, prefill_tokens) if prefill_tokens else []
         if long_ids:
             long_gen = client.run(long_ids, max_new_tokens=1)
@@ -143,7 +145,7 @@ def run_demo(*, stages: int = 3, max_tokens: int = 32, prompt: str = "The capita
           f"{gen.decode_tokens_per_s:.1f} tok/s; per-hop overhead {hop_overhead_ms(gen, stages):.2f} ms")
     print(f"whole model:        prefill {whole.prefill_tokens_per_s:.1f} tok/s, decode "
           f"{whole.decode_tokens_per_s:.1f} tok/s")
-    print(summarize(gen, stages).split("\n", 1)[-1], file=sys.stderr)
+    log.info("demo: per stage, median ms over decode tokens:\n%s", summarize(gen, stages).split("\n", 1)[-1])
     if long_ids:
         print(f"prefill of a {len(long_ids)}-token prompt: pipeline {long_gen.prefill_tokens_per_s:.1f} tok/s, "
               f"whole model {long_whole.prefill_tokens_per_s:.1f} tok/s"

@@ -10,7 +10,7 @@ Each layer mixes the token with the running mean of everything the session has s
 outputs depend on history and a stage must hold a real per-session cache: a step whose positions do not
 continue the cache raises `CacheMiss`. The first `hash_layers` layers also mix in the token id (as
 DeepSeek V4's hash-routed layers do), so a later stage that owns one of them needs the token-id
-sideband (`needs_token_ids`).
+sideband (`dgr.contract.needs_token_ids`).
 
 Vocabulary: 0 pad, 1 BOS, 2 EOS, 3..258 the bytes 0..255 (UTF-8), the rest unused.
 """
@@ -22,6 +22,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from dgr.constants import DEFAULT_N_CTX
+from dgr.contract import StageContract
 from dgr.engine_api import MemoryReport, StageInfo, Step, StepResult
 from dgr.errors import CacheMiss, EngineError, SchemaMismatch
 
@@ -38,7 +40,7 @@ class FakeModel:
     seed: int = 1
     cuts: tuple[int, ...] = (2, 4)       # stage boundaries: stages [0,2) [2,4) [4,6)
     hash_layers: int = 0                 # the first N layers need token ids (V4-style sideband)
-    ctx: int = 4096
+    ctx: int = DEFAULT_N_CTX
     sessions: int = 64
 
     def __post_init__(self):
@@ -112,16 +114,16 @@ class FakeEngine:
                 raise EngineError(f"fake bundle has {len(m.ranges)} stages; there is no stage {stage}")
             (self.begin, self.end), self.stage = m.ranges[stage], stage
         self.w = _Weights(m, self.begin, self.end)
+        # Its seams by the one sideband rule, as a bundle build would plan them.
+        contract = StageContract.plan(self.begin, self.end, m.layers, n_streams=m.streams, n_embd=m.embd,
+                                      n_hash_layers=m.hash_layers)
+        self._info = StageInfo(arch="fake", contract=contract, n_vocab=m.vocab, has_vocab=True, n_ctx=m.ctx,
+                               max_sessions=m.sessions)
         self.sessions: dict[tuple[str, int], dict] = {}
         self.closed = False
 
     def describe(self) -> StageInfo:
-        m = self.model
-        first, last = self.begin == 0, self.end == m.layers
-        return StageInfo(arch="fake", layer_begin=self.begin, layer_end=self.end, n_layer=m.layers,
-                         n_embd=m.embd, n_streams=m.streams, n_vocab=m.vocab, is_first=first,
-                         is_last=last, needs_token_ids=not first and self.begin < m.hash_layers,
-                         has_vocab=True, n_ctx=m.ctx, max_sessions=m.sessions)
+        return self._info
 
     # --- sessions
     def open_session(self, session_id: str, epoch: int) -> None:

@@ -1,17 +1,22 @@
-"""Where a worker's engine and identity come from: a fake-model spec (tests) or a bundle stage."""
+"""Where a worker's engine and identity come from: a bundle stage (verified, on the real engine) or a
+fake-model spec (tests)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+from dgr.constants import DEFAULT_MAX_SESSIONS, DEFAULT_N_CTX
+from dgr.contract import DEFAULT_WIRE_DTYPE
 from dgr.engine_api import ShardEngine
 from dgr.errors import WireError
-from dgr.fake_engine import FakeEngine, FakeModel
 from dgr.wire.worker import StageIdentity
 
 
-def fake_stage(spec: str, stage: int, wire_dtype: str = "f32") -> tuple[ShardEngine, StageIdentity]:
-    """Stage `stage` of the fake model `spec` (see dgr.fake_engine); the bundle id hashes the spec."""
+def fake_stage(spec: str, stage: int, wire_dtype: str = DEFAULT_WIRE_DTYPE) -> tuple[ShardEngine, StageIdentity]:
+    """Stage `stage` of the fake model `spec` (see dgr.testing.fake_engine); the bundle id hashes the spec."""
+    # The test double, imported only when a fake stage is asked for (`dgr worker serve --fake-engine`).
+    from dgr.testing.fake_engine import FakeEngine, FakeModel
+
     model = FakeModel.from_spec(spec)
     engine = FakeEngine(model, stage)
     ident = StageIdentity(model=f"fake:{model.to_spec()}", bundle_id=model.bundle_id, stage_index=stage,
@@ -22,24 +27,21 @@ def fake_stage(spec: str, stage: int, wire_dtype: str = "f32") -> tuple[ShardEng
 
 def patch_series() -> tuple[str, str]:
     """(upstream commit, hash over the ordered patch stack) from the one pin file."""
-    import blake3
+    from dgr import pin
 
-    from dgr.upstream import load_pin
-
-    pin = load_pin()
-    h = blake3.blake3()
-    for p in pin.patches:
-        h.update(f"{p.file}\0{p.blake3}\n".encode())
-    return pin.commit, h.hexdigest()
+    p = pin.load_pin()
+    return p.commit, pin.patch_series(p)
 
 
 def bundle_stage(path: str | Path, stage: int, *, lane: str | None = None, wire_dtype: str | None = None,
-                 n_ctx: int = 4096, max_sessions: int = 16, n_threads: int = 0, verify: bool = True
-                 ) -> tuple[ShardEngine, StageIdentity]:
+                 n_ctx: int = DEFAULT_N_CTX, max_sessions: int = DEFAULT_MAX_SESSIONS, n_threads: int = 0,
+                 verify: bool = True) -> tuple[ShardEngine, StageIdentity]:
     """Open stage `stage` of the bundle at `path` on the real engine (after checking its hashes)."""
     from dgr.bundle import load_bundle, verify_bundle
     from dgr.engine import Engine
     from dgr.ggufmodel import read_header
+    from dgr.locks import locked
+    from dgr.paths import workspace
 
     b = load_bundle(path)
     stages = b.manifest.stages
@@ -48,14 +50,7 @@ def bundle_stage(path: str | Path, stage: int, *, lane: str | None = None, wire_
     if verify:
         # Workers of one bundle usually start together; verify one at a time (the later ones find the
         # chunks already checked in the resumable verify state).
-        import fcntl
-
-        from dgr.paths import workspace
-
-        locks = workspace() / "state" / "locks"
-        locks.mkdir(parents=True, exist_ok=True)
-        with open(locks / f"verify-{b.id[:16]}.lock", "w") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
+        with locked(workspace() / "state" / "locks" / f"verify-{b.id[:16]}.lock"):
             verify_bundle(b.root)
     entry = stages[stage]
     file = b.stage_path(stage)

@@ -1,4 +1,5 @@
-"""Run a route of worker processes on loopback (the demo and the tests): one `dgr worker serve` per stage."""
+"""Routes on loopback for the demo and the tests: worker processes (one `dgr worker serve` per stage), or
+fake-model workers served from this process."""
 
 from __future__ import annotations
 
@@ -85,7 +86,8 @@ class InProcessRoute:
 
     def __init__(self, specs: list[tuple[str, int]], *, max_message_bytes: int | None = None,
                  wire_dtype: str = "f32"):
-        from dgr.wire import codec, stages
+        from dgr.app import stages
+        from dgr.wire import codec
         from dgr.wire.worker import serve
 
         self.servers, self.workers, self.addresses = [], [], []
@@ -100,7 +102,7 @@ class InProcessRoute:
     @classmethod
     def of(cls, spec: str, **kw) -> InProcessRoute:
         """Every stage of one fake model, in order."""
-        from dgr.fake_engine import FakeModel
+        from dgr.testing.fake_engine import FakeModel
 
         return cls([(spec, i) for i in range(len(FakeModel.from_spec(spec).ranges))], **kw)
 

@@ -1,0 +1,48 @@
+"""Helpers shared by the wire tests: act as a route's previous hop by hand (open a session on one hop,
+send hand-made frames on a raw Frames stream and read the typed replies)."""
+
+from __future__ import annotations
+
+import queue
+import threading
+
+import grpc
+
+from dgr.wire.gen import stage_pb2 as pb
+from dgr.wire.gen import stage_pb2_grpc as pb_grpc
+
+
+def open_on(stub, addresses, hop_index, descs, sid, epoch):
+    """OpenSession on hop `hop_index` alone, as the hop before it would (its description as upstream)."""
+    route = [pb.Hop(address=a, bundle_id=d.identity.bundle_id, stage_index=d.identity.stage_index,
+                    layer_begin=d.identity.layer_begin, layer_end=d.identity.layer_end)
+             for a, d in zip(addresses, descs)]
+    req = pb.OpenSessionRequest(session_id=sid, epoch=epoch, route=route, hop_index=hop_index)
+    if hop_index:
+        req.upstream.CopyFrom(descs[hop_index - 1])
+    return stub.OpenSession(req, timeout=10)
+
+
+class RawStream:
+    """Act as the previous hop: send hand-made frames, read the typed replies."""
+
+    def __init__(self, address):
+        self.channel = grpc.insecure_channel(address)
+        self.q, self.replies = queue.Queue(), queue.Queue()
+        self.call = pb_grpc.StageStub(self.channel).Frames(iter(self.q.get, None))
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self):
+        try:
+            for f in self.call:
+                self.replies.put(f)
+        except grpc.RpcError:
+            pass                                            # closed by the test
+
+    def ask(self, frame) -> pb.Frame:
+        self.q.put(frame)
+        return self.replies.get(timeout=10)
+
+    def close(self):
+        self.q.put(None)
+        self.channel.close()

@@ -1,0 +1,182 @@
+"""Frames out of a stage worker: results cut into frames, and the streams that carry them to the next hop.
+
+A middle stage's result becomes boundary frames for the next hop; the last stage samples and sends the
+token (and any logits rows) straight to the origin. All sessions going to one peer share one outgoing
+Frames stream (`Link`); its reader thread hands the peer's error replies to the origin and notices when
+the peer dies (HOP_UNREACHABLE for every session that was using it).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+
+import grpc
+
+from dgr.log import get_logger
+from dgr.wire import codec
+from dgr.wire.codec import hop_name
+from dgr.wire.gen import stage_pb2 as pb
+from dgr.wire.gen import stage_pb2_grpc as pb_grpc
+from dgr.wire.sampling import sample
+from dgr.wire.state import END, Session, StageState, Work
+
+log = get_logger(__name__)
+
+
+def channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
+    # gRPC itself enforces the limit on both ends, so an oversized frame can never pass silently.
+    limit = max_message_bytes + codec.FRAME_OVERHEAD
+    return [("grpc.max_send_message_length", limit), ("grpc.max_receive_message_length", limit)]
+
+
+class Link:
+    """An outgoing Frames stream to one peer, shared by all sessions going there."""
+
+    def __init__(self, worker: Links, address: str, label: str):
+        self.worker, self.address, self.label = worker, address, label
+        self.channel = grpc.insecure_channel(address, options=channel_options(worker.max_message_bytes))
+        self.stub = pb_grpc.StageStub(self.channel)
+        self.lock = threading.Lock()
+        self.q: queue.Queue | None = None
+        self.sessions: set = set()
+
+    def send(self, frame: pb.Frame) -> None:
+        with self.lock:
+            if self.q is None:
+                self.q = queue.Queue()
+                self.sessions = set()
+                call = self.stub.Frames(iter(self.q.get, END))
+                threading.Thread(target=self._read, args=(call, self.q), daemon=True,
+                                 name=f"link-{self.address}").start()
+            self.sessions.add((frame.session_id, frame.epoch))
+            self.q.put(frame)
+
+    def _read(self, call, q) -> None:
+        try:
+            for reply in call:
+                self.worker._on_link_reply(self, reply)
+        except grpc.RpcError as err:
+            with self.lock:
+                lost, self.sessions = self.sessions, set()
+                if self.q is q:
+                    self.q = None
+            q.put(END)                                  # release gRPC's request-consuming thread
+            if err.code() != grpc.StatusCode.CANCELLED or not self.worker.stopping:
+                self.worker._on_link_broken(self, err, lost)
+
+    def close(self) -> None:
+        with self.lock:
+            if self.q is not None:
+                self.q.put(END)
+                self.q = None
+        self.channel.close()
+
+
+class Links(StageState):
+    """The outgoing side of a StageWorker. Frames that return into this worker (a one-stage route) go to
+    `_on_frame` (dgr.wire.servicer), and frames for the client to `_deliver_to_client` (dgr.wire.origin)."""
+
+    def _init_links(self) -> None:
+        self.links: dict[str, Link] = {}
+        self.max_frame_bytes_sent = 0
+
+    def _emit_boundary(self, w: Work, sess: Session, res, timing: pb.HopTiming) -> None:
+        t0 = time.monotonic_ns()
+        s = w.frame.step
+        nxt = sess.route[sess.hop_index + 1]
+        schema = self.schema_out()
+        per = codec.tokens_per_frame(self.max_message_bytes, codec.seam_bytes_per_token(schema))
+        n = len(s.positions)
+        frames = []
+        for lo in range(0, n, per):
+            hi = min(n, lo + per)
+            step = pb.Step(positions=s.positions[lo:hi], token_ids=s.token_ids[lo:hi],
+                           boundary=codec.encode(res.boundary[lo:hi], self.dtype), schema=schema,
+                           cache_expect=s.positions[lo], sample=s.sample and hi == n)
+            frames.append(pb.Frame(session_id=sess.session_id, epoch=sess.epoch, step=step,
+                                   origin_sent_ns=w.frame.origin_sent_ns, timings=w.frame.timings))
+        timing.wire_ns = time.monotonic_ns() - t0
+        for f in frames:
+            f.timings.append(timing)
+            self._send(nxt.address, sess.hop_index + 1, f, sess)
+
+    def _emit_last(self, w: Work, sess: Session, res, timing: pb.HopTiming) -> None:
+        t0 = time.monotonic_ns()
+        s = w.frame.step
+        origin = sess.route[0].address
+        frames = []
+        if sess.logits == pb.LOGITS_ALL and res.logits is not None and len(res.logits):
+            rows_per = max(1, (self.max_message_bytes - codec.FRAME_OVERHEAD) // (self.info.n_vocab * 4 + 8))
+            for lo in range(0, len(res.logits), rows_per):
+                rows = res.logits[lo:lo + rows_per]
+                frames.append(pb.Frame(session_id=sess.session_id, epoch=sess.epoch, logits=pb.Logits(
+                    positions=s.positions[lo:lo + len(rows)], values=rows.astype("<f4").tobytes())))
+        if s.sample:
+            row = res.logits[-1]
+            sp = sess.sampling
+            pos = s.positions[-1]
+            tok = sample(row, temperature=sp.temperature, top_k=sp.top_k, top_p=sp.top_p, seed=sp.seed,
+                         position=pos)
+            token = pb.Token(token_id=tok, position=pos, origin_sent_ns=w.frame.origin_sent_ns)
+            if sess.logits == pb.LOGITS_LAST:
+                token.logits = row.astype("<f4").tobytes()
+            frames.append(pb.Frame(session_id=sess.session_id, epoch=sess.epoch, token=token,
+                                   origin_sent_ns=w.frame.origin_sent_ns, timings=w.frame.timings))
+        timing.wire_ns = time.monotonic_ns() - t0
+        for f in frames:
+            if f.HasField("token"):
+                f.timings.append(timing)
+                f.token.timings.extend(f.timings)
+            self._send(origin, 0, f, sess)
+
+    def _send(self, address: str, hop_index: int, frame: pb.Frame, sess: Session) -> None:
+        frame.sent_unix_ns = time.time_ns()
+        size = frame.ByteSize()
+        if size > self.max_message_bytes:               # a bug if it happens: frames are sized below
+            self._to_origin(sess, pb.Frame(session_id=sess.session_id, epoch=sess.epoch, error=self._err(
+                pb.MESSAGE_TOO_LARGE, f"a {size}-byte frame would exceed the {self.max_message_bytes}-byte "
+                                      "limit")))
+            return
+        self.max_frame_bytes_sent = max(self.max_frame_bytes_sent, size)
+        if address == self.address and hop_index == 0 and self.info.is_first:
+            self._on_frame(frame, None)                 # a one-stage route: the origin is this worker
+            return
+        self._link(address, hop_index).send(frame)
+
+    def _link(self, address: str, hop_index: int) -> Link:
+        with self.lock:
+            link = self.links.get(address)
+            if link is None:
+                link = self.links[address] = Link(self, address, hop_name(hop_index, address))
+            return link
+
+    def _to_origin(self, sess: Session, frame: pb.Frame) -> None:
+        if self.info.is_first:
+            self._deliver_to_client(frame)
+        else:
+            self._send(sess.route[0].address, 0, frame, sess)
+
+    def _on_link_reply(self, link: Link, frame: pb.Frame) -> None:
+        """A peer answered an error about a frame this worker sent: hand it to the origin."""
+        with self.lock:
+            sess = self.sessions.get((frame.session_id, frame.epoch))
+        if sess is not None:
+            self._to_origin(sess, frame)
+
+    def _on_link_broken(self, link: Link, err: grpc.RpcError, lost: set) -> None:
+        with self.lock:
+            sessions = [self.sessions[k] for k in lost if k in self.sessions]
+        for sess in sessions:
+            idx = next((i for i, h in enumerate(sess.route) if h.address == link.address), -1)
+            name = hop_name(idx, link.address) if idx >= 0 else link.address
+            e = pb.WireError(code=pb.HOP_UNREACHABLE, hop=name, message=(
+                f"{name} is unreachable: {self.hop} lost its stream to it ({err.code().name}: "
+                f"{err.details() or ''}); that worker may have died: restart it and retry (recovery comes later)"))
+            frame = pb.Frame(session_id=sess.session_id, epoch=sess.epoch, error=e)
+            if link.address == sess.route[0].address:
+                log.warning("origin unreachable for session %s: %s", sess.session_id, e.message)
+            else:
+                self._to_origin(sess, frame)
+

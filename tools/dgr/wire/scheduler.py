@@ -1,0 +1,185 @@
+"""Batching queued steps into engine calls: the step queue, the one engine thread, and its deferred jobs.
+
+The engine thread takes at most one queued step from each session (round robin, up to
+`max_batch_tokens`) into one `engine.forward`, checks each step's cache, and hands each result to the
+links (`_emit_boundary` / `_emit_last`, dgr.wire.links). A batch that fails is rerun step by step so
+one session's fault never fails the others. Jobs deferred here (the origin's detokenizing) run on the
+same thread after the forward, so the engine is only ever driven from one thread.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+
+import numpy as np
+
+from dgr.engine_api import Step
+from dgr.errors import CacheMiss, DgrError, SchemaMismatch
+from dgr.log import get_logger
+from dgr.wire.gen import stage_pb2 as pb
+from dgr.wire.state import Session, StageState, Work
+
+log = get_logger(__name__)
+
+
+class Scheduler(StageState):
+    """The step queue and the engine loop of a StageWorker. Results go on through `_emit_boundary` and
+    `_emit_last`, which dgr.wire.links.Links provides (the worker composes both)."""
+
+    def _init_scheduler(self, max_batch_tokens: int, max_queued_steps: int) -> None:
+        self.max_batch_tokens = max_batch_tokens
+        self.max_queued_steps = max_queued_steps
+        self.pending: dict[tuple[str, int], collections.deque] = {}
+        self.n_pending = 0
+        self.jobs: collections.deque = collections.deque()   # engine-thread work that may wait a forward
+        self.wake = threading.Condition(self.lock)
+
+    def _start_engine_thread(self) -> None:
+        self.engine_thread = threading.Thread(target=self._engine_loop, daemon=True, name="engine")
+        self.engine_thread.start()
+
+    def _enqueue(self, work: Work, sess: Session) -> None:
+        key = (work.frame.session_id, work.frame.epoch)
+        with self.lock:
+            if self.n_pending >= self.max_queued_steps:
+                self._reply_error(work.reply, work.frame, self._err(
+                    pb.OVERLOADED, f"{self.n_pending} steps are queued: retry later"))
+                return
+            self.pending.setdefault(key, collections.deque()).append(work)
+            self.n_pending += 1
+            self.wake.notify()
+
+    def _drop_pending(self, session_id: str, epoch: int) -> None:
+        """Forget a closed session's queued steps (the caller holds `lock`)."""
+        dropped = self.pending.pop((session_id, epoch), None)
+        self.n_pending -= len(dropped or ())
+
+    def _take_batch(self) -> list[Work]:
+        with self.lock:
+            while not self.stopping and not self.n_pending and not self.jobs:
+                self.wake.wait(0.5)
+            batch, tokens = [], 0
+            for key in list(self.pending):
+                dq = self.pending[key]
+                n = len(dq[0].frame.step.positions)
+                if batch and tokens + n > self.max_batch_tokens:
+                    continue
+                batch.append(dq.popleft())
+                tokens += n
+                self.n_pending -= 1
+                if not dq:
+                    del self.pending[key]
+                elif len(self.pending) > 1:             # round robin: served sessions go to the back
+                    self.pending[key] = self.pending.pop(key)
+            return batch
+
+    def _engine_loop(self) -> None:
+        while not self.stopping:
+            batch = self._take_batch()
+            if batch:
+                try:
+                    self._run_batch(batch)
+                except Exception:
+                    log.exception("engine batch failed")
+                    for w in batch:
+                        self._reply_error(w.reply, w.frame, self._err(pb.INTERNAL, "the worker failed on "
+                                                                      "this step; see its log"))
+            self._run_jobs()
+
+    def _defer(self, job) -> None:
+        """Run `job` on the engine thread after the current forward (never ahead of queued steps' start)."""
+        with self.lock:
+            self.jobs.append(job)
+            self.wake.notify()
+
+    def _run_jobs(self) -> None:
+        while True:
+            with self.lock:
+                if not self.jobs:
+                    return
+                job = self.jobs.popleft()
+            try:
+                job()
+            except Exception:
+                log.exception("deferred job failed")
+
+    def _to_step(self, w: Work, sess: Session) -> Step:
+        s = w.frame.step
+        want = "none"
+        if self.info.is_last and (s.sample or sess.logits == pb.LOGITS_ALL):
+            want = "all" if sess.logits == pb.LOGITS_ALL else "last"
+        ids = np.asarray(s.token_ids, dtype=np.int32) if len(s.token_ids) else None
+        return Step(w.frame.session_id, w.frame.epoch, np.asarray(s.positions, dtype=np.int32),
+                    token_ids=ids, boundary=w.x, want_logits=want)
+
+    def _run_batch(self, batch: list[Work]) -> None:
+        ready, steps = [], []
+        with self.engine_lock:
+            for w in batch:
+                key = (w.frame.session_id, w.frame.epoch)
+                sess = self.sessions.get(key)
+                if sess is None:
+                    continue                            # closed while queued
+                try:
+                    held = self.engine.n_cached(*key)
+                except DgrError as err:
+                    self._reply_error(w.reply, w.frame, self._err(pb.ENGINE, str(err)))
+                    continue
+                if held != w.frame.step.cache_expect:
+                    self._reply_error(w.reply, w.frame, self._err(
+                        pb.CACHE_MISS, f"session {key[0]} epoch {key[1]} holds {held} positions here but "
+                                       f"the frame expects {w.frame.step.cache_expect}: re-prefill at a new "
+                                       "epoch", held=held, expected=w.frame.step.cache_expect))
+                    continue
+                ready.append((w, sess))
+                steps.append(self._to_step(w, sess))
+            if not steps:
+                return
+            t0 = time.monotonic_ns()
+            results = self._forward(steps, ready)
+            compute = time.monotonic_ns() - t0
+        for (w, sess), res in zip(ready, results):
+            if res is None:
+                continue
+            timing = pb.HopTiming(stage_index=self.identity.stage_index, queue_ns=t0 - w.t_recv,
+                                  transit_ns=w.transit_ns,
+                                  compute_ns=compute)
+            if self.info.is_last:
+                self._emit_last(w, sess, res, timing)
+            else:
+                self._emit_boundary(w, sess, res, timing)
+
+    def _forward(self, steps, ready):
+        """One batched forward; if it fails, find the step at fault so other sessions keep going."""
+        try:
+            return self.engine.forward(steps)
+        except DgrError as err:
+            if len(steps) == 1:
+                self._fail_step(ready[0][0], err)
+                return [None]
+            before = [self.engine.n_cached(s.session_id, s.epoch) for s in steps]
+            log.info("batch of %d failed (%s); running its steps one by one", len(steps), err)
+        results = []
+        for step, (w, _), held in zip(steps, ready, before):
+            if self.engine.n_cached(step.session_id, step.epoch) != held:
+                self._fail_step(w, DgrError("the engine failed inside a shared batch"))
+                results.append(None)
+                continue
+            try:
+                results.append(self.engine.forward([step])[0])
+            except DgrError as err:
+                self._fail_step(w, err)
+                results.append(None)
+        return results
+
+    def _fail_step(self, w: Work, err: DgrError) -> None:
+        if isinstance(err, CacheMiss):
+            e = self._err(pb.CACHE_MISS, str(err), held=err.held, expected=err.expected)
+        elif isinstance(err, SchemaMismatch):
+            e = self._err(pb.SCHEMA_MISMATCH, str(err))
+        else:
+            e = self._err(pb.ENGINE, str(err))
+        self._reply_error(w.reply, w.frame, e)
+
