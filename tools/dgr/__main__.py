@@ -1,3 +1,5 @@
+"""`python -m dgr`: the same as the `dgr` command."""
+
 import sys
 
 from dgr.cli import main

@@ -37,30 +37,27 @@ def target_type(name: str, src: gguf.GGMLQuantizationType, recipe: LoadedRecipe)
     return src if chosen == KEEP else gguf.GGMLQuantizationType[chosen]
 
 
-@cache
-def can_quantize(qtype: gguf.GGMLQuantizationType) -> bool:
-    """Whether the `gguf` package can produce `qtype` (probed on one zero block)."""
+def _gguf_handles(qtype: gguf.GGMLQuantizationType, probe) -> bool:
+    """Whether a `gguf.quants` function implements `qtype`: numpy's own types always, else one block tried."""
     if qtype in _NUMPY_TYPES:
         return True
-    block, _ = gguf.GGML_QUANT_SIZES[qtype]
     try:
-        gguf.quants.quantize(np.zeros((1, block), dtype=np.float32), qtype)
+        probe(*gguf.GGML_QUANT_SIZES[qtype])
     except NotImplementedError:
         return False
     return True
+
+
+@cache
+def can_quantize(qtype: gguf.GGMLQuantizationType) -> bool:
+    """Whether the `gguf` package can produce `qtype` (probed on one zero block)."""
+    return _gguf_handles(qtype, lambda block, _: gguf.quants.quantize(np.zeros((1, block), np.float32), qtype))
 
 
 @cache
 def can_dequantize(qtype: gguf.GGMLQuantizationType) -> bool:
     """Whether the `gguf` package can read `qtype` back to floats (probed on one zero block)."""
-    if qtype in _NUMPY_TYPES:
-        return True
-    _, nbytes = gguf.GGML_QUANT_SIZES[qtype]
-    try:
-        gguf.quants.dequantize(np.zeros((1, nbytes), dtype=np.uint8), qtype)
-    except NotImplementedError:
-        return False
-    return True
+    return _gguf_handles(qtype, lambda _, nbytes: gguf.quants.dequantize(np.zeros((1, nbytes), np.uint8), qtype))
 
 
 def check_conversion(t: TensorInfo, dst: gguf.GGMLQuantizationType, recipe_path: Path) -> None:
