@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import gguf
+
 from dgr.constants import DEFAULT_MAX_SESSIONS, DEFAULT_N_CTX
 from dgr.contract import DEFAULT_WIRE_DTYPE
 from dgr.engine_api import ShardEngine
@@ -74,7 +76,7 @@ def bundle_stage(path: str | Path, stage: int, *, lane: str | None = None, wire_
                         f"{' +token ids' if sch.token_ids else ''} but the engine takes [n, {info.n_streams}, "
                         f"{info.n_embd}]{' +token ids' if info.needs_token_ids else ''}: rebuild the bundle "
                         "with this dgr, or use the engine it was built for")
-    eos = read_header(file).get("tokenizer.ggml.eos_token_id")
+    eos = read_header(file).get(gguf.Keys.Tokenizer.EOS_ID)
     commit, series = patch_series()
     ident = StageIdentity(model=b.manifest.recipe.name, bundle_id=b.id, stage_index=stage,
                           stage_count=len(stages), upstream_commit=commit, patch_series=series, lane=lane,
