@@ -104,7 +104,7 @@ class DescribeRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StageDescription(_message.Message):
-    __slots__ = ("identity", "schema_in", "schema_out", "is_first", "is_last", "has_vocab", "n_vocab", "n_ctx", "max_sessions", "open_sessions", "queued_steps", "max_message_bytes", "max_frame_bytes_sent", "seam_bytes_per_token", "engine", "eos_token_ids")
+    __slots__ = ("identity", "schema_in", "schema_out", "is_first", "is_last", "has_vocab", "n_vocab", "n_ctx", "max_sessions", "open_sessions", "queued_steps", "max_message_bytes", "max_frame_bytes_sent", "seam_bytes_per_token", "engine", "eos_token_ids", "reaped_sessions", "session_ttl_s", "max_queued_steps", "overloaded", "tls", "mutual_tls")
     IDENTITY_FIELD_NUMBER: _ClassVar[int]
     SCHEMA_IN_FIELD_NUMBER: _ClassVar[int]
     SCHEMA_OUT_FIELD_NUMBER: _ClassVar[int]
@@ -121,6 +121,12 @@ class StageDescription(_message.Message):
     SEAM_BYTES_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
     ENGINE_FIELD_NUMBER: _ClassVar[int]
     EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    REAPED_SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    SESSION_TTL_S_FIELD_NUMBER: _ClassVar[int]
+    MAX_QUEUED_STEPS_FIELD_NUMBER: _ClassVar[int]
+    OVERLOADED_FIELD_NUMBER: _ClassVar[int]
+    TLS_FIELD_NUMBER: _ClassVar[int]
+    MUTUAL_TLS_FIELD_NUMBER: _ClassVar[int]
     identity: Identity
     schema_in: BoundarySchema
     schema_out: BoundarySchema
@@ -137,7 +143,13 @@ class StageDescription(_message.Message):
     seam_bytes_per_token: int
     engine: str
     eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, identity: _Optional[_Union[Identity, _Mapping]] = ..., schema_in: _Optional[_Union[BoundarySchema, _Mapping]] = ..., schema_out: _Optional[_Union[BoundarySchema, _Mapping]] = ..., is_first: _Optional[bool] = ..., is_last: _Optional[bool] = ..., has_vocab: _Optional[bool] = ..., n_vocab: _Optional[int] = ..., n_ctx: _Optional[int] = ..., max_sessions: _Optional[int] = ..., open_sessions: _Optional[int] = ..., queued_steps: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., max_frame_bytes_sent: _Optional[int] = ..., seam_bytes_per_token: _Optional[int] = ..., engine: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    reaped_sessions: int
+    session_ttl_s: float
+    max_queued_steps: int
+    overloaded: int
+    tls: bool
+    mutual_tls: bool
+    def __init__(self, identity: _Optional[_Union[Identity, _Mapping]] = ..., schema_in: _Optional[_Union[BoundarySchema, _Mapping]] = ..., schema_out: _Optional[_Union[BoundarySchema, _Mapping]] = ..., is_first: _Optional[bool] = ..., is_last: _Optional[bool] = ..., has_vocab: _Optional[bool] = ..., n_vocab: _Optional[int] = ..., n_ctx: _Optional[int] = ..., max_sessions: _Optional[int] = ..., open_sessions: _Optional[int] = ..., queued_steps: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., max_frame_bytes_sent: _Optional[int] = ..., seam_bytes_per_token: _Optional[int] = ..., engine: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., reaped_sessions: _Optional[int] = ..., session_ttl_s: _Optional[float] = ..., max_queued_steps: _Optional[int] = ..., overloaded: _Optional[int] = ..., tls: _Optional[bool] = ..., mutual_tls: _Optional[bool] = ...) -> None: ...
 
 class TokenizeRequest(_message.Message):
     __slots__ = ("text", "add_special")
@@ -316,18 +328,20 @@ class Logits(_message.Message):
     def __init__(self, positions: _Optional[_Iterable[int]] = ..., values: _Optional[bytes] = ...) -> None: ...
 
 class WireError(_message.Message):
-    __slots__ = ("code", "message", "hop", "held", "expected")
+    __slots__ = ("code", "message", "hop", "held", "expected", "retry_after_ms")
     CODE_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     HOP_FIELD_NUMBER: _ClassVar[int]
     HELD_FIELD_NUMBER: _ClassVar[int]
     EXPECTED_FIELD_NUMBER: _ClassVar[int]
+    RETRY_AFTER_MS_FIELD_NUMBER: _ClassVar[int]
     code: ErrorCode
     message: str
     hop: str
     held: int
     expected: int
-    def __init__(self, code: _Optional[_Union[ErrorCode, str]] = ..., message: _Optional[str] = ..., hop: _Optional[str] = ..., held: _Optional[int] = ..., expected: _Optional[int] = ...) -> None: ...
+    retry_after_ms: int
+    def __init__(self, code: _Optional[_Union[ErrorCode, str]] = ..., message: _Optional[str] = ..., hop: _Optional[str] = ..., held: _Optional[int] = ..., expected: _Optional[int] = ..., retry_after_ms: _Optional[int] = ...) -> None: ...
 
 class Frame(_message.Message):
     __slots__ = ("session_id", "epoch", "step", "generate", "token", "logits", "error", "origin_sent_ns", "timings", "sent_unix_ns")
