@@ -123,7 +123,7 @@ def test_real_workers_on_vulkan_generate_what_cpu_workers_generate(tiny, tmp_pat
     from support.engine import make_bundle
 
     from dgr.wire.client import RouteClient
-    from dgr.wire.local import LocalRoute
+    from dgr.app.local import LocalRoute
 
     model, _ = tiny
     bundle = make_bundle(model, [(0, 2), (2, LAYERS)], tmp_path / "store", name="tiny-vk")
