@@ -1,5 +1,6 @@
-"""Routes on loopback for the demo and the tests: worker processes (one `dgr worker serve` per stage), or
-fake-model workers served from this process."""
+"""Routes on loopback for the demo and the tests: worker processes (one `dgr worker serve` per stage and
+replica, which tests can kill, stop, resume and restart in place), or fake-model workers served from
+this process."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from dgr.errors import WireError
@@ -17,61 +19,139 @@ from dgr.errors import WireError
 _READY = re.compile(r"serving on (\S+)")
 
 
-class LocalRoute:
-    """Start one worker process per stage; `addresses` is the route. Use as a context manager."""
+class _Worker:
+    """One `dgr worker serve` process: its arguments, its output so far, the address it serves on."""
 
-    def __init__(self, stage_args: list[list[str]], *, timeout: float = 120.0, log_dir: Path | None = None,
-                 env: dict[str, str] | None = None):
-        self.procs: list[subprocess.Popen] = []
-        self.addresses: list[str] = []
-        self.logs: list[list[str]] = []
-        try:
-            for i, extra in enumerate(stage_args):
-                cmd = [sys.executable, "-m", "dgr", "worker", "serve", "--listen", "127.0.0.1:0", *extra]
-                p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                     env={**os.environ, **(env or {})})
-                self.procs.append(p)
-                self.logs.append([])
-            for i, p in enumerate(self.procs):
-                self.addresses.append(self._wait_ready(i, p, timeout))
-        except BaseException:
-            self.stop()
-            raise
+    def __init__(self, stage: int, replica: int, args: list[str], env: dict[str, str] | None):
+        self.stage, self.replica, self.args, self.env = stage, replica, list(args), env
+        self.proc: subprocess.Popen | None = None
+        self.log: list[str] = []
+        self.address = ""
 
-    def _wait_ready(self, i: int, p: subprocess.Popen, timeout: float) -> str:
+    @property
+    def name(self) -> str:
+        return f"stage {self.stage}" + (f" replica {self.replica}" if self.replica else "")
+
+    def start(self, listen: str = "127.0.0.1:0") -> None:
+        cmd = [sys.executable, "-m", "dgr", "worker", "serve", "--listen", listen, *self.args]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                     env={**os.environ, **(self.env or {})})
+
+    def wait_ready(self, timeout: float) -> str:
+        p, log = self.proc, self.log
         deadline = time.monotonic() + timeout
-        log = self.logs[i]
         while time.monotonic() < deadline:
             line = p.stdout.readline()
             if not line:
-                raise WireError(f"worker for stage {i} exited ({p.wait()}) before serving:\n" + "".join(log[-20:]))
+                raise WireError(f"worker for {self.name} exited ({p.wait()}) before serving:\n" + "".join(log[-20:]))
             log.append(line)
             m = _READY.search(line)
             if m:
                 # keep draining its output so the pipe never fills up
                 threading.Thread(target=lambda: [log.append(x) for x in p.stdout], daemon=True).start()
-                return m.group(1)
-        raise WireError(f"worker for stage {i} did not start within {timeout:.0f} s:\n" + "".join(log[-20:]))
+                self.address = m.group(1)
+                return self.address
+        raise WireError(f"worker for {self.name} did not start within {timeout:.0f} s:\n" + "".join(log[-20:]))
+
+    def signal(self, sig: int) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(sig)
+
+
+class LocalRoute:
+    """Start one worker process per stage (and per replica); `addresses` is the route of first
+    replicas, `replicas` every stage's addresses, `route` the `--route` text (A,B1|B2,C). Use as a
+    context manager. `stage_args[i]`: arguments of stage i's workers; `extra`: arguments for every
+    worker, or a function (stage, replica) -> arguments (TLS files, --session-ttl, ...)."""
+
+    def __init__(self, stage_args: list[list[str]], *, timeout: float = 120.0, log_dir: Path | None = None,
+                 env: dict[str, str] | None = None, replicas: int | list[int] = 1,
+                 extra: list[str] | Callable[[int, int], list[str]] | None = None):
+        counts = [replicas] * len(stage_args) if isinstance(replicas, int) else list(replicas)
+        self.timeout = timeout
+        self.workers: list[list[_Worker]] = []
+        for i, args in enumerate(stage_args):
+            row = []
+            for k in range(counts[i]):
+                more = extra(i, k) if callable(extra) else list(extra or [])
+                row.append(_Worker(i, k, [*args, *more], env))
+            self.workers.append(row)
+        try:
+            for w in self.all:
+                w.start()
+            for w in self.all:
+                w.wait_ready(timeout)
+        except BaseException:
+            self.stop()
+            raise
+
+    @property
+    def all(self) -> list[_Worker]:
+        return [w for row in self.workers for w in row]
+
+    @property
+    def procs(self) -> list[subprocess.Popen]:
+        return [row[0].proc for row in self.workers]
+
+    @property
+    def logs(self) -> list[list[str]]:
+        return [row[0].log for row in self.workers]
+
+    @property
+    def addresses(self) -> list[str]:
+        return [row[0].address for row in self.workers]
+
+    @property
+    def replicas(self) -> list[list[str]]:
+        return [[w.address for w in row] for row in self.workers]
 
     @property
     def route(self) -> str:
-        return ",".join(self.addresses)
+        return ",".join("|".join(r) for r in self.replicas)
 
-    def kill(self, stage: int) -> None:
-        """SIGKILL one stage's worker (a crash, not a shutdown)."""
-        self.procs[stage].send_signal(signal.SIGKILL)
-        self.procs[stage].wait()
+    def kill(self, stage: int, replica: int = 0) -> None:
+        """SIGKILL one worker (a crash, not a shutdown)."""
+        w = self.workers[stage][replica]
+        w.signal(signal.SIGKILL)
+        w.proc.wait()
+
+    def pause(self, stage: int, replica: int = 0) -> None:
+        """SIGSTOP one worker: it keeps its sockets but answers nothing."""
+        self.workers[stage][replica].signal(signal.SIGSTOP)
+
+    def resume(self, stage: int, replica: int = 0) -> None:
+        self.workers[stage][replica].signal(signal.SIGCONT)
+
+    def restart(self, stage: int, replica: int = 0) -> str:
+        """Kill -9 one worker and start it again at the same address (an empty worker, restarted in
+        place); returns once it serves."""
+        w = self.workers[stage][replica]
+        self.kill(stage, replica)
+        port = w.address.rpartition(":")[2]
+        w.log.append(f"--- restarted in place on 127.0.0.1:{port}\n")
+        deadline = time.monotonic() + 10
+        while True:                                     # the port frees as soon as the process is gone
+            w.start(f"127.0.0.1:{port}")
+            try:
+                return w.wait_ready(self.timeout)
+            except WireError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.1)
 
     def stop(self) -> None:
-        for p in self.procs:
-            if p.poll() is None:
-                p.terminate()
-        for p in self.procs:
+        for w in self.all:
+            if w.proc is not None and w.proc.poll() is None:
+                w.signal(signal.SIGCONT)                # a stopped worker cannot act on SIGTERM
+                w.proc.terminate()
+        for w in self.all:
+            if w.proc is None:
+                continue
             try:
-                p.wait(10)
+                w.proc.wait(10)
             except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+                w.proc.kill()
+                w.proc.wait()
 
     def __enter__(self):
         return self

@@ -76,10 +76,13 @@ def bundle_stage(path: str | Path, stage: int, *, lane: str | None = None, wire_
                         f"{' +token ids' if sch.token_ids else ''} but the engine takes [n, {info.n_streams}, "
                         f"{info.n_embd}]{' +token ids' if info.needs_token_ids else ''}: rebuild the bundle "
                         "with this dgr, or use the engine it was built for")
-    eos = read_header(file).get(gguf.Keys.Tokenizer.EOS_ID)
+    header = read_header(file)
+    eos = header.get(gguf.Keys.Tokenizer.EOS_ID)
+    template = header.get(gguf.Keys.Tokenizer.CHAT_TEMPLATE)
     commit, series = patch_series()
     ident = StageIdentity(model=b.manifest.recipe.name, bundle_id=b.id, stage_index=stage,
                           stage_count=len(stages), upstream_commit=commit, patch_series=series, lane=lane,
                           engine="llama.cpp", wire_dtype=wire_dtype or b.manifest.boundary_dtype,
-                          eos_token_ids=() if eos is None else (int(eos),))
+                          eos_token_ids=() if eos is None else (int(eos),),
+                          chat_template=template if isinstance(template, str) else "")
     return engine, ident

@@ -11,10 +11,13 @@ log = get_logger(__name__)
 
 def register(sub) -> None:
     """Add this area's subcommands to the `dgr` parser."""
+    from dgr.wire.client import DEFAULT_ATTEMPTS, DEFAULT_HOP_DEADLINE
     from dgr.wire.codec import DEFAULT_MAX_MESSAGE_BYTES
 
     g = sub.add_parser("generate", help="generate text through a route of stage workers")
-    g.add_argument("--route", required=True, help="HOST:PORT,... stage 0 first")
+    g.add_argument("--route", required=True,
+                   help="HOST:PORT,... stage 0 first; replicas of a stage in preference order separated by "
+                        "'|' (quote it: \"A,B1|B2,C\")")
     g.add_argument("--max-tokens", type=int, default=32)
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     g.add_argument("--top-k", type=int, default=0)
@@ -23,7 +26,17 @@ def register(sub) -> None:
     g.add_argument("--chunk-tokens", type=int, default=64,
                    help="prefill tokens per frame (smaller chunks let the stages overlap)")
     g.add_argument("--max-message-bytes", type=int, default=DEFAULT_MAX_MESSAGE_BYTES)
-    g.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for a token")
+    g.add_argument("--timeout", type=float, default=120.0,
+                   help="seconds to wait for a token from a route whose hops all answer (a slow route)")
+    g.add_argument("--hop-deadline", type=float, default=DEFAULT_HOP_DEADLINE, metavar="S",
+                   help="after S seconds without a reply, probe every hop with deadline S; a hop that does "
+                        "not answer is routed around (default %(default)s)")
+    g.add_argument("--attempts", type=int, default=DEFAULT_ATTEMPTS, metavar="N",
+                   help="failed attempts (dead, stopped or emptied hops) recovered from before giving up "
+                        "(default %(default)s)")
+    g.add_argument("--tls-cert", metavar="FILE", help="this client's certificate (TLS to the route)")
+    g.add_argument("--tls-key", metavar="FILE", help="its key")
+    g.add_argument("--tls-ca", metavar="FILE", help="the CA the workers' certificates come from (mTLS)")
     g.add_argument("--stats", action="store_true", help="print tokens/s and per-hop timing to stderr")
     g.add_argument("--logits-out", metavar="FILE.npz",
                    help="save the logits row of every sampled position (parity checks)")
@@ -47,11 +60,14 @@ def register(sub) -> None:
 
 
 def _generate(args) -> int:
-    from dgr.wire.client import RouteClient
+    from dgr.wire.client import RouteClient, parse_route
+    from dgr.wire.tls import TlsConfig
 
-    route = [a.strip() for a in args.route.split(",") if a.strip()]
+    route = parse_route(args.route)
+    tls = TlsConfig.from_args(args.tls_cert, args.tls_key, args.tls_ca)
     with RouteClient(route, max_message_bytes=args.max_message_bytes, timeout=args.timeout,
-                     chunk_tokens=args.chunk_tokens) as client:
+                     chunk_tokens=args.chunk_tokens, tls=tls, hop_deadline=args.hop_deadline,
+                     attempts=args.attempts) as client:
         for ev in client.generate(args.prompt, max_new_tokens=args.max_tokens, temperature=args.temperature,
                                   top_k=args.top_k, top_p=args.top_p, seed=args.seed,
                                   logits="last" if args.logits_out else "none"):

@@ -12,7 +12,9 @@ from dgr.errors import WireError
 def register(sub) -> None:
     """Add `dgr worker ...` to the `dgr` parser."""
     from dgr.wire.codec import DEFAULT_MAX_MESSAGE_BYTES
+    from dgr.wire.state import Limits
 
+    d = Limits()
     w = sub.add_parser("worker", help="run a shard worker")
     wsub = w.add_subparsers(dest="worker_command", metavar="ACTION", required=True)
     s = wsub.add_parser("serve", help="serve one stage of a bundle over gRPC (dgr.v1.Stage)")
@@ -20,43 +22,91 @@ def register(sub) -> None:
     s.add_argument("--fake-engine", metavar="SPEC",
                    help="serve a stage of the numpy fake model SPEC instead (tests), e.g. 'layers=6,cuts=2:4'")
     s.add_argument("--stage", type=int, required=True, help="stage index in the bundle")
-    s.add_argument("--listen", default="127.0.0.1:0", help="HOST:PORT (port 0 picks a free one)")
+    s.add_argument("--listen", default="127.0.0.1:0", help="HOST:PORT (port 0 picks a free one); a non-loopback "
+                   "address needs --tls-cert/--tls-key or --insecure")
     s.add_argument("--lane", default=None, help="backend lane to advertise; must be the engine's own (default: "
                    "the lane the engine library was built for)")
     s.add_argument("--wire-dtype", default=None, help="f32 | f16 | bf16 (default: the bundle's)")
     s.add_argument("--max-message-bytes", type=int, default=DEFAULT_MAX_MESSAGE_BYTES)
-    s.add_argument("--max-batch-tokens", type=int, default=512)
+    s.add_argument("--max-batch-tokens", type=int, default=d.max_batch_tokens)
     s.add_argument("--n-ctx", type=int, default=DEFAULT_N_CTX, help="positions per session (real engine)")
     s.add_argument("--max-sessions", type=int, default=DEFAULT_MAX_SESSIONS,
                    help="concurrent sessions (real engine)")
     s.add_argument("--threads", type=int, default=0, help="engine compute threads (0: the engine's default)")
+    s.add_argument("--session-ttl", type=float, default=d.session_ttl_s, metavar="S",
+                   help=f"close sessions idle for S seconds, freeing their cache (default {d.session_ttl_s:g}; "
+                        "0: never); a session opened and never used counts as idle")
+    s.add_argument("--max-queued-steps", type=int, default=d.max_queued_steps, metavar="N",
+                   help=f"steps queued for the engine before OVERLOADED (default {d.max_queued_steps})")
+    s.add_argument("--max-session-steps", type=int, default=d.max_session_steps, metavar="N",
+                   help=f"steps one session may have queued before OVERLOADED (default {d.max_session_steps})")
+    s.add_argument("--rpc-timeout", type=float, default=d.rpc_timeout_s, metavar="S",
+                   help=f"deadline per hop of the RPCs this worker makes (default {d.rpc_timeout_s:g})")
+    s.add_argument("--drain-timeout", type=float, default=d.drain_timeout_s, metavar="S",
+                   help=f"SIGTERM: exit within S seconds whatever the sessions and streams do "
+                        f"(default {d.drain_timeout_s:g})")
+    s.add_argument("--tls-cert", metavar="F", help="this worker's certificate (PEM; `dgr certs issue`)")
+    s.add_argument("--tls-key", metavar="F", help="its private key (PEM)")
+    s.add_argument("--tls-ca", metavar="F", help="the operator's CA (PEM): peers must present a certificate it "
+                   "signed (mutual TLS)")
+    s.add_argument("--insecure", action="store_true", help="allow a plaintext listener on a non-loopback address")
     s.set_defaults(func=_serve)
 
 
 def _serve(args) -> int:
     from dgr.app import stages
     from dgr.contract import DEFAULT_WIRE_DTYPE
-    from dgr.wire.worker import serve
+    from dgr.wire.state import Limits
+    from dgr.wire.tls import TlsConfig, check_listen
+    from dgr.wire.worker import drain, hard_exit, serve
 
     if bool(args.bundle) == bool(args.fake_engine):
         raise WireError("give exactly one of --bundle BUNDLE or --fake-engine SPEC")
+    for flag in ("max_queued_steps", "max_session_steps"):
+        if getattr(args, flag) < 1:
+            raise WireError(f"--{flag.replace('_', '-')} must be at least 1")
+    tls = TlsConfig.from_args(args.tls_cert, args.tls_key, args.tls_ca)
+    host, _, port = args.listen.rpartition(":")
+    if host and port.isdigit():                         # (a malformed address is refused by serve)
+        check_listen(args.listen, tls, args.insecure)   # before the engine loads: refuse fast
+    limits = Limits(max_batch_tokens=args.max_batch_tokens, max_queued_steps=args.max_queued_steps,
+                    max_session_steps=args.max_session_steps, session_ttl_s=max(0.0, args.session_ttl),
+                    rpc_timeout_s=args.rpc_timeout, drain_timeout_s=args.drain_timeout)
     if args.fake_engine:
         engine, ident = stages.fake_stage(args.fake_engine, args.stage, args.wire_dtype or DEFAULT_WIRE_DTYPE)
     else:
         engine, ident = stages.bundle_stage(args.bundle, args.stage, lane=args.lane, wire_dtype=args.wire_dtype,
                                             n_ctx=args.n_ctx, max_sessions=args.max_sessions,
                                             n_threads=args.threads)
-    server, worker, address = serve(engine, ident, args.listen, max_message_bytes=args.max_message_bytes,
-                                    max_batch_tokens=args.max_batch_tokens)
+    try:
+        server, worker, address = serve(engine, ident, args.listen, max_message_bytes=args.max_message_bytes,
+                                        limits=limits, tls=tls, insecure=args.insecure)
+    except BaseException:
+        engine.close()
+        raise
     info = worker.info
     where = f", {ident.lane} lane, weights on {engine.memory().device or 'the host'}"
+    sec = "mutual TLS" if worker.mutual_tls else "TLS" if tls else "plaintext"
     print(f"dgr worker: stage {ident.stage_index} [{info.layer_begin}, {info.layer_end}) of bundle "
-          f"{ident.bundle_id}{where} serving on {address}", flush=True)
+          f"{ident.bundle_id}{where}, {sec} serving on {address}", flush=True)
     done = threading.Event()
+
+    def on_signal(*_):
+        if done.is_set():                               # a second signal: leave now
+            hard_exit(1, "second signal while draining")
+        done.set()
+
     for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: done.set())
+        signal.signal(sig, on_signal)
     done.wait()
-    worker.stop()
-    server.stop(2).wait()
-    engine.close()
+    # the last resort: whatever hangs, the process is gone one second after the drain's bound
+    watchdog = threading.Timer(limits.drain_timeout_s + 1.0, hard_exit,
+                               args=(1, f"draining took longer than --drain-timeout {limits.drain_timeout_s:g} s"))
+    watchdog.daemon = True
+    watchdog.start()
+    drain(worker, limits.drain_timeout_s)
+    print(f"dgr worker: stage {ident.stage_index} on {address} drained and stopped", flush=True)
+    # The engine is closed and the server stopped: leave now rather than wait at interpreter exit for a
+    # gRPC handler thread that is still blocked on a dead peer (the bound is the point of a drain).
+    hard_exit(0, "")
     return 0

@@ -1,6 +1,13 @@
 """The route client: opens a session along a route of stage workers, streams a prompt into stage 0 in
-chunks, and receives the tokens that come back around the ring. On a cache miss anywhere it re-prefills
-from its token history at a new epoch. Shares nothing with the worker but the generated stubs."""
+chunks, receives the tokens that come back around the ring, and keeps generating through faults.
+
+A route lists, per stage, replicas in preference order (`parse_route("A,B1|B2,C")`). When a hop dies,
+stops answering or loses the session's cache, the client moves that stage to its next replica (or asks
+a `RouteSource`), opens a new epoch and re-prefills from its token history (prompt + tokens so far):
+the text goes on without a gap or a repeat, up to `attempts` failures. Liveness: while it waits for a
+reply, every `hop_deadline` seconds without one it probes every hop (Describe, same deadline); a hop
+that does not answer is named and routed around. Shares nothing with the worker but the stubs.
+"""
 
 from __future__ import annotations
 
@@ -8,82 +15,98 @@ import queue
 import threading
 import time
 import uuid
-from collections.abc import Iterator
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator, Sequence
 
 import grpc
 import numpy as np
 
 from dgr.errors import WireError
 from dgr.log import get_logger
-from dgr.wire import codec
+from dgr.wire import codec, tls as wtls
 from dgr.wire.codec import hop_name
-from dgr.wire.errors import HopUnreachable, RemoteCacheMiss, StageError, UnknownSession, from_proto
+from dgr.wire.errors import (RECOVERABLE, HopUnreachable, Overloaded, RemoteSchemaMismatch, StageError,
+                             WrongRange, WrongStage, from_proto, gave_up)
 from dgr.wire.gen import stage_pb2 as pb
 from dgr.wire.gen import stage_pb2_grpc as pb_grpc
+from dgr.wire.stats import Failure, Generation, TokenEvent
 
 log = get_logger(__name__)
 
+__all__ = ["Failure", "Generation", "RouteClient", "RouteSource", "TokenEvent", "parse_route"]
+
 _END = object()
 LOGITS = {"none": pb.LOGITS_NONE, "last": pb.LOGITS_LAST, "all": pb.LOGITS_ALL}
+DEFAULT_ATTEMPTS = 6
+DEFAULT_HOP_DEADLINE = 3.0
+
+# The hook the mesh's router supplies: asked for a replacement of stage `i` once the listed replicas are
+# used up, with every address already tried for that stage (in order); returns another HOST:PORT or None.
+RouteSource = Callable[[int, list[str]], "str | None"]
 
 
-@dataclass
-class TokenEvent:
-    token_id: int
-    text: str
-    position: int
-    epoch: int
-    ring_ns: int
-    compute_ns: int                      # summed over the stages this token passed through
-    logits: np.ndarray | None = None     # LOGITS_LAST: the row the token was sampled from
-    # per stage: (stage, transit in, queue, compute, encode+send) in ns
-    timings: list[tuple[int, int, int, int, int]] = field(default_factory=list)
-    return_ns: int = 0                   # transit of the token from the last stage to the origin
+def parse_route(text: str) -> list[list[str]]:
+    """`A,B1|B2,C` -> [["A"], ["B1", "B2"], ["C"]]: stages in order, each a list of replicas
+    (HOST:PORT) in preference order."""
+    if not text or not text.strip():
+        raise WireError("the route is empty: give HOST:PORT of every stage, stage 0 first (A,B1|B2,C)")
+    out = []
+    for i, hop in enumerate(text.split(",")):
+        reps = [r.strip() for r in hop.split("|")]
+        if not all(reps):
+            raise WireError(f"route {text!r}: stage {i} {'is empty' if not hop.strip() else 'has an empty replica'}"
+                            ": give HOST:PORT for every stage, replicas separated by '|' (A,B1|B2,C)")
+        for r in reps:
+            host, _, port = r.rpartition(":")
+            if not host or not port.isdigit():
+                raise WireError(f"route {text!r}: stage {i}: {r!r} is not HOST:PORT")
+        out.append(list(dict.fromkeys(reps)))
+    return out
 
 
-@dataclass
-class Generation:
-    prompt_ids: list[int]
-    token_ids: list[int] = field(default_factory=list)
-    text: str = ""
-    logits: dict[int, np.ndarray] = field(default_factory=dict)   # position -> row
-    events: list[TokenEvent] = field(default_factory=list)
-    epochs: int = 0
-    chunk_tokens: int = 0                # prefill tokens per step, the same at every stage
-    t_start: float = 0.0
-    t_first: float = 0.0
-    t_last: float = 0.0
-
-    @property
-    def prefill_tokens_per_s(self) -> float:
-        dt = self.t_first - self.t_start
-        return len(self.prompt_ids) / dt if dt > 0 else 0.0
-
-    @property
-    def decode_tokens_per_s(self) -> float:
-        dt = self.t_last - self.t_first
-        return (len(self.token_ids) - 1) / dt if dt > 0 and len(self.token_ids) > 1 else 0.0
+def _result(fut: grpc.Future, t: float):
+    try:
+        return fut.result(timeout=t)
+    except grpc.FutureTimeoutError:
+        raise queue.Empty from None
 
 
 class RouteClient:
-    def __init__(self, route: list[str], *, max_message_bytes: int = codec.DEFAULT_MAX_MESSAGE_BYTES,
-                 timeout: float = 120.0, chunk_tokens: int = 64):
-        if not route:
+    """`route`: HOST:PORT per stage, or a list of replicas per stage (preference order), or route text
+    (`parse_route`). `timeout`: the longest wait for one token of a route that answers probes;
+    `hop_deadline`: the deadline of liveness probes and the silence that triggers them; `attempts`:
+    failures recovered from before giving up; `tls`: this side's certificate (and CA) for every channel."""
+
+    def __init__(self, route: str | Sequence[str | Sequence[str]], *,
+                 max_message_bytes: int = codec.DEFAULT_MAX_MESSAGE_BYTES, timeout: float = 120.0,
+                 chunk_tokens: int = 64, tls: wtls.TlsConfig | None = None,
+                 hop_deadline: float = DEFAULT_HOP_DEADLINE, attempts: int = DEFAULT_ATTEMPTS,
+                 route_source: RouteSource | None = None):
+        reps = parse_route(route) if isinstance(route, str) else \
+            [[r] if isinstance(r, str) else list(dict.fromkeys(r)) for r in route]
+        if not reps or not all(reps):
             raise WireError("the route is empty: give HOST:PORT of every stage, stage 0 first")
-        self.route = list(route)
+        self.replicas = reps
+        self.route = [r[0] for r in reps]               # the replica each stage uses now
         self.max_message_bytes = max_message_bytes
         self.timeout = timeout
+        self.hop_deadline = hop_deadline
+        self.attempts = attempts
+        self.route_source = route_source
+        self.tls = tls
         self.chunk_tokens = max(1, min(chunk_tokens, codec.tokens_per_frame(max_message_bytes, 0)))
         limit = max_message_bytes + codec.FRAME_OVERHEAD
-        opts = [("grpc.max_send_message_length", limit), ("grpc.max_receive_message_length", limit)]
-        self.channels = [grpc.insecure_channel(a, options=opts) for a in self.route]
-        self.stubs = [pb_grpc.StageStub(c) for c in self.channels]
+        # reconnect soon to a worker restarted in place (gRPC's default backoff starts at 1 s, grows to 120 s)
+        self._opts = [("grpc.max_send_message_length", limit), ("grpc.max_receive_message_length", limit),
+                      ("grpc.initial_reconnect_backoff_ms", 200), ("grpc.min_reconnect_backoff_ms", 200),
+                      ("grpc.max_reconnect_backoff_ms", 2000)]
+        self._channels: dict[str, grpc.Channel] = {}
+        self._stubs: dict[str, pb_grpc.StageStub] = {}
         self.max_frame_bytes_sent = 0
-        self._hops: list[pb.StageDescription] | None = None
+        self._hops: list[pb.StageDescription | None] | None = None
+        self._ident: list[tuple | None] = [None] * len(reps)   # what each stage must serve (first seen)
 
     def close(self) -> None:
-        for c in self.channels:
+        for c in self._channels.values():
             c.close()
 
     def __enter__(self):
@@ -92,26 +115,64 @@ class RouteClient:
     def __exit__(self, *exc):
         self.close()
 
+    def _stub(self, address: str) -> pb_grpc.StageStub:
+        if address not in self._stubs:
+            self._channels[address] = wtls.channel(address, self.tls, self._opts)
+            self._stubs[address] = pb_grpc.StageStub(self._channels[address])
+        return self._stubs[address]
+
     def hop(self, i: int) -> str:
         return hop_name(i, self.route[i])
 
     @property
     def hops(self) -> list[pb.StageDescription]:
-        """What every hop said of itself, stage 0 first: the last `describe()`, made on first use.
+        """What every hop of the current route said of itself, stage 0 first (described on first use).
         Sessions open on what these say (bundle, stage, range of each hop)."""
-        if self._hops is None:
-            self.describe()
+        if self._hops is None or any(d is None for d in self._hops):
+            self.describe(missing_only=True)
         return self._hops
 
     # ------------------------------------------------------------------ control
-    def describe(self, timeout: float = 10.0) -> list[pb.StageDescription]:
-        out = []
-        for i, stub in enumerate(self.stubs):
-            try:
-                out.append(stub.Describe(pb.DescribeRequest(), timeout=timeout))
-            except grpc.RpcError as err:
-                raise HopUnreachable(f"cannot reach the worker: {err.code().name}: is it running?",
-                                     hop=self.hop(i)) from None
+    def _unreachable(self, i: int, what: str, err: grpc.RpcError) -> HopUnreachable:
+        detail, hint = (err.details() or "").strip(), "is it running?"
+        low = detail.lower()          # a TLS peer drops a plaintext or untrusted client while it connects
+        if any(s in low for s in ("ssl", "tls", "handshake", "certificate")) or \
+                ("failed to connect" in low and "socket closed" in low):
+            hint = ("TLS refused: give --tls-cert/--tls-key (and --tls-ca) from the CA the workers trust"
+                    if self.tls is None else "TLS refused: is this certificate from the CA the worker trusts, "
+                    "and does the worker's certificate name this host?")
+        return HopUnreachable(f"{what}: {err.code().name}{': ' + detail if detail else ''}: {hint}", hop=self.hop(i))
+
+    def describe(self, timeout: float | None = None, missing_only: bool = False) -> list[pb.StageDescription]:
+        """Describe every hop (`missing_only`: those not described yet) within `timeout` (default
+        `hop_deadline`). At first, a stage whose replica does not answer moves to its next replica; none
+        left: HopUnreachable naming it."""
+        timeout = timeout or self.hop_deadline
+        old = (self._hops if missing_only else None) or [None] * len(self.route)
+        out: list[pb.StageDescription | None] = []
+        for i in range(len(self.route)):
+            if old[i] is not None:
+                out.append(old[i])
+                continue
+            errors = []
+            first = self._ident[i] is None              # at start: fail over to the next replica at once
+            cands = [self.route[i]] + ([a for a in self.replicas[i] if a != self.route[i]] if first else [])
+            for address in cands:
+                self.route[i] = address
+                try:
+                    d = self._stub(address).Describe(pb.DescribeRequest(), timeout=timeout)
+                except grpc.RpcError as err:
+                    errors.append(self._unreachable(i, "cannot reach the worker", err))
+                    continue
+                if (bad := self._check_identity(i, d)) is not None:
+                    errors.append(bad)
+                    continue
+                out.append(d)
+                break
+            else:
+                self._hops = out + [None] + list(old[i + 1:])   # described again on next use
+                raise errors[0] if len(errors) == 1 else type(errors[-1])(
+                    "no replica of this stage answers: " + "; ".join(str(e) for e in errors), hop=self.hop(i))
         self._hops = out
         # Every stage processes the same chunks (no hop re-splits a chunk to fit its message limit), so
         # prefill follows one schedule end to end and a baseline chunked alike is comparable bit for bit
@@ -122,11 +183,22 @@ class RouteClient:
                     min(d.max_message_bytes, self.max_message_bytes), d.seam_bytes_per_token))
         return out
 
+    def _check_identity(self, i: int, d: pb.StageDescription) -> StageError | None:
+        """A replica must serve what stage i's first replica served (bundle, stage, range)."""
+        idn = d.identity
+        got = (idn.bundle_id, idn.stage_index, idn.layer_begin, idn.layer_end)
+        if self._ident[i] is None:
+            self._ident[i] = got
+        elif got != self._ident[i]:
+            b, s, lo, hi = self._ident[i]
+            return WrongStage(f"this replica serves stage {got[1]} [{got[2]}, {got[3]}) of bundle {got[0]}, "
+                              f"not stage {s} [{lo}, {hi}) of bundle {b}", hop=self.hop(i))
+        return None
+
     def _vocab_stub(self) -> pb_grpc.StageStub:
-        hops = self.hops
-        for d, stub in zip(hops, self.stubs):
+        for i, d in enumerate(self.hops):
             if d.has_vocab:
-                return stub
+                return self._stub(self.route[i])
         raise WireError("no stage of the route holds the vocabulary: cannot tokenize")
 
     def tokenize(self, text: str, add_special: bool = True) -> list[int]:
@@ -143,56 +215,137 @@ class RouteClient:
                  for a, d in zip(self.route, hops)]
         req = pb.OpenSessionRequest(session_id=session_id, epoch=epoch, route=route, hop_index=0,
                                     sampling=sampling, logits=logits)
+        fut = self._stub(self.route[0]).OpenSession.future(req, timeout=self.timeout)
         try:
-            reply = self.stubs[0].OpenSession(req, timeout=120)
+            reply = self._watch(lambda t: _result(fut, t), "no answer to OpenSession", fut.cancel)
         except grpc.RpcError as err:
-            raise HopUnreachable(f"cannot open a session: {err.code().name}: is the worker running?",
-                                 hop=self.hop(0)) from None
+            raise self._unreachable(0, "cannot open a session", err) from None
         if reply.HasField("error"):
             raise from_proto(reply.error)
         return list(reply.hops)
 
-    def close_session(self, session_id: str, epoch: int) -> None:
+    def close_session(self, session_id: str, epoch: int, timeout: float = 10.0, origin: str | None = None) -> None:
+        """Close an epoch along the route from `origin` (default: the current stage 0)."""
         try:
-            self.stubs[0].CloseSession(pb.CloseSessionRequest(session_id=session_id, epoch=epoch, chain=True),
-                                       timeout=10)
+            self._stub(origin or self.route[0]).CloseSession(
+                pb.CloseSessionRequest(session_id=session_id, epoch=epoch, chain=True), timeout=timeout)
         except grpc.RpcError:
-            pass                                        # best effort: the worker frees it on its own restart
+            pass                                        # best effort: workers free it on their own
+
+    # ------------------------------------------------------------------ liveness
+    def probe(self) -> HopUnreachable | None:
+        """Ask every hop at once to describe itself within `hop_deadline`; the first that does not."""
+        futs = [self._stub(a).Describe.future(pb.DescribeRequest(), timeout=self.hop_deadline) for a in self.route]
+        dead = None
+        for i, f in enumerate(futs):
+            try:
+                f.result()
+            except grpc.RpcError as err:
+                dead = dead or HopUnreachable(
+                    f"does not answer within the hop deadline of {self.hop_deadline:g} s ({err.code().name}): "
+                    "stopped, hung or cut off", hop=self.hop(i))
+        return dead
+
+    def _watch(self, get, what: str, cancel=None):
+        """`get(t)` (raises queue.Empty after t s) under the liveness watch: probe the route every
+        `hop_deadline` s without a reply; give up after `timeout` s of a route that answers probes."""
+        t0 = time.monotonic()
+        while True:
+            try:
+                return get(self.hop_deadline)
+            except queue.Empty:
+                pass
+            dead = self.probe()
+            if dead is None and time.monotonic() - t0 > self.timeout:
+                dead = StageError(f"{what} within {self.timeout:.0f} s; every hop answers Describe: a worker "
+                                  "may be stuck (see their logs)", hop="route " + ",".join(self.route))
+            if dead is not None:
+                if cancel is not None:
+                    cancel()
+                raise dead
+
+    # ------------------------------------------------------------------ recovery
+    def _recover(self, err: StageError, gen: Generation, budget: int) -> None:
+        """Note a failed attempt, then re-route (raise when it cannot be recovered or attempts ran out)."""
+        stage = err.stage if err.stage is not None and err.stage < len(self.route) else None
+        if stage is None and isinstance(err, HopUnreachable):
+            stage = 0                                   # e.g. a broken stream to stage 0
+        code = getattr(err, "code", "ERROR_UNSPECIFIED")
+        gen.failures.append(Failure(stage, self.route[stage] if stage is not None else "", err.hop or "", code,
+                                    str(err), time.monotonic(), len(gen.token_ids)))
+        permanent = isinstance(err, (WrongStage, WrongRange, RemoteSchemaMismatch))
+        spare = stage is not None and (len(self.replicas[stage]) > 1 or self.route_source is not None)
+        if not isinstance(err, RECOVERABLE) and not (permanent and spare):
+            raise err
+        if len(gen.failures) >= budget:
+            raise gave_up(err, gen.failures, gen.routes) from None
+        log.warning("%s; recovering (attempt %d of %d)", err, len(gen.failures), budget)
+        if isinstance(err, (HopUnreachable, Overloaded)) or permanent:
+            self._replace(stage or 0, gen, retry_after=getattr(err, "retry_after_ms", 0) / 1000, drop=permanent)
+        # a cache miss or lost session: the same route holds, a new epoch re-prefills it
+
+    def _replace(self, stage: int, gen: Generation, *, retry_after: float = 0.0, drop: bool = False) -> None:
+        """Move `stage` to its next replica: untried ones first, then the route source's, then the
+        listed ones again in order (a worker restarted in place), after a growing pause."""
+        cur = self.route[stage]
+        reps = self.replicas[stage]
+        if drop and len(reps) > 1:
+            reps.remove(cur)                            # serves something else: never again
+        tried = list(dict.fromkeys([f.address for f in gen.failures if f.stage == stage] + [cur]))
+        untried = [a for a in reps if a not in tried]
+        nxt = untried[0] if untried else None
+        if nxt is None and self.route_source is not None:
+            nxt = self.route_source(stage, tried)
+            if nxt and nxt not in reps:
+                reps.append(nxt)
+        if not nxt:
+            nxt = reps[(reps.index(cur) + 1) % len(reps)] if cur in reps else reps[0]
+            again = sum(1 for f in gen.failures if f.stage == stage and f.address == nxt)
+            retry_after = max(retry_after, min(2.0, 0.25 * 2 ** max(0, again - 1)))
+        if retry_after:
+            time.sleep(retry_after)
+        if nxt != cur:
+            log.warning("stage %d: %s -> %s", stage, cur, nxt)
+        self.route[stage] = nxt
+        if self._hops is not None:
+            self._hops[stage] = None                    # described again before the next open
 
     # ------------------------------------------------------------------ generation
     def generate(self, prompt: str | list[int], *, max_new_tokens: int = 32, temperature: float = 0.0,
                  top_k: int = 0, top_p: float = 0.0, seed: int = 0, logits: str = "none",
-                 stop_token_ids: list[int] | None = None, max_epochs: int = 4,
+                 stop_token_ids: list[int] | None = None, attempts: int | None = None,
                  session_id: str | None = None) -> Iterator[TokenEvent]:
-        """Yield tokens as they arrive. `logits`: none | last | all (rows go to `self.last.logits`)."""
+        """Yield tokens as they arrive. `logits`: none | last | all (rows go to `self.last.logits`).
+        Recovers from up to `attempts` (default: the client's) failed attempts, then raises."""
         ids = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
         if not ids:
             raise WireError("the prompt is empty")
         if stop_token_ids is None:
-            hops = self.hops
-            stop_token_ids = list(hops[-1].eos_token_ids)
+            stop_token_ids = list(self.hops[-1].eos_token_ids)
         sampling = pb.Sampling(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
-        if self._hops is None:                          # describe before the clock starts
-            self.describe()
+        _ = self.hops                                   # describe before the clock starts
+        budget = attempts if attempts is not None else self.attempts
         gen = self.last = Generation(prompt_ids=ids, t_start=time.perf_counter(), chunk_tokens=self.chunk_tokens)
         sid = session_id or uuid.uuid4().hex
         epoch = 0
         while len(gen.token_ids) < max_new_tokens:
             epoch += 1
-            if epoch > max_epochs:
-                raise WireError(f"gave up after {max_epochs} epochs of cache misses; is a worker restarting?")
             gen.epochs = epoch
-            self.open(sid, epoch, sampling, LOGITS[logits])
+            failed, origin = False, self.route[0]
+            gen.routes.append(",".join(self.route))
             try:
+                self.open(sid, epoch, sampling, LOGITS[logits])   # describes a replaced hop first
                 yield from self._run_epoch(gen, sid, epoch, max_new_tokens, stop_token_ids)
                 break
-            except (RemoteCacheMiss, UnknownSession) as miss:
-                # A hop lost or never had this session's cache (eviction, restart, route change):
-                # rebuild it from the token history at a new epoch.
-                log.info("%s; re-prefilling %d tokens at epoch %d", miss, len(ids) + len(gen.token_ids),
-                         epoch + 1)
+            except StageError as err:
+                failed = True
+                self._recover(err, gen, budget)
             finally:
-                self.close_session(sid, epoch)
+                if failed:                              # never wait on a dead or stopped hop to close
+                    threading.Thread(target=self.close_session, args=(sid, epoch, self.hop_deadline, origin),
+                                     daemon=True).start()
+                else:
+                    self.close_session(sid, epoch)
 
     def run(self, prompt: str | list[int], **kw) -> Generation:
         for _ in self.generate(prompt, **kw):
@@ -222,7 +375,8 @@ class RouteClient:
             outgoing.put(f)
         if epoch == 1:
             gen.t_start = time.perf_counter()           # prefill time starts with the first chunk sent
-        call = self.stubs[0].Frames(iter(outgoing.get, _END))
+        # No fixed deadline on the stream (it lasts the generation): `_watch` bounds every wait on it.
+        call = self._stub(self.route[0]).Frames(iter(outgoing.get, _END))
 
         def read():
             try:
@@ -235,15 +389,12 @@ class RouteClient:
         threading.Thread(target=read, daemon=True, name="client-frames").start()
         try:
             while True:
-                try:
-                    item = q.get(timeout=self.timeout)
-                except queue.Empty:
-                    raise self._diagnose(f"no reply from the route within {self.timeout:.0f} s") from None
+                item = self._watch(lambda t: q.get(timeout=t), "no reply from the route")
                 if item is _END:
-                    raise self._diagnose("stage 0 closed the stream before the generation finished")
+                    raise self.probe() or HopUnreachable(
+                        "stage 0 closed the stream before the generation finished", hop=self.hop(0))
                 if isinstance(item, grpc.RpcError):
-                    raise HopUnreachable(f"the stream broke: {item.code().name} {item.details() or ''}: "
-                                         "that worker may have died", hop=self.hop(0)) from None
+                    raise self._unreachable(0, "the stream broke (that worker may have died)", item) from None
                 kind = item.WhichOneof("body")
                 if kind == "error":
                     raise from_proto(item.error)
@@ -275,14 +426,3 @@ class RouteClient:
         finally:
             outgoing.put(_END)
             call.cancel()
-
-    def _diagnose(self, what: str) -> StageError:
-        """Find which hop is down, so the error names it."""
-        for i, stub in enumerate(self.stubs):
-            try:
-                stub.Describe(pb.DescribeRequest(), timeout=3)
-            except grpc.RpcError as err:
-                return HopUnreachable(f"{what}; this worker does not answer ({err.code().name}): restart it",
-                                      hop=self.hop(i))
-        return StageError(f"{what}; every hop answers Describe: a worker may be stuck (see their logs)",
-                          hop="route " + ",".join(self.route))

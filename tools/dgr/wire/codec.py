@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from dgr.contract import WIRE_DTYPES, BoundarySchema
@@ -42,10 +44,14 @@ def encode(x: np.ndarray, dtype: int) -> pb.Boundary:
     if dtype == pb.F32:
         data = x.astype("<f4", copy=False).tobytes()
     elif dtype == pb.F16:
-        data = x.astype("<f2").tobytes()
+        with np.errstate(over="ignore"):             # beyond f16's range is an infinity, as in a cast
+            data = x.astype("<f2").tobytes()
     elif dtype == pb.BF16:
         u = x.view(np.uint32).astype(np.uint64)
-        data = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype("<u2").tobytes()
+        r = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
+        # a NaN whose payload is all in the low half would round to infinity: keep it a (quiet) NaN
+        r = np.where(np.isnan(x).reshape(r.shape), (u >> 16) | 0x0040, r)
+        data = r.astype("<u2").tobytes()
     else:
         raise WireError(f"cannot encode wire dtype {dtype}")
     return pb.Boundary(dtype=dtype, shape=list(x.shape), data=data)
@@ -56,7 +62,7 @@ def decode(b: pb.Boundary) -> np.ndarray:
     if b.dtype not in DTYPE_BYTES:
         raise ValueError(f"unknown boundary dtype {b.dtype}")
     shape = tuple(b.shape)
-    n = int(np.prod(shape)) if shape else 0
+    n = math.prod(shape) if shape else 0            # exact: np.prod wraps around on 2**64
     if len(b.data) != n * DTYPE_BYTES[b.dtype]:
         raise ValueError(f"boundary of shape {list(shape)} in {DTYPE_NAMES[b.dtype]} needs "
                          f"{n * DTYPE_BYTES[b.dtype]} bytes, got {len(b.data)}")

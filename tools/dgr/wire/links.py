@@ -15,7 +15,7 @@ import time
 import grpc
 
 from dgr.log import get_logger
-from dgr.wire import codec
+from dgr.wire import codec, tls
 from dgr.wire.codec import hop_name
 from dgr.wire.gen import stage_pb2 as pb
 from dgr.wire.gen import stage_pb2_grpc as pb_grpc
@@ -31,12 +31,36 @@ def channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
     return [("grpc.max_send_message_length", limit), ("grpc.max_receive_message_length", limit)]
 
 
+# A link pings its peer every second and gives up 2 s after an unanswered ping: a dead or stopped next
+# hop (SIGSTOP keeps the TCP connection up) is noticed within ~3 s, not at the next TCP timeout. (gRPC
+# >= 1.6x times an unanswered ping out after grpc.http2.ping_timeout_ms, 60 s by default: set it too.)
+LINK_KEEPALIVE_MS, LINK_KEEPALIVE_TIMEOUT_MS = 1000, 2000
+
+
+def link_options(max_message_bytes: int) -> list[tuple[str, int]]:
+    """A worker's channel to a peer (next hop, origin): message limits plus keepalive."""
+    return [*channel_options(max_message_bytes), ("grpc.keepalive_time_ms", LINK_KEEPALIVE_MS),
+            ("grpc.keepalive_timeout_ms", LINK_KEEPALIVE_TIMEOUT_MS), ("grpc.keepalive_permit_without_calls", 1),
+            ("grpc.http2.max_pings_without_data", 0), ("grpc.http2.min_time_between_pings_ms", LINK_KEEPALIVE_MS),
+            ("grpc.http2.min_ping_interval_without_data_ms", LINK_KEEPALIVE_MS),
+            ("grpc.http2.ping_timeout_ms", LINK_KEEPALIVE_TIMEOUT_MS)]
+
+
+def server_options(max_message_bytes: int) -> list[tuple[str, int]]:
+    """A worker's server: message limits, the links' (and clients') pings permitted, and its own pings
+    to callers so that a stopped caller's streams end too."""
+    return [*channel_options(max_message_bytes), ("grpc.keepalive_permit_without_calls", 1),
+            ("grpc.http2.min_recv_ping_interval_without_data_ms", LINK_KEEPALIVE_MS // 2),
+            ("grpc.http2.max_ping_strikes", 0), ("grpc.http2.max_pings_without_data", 0),
+            ("grpc.keepalive_time_ms", 10_000), ("grpc.keepalive_timeout_ms", 5_000)]
+
+
 class Link:
     """An outgoing Frames stream to one peer, shared by all sessions going there."""
 
     def __init__(self, worker: Links, address: str, label: str):
         self.worker, self.address, self.label = worker, address, label
-        self.channel = grpc.insecure_channel(address, options=channel_options(worker.max_message_bytes))
+        self.channel = tls.channel(address, worker.tls, link_options(worker.max_message_bytes))
         self.stub = pb_grpc.StageStub(self.channel)
         self.lock = threading.Lock()
         self.q: queue.Queue | None = None
@@ -54,17 +78,19 @@ class Link:
             self.q.put(frame)
 
     def _read(self, call, q) -> None:
+        why = "closed the stream"
         try:
             for reply in call:
                 self.worker._on_link_reply(self, reply)
         except grpc.RpcError as err:
-            with self.lock:
-                lost, self.sessions = self.sessions, set()
-                if self.q is q:
-                    self.q = None
-            q.put(END)                                  # release gRPC's request-consuming thread
-            if err.code() != grpc.StatusCode.CANCELLED or not self.worker.stopping:
-                self.worker._on_link_broken(self, err, lost)
+            why = f"{err.code().name}: {err.details() or ''}"
+        with self.lock:
+            lost, self.sessions = self.sessions, set()
+            if self.q is q:
+                self.q = None                           # the next frame opens a new stream
+        q.put(END)                                      # release gRPC's request-consuming thread
+        if not self.worker.stopping:
+            self.worker._on_link_broken(self, why, lost)
 
     def close(self) -> None:
         with self.lock:
@@ -165,15 +191,16 @@ class Links(StageState):
         if sess is not None:
             self._to_origin(sess, frame)
 
-    def _on_link_broken(self, link: Link, err: grpc.RpcError, lost: set) -> None:
+    def _on_link_broken(self, link: Link, why: str, lost: set) -> None:
         with self.lock:
             sessions = [self.sessions[k] for k in lost if k in self.sessions]
         for sess in sessions:
             idx = next((i for i, h in enumerate(sess.route) if h.address == link.address), -1)
             name = hop_name(idx, link.address) if idx >= 0 else link.address
             e = pb.WireError(code=pb.HOP_UNREACHABLE, hop=name, message=(
-                f"{name} is unreachable: {self.hop} lost its stream to it ({err.code().name}: "
-                f"{err.details() or ''}); that worker may have died: restart it and retry (recovery comes later)"))
+                f"{name} is unreachable: {self.hop} lost its stream to it ({why}); that worker died, stopped "
+                f"answering (keepalive {LINK_KEEPALIVE_MS + LINK_KEEPALIVE_TIMEOUT_MS} ms) or shut down: use "
+                "another replica or restart it"))
             frame = pb.Frame(session_id=sess.session_id, epoch=sess.epoch, error=e)
             if link.address == sess.route[0].address:
                 log.warning("origin unreachable for session %s: %s", sess.session_id, e.message)

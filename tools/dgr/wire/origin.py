@@ -16,6 +16,13 @@ from dgr.wire.gen import stage_pb2 as pb
 from dgr.wire.state import Session, StageState, Work
 
 
+def context_full(position: int, n_ctx: int) -> str:
+    """The error of a session that reaches the context limit: what the limit is and how to raise it."""
+    return (f"the session reached the context limit: position {position} is beyond the {n_ctx} positions "
+            f"(0..{n_ctx - 1}) a session may hold on this worker; start the workers with a larger "
+            f"`dgr worker serve --n-ctx N` (every stage of the route), or use a shorter prompt or fewer tokens")
+
+
 class Origin(StageState):
     """The origin's part of a StageWorker. It queues steps and defers jobs through `_enqueue` and
     `_defer` (dgr.wire.scheduler) and closes sessions with `CloseSession` (dgr.wire.servicer)."""
@@ -46,12 +53,12 @@ class Origin(StageState):
             if pos >= self.info.n_ctx:
                 sess.failed = True
                 sess.client.put(pb.Frame(session_id=sess.session_id, epoch=sess.epoch, error=self._err(
-                    pb.ENGINE, f"the context of {self.info.n_ctx} positions is full")))
+                    pb.ENGINE, context_full(pos, self.info.n_ctx))))
             else:
                 nxt = pb.Frame(session_id=sess.session_id, epoch=sess.epoch, origin_sent_ns=time.monotonic_ns(),
                                step=pb.Step(positions=[pos], token_ids=[tok.token_id], cache_expect=pos,
                                             sample=True))
-                self._enqueue(Work(nxt, sess.client, time.monotonic_ns()), sess)
+                self._enqueue(Work(nxt, sess.client, time.monotonic_ns()), sess, own=True)
         else:
             sess.done = True
         # Detokenize on the engine thread once the next step's forward has started: text never delays

@@ -28,11 +28,12 @@ class Scheduler(StageState):
     """The step queue and the engine loop of a StageWorker. Results go on through `_emit_boundary` and
     `_emit_last`, which dgr.wire.links.Links provides (the worker composes both)."""
 
-    def _init_scheduler(self, max_batch_tokens: int, max_queued_steps: int) -> None:
-        self.max_batch_tokens = max_batch_tokens
-        self.max_queued_steps = max_queued_steps
+    def _init_scheduler(self) -> None:
+        self.max_batch_tokens = self.limits.max_batch_tokens
+        self.max_queued_steps = self.limits.max_queued_steps
         self.pending: dict[tuple[str, int], collections.deque] = {}
         self.n_pending = 0
+        self.batch_ms = 1.0                                 # moving average of one engine batch (retry hints)
         self.jobs: collections.deque = collections.deque()   # engine-thread work that may wait a forward
         self.wake = threading.Condition(self.lock)
 
@@ -40,13 +41,29 @@ class Scheduler(StageState):
         self.engine_thread = threading.Thread(target=self._engine_loop, daemon=True, name="engine")
         self.engine_thread.start()
 
-    def _enqueue(self, work: Work, sess: Session) -> None:
+    def _retry_after_ms(self) -> int:
+        """When the queue will probably have room again: the queued batches at the recent batch time."""
+        return int(min(5000, max(50, self.batch_ms * (1 + self.n_pending))))
+
+    def _enqueue(self, work: Work, sess: Session, *, own: bool = False) -> None:
+        """Queue a step; a full queue answers OVERLOADED with a retry hint. `own`: the origin's next decode
+        step of an admitted session (at most one per session in flight), never refused."""
         key = (work.frame.session_id, work.frame.epoch)
+        lim = self.limits
         with self.lock:
-            if self.n_pending >= self.max_queued_steps:
+            dq = self.pending.get(key)
+            why = None
+            if not own and self.n_pending >= lim.max_queued_steps:
+                why = f"{self.n_pending} steps are queued (--max-queued-steps {lim.max_queued_steps})"
+            elif not own and dq is not None and len(dq) >= lim.max_session_steps:
+                why = (f"session {key[0]} has {len(dq)} steps queued (--max-session-steps "
+                       f"{lim.max_session_steps})")
+            if why is not None:
+                self.overloaded += 1
                 self._reply_error(work.reply, work.frame, self._err(
-                    pb.OVERLOADED, f"{self.n_pending} steps are queued: retry later"))
+                    pb.OVERLOADED, f"{why}: retry later", retry_after_ms=self._retry_after_ms()))
                 return
+            sess.last_used = time.monotonic()
             self.pending.setdefault(key, collections.deque()).append(work)
             self.n_pending += 1
             self.wake.notify()
@@ -140,9 +157,13 @@ class Scheduler(StageState):
             t0 = time.monotonic_ns()
             results = self._forward(steps, ready)
             compute = time.monotonic_ns() - t0
+        self.batch_ms = 0.8 * self.batch_ms + 0.2 * compute / 1e6
+        now = time.monotonic()
         for (w, sess), res in zip(ready, results):
+            sess.last_used = now
             if res is None:
                 continue
+            sess.held = res.n_cached
             timing = pb.HopTiming(stage_index=self.identity.stage_index, queue_ns=t0 - w.t_recv,
                                   transit_ns=w.transit_ns,
                                   compute_ns=compute)

@@ -21,12 +21,13 @@ from dgr.errors import DgrError
 from dgr.log import get_logger
 from dgr.wire import codec
 from dgr.wire.codec import hop_name, schema_diff, schema_str
+from dgr.wire.tls import peer_identity
 from dgr.wire.gen import stage_pb2 as pb
 from dgr.wire.gen import stage_pb2_grpc as pb_grpc
 from dgr.wire.links import Links
-from dgr.wire.origin import Origin
+from dgr.wire.origin import Origin, context_full
 from dgr.wire.scheduler import Scheduler
-from dgr.wire.state import END, Session, StageIdentity, StageState, WireFault, Work
+from dgr.wire.state import DRAIN, END, LOCAL, Limits, Session, StageIdentity, StageState, WireFault, Work
 
 log = get_logger(__name__)
 
@@ -35,12 +36,16 @@ class StageWorker(Scheduler, Links, Origin, pb_grpc.StageServicer):
     """One stage's worker: the Stage RPCs here, the parts' jobs in their modules, one StageState."""
 
     def __init__(self, engine: ShardEngine, identity: StageIdentity, *, address: str = "",
-                 max_message_bytes: int = codec.DEFAULT_MAX_MESSAGE_BYTES,
-                 max_batch_tokens: int = 512, max_queued_steps: int = 4096):
-        StageState.__init__(self, engine, identity, address=address, max_message_bytes=max_message_bytes)
-        self._init_scheduler(max_batch_tokens, max_queued_steps)
+                 max_message_bytes: int = codec.DEFAULT_MAX_MESSAGE_BYTES, limits: Limits | None = None,
+                 tls=None):
+        StageState.__init__(self, engine, identity, address=address, max_message_bytes=max_message_bytes,
+                            limits=limits, tls=tls)
+        self._init_scheduler()
         self._init_links()
+        self.server = self.health = None                # set by dgr.wire.worker.serve
         self._start_engine_thread()                     # last: the engine thread reads all of the above
+        self.reaper = threading.Thread(target=self._reap_loop, daemon=True, name="reaper")
+        self.reaper.start()
 
     # ------------------------------------------------------------------ description
     def describe_msg(self) -> pb.StageDescription:
@@ -55,7 +60,10 @@ class StageWorker(Scheduler, Links, Origin, pb_grpc.StageServicer):
             n_ctx=i.n_ctx, max_sessions=i.max_sessions, open_sessions=len(self.sessions),
             queued_steps=self.n_pending, max_message_bytes=self.max_message_bytes,
             max_frame_bytes_sent=self.max_frame_bytes_sent, engine=idn.engine,
-            eos_token_ids=list(idn.eos_token_ids))
+            eos_token_ids=list(idn.eos_token_ids), chat_template=idn.chat_template, reaped_sessions=self.reaped_sessions,
+            session_ttl_s=self.limits.session_ttl_s, max_queued_steps=self.limits.max_queued_steps,
+            overloaded=self.overloaded, tls=self.tls is not None, mutual_tls=self.mutual_tls,
+            cached_positions=sum(s.held for s in list(self.sessions.values())), member=self.member)
         if (s := self.schema_in()) is not None:
             d.schema_in.CopyFrom(s)
         if (s := self.schema_out()) is not None:
@@ -82,6 +90,9 @@ class StageWorker(Scheduler, Links, Origin, pb_grpc.StageServicer):
         return pb.DetokenizeReply(text=text)
 
     def OpenSession(self, req, context):
+        if self.stopping:
+            return pb.OpenSessionReply(error=self._err(
+                pb.HOP_UNREACHABLE, "this worker is shutting down: open the session on another replica"))
         me = self.describe_msg()
         ident = me.identity
         if req.hop_index >= len(req.route):
@@ -135,9 +146,10 @@ class StageWorker(Scheduler, Links, Origin, pb_grpc.StageServicer):
             old = [k for k in self.sessions if k[0] == req.session_id]
             live = len(self.sessions) - len(old)
             if live >= self.info.max_sessions:
+                self.overloaded += 1
                 return pb.OpenSessionReply(error=self._err(
                     pb.OVERLOADED, f"all {self.info.max_sessions} sessions are in use: retry later or "
-                                   "use another route"))
+                                   "use another route", retry_after_ms=self._session_retry_ms()))
         for k in old:
             self._close_local(*k)
         try:
@@ -145,7 +157,8 @@ class StageWorker(Scheduler, Links, Origin, pb_grpc.StageServicer):
                 self.engine.open_session(req.session_id, req.epoch)
         except DgrError as err:
             return pb.OpenSessionReply(error=self._err(pb.ENGINE, str(err)))
-        sess = Session(req.session_id, req.epoch, list(req.route), req.hop_index, req.sampling, req.logits)
+        sess = Session(req.session_id, req.epoch, list(req.route), req.hop_index, req.sampling, req.logits,
+                       opener=peer_identity(context) if context is not None else None)
         with self.lock:
             self.sessions[key] = sess
             self.latest_epoch[req.session_id] = req.epoch
@@ -157,7 +170,8 @@ class StageWorker(Scheduler, Links, Origin, pb_grpc.StageServicer):
             fwd.hop_index = req.hop_index + 1
             fwd.upstream.CopyFrom(me)
             try:
-                reply = self._link(nxt.address, req.hop_index + 1).stub.OpenSession(fwd, timeout=60)
+                reply = self._link(nxt.address, req.hop_index + 1).stub.OpenSession(
+                    fwd, timeout=self._chain_timeout(len(req.route) - 1 - req.hop_index, context))
             except grpc.RpcError as err:
                 name = hop_name(req.hop_index + 1, nxt.address)
                 reply = pb.OpenSessionReply(error=pb.WireError(code=pb.HOP_UNREACHABLE, hop=name, message=(
@@ -167,7 +181,25 @@ class StageWorker(Scheduler, Links, Origin, pb_grpc.StageServicer):
                 self._close_local(*key)
                 return reply
             hops.extend(reply.hops)
+        # the origin takes tokens back only from the last hop, errors from any hop of the route (mTLS)
+        sess.returner = hops[-1].member or None
+        sess.route_members = frozenset(h.member for h in hops if h.member)
         return pb.OpenSessionReply(hops=hops)
+
+    def _chain_timeout(self, hops_after: int, context) -> float:
+        """The deadline of a chained RPC: one rpc_timeout per hop still to go (so the hop nearest a fault
+        times out first and is the one named), never past the caller's own deadline."""
+        t = self.limits.rpc_timeout_s * max(1, hops_after)
+        left = context.time_remaining() if context is not None else None
+        return max(0.1, min(t, left - 0.2)) if left is not None else t
+
+    def _session_retry_ms(self) -> int:
+        """When a session slot may free up: the next idle session's reaping, else a second."""
+        ttl = self.limits.session_ttl_s
+        if ttl <= 0 or not self.sessions:
+            return 1000
+        idle = max(time.monotonic() - s.last_used for s in list(self.sessions.values()))
+        return int(min(ttl, max(0.1, ttl - idle)) * 1000)
 
     def CloseSession(self, req, context):
         sess = self.sessions.get((req.session_id, req.epoch))
@@ -175,7 +207,8 @@ class StageWorker(Scheduler, Links, Origin, pb_grpc.StageServicer):
         if req.chain and sess is not None and not self.info.is_last:
             nxt = sess.route[sess.hop_index + 1]
             try:
-                self._link(nxt.address, sess.hop_index + 1).stub.CloseSession(req, timeout=10)
+                self._link(nxt.address, sess.hop_index + 1).stub.CloseSession(
+                    req, timeout=self._chain_timeout(len(sess.route) - 1 - sess.hop_index, context))
             except grpc.RpcError as err:
                 return pb.CloseSessionReply(error=self._err(
                     pb.HOP_UNREACHABLE, f"could not close on {hop_name(sess.hop_index + 1, nxt.address)}: "
@@ -192,11 +225,16 @@ class StageWorker(Scheduler, Links, Origin, pb_grpc.StageServicer):
     # ------------------------------------------------------------------ the data plane
     def Frames(self, request_iterator, context):
         out: queue.Queue = queue.Queue()
+        peer = peer_identity(context)
+        if self.stopping:
+            context.abort(grpc.StatusCode.UNAVAILABLE, f"{self.hop} is shutting down")
+        with self.lock:
+            self.streams.add(out)
 
         def read():
             try:
                 for frame in request_iterator:
-                    self._on_frame(frame, out)
+                    self._on_frame(frame, out, peer)
             except grpc.RpcError:
                 pass                                   # the caller went away
             except Exception:                          # never let one stream take the worker down
@@ -206,23 +244,55 @@ class StageWorker(Scheduler, Links, Origin, pb_grpc.StageServicer):
 
         threading.Thread(target=read, daemon=True, name="frames-in").start()
         context.add_callback(lambda: (out.put(END), self._client_gone(out)))
-        while True:
-            item = out.get()
-            if item is END:
-                return
-            yield item
+        try:
+            while True:
+                item = out.get()
+                if item is END:
+                    return
+                if item is DRAIN:
+                    context.abort(grpc.StatusCode.UNAVAILABLE, f"{self.hop} is shutting down (SIGTERM): its "
+                                                               "sessions are closed; use another replica")
+                yield item
+        finally:
+            with self.lock:
+                self.streams.discard(out)
 
-    def _on_frame(self, frame: pb.Frame, reply: queue.Queue) -> None:
+    def _check_sender(self, kind: str, sess: Session | None, peer) -> None:
+        """mTLS: a session's frames come only from the peer that opened it here; tokens back into the
+        origin only from its last hop, errors from a hop of its route."""
+        if not self.mutual_tls or peer is LOCAL or sess is None:
+            return
+        if kind in ("token", "logits"):
+            want, what = ({sess.returner} if sess.returner else set()), "the route's last hop"
+        elif kind == "error":
+            want, what = set(sess.route_members), "a hop of the route"
+        else:
+            want = {sess.opener} if sess.opener else set()
+            what = "the client" if self.info.is_first else f"stage {self.identity.stage_index - 1}"
+            what = f"the peer that opened it at this stage ({what})"
+        if want and peer not in want:
+            raise WireFault(pb.WRONG_STAGE, f"{kind} frames of session {sess.session_id} are accepted here only "
+                                            f"from {what}, member {' or '.join(sorted(want))}; this stream "
+                                            f"comes from member {peer or '(no certificate name)'}")
+
+    def _on_frame(self, frame: pb.Frame, reply: queue.Queue | None, peer=LOCAL) -> None:
         kind = frame.WhichOneof("body")
         transit = max(0, time.time_ns() - frame.sent_unix_ns) if frame.sent_unix_ns else 0
-        if kind == "token":
-            frame.token.return_ns = transit
-        if kind in ("token", "logits", "error"):
-            self._deliver_to_client(frame)             # returns into the origin
-            return
         key = (frame.session_id, frame.epoch)
         with self.lock:
             sess = self.sessions.get(key)
+        if kind in ("token", "logits", "error"):
+            try:
+                self._check_sender(kind, sess, peer)
+            except WireFault as f:
+                log.warning("refused a frame: %s", f.message)
+                if kind != "error":
+                    self._reply_error(reply, frame, self._err(f.code, f.message))
+                return
+            if kind == "token":
+                frame.token.return_ns = transit
+            self._deliver_to_client(frame)             # returns into the origin
+            return
         try:
             if sess is None:
                 latest = self.latest_epoch.get(frame.session_id)
@@ -231,6 +301,7 @@ class StageWorker(Scheduler, Links, Origin, pb_grpc.StageServicer):
                                                     f"replaced by epoch {latest}")
                 raise WireFault(pb.UNKNOWN_SESSION, f"no open session {frame.session_id} epoch "
                                                     f"{frame.epoch}: open it (OpenSession) first")
+            self._check_sender(kind, sess, peer)
             if kind == "generate":
                 if not self.info.is_first:
                     raise WireFault(pb.BAD_FRAME, "generate frames go to stage 0 only")
@@ -240,12 +311,16 @@ class StageWorker(Scheduler, Links, Origin, pb_grpc.StageServicer):
                     sess.stop_ids = frozenset(frame.generate.stop_token_ids)
                     sess.context_ids = list(frame.generate.context_ids)
                     sess.text = frame.generate.context_text
+                    sess.last_used = time.monotonic()
                 return
             if kind != "step":
                 raise WireFault(pb.BAD_FRAME, f"unexpected frame body {kind!r}")
             x = self._check_step(frame.step, sess)
         except WireFault as f:
-            self._reply_error(reply, frame, self._err(f.code, f.message, held=f.held, expected=f.expected))
+            if f.code == pb.WRONG_STAGE:
+                log.warning("refused a frame: %s", f.message)
+            self._reply_error(reply, frame, self._err(f.code, f.message, held=f.held, expected=f.expected,
+                                                      retry_after_ms=f.retry_after_ms))
             return
         if self.info.is_first:
             with self.lock:
@@ -266,7 +341,7 @@ class StageWorker(Scheduler, Links, Origin, pb_grpc.StageServicer):
         if step.cache_expect != p0:
             raise WireFault(pb.BAD_FRAME, f"cache_expect {step.cache_expect} != first position {p0}")
         if p0 + n > info.n_ctx:
-            raise WireFault(pb.ENGINE, f"positions up to {p0 + n - 1} exceed the context of {info.n_ctx}")
+            raise WireFault(pb.ENGINE, context_full(p0 + n - 1, info.n_ctx))
         if info.is_first:
             if len(step.token_ids) != n:
                 raise WireFault(pb.BAD_FRAME, f"stage 0 needs one token id per position ({n}), got "
@@ -300,6 +375,35 @@ class StageWorker(Scheduler, Links, Origin, pb_grpc.StageServicer):
         except ValueError as err:
             raise WireFault(pb.BAD_FRAME, str(err)) from None
 
+    # ------------------------------------------------------------------ bounded resources
+    def _reap_loop(self) -> None:
+        ttl = self.limits.session_ttl_s
+        if ttl <= 0:
+            return
+        while not self.stopping:
+            time.sleep(min(1.0, ttl / 4))
+            self.reap_idle()
+
+    def reap_idle(self) -> int:
+        """Close every session idle for session_ttl_s (opened and never used counts), freeing its cache."""
+        ttl = self.limits.session_ttl_s
+        now = time.monotonic()
+        with self.lock:
+            idle = [(k, v) for k, v in self.sessions.items()
+                    if now - v.last_used >= ttl and k not in self.pending]
+        for (sid, epoch), sess in idle:
+            log.info("reaping session %s epoch %d: idle for %.1f s (--session-ttl %g), %d positions freed",
+                     sid, epoch, now - sess.last_used, ttl, sess.held)
+            if sess.client is not None and not sess.done:
+                sess.failed = True
+                sess.client.put(pb.Frame(session_id=sid, epoch=epoch, error=self._err(
+                    pb.UNKNOWN_SESSION, f"session {sid} epoch {epoch} was closed after {ttl:g} s idle "
+                                        "(--session-ttl): open it again")))
+            self._close_local(sid, epoch)
+            with self.lock:
+                self.reaped_sessions += 1
+        return len(idle)
+
     # ------------------------------------------------------------------ lifecycle
     def stop(self) -> None:
         self.stopping = True
@@ -308,4 +412,3 @@ class StageWorker(Scheduler, Links, Origin, pb_grpc.StageServicer):
             links = list(self.links.values())
         for link in links:
             link.close()
-

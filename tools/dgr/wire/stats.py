@@ -1,10 +1,65 @@
-"""Where a generation's time went: tokens/s, and per-hop overhead (ring time outside compute)."""
+"""A generation's record (its tokens, the faults it recovered from) and where its time went: tokens/s,
+per-hop overhead (ring time outside compute). The route client (dgr.wire.client) fills the records."""
 
 from __future__ import annotations
 
 import statistics
+from dataclasses import dataclass, field
 
-from dgr.wire.client import Generation
+import numpy as np
+
+
+@dataclass
+class TokenEvent:
+    token_id: int
+    text: str
+    position: int
+    epoch: int
+    ring_ns: int
+    compute_ns: int                      # summed over the stages this token passed through
+    logits: np.ndarray | None = None     # LOGITS_LAST: the row the token was sampled from
+    # per stage: (stage, transit in, queue, compute, encode+send) in ns
+    timings: list[tuple[int, int, int, int, int]] = field(default_factory=list)
+    return_ns: int = 0                   # transit of the token from the last stage to the origin
+
+
+@dataclass
+class Failure:
+    """One failed attempt: which hop (stage index, "stage I (HOST:PORT)"), the error code and why."""
+
+    stage: int | None
+    address: str                         # the replica that failed ("" when no stage is known)
+    hop: str
+    code: str
+    why: str
+    at: float                            # time.monotonic() when the client saw it
+    tokens: int                          # tokens generated before it
+
+
+@dataclass
+class Generation:
+    prompt_ids: list[int]
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    logits: dict[int, np.ndarray] = field(default_factory=dict)   # position -> row
+    events: list[TokenEvent] = field(default_factory=list)
+    epochs: int = 0
+    chunk_tokens: int = 0                # prefill tokens per step, the same at every stage
+    failures: list[Failure] = field(default_factory=list)         # recovered from (or the last: gave up)
+    routes: list[str] = field(default_factory=list)               # the route of every epoch, in order
+    t_start: float = 0.0
+    t_first: float = 0.0
+    t_last: float = 0.0
+
+    @property
+    def prefill_tokens_per_s(self) -> float:
+        dt = self.t_first - self.t_start
+        return len(self.prompt_ids) / dt if dt > 0 else 0.0
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        dt = self.t_last - self.t_first
+        return (len(self.token_ids) - 1) / dt if dt > 0 and len(self.token_ids) > 1 else 0.0
 
 
 def _median(xs) -> float:
@@ -47,6 +102,9 @@ def summarize(gen: Generation, n_stages: int) -> str:
              f"ring {_median(e.ring_ns / 1e6 for e in evs):.2f} ms/token (compute "
              f"{_median(e.compute_ns / 1e6 for e in evs):.2f} ms); per-hop overhead "
              f"{hop_overhead_ms(gen, n_stages):.2f} ms over {n_stages} boundaries; epochs {gen.epochs}"]
+    if gen.failures:
+        lines.append(f"recovered from {len(gen.failures)} failed attempt(s) over {len(gen.routes)} route(s): "
+                     + "; ".join(f"{f.hop or 'route'} {f.code} after {f.tokens} tokens" for f in gen.failures))
     for row in breakdown(gen):
         if row["stage"] < 0:
             lines.append(f"  return to origin: transit {row['transit']:.2f} ms")

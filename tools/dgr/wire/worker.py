@@ -15,12 +15,16 @@ Parts, one job each, composed into `StageWorker` (dgr.wire.servicer): dgr.wire.s
 sessions, the shared records), dgr.wire.servicer (the gRPC Stage servicer: describe, open/close,
 incoming frame streams and their checks), dgr.wire.scheduler (queued steps batched into engine calls),
 dgr.wire.links (results into frames, and the streams to the next hop and back to the origin),
-dgr.wire.origin (generation control at stage 0).
+dgr.wire.origin (generation control at stage 0). Here: `serve` (listen, plaintext or TLS) and `drain`
+(SIGTERM: everything stopped within a bound).
 """
 
 from __future__ import annotations
 
+import os
 import socket
+import sys
+import time
 from concurrent import futures
 
 import grpc
@@ -28,40 +32,118 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from dgr.engine_api import ShardEngine
 from dgr.errors import WireError
+from dgr.log import get_logger
 from dgr.wire import codec
+from dgr.wire.gen import stage_pb2 as pb
 from dgr.wire.gen import stage_pb2_grpc as pb_grpc
-from dgr.wire.links import channel_options
+from dgr.wire.links import channel_options, server_options
 from dgr.wire.servicer import StageWorker
-from dgr.wire.state import StageIdentity
+from dgr.wire.state import DRAIN, Limits, StageIdentity
+from dgr.wire.tls import TlsConfig, add_port, check_listen
 
-__all__ = ["SERVICE_NAME", "StageIdentity", "StageWorker", "channel_options", "serve"]
+__all__ = ["SERVICE_NAME", "Limits", "StageIdentity", "StageWorker", "channel_options", "drain", "hard_exit",
+           "serve"]
 
 SERVICE_NAME = "dgr.v1.Stage"
+log = get_logger(__name__)
 
 
 def serve(engine: ShardEngine, identity: StageIdentity, listen: str, *,
-          max_message_bytes: int = codec.DEFAULT_MAX_MESSAGE_BYTES, max_batch_tokens: int = 512,
-          threads: int | None = None) -> tuple[grpc.Server, StageWorker, str]:
-    """Start serving; returns (server, worker, bound address). Port 0 picks a free port."""
+          max_message_bytes: int = codec.DEFAULT_MAX_MESSAGE_BYTES, max_batch_tokens: int | None = None,
+          threads: int | None = None, limits: Limits | None = None, tls: TlsConfig | None = None,
+          insecure: bool = False) -> tuple[grpc.Server, StageWorker, str]:
+    """Start serving; returns (server, worker, bound address). Port 0 picks a free port. A listener other
+    machines can reach needs `tls` (or `insecure=True`)."""
+    host, _, port = listen.rpartition(":")
+    if not host or not port.isdigit():
+        raise WireError(f"cannot listen on {listen!r}: give HOST:PORT with a free port (port 0 picks one)")
+    check_listen(listen, tls, insecure)
+    limits = limits or Limits()
+    if max_batch_tokens is not None:
+        limits = Limits(**{**limits.__dict__, "max_batch_tokens": max_batch_tokens})
     info = engine.describe()
     # no SO_REUSEPORT: a second worker on a taken port must fail, not silently share its connections
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=threads or info.max_sessions * 2 + 16),
-                         options=[*channel_options(max_message_bytes), ("grpc.so_reuseport", 0)])
-    host, _, port = listen.rpartition(":")
-    try:
-        bound = server.add_insecure_port(listen)
-    except RuntimeError:
-        bound = 0
+                         options=[*server_options(max_message_bytes), ("grpc.so_reuseport", 0)])
+    bound = add_port(server, listen, tls)
     if not host or bound == 0:
         raise WireError(f"cannot listen on {listen!r}: give HOST:PORT with a free port (port 0 picks one)")
     # errors name this hop by its address; a wildcard listen address names no machine, the host name does
     address = f"{socket.gethostname() if host in ('0.0.0.0', '[::]') else host}:{bound}"
     worker = StageWorker(engine, identity, address=address, max_message_bytes=max_message_bytes,
-                         max_batch_tokens=max_batch_tokens)
+                         limits=limits, tls=tls)
     pb_grpc.add_StageServicer_to_server(worker, server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    worker.server, worker.health = server, health_servicer
     server.start()
     for name in ("", SERVICE_NAME):
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     return server, worker, address
+
+
+def drain(worker: StageWorker, timeout: float | None = None) -> None:
+    """SIGTERM: stop accepting, fail open streams with a clear error, close the sessions, stop the
+    server with a grace and join the threads, all within `timeout` (the caller's watchdog exits
+    the process if anything still hangs)."""
+    timeout = worker.limits.drain_timeout_s if timeout is None else timeout
+    end = time.monotonic() + timeout
+    left = lambda: max(0.0, end - time.monotonic())          # noqa: E731
+    worker.stopping = True
+    if worker.health is not None:
+        worker.health.enter_graceful_shutdown()
+    with worker.lock:
+        sessions = list(worker.sessions.values())
+        streams = list(worker.streams)
+    bye = "is shutting down (SIGTERM): the session is closed; use another replica"
+    for sess in sessions:                          # tell the clients (through the origin) first
+        err = pb.Frame(session_id=sess.session_id, epoch=sess.epoch,
+                       error=worker._err(pb.HOP_UNREACHABLE, f"{worker.hop} {bye}"))
+        try:
+            if worker.info.is_first:
+                if sess.client is not None and not sess.done:
+                    sess.client.put(err)
+            elif sess.route[0].address != worker.address:
+                worker._send(sess.route[0].address, 0, err, sess)
+        except Exception:                          # noqa: BLE001  (best effort: the hop may be gone)
+            log.debug("could not tell the origin of %s", sess.session_id, exc_info=True)
+    time.sleep(min(0.2, left()))                   # let those errors leave before the streams end
+    for out in streams:
+        out.put(DRAIN)
+    with worker.lock:
+        worker.sessions.clear()
+        worker.pending.clear()
+        worker.n_pending = 0
+        worker.wake.notify_all()
+    if worker.engine_lock.acquire(timeout=min(1.0, left())):
+        try:
+            for sess in sessions:
+                worker.engine.close_session(sess.session_id, sess.epoch)
+        except Exception:                          # noqa: BLE001
+            log.warning("closing sessions failed while draining", exc_info=True)
+        finally:
+            worker.engine_lock.release()
+    worker.stop()
+    if worker.server is not None:
+        worker.server.stop(grace=min(1.0, left())).wait(left())
+    for t in (worker.engine_thread, worker.reaper):
+        t.join(min(1.0, left()))
+    if worker.engine_lock.acquire(timeout=min(1.0, left())):
+        try:
+            worker.engine.close()
+        finally:
+            worker.engine_lock.release()
+    else:
+        log.warning("the engine is still busy after %.1f s of draining; exiting without closing it", timeout)
+
+
+def hard_exit(code: int, why: str) -> None:
+    """The last resort of a drain that hangs: leave now, whatever thread is stuck where."""
+    if why:
+        log.error("%s: exiting now", why)
+    for f in (sys.stdout, sys.stderr):
+        try:
+            f.flush()
+        except Exception:                              # noqa: BLE001
+            pass
+    os._exit(code)

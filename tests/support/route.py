@@ -1,0 +1,64 @@
+"""Helpers shared by the recovery and TLS route tests: fake-engine routes of worker processes with
+replicas, a generation with a fault injected at a chosen decode step, and a local CA for TLS routes."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from dgr.app.local import LocalRoute
+from dgr.testing.fake_engine import FakeModel
+from dgr.wire.client import RouteClient
+
+SPEC = "layers=6,embd=16,cuts=2:4,hash_layers=3,seed=8"
+PROMPT = "Once upon a time, the ring"
+MAX_NEW = 160                          # long enough that a fault at step <= 40 lands mid-generation
+SAMPLED = dict(temperature=0.9, top_k=40, top_p=0.95, seed=11)
+
+
+def fake_route(replicas: int | list[int] = 1, spec: str = SPEC, extra=None, env=None) -> LocalRoute:
+    """One `dgr worker serve --fake-engine` process per stage and replica."""
+    n = len(FakeModel.from_spec(spec).ranges)
+    return LocalRoute([["--fake-engine", spec, "--stage", str(i)] for i in range(n)], replicas=replicas,
+                      extra=extra, env=env)
+
+
+def run_with_fault(client: RouteClient, fault, at_token: int, prompt=PROMPT, **kw):
+    """Generate; when the `at_token`-th token arrives call `fault()` (the ring keeps going meanwhile).
+    Returns (generation, monotonic time the fault was injected)."""
+    kw.setdefault("max_new_tokens", MAX_NEW)
+    kw.setdefault("stop_token_ids", [])
+    t_fault = 0.0
+    for n, _ in enumerate(client.generate(prompt, **kw), 1):
+        if n == at_token:
+            t_fault = time.monotonic()
+            fault()
+    return client.last, t_fault
+
+
+def reference(route: LocalRoute, prompt=PROMPT, **kw):
+    """The uninterrupted run of the same generation on the same route (a fresh client)."""
+    kw.setdefault("max_new_tokens", MAX_NEW)
+    kw.setdefault("stop_token_ids", [])
+    with RouteClient(route.replicas) as c:
+        return c.run(prompt, **kw)
+
+
+def make_ca(root: Path, name: str, members: list[str]) -> dict[str, tuple[Path, Path]]:
+    """`dgr certs init` a CA in root/name and `dgr certs issue` each member for 127.0.0.1; returns
+    member -> (cert, key); the CA is root/name/ca.pem."""
+    d = root / name
+    subprocess.run([sys.executable, "-m", "dgr", "certs", "init", str(d), "--name", f"{name} CA"],
+                   check=True, capture_output=True, timeout=60)
+    out = {}
+    for m in members:
+        subprocess.run([sys.executable, "-m", "dgr", "certs", "issue", str(d), m, "--host", "127.0.0.1"],
+                       check=True, capture_output=True, timeout=60)
+        out[m] = (d / f"{m}.pem", d / f"{m}.key")
+    return out
+
+
+def tls_args(cert: Path, key: Path, ca: Path | None = None) -> list[str]:
+    return ["--tls-cert", str(cert), "--tls-key", str(key), *(["--tls-ca", str(ca)] if ca else [])]

@@ -1,0 +1,146 @@
+"""Recovery on real worker processes over loopback: a hop killed (-9), restarted in place or stopped
+(SIGSTOP) at a seeded random decode step is routed around, and the text equals the uninterrupted run's."""
+
+from __future__ import annotations
+
+import random
+import subprocess
+import sys
+
+import pytest
+
+from dgr.errors import WireError
+from dgr.wire.client import RouteClient, parse_route
+from dgr.wire.errors import HopUnreachable
+
+from support.route import PROMPT, SAMPLED, fake_route, reference, run_with_fault
+
+
+def test_parse_route_replicas_and_errors():
+    assert parse_route("a:1,b:2|b:3,c:4") == [["a:1"], ["b:2", "b:3"], ["c:4"]]
+    assert parse_route(" a:1 , b:2 | b:2 ") == [["a:1"], ["b:2"]]
+    for bad, what in [("a:1,,c:4", "stage 1 is empty"), ("a:1,b:2|,c:4", "stage 1 has an empty replica"),
+                      ("", "the route is empty"), ("a:1,nohost", "'nohost' is not HOST:PORT")]:
+        with pytest.raises(WireError, match=what):
+            parse_route(bad)
+
+
+@pytest.mark.parametrize("victim", [0, 1, 2])
+def test_kill_9_with_a_replica_resumes_to_the_same_text(victim):
+    rng = random.Random(100 + victim)                  # the decode step: random, fixed per test
+    counts = [1, 1, 1]
+    counts[victim] = 2
+    with fake_route(counts) as r:
+        for mode, kw in (("greedy", {}), ("sampled", SAMPLED)):
+            want = reference(r, **kw)
+            at = rng.randint(2, 40)
+            with RouteClient(r.replicas) as c:
+                gen, _ = run_with_fault(c, lambda: r.kill(victim), at, **kw)
+            assert gen.text == want.text and gen.token_ids == want.token_ids, (mode, at)
+            assert gen.epochs >= 2 and gen.failures[0].stage == victim, (mode, gen.failures)
+            assert gen.failures[0].address == r.replicas[victim][0]
+            assert gen.routes[-1].split(",")[victim] == r.replicas[victim][1]
+            r.restart(victim)                          # the preferred replica back for the next mode
+
+
+@pytest.mark.parametrize("kw", [{}, SAMPLED], ids=["greedy", "sampled"])
+def test_worker_restarted_in_place_resumes_to_the_same_text(kw):
+    at = random.Random(7).randint(2, 40)
+    with fake_route() as r:                            # no replica: the same address comes back empty
+        want = reference(r, **kw)
+        with RouteClient(r.addresses) as c:
+            gen, _ = run_with_fault(c, lambda: r.restart(1), at, **kw)
+        assert gen.text == want.text and gen.token_ids == want.token_ids
+        assert gen.epochs >= 2 and {f.stage for f in gen.failures} == {1}
+        assert gen.routes[-1] == r.route
+
+
+def test_a_hop_dead_before_open_fails_over_during_prefill():
+    with fake_route([1, 2, 1]) as r:
+        want = reference(r)
+        with RouteClient(r.replicas) as c:
+            c.describe()                               # every hop answers ...
+            r.kill(1)                                  # ... then stage 1's first replica dies
+            gen = c.run("Once upon a time, the ring", max_new_tokens=160, stop_token_ids=[])
+        assert gen.text == want.text
+        assert gen.failures[0].stage == 1 and gen.failures[0].tokens == 0
+
+
+def test_no_replica_left_names_every_hop_tried():
+    at = random.Random(3).randint(2, 40)
+    with fake_route([1, 2, 1]) as r:
+        b1, b2 = r.replicas[1]
+        with RouteClient(r.replicas, attempts=4) as c:
+            with pytest.raises(HopUnreachable) as err:
+                run_with_fault(c, lambda: (r.kill(1, 0), r.kill(1, 1)), at)
+    msg = str(err.value)
+    assert "gave up after 4 failed attempt(s)" in msg
+    assert f"stage 1 ({b1})" in msg and f"stage 1 ({b2})" in msg, msg
+    assert len(err.value.failures) == 4 and {f.stage for f in err.value.failures} == {1}
+    assert {f.address for f in err.value.failures} == {b1, b2}
+    assert "--attempts" in msg
+
+
+def test_a_stopped_middle_stage_is_routed_around_within_the_deadline():
+    deadline = 1.0
+    at = random.Random(5).randint(2, 40)
+    with fake_route([1, 2, 1]) as r:
+        want = reference(r, **SAMPLED)
+        with RouteClient(r.replicas, hop_deadline=deadline) as c:
+            gen, t_stop = run_with_fault(c, lambda: r.pause(1), at, **SAMPLED)
+        r.resume(1)
+    assert gen.text == want.text and gen.token_ids == want.token_ids
+    f = gen.failures[0]
+    assert f.stage == 1 and f.code == "HOP_UNREACHABLE" and "hop deadline" in f.why, gen.failures
+    detect = f.at - t_stop
+    print(f"\nSIGSTOPped stage 1 detected after {detect:.2f} s (hop deadline {deadline} s)")
+    assert detect <= deadline * 3 + 1.0, detect
+
+
+def test_route_source_supplies_a_replacement():
+    with fake_route([1, 2, 1]) as r:
+        b1, b2 = r.replicas[1]
+        asked = []
+
+        def source(stage, tried):
+            asked.append((stage, list(tried)))
+            return b2 if stage == 1 and b2 not in tried else None
+
+        want = reference(r)
+        with RouteClient([r.replicas[0], [b1], r.replicas[2]], route_source=source) as c:
+            gen, _ = run_with_fault(c, lambda: r.kill(1, 0), 5)
+        assert gen.text == want.text
+        assert asked == [(1, [b1])] and gen.routes[-1].split(",")[1] == b2
+
+
+@pytest.mark.engine
+def test_real_engine_kill_of_a_middle_stage_resumes_to_the_same_text(tmp_path, engine_lib):
+    from dgr.app.local import LocalRoute
+
+    from support.engine import make_bundle, synth_model
+
+    bundle = make_bundle(synth_model(tmp_path, "llama"), [(0, 2), (2, 4), (4, 6)], tmp_path)
+    args = [["--bundle", str(bundle.root), "--stage", str(i), "--threads", "1", "--n-ctx", "256"]
+            for i in range(3)]
+    ids = list(range(5, 25))
+    with LocalRoute(args, replicas=[1, 2, 1], env={"DGR_ENGINE_LIB": str(engine_lib)}, timeout=300) as r:
+        with RouteClient(r.replicas) as c:
+            want = c.run(ids, max_new_tokens=48, stop_token_ids=[], **SAMPLED)
+        with RouteClient(r.replicas) as c:
+            gen, _ = run_with_fault(c, lambda: r.kill(1), 9, prompt=ids, max_new_tokens=48, **SAMPLED)
+    assert gen.token_ids == want.token_ids and gen.text == want.text
+    assert gen.epochs >= 2 and gen.failures[0].stage == 1
+
+
+def test_cli_route_with_replicas_and_a_bad_route():
+    with fake_route([1, 2, 1]) as r:
+        want = reference(r, max_new_tokens=24, stop_token_ids=None)
+        r.kill(1)                                      # stage 1's first replica is dead from the start
+        out = subprocess.run([sys.executable, "-m", "dgr", "generate", "--route", r.route, "--max-tokens", "24",
+                              "--hop-deadline", "2", "--attempts", "3", PROMPT],
+                             capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout == want.text + "\n"
+    bad = subprocess.run([sys.executable, "-m", "dgr", "generate", "--route", "127.0.0.1:1,,127.0.0.1:2", "x"],
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode != 0 and "stage 1 is empty" in bad.stderr and "Traceback" not in bad.stderr
