@@ -138,6 +138,27 @@ def _i32(a, n: int, what: str) -> np.ndarray:
     return arr
 
 
+def _refuse_what_llama_aborts_on(path: Path) -> None:
+    """Checks of a model file that llama.cpp makes with an assertion (which aborts the whole process)
+    rather than an error: a vocabulary with a repeated token (llama-vocab.cpp's GGML_ASSERT on
+    id_to_token.size() == token_to_id.size()). A header dgr cannot read is left to the engine's own
+    checks, which answer with typed errors."""
+    import gguf
+
+    from dgr.errors import GGUFError
+    from dgr.ggufmodel import read_header
+
+    try:
+        tokens = read_header(path).get(gguf.Keys.Tokenizer.LIST)
+    except GGUFError:
+        return
+    if isinstance(tokens, list) and len(set(tokens)) != len(tokens):
+        seen: set = set()
+        dup = next(t for t in tokens if t in seen or seen.add(t))
+        raise EngineError(f"{path}: the vocabulary ({gguf.Keys.Tokenizer.LIST}) repeats the token {dup!r}; "
+                          "llama.cpp cannot load it: the file is corrupt or was written wrongly (rebuild it)")
+
+
 class Engine:
     """One stage (or the whole model) in this process. Implements dgr.engine_api.ShardEngine."""
 
@@ -164,6 +185,7 @@ class Engine:
                         kv_f32=int(kv_dtype == "f32"))
         if layer_range and layer_range[1] <= 0:
             raise EngineError(f"layer range {layer_range} is empty; give [begin, end) with end > begin >= 0")
+        _refuse_what_llama_aborts_on(path)
         out = C.c_void_p()
         st = h.dgr_engine_open(str(path).encode(), C.byref(p), C.byref(out))
         if st != OK:

@@ -28,6 +28,12 @@ from dgr.errors import GGUFError
 
 GGUF_MAGIC = b"GGUF"
 DEFAULT_ALIGNMENT = 32
+# Bounds on what a header may claim (llama.cpp's gguf reader has the same kind): a bogus count or
+# length is refused before anything is allocated for it.
+MAX_DIMS = 4            # GGML_MAX_DIMS
+MAX_ARRAY_DEPTH = 4     # arrays of arrays: real models have none; bounds recursion on bad bytes
+MAX_KEY_BYTES = 65536   # a metadata key or tensor name
+MAX_LAYERS = 65536      # block_count (the largest models have a few hundred)
 GK = gguf.Keys
 
 
@@ -141,8 +147,11 @@ class _Buf:
         self.pos += size
         return v
 
-    def string(self) -> str:
+    def string(self, limit: int | None = None) -> str:
         n = self.unpack("<Q")
+        if limit is not None and n > limit:
+            raise GGUFError(f"{self.path}: a name of {n} bytes at offset {self.pos - 8} (at most {limit}): "
+                            "the header is corrupt")
         self.need(n)
         s = self.buf[self.pos:self.pos + n]
         self.pos += n
@@ -166,14 +175,28 @@ class _Buf:
             self.need(self.size + 1)
         return out
 
-    def value(self, vtype: gguf.GGUFValueType) -> tuple[Any, gguf.GGUFValueType | None]:
+    def vtype(self) -> gguf.GGUFValueType:
+        code = self.unpack("<I")
+        try:
+            return gguf.GGUFValueType(code)
+        except ValueError:
+            raise GGUFError(f"{self.path}: unknown GGUF value type {code} at offset {self.pos - 4}: "
+                            "the header is corrupt or from a newer GGUF version") from None
+
+    def value(self, vtype: gguf.GGUFValueType, depth: int = 0) -> tuple[Any, gguf.GGUFValueType | None]:
         if vtype in SCALAR_FORMATS:
             return self.unpack(SCALAR_FORMATS[vtype]), None
         if vtype == gguf.GGUFValueType.STRING:
             return self.string(), None
         if vtype == gguf.GGUFValueType.ARRAY:
-            sub = gguf.GGUFValueType(self.unpack("<I"))
+            if depth >= MAX_ARRAY_DEPTH:
+                raise GGUFError(f"{self.path}: arrays nested over {MAX_ARRAY_DEPTH} deep at offset {self.pos}: "
+                                "the header is corrupt")
+            sub = self.vtype()
             n = self.unpack("<Q")
+            if n > self.size - self.pos:  # every element takes at least one byte
+                raise GGUFError(f"{self.path}: an array of {n} elements at offset {self.pos - 8} cannot fit "
+                                f"in a {self.size}-byte file: the header is corrupt or truncated")
             if sub in SCALAR_FORMATS:
                 fmt = SCALAR_FORMATS[sub]
                 size = struct.calcsize(fmt)
@@ -183,7 +206,7 @@ class _Buf:
                 return vals, sub
             if sub == gguf.GGUFValueType.STRING:
                 return self.strings(n), sub
-            return [self.value(sub)[0] for _ in range(n)], sub
+            return [self.value(sub, depth + 1)[0] for _ in range(n)], sub
         raise GGUFError(f"{self.path}: unknown GGUF value type {vtype} at offset {self.pos}")
 
 
@@ -201,6 +224,11 @@ def read_header(path: str | Path) -> GGUFHeader:
             raise GGUFError(f"{path}: empty file, not a GGUF model") from None
         try:
             return _parse(mm, path)
+        except GGUFError:
+            raise
+        except (ValueError, KeyError, IndexError, TypeError, OverflowError, struct.error, RecursionError,
+                MemoryError) as e:  # a safety net: bad bytes end in GGUFError, whatever they broke
+            raise GGUFError(f"{path}: corrupt GGUF header ({type(e).__name__}: {e})") from None
         finally:
             mm.close()
 
@@ -216,11 +244,15 @@ def _parse(mm: "mmap.mmap", path: Path) -> GGUFHeader:
         raise GGUFError(f"{path}: GGUF version {version} is not supported (2 or 3)")
     n_tensors = b.unpack("<Q")
     n_kv = b.unpack("<Q")
+    # each entry takes at least 12 bytes (a length and a type), each tensor at least 24
+    if n_kv * 12 + n_tensors * 24 > b.size - b.pos:
+        raise GGUFError(f"{path}: the header claims {n_kv} metadata entries and {n_tensors} tensors, more "
+                        f"than a {b.size}-byte file can hold: the header is corrupt or truncated")
     kvs: dict[str, KV] = {}
     for _ in range(n_kv):
         start = b.pos
-        key = b.string()
-        vtype = gguf.GGUFValueType(b.unpack("<I"))
+        key = b.string(MAX_KEY_BYTES)
+        vtype = b.vtype()
         val, sub = b.value(vtype)
         if key in kvs:
             raise GGUFError(f"{path}: duplicate metadata key {key!r}")
@@ -228,16 +260,31 @@ def _parse(mm: "mmap.mmap", path: Path) -> GGUFHeader:
     tensors: list[TensorInfo] = []
     seen: set[str] = set()
     for _ in range(n_tensors):
-        name = b.string()
+        name = b.string(MAX_KEY_BYTES)
         n_dims = b.unpack("<I")
+        if n_dims > MAX_DIMS:
+            raise GGUFError(f"{path}: tensor {name!r} has {n_dims} dimensions (at most {MAX_DIMS}): "
+                            "the header is corrupt")
         shape = tuple(b.unpack("<Q") for _ in range(n_dims))
-        qtype = gguf.GGMLQuantizationType(b.unpack("<I"))
+        code = b.unpack("<I")
+        try:
+            qtype = gguf.GGMLQuantizationType(code)
+            gguf.GGML_QUANT_SIZES[qtype]
+        except (ValueError, KeyError):
+            raise GGUFError(f"{path}: tensor {name!r} has unknown type {code}: the header is corrupt or the "
+                            "model uses a type this gguf package does not know") from None
         offset = b.unpack("<Q")
         if name in seen:
             raise GGUFError(f"{path}: duplicate tensor {name!r}")
         seen.add(name)
-        tensors.append(TensorInfo(name, shape, qtype, offset, tensor_nbytes(shape, qtype)))
-    alignment = int(kvs[GK.General.ALIGNMENT].value) if GK.General.ALIGNMENT in kvs else DEFAULT_ALIGNMENT
+        try:
+            nbytes = tensor_nbytes(shape, qtype)
+        except GGUFError as e:
+            raise GGUFError(f"{path}: tensor {name!r}: {e}") from None
+        tensors.append(TensorInfo(name, shape, qtype, offset, nbytes))
+    alignment = kvs[GK.General.ALIGNMENT].value if GK.General.ALIGNMENT in kvs else DEFAULT_ALIGNMENT
+    if isinstance(alignment, bool) or not isinstance(alignment, int) or alignment < 1 or alignment & (alignment - 1):
+        raise GGUFError(f"{path}: {GK.General.ALIGNMENT} is {alignment!r}; it must be a power of two")
     data_offset = -(-b.pos // alignment) * alignment
     size = b.size
     for t in tensors:
@@ -303,13 +350,15 @@ class ModelInfo:
                                   n_hash_layers=self.n_hash_layers, dtype=dtype)
 
 
-def _arch_int(h: GGUFHeader, arch: str, template: str, default: int | None = None) -> int:
+def _arch_int(h: GGUFHeader, arch: str, template: str, default: int | None = None, limit: int = 2**32) -> int:
     key = template.format(arch=arch)
     v = h.get(key, default)
     if v is None:
         raise GGUFError(f"{h.path}: metadata key {key} is missing; is this a complete model file?")
     if isinstance(v, list):
-        v = v[0]
+        v = v[0] if v else None
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or v != v or not 0 <= v < limit:
+        raise GGUFError(f"{h.path}: metadata key {key} is {v!r}, not a count (0 to {limit - 1}); the file is corrupt")
     return int(v)
 
 
@@ -318,8 +367,10 @@ def model_info(path_or_header: str | Path | GGUFHeader) -> ModelInfo:
     arch = h.get(GK.General.ARCHITECTURE)
     if not isinstance(arch, str):
         raise GGUFError(f"{h.path}: {GK.General.ARCHITECTURE} is missing; not a llama.cpp model file")
-    n_all = _arch_int(h, arch, GK.LLM.BLOCK_COUNT)
+    n_all = _arch_int(h, arch, GK.LLM.BLOCK_COUNT, limit=MAX_LAYERS)
     n_nextn = _arch_int(h, arch, GK.LLM.NEXTN_PREDICT_LAYERS, 0)
+    if n_nextn > n_all:
+        raise GGUFError(f"{h.path}: {n_nextn} next-n layers but only {n_all} blocks: the file is corrupt")
     n_embd = _arch_int(h, arch, GK.LLM.EMBEDDING_LENGTH)
     n_streams = _arch_int(h, arch, V4Keys.HYPER_CONNECTION_COUNT, 1) if arch == "deepseek4" else 1
     n_hash = _arch_int(h, arch, V4Keys.HASH_LAYER_COUNT, 0)
@@ -334,7 +385,7 @@ def model_info(path_or_header: str | Path | GGUFHeader) -> ModelInfo:
     names = {t.name for t in h.tensors}
     tied = "output.weight" not in names
     idx, cnt = h.get(DgrKeys.STAGE_INDEX), h.get(DgrKeys.STAGE_COUNT)
-    if idx is not None and cnt is not None:  # a bundle stage: only the last one shows the LM head
+    if isinstance(idx, int) and isinstance(cnt, int):  # a bundle stage: only the last one shows the LM head
         tied = tied and idx == cnt - 1 and "token_embd.weight" in names
     return ModelInfo(
         path=h.path, arch=arch, n_layer=n_all - n_nextn, n_layer_all=n_all, n_embd=n_embd,

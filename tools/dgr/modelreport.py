@@ -14,13 +14,22 @@ import gguf
 
 from dgr.constants import Keys
 from dgr.contract import WIRE_DTYPES
+from dgr.errors import GGUFError
 from dgr.ggufmodel import INPUT, OUTPUT, SHARED, model_info
 
 GK = gguf.Keys
 
 
 def inspect_model(path: str | Path) -> dict[str, Any]:
+    """The report's fields; GGUFError (never anything else) when the file's bytes make no sense."""
     info = model_info(path)
+    try:
+        return _report(path, info)
+    except (ValueError, KeyError, IndexError, TypeError, OverflowError) as e:  # metadata of the wrong kind
+        raise GGUFError(f"{path}: corrupt metadata ({type(e).__name__}: {e})") from None
+
+
+def _report(path: str | Path, info) -> dict[str, Any]:
     h = info.header
     lb = info.layer_bytes()
     types: dict[str, int] = {}

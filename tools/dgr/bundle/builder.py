@@ -5,7 +5,10 @@ move the folder into place.
 
 Building is streaming (tensor data is copied in pieces; only a tensor being re-quantized is held in
 memory) and deterministic (no timestamps, no absolute paths; the same recipe and source give the same
-bytes). Sealing the manifest is the last step, so a store folder with a manifest is a whole bundle.
+bytes). Everything is written in a hidden folder (`.build-NAME-PID`) renamed last, after the manifest is
+sealed, so a store folder `NAME-ID12` is always a whole bundle. A store without room for the tensor data
+fails before writing; a disk that fills up meanwhile ends in a StoreError (what, how much, what to do)
+and the partial build is removed.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from dgr.bundle.manifest import (
     manifest_bytes, stage_filename,
 )
 from dgr.bundle.plan import BuildPlan, StagePlan, make_plan
-from dgr.bundle.store import refuse_home
+from dgr.bundle.store import disk_full, free_bytes, no_space, refuse_home
 from dgr.bundle.quantize import convert
 from dgr.bundle.writer import StageWriter, pack_kv
 from dgr.constants import FORMAT_VERSION, MANIFEST_NAME, Keys
@@ -120,18 +123,28 @@ def build(recipe_path: str | Path, store: str | Path, *, progress: bool = False)
     bp = make_plan(recipe, progress=progress)
     r = recipe.recipe
     chunk = int(r.bundle.chunk_size)
-    store.mkdir(parents=True, exist_ok=True)
+    total = sum(sp.weight_bytes for sp in bp.stages)   # tensor data: a lower bound of what is written
+    gone = "Nothing of the build was kept."
+    try:
+        store.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        if no_space(e):
+            raise disk_full(store, f"creating {store}", total, gone, at_least=True) from None
+        raise
+    if total > free_bytes(store):
+        raise disk_full(store, "checking for room before building", total, "Nothing was written.", at_least=True)
     tmp = store / f".build-{r.name}-{os.getpid()}"
     if tmp.exists():
         shutil.rmtree(tmp)
-    tmp.mkdir()
-    total = sum(sp.weight_bytes for sp in bp.stages)
     entries: list[StageEntry] = []
+    writing = tmp
     try:
+        tmp.mkdir()
         with open(bp.source_path, "rb") as src, tqdm(total=total, unit="B", unit_scale=True,
                                                      desc=f"build {r.name}", disable=not progress) as bar:
             for sp in bp.stages:
                 name = stage_filename(sp.index, len(bp.stages))
+                writing = tmp / name
                 size, digest, chunks = _write_stage(bp, sp, src, tmp / name, chunk, bar.update)
                 c = bp.contract(sp)
                 entries.append(StageEntry(
@@ -140,7 +153,8 @@ def build(recipe_path: str | Path, store: str | Path, *, progress: bool = False)
                     weight_bytes=sp.weight_bytes, boundary_in=c.boundary_in, boundary_out=c.boundary_out,
                 ))
         raw = manifest_bytes(_manifest(bp, entries, chunk))  # sealing: the last step
-        (tmp / MANIFEST_NAME).write_bytes(raw)
+        writing = tmp / MANIFEST_NAME
+        writing.write_bytes(raw)
         final = store / f"{r.name}-{bundle_id(raw)[:12]}"
         if (final / MANIFEST_NAME).is_file() and (final / MANIFEST_NAME).read_bytes() == raw:
             shutil.rmtree(tmp)  # already built (builds are deterministic); leave the existing one in place
@@ -148,6 +162,11 @@ def build(recipe_path: str | Path, store: str | Path, *, progress: bool = False)
             if final.exists():
                 shutil.rmtree(final)
             os.replace(tmp, final)
+    except OSError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if no_space(e):
+            raise disk_full(store, f"writing {e.filename or writing}", total, gone, at_least=True) from None
+        raise
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
