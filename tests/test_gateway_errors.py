@@ -1,0 +1,226 @@
+"""The gateway's errors in OpenAI's shape, its sandboxed chat templates, concurrent sessions and clients that
+go away, over a route of fake-engine worker processes (fast); the official `openai` client raises the
+matching exception classes."""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import openai
+import pytest
+import requests
+
+from dgr.wire.client import RouteClient
+from support.gateway import gateway, metric, open_sessions, wait_no_sessions
+from support.route import fake_route, make_ca, tls_args
+
+SPEC = "layers=6,embd=16,cuts=2:4,seed=8,ctx=2048"
+TEMPLATE = ("{% for m in messages %}{% if m['role'] == 'system' and not loop.first %}"
+            "{{ raise_exception('the system message must come first') }}{% endif %}"
+            "<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def route():
+    with fake_route(spec=SPEC) as r:
+        yield r
+
+
+@pytest.fixture(scope="module")
+def gw(route):
+    with gateway(route.route, chat_template=TEMPLATE) as g:
+        yield g
+
+
+@pytest.fixture(scope="module")
+def bare(route):
+    """A gateway over the same route with the model's own (absent) chat template."""
+    with gateway(route.route) as g:
+        yield g
+
+
+def _model(g) -> str:
+    return g.backend.info.name
+
+
+def _error(resp: requests.Response, status: int) -> dict:
+    assert resp.status_code == status, resp.text
+    body = resp.json()
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}, body
+    assert body["error"]["message"]
+    return body["error"]
+
+
+def test_bad_json_and_bad_fields_answer_400_in_openai_shape(gw):
+    for raw in (b"{not json", b"\xff\xfe", b"[1, 2]", b""):
+        err = _error(requests.post(gw.url + "/v1/chat/completions", data=raw,
+                                   headers={"Content-Type": "application/json"}), 400)
+        assert err["type"] == "invalid_request_error" and err["code"] == "invalid_json"
+    c = gw.client()
+    with pytest.raises(openai.BadRequestError) as e:
+        c.chat.completions.create(model=_model(gw), messages=[])
+    assert e.value.body["param"] == "messages"
+    with pytest.raises(openai.BadRequestError) as e:
+        c.completions.create(model=_model(gw), prompt="hi", n=2)
+    assert e.value.body["param"] == "n"
+    with pytest.raises(openai.BadRequestError) as e:
+        c.completions.create(model=_model(gw), prompt="hi", temperature=5)
+    assert e.value.body["param"] == "temperature"
+    err = _error(requests.post(gw.url + "/v1/completions", json={"model": _model(gw)}), 400)
+    assert err["param"] == "prompt" and err["code"] == "missing_required_parameter"
+
+
+def test_unknown_model_url_and_method_answer_404_and_405(gw):
+    c = gw.client()
+    with pytest.raises(openai.NotFoundError) as e:
+        c.chat.completions.create(model="gpt-4o", messages=[{"role": "user", "content": "hi"}])
+    assert e.value.body["code"] == "model_not_found" and e.value.body["param"] == "model"
+    assert "gpt-4o" in e.value.body["message"]
+    with pytest.raises(openai.NotFoundError):
+        c.completions.create(model="gpt-4o", prompt="hi")
+    with pytest.raises(openai.NotFoundError):
+        c.models.retrieve("gpt-4o")
+    assert c.models.retrieve(_model(gw)).id == _model(gw)
+    assert _error(requests.get(gw.url + "/v1/nothing-here"), 404)["code"] == "unknown_url"
+    assert _error(requests.get(gw.url + "/v1/completions"), 405)["code"] == "method_not_allowed"
+
+
+def test_over_long_prompt_and_n_ctx_exceeded_are_refused_before_anything_runs(gw, route):
+    c = gw.client()
+    before = requests.get(gw.url + "/metrics").text
+    with pytest.raises(openai.BadRequestError) as e:                              # 2101 tokens, n_ctx 2048
+        c.completions.create(model=_model(gw), prompt="x" * 2100, max_tokens=4)
+    assert e.value.body["code"] == "context_length_exceeded" and "2048" in e.value.body["message"]
+    assert e.value.body["param"] == "prompt"
+    with pytest.raises(openai.BadRequestError) as e:                              # 1001 + 1100 > 2048
+        c.completions.create(model=_model(gw), prompt="x" * 1000, max_tokens=1100)
+    assert e.value.body["code"] == "context_length_exceeded" and e.value.body["param"] == "max_tokens"
+    with pytest.raises(openai.BadRequestError) as e:
+        c.chat.completions.create(model=_model(gw), messages=[{"role": "user", "content": "y" * 2100}])
+    assert e.value.body["code"] == "context_length_exceeded"
+    after = requests.get(gw.url + "/metrics").text
+    assert metric(after, "dgr_gateway_prompt_tokens_total") == metric(before, "dgr_gateway_prompt_tokens_total")
+    assert metric(after, "dgr_gateway_errors_total", code="context_length_exceeded") == \
+        metric(before, "dgr_gateway_errors_total", code="context_length_exceeded") + 3
+    assert open_sessions(route.addresses) == [0, 0, 0]
+    # the whole context is usable: prompt + max_tokens == n_ctx runs
+    out = c.completions.create(model=_model(gw), prompt="x" * 2039, max_tokens=8, temperature=0,
+                               extra_body={"ignore_eos": True})
+    assert out.usage.prompt_tokens == 2040 and out.usage.completion_tokens == 8
+    assert out.usage.total_tokens == 2048 and out.choices[0].finish_reason == "length"
+
+
+def test_chat_template_is_sandboxed_and_its_exceptions_are_400(gw, bare, route):
+    c = gw.client()
+    msgs = [{"role": "user", "content": "hi"}, {"role": "system", "content": "late"}]
+    with pytest.raises(openai.BadRequestError) as e:
+        c.chat.completions.create(model=_model(gw), messages=msgs, max_tokens=4)
+    assert "the system message must come first" in e.value.body["message"]
+    # the template renders exactly what the route then runs
+    out = c.chat.completions.create(model=_model(gw), messages=[{"role": "user", "content": [
+        {"type": "text", "text": "hel"}, {"type": "text", "text": "lo"}]}], max_tokens=6, temperature=0)
+    with RouteClient(route.addresses) as rc:
+        ref = rc.run("<user>hello\n<assistant>", max_new_tokens=6)
+    assert out.usage.prompt_tokens == len(ref.prompt_ids)
+    assert out.choices[0].message.content == "".join(e.text for e in ref.events if e.token_id not in (2,))
+    with pytest.raises(openai.BadRequestError) as e:
+        bare.client().chat.completions.create(model=_model(bare), messages=[{"role": "user", "content": "hi"}])
+    assert e.value.body["code"] == "chat_template_missing"
+    from dgr.gateway import chat
+
+    evil = "{{ ''.__class__.__mro__[1].__subclasses__() }}"
+    with pytest.raises(chat.TemplateRefused, match="unsafe|access"):
+        chat.render(evil, [{"role": "user", "content": "x"}])
+    with pytest.raises(chat.TemplateRefused):
+        chat.render("{% set x = messages.append(1) %}", [{"role": "user", "content": "x"}])   # immutable
+    assert chat.render("{{ messages|tojson }}", [{"role": "user", "content": "é"}]) == \
+        '[{"role": "user", "content": "é"}]'
+
+
+def test_concurrent_requests_are_concurrent_sessions_and_closed_streams_free_them(gw, route):
+    c = gw.client()
+    prompts = ["one", "two two", "three three three", "four"]
+    refs = []
+    with RouteClient(route.addresses) as rc:
+        for p in prompts:
+            g = rc.run(p, max_new_tokens=24, stop_token_ids=[])
+            refs.append(g.text)
+    got: dict[int, str] = {}
+
+    def ask(i):
+        got[i] = c.completions.create(model=_model(gw), prompt=prompts[i], max_tokens=24, temperature=0,
+                                      extra_body={"ignore_eos": True}).choices[0].text
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert [got.get(i) for i in range(len(prompts))] == refs
+    # four streams open at once hold four sessions on every stage; closing them frees every one
+    streams = [c.completions.create(model=_model(gw), prompt=p, max_tokens=1500, temperature=0, stream=True,
+                                    extra_body={"ignore_eos": True}) for p in prompts]
+    before = metric(requests.get(gw.url + "/metrics").text, "dgr_gateway_generated_tokens_total")
+    for s in streams:
+        next(iter(s))
+    assert open_sessions(route.addresses) == [4, 4, 4]
+    for s in streams:
+        s.close()
+    assert wait_no_sessions(route.addresses, 10) == [0, 0, 0]
+    text = requests.get(gw.url + "/metrics").text          # stopped early: not 4 x 1500 tokens
+    assert metric(text, "dgr_gateway_generated_tokens_total") - before < 4 * 1500
+    assert metric(text, "dgr_gateway_open_streams") == 0
+
+
+def test_a_client_that_times_out_frees_its_session(gw, route):
+    body = {"model": _model(gw), "prompt": "a long one", "max_tokens": 1500, "temperature": 0, "ignore_eos": True}
+    before = metric(requests.get(gw.url + "/metrics").text, "dgr_gateway_generated_tokens_total")
+    with pytest.raises(requests.exceptions.ReadTimeout):
+        requests.post(gw.url + "/v1/completions", json=body, timeout=0.5)
+    assert wait_no_sessions(route.addresses, 10) == [0, 0, 0]
+    after = metric(requests.get(gw.url + "/metrics").text, "dgr_gateway_generated_tokens_total")
+    assert 0 < after - before < 1500                        # it ran, and stopped when the client left
+
+
+def test_a_dead_route_answers_503_and_a_stream_that_breaks_ends_in_an_error_event(tmp_path):
+    with fake_route(spec=SPEC) as r, gateway(r.route, attempts=1, hop_deadline=1.0) as g:
+        c = g.client()
+        model = _model(g)
+        s = c.completions.create(model=model, prompt="x", max_tokens=200, temperature=0, stream=True,
+                                 extra_body={"ignore_eos": True})
+        chunks = iter(s)
+        next(chunks)
+        r.kill(1)
+        with pytest.raises(openai.APIError) as e:
+            for _ in chunks:
+                pass
+        assert "stage 1" in str(e.value)
+        with pytest.raises(openai.InternalServerError) as e:
+            c.completions.create(model=model, prompt="x", max_tokens=4)
+        assert e.value.status_code == 503 and e.value.body["code"] == "hop_unreachable"
+        assert f"stage 1 ({r.addresses[1]})" in e.value.body["message"]
+        with pytest.raises(openai.InternalServerError) as e:        # a stream that cannot start: its status too
+            c.completions.create(model=model, prompt="x", max_tokens=4, stream=True)
+        assert e.value.status_code == 503
+        text = requests.get(g.url + "/metrics").text
+        assert metric(text, "dgr_gateway_errors_total", code="hop_unreachable") >= 3
+        assert metric(text, "dgr_gateway_requests_total", endpoint="/v1/completions", status="503") == 2
+        assert json.loads(requests.get(g.url + "/health").text)["stages"] == 3
+
+
+def test_a_mutual_tls_route_is_served_with_the_gateways_certificate(tmp_path):
+    from dgr.errors import WireError
+    from dgr.wire.tls import TlsConfig
+
+    ops = make_ca(tmp_path, "ops", ["w0", "w1", "w2", "gateway"])
+    ca = tmp_path / "ops" / "ca.pem"
+    with fake_route(spec=SPEC, extra=lambda stage, _rep: tls_args(*ops[f"w{stage}"], ca)) as r:
+        with RouteClient(r.addresses, tls=TlsConfig(*ops["gateway"], ca)) as rc:
+            want = rc.run("secret", max_new_tokens=12, stop_token_ids=[]).text
+        with gateway(r.route, tls=TlsConfig(*ops["gateway"], ca)) as g:
+            out = g.client().completions.create(model=_model(g), prompt="secret", max_tokens=12, temperature=0,
+                                                extra_body={"ignore_eos": True})
+        assert out.choices[0].text == want
+        with pytest.raises(WireError, match="TLS"):                 # no certificate: refused at start
+            with gateway(r.route, hop_deadline=1.0):
+                pass

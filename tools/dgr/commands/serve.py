@@ -1,0 +1,78 @@
+"""`dgr serve`: the OpenAI-compatible gateway (dgr.gateway) over a route of stage workers."""
+
+from __future__ import annotations
+
+import sys
+
+from dgr.log import get_logger
+
+log = get_logger(__name__)
+
+
+def register(sub) -> None:
+    """Add `dgr serve` to the `dgr` parser."""
+    from dgr.wire.client import DEFAULT_ATTEMPTS, DEFAULT_HOP_DEADLINE
+
+    s = sub.add_parser("serve", help="an OpenAI-compatible HTTP gateway (/v1/chat/completions, ...) over a route")
+    s.add_argument("--route", required=True,
+                   help="HOST:PORT,... stage 0 first; replicas of a stage in preference order separated by "
+                        "'|' (quote it: \"A,B1|B2,C\")")
+    s.add_argument("--listen", default="127.0.0.1:8000",
+                   help="HOST:PORT of the HTTP listener (port 0 picks a free one; default %(default)s)")
+    s.add_argument("--model-name", metavar="NAME",
+                   help="the model id clients ask for (default: the model the route's workers describe)")
+    s.add_argument("--chat-template", metavar="FILE",
+                   help="a Jinja chat template to use instead of the model's own tokenizer.chat_template")
+    s.add_argument("--tls-cert", metavar="FILE", help="this gateway's client certificate (TLS to the route)")
+    s.add_argument("--tls-key", metavar="FILE", help="its key")
+    s.add_argument("--tls-ca", metavar="FILE", help="the CA the workers' certificates come from (mTLS)")
+    s.add_argument("--https-cert", metavar="FILE", help="serve HTTPS with this certificate (PEM)")
+    s.add_argument("--https-key", metavar="FILE", help="... and this key")
+    s.add_argument("--insecure", action="store_true",
+                   help="allow plain HTTP on a non-loopback address (e.g. behind a TLS-terminating proxy)")
+    s.add_argument("--timeout", type=float, default=120.0,
+                   help="seconds to wait for a token from a route whose hops all answer (default %(default)s)")
+    s.add_argument("--hop-deadline", type=float, default=DEFAULT_HOP_DEADLINE, metavar="S",
+                   help="probe every hop after S seconds without a reply (default %(default)s)")
+    s.add_argument("--attempts", type=int, default=DEFAULT_ATTEMPTS, metavar="N",
+                   help="failed attempts recovered from per request before giving up (default %(default)s)")
+    s.add_argument("--log-level", default="warning", help="uvicorn's log level (default %(default)s)")
+    s.set_defaults(func=_serve)
+
+
+def _serve(args) -> int:
+    from pathlib import Path
+
+    from dgr.errors import WireError
+    from dgr.gateway.app import create_app
+    from dgr.gateway.route import RouteBackend
+    from dgr.gateway.server import GatewayServer
+    from dgr.wire.tls import TlsConfig, is_loopback
+
+    if bool(args.https_cert) != bool(args.https_key):
+        raise WireError("give both --https-cert and --https-key (or neither)")
+    host = args.listen.rpartition(":")[0].strip("[]")
+    if not args.https_cert and not args.insecure and not is_loopback(host):
+        raise WireError(f"refusing to serve plain HTTP on {args.listen}: give --https-cert/--https-key, or "
+                        "--insecure behind a proxy that terminates TLS")
+    template = None
+    if args.chat_template:
+        try:
+            template = Path(args.chat_template).read_text()
+        except OSError as err:
+            raise WireError(f"--chat-template {args.chat_template}: {err.strerror or err}") from None
+    tls = TlsConfig.from_args(args.tls_cert, args.tls_key, args.tls_ca)
+    backend = RouteBackend(args.route, tls=tls, timeout=args.timeout, hop_deadline=args.hop_deadline,
+                           attempts=args.attempts, model_name=args.model_name, chat_template=template)
+    server = GatewayServer(create_app(backend), args.listen, ssl_certfile=args.https_cert,
+                           ssl_keyfile=args.https_key, log_level=args.log_level)
+    info = backend.info
+    log.info("gateway: %d-stage route %s", info.stages, args.route)
+    print(f"serving {info.name} on {server.url} (OpenAI API at {server.url}/v1, metrics at {server.url}/metrics)",
+          flush=True)
+    try:
+        server.run()
+    finally:
+        backend.close()
+    print("gateway stopped", file=sys.stderr)
+    return 0

@@ -1,0 +1,263 @@
+"""The OpenAI-compatible HTTP app over one route (FastAPI): models, completions, chat completions, metrics.
+
+Every error answers OpenAI's shape `{"error": {"message", "type", "param", "code"}}`: 400 for a bad
+request (bad JSON, bad field, over-long prompt, n_ctx exceeded, a chat template that refuses the
+messages), 404 for an unknown model or URL, 502/503 for a route that fails (the typed WireError's
+message). A failure after a stream started arrives as one `data: {"error": ...}` event.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import ValidationError
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from dgr import __version__
+from dgr.errors import DgrError, WireError
+from dgr.gateway import chat, schemas
+from dgr.gateway.metrics import GatewayMetrics, MetricsMiddleware
+from dgr.gateway.route import Job, ModelInfo, Params, RouteBackend
+from dgr.log import get_logger
+from dgr.wire.errors import HopUnreachable, Overloaded, StageError
+
+log = get_logger(__name__)
+
+DEFAULT_COMPLETION_TOKENS = 16           # OpenAI's default max_tokens for /v1/completions
+
+
+class GatewayError(DgrError):
+    """An error the client sees: HTTP status and OpenAI's error fields."""
+
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None, headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+        self.headers = headers or {}
+
+    def body(self) -> dict:
+        return schemas.error_body(self.message, self.type, self.param, self.code)
+
+
+def route_error(err: Exception) -> GatewayError:
+    """A failure of the route (or of the gateway) as the client sees it."""
+    if isinstance(err, GatewayError):
+        return err
+    if isinstance(err, Overloaded):
+        after = max(1, round(err.retry_after_ms / 1000)) if err.retry_after_ms else 1
+        return GatewayError(503, str(err), "server_error", code="overloaded", headers={"Retry-After": str(after)})
+    if isinstance(err, HopUnreachable):
+        return GatewayError(503, str(err), "server_error", code="hop_unreachable")
+    if isinstance(err, StageError):
+        return GatewayError(502, str(err), "server_error", code=err.code.lower())
+    if isinstance(err, WireError):
+        return GatewayError(502, str(err), "server_error", code="route_error")
+    return GatewayError(500, f"the gateway failed: {type(err).__name__}: {err}", "server_error", code="internal_error")
+
+
+def _sse(obj) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+def create_app(backend: RouteBackend, metrics: GatewayMetrics | None = None) -> FastAPI:
+    info: ModelInfo = backend.info
+    m = metrics or GatewayMetrics(info.name)
+    fingerprint = f"dgr-{info.bundle_id[:12]}"
+    app = FastAPI(title="dgr gateway", version=__version__, docs_url=None, redoc_url=None)
+    app.state.backend, app.state.metrics = backend, m
+    app.add_middleware(MetricsMiddleware, metrics=m)
+
+    def fail(err: GatewayError) -> JSONResponse:
+        m.error(err.code or err.type)
+        return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
+
+    @app.exception_handler(GatewayError)
+    async def _gateway_error(request: Request, err: GatewayError):
+        return fail(err)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, err: StarletteHTTPException):
+        if err.status_code == 404:
+            return fail(GatewayError(404, f"Unknown request URL: {request.method} {request.url.path}",
+                                     code="unknown_url"))
+        if err.status_code == 405:
+            return fail(GatewayError(405, f"Method {request.method} is not allowed on {request.url.path}",
+                                     code="method_not_allowed"))
+        return fail(GatewayError(err.status_code, str(err.detail)))
+
+    @app.exception_handler(WireError)
+    async def _route_failed(request: Request, err: WireError):
+        return fail(route_error(err))
+
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, err: Exception):
+        log.exception("gateway: %s %s failed", request.method, request.url.path)
+        return fail(route_error(err))
+
+    # ------------------------------------------------------------------ read-only
+    @app.get("/v1/models")
+    async def models():
+        return schemas.model_list(info.name, info.created)
+
+    @app.get("/v1/models/{model:path}")
+    async def model(model: str):
+        _check_model(model)
+        return schemas.model_list(info.name, info.created)["data"][0]
+
+    @app.get("/metrics")
+    async def metrics_text():
+        return Response(m.render(), media_type=m.content_type)
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok", "model": info.name, "stages": info.stages}
+
+    # ------------------------------------------------------------------ generation
+    def _check_model(name: str) -> None:
+        if name not in (info.name, info.bundle_id):
+            raise GatewayError(404, f"The model `{name}` does not exist: this gateway serves `{info.name}`",
+                               param="model", code="model_not_found")
+
+    async def _parse(request: Request, cls):
+        raw = await request.body()
+        try:
+            data = json.loads(raw)
+        except (ValueError, UnicodeDecodeError) as err:
+            raise GatewayError(400, f"We could not parse the JSON body of your request ({err}). The body "
+                                    "must be a JSON object.", code="invalid_json") from None
+        if not isinstance(data, dict):
+            raise GatewayError(400, "The body of your request must be a JSON object.", code="invalid_json")
+        try:
+            req = cls.model_validate(data)
+        except ValidationError as err:
+            e = err.errors()[0]
+            param = ".".join(str(x) for x in e["loc"]) or None
+            code = "missing_required_parameter" if e["type"] == "missing" else "invalid_value"
+            raise GatewayError(400, f"Invalid value for '{param}': {e['msg']}" if param else e["msg"],
+                               param=param, code=code) from None
+        _check_model(req.model)
+        return req
+
+    def _budget(req, n_prompt: int, param: str, default: int | None) -> int:
+        room = info.n_ctx - n_prompt
+        if room <= 0:
+            raise GatewayError(400, f"This model's maximum context length is {info.n_ctx} tokens; your prompt is "
+                                    f"{n_prompt} tokens. Shorten the prompt.", param=param,
+                               code="context_length_exceeded")
+        if req.max_tokens is None:
+            return room if default is None else min(default, room)
+        if n_prompt + req.max_tokens > info.n_ctx:
+            raise GatewayError(400, f"This model's maximum context length is {info.n_ctx} tokens. However, you "
+                                    f"requested {n_prompt + req.max_tokens} tokens ({n_prompt} in the {param}, "
+                                    f"{req.max_tokens} in the completion). Reduce the length of the {param} or "
+                                    "of the completion (max_tokens).", param="max_tokens",
+                               code="context_length_exceeded")
+        return req.max_tokens
+
+    def _completion_ids(req: schemas.CompletionRequest) -> list[int]:
+        p = req.prompt
+        if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
+            p = p[0]
+        if isinstance(p, list) and p and not all(isinstance(t, int) for t in p):
+            raise GatewayError(400, "one prompt per request: give a string or a list of token ids", param="prompt")
+        ids = backend.tokenize(p, add_special=True) if isinstance(p, str) else list(p)
+        if not ids:
+            raise GatewayError(400, "the prompt is empty", param="prompt")
+        return ids
+
+    def _chat_ids(req: schemas.ChatRequest) -> tuple[str, list[int]]:
+        if not info.chat_template:
+            raise GatewayError(400, f"the model `{info.name}` has no chat template (tokenizer.chat_template): "
+                                    "use /v1/completions, or start `dgr serve` with --chat-template FILE",
+                               param="messages", code="chat_template_missing")
+        try:
+            messages = [msg.for_template() for msg in req.messages]
+            text = chat.render(info.chat_template, messages, add_generation_prompt=req.add_generation_prompt,
+                               special_tokens={"bos_token": info.bos_token, "eos_token": info.eos_token})
+        except (chat.TemplateRefused, ValueError) as err:
+            raise GatewayError(400, str(err), param="messages", code="invalid_messages") from None
+        except chat.TemplateBroken as err:
+            raise GatewayError(500, str(err), "server_error", code="chat_template_broken") from None
+        # a template that writes the BOS itself: do not add a second one
+        add_special = not (info.bos_token and text.startswith(info.bos_token))
+        return text, backend.tokenize(text, add_special=add_special)
+
+    async def _generate(request: Request, kind: str, req, ids: list[int], max_tokens: int, t0: float):
+        params = Params(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
+                        seed=req.seed, stops=tuple(req.stops), ignore_eos=req.ignore_eos)
+        shapes = schemas.Shapes(kind, info.name, fingerprint)
+        job = Job(backend, ids, params, m, t0)
+        # Wait for the first piece before answering: a route that fails at once gets its HTTP status.
+        events = job.events(timeout=0.5)
+        parts: list[str] = []
+        streaming = False
+        try:
+            async for what, payload in events:
+                if what == "idle":
+                    if await request.is_disconnected():
+                        log.info("gateway: client gone before its completion finished")
+                        return Response(status_code=499)
+                elif what == "error":
+                    raise route_error(payload)
+                elif req.stream:
+                    streaming = True
+                    return StreamingResponse(_stream(job, shapes, req, len(ids), (what, payload), events),
+                                             media_type="text/event-stream",
+                                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+                elif what == "text":
+                    parts.append(payload)
+                else:
+                    return shapes.full("".join(parts), payload, len(ids), job.completion_tokens)
+        finally:
+            if not streaming:
+                job.cancel()
+
+    async def _stream(job: Job, shapes: schemas.Shapes, req, n_prompt: int, first, events):
+        m.open_streams.inc()
+        try:
+            if shapes.kind == "chat":
+                yield _sse(shapes.chunk(None, role=True))
+            item = first
+            while item is not None:
+                what, payload = item
+                if what == "text":
+                    yield _sse(shapes.chunk(payload))
+                elif what == "error":
+                    err = route_error(payload)
+                    m.error(err.code or err.type)
+                    yield _sse(err.body())
+                    break
+                elif what == "done":
+                    yield _sse(shapes.chunk(None, payload))
+                    if req.include_usage:
+                        yield _sse(shapes.usage_chunk(n_prompt, job.completion_tokens))
+                    break
+                item = await anext(events, None)          # ("idle", None) while waiting: nothing to send
+            yield "data: [DONE]\n\n"
+        finally:
+            job.cancel()                        # a client that went away: its session closes along the route
+            m.open_streams.dec()
+            await events.aclose()
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        t0 = time.perf_counter()
+        req = await _parse(request, schemas.CompletionRequest)
+        if req.echo:
+            raise GatewayError(400, "echo is not supported", param="echo", code="unsupported_parameter")
+        ids = await run_in_threadpool(_completion_ids, req)
+        return await _generate(request, "completion", req, ids, _budget(req, len(ids), "prompt",
+                                                                         DEFAULT_COMPLETION_TOKENS), t0)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        t0 = time.perf_counter()
+        req = await _parse(request, schemas.ChatRequest)
+        _, ids = await run_in_threadpool(_chat_ids, req)
+        return await _generate(request, "chat", req, ids, _budget(req, len(ids), "messages", None), t0)
+
+    return app

@@ -1,0 +1,211 @@
+"""The gateway's side of a route: what the model is (from Describe), a pool of route clients, and one
+generation per request run in its own thread, its text delivered to the event loop.
+
+`RouteClient.generate` is a blocking iterator, so every request's generation runs in a thread of its
+own (concurrent requests are concurrent sessions along the route) and hands its pieces to the
+request's asyncio queue. Cancelling a job (the HTTP client went away) stops the iteration at the next
+token and closes the generator, whose `finally` closes the session along the route (chain=True).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import secrets
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+from dgr.errors import WireError
+from dgr.gateway.metrics import GatewayMetrics
+from dgr.gateway.stops import StopScanner
+from dgr.log import get_logger
+from dgr.wire import tls as wtls
+from dgr.wire.client import RouteClient, parse_route
+
+log = get_logger(__name__)
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What the route serves, read once from its workers' Describe."""
+
+    name: str                    # the model id clients ask for (--model-name, or hops[0].identity.model)
+    bundle_id: str
+    n_ctx: int                   # positions a session may hold: the smallest of every stage's
+    eos_ids: tuple[int, ...]     # token-level stops (the last stage's eos)
+    chat_template: str           # tokenizer.chat_template ("" when the model has none)
+    bos_token: str
+    eos_token: str
+    stages: int
+    created: int                 # when the gateway first described the route (the model's `created`)
+
+
+@dataclass(frozen=True)
+class Params:
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stops: tuple[str, ...] = ()
+    ignore_eos: bool = False
+
+
+class RouteBackend:
+    """The route (text or replicas per stage) and a pool of `RouteClient`s over it: each request takes a
+    client of its own (its recovery state is its own) and gives it back when done; channels are reused."""
+
+    def __init__(self, route: str | Sequence[Sequence[str]], *, tls: wtls.TlsConfig | None = None,
+                 timeout: float = 120.0, hop_deadline: float | None = None, attempts: int | None = None,
+                 model_name: str | None = None, chat_template: str | None = None):
+        self.replicas = parse_route(route) if isinstance(route, str) else [list(r) for r in route]
+        self._kw = {"tls": tls, "timeout": timeout}
+        if hop_deadline is not None:
+            self._kw["hop_deadline"] = hop_deadline
+        if attempts is not None:
+            self._kw["attempts"] = attempts
+        self._idle: list[RouteClient] = []
+        self._lock = threading.Lock()
+        self.info = self._describe(model_name, chat_template)
+
+    def _new_client(self) -> RouteClient:
+        return RouteClient(copy.deepcopy(self.replicas), **self._kw)
+
+    @contextmanager
+    def client(self) -> Iterator[RouteClient]:
+        with self._lock:
+            c = self._idle.pop() if self._idle else None
+        c = c or self._new_client()
+        try:
+            yield c
+        finally:
+            with self._lock:
+                self._idle.append(c)
+
+    def close(self) -> None:
+        with self._lock:
+            idle, self._idle = self._idle, []
+        for c in idle:
+            c.close()
+
+    def _describe(self, model_name: str | None, chat_template: str | None) -> ModelInfo:
+        with self.client() as c:
+            hops = c.hops
+            ident = hops[0].identity
+            eos_ids = tuple(hops[-1].eos_token_ids)
+            template = chat_template if chat_template is not None else \
+                next((h.chat_template for h in hops if h.chat_template), "")
+            eos_token = c.detokenize([eos_ids[0]]) if eos_ids else ""
+            bos = [t for t in c.tokenize("", add_special=True)]
+            bos_token = c.detokenize(bos[:1]) if bos else ""
+        n_ctx = min(h.n_ctx for h in hops)
+        info = ModelInfo(name=model_name or ident.model or ident.bundle_id, bundle_id=ident.bundle_id, n_ctx=n_ctx,
+                         eos_ids=eos_ids, chat_template=template, bos_token=bos_token, eos_token=eos_token,
+                         stages=len(hops), created=int(time.time()))
+        log.info("gateway: route of %d stage(s) serves %s (bundle %s, n_ctx %d, %s chat template)",
+                 info.stages, info.name, info.bundle_id[:16], n_ctx, "its own" if template else "no")
+        return info
+
+    def tokenize(self, text: str, add_special: bool = True) -> list[int]:
+        with self.client() as c:
+            return c.tokenize(text, add_special=add_special)
+
+    def open_sessions(self) -> list[int]:
+        """Every stage's open sessions now (Describe of the current replicas)."""
+        with self.client() as c:
+            return [d.open_sessions for d in c.describe()]
+
+
+class Job:
+    """One generation, run in its own thread. `events()` yields ("text", str) pieces, then one
+    ("done", finish_reason) or ("error", exception). `completion_tokens` counts tokens sampled."""
+
+    def __init__(self, backend: RouteBackend, prompt_ids: list[int], params: Params, metrics: GatewayMetrics,
+                 t_request: float):
+        self.backend, self.prompt_ids, self.params, self.metrics = backend, prompt_ids, params, metrics
+        self.t_request = t_request
+        self.completion_tokens = 0
+        self.t_first = 0.0
+        self._cancel = threading.Event()
+        self._loop = asyncio.get_running_loop()
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._thread = threading.Thread(target=self._run, daemon=True, name="gateway-generation")
+        self._thread.start()
+
+    def cancel(self) -> None:
+        self._cancel.set()
+
+    async def events(self, timeout: float | None = None):
+        """The job's events; with `timeout`, ("idle", None) after that many seconds without one."""
+        while True:
+            try:
+                item = await (asyncio.wait_for(self._queue.get(), timeout) if timeout else self._queue.get())
+            except asyncio.TimeoutError:
+                yield "idle", None
+                continue
+            yield item
+            if item[0] != "text":
+                return
+
+    def _put(self, item) -> None:
+        try:
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
+        except RuntimeError:                            # the event loop is gone (shutting down)
+            self._cancel.set()
+
+    def _run(self) -> None:
+        p, m = self.params, self.metrics
+        eos = set(self.backend.info.eos_ids)
+        stop_ids = [] if p.ignore_eos else sorted(eos)
+        scanner = StopScanner(list(p.stops))
+        seed = p.seed if p.seed is not None else (secrets.randbits(63) if p.temperature > 0 else 0)
+        temperature = 0.0 if p.top_p == 0 else p.temperature       # top_p 0: only the most likely token
+        top_p = p.top_p if 0 < p.top_p < 1 else 0.0                 # dgr: 0 is off
+        finish = "length"
+        m.active.inc()
+        m.prompt_tokens.inc(len(self.prompt_ids))
+        try:
+            with self.backend.client() as c:
+                it = c.generate(self.prompt_ids, max_new_tokens=p.max_tokens, temperature=temperature,
+                                top_k=p.top_k, top_p=top_p, seed=seed, stop_token_ids=stop_ids)
+                last = 0.0
+                try:
+                    for ev in it:
+                        now = time.perf_counter()
+                        if not self.completion_tokens:
+                            self.t_first = now
+                            m.ttft.observe(now - self.t_request)
+                        else:
+                            m.token_latency.observe(now - last)
+                        last = now
+                        self.completion_tokens += 1
+                        m.generated_tokens.inc()
+                        if ev.token_id in stop_ids:         # a token-level stop: its text is never printed
+                            finish = "stop"
+                            break
+                        text = scanner.feed(ev.text)
+                        if text:
+                            self._put(("text", text))
+                        if scanner.stopped:
+                            finish = "stop"
+                            break
+                        if self._cancel.is_set():
+                            log.info("gateway: client gone after %d token(s); closing its session",
+                                     self.completion_tokens)
+                            break
+                finally:
+                    it.close()                              # closes the session along the route
+            tail = scanner.flush()
+            if tail:
+                self._put(("text", tail))
+            self._put(("done", finish))
+        except WireError as err:
+            self._put(("error", err))
+        except Exception as err:                            # never leave a request waiting
+            log.exception("gateway: generation failed")
+            self._put(("error", err))
+        finally:
+            m.active.dec()
