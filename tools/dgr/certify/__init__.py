@@ -1,0 +1,9 @@
+"""Certification: `dgr certify` (a bundle against its whole model, judged by a committed contract) and
+`dgr gate alpha` (every target of the contract's gate, one table)."""
+
+from dgr.certify.contract import DEFAULT_CONTRACT, Contract, ContractError, LoadedContract, load_contract
+from dgr.certify.gate import GateResult, Row, format_table, run_gate
+from dgr.certify.runner import CertifyError, certify, engine_library, mtp_off
+
+__all__ = ["DEFAULT_CONTRACT", "Contract", "ContractError", "LoadedContract", "load_contract", "GateResult", "Row",
+           "format_table", "run_gate", "CertifyError", "certify", "engine_library", "mtp_off"]
