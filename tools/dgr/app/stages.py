@@ -1,5 +1,5 @@
 """Where a worker's engine and identity come from: a bundle stage (verified, on the real engine) or a
-fake-model spec (tests)."""
+fake-model spec (tests), and which certificates (`dgr certify`) it may advertise."""
 
 from __future__ import annotations
 
@@ -9,21 +9,28 @@ import gguf
 
 from dgr.constants import DEFAULT_MAX_SESSIONS, DEFAULT_N_CTX
 from dgr.contract import DEFAULT_WIRE_DTYPE
+from dgr.descriptor import HeldCertificate
 from dgr.engine_api import ShardEngine
 from dgr.errors import WireError
+from dgr.hashing import file_blake3
+from dgr.log import get_logger
 from dgr.wire.worker import StageIdentity
+
+log = get_logger(__name__)
 
 
 def fake_stage(spec: str, stage: int, wire_dtype: str = DEFAULT_WIRE_DTYPE) -> tuple[ShardEngine, StageIdentity]:
     """Stage `stage` of the fake model `spec` (see dgr.testing.fake_engine); the bundle id hashes the spec."""
     # The test double, imported only when a fake stage is asked for (`dgr worker serve --fake-engine`).
+    from dgr.testing import fake_engine
     from dgr.testing.fake_engine import FakeEngine, FakeModel
 
     model = FakeModel.from_spec(spec)
     engine = FakeEngine(model, stage)
     ident = StageIdentity(model=f"fake:{model.to_spec()}", bundle_id=model.bundle_id, stage_index=stage,
                           stage_count=len(model.ranges), lane="cpu", engine="fake", wire_dtype=wire_dtype,
-                          eos_token_ids=tuple(engine.eos_token_ids()))
+                          eos_token_ids=tuple(engine.eos_token_ids()),
+                          engine_blake3=file_blake3(fake_engine.__file__, threads=False))   # its "library"
     return engine, ident
 
 
@@ -40,7 +47,7 @@ def bundle_stage(path: str | Path, stage: int, *, lane: str | None = None, wire_
                  verify: bool = True) -> tuple[ShardEngine, StageIdentity]:
     """Open stage `stage` of the bundle at `path` on the real engine (after checking its hashes)."""
     from dgr.bundle import load_bundle, verify_bundle
-    from dgr.engine import Engine
+    from dgr.engine import Engine, library_path
     from dgr.ggufmodel import read_header
     from dgr.locks import locked
     from dgr.paths import workspace
@@ -84,5 +91,48 @@ def bundle_stage(path: str | Path, stage: int, *, lane: str | None = None, wire_
                           stage_count=len(stages), upstream_commit=commit, patch_series=series, lane=lane,
                           engine="llama.cpp", wire_dtype=wire_dtype or b.manifest.boundary_dtype,
                           eos_token_ids=() if eos is None else (int(eos),),
-                          chat_template=template if isinstance(template, str) else "")
+                          chat_template=template if isinstance(template, str) else "",
+                          engine_blake3=file_blake3(library_path().resolve()))
     return engine, ident
+
+
+def held_certificates(directory: str | Path, ident: StageIdentity, layers: tuple[int, int],
+                      contract: str | Path | None = None) -> tuple[HeldCertificate, ...]:
+    """The certificates among DIR/*.json a worker of `ident` serving `layers` may advertise: those whose
+    identity equals its own exactly (dgr.certificate.check), that cover its stage, and whose contract
+    file (`contract`, else the path each records) still has the hash they were measured against. Every
+    other one is logged with the reason and ignored."""
+    from dgr import certificate as cm
+
+    d = Path(directory)
+    if not d.is_dir():
+        raise WireError(f"--certs {d}: no such directory (put the certificates `dgr certify` wrote there)")
+    if contract is not None and not Path(contract).is_file():
+        raise WireError(f"--contract {contract}: no such file")
+    mine = cm.Identity(model=ident.model, bundle_id=ident.bundle_id, lane=ident.lane,
+                       upstream_commit=ident.upstream_commit, patch_series=ident.patch_series,
+                       engine_blake3=ident.engine_blake3,
+                       contract_blake3=cm.contract_hash(contract) if contract is not None else "")
+    held = []
+    for path in sorted(d.glob("*.json")):
+        try:
+            cert = cm.load_certificate(path)
+        except cm.CertificateError as err:
+            log.warning("ignoring %s: %s", path.name, err)
+            continue
+        why = cm.check(cert, mine, contract)
+        covered = {(r.stage, r.layer_begin, r.layer_end) for r in cert.stages}
+        if why is None and covered and (ident.stage_index, *layers) not in covered:
+            why = (f"certificate covers stages {sorted(covered)}, not stage {ident.stage_index} "
+                   f"[{layers[0]}, {layers[1]})")
+        if why is not None:
+            log.warning("ignoring certificate %s (lane %s): %s", path.name, cert.identity.lane, why)
+            continue
+        hw = cert.hardware
+        n_pass = sum(f.passed for f in cert.figures)
+        held.append(HeldCertificate(
+            id=cert.digest, contract=cert.contract.name or cert.contract.path, contract_blake3=cert.contract.blake3,
+            lane=cert.identity.lane, issued_at=cert.created_at,
+            summary=f"{n_pass}/{len(cert.figures)} checks passed on {hw.cpu_model}{f' + {hw.gpu}' if hw.gpu else ''}"))
+        log.info("advertising certificate %s (%s, lane %s)", path.name, cert.digest[:16], cert.identity.lane)
+    return tuple(held)

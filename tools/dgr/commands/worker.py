@@ -1,4 +1,5 @@
-"""`dgr worker serve`: one stage of a bundle (or of the fake model) served over gRPC until SIGTERM."""
+"""`dgr worker serve` (one stage of a bundle, or of the fake model, served over gRPC until SIGTERM) and
+`dgr worker describe` (what a worker advertises: its descriptor)."""
 
 from __future__ import annotations
 
@@ -50,7 +51,23 @@ def register(sub) -> None:
     s.add_argument("--tls-ca", metavar="F", help="the operator's CA (PEM): peers must present a certificate it "
                    "signed (mutual TLS)")
     s.add_argument("--insecure", action="store_true", help="allow a plaintext listener on a non-loopback address")
+    s.add_argument("--metrics-listen", metavar="HOST:PORT", help="also serve Prometheus metrics at "
+                   "http://HOST:PORT/metrics (https, and client certificates under --tls-ca, with TLS)")
+    s.add_argument("--certs", metavar="DIR", help="certificates (`dgr certify`, DIR/*.json) to advertise: only "
+                   "those for exactly this worker's identity and the contract's current hash; others are "
+                   "logged and ignored")
+    s.add_argument("--contract", metavar="FILE", help="the contract file certificates must still match "
+                   "(default: the path each certificate records, from the checkout)")
     s.set_defaults(func=_serve)
+
+    d = wsub.add_parser("describe", help="print what a worker advertises (its descriptor)")
+    d.add_argument("address", metavar="HOST:PORT")
+    d.add_argument("--json", action="store_true", help="the descriptor as JSON (docs/schemas/descriptor.schema.json)")
+    d.add_argument("--timeout", type=float, default=10.0, metavar="S")
+    d.add_argument("--tls-cert", metavar="F", help="client certificate (a worker with mTLS)")
+    d.add_argument("--tls-key", metavar="F")
+    d.add_argument("--tls-ca", metavar="F", help="the CA the worker's certificate comes from")
+    d.set_defaults(func=_describe)
 
 
 def _serve(args) -> int:
@@ -79,11 +96,19 @@ def _serve(args) -> int:
                                             n_ctx=args.n_ctx, max_sessions=args.max_sessions,
                                             n_threads=args.threads)
     try:
+        info = engine.describe()
+        certs = () if not args.certs else stages.held_certificates(
+            args.certs, ident, (info.layer_begin, info.layer_end), args.contract)
         server, worker, address = serve(engine, ident, args.listen, max_message_bytes=args.max_message_bytes,
-                                        limits=limits, tls=tls, insecure=args.insecure)
+                                        limits=limits, tls=tls, insecure=args.insecure,
+                                        metrics_listen=args.metrics_listen, certificates=certs)
     except BaseException:
         engine.close()
         raise
+    if worker.metrics_url:
+        print(f"dgr worker: metrics on {worker.metrics_url}", flush=True)
+    if args.certs:
+        print(f"dgr worker: {len(certs)} certificate(s) advertised from {args.certs}", flush=True)
     info = worker.info
     where = f", {ident.lane} lane, weights on {engine.memory().device or 'the host'}"
     sec = "mutual TLS" if worker.mutual_tls else "TLS" if tls else "plaintext"
@@ -109,4 +134,27 @@ def _serve(args) -> int:
     # The engine is closed and the server stopped: leave now rather than wait at interpreter exit for a
     # gRPC handler thread that is still blocked on a dead peer (the bound is the point of a drain).
     hard_exit(0, "")
+    return 0
+
+
+def _describe(args) -> int:
+    import grpc
+
+    from dgr.descriptor import Descriptor
+    from dgr.wire.gen import stage_pb2 as pb
+    from dgr.wire.gen import stage_pb2_grpc as pb_grpc
+    from dgr.wire.tls import TlsConfig, channel
+
+    tls = TlsConfig.from_args(args.tls_cert, args.tls_key, args.tls_ca)
+    with channel(args.address, tls) as ch:
+        try:
+            d = pb_grpc.StageStub(ch).Describe(pb.DescribeRequest(), timeout=args.timeout)
+        except grpc.RpcError as err:
+            raise WireError(f"{args.address} did not answer Describe ({err.code().name}: {err.details()}): is a "
+                            "worker serving there (and TLS as it expects: --tls-cert/--tls-key/--tls-ca)?") from None
+    if not d.descriptor_json:
+        raise WireError(f"{args.address} sent no descriptor: it runs a dgr older than this one, or its "
+                        "descriptor failed (see its log)")
+    desc = Descriptor.model_validate_json(d.descriptor_json)
+    print(desc.model_dump_json(indent=2) if args.json else desc.summary())
     return 0

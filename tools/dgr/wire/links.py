@@ -121,6 +121,7 @@ class Links(StageState):
             step = pb.Step(positions=s.positions[lo:hi], token_ids=s.token_ids[lo:hi],
                            boundary=codec.encode(res.boundary[lo:hi], self.dtype), schema=schema,
                            cache_expect=s.positions[lo], sample=s.sample and hi == n)
+            self.metrics.seam_out.inc(len(step.boundary.data))
             frames.append(pb.Frame(session_id=sess.session_id, epoch=sess.epoch, step=step,
                                    origin_sent_ns=w.frame.origin_sent_ns, timings=w.frame.timings))
         timing.wire_ns = time.monotonic_ns() - t0
@@ -145,6 +146,7 @@ class Links(StageState):
             pos = s.positions[-1]
             tok = sample(row, temperature=sp.temperature, top_k=sp.top_k, top_p=sp.top_p, seed=sp.seed,
                          position=pos)
+            self.metrics.sampled.inc()
             token = pb.Token(token_id=tok, position=pos, origin_sent_ns=w.frame.origin_sent_ns)
             if sess.logits == pb.LOGITS_LAST:
                 token.logits = row.astype("<f4").tobytes()
@@ -205,5 +207,6 @@ class Links(StageState):
             if link.address == sess.route[0].address:
                 log.warning("origin unreachable for session %s: %s", sess.session_id, e.message)
             else:
+                self._count_error(pb.HOP_UNREACHABLE)
                 self._to_origin(sess, frame)
 

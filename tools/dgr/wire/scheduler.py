@@ -103,7 +103,21 @@ class Scheduler(StageState):
                     for w in batch:
                         self._reply_error(w.reply, w.frame, self._err(pb.INTERNAL, "the worker failed on "
                                                                       "this step; see its log"))
+                self._refresh_memory()
             self._run_jobs()
+
+    def _refresh_memory(self, every_s: float = 1.0) -> None:
+        """The engine's memory report for Describe, read here (the engine thread) at most every `every_s`:
+        a Describe never waits for the engine."""
+        now = time.monotonic()
+        if now - self.memory_at < every_s:
+            return
+        self.memory_at = now
+        try:
+            with self.engine_lock:
+                self.memory = self.engine.memory()
+        except DgrError:
+            log.debug("memory report failed", exc_info=True)
 
     def _defer(self, job) -> None:
         """Run `job` on the engine thread after the current forward (never ahead of queued steps' start)."""
@@ -167,6 +181,8 @@ class Scheduler(StageState):
             timing = pb.HopTiming(stage_index=self.identity.stage_index, queue_ns=t0 - w.t_recv,
                                   transit_ns=w.transit_ns,
                                   compute_ns=compute)
+            kind = self.metrics.step(len(w.frame.step.positions), timing.queue_ns, compute)
+            self.step_times[kind].append((compute, timing.queue_ns))
             if self.info.is_last:
                 self._emit_last(w, sess, res, timing)
             else:

@@ -73,7 +73,12 @@ class StageWorker(Scheduler, Links, Origin, pb_grpc.StageServicer):
 
     # ------------------------------------------------------------------ unary RPCs
     def Describe(self, request, context):
-        return self.describe_msg()
+        d = self.describe_msg()
+        try:                                            # a liveness probe must never fail on the descriptor
+            d.descriptor_json = self.descriptor().model_dump_json()
+        except Exception:                               # noqa: BLE001
+            log.exception("could not build the descriptor")
+        return d
 
     def Tokenize(self, request, context):
         if not self.info.has_vocab:
@@ -174,6 +179,7 @@ class StageWorker(Scheduler, Links, Origin, pb_grpc.StageServicer):
                     fwd, timeout=self._chain_timeout(len(req.route) - 1 - req.hop_index, context))
             except grpc.RpcError as err:
                 name = hop_name(req.hop_index + 1, nxt.address)
+                self._count_error(pb.HOP_UNREACHABLE)
                 reply = pb.OpenSessionReply(error=pb.WireError(code=pb.HOP_UNREACHABLE, hop=name, message=(
                     f"{name} is unreachable: {self.hop} could not open the session there ({err.code().name}: "
                     f"{err.details()}): is that worker running?")))
@@ -184,6 +190,7 @@ class StageWorker(Scheduler, Links, Origin, pb_grpc.StageServicer):
         # the origin takes tokens back only from the last hop, errors from any hop of the route (mTLS)
         sess.returner = hops[-1].member or None
         sess.route_members = frozenset(h.member for h in hops if h.member)
+        self.metrics.opened.inc()
         return pb.OpenSessionReply(hops=hops)
 
     def _chain_timeout(self, hops_after: int, context) -> float:
@@ -291,6 +298,8 @@ class StageWorker(Scheduler, Links, Origin, pb_grpc.StageServicer):
                 return
             if kind == "token":
                 frame.token.return_ns = transit
+                if transit:
+                    self.metrics.transit["token"].observe(transit / 1e9)
             self._deliver_to_client(frame)             # returns into the origin
             return
         try:
@@ -322,6 +331,10 @@ class StageWorker(Scheduler, Links, Origin, pb_grpc.StageServicer):
             self._reply_error(reply, frame, self._err(f.code, f.message, held=f.held, expected=f.expected,
                                                       retry_after_ms=f.retry_after_ms))
             return
+        if transit:
+            self.metrics.transit["step"].observe(transit / 1e9)
+        if x is not None:
+            self.metrics.seam_in.inc(len(frame.step.boundary.data))
         if self.info.is_first:
             with self.lock:
                 if sess.client is None:
@@ -412,3 +425,7 @@ class StageWorker(Scheduler, Links, Origin, pb_grpc.StageServicer):
             links = list(self.links.values())
         for link in links:
             link.close()
+        httpd, self.metrics_server = getattr(self, "metrics_server", None), None
+        if httpd is not None:                           # the metrics endpoint (dgr.wire.worker.start_metrics)
+            httpd.shutdown()
+            httpd.server_close()

@@ -1,19 +1,24 @@
-"""The state every part of a stage worker shares: what the stage is, its open sessions, and the typed errors.
+"""The state every part of a stage worker shares: what the stage is, its sessions, its typed errors and counts.
 
 `StageState` is the base of the worker's parts (servicer, scheduler, links, origin; dgr.wire.worker
 composes them): it holds the engine, the stage's identity and contract, the session table and the one
 lock that guards it. The records below (`Session`, `Work`) are what those parts pass each other.
+`WorkerMetrics` is what the parts count (Prometheus, a registry per worker: docs/wire.md "Metrics and
+the descriptor"), and `StageState.descriptor()` what the worker advertises (dgr.descriptor).
 """
 
 from __future__ import annotations
 
+import collections
 import queue
+import statistics
 import threading
 import time
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from dgr import descriptor as dd
 from dgr.engine_api import ShardEngine
 from dgr.wire import codec
 from dgr.wire.codec import hop_name
@@ -54,6 +59,7 @@ class StageIdentity:
     wire_dtype: str = "f32"
     eos_token_ids: tuple[int, ...] = ()
     chat_template: str = ""                # the model's own (tokenizer.chat_template), for gateways
+    engine_blake3: str = ""                # blake3 of the engine library file (fake: of its source)
 
 
 class WireFault(Exception):
@@ -132,6 +138,17 @@ class StageState:
         self.reaped_sessions = 0
         self.overloaded = 0
         self.streams: set[queue.Queue] = set()          # reply queues of the incoming Frames streams
+        # what the worker reports about itself (Describe's descriptor, the metrics endpoint)
+        self.started = time.monotonic()
+        self.restarts = 0                               # a supervisor's count; 0 when not supervised
+        self.certificates: tuple[dd.HeldCertificate, ...] = ()   # those matching this identity exactly
+        self.metrics_url = ""                           # set by dgr.wire.worker.serve when it serves metrics
+        self.memory = engine.memory()                   # refreshed by the engine thread (Describe never waits)
+        self.memory_at = self.started
+        self.step_times = {"decode": collections.deque(maxlen=STEP_TIMES_KEPT),
+                           "prefill": collections.deque(maxlen=STEP_TIMES_KEPT)}   # (compute_ns, queue_ns)
+        self.errors: collections.Counter = collections.Counter()   # WireError code name -> answered
+        self.metrics = WorkerMetrics(self)
 
     @property
     def mutual_tls(self) -> bool:
@@ -150,11 +167,135 @@ class StageState:
         return None if b is None else codec.schema_msg(b, self.identity.bundle_id, self.info.layer_end)
 
     def _err(self, code: int, message: str, **kw) -> pb.WireError:
+        self._count_error(code)
         return pb.WireError(code=code, message=f"{self.hop}: {message}", hop=self.hop, **kw)
+
+    def _count_error(self, code: int) -> None:
+        """Count a typed error this worker answers (Describe's descriptor, dgr_worker_errors_total)."""
+        name = pb.ErrorCode.Name(code)
+        self.errors[name] += 1
+        self.metrics.errors[name].inc()
+
+    def descriptor(self) -> dd.Descriptor:
+        """What this worker advertises now (dgr.descriptor): identity, capacity, load, seam cost, health,
+        security and the certificates it holds."""
+        i, idn, lim, m = self.info, self.identity, self.limits, self.memory
+        sessions = list(self.sessions.values())
+        b_in, b_out = self._boundary_in, self._boundary_out
+        return dd.Descriptor(
+            address=self.address,
+            identity=dd.CompatIdentity(
+                model=idn.model, bundle_id=idn.bundle_id, stage_index=idn.stage_index, stage_count=idn.stage_count,
+                layer_begin=i.layer_begin, layer_end=i.layer_end, n_layer=i.n_layer,
+                upstream_commit=idn.upstream_commit, patch_series=idn.patch_series, lane=idn.lane, arch=i.arch,
+                engine=idn.engine, engine_blake3=idn.engine_blake3, wire_dtype=idn.wire_dtype),
+            capacity=dd.Capacity(
+                max_sessions=i.max_sessions, n_ctx=i.n_ctx, max_queued_steps=lim.max_queued_steps,
+                max_session_steps=lim.max_session_steps, max_batch_tokens=lim.max_batch_tokens,
+                max_message_bytes=self.max_message_bytes, session_ttl_s=float(lim.session_ttl_s),
+                memory=dd.Memory(weights_bytes=m.weights_bytes, kv_bytes=m.kv_bytes, compute_bytes=m.compute_bytes,
+                                 device_weights_bytes=m.device_weights_bytes, device=m.device),
+                decode=step_times(self.step_times["decode"]), prefill=step_times(self.step_times["prefill"])),
+            load=dd.Load(open_sessions=len(sessions), queued_steps=int(getattr(self, "n_pending", 0)),
+                         cached_positions=sum(s.held for s in sessions)),
+            seam=dd.SeamCost(seam_in=None if b_in is None else dd.Seam.of(b_in, i.layer_begin),
+                             seam_out=None if b_out is None else dd.Seam.of(b_out, i.layer_end)),
+            health=dd.Health(serving=not self.stopping, uptime_s=time.monotonic() - self.started,
+                             errors=dict(self.errors), reaped_sessions=self.reaped_sessions,
+                             overloaded=self.overloaded, restarts=self.restarts),
+            security=dd.Security(tls=self.tls is not None, mutual_tls=self.mutual_tls, member=self.member),
+            certificates=tuple(self.certificates), metrics=self.metrics_url)
 
     def _reply_error(self, reply: queue.Queue | None, frame: pb.Frame, err: pb.WireError) -> None:
         if reply is not None:
             reply.put(pb.Frame(session_id=frame.session_id, epoch=frame.epoch, error=err))
+
+
+STEP_TIMES_KEPT = 1024                 # steps of each kind the descriptor's medians are over
+# step latencies: 0.1 ms .. 10 s
+LATENCY_BUCKETS = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+
+def step_times(times) -> dd.StepTimes:
+    """Median and 90th percentile (nearest rank) of (compute_ns, queue_ns) pairs, in ms."""
+    pairs = list(times)
+    if not pairs:
+        return dd.StepTimes(steps=0, compute_ms_median=0.0, compute_ms_p90=0.0, queue_ms_median=0.0,
+                            queue_ms_p90=0.0)
+    compute, wait = sorted(p[0] for p in pairs), sorted(p[1] for p in pairs)
+    p90 = lambda xs: xs[min(len(xs) - 1, int(0.9 * len(xs)))] / 1e6     # noqa: E731
+    return dd.StepTimes(steps=len(pairs), compute_ms_median=statistics.median(compute) / 1e6,
+                        compute_ms_p90=p90(compute), queue_ms_median=statistics.median(wait) / 1e6,
+                        queue_ms_p90=p90(wait))
+
+
+class WorkerMetrics:
+    """A worker's Prometheus metrics in a registry of its own (several workers may share a process).
+    Events are counted where they happen (a counter's inc or a histogram's observe, nothing more);
+    gauges and the counts the state already keeps are read from it at scrape time."""
+
+    def __init__(self, state: "StageState"):
+        from prometheus_client import CollectorRegistry, Counter, Histogram
+
+        self.registry = r = CollectorRegistry()
+        kw = dict(namespace="dgr_worker", registry=r)
+        steps = Counter("steps", "engine steps run (one session's frame of positions)", ["kind"], **kw)
+        tokens = Counter("tokens", "positions run through the engine", ["kind"], **kw)
+        self.steps = {k: steps.labels(k) for k in ("decode", "prefill")}
+        self.tokens = {k: tokens.labels(k) for k in ("decode", "prefill")}
+        self.sampled = Counter("tokens_sampled", "tokens sampled (last stage)", **kw)
+        self.opened = Counter("sessions_opened", "sessions opened here", **kw)
+        self.queue = Histogram("step_queue_seconds", "a step's wait for the engine thread",
+                               buckets=LATENCY_BUCKETS, **kw)
+        self.compute = Histogram("step_compute_seconds", "the engine call a step ran in",
+                                 buckets=LATENCY_BUCKETS, **kw)
+        transit = Histogram("frame_transit_seconds", "from the sender handing a frame to gRPC to this worker "
+                            "reading it (wall clocks): steps in, tokens back at the origin", ["frame"],
+                            buckets=LATENCY_BUCKETS, **kw)
+        self.transit = {k: transit.labels(k) for k in ("step", "token")}
+        errors = Counter("errors", "typed errors this worker answered, by dgr.v1.ErrorCode", ["code"], **kw)
+        self.errors = {n: errors.labels(n) for n in pb.ErrorCode.keys() if n != "ERROR_UNSPECIFIED"}
+        seam = Counter("seam_bytes", "boundary bytes across this worker's seams (layer: the seam's global "
+                       "layer index)", ["direction", "layer"], **kw)
+        info = state.info
+        self.seam_in = None if info.is_first else seam.labels("received", str(info.layer_begin))
+        self.seam_out = None if info.is_last else seam.labels("sent", str(info.layer_end))
+        r.register(_StateCollector(state))
+
+    def step(self, n_tokens: int, queue_ns: int, compute_ns: int) -> str:
+        kind = "decode" if n_tokens == 1 else "prefill"
+        self.steps[kind].inc()
+        self.tokens[kind].inc(n_tokens)
+        self.queue.observe(queue_ns / 1e9)
+        self.compute.observe(compute_ns / 1e9)
+        return kind
+
+
+class _StateCollector:
+    """What the state already knows, read at scrape time: load, sessions, reaping, OVERLOADED, uptime."""
+
+    def __init__(self, state: "StageState"):
+        self.state = state
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        s, idn = self.state, self.state.identity
+        sessions = list(s.sessions.values())
+        g = lambda name, doc, v: GaugeMetricFamily(f"dgr_worker_{name}", doc, value=v)   # noqa: E731
+        yield g("sessions_open", "open sessions", len(sessions))
+        yield g("queued_steps", "steps queued for the engine", int(getattr(s, "n_pending", 0)))
+        yield g("cached_positions", "positions held over all open sessions", sum(x.held for x in sessions))
+        yield g("uptime_seconds", "seconds since the worker started", time.monotonic() - s.started)
+        yield g("max_frame_bytes_sent", "largest frame sent so far", int(getattr(s, "max_frame_bytes_sent", 0)))
+        yield CounterMetricFamily("dgr_worker_sessions_reaped", "sessions closed after --session-ttl idle",
+                                  value=s.reaped_sessions)
+        yield CounterMetricFamily("dgr_worker_overloaded", "requests answered OVERLOADED", value=s.overloaded)
+        info = GaugeMetricFamily("dgr_worker_info", "what this worker serves (always 1)",
+                                 labels=["model", "bundle_id", "stage", "stage_count", "layers", "lane", "engine"])
+        info.add_metric([idn.model, idn.bundle_id, str(idn.stage_index), str(idn.stage_count),
+                         f"{s.info.layer_begin}-{s.info.layer_end}", idn.lane, idn.engine], 1)
+        yield info
 
 
 def member_name(tls) -> str:
@@ -172,4 +313,4 @@ def member_name(tls) -> str:
 
 
 __all__ = ["DRAIN", "END", "LOCAL", "Limits", "Session", "StageIdentity", "StageState",
-           "WireFault", "Work", "member_name"]
+           "WireFault", "WorkerMetrics", "Work", "member_name", "step_times"]

@@ -15,8 +15,8 @@ Parts, one job each, composed into `StageWorker` (dgr.wire.servicer): dgr.wire.s
 sessions, the shared records), dgr.wire.servicer (the gRPC Stage servicer: describe, open/close,
 incoming frame streams and their checks), dgr.wire.scheduler (queued steps batched into engine calls),
 dgr.wire.links (results into frames, and the streams to the next hop and back to the origin),
-dgr.wire.origin (generation control at stage 0). Here: `serve` (listen, plaintext or TLS) and `drain`
-(SIGTERM: everything stopped within a bound).
+dgr.wire.origin (generation control at stage 0). Here: `serve` (listen, plaintext or TLS; the metrics
+endpoint) and `drain` (SIGTERM: everything stopped within a bound).
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from concurrent import futures
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from dgr.descriptor import HeldCertificate
 from dgr.engine_api import ShardEngine
 from dgr.errors import WireError
 from dgr.log import get_logger
@@ -42,7 +43,7 @@ from dgr.wire.state import DRAIN, Limits, StageIdentity
 from dgr.wire.tls import TlsConfig, add_port, check_listen
 
 __all__ = ["SERVICE_NAME", "Limits", "StageIdentity", "StageWorker", "channel_options", "drain", "hard_exit",
-           "serve"]
+           "serve", "start_metrics"]
 
 SERVICE_NAME = "dgr.v1.Stage"
 log = get_logger(__name__)
@@ -51,13 +52,21 @@ log = get_logger(__name__)
 def serve(engine: ShardEngine, identity: StageIdentity, listen: str, *,
           max_message_bytes: int = codec.DEFAULT_MAX_MESSAGE_BYTES, max_batch_tokens: int | None = None,
           threads: int | None = None, limits: Limits | None = None, tls: TlsConfig | None = None,
-          insecure: bool = False) -> tuple[grpc.Server, StageWorker, str]:
+          insecure: bool = False, metrics_listen: str | None = None,
+          certificates: tuple[HeldCertificate, ...] = ()) -> tuple[grpc.Server, StageWorker, str]:
     """Start serving; returns (server, worker, bound address). Port 0 picks a free port. A listener other
-    machines can reach needs `tls` (or `insecure=True`)."""
+    machines can reach needs `tls` (or `insecure=True`). `metrics_listen`: also serve Prometheus text at
+    http(s)://HOST:PORT/metrics (`worker.metrics_url`; TLS as the worker's). `certificates`: those the
+    worker advertises (already checked against its identity: dgr.app.stages.held_certificates)."""
     host, _, port = listen.rpartition(":")
     if not host or not port.isdigit():
         raise WireError(f"cannot listen on {listen!r}: give HOST:PORT with a free port (port 0 picks one)")
     check_listen(listen, tls, insecure)
+    if metrics_listen is not None:
+        mhost, _, mport = metrics_listen.rpartition(":")
+        if not mhost or not mport.isdigit():
+            raise WireError(f"--metrics-listen {metrics_listen!r}: give HOST:PORT (port 0 picks a free one)")
+        check_listen(metrics_listen, tls, insecure)
     limits = limits or Limits()
     if max_batch_tokens is not None:
         limits = Limits(**{**limits.__dict__, "max_batch_tokens": max_batch_tokens})
@@ -72,6 +81,14 @@ def serve(engine: ShardEngine, identity: StageIdentity, listen: str, *,
     address = f"{socket.gethostname() if host in ('0.0.0.0', '[::]') else host}:{bound}"
     worker = StageWorker(engine, identity, address=address, max_message_bytes=max_message_bytes,
                          limits=limits, tls=tls)
+    worker.certificates = tuple(certificates)
+    if metrics_listen is not None:
+        try:
+            start_metrics(worker, metrics_listen)
+        except BaseException:
+            worker.stop()
+            server.stop(0)
+            raise
     pb_grpc.add_StageServicer_to_server(worker, server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -80,6 +97,26 @@ def serve(engine: ShardEngine, identity: StageIdentity, listen: str, *,
     for name in ("", SERVICE_NAME):
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     return server, worker, address
+
+
+def start_metrics(worker: StageWorker, listen: str) -> str:
+    """Serve the worker's registry as Prometheus text on `listen` (HTTPS with the worker's certificate
+    under TLS, client certificates from its CA under mTLS); returns the URL, also `worker.metrics_url`."""
+    from prometheus_client import start_http_server
+
+    host, _, port = listen.rpartition(":")
+    t = worker.tls
+    kw = {} if t is None else dict(certfile=str(t.cert), keyfile=str(t.key),
+                                   client_cafile=str(t.ca) if t.ca else None, client_auth_required=t.mutual)
+    try:
+        httpd, _thread = start_http_server(int(port), addr=host.strip("[]"), registry=worker.metrics.registry, **kw)
+    except OSError as err:
+        raise WireError(f"cannot serve metrics on {listen}: {err.strerror or err}: give a free HOST:PORT "
+                        "(port 0 picks one)") from None
+    worker.metrics_server = httpd
+    name = socket.gethostname() if host in ("0.0.0.0", "[::]") else host
+    worker.metrics_url = f"{'https' if t else 'http'}://{name}:{httpd.server_port}/metrics"
+    return worker.metrics_url
 
 
 def drain(worker: StageWorker, timeout: float | None = None) -> None:
