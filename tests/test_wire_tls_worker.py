@@ -16,7 +16,8 @@ from dgr.wire import tls as wtls
 from dgr.wire.gen import stage_pb2 as pb
 from dgr.wire.gen import stage_pb2_grpc as pb_grpc
 from support.wire import open_on
-from support.worker import TlsStream, describe, fake_route, make_ca, prefill_frame, stub, tls_flags
+from support.wire import RawStream
+from support.worker import describe, fake_route, make_ca, prefill_frame, stub, tls_flags
 
 SPEC = "layers=4,embd=16,cuts=2,seed=11"
 
@@ -84,7 +85,7 @@ def test_frames_of_a_session_are_accepted_only_from_the_peer_that_opened_it(pki)
         ch0, s1 = stub(r.addresses[1], good["stage0"])              # stage 0's certificate opens at stage 1
         with ch0:
             assert not open_on(s1, r.addresses, 1, descs, "s", 1).HasField("error")
-        intruder = TlsStream(r.addresses[1], good["intruder"])           # another member of the same CA
+        intruder = RawStream(r.addresses[1], good["intruder"])           # another member of the same CA
         step = prefill_frame("s", 1, [3, 4, 5])
         step.step.ClearField("token_ids")
         step.step.schema.CopyFrom(descs[1].schema_in)
@@ -95,7 +96,7 @@ def test_frames_of_a_session_are_accepted_only_from_the_peer_that_opened_it(pki)
         assert "only from the peer that opened it at this stage (stage 0), member stage0" in reply.error.message
         assert "comes from member intruder" in reply.error.message
         intruder.close()
-        opener = TlsStream(r.addresses[1], good["stage0"])               # the opener's own frames pass the check
+        opener = RawStream(r.addresses[1], good["stage0"])               # the opener's own frames pass the check
         reply = opener.ask(step, expect_reply=False)
         assert reply is None or reply.error.code != pb.WRONG_STAGE
         opener.close()

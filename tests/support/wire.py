@@ -26,8 +26,11 @@ def open_on(stub, addresses, hop_index, descs, sid, epoch):
 class RawStream:
     """Act as the previous hop: send hand-made frames, read the typed replies."""
 
-    def __init__(self, address):
-        self.channel = grpc.insecure_channel(address)
+    def __init__(self, address, tls=None):
+        """`tls`: a dgr.wire.tls.TlsConfig to present (a peer holding that certificate), or plaintext."""
+        from dgr.wire.tls import channel
+
+        self.channel = channel(address, tls)
         self.q, self.replies = queue.Queue(), queue.Queue()
         self.call = pb_grpc.StageStub(self.channel).Frames(iter(self.q.get, None))
         threading.Thread(target=self._read, daemon=True).start()
@@ -39,9 +42,15 @@ class RawStream:
         except grpc.RpcError:
             pass                                            # closed by the test
 
-    def ask(self, frame) -> pb.Frame:
+    def ask(self, frame, expect_reply: bool = True) -> pb.Frame | None:
+        """Send one frame; its reply (None when `expect_reply` is False and none came within 2 s)."""
         self.q.put(frame)
-        return self.replies.get(timeout=10)
+        try:
+            return self.replies.get(timeout=10 if expect_reply else 2)
+        except queue.Empty:
+            if expect_reply:
+                raise
+            return None
 
     def close(self):
         self.q.put(None)

@@ -4,9 +4,7 @@ flags, raw stubs over plaintext or TLS, sessions opened along a route by hand, a
 from __future__ import annotations
 
 import os
-import queue
 import signal
-import threading
 import time
 from pathlib import Path
 
@@ -100,32 +98,4 @@ def tls_flags(cfg: wtls.TlsConfig, mutual: bool = True) -> list[str]:
     return flags + (["--tls-ca", str(cfg.ca)] if mutual and cfg.ca else [])
 
 
-class TlsStream:
-    """A raw Frames stream over TLS as a peer holding `cfg`'s certificate: send frames, read replies."""
-
-    def __init__(self, address: str, cfg: wtls.TlsConfig | None):
-        self.channel = wtls.channel(address, cfg)
-        self.q, self.replies = queue.Queue(), queue.Queue()
-        self.call = pb_grpc.StageStub(self.channel).Frames(iter(self.q.get, None))
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self):
-        try:
-            for f in self.call:
-                self.replies.put(f)
-        except grpc.RpcError:
-            pass                                            # closed by the test
-
-    def ask(self, frame: pb.Frame, expect_reply: bool = True) -> pb.Frame | None:
-        """Send one frame; its reply (None when `expect_reply` is False and none came within 2 s)."""
-        self.q.put(frame)
-        try:
-            return self.replies.get(timeout=10 if expect_reply else 2)
-        except queue.Empty:
-            if expect_reply:
-                raise
-            return None
-
-    def close(self):
-        self.q.put(None)
-        self.channel.close()
+# A raw Frames stream as a peer holding a certificate: support.wire.RawStream(address, tls).

@@ -54,3 +54,11 @@ class WireError(DgrError):
 
 class ReleaseError(DgrError):
     """A release archive does not match its manifest (names the file), or could not be built."""
+
+
+def first_field_error(err) -> str:
+    """`field.path: what is wrong` for the first problem a pydantic ValidationError reports (files whose
+    errors name one field: manifests, certification contracts)."""
+    first = err.errors()[0]
+    loc = ".".join(str(x) for x in first["loc"]) or "(top level)"
+    return f"{loc}: {first['msg'].removeprefix('Value error, ')}"

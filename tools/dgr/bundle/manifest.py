@@ -18,7 +18,7 @@ from pydantic import BaseModel, ValidationError
 
 from dgr.constants import FORMAT_VERSION, MANIFEST_NAME
 from dgr.contract import STRICT, BoundarySchema
-from dgr.errors import BundleError
+from dgr.errors import BundleError, first_field_error
 from dgr.hashing import bytes_blake3
 
 
@@ -120,8 +120,7 @@ def load_bundle(path: str | Path) -> Bundle:
     try:
         m = Manifest.model_validate_json(raw)
     except ValidationError as e:
-        first = e.errors()[0]
-        raise BundleError(f"{mpath}: not a valid dgr manifest: {'.'.join(map(str, first['loc']))}: {first['msg']}") from e
+        raise BundleError(f"{mpath}: not a valid dgr manifest: {first_field_error(e)}") from e
     if m.format_version != FORMAT_VERSION:
         raise BundleError(f"{mpath}: format_version {m.format_version}, this dgr reads {FORMAT_VERSION}; use a matching dgr")
     if manifest_bytes(m) != raw:

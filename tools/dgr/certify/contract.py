@@ -8,7 +8,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from dgr.errors import DgrError
+from dgr.errors import DgrError, first_field_error
 from dgr.hashing import bytes_blake3
 from dgr.paths import REPO_ROOT
 
@@ -120,8 +120,7 @@ def load_contract(path: str | Path | None = None) -> LoadedContract:
     try:
         c = Contract.model_validate(data)
     except ValidationError as e:
-        first = e.errors()[0]
-        raise ContractError(f"{p}: {'.'.join(map(str, first['loc']))}: {first['msg']}") from e
+        raise ContractError(f"{p}: {first_field_error(e)}") from e
     if not c.parity.prompts and not c.parity.random_prompts:
         raise ContractError(f"{p}: [parity] needs prompts or random_prompts")
     # the bytes validated are the bytes hashed (dgr.certificate.contract_hash of the file, while unchanged)

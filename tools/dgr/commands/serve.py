@@ -11,31 +11,20 @@ log = get_logger(__name__)
 
 def register(sub) -> None:
     """Add `dgr serve` to the `dgr` parser."""
-    from dgr.wire.client import DEFAULT_ATTEMPTS, DEFAULT_HOP_DEADLINE
+    from dgr.commands.wire import add_route_args
 
     s = sub.add_parser("serve", help="an OpenAI-compatible HTTP gateway (/v1/chat/completions, ...) over a route")
-    s.add_argument("--route", required=True,
-                   help="HOST:PORT,... stage 0 first; replicas of a stage in preference order separated by "
-                        "'|' (quote it: \"A,B1|B2,C\")")
+    add_route_args(s)
     s.add_argument("--listen", default="127.0.0.1:8000",
                    help="HOST:PORT of the HTTP listener (port 0 picks a free one; default %(default)s)")
     s.add_argument("--model-name", metavar="NAME",
                    help="the model id clients ask for (default: the model the route's workers describe)")
     s.add_argument("--chat-template", metavar="FILE",
                    help="a Jinja chat template to use instead of the model's own tokenizer.chat_template")
-    s.add_argument("--tls-cert", metavar="FILE", help="this gateway's client certificate (TLS to the route)")
-    s.add_argument("--tls-key", metavar="FILE", help="its key")
-    s.add_argument("--tls-ca", metavar="FILE", help="the CA the workers' certificates come from (mTLS)")
     s.add_argument("--https-cert", metavar="FILE", help="serve HTTPS with this certificate (PEM)")
     s.add_argument("--https-key", metavar="FILE", help="... and this key")
     s.add_argument("--insecure", action="store_true",
                    help="allow plain HTTP on a non-loopback address (e.g. behind a TLS-terminating proxy)")
-    s.add_argument("--timeout", type=float, default=120.0,
-                   help="seconds to wait for a token from a route whose hops all answer (default %(default)s)")
-    s.add_argument("--hop-deadline", type=float, default=DEFAULT_HOP_DEADLINE, metavar="S",
-                   help="probe every hop after S seconds without a reply (default %(default)s)")
-    s.add_argument("--attempts", type=int, default=DEFAULT_ATTEMPTS, metavar="N",
-                   help="failed attempts recovered from per request before giving up (default %(default)s)")
     s.add_argument("--log-level", default="warning", help="uvicorn's log level (default %(default)s)")
     s.set_defaults(func=_serve)
 

@@ -9,15 +9,33 @@ from dgr.log import get_logger
 log = get_logger(__name__)
 
 
+def add_route_args(p) -> None:
+    """What every client of a route takes (`dgr generate`, `dgr serve`): the route with its replicas,
+    how long to wait, how often to recover, and TLS to the workers."""
+    from dgr.wire.client import DEFAULT_ATTEMPTS, DEFAULT_HOP_DEADLINE
+
+    p.add_argument("--route", required=True,
+                   help="HOST:PORT,... stage 0 first; replicas of a stage in preference order separated by "
+                        "'|' (quote it: \"A,B1|B2,C\")")
+    p.add_argument("--timeout", type=float, default=120.0,
+                   help="seconds to wait for a token from a route whose hops all answer (a slow route)")
+    p.add_argument("--hop-deadline", type=float, default=DEFAULT_HOP_DEADLINE, metavar="S",
+                   help="after S seconds without a reply, probe every hop with deadline S; a hop that does "
+                        "not answer is routed around (default %(default)s)")
+    p.add_argument("--attempts", type=int, default=DEFAULT_ATTEMPTS, metavar="N",
+                   help="failed attempts (dead, stopped or emptied hops) recovered from before giving up "
+                        "(default %(default)s)")
+    p.add_argument("--tls-cert", metavar="FILE", help="this client's certificate (TLS to the route)")
+    p.add_argument("--tls-key", metavar="FILE", help="its key")
+    p.add_argument("--tls-ca", metavar="FILE", help="the CA the workers' certificates come from (mTLS)")
+
+
 def register(sub) -> None:
     """Add this area's subcommands to the `dgr` parser."""
-    from dgr.wire.client import DEFAULT_ATTEMPTS, DEFAULT_HOP_DEADLINE
     from dgr.wire.codec import DEFAULT_MAX_MESSAGE_BYTES
 
     g = sub.add_parser("generate", help="generate text through a route of stage workers")
-    g.add_argument("--route", required=True,
-                   help="HOST:PORT,... stage 0 first; replicas of a stage in preference order separated by "
-                        "'|' (quote it: \"A,B1|B2,C\")")
+    add_route_args(g)
     g.add_argument("--max-tokens", type=int, default=32)
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     g.add_argument("--top-k", type=int, default=0)
@@ -26,17 +44,6 @@ def register(sub) -> None:
     g.add_argument("--chunk-tokens", type=int, default=64,
                    help="prefill tokens per frame (smaller chunks let the stages overlap)")
     g.add_argument("--max-message-bytes", type=int, default=DEFAULT_MAX_MESSAGE_BYTES)
-    g.add_argument("--timeout", type=float, default=120.0,
-                   help="seconds to wait for a token from a route whose hops all answer (a slow route)")
-    g.add_argument("--hop-deadline", type=float, default=DEFAULT_HOP_DEADLINE, metavar="S",
-                   help="after S seconds without a reply, probe every hop with deadline S; a hop that does "
-                        "not answer is routed around (default %(default)s)")
-    g.add_argument("--attempts", type=int, default=DEFAULT_ATTEMPTS, metavar="N",
-                   help="failed attempts (dead, stopped or emptied hops) recovered from before giving up "
-                        "(default %(default)s)")
-    g.add_argument("--tls-cert", metavar="FILE", help="this client's certificate (TLS to the route)")
-    g.add_argument("--tls-key", metavar="FILE", help="its key")
-    g.add_argument("--tls-ca", metavar="FILE", help="the CA the workers' certificates come from (mTLS)")
     g.add_argument("--stats", action="store_true", help="print tokens/s and per-hop timing to stderr")
     g.add_argument("--logits-out", metavar="FILE.npz",
                    help="save the logits row of every sampled position (parity checks)")
