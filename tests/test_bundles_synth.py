@@ -8,7 +8,8 @@ import pytest
 
 from dgr.cli import main
 from dgr.ggufmodel import INPUT, OUTPUT, model_info
-from dgr.synth import ARCHS, SPECIALS, byte_symbols, synth, tokenizer_vocab
+from dgr.synth import ARCHS, SPECIALS, byte_symbols, layer_dims, synth, tokenizer_vocab
+from dgr.synthspec import WEIGHT
 
 
 @pytest.mark.parametrize("arch", sorted(ARCHS))
@@ -22,23 +23,30 @@ def test_synth_is_deterministic_and_seeded(tmp_path, arch):
 
 @pytest.mark.parametrize("arch", sorted(ARCHS))
 def test_synth_layers_widths_and_ownership(tmp_path, arch):
-    p = synth(arch, 3, 64, 1, tmp_path / "m.gguf")
+    spec = ARCHS[arch]
+    layers = max(3, spec.parity_layers)
+    p = synth(arch, layers, 64, 1, tmp_path / "m.gguf")
     info = model_info(p)
-    assert (info.arch, info.n_layer, info.n_embd, info.n_streams) == (arch, 3, 64, 1)
+    assert (info.arch, info.n_layer, info.n_embd, info.n_streams) == (arch, layers, 64, 1)
     assert info.unknown == []
     owners = [info.layer_of[t.name] for t in info.header.tensors]
-    assert {o for o in owners if isinstance(o, int)} == {0, 1, 2}
+    assert {o for o in owners if isinstance(o, int)} == set(range(layers))
     assert INPUT in owners and OUTPUT in owners
-    # every layer has the same tensor set (deepseek2: every layer after its leading dense one)
-    per_layer = [sorted(t.name.split(".", 2)[2] for t in info.header.tensors if info.layer_of[t.name] == i)
-                 for i in range(3)]
-    lead = 1 if arch == "deepseek2" else 0
-    assert per_layer[lead:] == [per_layer[2]] * (3 - lead) and per_layer[0] != (per_layer[1] if lead else [])
-    # an independent reader agrees on tensors and values look like small random weights
+    # each layer has exactly the tensors its spec says it has (a dense lead, recurrent layers, ...)
+    dims = layer_dims(arch, layers, 64)
+    for il in range(layers):
+        got = sorted(t.name for t in info.header.tensors if info.layer_of[t.name] == il)
+        want = sorted(f"{gguf.TENSOR_NAMES[t.tensor].format(bid=il)}{'.' + t.suffix if t.suffix else ''}"
+                      for t in spec.layer if t.when is None or t.when(il, dims))
+        assert got == want, f"{arch} layer {il}"
+    # an independent reader agrees on tensors and the matrices look like small random weights
     r = gguf.GGUFReader(p)
     assert [t.name for t in r.tensors] == [t.name for t in info.header.tensors]
-    q = next(t for t in r.tensors if t.name in ("blk.1.attn_q.weight", "blk.1.attn_q_a.weight"))
-    data = np.asarray(q.data, dtype=np.float32)
+    random = {f"{gguf.TENSOR_NAMES[t.tensor].format(bid=1)}.{t.suffix}" for t in spec.layer
+              if t.kind == WEIGHT and t.init is None and (t.when is None or t.when(1, dims))}
+    mats = [t for t in r.tensors if t.name in random and t.data.size >= 256]
+    assert mats, f"{arch}: no weight matrix in layer 1"
+    data = np.asarray(mats[0].data, dtype=np.float32)
     assert 0.01 < float(data.std()) < 0.04
     assert arch + ".block_count" in r.fields
 

@@ -10,87 +10,14 @@ tokens, so any ASCII text tokenizes and detokenizes back to itself.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 import gguf
 import numpy as np
 
 from dgr.errors import DgrError
-
-T = gguf.MODEL_TENSOR
-KA = gguf.Keys.Attention  # metadata key templates ("{arch}.attention..."), formatted with the arch
-KL = gguf.Keys.LLM
-
-# Shapes are numpy (row-major) order: ggml's ne reversed. Dims: E embd, F ffn, H heads, K kv heads,
-# D head dim, X experts, G expert ffn.
-Shape = Callable[[dict], tuple[int, ...]]
-
-_NORM = "norm"     # initialised to ones (a neutral RMS-norm multiplier)
-_WEIGHT = "weight"  # normal * scale
-_BIAS = "bias"     # normal * scale, always F32
-
-
-@dataclass(frozen=True)
-class LayerTensor:
-    tensor: gguf.MODEL_TENSOR
-    suffix: str  # "weight" | "bias"
-    shape: Shape
-    kind: str
-    when: Callable[[int, dict], bool] | None = None  # (layer, dims) -> present; None: every layer
-
-
-def _lt(tensor, shape, kind=_WEIGHT, suffix="weight", when=None) -> LayerTensor:
-    return LayerTensor(tensor, suffix, shape, kind, when)
-
-
-_ATTN = (
-    _lt(T.ATTN_NORM, lambda d: (d["E"],), _NORM),
-    _lt(T.ATTN_Q, lambda d: (d["H"] * d["D"], d["E"])),
-    _lt(T.ATTN_K, lambda d: (d["K"] * d["D"], d["E"])),
-    _lt(T.ATTN_V, lambda d: (d["K"] * d["D"], d["E"])),
-    _lt(T.ATTN_OUT, lambda d: (d["E"], d["H"] * d["D"])),
-)
-_QKV_BIAS = (
-    _lt(T.ATTN_Q, lambda d: (d["H"] * d["D"],), _BIAS, "bias"),
-    _lt(T.ATTN_K, lambda d: (d["K"] * d["D"],), _BIAS, "bias"),
-    _lt(T.ATTN_V, lambda d: (d["K"] * d["D"],), _BIAS, "bias"),
-)
-_QK_NORM = (
-    _lt(T.ATTN_Q_NORM, lambda d: (d["D"],), _NORM),
-    _lt(T.ATTN_K_NORM, lambda d: (d["D"],), _NORM),
-)
-_FFN = (
-    _lt(T.FFN_NORM, lambda d: (d["E"],), _NORM),
-    _lt(T.FFN_GATE, lambda d: (d["F"], d["E"])),
-    _lt(T.FFN_UP, lambda d: (d["F"], d["E"])),
-    _lt(T.FFN_DOWN, lambda d: (d["E"], d["F"])),
-)
-_MOE = (
-    _lt(T.FFN_NORM, lambda d: (d["E"],), _NORM),
-    _lt(T.FFN_GATE_INP, lambda d: (d["X"], d["E"])),
-    _lt(T.FFN_GATE_EXP, lambda d: (d["X"], d["G"], d["E"])),
-    _lt(T.FFN_UP_EXP, lambda d: (d["X"], d["G"], d["E"])),
-    _lt(T.FFN_DOWN_EXP, lambda d: (d["X"], d["E"], d["G"])),
-)
-
-
-@dataclass(frozen=True)
-class ArchSpec:
-    layer: tuple[LayerTensor, ...]
-    tied: bool = False                      # default for --tied
-    extra_kv: Callable[[dict], dict] = field(default=lambda d: {})
-    head_dim: int = 16
-
-
-def _gemma3_kv(d: dict) -> dict:
-    # Every `swa_pattern`-th layer is full attention, the others slide over `swa` positions.
-    return {KA.SLIDING_WINDOW: d["swa"], KA.SLIDING_WINDOW_PATTERN: d["swa_pattern"]}
-
-
-def _moe_kv(d: dict) -> dict:
-    return {KL.EXPERT_COUNT: d["X"], KL.EXPERT_USED_COUNT: d["X_used"], KL.EXPERT_FEED_FORWARD_LENGTH: d["G"]}
+from dgr.synthspec import (ATTN, BIAS, F32, FFN, KA, KL, MOE, NORM, QK_NORM, QKV_BIAS, ArchSpec, T, Typed, lt,
+                           moe_kv, only, swa_kind, swa_kv)
 
 
 # deepseek2 (MLA attention, leading dense blocks, then MoE with shared experts). Dims: Q q lora rank,
@@ -104,23 +31,21 @@ def _ds2_moe(il: int, d: dict) -> bool:
 
 
 _DS2_ATTN = (
-    _lt(T.ATTN_NORM, lambda d: (d["E"],), _NORM),
-    _lt(T.ATTN_Q_A_NORM, lambda d: (d["Q"],), _NORM),
-    _lt(T.ATTN_KV_A_NORM, lambda d: (d["C"],), _NORM),
-    _lt(T.ATTN_Q_A, lambda d: (d["Q"], d["E"])),
-    _lt(T.ATTN_Q_B, lambda d: (d["H"] * (d["N"] + d["R"]), d["Q"])),
-    _lt(T.ATTN_KV_A_MQA, lambda d: (d["C"] + d["R"], d["E"])),
-    _lt(T.ATTN_K_B, lambda d: (d["H"], d["C"], d["N"])),
-    _lt(T.ATTN_V_B, lambda d: (d["H"], d["V"], d["C"])),
-    _lt(T.ATTN_OUT, lambda d: (d["E"], d["H"] * d["V"])),
+    lt(T.ATTN_NORM, lambda d: (d["E"],), NORM),
+    lt(T.ATTN_Q_A_NORM, lambda d: (d["Q"],), NORM),
+    lt(T.ATTN_KV_A_NORM, lambda d: (d["C"],), NORM),
+    lt(T.ATTN_Q_A, lambda d: (d["Q"], d["E"])),
+    lt(T.ATTN_Q_B, lambda d: (d["H"] * (d["N"] + d["R"]), d["Q"])),
+    lt(T.ATTN_KV_A_MQA, lambda d: (d["C"] + d["R"], d["E"])),
+    lt(T.ATTN_K_B, lambda d: (d["H"], d["C"], d["N"])),
+    lt(T.ATTN_V_B, lambda d: (d["H"], d["V"], d["C"])),
+    lt(T.ATTN_OUT, lambda d: (d["E"], d["H"] * d["V"])),
 )
-_DS2_FFN = _FFN[:1] + tuple(_lt(t.tensor, t.shape, t.kind, t.suffix, _ds2_dense) for t in _FFN[1:]) + tuple(
-    _lt(t.tensor, t.shape, t.kind, t.suffix, _ds2_moe) for t in _MOE[1:]
-) + (
-    _lt(T.FFN_EXP_PROBS_B, lambda d: (d["X"],), _BIAS, "bias", _ds2_moe),
-    _lt(T.FFN_GATE_SHEXP, lambda d: (d["G"] * d["S"], d["E"]), when=_ds2_moe),
-    _lt(T.FFN_UP_SHEXP, lambda d: (d["G"] * d["S"], d["E"]), when=_ds2_moe),
-    _lt(T.FFN_DOWN_SHEXP, lambda d: (d["E"], d["G"] * d["S"]), when=_ds2_moe),
+_DS2_FFN = FFN[:1] + only(FFN[1:], _ds2_dense) + only(MOE[1:], _ds2_moe) + (
+    lt(T.FFN_EXP_PROBS_B, lambda d: (d["X"],), BIAS, "bias", _ds2_moe),
+    lt(T.FFN_GATE_SHEXP, lambda d: (d["G"] * d["S"], d["E"]), when=_ds2_moe),
+    lt(T.FFN_UP_SHEXP, lambda d: (d["G"] * d["S"], d["E"]), when=_ds2_moe),
+    lt(T.FFN_DOWN_SHEXP, lambda d: (d["E"], d["G"] * d["S"]), when=_ds2_moe),
 )
 
 
@@ -132,23 +57,50 @@ def _deepseek2_kv(d: dict) -> dict:
         KA.KEY_LENGTH_MLA: d["N"] + d["R"], KA.VALUE_LENGTH_MLA: d["V"],
         KA.Q_LORA_RANK: d["Q"], KA.KV_LORA_RANK: d["C"], gguf.Keys.Rope.DIMENSION_COUNT: d["R"],
         KL.LEADING_DENSE_BLOCK_COUNT: d["L"], KL.EXPERT_SHARED_COUNT: d["S"], KL.EXPERT_GATING_FUNC: 2,
-        KL.EXPERT_WEIGHTS_SCALE: 1.5, KL.EXPERT_WEIGHTS_NORM: True, **_moe_kv(d),
+        KL.EXPERT_WEIGHTS_SCALE: 1.5, KL.EXPERT_WEIGHTS_NORM: True, **moe_kv(d),
     }
 
 
-ARCHS: dict[str, ArchSpec] = {
-    "llama": ArchSpec(layer=_ATTN + _FFN),
-    "qwen2": ArchSpec(layer=_ATTN + _QKV_BIAS + _FFN),
-    "qwen3": ArchSpec(layer=_ATTN + _QK_NORM + _FFN),
+# The first architectures dgr ported (patches 0005-0009, 0014); later ones live in dgr.families.
+CORE: dict[str, ArchSpec] = {
+    "llama": ArchSpec(layer=ATTN + FFN, features=("dense",)),
+    "qwen2": ArchSpec(layer=ATTN + QKV_BIAS + FFN, features=("dense", "qkv-bias")),
+    "qwen3": ArchSpec(layer=ATTN + QK_NORM + FFN, features=("dense", "qk-norm")),
     "gemma3": ArchSpec(
-        layer=_ATTN + _QK_NORM + (_lt(T.ATTN_POST_NORM, lambda d: (d["E"],), _NORM),) + _FFN
-        + (_lt(T.FFN_POST_NORM, lambda d: (d["E"],), _NORM),),
+        layer=ATTN + QK_NORM + (lt(T.ATTN_POST_NORM, lambda d: (d["E"],), NORM),) + FFN
+        + (lt(T.FFN_POST_NORM, lambda d: (d["E"],), NORM),),
         tied=True,
-        extra_kv=_gemma3_kv,
+        extra_kv=swa_kv,
+        kind=swa_kind,
+        features=("swa", "tied", "embd-scale"),
     ),
-    "qwen3moe": ArchSpec(layer=_ATTN + _QK_NORM + _MOE, extra_kv=_moe_kv),
-    "deepseek2": ArchSpec(layer=_DS2_ATTN + _DS2_FFN, extra_kv=_deepseek2_kv),
+    "qwen3moe": ArchSpec(layer=ATTN + QK_NORM + MOE, extra_kv=moe_kv, features=("moe", "qk-norm")),
+    "deepseek2": ArchSpec(layer=_DS2_ATTN + _DS2_FFN, extra_kv=_deepseek2_kv,
+                          kind=lambda il, d: "dense" if _ds2_dense(il, d) else "moe",
+                          features=("mla", "dense-lead", "moe", "shared-expert")),
 }
+
+
+def _registry() -> dict[str, ArchSpec]:
+    from dgr.families import family_specs
+
+    out = dict(CORE)
+    for name, spec in family_specs().items():
+        if name in out:
+            raise DgrError(f"dgr synth: architecture {name!r} is defined twice")
+        out[name] = spec
+    return out
+
+
+# Every architecture the table writer knows; deepseek4 has its own writer (dgr.synth_deepseek4).
+ARCHS: dict[str, ArchSpec] = _registry()
+OWN_WRITERS = ("deepseek4",)
+
+
+def known_archs() -> list[str]:
+    """Every architecture `dgr synth --arch` writes, sorted (what `dgr synth --list` prints)."""
+    return sorted([*ARCHS, *OWN_WRITERS])
+
 
 # A few merges so the BPE path is exercised; each merged token is added to the vocabulary.
 _MERGES = (("Ġ", "t"), ("h", "e"), ("Ġt", "he"), ("i", "n"), ("Ġ", "a"), ("e", "r"), ("o", "n"), ("r", "e"))
@@ -207,7 +159,7 @@ def synth(
 ) -> Path:
     """Write a random-weight `arch` model with `layers` blocks and width `embd` to `path`."""
     if arch not in ARCHS:
-        raise DgrError(f"dgr synth: unknown --arch {arch!r}; known: {', '.join(sorted(ARCHS))}")
+        raise DgrError(f"dgr synth: unknown --arch {arch!r}; known: {', '.join(known_archs())}")
     spec = ARCHS[arch]
     hd = spec.head_dim
     if layers < 1:
@@ -216,19 +168,25 @@ def synth(
         raise DgrError(f"dgr synth: --embd must be a multiple of {hd} and >= {2 * hd}, got {embd}")
     if dtype not in ("f32", "f16"):
         raise DgrError(f"dgr synth: --dtype must be f32 or f16, got {dtype!r}")
-    n_head = embd // hd
-    dims = {
-        "E": embd, "F": n_ff or 2 * embd, "H": n_head, "K": max(1, n_head // 2), "D": hd,
-        "X": n_expert, "X_used": n_expert_used, "G": n_ff or embd, "swa": swa, "swa_pattern": swa_pattern,
-        "Q": embd // 2, "C": embd // 2, "R": hd // 2, "N": hd, "V": hd, "S": 1, "L": min(1, layers - 1),
-    }
+    dims = layer_dims(arch, layers, embd, n_ff=n_ff, n_expert=n_expert, n_expert_used=n_expert_used, swa=swa,
+                      swa_pattern=swa_pattern)
     tied = spec.tied if tied is None else tied
-    n_vocab = len(tokenizer_vocab()[0])
     rng = np.random.default_rng(seed)
     wdtype = np.float32 if dtype == "f32" else np.float16
 
-    def weight(shape) -> np.ndarray:
+    def values(lt_, shape) -> np.ndarray:
+        if lt_.init is not None:
+            return np.asarray(lt_.init(shape, rng, dims), dtype=np.float32)
+        if lt_.kind == NORM:
+            return np.ones(shape, dtype=np.float32)
+        if lt_.kind in (BIAS, F32):
+            return rng.standard_normal(shape, dtype=np.float32) * scale
         return (rng.standard_normal(shape, dtype=np.float32) * scale).astype(wdtype)
+
+    def tensor_name(lt_, il: int | None) -> str:
+        base = gguf.TENSOR_NAMES[lt_.tensor]
+        base = base.format(bid=il) if il is not None else base
+        return f"{base}.{lt_.suffix}" if lt_.suffix else base
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -236,48 +194,78 @@ def synth(
     w.add_name(f"dgr-synth-{arch}-L{layers}-E{embd}-s{seed}")
     w.add_description(f"dgr synth --arch {arch} --layers {layers} --embd {embd} --seed {seed}: random weights")
     w.add_file_type(gguf.LlamaFileType.ALL_F32 if dtype == "f32" else gguf.LlamaFileType.MOSTLY_F16)
-    w.add_context_length(context)
-    w.add_embedding_length(embd)
-    w.add_block_count(layers)
-    w.add_feed_forward_length(dims["F"])
-    w.add_head_count(n_head)
-    extra = spec.extra_kv(dims)
-    w.add_head_count_kv(extra.pop(KA.HEAD_COUNT_KV, dims["K"]))
-    w.add_key_length(extra.pop(KA.KEY_LENGTH, hd))
-    w.add_value_length(extra.pop(KA.VALUE_LENGTH, hd))
-    w.add_rope_dimension_count(extra.pop(gguf.Keys.Rope.DIMENSION_COUNT, hd))
-    w.add_rope_freq_base(10000.0)
-    w.add_layer_norm_rms_eps(1e-6)
-    w.add_vocab_size(n_vocab)
-    for key, val in extra.items():
-        full = key.format(arch=arch)
-        if isinstance(val, bool):
-            w.add_bool(full, val)
-        elif isinstance(val, float):
-            w.add_float32(full, val)
-        else:
-            w.add_uint32(full, int(val))
+    kv = {
+        KL.CONTEXT_LENGTH: context, KL.EMBEDDING_LENGTH: embd, KL.BLOCK_COUNT: layers,
+        KL.FEED_FORWARD_LENGTH: dims["F"], KA.HEAD_COUNT: dims["H"], KA.HEAD_COUNT_KV: dims["K"],
+        KA.KEY_LENGTH: dims["D"], KA.VALUE_LENGTH: dims["D"], gguf.Keys.Rope.DIMENSION_COUNT: dims["D"],
+        gguf.Keys.Rope.FREQ_BASE: 10000.0, KA.LAYERNORM_RMS_EPS: 1e-6, KL.VOCAB_SIZE: dims["V"],
+    }
+    kv.update(spec.extra_kv(dims))
+    for key, val in kv.items():
+        if val is not None:
+            _add_kv(w, key.format(arch=arch), val)
     add_tokenizer(w)
 
-    w.add_tensor(gguf.TENSOR_NAMES[T.TOKEN_EMBD] + ".weight", weight((n_vocab, embd)))
+    w.add_tensor(gguf.TENSOR_NAMES[T.TOKEN_EMBD] + ".weight", values(lt(T.TOKEN_EMBD, None), (dims["V"], embd)))
     for il in range(layers):
-        for lt in spec.layer:
-            if lt.when is not None and not lt.when(il, dims):
+        for lt_ in spec.layer:
+            if lt_.when is not None and not lt_.when(il, dims):
                 continue
-            name = gguf.TENSOR_NAMES[lt.tensor].format(bid=il) + "." + lt.suffix
-            shape = lt.shape(dims)
-            if lt.kind == _NORM:
-                w.add_tensor(name, np.ones(shape, dtype=np.float32))
-            elif lt.kind == _BIAS:
-                w.add_tensor(name, rng.standard_normal(shape, dtype=np.float32) * scale)
-            else:
-                w.add_tensor(name, weight(shape))
-    w.add_tensor(gguf.TENSOR_NAMES[T.OUTPUT_NORM] + ".weight", np.ones((embd,), dtype=np.float32))
+            w.add_tensor(tensor_name(lt_, il), values(lt_, lt_.shape(dims)))
+    for lt_ in spec.globals:
+        if lt_.when is None or lt_.when(-1, dims):
+            w.add_tensor(tensor_name(lt_, None), values(lt_, lt_.shape(dims)))
+    if spec.output_norm:
+        w.add_tensor(gguf.TENSOR_NAMES[T.OUTPUT_NORM] + ".weight", np.ones((embd,), dtype=np.float32))
     if not tied:
-        w.add_tensor(gguf.TENSOR_NAMES[T.OUTPUT] + ".weight", weight((n_vocab, embd)))
+        w.add_tensor(gguf.TENSOR_NAMES[T.OUTPUT] + ".weight", values(lt(T.OUTPUT, None), (dims["V"], embd)))
 
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+def layer_dims(arch: str, layers: int, embd: int, *, n_ff: int | None = None, n_expert: int = 4,
+               n_expert_used: int = 2, swa: int = 8, swa_pattern: int = 2) -> dict:
+    """The dims a spec's shapes, metadata and layer kinds read, after the spec's own `dims` hook."""
+    spec = ARCHS[arch]
+    hd = spec.head_dim
+    n_head = embd // hd
+    dims = {
+        "E": embd, "F": n_ff or 2 * embd, "H": n_head, "K": max(1, n_head // 2), "D": hd,
+        "X": n_expert, "X_used": n_expert_used, "G": n_ff or embd, "swa": swa, "swa_pattern": swa_pattern,
+        "Q": embd // 2, "C": embd // 2, "R": hd // 2, "N": hd, "V": len(tokenizer_vocab()[0]), "S": 1,
+        "L": min(1, layers - 1), "n_layer": layers,
+    }
+    return spec.dims(dict(dims)) if spec.dims else dims
+
+
+def layer_kinds(arch: str, layers: int, embd: int = 64) -> list[str]:
+    """Each layer's kind for `arch` (one kind for every layer when the spec does not say)."""
+    if arch in OWN_WRITERS:
+        from dgr.synth_deepseek4 import layer_kinds as v4_kinds
+
+        return v4_kinds(layers)
+    spec = ARCHS[arch]
+    dims = layer_dims(arch, layers, embd)
+    return [spec.kind(il, dims) if spec.kind else "layer" for il in range(layers)]
+
+
+def _add_kv(w: gguf.GGUFWriter, key: str, val) -> None:
+    """int -> u32, float -> f32, bool, str, list -> array (of its first element's type); Typed as given."""
+    if isinstance(val, Typed):
+        w.add_key_value(key, val.value, val.type, sub_type=val.sub_type)
+    elif isinstance(val, bool):
+        w.add_bool(key, val)
+    elif isinstance(val, float):
+        w.add_float32(key, val)
+    elif isinstance(val, int):
+        w.add_uint32(key, val)
+    elif isinstance(val, str):
+        w.add_string(key, val)
+    elif isinstance(val, (list, tuple)):
+        w.add_array(key, list(val))
+    else:
+        raise TypeError(f"dgr synth: metadata {key} has an unsupported value {val!r}")

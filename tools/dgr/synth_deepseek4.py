@@ -135,6 +135,13 @@ def default_ratios(layers: int) -> tuple[int, ...]:
     return tuple(COMPRESS_RATIOS[i % 3] for i in range(layers))
 
 
+def layer_kinds(layers: int, hash_layers: int | None = None) -> list[str]:
+    """Each main layer's kind as `dgr parity --synth` cuts across it: hash-routed or learned routing, and
+    the attention's compression ratio (defaults as `make_shape`'s)."""
+    hl = min(3, layers) if hash_layers is None else hash_layers
+    return [f"{'hash' if il < hl else 'routed'}-c{r}" for il, r in enumerate(default_ratios(layers))]
+
+
 def _block_shapes(s: DeepSeek4Shape, il: int) -> dict[str, tuple[tuple[int, ...], str]]:
     """name suffix -> (numpy shape, kind) of block `il`. numpy shapes are ggml's ne reversed."""
     E, H, D, Q = s.embd, s.n_head, s.head_dim, s.q_lora_rank

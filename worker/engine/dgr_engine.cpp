@@ -362,7 +362,7 @@ int32_t dgr_engine_open(const char * path_c, const dgr_open_params * params, dgr
         eng->model = llama_model_load_from_file(path.c_str(), mp);
         if (!eng->model) {
             std::string why = take_log_errors();
-            const bool unsupported = why.find("does not support layer ranges") != std::string::npos;
+            const bool unsupported = why.find("is not yet ported to layer ranges") != std::string::npos;
             throw dgr_exc(unsupported ? DGR_E_UNSUPPORTED : DGR_E_ARTIFACT,
                     fmt("%s: llama.cpp could not load it: %s", path.c_str(), why.empty() ? "(no reason logged)" : why.c_str()));
         }

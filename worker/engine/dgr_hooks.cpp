@@ -108,6 +108,16 @@ bool dgr_arch_supports_range(int arch) {
         case LLM_ARCH_GEMMA3:
         case LLM_ARCH_DEEPSEEK2:
         case LLM_ARCH_DEEPSEEK4:
+// the family groups' opt-ins: one DGR_PORTED(LLM_ARCH_X) line per architecture, per group file
+#define DGR_PORTED(a) case a:
+#include "dgr_ported_dense_a.def"
+#include "dgr_ported_dense_b.def"
+#include "dgr_ported_dense_c.def"
+#include "dgr_ported_moe_a.def"
+#include "dgr_ported_moe_b.def"
+#include "dgr_ported_ssm.def"
+#include "dgr_ported_linear.def"
+#undef DGR_PORTED
             return true;
         default:
             return false;
@@ -157,8 +167,8 @@ void dgr_load_range(llama_model_loader & ml, int arch, llama_hparams & hp) {
                 DGR_KEY_BOUNDARY_N_STREAMS, (long long) n_streams, llm_arch_name((llm_arch) arch), (long long) want_streams));
     }
     if (!dgr_arch_supports_range(arch)) {
-        throw std::runtime_error(format("dgr: architecture '%s' does not support layer ranges yet; "
-                "run it as a single stage [0, %lld) or port it (docs/engine.md)",
+        throw std::runtime_error(format("dgr: architecture '%s' is not yet ported to layer ranges (`dgr synth "
+                "--list` names the ported ones); run it as a single stage [0, %lld) or port it (docs/engine.md)",
                 llm_arch_name((llm_arch) arch), (long long) n_layer));
     }
     hp.dgr.active    = true;

@@ -6,7 +6,7 @@ import argparse
 import json
 from pathlib import Path
 
-from dgr.errors import RecipeError
+from dgr.errors import DgrError, RecipeError
 from dgr.log import get_logger
 
 log = get_logger(__name__)
@@ -26,7 +26,14 @@ def _inspect(args) -> int:
 
 
 def _synth(args) -> int:
-    from dgr.synth import ARCHS, synth
+    from dgr.synth import ARCHS, known_archs, synth
+
+    if args.list:
+        for name in known_archs():
+            print(name)
+        return 0
+    if not args.arch or not args.output:
+        raise DgrError("dgr synth: give --arch ARCH and -o FILE (or --list to see the architectures)")
 
     if args.arch == "deepseek4" and "deepseek4" not in ARCHS:
         from dgr.synth_deepseek4 import synth_deepseek4  # V4 has its own writer (not a table row)
@@ -127,7 +134,8 @@ def register(sub) -> None:
     p.set_defaults(func=_inspect)
 
     p = sub.add_parser("synth", help="write a tiny random-weight GGUF model")
-    p.add_argument("--arch", required=True, help="llama, qwen2, qwen3, gemma3, qwen3moe, deepseek2, deepseek4")
+    p.add_argument("--arch", help="the architecture (llama.cpp's name for it); --list names them all")
+    p.add_argument("--list", action="store_true", help="print every architecture --arch can write, one per line")
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--embd", type=int, default=64)
     p.add_argument("--seed", type=int, default=0)
@@ -141,7 +149,7 @@ def register(sub) -> None:
     p.add_argument("--hash-layers", type=int, default=3, help="deepseek4: leading hash-routed layers")
     p.add_argument("--compress-ratios", help="deepseek4: per-layer ratios from {0,4,128}, e.g. 0,4,128,0")
     p.add_argument("--mtp", action=argparse.BooleanOptionalAction, default=True, help="deepseek4: MTP block")
-    p.add_argument("-o", "--output", required=True)
+    p.add_argument("-o", "--output")
     p.set_defaults(func=_synth)
 
     recipe = sub.add_parser("recipe", help="recipes: new, plan, build")

@@ -20,7 +20,12 @@ def register(sub) -> None:
     p.set_defaults(func=cmd_baseline)
 
     p = sub.add_parser("parity", help="run a bundle's stages in one process and compare with the whole model")
-    p.add_argument("bundle", type=Path, help="a bundle folder (or a whole GGUF with --ranges)")
+    p.add_argument("bundle", type=Path, nargs="?", help="a bundle folder (or a whole GGUF with --ranges)")
+    p.add_argument("--synth", metavar="ARCH", help="instead of a bundle: write a fresh tiny ARCH model (dgr synth), "
+                   "split it across its special layers and compare (ARCH `all`: every `dgr synth --list` name)")
+    p.add_argument("--stages", default="3", help="with --synth: stage count, or several (2,3,4) (default 3)")
+    p.add_argument("--table", type=Path, help="with --synth: write the markdown table of the results (docs/families.md)")
+    p.add_argument("--json", type=Path, help="with --synth: write every result as JSON")
     p.add_argument("--baseline", type=Path, help="a baseline from `dgr baseline` (default: run the bundle's source now)")
     p.add_argument("--ranges", help="with a whole GGUF: split it in this process, e.g. 0:10,10:30")
     _schedule_args(p)
@@ -66,6 +71,10 @@ def cmd_baseline(args) -> int:
 
 
 def cmd_parity(args) -> int:
+    if args.synth:
+        return cmd_parity_synth(args)
+    if args.bundle is None:
+        raise DgrError("dgr parity: give a bundle folder (or a whole GGUF with --ranges), or --synth ARCH")
     from dgr.parity import (baseline_kv_dtype, compare, ctx_for, largest_logit, load_baseline, make_schedule,
                             open_stages, open_tokenizer, parse_ranges, perturbation, run_baseline, run_pipeline,
                             throughput, verdict)
@@ -124,4 +133,41 @@ def cmd_parity(args) -> int:
     pre, dec = throughput(sched, run)
     print(f"  split run (one process): prefill {pre:.1f} tok/s, decode {dec:.1f} tok/s")
     print(f"parity: {verdict(c, args.tolerance)}")  # ParityError (exit 1) when it does not pass
+    return 0
+
+
+def cmd_parity_synth(args) -> int:
+    import tempfile
+    import time
+
+    from dgr.synth import known_archs
+    from dgr.synthparity import results_json, run_synth_parity, write_table
+
+    archs = known_archs() if args.synth == "all" else [a.strip() for a in args.synth.split(",")]
+    try:
+        counts = [int(x) for x in args.stages.split(",")]
+    except ValueError:
+        raise DgrError(f"--stages {args.stages!r}: a stage count, or several separated by commas (2,3,4)") from None
+    t0 = time.perf_counter()
+    by_arch: dict = {}
+    failed = []
+    with tempfile.TemporaryDirectory(prefix="dgr-synth-parity-") as tmp:
+        for arch in archs:
+            for n in counts:
+                r = run_synth_parity(arch, n, Path(tmp), lib=args.lib, n_threads=args.threads or 1)
+                by_arch.setdefault(arch, []).append(r)
+                print(f"parity: {r.line()}", flush=True)
+                if not r.exact:
+                    failed.append(f"{arch} x{n}")
+    seconds = time.perf_counter() - t0
+    if args.table:
+        write_table(args.table, by_arch, seconds)
+    if args.json:
+        args.json.write_text(results_json(by_arch))
+    total = sum(len(v) for v in by_arch.values())
+    if failed:
+        from dgr.parity import ParityError
+
+        raise ParityError(f"{len(failed)} of {total} splits differ from the whole model: {', '.join(failed)}")
+    print(f"parity: EXACT: {total} split(s) of {len(by_arch)} architecture(s) equal the whole model ({seconds:.1f} s)")
     return 0

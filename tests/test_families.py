@@ -1,0 +1,63 @@
+"""Every architecture `dgr synth --list` names: a fresh tiny model, split across its special layers into
+2, 3 and 4 stages (dgr.synthparity's cuts), equals the whole model bit for bit (prefill and decode, two
+sessions sharing each batch); docs/families.md says the same as this suite."""
+
+from __future__ import annotations
+
+import pytest
+
+from dgr.cli import main
+from dgr.synth import known_archs
+from dgr.synthparity import STAGE_COUNTS, choose_ranges, features, model_layers, read_table, run_synth_parity
+
+ARCHS = known_archs()
+
+
+@pytest.mark.engine
+@pytest.mark.parametrize("stages", STAGE_COUNTS)
+@pytest.mark.parametrize("arch", ARCHS)
+def test_split_equals_whole_model_exactly(arch, stages, engine_lib, tmp_path):
+    r = run_synth_parity(arch, stages, tmp_path, lib=engine_lib)
+    assert r.n_values > 0
+    assert r.exact, r.line()
+    assert r.greedy_agree
+
+
+def test_synth_list_names_every_architecture(capsys):
+    assert main(["synth", "--list"]) == 0
+    listed = capsys.readouterr().out.split()
+    assert listed == ARCHS
+    assert len(set(listed)) == len(listed)
+
+
+def test_parity_synth_cli_exits_0_on_exact_and_names_unknown_architectures(engine_lib, capsys):
+    assert main(["parity", "--synth", "llama", "--stages", "3", "--lib", str(engine_lib)]) == 0
+    out = capsys.readouterr().out
+    assert "llama: 3 stages [0,2) [2,4) [4,6)" in out and "EXACT" in out
+    assert main(["parity", "--synth", "no-such-arch", "--stages", "3"]) != 0
+    assert "unknown architecture 'no-such-arch'" in capsys.readouterr().err
+
+
+def test_cuts_cross_the_special_layers():
+    # the cuts fall where the layer kind changes (SWA/global, dense/MoE, attention/recurrent) first
+    assert choose_ranges(["dense", "moe", "moe", "moe", "moe", "moe"], 3) == [(0, 1), (1, 4), (4, 6)]
+    assert choose_ranges(["attn", "attn", "attn", "rec", "rec", "rec", "rec", "attn"], 3) == [(0, 3), (3, 7), (7, 8)]
+    assert choose_ranges(["layer"] * 6, 4) == [(0, 2), (2, 3), (3, 4), (4, 6)]
+    with pytest.raises(Exception, match="splits into 1..6 stages"):
+        choose_ranges(["layer"] * 6, 7)
+
+
+def test_docs_table_and_suite_agree(repo_root):
+    """docs/families.md (written by `dgr parity --synth all --stages 2,3,4 --table ...`) has one row per
+    architecture of the suite, with its features, the stage counts the suite tries, the 3-stage cuts it
+    takes and an exact result; regenerate the table when this fails."""
+    from dgr.synth import layer_kinds
+
+    table = read_table(repo_root / "docs" / "families.md")
+    assert sorted(table) == ARCHS, "docs/families.md lists other architectures than `dgr synth --list`"
+    for arch, row in table.items():
+        assert row["features"] == (", ".join(features(arch)) or "-"), arch
+        assert row["stages"] == ", ".join(map(str, STAGE_COUNTS)), arch
+        cuts = choose_ranges(layer_kinds(arch, model_layers(arch)), 3)
+        assert row["cuts"] == " ".join(f"[{a},{b})" for a, b in cuts), arch
+        assert row["result"] == "exact", arch
