@@ -15,7 +15,7 @@ from dgr.errors import DgrError
 from dgr.log import setup as setup_logging
 
 # Areas, in the order their commands are listed in `dgr --help`.
-AREAS = ("bundles", "upstream", "engine", "worker", "wire", "serve", "certs", "certify", "bench", "build")
+AREAS = ("bundles", "upstream", "engine", "worker", "wire", "serve", "certs", "certify", "bench", "build", "deploy")
 
 
 def build_parser() -> argparse.ArgumentParser:
