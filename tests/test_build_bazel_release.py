@@ -71,3 +71,85 @@ def test_cpu_release_is_identical_across_two_clean_builds(tmp_path):
     assert blake3.blake3(archive1).hexdigest() == blake3.blake3(archive2).hexdigest()
     assert manifest1["files"]["lib/libdgr_engine.so"]["size"] > 1_000_000
     assert manifest1["upstream"]["patches"], "the release names the patch series it was built with"
+
+
+PROMPT = "The three primary colors are"
+
+
+def _serving_address(proc: subprocess.Popen, timeout: float) -> str:
+    """The HOST:PORT a worker prints once it serves (it exits, or says nothing, on failure)."""
+    import re
+    import time
+
+    deadline = time.monotonic() + timeout
+    lines = []
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        lines.append(line)
+        m = re.search(r"serving on (\S+:\d+)", line)
+        if m:
+            return m.group(1)
+    proc.kill()
+    pytest.fail("a release worker did not start:\n" + "".join(lines) + proc.stdout.read())
+
+
+@pytest.mark.slow
+@pytest.mark.engine
+def test_release_serves_on_a_bare_python_without_the_checkout(tmp_path, engine_lib):
+    """The CPU release, extracted into an empty folder and run by the system's bare /usr/bin/python3 with a
+    clean environment (no checkout, no PYTHONPATH, no site-packages: only what the archive carries),
+    serves the 3 stages of SmolLM2 that a route generates through: the same tokens as the checkout's
+    own workers. Also: `bin/dgr --version` reports the release's own pin."""
+    import tarfile
+    import time
+
+    from dgr.app.demo import ensure_bundle
+    from dgr.app.local import LocalRoute
+    from dgr.buildinfo import build_info
+    from dgr.wire.client import RouteClient
+
+    if not Path("/usr/bin/python3").exists():
+        pytest.skip("no /usr/bin/python3 on this machine (the bare host's interpreter)")
+    proc = subprocess.run([bazel(), "build", "//:release_cpu"], cwd=REPO, capture_output=True, text=True,
+                          timeout=3600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    bin_dir = subprocess.run([bazel(), "info", "bazel-bin"], cwd=REPO, capture_output=True, text=True,
+                             check=True).stdout.strip()
+    archive = Path(bin_dir) / "release_cpu.tar.gz"
+    dest = tmp_path / "opt"
+    dest.mkdir()
+    with tarfile.open(archive) as tar:
+        tar.extractall(dest)
+    top = dest / "dgr-cpu"
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path / "home"), "PYTHON": "/usr/bin/python3",
+           "DGR_WORKSPACE": str(tmp_path / "state")}
+    version = subprocess.run([str(top / "bin/dgr"), "--version"], env=env, cwd=tmp_path, capture_output=True,
+                             text=True, timeout=120)
+    assert version.returncode == 0, version.stderr
+    info = build_info()
+    assert version.stdout.startswith(f"dgr {info.version} (release cpu, Python deps cp311)")
+    assert f"llama.cpp {info.commit}" in version.stdout and info.patch_series in version.stdout
+
+    bundle = ensure_bundle(3, progress=False)[0]
+    t0 = time.monotonic()
+    procs = [subprocess.Popen([str(top / "bin/dgr-worker"), "serve", "--bundle", str(bundle.root), "--stage", str(i),
+                               "--listen", "127.0.0.1:0", "--threads", "1", "--n-ctx", "512"], env=env, cwd=tmp_path,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(3)]
+    try:
+        addresses = [_serving_address(p, 300) for p in procs]
+        to_serving = time.monotonic() - t0
+        print(f"release: 3 workers from the extracted archive to SERVING in {to_serving:.1f} s")
+        with RouteClient(addresses) as c:
+            release_gen = c.run(PROMPT, max_new_tokens=16)
+    finally:
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            p.wait(timeout=60)
+    args = [["--bundle", str(bundle.root), "--stage", str(i), "--threads", "1", "--n-ctx", "512"] for i in range(3)]
+    with LocalRoute(args, env={"DGR_ENGINE_LIB": str(engine_lib)}, timeout=300) as r, RouteClient(r.addresses) as c:
+        checkout_gen = c.run(PROMPT, max_new_tokens=16)
+    assert release_gen.token_ids == checkout_gen.token_ids
+    assert release_gen.text == checkout_gen.text and release_gen.text

@@ -29,15 +29,31 @@ def release_writer():
     return mod
 
 
+def tiny_wheel(tmp: Path) -> Path:
+    """A wheel of one module and one file under .data/purelib (both land in python/)."""
+    import zipfile
+
+    path = tmp / "tinydep-1.0-py3-none-any.whl"
+    with zipfile.ZipFile(path, "w") as z:
+        z.writestr("tinydep/__init__.py", "VALUE = 1\n")
+        z.writestr("tinydep-1.0.data/purelib/tinydep_extra.py", "EXTRA = 2\n")
+        z.writestr("tinydep-1.0.data/scripts/tinydep-cli", "#!/bin/sh\n")
+        z.writestr("tinydep-1.0.dist-info/METADATA", "Name: tinydep\nVersion: 1.0\n")
+    return path
+
+
 def inputs(tmp: Path) -> argparse.Namespace:
     (tmp / "tools/dgr").mkdir(parents=True)
-    (tmp / "tools/dgr/__init__.py").write_text("")
+    (tmp / "tools/dgr/__init__.py").write_text('__version__ = "9.8.7"\n')
     (tmp / "tools/dgr/cli.py").write_text("def main():\n    return 0\n")
     (tmp / "libdgr_engine.so").write_bytes(b"\x7fELF" + bytes(range(256)) * 4)
     (tmp / "up.json").write_text(json.dumps({"commit": "c" * 40, "tree_hash": "t" * 64, "patches": []}))
+    wheel = tiny_wheel(tmp)
+    (tmp / "lock.json").write_text(json.dumps({"format": 1, "python": "cp311", "wheels": [
+        {"name": "tinydep", "version": "1.0", "file": wheel.name, "sha256": "0" * 64}]}))
     return argparse.Namespace(
         lane="cpu", engine=str(tmp / "libdgr_engine.so"), upstream=str(tmp / "up.json"),
-        python_root=str(tmp / "tools"),
+        python_root=str(tmp / "tools"), lock=str(tmp / "lock.json"), wheel=[str(wheel)],
         python=[str(tmp / "tools/dgr/__init__.py"), str(tmp / "tools/dgr/cli.py")],
     )
 
@@ -66,12 +82,27 @@ def test_same_inputs_give_the_same_bytes_and_the_manifest_hashes_every_file(tmp_
     a2, m2 = rel.build(args)
     assert a1 == a2 and m1 == m2
     files = json.loads(m1)["files"]
-    assert set(files) == {"lib/libdgr_engine.so", "bin/dgr-worker", "upstream.json",
-                          "python/dgr/__init__.py", "python/dgr/cli.py"}
+    # the wheel's importable files are unpacked into python/ (its scripts are not: a worker needs none)
+    assert set(files) == {"lib/libdgr_engine.so", "bin/dgr-worker", "bin/dgr", "upstream.json", "release.json",
+                          "python/dgr/__init__.py", "python/dgr/cli.py", "python/tinydep/__init__.py",
+                          "python/tinydep_extra.py", "python/tinydep-1.0.dist-info/METADATA"}
     path = tmp_path / "r.tar.gz"
     path.write_bytes(a1)
-    assert verify_release(path)["lane"] == "cpu"
+    manifest = verify_release(path)
+    assert (manifest["lane"], manifest["version"], manifest["python"]) == ("cpu", "9.8.7", "cp311")
+    with tarfile.open(path) as tar:
+        release = json.loads(tar.extractfile("dgr-cpu/release.json").read())
+        launcher = tar.extractfile("dgr-cpu/bin/dgr-worker").read().decode()
+    assert release["wheels"] == ["tinydep==1.0"] and release["version"] == "9.8.7"
+    assert '-S -m dgr worker "$@"' in launcher and 'PYTHONPATH="$here/python"' in launcher
     assert main(["release", "verify", str(path)]) == 0
+
+
+def test_a_wheel_that_is_not_the_locks_is_refused(tmp_path):
+    args = inputs(tmp_path)
+    args.wheel = []
+    with pytest.raises(SystemExit, match="not the lock's: missing"):
+        release_writer().build(args)
 
 
 @pytest.mark.parametrize("case", ["changed", "removed", "added"])

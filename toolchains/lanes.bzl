@@ -177,6 +177,8 @@ def dgr_releases():
             srcs = [
                 engine,
                 "@llama_cpp//:dgr_upstream.json",
+                "@dgr_python_deps//:wheels",
+                "//toolchains:python-runtime.lock.json",
                 "//tools/dgr:dgr_files",
             ],
             outs = [
@@ -190,6 +192,8 @@ def dgr_releases():
                 "--manifest $(location release_%s.MANIFEST.json)" % lane,
                 "--engine $(location %s)" % engine,
                 "--upstream $(location @llama_cpp//:dgr_upstream.json)",
+                "--lock $(location //toolchains:python-runtime.lock.json)",
+                "--wheel $(locations @dgr_python_deps//:wheels)",
                 "--python-root tools",
                 "$(locations //tools/dgr:dgr_files)",
             ]),

@@ -2,13 +2,17 @@
 """Write one lane's release: a deterministic .tar.gz of the worker and engine, and its manifest.
 
     release.py --lane cpu --out R.tar.gz --manifest M.json --engine libdgr_engine_cpu.so \
-               --upstream dgr_upstream.json --python-root tools tools/dgr/*.py ...
+               --upstream dgr_upstream.json --lock python-runtime.lock.json --wheel W.whl ... \
+               --python-root tools tools/dgr/*.py ...
 
 The archive holds, under `dgr-<lane>/`:
     lib/libdgr_engine.so     the ShardEngine (C ABI) of the lane
     python/dgr/...           the dgr package: the worker service, its CLI, the engine binding
-    bin/dgr-worker           runs `dgr worker ...` with that engine and package
+    python/<dep>/...         its Python dependencies: the locked wheels, unpacked (no pip, no network)
+    bin/dgr-worker           runs `dgr worker ...` with that engine and package, on the host's python3
+    bin/dgr                  the whole `dgr` command line the same way (generate, bundle provision, --version)
     upstream.json            llama.cpp's commit, tree hash and the patch series as applied
+    release.json             dgr's version, the lane, the wheels' Python tag and the wheels
     MANIFEST.json            size and blake3 of every other file (also written beside the archive)
 
 Same inputs, same bytes: entries sorted, mtime 0, owner root, modes 0644/0755, gzip without a name
@@ -22,16 +26,26 @@ import gzip
 import io
 import json
 import os
+import re
 import sys
 import tarfile
+import zipfile
 
 import blake3
 
-WORKER_SH = """#!/bin/sh
-# dgr worker of this release: its own engine and Python package (Python deps: pyproject.toml of dgr).
+# Both launchers run the host's python3 on the release's own folders only: -S leaves the host's
+# site-packages out, PYTHONPATH is the release's python/ (not the caller's), the engine is the release's.
+LAUNCHER_SH = """#!/bin/sh
+# {what} of this release: its own engine, Python package and Python dependencies (python/).
 here=$(dirname "$(readlink -f "$0")")/..
-DGR_ENGINE_LIB="$here/lib/libdgr_engine.so" PYTHONPATH="$here/python${PYTHONPATH:+:$PYTHONPATH}" \\
-    exec "${PYTHON:-python3}" -m dgr worker "$@"
+py="${{PYTHON:-python3}}"
+tag=$("$py" -S -c 'import sys; print("cp%d%d" % sys.version_info[:2])' 2>/dev/null) || {{
+    echo "dgr: no $py on PATH: this release needs CPython {python_dots} (set PYTHON=/path/to/python3.x)" >&2; exit 2; }}
+if [ "$tag" != "{python}" ]; then
+    echo "dgr: $py is $tag, but this release carries Python dependencies built for {python} (CPython {python_dots}); set PYTHON to such a python3" >&2
+    exit 2
+fi
+DGR_ENGINE_LIB="$here/lib/libdgr_engine.so" PYTHONPATH="$here/python" exec "$py" -S -m dgr {args}"$@"
 """
 
 
@@ -40,22 +54,70 @@ def _read(path: str) -> bytes:
         return f.read()
 
 
+def _version(init_py: bytes) -> str:
+    m = re.search(rb'^__version__ = "([^"]+)"', init_py, re.M)
+    if not m:
+        raise SystemExit("release.py: no __version__ in dgr/__init__.py")
+    return m.group(1).decode()
+
+
+def _unpack_wheel(path: str, files: dict[str, tuple[bytes, int]]) -> None:
+    """A wheel's importable files into python/ (what `pip install` would put in site-packages, minus
+    scripts and headers: a worker needs neither), in name order."""
+    with zipfile.ZipFile(path) as z:
+        for info in sorted(z.infolist(), key=lambda i: i.filename):
+            name = info.filename
+            if name.endswith("/"):
+                continue
+            parts = name.split("/")
+            if parts[0].endswith(".data"):
+                if len(parts) < 3 or parts[1] not in ("purelib", "platlib"):
+                    continue
+                name = "/".join(parts[2:])
+            dest = "python/" + name
+            if dest in files:
+                raise SystemExit(f"release.py: {dest} comes from two wheels (the second: {path})")
+            files[dest] = (z.read(info), 0o644)
+
+
 def build(args: argparse.Namespace) -> tuple[bytes, bytes]:
     top = f"dgr-{args.lane}"
     files: dict[str, tuple[bytes, int]] = {}  # archive path -> (content, mode)
     files["lib/libdgr_engine.so"] = (_read(args.engine), 0o755)
-    files["bin/dgr-worker"] = (WORKER_SH.encode(), 0o755)
     files["upstream.json"] = (_read(args.upstream), 0o644)
     root = args.python_root.rstrip("/") + "/"
     for src in args.python:
         if not src.startswith(root):
             raise SystemExit(f"release.py: {src} is not under --python-root {root}")
         files["python/" + src[len(root):]] = (_read(src), 0o644)
+    lock = json.loads(_read(args.lock))
+    locked = {e["file"]: e for e in lock["wheels"]}
+    given = {os.path.basename(w): w for w in args.wheel}
+    if set(given) != set(locked):
+        raise SystemExit(f"release.py: the wheels given are not the lock's: missing {sorted(set(locked) - set(given))}, "
+                         f"extra {sorted(set(given) - set(locked))}")
+    for e in lock["wheels"]:
+        _unpack_wheel(given[e["file"]], files)
+    tag = lock["python"]
+    dots = f"{tag[2]}.{tag[3:]}"
+    for name, what, sub in (("dgr-worker", "dgr worker", "worker "), ("dgr", "dgr", "")):
+        text = LAUNCHER_SH.format(what=what, python=tag, python_dots=dots, args=sub)
+        files[f"bin/{name}"] = (text.encode(), 0o755)
+    release = {
+        "format": 1,
+        "version": _version(files["python/dgr/__init__.py"][0]),
+        "lane": args.lane,
+        "python": tag,
+        "wheels": [f"{e['name']}=={e['version']}" for e in lock["wheels"]],
+    }
+    files["release.json"] = ((json.dumps(release, indent=2, sort_keys=True) + "\n").encode(), 0o644)
 
     upstream = json.loads(files["upstream.json"][0])
     manifest = {
         "format": 1,
         "lane": args.lane,
+        "version": release["version"],
+        "python": tag,
         "upstream": {k: upstream[k] for k in ("commit", "tree_hash", "patches")},
         "files": {
             path: {"size": len(data), "blake3": blake3.blake3(data).hexdigest()}
@@ -98,6 +160,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--manifest", required=True)
     p.add_argument("--engine", required=True)
     p.add_argument("--upstream", required=True)
+    p.add_argument("--lock", required=True, help="toolchains/python-runtime.lock.json")
+    p.add_argument("--wheel", action="extend", nargs="+", default=[], help="the locked wheels")
     p.add_argument("--python-root", required=True)
     p.add_argument("python", nargs="*")
     args = p.parse_args(argv)

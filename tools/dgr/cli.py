@@ -10,7 +10,6 @@ import argparse
 import importlib
 import sys
 
-from dgr import __version__
 from dgr.errors import DgrError
 from dgr.log import setup as setup_logging
 
@@ -18,9 +17,20 @@ from dgr.log import setup as setup_logging
 AREAS = ("bundles", "upstream", "engine", "worker", "wire", "serve", "certs", "certify", "bench", "build", "deploy")
 
 
+class _Version(argparse.Action):
+    """`dgr --version`: computed only when asked (it reads the release's metadata or the pin)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        from dgr.buildinfo import build_info
+
+        print(build_info().describe())
+        parser.exit()
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dgr", description="Distributed GGUF runtime")
-    parser.add_argument("--version", action="version", version=f"dgr {__version__}")
+    parser.add_argument("--version", action=_Version, nargs=0,
+                        help="the version, the llama.cpp commit and the patch series this dgr carries")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for area in AREAS:
         importlib.import_module(f"dgr.commands.{area}").register(sub)

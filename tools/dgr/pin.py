@@ -19,7 +19,6 @@ from pydantic import BaseModel, Field, PrivateAttr, ValidationError, field_valid
 from dgr.constants import LANES
 from dgr.contract import STRICT
 from dgr.errors import UpstreamError
-from dgr.hashing import bytes_blake3
 from dgr.paths import REPO_ROOT
 
 PIN_PATH = REPO_ROOT / "toolchains" / "llama.cpp.pin.json"
@@ -180,9 +179,10 @@ class Pin(BaseModel):
 
 
 def patch_series(pin: Pin) -> str:
-    """The hash over the ordered patch stack (blake3 of `file NUL blake3 LF` per patch): with the commit,
-    it names the engine a worker runs."""
-    return bytes_blake3("".join(f"{p.file}\0{p.blake3}\n" for p in pin.patches).encode())
+    """The hash over the pin's ordered patch stack (dgr.buildinfo.series_hash)."""
+    from dgr.buildinfo import series_hash
+
+    return series_hash([(p.file, p.blake3) for p in pin.patches])
 
 
 def _loc(loc: tuple) -> str:

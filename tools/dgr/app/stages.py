@@ -35,11 +35,11 @@ def fake_stage(spec: str, stage: int, wire_dtype: str = DEFAULT_WIRE_DTYPE) -> t
 
 
 def patch_series() -> tuple[str, str]:
-    """(upstream commit, hash over the ordered patch stack) from the one pin file."""
-    from dgr import pin
+    """(upstream commit, hash over the ordered patch stack): the release's metadata, or the checkout's pin."""
+    from dgr.buildinfo import build_info
 
-    p = pin.load_pin()
-    return p.commit, pin.patch_series(p)
+    info = build_info()
+    return info.commit, info.patch_series
 
 
 def bundle_stage(path: str | Path, stage: int, *, lane: str | None = None, wire_dtype: str | None = None,

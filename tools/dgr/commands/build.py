@@ -20,6 +20,18 @@ def _build(args) -> int:
     return 0
 
 
+def _python_deps(args) -> int:
+    from dgr.pydeps import LOCK_PATH, fetch_locked, wheel_dir, write_lock
+
+    if args.lock:
+        lock = write_lock()
+        print(f"locked {len(lock['wheels'])} wheels ({lock['python']}) in {LOCK_PATH}")
+    paths = fetch_locked()
+    size = sum(p.stat().st_size for p in paths)
+    print(f"ok: {len(paths)} locked wheels in {wheel_dir()} ({size / 1e6:.1f} MB), each matching its sha256")
+    return 0
+
+
 def register(sub) -> None:
     """Add this area's subcommands to the `dgr` parser."""
     from dgr.constants import LANES
@@ -32,3 +44,8 @@ def register(sub) -> None:
     b = rsub.add_parser("build", help="bazel build //:release_<lane>, verify it, print its path")
     b.add_argument("--lane", choices=LANES, default="cpu")
     b.set_defaults(func=_build)
+    d = rsub.add_parser("python-deps", help="put the locked wheels a release carries into the workspace "
+                        "(sha256-checked; Bazel's @dgr_python_deps reads them)")
+    d.add_argument("--lock", action="store_true", help="first re-lock: the closure of pyproject's "
+                   "[tool.dgr.release] python-deps at this environment's installed versions")
+    d.set_defaults(func=_python_deps)
