@@ -7,7 +7,11 @@
 }:
 let
   project = (builtins.fromTOML (builtins.readFile (root + "/pyproject.toml"))).project;
-  # pyproject.toml and the package only: tests, docs and Nix files do not rebuild the tool.
+  # the version is written once, in dgr/__init__.py (pyproject.toml reads it there too)
+  version = builtins.head (
+    builtins.match ".*__version__ = \"([^\"]+)\".*" (builtins.readFile (root + "/tools/dgr/__init__.py"))
+  );
+  # pyproject.toml, setup.py (it copies the pin's facts into the package) and the package only: tests, docs and Nix files do not rebuild the tool.
   src = builtins.path {
     path = root;
     name = "dgr-src";
@@ -17,6 +21,9 @@ let
         rel = builtins.substring (builtins.stringLength (toString root) + 1) (-1) (toString path);
       in
       rel == "pyproject.toml"
+      || rel == "setup.py"
+      || rel == "toolchains"
+      || rel == "toolchains/llama.cpp.pin.json"
       || rel == "tools"
       || (builtins.substring 0 10 rel == "tools/dgr/" || rel == "tools/dgr")
       && builtins.match ".*(__pycache__|\\.pyc|BUILD\\.bazel)" rel == null;
@@ -24,7 +31,7 @@ let
 in
 python3Packages.buildPythonApplication {
   pname = project.name;
-  inherit (project) version;
+  inherit version;
   pyproject = true;
   inherit src;
   build-system = [ python3Packages.setuptools ];
