@@ -27,7 +27,7 @@ def test_three_worker_processes_equal_the_whole_model(arch, engine_lib, tmp_path
     eng = Engine.open(whole, lib=engine_lib, n_threads=1)
     try:
         ids = long_prompts(eng.describe().n_vocab, lengths=(37,))[0]
-        ref = whole_model_run(eng, ids, 6)
+        ref = whole_model_run(eng, ids, 6, chunk_tokens=16)  # prefill in the chunks the route uses
     finally:
         eng.close()
     args = [["--bundle", str(bundle.root), "--stage", str(i), "--threads", "1", "--n-ctx", "256"] for i in range(3)]

@@ -66,10 +66,15 @@ INPUT = "input"    # first stage: token embedding
 OUTPUT = "output"  # last stage: output norm, LM head (and the tied embedding)
 SHARED = "shared"  # every stage: tables each layer reads (rope frequencies)
 
-_INPUT_NAMES = ("token_embd", "token_embd_norm", "token_types", "position_embd")
+_INPUT_NAMES = ("token_embd", "token_embd_norm", "token_types", "position_embd",
+                # gemma4 E2B/E4B per-layer embeddings (read from the first stage's token input)
+                "per_layer_token_embd", "per_layer_model_proj", "per_layer_proj_norm")
 _OUTPUT_NAMES = ("output_norm", "output", "output_hc_fn", "output_hc_base", "output_hc_scale",
                  "output_hc_norm", "output_hc_down", "output_hc_up", "cls", "cls.output")
 _SHARED_NAMES = ("rope_freqs", "rope_factors_long", "rope_factors_short")
+# names whose owner depends on the architecture: lfm2's final norm is called token_embd_norm
+# (llama.cpp: LLM_TENSOR_OUTPUT_NORM_LFM2, an output tensor)
+_OUTPUT_NAMES_OF = {"lfm2": ("token_embd_norm",), "lfm2moe": ("token_embd_norm",)}
 _BLK = re.compile(r"^blk\.(\d+)\.")
 
 
@@ -294,12 +299,14 @@ def _parse(mm: "mmap.mmap", path: Path) -> GGUFHeader:
     return GGUFHeader(path, version, kvs, tensors, alignment, data_offset)
 
 
-def classify(name: str) -> int | str | None:
+def classify(name: str, arch: str | None = None) -> int | str | None:
     """Layer index for `blk.N.*`, INPUT / OUTPUT / SHARED for global tensors, None when unknown."""
     m = _BLK.match(name)
     if m:
         return int(m.group(1))
     base = name.rsplit(".", 1)[0] if name.endswith((".weight", ".bias")) else name
+    if base in _OUTPUT_NAMES_OF.get(arch or "", ()):
+        return OUTPUT
     if base in _INPUT_NAMES:
         return INPUT
     if base in _OUTPUT_NAMES:
@@ -377,7 +384,7 @@ def model_info(path_or_header: str | Path | GGUFHeader) -> ModelInfo:
     layer_of: dict[str, int | str] = {}
     unknown: list[str] = []
     for t in h.tensors:
-        owner = classify(t.name)
+        owner = classify(t.name, arch)
         if owner is None or (isinstance(owner, int) and owner >= n_all):
             unknown.append(t.name)
         else:

@@ -169,7 +169,7 @@ def synth(
     if dtype not in ("f32", "f16"):
         raise DgrError(f"dgr synth: --dtype must be f32 or f16, got {dtype!r}")
     dims = layer_dims(arch, layers, embd, n_ff=n_ff, n_expert=n_expert, n_expert_used=n_expert_used, swa=swa,
-                      swa_pattern=swa_pattern)
+                      swa_pattern=swa_pattern, context=context)
     tied = spec.tied if tied is None else tied
     rng = np.random.default_rng(seed)
     wdtype = np.float32 if dtype == "f32" else np.float16
@@ -191,7 +191,8 @@ def synth(
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     w = gguf.GGUFWriter(str(path), arch)
-    w.add_name(f"dgr-synth-{arch}-L{layers}-E{embd}-s{seed}")
+    # no architecture in the name: llama.cpp's vocabulary code keys quirks on names ("phi3" wants "</s>")
+    w.add_name(f"dgr-synth-L{layers}-E{embd}-s{seed}")
     w.add_description(f"dgr synth --arch {arch} --layers {layers} --embd {embd} --seed {seed}: random weights")
     w.add_file_type(gguf.LlamaFileType.ALL_F32 if dtype == "f32" else gguf.LlamaFileType.MOSTLY_F16)
     kv = {
@@ -228,7 +229,7 @@ def synth(
 
 
 def layer_dims(arch: str, layers: int, embd: int, *, n_ff: int | None = None, n_expert: int = 4,
-               n_expert_used: int = 2, swa: int = 8, swa_pattern: int = 2) -> dict:
+               n_expert_used: int = 2, swa: int = 8, swa_pattern: int = 2, context: int = 512) -> dict:
     """The dims a spec's shapes, metadata and layer kinds read, after the spec's own `dims` hook."""
     spec = ARCHS[arch]
     hd = spec.head_dim
@@ -237,7 +238,7 @@ def layer_dims(arch: str, layers: int, embd: int, *, n_ff: int | None = None, n_
         "E": embd, "F": n_ff or 2 * embd, "H": n_head, "K": max(1, n_head // 2), "D": hd,
         "X": n_expert, "X_used": n_expert_used, "G": n_ff or embd, "swa": swa, "swa_pattern": swa_pattern,
         "Q": embd // 2, "C": embd // 2, "R": hd // 2, "N": hd, "V": len(tokenizer_vocab()[0]), "S": 1,
-        "L": min(1, layers - 1), "n_layer": layers,
+        "L": min(1, layers - 1), "n_layer": layers, "ctx": context,
     }
     return spec.dims(dict(dims)) if spec.dims else dims
 

@@ -8,7 +8,7 @@ in dgr.families.
 
 Shapes are numpy (row-major) order: ggml's ne reversed. Dims: E embd, F ffn, H heads, K kv heads,
 D head dim, X experts, X_used experts per token, G expert ffn, V vocab (set by the writer), swa window,
-swa_pattern, plus whatever a spec's `dims` hook adds.
+swa_pattern, n_layer, ctx (context length), plus whatever a spec's `dims` hook adds.
 """
 
 from __future__ import annotations

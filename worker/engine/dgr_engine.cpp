@@ -241,8 +241,10 @@ void check_stage_file(const std::string & path, const file_facts & f) {
     if (f.begin == 0 && !f.has_tok_embd) {
         throw dgr_exc(DGR_E_ARTIFACT, fmt("%s: a first stage (begin = 0) needs token_embd", p));
     }
-    if (f.end == f.total && !f.has_output_norm) {
-        throw dgr_exc(DGR_E_ARTIFACT, fmt("%s: a last stage (end = %lld) needs output_norm", p, (long long) f.total));
+    // a head: output_norm (most), output, or the tied embedding (olmo's final norm has no weights)
+    if (f.end == f.total && !(f.has_output_norm || f.has_output || f.has_tok_embd)) {
+        throw dgr_exc(DGR_E_ARTIFACT, fmt("%s: a last stage (end = %lld) needs the output head (output_norm, output "
+                "or the tied token_embd)", p, (long long) f.total));
     }
     if (f.end < f.total && (f.has_output_norm || f.has_output)) {
         throw dgr_exc(DGR_E_ARTIFACT, fmt("%s: a non-last stage must not hold the output tensors", p));
@@ -597,52 +599,95 @@ int32_t dgr_forward(dgr_engine * eng, int32_t n_steps, const dgr_step * steps, d
         }
         batch.n_tokens = (int32_t) n_total;
 
-        const int32_t rc = llama_decode(eng->ctx, batch);
-        if (rc != 0) {
-            std::string why = take_log_errors();
-            // on a failed decode, the cache may hold part of the batch: drop it for the sessions involved
-            if (rc < 0 || rc == 2) {
+        // dgr: a recurrent or hybrid model splits a batch into ubatches one sequence at a time when every
+        // token is an output (a non-last stage: llama_memory_recurrent::init_batch uses split_seq) and
+        // several sequences at a time otherwise (the whole model, the last stage: split_equal). Other
+        // ubatches mean other matmul shapes and other rounding, so split != whole. Such a model therefore
+        // decodes one session (= one sequence) per llama_decode at every stage: the same ubatches everywhere.
+        const bool per_session = llama_model_is_recurrent(eng->model) || llama_model_is_hybrid(eng->model);
+        for (int32_t c = 0; c < (per_session ? n_steps : 1); ++c) {
+            const int32_t k0 = per_session ? c : 0;
+            const int32_t k1 = per_session ? c + 1 : n_steps;
+            llama_batch part = batch; // per session: a view of that session's rows (freed with `batch`)
+            if (per_session) {
+                const int32_t r = row_of_step[c];
+                part.n_tokens = steps[c].n_tokens;
+                part.token    = batch.token ? batch.token + r : nullptr;
+                part.embd     = batch.embd ? batch.embd + (int64_t) r * width : nullptr;
+                part.pos      = batch.pos + r;
+                part.n_seq_id = batch.n_seq_id + r;
+                part.seq_id   = batch.seq_id + r;
+                part.logits   = batch.logits + r;
+            }
+            // dgr: an M-RoPE model (qwen2vl, qwen3vl, qwen35...) takes one position per token id, which
+            // llama.cpp broadcasts to its 4 rope sections (the graph then zeroes the 4th), but 4 positions per
+            // embedding row, section-major (pos[j*n_tokens + i]). A non-first stage feeds embedding rows: give
+            // them what the token path computes, p in sections 0-2 (rope, and the KV cells' x/y) and 0 in 3.
+            std::vector<llama_pos> pos4;
+            const enum llama_rope_type rt = llama_model_rope_type(eng->model);
+            if (part.embd && !part.token && (rt == LLAMA_ROPE_TYPE_MROPE || rt == LLAMA_ROPE_TYPE_IMROPE)) {
+                const int32_t n = part.n_tokens;
+                pos4.assign((size_t) n * 4, 0);
+                for (int32_t i = 0; i < n; ++i) {
+                    pos4[i] = pos4[(size_t) n + i] = pos4[(size_t) 2 * n + i] = part.pos[i];
+                }
+                part.pos = pos4.data();
+            }
+            const int32_t rc = llama_decode(eng->ctx, part);
+            if (rc != 0) {
+                std::string why = take_log_errors();
                 llama_memory_t mem = llama_get_memory(eng->ctx);
-                for (int32_t k = 0; k < n_steps; ++k) {
-                    llama_memory_seq_rm(mem, ss[k]->seq, ss[k]->n_cached, -1);
+                if (per_session) {
+                    // dgr: a recurrent state cannot drop a partial range (only its latest state is kept), and
+                    // the sessions before this one have already advanced: drop every session of the batch
+                    // whole, so its next step is a cache miss that re-prefills from position 0
+                    for (int32_t k = 0; k < n_steps; ++k) {
+                        llama_memory_seq_rm(mem, ss[k]->seq, -1, -1);
+                        ss[k]->n_cached = 0;
+                    }
+                } else if (rc < 0 || rc == 2) {
+                    // on a failed decode, the cache may hold part of the batch: drop it for the sessions involved
+                    for (int32_t k = 0; k < n_steps; ++k) {
+                        llama_memory_seq_rm(mem, ss[k]->seq, ss[k]->n_cached, -1);
+                    }
                 }
+                throw dgr_exc(DGR_E_ENGINE, fmt("llama_decode failed (%d)%s%s", rc,
+                        rc == 1 ? ": no KV slot for the batch (cache full; close sessions or raise n_ctx)" : "",
+                        why.empty() ? "" : (": " + why).c_str()));
             }
-            throw dgr_exc(DGR_E_ENGINE, fmt("llama_decode failed (%d)%s%s", rc,
-                    rc == 1 ? ": no KV slot for the batch (cache full; close sessions or raise n_ctx)" : "",
-                    why.empty() ? "" : (": " + why).c_str()));
-        }
 
-        for (int32_t k = 0; k < n_steps; ++k) {
-            const dgr_step & st = steps[k];
-            dgr_step_out & o = outs[k];
-            o.n_logit_rows = 0;
-            o.next_token = -1;
-            const int32_t r0 = row_of_step[k];
-            if (!in.is_last) {
-                if (o.boundary) {
-                    for (int32_t i = 0; i < st.n_tokens; ++i) {
-                        const float * e = llama_get_embeddings_ith(eng->ctx, r0 + i);
-                        if (!e) throw dgr_exc(DGR_E_ENGINE, "no boundary output from llama.cpp");
-                        memcpy(o.boundary + (int64_t) i * width, e, sizeof(float) * width);
+            for (int32_t k = k0; k < k1; ++k) {
+                const dgr_step & st = steps[k];
+                dgr_step_out & o = outs[k];
+                o.n_logit_rows = 0;
+                o.next_token = -1;
+                const int32_t r0 = row_of_step[k] - row_of_step[k0]; // row in this call's batch
+                if (!in.is_last) {
+                    if (o.boundary) {
+                        for (int32_t i = 0; i < st.n_tokens; ++i) {
+                            const float * e = llama_get_embeddings_ith(eng->ctx, r0 + i);
+                            if (!e) throw dgr_exc(DGR_E_ENGINE, "no boundary output from llama.cpp");
+                            memcpy(o.boundary + (int64_t) i * width, e, sizeof(float) * width);
+                        }
+                    }
+                } else {
+                    const int32_t n_vocab = in.n_vocab;
+                    const int32_t first_row = st.want_logits == DGR_LOGITS_ALL ? 0 : st.n_tokens - 1;
+                    for (int32_t i = first_row; i < st.n_tokens; ++i) {
+                        const float * l = llama_get_logits_ith(eng->ctx, r0 + i);
+                        if (!l) throw dgr_exc(DGR_E_ENGINE, "no logits from llama.cpp");
+                        if (i == st.n_tokens - 1) {
+                            o.next_token = (int32_t) (std::max_element(l, l + n_vocab) - l);
+                        }
+                        if (o.logits && st.want_logits != DGR_LOGITS_NONE) {
+                            memcpy(o.logits + (int64_t) o.n_logit_rows * n_vocab, l, sizeof(float) * n_vocab);
+                            o.n_logit_rows++;
+                        }
                     }
                 }
-            } else {
-                const int32_t n_vocab = in.n_vocab;
-                const int32_t first_row = st.want_logits == DGR_LOGITS_ALL ? 0 : st.n_tokens - 1;
-                for (int32_t i = first_row; i < st.n_tokens; ++i) {
-                    const float * l = llama_get_logits_ith(eng->ctx, r0 + i);
-                    if (!l) throw dgr_exc(DGR_E_ENGINE, "no logits from llama.cpp");
-                    if (i == st.n_tokens - 1) {
-                        o.next_token = (int32_t) (std::max_element(l, l + n_vocab) - l);
-                    }
-                    if (o.logits && st.want_logits != DGR_LOGITS_NONE) {
-                        memcpy(o.logits + (int64_t) o.n_logit_rows * n_vocab, l, sizeof(float) * n_vocab);
-                        o.n_logit_rows++;
-                    }
-                }
+                ss[k]->n_cached += st.n_tokens;
+                o.n_cached = ss[k]->n_cached;
             }
-            ss[k]->n_cached += st.n_tokens;
-            o.n_cached = ss[k]->n_cached;
         }
     });
 }

@@ -154,14 +154,23 @@ def cmd_parity_synth(args) -> int:
     with tempfile.TemporaryDirectory(prefix="dgr-synth-parity-") as tmp:
         for arch in archs:
             for n in counts:
-                r = run_synth_parity(arch, n, Path(tmp), lib=args.lib, n_threads=args.threads or 1)
+                try:
+                    r = run_synth_parity(arch, n, Path(tmp), lib=args.lib, n_threads=args.threads or 1)
+                except DgrError as err:
+                    if len(archs) == 1:
+                        raise
+                    print(f"parity: {arch}: {n} stages: ERROR: {err}", flush=True)  # the others still run
+                    failed.append(f"{arch} x{n} (error)")
+                    continue
                 by_arch.setdefault(arch, []).append(r)
                 print(f"parity: {r.line()}", flush=True)
                 if not r.exact:
                     failed.append(f"{arch} x{n}")
     seconds = time.perf_counter() - t0
-    if args.table:
+    if args.table and not failed:
         write_table(args.table, by_arch, seconds)
+    elif args.table:
+        print(f"parity: {args.table} not written: the table lists only passing runs", flush=True)
     if args.json:
         args.json.write_text(results_json(by_arch))
     total = sum(len(v) for v in by_arch.values())
