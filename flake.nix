@@ -27,5 +27,7 @@
       devShells = forSystems (system: (scopeFor system).devShells);
       # The pin as Nix reads it (for checks and for `nix eval .#lib.pin.commit`).
       lib = { inherit pin; };
+      # services.dgr.workers.<name> = { bundle, stage, listen, lane, ... }: systemd services (docs/deploy.md).
+      nixosModules.default = import ./nix/nixos-module.nix { inherit self; };
     };
 }

@@ -1,0 +1,35 @@
+"""Helpers for the deployment tests: a tiny real bundle, deployment files written from parts, the CLI."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from support.engine import make_bundle, synth_model
+
+REPO = Path(__file__).resolve().parents[2]
+TINY_RANGES = [(0, 2), (2, 4), (4, 6)]
+
+
+def tiny_bundle(root: Path):
+    """A 6-layer synthetic llama in 3 stages (built in well under a second): the loaded Bundle."""
+    src = synth_model(root, "llama", layers=6, embd=64)
+    return make_bundle(src, TINY_RANGES, root / "build")
+
+
+def write(path: Path, text: str) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    return path
+
+
+def dgr(*args: str, env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
+    """`dgr ARGS` as a user runs it (a fresh process of this checkout's Python)."""
+    return subprocess.run([sys.executable, "-m", "dgr.cli", *args], cwd=REPO, capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, **(env or {})})
+
+
+def errors(proc: subprocess.CompletedProcess) -> list[str]:
+    return [line.removeprefix("dgr: error: ") for line in proc.stderr.splitlines() if line.startswith("dgr: error: ")]

@@ -1,0 +1,118 @@
+"""The supervisor: free ports picked at `dgr up` and kept across restarts, restarts with a growing backoff,
+a deployment that never serves refused with its workers' logs, and nothing left behind either way.
+
+A tiny synthetic llama (3 stages) on the real engine: workers start in about a second.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import time
+
+import pytest
+from support.deploy import dgr, tiny_bundle, write
+
+from dgr.deploy import runstate
+from dgr.deploy.control import health
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return tiny_bundle(tmp_path_factory.mktemp("tiny"))
+
+
+@pytest.fixture(scope="module")
+def lib_env(engine_lib, tmp_path_factory):
+    lib = tmp_path_factory.mktemp("engine") / "libdgr_engine.so"
+    shutil.copy2(engine_lib, lib)       # another build in the shared workspace may rewrite the original
+    return {"DGR_ENGINE_LIB": str(lib)}
+
+
+def _file(tmp_path, tiny, supervise: str = "") -> str:
+    stages = "".join(f'[[stages]]\nlayers = [{b}, {e}]\nhost = "a"\n\n' for b, e in [(0, 2), (2, 4), (4, 6)])
+    return str(write(tmp_path / "tiny.toml", f"""name = "tiny"
+[bundle]
+id = "{tiny.id[:12]}"
+source = "{tiny.root}"
+
+[[hosts]]
+name = "a"
+address = "127.0.0.1"
+store = "{tmp_path / 'store'}"
+
+{stages}
+[supervise]
+{supervise}
+"""))
+
+
+def test_free_ports_are_kept_across_a_restart_and_the_bundle_is_provisioned(tiny, lib_env, tmp_path):
+    f, run = _file(tmp_path, tiny, "backoff = 0.2"), tmp_path / "run"
+    up = dgr("up", f, "--run-dir", str(run), "-q", env=lib_env)
+    assert up.returncode == 0, up.stderr[-3000:]
+    try:
+        assert (tmp_path / "store" / f"t-{tiny.id[:12]}" / "manifest.json").is_file(), "provisioned into the store"
+        route = re.search(r"^route: (\S+)$", up.stdout, re.M).group(1)
+        addrs = route.split(",")
+        assert len(addrs) == 3 and all(re.fullmatch(r"127\.0\.0\.1:\d+", a) for a in addrs)
+        gen = dgr("generate", "--route", route, "--max-tokens", "6", "Hello", env=lib_env)
+        assert gen.returncode == 0, gen.stderr[-2000:]
+        st = json.loads(dgr("status", f, "--json", "--run-dir", str(run), env=lib_env).stdout)
+        os.kill(st["workers"][2]["pid"], signal.SIGKILL)
+        deadline = time.monotonic() + 60
+        while True:
+            st = json.loads(dgr("status", f, "--json", "--run-dir", str(run), env=lib_env).stdout)
+            w = st["workers"][2]
+            if w["restarts"] == 1 and w["health"] == "SERVING":
+                break
+            assert time.monotonic() < deadline, st
+            time.sleep(0.2)
+        assert w["address"] == addrs[2] and st["routes"] == [route], "restarted in place: the same port"
+        assert dgr("generate", "--route", route, "--max-tokens", "6", "Hello", env=lib_env).stdout == gen.stdout
+    finally:
+        assert dgr("down", f, "--run-dir", str(run), env=lib_env).returncode == 0
+    assert runstate.run_processes(run) == []
+    assert all(health(a, timeout=0.5) == "UNREACHABLE" for a in addrs)
+
+
+def test_a_worker_that_keeps_crashing_is_retried_with_backoff_and_up_fails_with_its_log(tiny, tmp_path):
+    f, run = _file(tmp_path, tiny, "backoff = 0.2\nmax_backoff = 1.0\nready_timeout = 25"), tmp_path / "run"
+    bad = {"DGR_ENGINE_LIB": str(tmp_path / "no-such-engine.so")}
+    t0 = time.monotonic()
+    up = dgr("up", f, "--run-dir", str(run), env=bad)
+    took = time.monotonic() - t0
+    assert up.returncode != 0
+    assert "did not answer health SERVING within 25 s; the run is stopped" in up.stderr
+    assert "no-such-engine.so does not exist" in up.stderr, "the worker's own log says why"
+    assert took < 90
+    assert runstate.run_processes(run) == [], "nothing left behind"
+    log = (run / "logs" / "supervisor.log").read_text()
+    delays = [float(x) for x in re.findall(r"s0-r0: exited with exit code 2 after [\d.]+ s; restarting in ([\d.]+) s", log)]
+    assert len(delays) >= 3, log
+    assert delays[:3] == [0.2, 0.4, 0.8] and max(delays) <= 1.0, delays
+    st = runstate.read_state(run)
+    assert st["status"] == "down" and st["workers"]["s0-r0"]["restarts"] >= 3
+
+
+def test_down_finds_the_workers_of_a_supervisor_killed_by_hand(tiny, lib_env, tmp_path):
+    f, run = _file(tmp_path, tiny), tmp_path / "run"
+    assert dgr("up", f, "--run-dir", str(run), "-q", env=lib_env).returncode == 0
+    st = runstate.read_state(run)
+    workers = [w["pid"] for w in st["workers"].values()]
+    os.kill(st["supervisor_pid"], signal.SIGKILL)      # the workers are orphans now, still serving
+    assert runstate.wait_gone([st["supervisor_pid"]], run, 10) == []
+    assert all(runstate.ours(p, run) for p in workers)
+    status = dgr("status", f, "--run-dir", str(run), env=lib_env)
+    assert status.returncode == 3 and "not up" in status.stdout
+    assert "its supervisor is gone but process(es)" in status.stdout and "unsupervised" in status.stdout
+    down = dgr("down", f, "--run-dir", str(run), env=lib_env)
+    assert down.returncode == 0 and "stopped 3 process(es)" in down.stdout, down.stdout + down.stderr
+    assert runstate.run_processes(run) == []
+    # and a fresh `up` of the same run folder works again afterwards
+    assert dgr("up", f, "--run-dir", str(run), "-q", env=lib_env).returncode == 0
+    assert dgr("down", f, "--run-dir", str(run), env=lib_env).returncode == 0
+    assert runstate.run_processes(run) == []
