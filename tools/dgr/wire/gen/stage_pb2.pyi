@@ -14,6 +14,7 @@ class Dtype(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     F32: _ClassVar[Dtype]
     F16: _ClassVar[Dtype]
     BF16: _ClassVar[Dtype]
+    Q8_0: _ClassVar[Dtype]
 
 class LogitsMode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -40,6 +41,7 @@ DTYPE_UNSPECIFIED: Dtype
 F32: Dtype
 F16: Dtype
 BF16: Dtype
+Q8_0: Dtype
 LOGITS_NONE: LogitsMode
 LOGITS_LAST: LogitsMode
 LOGITS_ALL: LogitsMode
