@@ -200,3 +200,15 @@ class InProcessRoute:
 
     def __exit__(self, *exc):
         self.stop()
+
+
+def engine_library(lib: str | Path | None = None) -> Path:
+    """The engine library local routes and benchmarks use: `lib` if given, else `$DGR_ENGINE_LIB` (tests,
+    Bazel, a copy of a library another build may relink), else the workspace's CPU build (built if missing)."""
+    if lib:
+        return Path(lib)
+    if os.environ.get("DGR_ENGINE_LIB"):
+        return Path(os.environ["DGR_ENGINE_LIB"])
+    from dgr.enginebuild import ensure_engine
+
+    return ensure_engine("cpu")

@@ -110,9 +110,9 @@ def _stage_args(stages: int, fake: bool, threads: int) -> tuple[list[list[str]],
         spec = fake_spec(stages)
         return [["--fake-engine", spec, "--stage", str(i)] for i in range(stages)], {}, "fake"
     from dgr.app.demo import ensure_bundle
-    from dgr.enginebuild import ensure_engine
+    from dgr.app.local import engine_library
 
-    lib = ensure_engine("cpu")
+    lib = engine_library()
     bundle, _ = ensure_bundle(stages, progress=False)
     threads = threads or max(1, (os.cpu_count() or 1) // stages)
     args = [["--bundle", str(bundle.root), "--stage", str(i), "--threads", str(threads)] for i in range(stages)]

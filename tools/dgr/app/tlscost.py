@@ -47,14 +47,13 @@ class TlsCost:
 
 def measure(*, stages: int = 3, tokens: int = 48, rounds: int = 3, threads: int = 1) -> TlsCost:
     from dgr.app.demo import ensure_bundle
-    from dgr.app.local import LocalRoute
+    from dgr.app.local import LocalRoute, engine_library
     from dgr.certs import init, issue
-    from dgr.enginebuild import ensure_engine
     from dgr.wire.client import RouteClient
     from dgr.wire.stats import hop_overhead_ms
     from dgr.wire.tls import TlsConfig
 
-    lib = ensure_engine("cpu")
+    lib = engine_library()
     bundle, _ = ensure_bundle(stages)
     certs = Path(tempfile.mkdtemp(prefix="dgr-tls-bench-"))
     init(certs)

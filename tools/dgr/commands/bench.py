@@ -1,7 +1,19 @@
-"""`dgr bench` subcommands: benchmarks that are not tests (`soak`: concurrent sessions for minutes, errors and
-RSS; `tls`: what mutual TLS costs per hop against plaintext, side by side)."""
+"""`dgr bench`: the whole model against the pipeline side by side (the bare command), plus the sections of
+issue 15 (`--wan-rtt-ms`, `--dtypes`, `--speculate`); subcommands `soak` (concurrent sessions for
+minutes, errors and RSS) and `tls` (what mutual TLS costs per hop against plaintext)."""
 
 from __future__ import annotations
+
+import importlib
+import json
+import os
+import sys
+from pathlib import Path
+
+from dgr.errors import DgrError
+from dgr.log import get_logger
+
+log = get_logger(__name__)
 
 
 def _soak(args) -> int:
@@ -16,8 +28,6 @@ def _soak(args) -> int:
 
 
 def _tls(args) -> int:
-    import json
-
     from dgr.app.tlscost import measure
 
     rep = measure(stages=args.stages, tokens=args.max_tokens, rounds=args.rounds, threads=args.threads)
@@ -28,10 +38,147 @@ def _tls(args) -> int:
     return 0 if rep.same_text else 1
 
 
+# ---------------------------------------------------------------------------------------- the sections
+def _section(module: str, name: str, call):
+    """Run `module.name` through `call(fn)`; a module or function not built yet, or a section that fails
+    with a dgr error, is said so (the report carries {"error": ...} and the command fails) instead of a
+    traceback that would lose the other sections."""
+    try:
+        mod = importlib.import_module(module)
+    except ModuleNotFoundError as e:
+        if e.name != module:
+            raise
+        return {"error": f"{module} is not built yet (no such module): this section cannot run in this checkout"}
+    fn = getattr(mod, name, None)
+    if fn is None:
+        return {"error": f"{module}.{name} is not built yet: this section cannot run in this checkout"}
+    try:
+        return call(fn)
+    except DgrError as e:                   # the other sections and the main figures are still written
+        return {"error": str(e)}
+
+
+def _dtype_summary(rows) -> str:
+    if not rows:
+        return "dtypes: the table has no rows"
+    cols = list(rows[0])
+    fmt = lambda v: f"{v:.4g}" if isinstance(v, float) else str(v)   # noqa: E731
+    width = {c: max(len(c), *(len(fmt(r.get(c, ""))) for r in rows)) for c in cols}
+    lines = ["  " + "  ".join(c.ljust(width[c]) for c in cols)]
+    lines += ["  " + "  ".join(fmt(r.get(c, "")).ljust(width[c]) for c in cols) for r in rows]
+    return "\n".join(lines)
+
+
+def _extras(args, bundle, stages: int) -> dict:
+    """The sections the flags ask for, each under its JSON key."""
+    out: dict = {}
+    if args.wan_rtt_ms is not None:
+        log.info("bench: the emulated WAN, %g ms RTT%s", args.wan_rtt_ms,
+                 f", {args.wan_mbit:g} Mbit/s" if args.wan_mbit else "")
+        out["wan"] = _section("dgr.app.wan", "measure_wan", lambda f: f(
+            stages=stages, bundle=bundle, rtt_ms=args.wan_rtt_ms, mbit=args.wan_mbit, threads=args.threads))
+        w = out["wan"]
+        if "error" not in w:
+            print(f"wan: {args.wan_rtt_ms:g} ms RTT: TPOT {w.get('tpot_ms', 0):.2f} ms against an ideal ring of "
+                  f"{w.get('ideal_ring_ms', 0):.2f} ms ({w.get('tpot_over_ideal', 0):.3f}x)")
+    if args.dtypes:
+        log.info("bench: the wire dtype table")
+        kw = {"n_threads": args.threads, **({"lib": args.lib} if args.lib else {})}
+        if args.dtypes_out:
+            kw["out"] = Path(args.dtypes_out)
+        rows = _section("dgr.app.dtypes", "run_dtype_table", lambda f: f(**kw))
+        out["dtypes"] = rows if isinstance(rows, dict) else {"rows": rows}
+        if not isinstance(rows, dict):
+            print("dtypes:\n" + _dtype_summary(rows))
+    if args.speculate:
+        log.info("bench: speculation (%s drafts, k=%d)", args.speculate, args.draft_k)
+        out["spec"] = _section("dgr.app.speculate", "measure_speculation", lambda f: f(
+            stages=stages, bundle=bundle, threads=args.threads, k=args.draft_k))
+        s = out["spec"]
+        if "error" not in s:
+            print(f"spec: {s.get('tokens_per_ring', 0):.2f} tokens per ring on the repetitive workload; "
+                  f"TPOT with/without on the other {s.get('tpot_ratio_plain', 0):.3f}")
+    for key, v in out.items():
+        if isinstance(v, dict) and "error" in v:
+            print(f"{key}: {v['error']}", file=sys.stderr)
+    return out
+
+
+def _main(args) -> int:
+    from dgr.app.bench import prepare, rounded, run_bench, synth_bundle
+    from dgr.app.benchplot import plot, table
+
+    if args.lib:
+        os.environ["DGR_ENGINE_LIB"] = str(Path(args.lib).resolve())   # worker processes load the same one
+    try:
+        lengths = [int(x) for x in args.prompt_lengths.split(",") if x.strip()]
+    except ValueError:
+        raise DgrError(f"--prompt-lengths {args.prompt_lengths!r}: give token counts separated by commas, "
+                       "e.g. 32,128,256") from None
+    if not lengths or min(lengths) < 1 or args.tokens < 2 or args.rounds < 1 or args.sessions < 1:
+        raise DgrError("dgr bench: --prompt-lengths, --rounds and --sessions must be positive, --tokens at least 2")
+    extras = args.wan_rtt_ms is not None or args.dtypes or args.speculate
+    if args.no_main and not extras:
+        raise DgrError("dgr bench --no-main: nothing left to run; add --wan-rtt-ms, --dtypes or --speculate")
+    rep: dict = {}
+    stages, bundle = args.stages or 3, args.bundle
+    if not args.no_main:
+        setup = prepare(stages=args.stages, bundle=args.bundle, source=args.source, synth=args.synth,
+                        lib=args.lib, threads=args.threads, wire_dtype=args.wire_dtype)
+        rep = run_bench(setup, tokens=args.tokens, prompt_lengths=lengths, sessions=args.sessions,
+                        rounds=args.rounds)
+        stages, bundle = setup.stages, setup.bundle if (args.bundle or args.synth) else None
+        print(table(rep))
+    elif args.synth:
+        bundle = synth_bundle(args.synth, stages)[0]
+    rep.update(_extras(args, bundle, stages))
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(rounded(rep), indent=2) + "\n")
+        log.info("bench: wrote %s", args.json)
+    if args.plot and "pipeline" in rep:
+        log.info("bench: drew %s", plot(rep, args.plot))
+    failed = [k for k, v in rep.items() if isinstance(v, dict) and "error" in v]
+    same = rep.get("pipeline", {}).get("same_tokens_as_whole", True)
+    return 0 if same and not failed else 1
+
+
 def register(sub) -> None:
     """Add `dgr bench` to the `dgr` parser."""
-    bench = sub.add_parser("bench", help="benchmarks: soak, tls")
-    bsub = bench.add_subparsers(dest="bench_command", metavar="ACTION", required=True)
+    bench = sub.add_parser("bench", help="the whole model vs the pipeline side by side; soak, tls",
+                           description="Without ACTION: the whole model (in this process) against the pipeline "
+                           "(one worker process per stage, loopback) on one bundle, side by side in one run. "
+                           "docs/bench.md says what every number means.")
+    bench.add_argument("--stages", type=int, default=None,
+                       help="stages of the embedded SmolLM2 (2, 3 or 4; default 3) or of --synth; a --bundle has its own")
+    bench.add_argument("--bundle", metavar="B", help="a bundle folder (default: the embedded SmolLM2, built if missing)")
+    bench.add_argument("--source", metavar="GGUF", help="the bundle's source model for the whole-model side "
+                       "(default: found from its manifest)")
+    bench.add_argument("--synth", metavar="ARCH", help="a fresh tiny random-weight ARCH model (`dgr synth --list`) "
+                       "split into --stages, instead of SmolLM2")
+    bench.add_argument("--lib", help="engine library (default: $DGR_ENGINE_LIB or the CPU build, built if missing)")
+    bench.add_argument("--threads", type=int, default=1,
+                       help="compute threads of every worker process and of the whole model (default 1)")
+    bench.add_argument("--wire-dtype", help="boundary dtype of the workers (default: the bundle's)")
+    bench.add_argument("--tokens", type=int, default=64, help="decode tokens per generation (default 64)")
+    bench.add_argument("--prompt-lengths", default="32,128,256", help="prefill prompt lengths (default 32,128,256)")
+    bench.add_argument("--sessions", type=int, default=4, help="concurrent sessions against one (default 4)")
+    bench.add_argument("--rounds", type=int, default=3,
+                       help="rounds alternating whole and pipeline; medians over them (default 3)")
+    bench.add_argument("--json", metavar="FILE", help="write the report as JSON")
+    bench.add_argument("--plot", metavar="FILE.png", help="draw tok/s bars and the per-hop breakdown (matplotlib)")
+    bench.add_argument("--wan-rtt-ms", type=float, metavar="R", help="also: the pipeline through emulated links "
+                       "of R ms round trip per hop (JSON key `wan`)")
+    bench.add_argument("--wan-mbit", type=float, metavar="B", help="with --wan-rtt-ms: each link's bandwidth")
+    bench.add_argument("--dtypes", action="store_true", help="also: the wire dtype table, loss against f32 for "
+                       "every ported architecture (writes docs/wire-dtypes.md; JSON key `dtypes`)")
+    bench.add_argument("--dtypes-out", metavar="FILE", help="with --dtypes: write the table here instead")
+    bench.add_argument("--speculate", choices=["ngram"], help="also: speculative decoding over the ring on two "
+                       "workloads, with and without (JSON key `spec`)")
+    bench.add_argument("--draft-k", type=int, default=4, help="with --speculate: drafted tokens per trip (default 4)")
+    bench.add_argument("--no-main", action="store_true", help="only the sections the flags above ask for")
+    bench.set_defaults(func=_main)
+    bsub = bench.add_subparsers(dest="bench_command", metavar="ACTION")
     p = bsub.add_parser("soak", help="N concurrent sessions generating over a local route for M minutes; "
                                      "errors by code and every process's RSS at start and end")
     p.add_argument("--minutes", type=float, required=True)

@@ -1,0 +1,154 @@
+"""`dgr bench`: the whole model and the pipeline side by side in one run: the JSON fields the issue names
+(the interface), per-boundary figures that add up to the ring's overhead, socket bytes that carry at
+least the boundary payload, the plot, sections of modules not built, and scripts/device-check's dry run."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import statistics
+import subprocess
+
+import pytest
+
+from dgr.commands import bench
+
+REQUIRED = ("whole.decode_tok_s", "whole.prefill_tok_s", "pipeline.decode_tok_s", "pipeline.prefill_tok_s",
+            "pipeline.per_hop_ms", "ratios.decode", "ratios.prefill", "sessions.aggregate_over_single")
+
+
+def _bench(tmp_path, *argv) -> tuple[int, dict]:
+    p = argparse.ArgumentParser(prog="dgr")
+    bench.register(p.add_subparsers())
+    out = tmp_path / "bench.json"
+    args = p.parse_args(["bench", "--json", str(out), *argv])
+    rc = args.func(args)
+    return rc, json.loads(out.read_text())
+
+
+def _get(rep: dict, dotted: str):
+    for k in dotted.split("."):
+        rep = rep[k]
+    return rep
+
+
+def _check_report(rep: dict, stages: int, lengths: list[int]) -> None:
+    for key in REQUIRED:
+        assert isinstance(_get(rep, key), (int, float)) and _get(rep, key) > 0, key
+    p = rep["pipeline"]
+    for side in ("whole", "pipeline"):
+        assert sorted(int(n) for n in rep[side]["prefill_tok_s_by_len"]) == lengths
+    assert rep["pipeline"]["prefill_tok_s"] == rep["pipeline"]["prefill_tok_s_by_len"][str(max(lengths))]
+    rounds = rep["rounds"]                                          # ratios pair each round's two sides
+    assert rep["ratios"]["decode"] == pytest.approx(statistics.median(
+        a / b for a, b in zip(rounds["pipeline_decode_tok_s"], rounds["whole_decode_tok_s"])), rel=1e-3)
+    assert [b["boundary"] for b in p["boundaries"]] == [f"{k}->{k + 1}" for k in range(stages - 1)] + \
+        [f"{stages - 1}->origin"]
+    assert all(b["p90_ms"] >= b["median_ms"] >= 0 for b in p["boundaries"])
+    assert [s["stage"] for s in p["stages"]] == list(range(stages)) and all(s["compute"] > 0 for s in p["stages"])
+    assert p["per_hop_p90_ms"] >= p["per_hop_ms"] and p["ring_ms"] > p["compute_ms"] > 0
+    assert p["same_tokens_as_whole"] is True
+    w = rep["wire"]
+    assert len(w["payload_bytes_per_token_per_seam"]) == stages - 1 and w["payload_bytes_per_token"] > 0
+    sock = w["socket_bytes_per_token"]
+    # the sockets carry every seam's boundary and then some (framing, timings, the token's return)
+    assert sock is not None and len(sock["into_stage"]) == stages
+    for k, payload in enumerate(w["payload_bytes_per_token_per_seam"], start=1):
+        assert sock["into_stage"][k] >= payload
+    assert p["wire_bytes_per_token"] == sock["total"] >= w["payload_bytes_per_token"]
+    assert rep["sessions"]["m"] >= 2 and rep["sessions"]["aggregate_tok_s"] > 0
+
+
+@pytest.mark.engine
+def test_bench_on_a_tiny_model_reports_every_figure_and_the_plot(tmp_path, capsys, engine_lib):
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "bench.png"
+    progress: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: progress.append(record.getMessage())
+    lg = logging.getLogger("dgr.app.bench")
+    level = lg.level
+    lg.setLevel(logging.INFO)
+    lg.addHandler(handler)
+    try:
+        rc, rep = _bench(tmp_path, "--synth", "llama", "--stages", "3", "--tokens", "12", "--prompt-lengths", "16,40",
+                         "--sessions", "2", "--rounds", "1", "--plot", str(png))
+    finally:
+        lg.removeHandler(handler)
+        lg.setLevel(level)
+    assert rc == 0
+    _check_report(rep, 3, [16, 40])
+    assert rep["bench"]["arch"] == "llama" and rep["bench"]["stages"] == 3 and rep["bench"]["wire_dtype"] == "f32"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 20_000
+    out = capsys.readouterr()
+    assert "decode tok/s" in out.out and "boundary 2->origin" in out.out and "greedy tokens equal" in out.out
+    assert any("round 1/1" in m for m in progress)                  # progress: the log (stderr under the CLI)
+
+
+@pytest.mark.engine
+@pytest.mark.slow
+def test_bench_smollm2_three_stages(tmp_path, engine_lib):
+    rc, rep = _bench(tmp_path, "--stages", "3", "--tokens", "16", "--prompt-lengths", "32,128", "--sessions", "2",
+                     "--rounds", "1")
+    assert rc == 0
+    _check_report(rep, 3, [32, 128])
+    assert rep["bench"]["model"] == "smollm2-135m-3stage"
+    assert rep["wire"]["payload_bytes_per_token_per_seam"] == [576 * 4, 576 * 4]     # f32 rows of n_embd 576
+
+
+def test_a_section_not_built_yet_says_so(tmp_path, capsys):
+    got = bench._section("dgr.app.no_such_module", "measure", lambda f: f())
+    assert "not built yet" in got["error"] and "dgr.app.no_such_module" in got["error"]
+    got = bench._section("dgr.app.bench", "no_such_function", lambda f: f())
+    assert "dgr.app.bench.no_such_function is not built yet" in got["error"]
+    got = bench._section("dgr.app.bench", "prepare", lambda f: f(bundle="x", synth="llama"))
+    assert got == {"error": "dgr bench: give --bundle or --synth, not both"}
+
+
+def test_nothing_to_run_is_refused():
+    from dgr.errors import DgrError
+
+    p = argparse.ArgumentParser(prog="dgr")
+    bench.register(p.add_subparsers())
+    args = p.parse_args(["bench", "--no-main"])
+    with pytest.raises(DgrError, match="nothing left to run"):
+        args.func(args)
+
+
+def test_hop_figures_add_up_to_the_ring():
+    """Boundaries (sender's send + transit + receiver's queue; the last: send + return + stage 0's queue) plus
+    the origin's remainder are exactly ring minus compute, token by token."""
+    from dgr.app.bench import hop_figures
+    from dgr.wire.stats import Generation, TokenEvent
+
+    ms = 1_000_000
+    evs = [TokenEvent(0, "", 0, 1, 0, 0)]                          # the prefill's token: not a decode token
+    for k in range(5):
+        t = [(0, 0, 1 * ms, 3 * ms, ms // 10), (1, ms // 2, ms // 5, 3 * ms, ms // 10), (2, ms // 2, ms // 5, 5 * ms, ms // 10)]
+        compute = sum(x[3] for x in t)
+        parts = sum(x[1] + x[2] + x[4] for x in t) + ms // 2 + k * ms // 10
+        evs.append(TokenEvent(k + 1, "", 1 + k, 1, compute + parts + ms // 4, compute, None, t, ms // 2 + k * ms // 10))
+    fig = hop_figures([Generation(prompt_ids=[1], events=evs)], 3)
+    assert fig["tokens"] == 5
+    b = {x["boundary"]: x["median_ms"] for x in fig["boundaries"]}
+    assert b["0->1"] == pytest.approx(0.1 + 0.5 + 0.2) and b["1->2"] == pytest.approx(0.8)
+    assert b["2->origin"] == pytest.approx(0.1 + 0.7 + 1.0)            # send + median return + stage 0's queue
+    assert fig["origin_ms"] == pytest.approx(0.25)
+    assert fig["per_hop_ms"] * 3 == pytest.approx(sum(b.values()) + 0.25)
+    assert fig["compute_ms"] == pytest.approx(11.0) and fig["stages"][2]["compute"] == pytest.approx(5.0)
+
+
+def test_device_check_is_valid_bash_and_its_dry_run_stops_before_the_gpu(repo_root, tmp_path):
+    script = repo_root / "scripts" / "device-check"
+    assert os.access(script, os.X_OK)
+    subprocess.run(["bash", "-n", str(script)], check=True)
+    run = subprocess.run([str(script), "--dry-run"], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "OUT": str(tmp_path)})
+    assert run.returncode == 0, run.stdout + run.stderr
+    plan = run.stdout
+    for step in ("build-engine --lane cuda", "parity --synth llama --stages 3", "bench --synth llama --stages 3",
+                 "bench --stages 3"):
+        assert step in plan, plan
+    assert (tmp_path / "device-check.log").exists()
