@@ -16,36 +16,17 @@ import gguf
 import numpy as np
 
 from dgr.errors import DgrError
-from dgr.synthspec import (ATTN, BIAS, F32, FFN, KA, KL, MOE, NORM, QK_NORM, QKV_BIAS, ArchSpec, T, Typed, lt,
-                           moe_kv, only, swa_kind, swa_kv)
+from dgr.synthspec import (ATTN, BIAS, F32, FFN, KA, KL, MLA_ATTN, MOE, NORM, QK_NORM, QKV_BIAS, ArchSpec, T, Typed,
+                           after_lead, dense_lead, dense_moe_kind, lt, moe_kv, only, swa_kind, swa_kv)
 
 
 # deepseek2 (MLA attention, leading dense blocks, then MoE with shared experts). Dims: Q q lora rank,
 # C kv lora rank, R rope head dim, N no-rope head dim, V value head dim, S shared experts, L dense lead.
-def _ds2_dense(il: int, d: dict) -> bool:
-    return il < d["L"]
-
-
-def _ds2_moe(il: int, d: dict) -> bool:
-    return il >= d["L"]
-
-
-_DS2_ATTN = (
-    lt(T.ATTN_NORM, lambda d: (d["E"],), NORM),
-    lt(T.ATTN_Q_A_NORM, lambda d: (d["Q"],), NORM),
-    lt(T.ATTN_KV_A_NORM, lambda d: (d["C"],), NORM),
-    lt(T.ATTN_Q_A, lambda d: (d["Q"], d["E"])),
-    lt(T.ATTN_Q_B, lambda d: (d["H"] * (d["N"] + d["R"]), d["Q"])),
-    lt(T.ATTN_KV_A_MQA, lambda d: (d["C"] + d["R"], d["E"])),
-    lt(T.ATTN_K_B, lambda d: (d["H"], d["C"], d["N"])),
-    lt(T.ATTN_V_B, lambda d: (d["H"], d["V"], d["C"])),
-    lt(T.ATTN_OUT, lambda d: (d["E"], d["H"] * d["V"])),
-)
-_DS2_FFN = FFN[:1] + only(FFN[1:], _ds2_dense) + only(MOE[1:], _ds2_moe) + (
-    lt(T.FFN_EXP_PROBS_B, lambda d: (d["X"],), BIAS, "bias", _ds2_moe),
-    lt(T.FFN_GATE_SHEXP, lambda d: (d["G"] * d["S"], d["E"]), when=_ds2_moe),
-    lt(T.FFN_UP_SHEXP, lambda d: (d["G"] * d["S"], d["E"]), when=_ds2_moe),
-    lt(T.FFN_DOWN_SHEXP, lambda d: (d["E"], d["G"] * d["S"]), when=_ds2_moe),
+_DS2_FFN = FFN[:1] + only(FFN[1:], dense_lead) + only(MOE[1:], after_lead) + (
+    lt(T.FFN_EXP_PROBS_B, lambda d: (d["X"],), BIAS, "bias", after_lead),
+    lt(T.FFN_GATE_SHEXP, lambda d: (d["G"] * d["S"], d["E"]), when=after_lead),
+    lt(T.FFN_UP_SHEXP, lambda d: (d["G"] * d["S"], d["E"]), when=after_lead),
+    lt(T.FFN_DOWN_SHEXP, lambda d: (d["E"], d["G"] * d["S"]), when=after_lead),
 )
 
 
@@ -75,8 +56,8 @@ CORE: dict[str, ArchSpec] = {
         features=("swa", "tied", "embd-scale"),
     ),
     "qwen3moe": ArchSpec(layer=ATTN + QK_NORM + MOE, extra_kv=moe_kv, features=("moe", "qk-norm")),
-    "deepseek2": ArchSpec(layer=_DS2_ATTN + _DS2_FFN, extra_kv=_deepseek2_kv,
-                          kind=lambda il, d: "dense" if _ds2_dense(il, d) else "moe",
+    "deepseek2": ArchSpec(layer=MLA_ATTN + _DS2_FFN, extra_kv=_deepseek2_kv,
+                          kind=dense_moe_kind,
                           features=("mla", "dense-lead", "moe", "shared-expert")),
 }
 

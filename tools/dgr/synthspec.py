@@ -116,6 +116,34 @@ SHARED_EXPERT = (
 OUTPUT_NORM_BIAS = lt(T.OUTPUT_NORM, lambda d: (d["E"],), BIAS, "bias")
 
 
+# A leading dense block count L (dgr.synth's default dims: 1), then MoE: the kind the cuts cross.
+def dense_lead(il: int, d: dict) -> bool:
+    return il < d["L"]
+
+
+def after_lead(il: int, d: dict) -> bool:
+    return il >= d["L"]
+
+
+def dense_moe_kind(il: int, d: dict) -> str:
+    return "dense" if dense_lead(il, d) else "moe"
+
+
+# MLA attention as deepseek2 reads it (absorbed form: wk_b / wv_b). Dims: Q q lora rank, C kv lora rank,
+# R rope head dim, N no-rope head dim, V value head dim.
+MLA_ATTN = (
+    lt(T.ATTN_NORM, lambda d: (d["E"],), NORM),
+    lt(T.ATTN_Q_A_NORM, lambda d: (d["Q"],), NORM),
+    lt(T.ATTN_KV_A_NORM, lambda d: (d["C"],), NORM),
+    lt(T.ATTN_Q_A, lambda d: (d["Q"], d["E"])),
+    lt(T.ATTN_Q_B, lambda d: (d["H"] * (d["N"] + d["R"]), d["Q"])),
+    lt(T.ATTN_KV_A_MQA, lambda d: (d["C"] + d["R"], d["E"])),
+    lt(T.ATTN_K_B, lambda d: (d["H"], d["C"], d["N"])),
+    lt(T.ATTN_V_B, lambda d: (d["H"], d["V"], d["C"])),
+    lt(T.ATTN_OUT, lambda d: (d["E"], d["H"] * d["V"])),
+)
+
+
 def moe_kv(d: dict) -> dict:
     return {KL.EXPERT_COUNT: d["X"], KL.EXPERT_USED_COUNT: d["X_used"], KL.EXPERT_FEED_FORWARD_LENGTH: d["G"]}
 

@@ -16,6 +16,7 @@ import numpy as np
 
 from dgr.synthspec import (ATTN, BIAS, F32, FFN, KA, KL, KR, MOE, NORM, OUTPUT_NORM_BIAS, QKV_BIAS, SHARED_EXPERT,
                            ArchSpec, T, lt, moe_kv, only, swa_kind, swa_kv)
+from dgr.synthspec import after_lead as _moe, dense_lead as _dense_lead
 
 # Pieces of the common groups (dgr.synthspec.ATTN = norm, q, k, v, out; FFN = norm, gate, up, down).
 _ATTN_NORM, _Q, _K, _V, _OUT = ATTN
@@ -44,12 +45,6 @@ def _rope_factors(shape: tuple[int, ...], rng, d: dict) -> np.ndarray:
 
 
 
-def _dense_lead(il: int, d: dict) -> bool:
-    return il < d["L"]
-
-
-def _moe(il: int, d: dict) -> bool:
-    return il >= d["L"]
 
 
 def _laguna_kind(il: int, d: dict) -> str:

@@ -10,19 +10,9 @@ import gguf
 
 from dgr.synthspec import (ATTN, BIAS, F32, FFN, KA, KL, KR, KS, MOE, NORM, OUTPUT_NORM_BIAS, QK_NORM, QKV_BIAS,
                            SHARED_EXPERT, ArchSpec, T, lt, moe_kv, only, swa_kind, swa_kv)
+from dgr.synthspec import after_lead as _moe, dense_lead as _dense, dense_moe_kind as _dense_moe_kind
 
 
-# A leading dense block count L (dgr.synth's default dims: 1), then MoE: the kind the cuts cross.
-def _dense(il: int, d: dict) -> bool:
-    return il < d["L"]
-
-
-def _moe(il: int, d: dict) -> bool:
-    return il >= d["L"]
-
-
-def _dense_moe_kind(il: int, d: dict) -> str:
-    return "dense" if _dense(il, d) else "moe"
 
 
 _EXP_PROBS_B = lt(T.FFN_EXP_PROBS_B, lambda d: (d["X"],), BIAS, "bias", _moe)  # routing bias

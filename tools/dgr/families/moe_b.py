@@ -1,8 +1,8 @@
 """Synthetic specs of the moe_b family group (see dgr.families): DeepSeek-style MLA and other MoE decoders.
 
 Dims beyond dgr.synthspec's (set by dgr.synth.layer_dims): Q q lora rank, C kv lora rank, R rope head
-dim, N no-rope head dim, V value head dim, S shared experts, L dense lead. The MLA groups are copied from
-dgr.synth's deepseek2 row (importing dgr.synth here would be circular: it imports this module).
+dim, N no-rope head dim, V value head dim, S shared experts, L dense lead. MLA_ATTN is dgr.synthspec's
+(deepseek2's row in dgr.synth uses the same).
 """
 
 from __future__ import annotations
@@ -11,32 +11,12 @@ import numpy as np
 
 from dgr.synthspec import (ATTN, BIAS, F32, FFN, KA, KL, KR, MOE, NORM, QK_NORM, ArchSpec, T, lt, moe_kv, only,
                            swa_kind)
+from dgr.synthspec import MLA_ATTN
+from dgr.synthspec import after_lead as _moe, dense_lead as _dense, dense_moe_kind as _dense_moe_kind
 
 
-def _dense(il: int, d: dict) -> bool:
-    return il < d["L"]
 
 
-def _moe(il: int, d: dict) -> bool:
-    return il >= d["L"]
-
-
-def _dense_moe_kind(il: int, d: dict) -> str:
-    return "dense" if _dense(il, d) else "moe"
-
-
-# MLA attention (absorbed form: wk_b / wv_b), as deepseek2 reads it
-MLA_ATTN = (
-    lt(T.ATTN_NORM, lambda d: (d["E"],), NORM),
-    lt(T.ATTN_Q_A_NORM, lambda d: (d["Q"],), NORM),
-    lt(T.ATTN_KV_A_NORM, lambda d: (d["C"],), NORM),
-    lt(T.ATTN_Q_A, lambda d: (d["Q"], d["E"])),
-    lt(T.ATTN_Q_B, lambda d: (d["H"] * (d["N"] + d["R"]), d["Q"])),
-    lt(T.ATTN_KV_A_MQA, lambda d: (d["C"] + d["R"], d["E"])),
-    lt(T.ATTN_K_B, lambda d: (d["H"], d["C"], d["N"])),
-    lt(T.ATTN_V_B, lambda d: (d["H"], d["V"], d["C"])),
-    lt(T.ATTN_OUT, lambda d: (d["E"], d["H"] * d["V"])),
-)
 # shared experts of width G * S (deepseek's n_ff_exp * n_expert_shared), MoE layers only
 SHEXP_S = (
     lt(T.FFN_GATE_SHEXP, lambda d: (d["G"] * d["S"], d["E"]), when=_moe),
