@@ -112,13 +112,15 @@ class Seam(BaseModel):
     token_ids: bool = Field(description="the token-id sideband travels with the boundary")
     wire_dtype: str = Field(description="the dtype this worker uses here")
     bytes_per_token: dict[str, int] = Field(description="boundary bytes per token in every wire dtype "
-                                                        "(dgr.contract.WIRE_DTYPES)")
+                                                        "(dgr.contract.WIRE_DTYPES) that fits the seam's width "
+                                                        "(a block dtype needs a multiple of its block)")
 
     @classmethod
     def of(cls, schema: BoundarySchema, layer: int) -> "Seam":
         return cls(layer=layer, n_streams=schema.n_streams, n_embd=schema.n_embd, token_ids=schema.token_ids,
                    wire_dtype=schema.dtype, bytes_per_token={
-                       name: d.nbytes(schema.values_per_token) for name, d in WIRE_DTYPES.items()})
+                       name: d.nbytes(schema.values_per_token) for name, d in WIRE_DTYPES.items()
+                       if schema.values_per_token % d.block == 0})
 
 
 class SeamCost(BaseModel):

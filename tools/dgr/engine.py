@@ -113,6 +113,12 @@ def load_library(lib: str | Path | None = None) -> C.CDLL:
         h.dgr_forward.argtypes = [C.c_void_p, C.c_int32, C.POINTER(_Step), C.POINTER(_StepOut)]
         h.dgr_tokenize.argtypes = [C.c_void_p, C.c_char_p, C.c_int32, C.POINTER(C.c_int32), C.c_int32]
         h.dgr_detokenize.argtypes = [C.c_void_p, C.POINTER(C.c_int32), C.c_int32, C.c_char_p, C.c_int32]
+        # speculation's rollback, added within ABI 2: a library built before it lacks them (cannot roll back)
+        if hasattr(h, "dgr_session_truncate"):
+            h.dgr_session_truncate.argtypes = [C.c_void_p, C.c_char_p, C.c_int64, C.c_int32]
+            h.dgr_session_truncate.restype = C.c_int32
+            h.dgr_engine_can_truncate.argtypes = [C.c_void_p]
+            h.dgr_engine_can_truncate.restype = C.c_int32
         for name in ("dgr_engine_open", "dgr_engine_describe", "dgr_engine_memory", "dgr_session_open",
                      "dgr_session_close", "dgr_session_n_cached", "dgr_forward", "dgr_tokenize", "dgr_detokenize"):
             getattr(h, name).restype = C.c_int32
@@ -225,8 +231,11 @@ class Engine:
         if (contract.is_first, contract.is_last) != (bool(s.is_first), bool(s.is_last)):
             raise EngineError(f"{self.path}: the engine says first={bool(s.is_first)} last={bool(s.is_last)} for "
                               f"{contract.describe()}; rebuild the engine library")
+        can_truncate = hasattr(self._lib, "dgr_session_truncate") and \
+            bool(self._lib.dgr_engine_can_truncate(self._handle()))
         return StageInfo(arch=s.arch.decode(), contract=contract, n_vocab=s.n_vocab,
-                         has_vocab=bool(s.has_vocab), n_ctx=s.n_ctx, max_sessions=s.max_sessions)
+                         has_vocab=bool(s.has_vocab), n_ctx=s.n_ctx, max_sessions=s.max_sessions,
+                         can_truncate=can_truncate)
 
     def describe(self) -> StageInfo:
         return self._info
@@ -241,6 +250,12 @@ class Engine:
         out = C.c_int32()
         self._check(self._lib.dgr_session_n_cached(self._handle(), session_id.encode(), epoch, C.byref(out)))
         return out.value
+
+    def truncate(self, session_id: str, epoch: int, n_keep: int) -> None:
+        if not hasattr(self._lib, "dgr_session_truncate"):
+            raise EngineError(f"{self.path}: this engine library predates dgr_session_truncate (speculative "
+                              "decoding's rollback): rebuild it with `dgr build-engine --lane cpu`")
+        self._check(self._lib.dgr_session_truncate(self._handle(), session_id.encode(), epoch, n_keep))
 
     def forward(self, steps: list[Step]) -> list[StepResult]:
         info = self._info

@@ -27,6 +27,9 @@ class StageInfo:
     has_vocab: bool         # can tokenize/detokenize (every stage file keeps the tokenizer metadata)
     n_ctx: int              # positions a session may hold
     max_sessions: int
+    # can drop a session's cached positions from a point on (`ShardEngine.truncate`): what speculative
+    # decoding needs to roll back rejected drafts; False for recurrent/hybrid models (one running state)
+    can_truncate: bool = True
 
     # The contract's facts, read-only, under the names callers have always used.
     @property
@@ -115,6 +118,11 @@ class ShardEngine(Protocol):
     def close_session(self, session_id: str, epoch: int) -> None: ...
 
     def n_cached(self, session_id: str, epoch: int) -> int: ...
+
+    def truncate(self, session_id: str, epoch: int, n_keep: int) -> None:
+        """Drop the session's cached positions >= n_keep (0 <= n_keep <= n_cached): speculative positions
+        the last stage rejected. EngineError where `describe().can_truncate` is False."""
+        ...
 
     def forward(self, steps: list[Step]) -> list[StepResult]:
         """Run the steps of one or more sessions in one batch (where the engine allows)."""

@@ -496,6 +496,45 @@ int32_t dgr_session_n_cached(dgr_engine * eng, const char * sid, int64_t epoch, 
     });
 }
 
+// A recurrent or hybrid model keeps one running state per sequence, not one cell per position: a
+// partial range of it cannot be dropped, so speculation (which rolls back rejected drafts) is refused.
+static bool can_truncate(const dgr_engine * eng) {
+    return !(llama_model_is_recurrent(eng->model) || llama_model_is_hybrid(eng->model));
+}
+
+int32_t dgr_engine_can_truncate(dgr_engine * eng) {
+    return eng && eng->model && can_truncate(eng) ? 1 : 0;
+}
+
+int32_t dgr_session_truncate(dgr_engine * eng, const char * sid, int64_t epoch, int32_t n_keep) {
+    return guarded([&] {
+        if (!eng || !sid) throw dgr_exc(DGR_E_ENGINE, "session_truncate: null argument");
+        std::lock_guard<std::mutex> lock(eng->mu);
+        auto it = eng->sessions.find(std::make_pair(std::string(sid), epoch));
+        if (it == eng->sessions.end()) {
+            throw dgr_exc(DGR_E_ENGINE, fmt("session '%s' epoch %lld is not open", sid, (long long) epoch));
+        }
+        session & s = it->second;
+        if (n_keep < 0 || n_keep > s.n_cached) {
+            throw dgr_exc(DGR_E_ENGINE, fmt("session '%s' holds positions [0, %d): cannot keep %d of them",
+                    sid, s.n_cached, n_keep));
+        }
+        if (n_keep == s.n_cached) {
+            return;
+        }
+        if (!can_truncate(eng)) {
+            throw dgr_exc(DGR_E_UNSUPPORTED, fmt("%s is a recurrent or hybrid model: its state cannot drop positions "
+                    "[%d, %d) (only the latest state is kept), so speculative decoding is not possible; generate "
+                    "without --speculate", eng->info.arch, n_keep, s.n_cached));
+        }
+        if (!llama_memory_seq_rm(llama_get_memory(eng->ctx), s.seq, n_keep, -1)) {
+            throw dgr_exc(DGR_E_UNSUPPORTED, fmt("llama.cpp refused to drop positions [%d, %d) of session '%s'",
+                    n_keep, s.n_cached, sid));
+        }
+        s.n_cached = n_keep;
+    });
+}
+
 int32_t dgr_forward(dgr_engine * eng, int32_t n_steps, const dgr_step * steps, dgr_step_out * outs) {
     return guarded([&] {
         if (!eng || n_steps <= 0 || !steps || !outs) throw dgr_exc(DGR_E_ENGINE, "forward: needs at least one step");

@@ -100,6 +100,13 @@ DGR_API int32_t dgr_engine_memory  (dgr_engine * eng, dgr_memory * out);
 DGR_API int32_t dgr_session_open    (dgr_engine * eng, const char * session_id, int64_t epoch);
 DGR_API int32_t dgr_session_close   (dgr_engine * eng, const char * session_id, int64_t epoch);
 DGR_API int32_t dgr_session_n_cached(dgr_engine * eng, const char * session_id, int64_t epoch, int32_t * out);
+// Speculative decoding: drop the session's cached positions >= n_keep (the drafted positions the last
+// stage rejected), so the next step may start at n_keep. n_keep must be in [0, n_cached]. A recurrent
+// or hybrid model keeps only its latest state and cannot drop a partial range: DGR_E_UNSUPPORTED.
+// (Added within ABI 2: callers look the symbol up and treat its absence as "cannot roll back".)
+DGR_API int32_t dgr_session_truncate(dgr_engine * eng, const char * session_id, int64_t epoch, int32_t n_keep);
+// 1 when dgr_session_truncate can drop a partial range for this model, 0 when it cannot (recurrent, hybrid).
+DGR_API int32_t dgr_engine_can_truncate(dgr_engine * eng);
 
 // One llama_decode for all steps (distinct sessions). Either every step runs or none does.
 DGR_API int32_t dgr_forward(dgr_engine * eng, int32_t n_steps, const dgr_step * steps, dgr_step_out * outs);

@@ -47,6 +47,10 @@ def register(sub) -> None:
     g.add_argument("--stats", action="store_true", help="print tokens/s and per-hop timing to stderr")
     g.add_argument("--logits-out", metavar="FILE.npz",
                    help="save the logits row of every sampled position (parity checks)")
+    g.add_argument("--speculate", choices=["ngram"], metavar="SOURCE",
+                   help="speculative decoding: drafts from SOURCE (ngram: prompt lookup at the origin) verified "
+                        "in the same trip round the ring; the same tokens, fewer rings on repetitive text")
+    g.add_argument("--draft-k", type=int, default=4, metavar="K", help="most drafts per ring (with --speculate)")
     g.add_argument("prompt")
     g.set_defaults(func=_generate)
 
@@ -77,7 +81,8 @@ def _generate(args) -> int:
                      attempts=args.attempts) as client:
         for ev in client.generate(args.prompt, max_new_tokens=args.max_tokens, temperature=args.temperature,
                                   top_k=args.top_k, top_p=args.top_p, seed=args.seed,
-                                  logits="last" if args.logits_out else "none"):
+                                  logits="last" if args.logits_out else "none", speculate=args.speculate,
+                                  draft_k=args.draft_k):
             sys.stdout.write(ev.text)
             sys.stdout.flush()
         sys.stdout.write("\n")

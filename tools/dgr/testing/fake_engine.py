@@ -28,7 +28,7 @@ from dgr.engine_api import MemoryReport, StageInfo, Step, StepResult
 from dgr.errors import CacheMiss, EngineError, SchemaMismatch
 
 BOS, EOS, BYTE0 = 1, 2, 3
-_SPEC_KEYS = ("layers", "embd", "streams", "vocab", "seed", "cuts", "hash_layers", "ctx", "sessions")
+_SPEC_KEYS = ("layers", "embd", "streams", "vocab", "seed", "cuts", "hash_layers", "ctx", "sessions", "recurrent")
 
 
 @dataclass(frozen=True)
@@ -42,6 +42,7 @@ class FakeModel:
     hash_layers: int = 0                 # the first N layers need token ids (V4-style sideband)
     ctx: int = DEFAULT_N_CTX
     sessions: int = 64
+    recurrent: int = 0                   # 1: behave as a recurrent model (no partial rollback: truncate refuses)
 
     def __post_init__(self):
         if self.vocab < BYTE0 + 256:
@@ -68,7 +69,8 @@ class FakeModel:
 
     def to_spec(self) -> str:
         return ",".join(f"{k}={':'.join(map(str, v)) if k == 'cuts' else v}"
-                        for k in _SPEC_KEYS for v in [getattr(self, k)])
+                        for k in _SPEC_KEYS for v in [getattr(self, k)]
+                        if k != "recurrent" or v)          # (older specs, and their bundle ids, unchanged)
 
     @property
     def bundle_id(self) -> str:
@@ -118,7 +120,7 @@ class FakeEngine:
         contract = StageContract.plan(self.begin, self.end, m.layers, n_streams=m.streams, n_embd=m.embd,
                                       n_hash_layers=m.hash_layers)
         self._info = StageInfo(arch="fake", contract=contract, n_vocab=m.vocab, has_vocab=True, n_ctx=m.ctx,
-                               max_sessions=m.sessions)
+                               max_sessions=m.sessions, can_truncate=not m.recurrent)
         self.sessions: dict[tuple[str, int], dict] = {}
         self.closed = False
 
@@ -133,13 +135,35 @@ class FakeEngine:
         if len(self.sessions) >= self.model.sessions:
             raise EngineError(f"all {self.model.sessions} sessions are in use; close one first")
         d = self.model.width
-        self.sessions[key] = {"n": 0, "sums": {l: np.zeros(d, np.float64) for l in self.w.layers}}
+        # "sums": each layer's running sum; "inputs": each layer's input per position, kept so that
+        # `truncate` can recompute the sums of a shorter prefix (speculation's rollback)
+        self.sessions[key] = {"n": 0, "sums": {l: np.zeros(d, np.float64) for l in self.w.layers},
+                              "inputs": {l: [] for l in self.w.layers}}
 
     def close_session(self, session_id: str, epoch: int) -> None:
         self.sessions.pop((session_id, epoch), None)
 
     def n_cached(self, session_id: str, epoch: int) -> int:
         return self._session(session_id, epoch)["n"]
+
+    def truncate(self, session_id: str, epoch: int, n_keep: int) -> None:
+        """Drop positions >= n_keep: the running sums become those of the first n_keep inputs, summed in
+        the same order as the forward did (so the result is bit for bit the cache of a shorter history)."""
+        sess = self._session(session_id, epoch)
+        if not 0 <= n_keep <= sess["n"]:
+            raise EngineError(f"session {session_id} epoch {epoch} holds {sess['n']} positions: cannot keep {n_keep}")
+        if n_keep == sess["n"]:
+            return
+        if self.model.recurrent:
+            raise EngineError("fake recurrent model: its state cannot drop positions (only the latest state is "
+                              "kept), so speculative decoding is not possible; generate without --speculate")
+        for layer, inputs in sess["inputs"].items():
+            del inputs[n_keep:]
+            s = np.zeros(self.model.width, np.float64)
+            for h in inputs:
+                s += h
+            sess["sums"][layer] = s
+        sess["n"] = n_keep
 
     def _session(self, session_id: str, epoch: int) -> dict:
         try:
@@ -201,6 +225,7 @@ class FakeEngine:
                     w, a = self.w.layers[layer]
                     s = sess["sums"][layer]
                     s += h
+                    sess["inputs"][layer].append(h)
                     mean = (s / (sess["n"] + t + 1)).astype(np.float32)
                     z = w @ h + a * mean
                     if layer < self.model.hash_layers:

@@ -24,6 +24,7 @@ from dgr.errors import WireError
 from dgr.log import get_logger
 from dgr.wire import codec, tls as wtls
 from dgr.wire.codec import hop_name
+from dgr.wire.drafts import DEFAULT_DRAFT_K, check_k, make_source
 from dgr.wire.errors import (RECOVERABLE, HopUnreachable, Overloaded, RemoteSchemaMismatch, StageError,
                              WrongRange, WrongStage, from_proto, gave_up)
 from dgr.wire.gen import stage_pb2 as pb
@@ -229,7 +230,7 @@ class RouteClient:
         try:
             self._stub(origin or self.route[0]).CloseSession(
                 pb.CloseSessionRequest(session_id=session_id, epoch=epoch, chain=True), timeout=timeout)
-        except grpc.RpcError:
+        except (grpc.RpcError, ValueError):             # ValueError: the client was closed meanwhile
             pass                                        # best effort: workers free it on their own
 
     # ------------------------------------------------------------------ liveness
@@ -314,12 +315,17 @@ class RouteClient:
     def generate(self, prompt: str | list[int], *, max_new_tokens: int = 32, temperature: float = 0.0,
                  top_k: int = 0, top_p: float = 0.0, seed: int = 0, logits: str = "none",
                  stop_token_ids: list[int] | None = None, attempts: int | None = None,
-                 session_id: str | None = None) -> Iterator[TokenEvent]:
+                 session_id: str | None = None, speculate: str | None = None,
+                 draft_k: int = DEFAULT_DRAFT_K) -> Iterator[TokenEvent]:
         """Yield tokens as they arrive. `logits`: none | last | all (rows go to `self.last.logits`).
+        `speculate`: a draft source at the origin ("ngram"; dgr.wire.drafts) whose up to `draft_k` drafts
+        per ring the last stage verifies: the same tokens, fewer rings on text that repeats its context.
         Recovers from up to `attempts` (default: the client's) failed attempts, then raises."""
         ids = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
         if not ids:
             raise WireError("the prompt is empty")
+        if speculate:
+            self._check_speculation(speculate, draft_k)
         if stop_token_ids is None:
             stop_token_ids = list(self.hops[-1].eos_token_ids)
         sampling = pb.Sampling(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
@@ -335,7 +341,8 @@ class RouteClient:
             gen.routes.append(",".join(self.route))
             try:
                 self.open(sid, epoch, sampling, LOGITS[logits])   # describes a replaced hop first
-                yield from self._run_epoch(gen, sid, epoch, max_new_tokens, stop_token_ids)
+                yield from self._run_epoch(gen, sid, epoch, max_new_tokens, stop_token_ids,
+                                           pb.Generate(draft_source=speculate or "", draft_k=draft_k if speculate else 0))
                 break
             except StageError as err:
                 failed = True
@@ -352,11 +359,25 @@ class RouteClient:
             pass
         return self.last
 
-    def _frames(self, gen: Generation, sid: str, epoch: int, max_new: int, stop_ids: list[int]):
+    def _check_speculation(self, source: str, k: int) -> None:
+        """Refuse speculation up front where it cannot work: an unknown source, a bad k, or a hop whose
+        engine cannot drop rejected drafts from its cache (recurrent/hybrid models, older workers)."""
+        make_source(source)
+        check_k(k)
+        bad = [f"{self.hop(i)} ({d.identity.arch})" for i, d in enumerate(self.hops) if not d.can_roll_back]
+        if bad:
+            raise WireError(f"--speculate {source}: {', '.join(bad)} cannot roll back rejected drafts (a recurrent or "
+                            "hybrid model keeps one running state, not one cache entry per position, or the worker "
+                            "predates speculation): generate without --speculate")
+
+    def _frames(self, gen: Generation, sid: str, epoch: int, max_new: int, stop_ids: list[int],
+                spec: pb.Generate | None = None):
         history = gen.prompt_ids + gen.token_ids
-        yield pb.Frame(session_id=sid, epoch=epoch, generate=pb.Generate(
-            max_new_tokens=max_new - len(gen.token_ids), stop_token_ids=stop_ids,
-            context_ids=gen.token_ids, context_text=gen.text))
+        g = pb.Generate(max_new_tokens=max_new - len(gen.token_ids), stop_token_ids=stop_ids,
+                        context_ids=gen.token_ids, context_text=gen.text)
+        if spec is not None:
+            g.draft_source, g.draft_k = spec.draft_source, spec.draft_k
+        yield pb.Frame(session_id=sid, epoch=epoch, generate=g)
         for lo in range(0, len(history), self.chunk_tokens):
             hi = min(len(history), lo + self.chunk_tokens)
             f = pb.Frame(session_id=sid, epoch=epoch, step=pb.Step(
@@ -368,10 +389,11 @@ class RouteClient:
             self.max_frame_bytes_sent = max(self.max_frame_bytes_sent, size)
             yield f
 
-    def _run_epoch(self, gen: Generation, sid: str, epoch: int, max_new: int, stop_ids: list[int]):
+    def _run_epoch(self, gen: Generation, sid: str, epoch: int, max_new: int, stop_ids: list[int],
+                   spec: pb.Generate | None = None):
         q: queue.Queue = queue.Queue()
         outgoing: queue.Queue = queue.Queue()
-        for f in self._frames(gen, sid, epoch, max_new, stop_ids):
+        for f in self._frames(gen, sid, epoch, max_new, stop_ids, spec):
             outgoing.put(f)
         if epoch == 1:
             gen.t_start = time.perf_counter()           # prefill time starts with the first chunk sent
@@ -416,7 +438,8 @@ class RouteClient:
                 ev = TokenEvent(t.token_id, t.text, t.position, epoch, t.ring_ns,
                                 sum(h.compute_ns for h in t.timings), row,
                                 [(h.stage_index, h.transit_ns, h.queue_ns, h.compute_ns, h.wire_ns)
-                                 for h in t.timings], t.return_ns)
+                                 for h in t.timings], t.return_ns, speculated=t.speculated,
+                                drafted=t.drafted, accepted=len(t.accepted))
                 gen.token_ids.append(t.token_id)
                 gen.text += t.text
                 gen.events.append(ev)

@@ -120,7 +120,8 @@ class Links(StageState):
             hi = min(n, lo + per)
             step = pb.Step(positions=s.positions[lo:hi], token_ids=s.token_ids[lo:hi],
                            boundary=codec.encode(res.boundary[lo:hi], self.dtype), schema=schema,
-                           cache_expect=s.positions[lo], sample=s.sample and hi == n)
+                           cache_expect=s.positions[lo], sample=s.sample and hi == n,
+                           drafts=s.drafts if hi == n else 0, rollback=s.rollback and lo == 0)
             self.metrics.seam_out.inc(len(step.boundary.data))
             frames.append(pb.Frame(session_id=sess.session_id, epoch=sess.epoch, step=step,
                                    origin_sent_ns=w.frame.origin_sent_ns, timings=w.frame.timings))
@@ -134,22 +135,23 @@ class Links(StageState):
         s = w.frame.step
         origin = sess.route[0].address
         frames = []
+        draws, rows, valid = [], None, len(s.positions)
+        if s.sample:
+            draws, rows = self._verify(s, sess, res.logits)
+            valid -= s.drafts + 1 - len(draws)          # positions computed from rejected drafts: no rows
         if sess.logits == pb.LOGITS_ALL and res.logits is not None and len(res.logits):
             rows_per = max(1, (self.max_message_bytes - codec.FRAME_OVERHEAD) // (self.info.n_vocab * 4 + 8))
-            for lo in range(0, len(res.logits), rows_per):
-                rows = res.logits[lo:lo + rows_per]
+            for lo in range(0, valid, rows_per):
+                part = res.logits[lo:min(valid, lo + rows_per)]
                 frames.append(pb.Frame(session_id=sess.session_id, epoch=sess.epoch, logits=pb.Logits(
-                    positions=s.positions[lo:lo + len(rows)], values=rows.astype("<f4").tobytes())))
+                    positions=s.positions[lo:lo + len(part)], values=part.astype("<f4").tobytes())))
         if s.sample:
-            row = res.logits[-1]
-            sp = sess.sampling
-            pos = s.positions[-1]
-            tok = sample(row, temperature=sp.temperature, top_k=sp.top_k, top_p=sp.top_p, seed=sp.seed,
-                         position=pos)
-            self.metrics.sampled.inc()
-            token = pb.Token(token_id=tok, position=pos, origin_sent_ns=w.frame.origin_sent_ns)
+            pos = s.positions[-(s.drafts + 1)] + len(draws) - 1
+            self.metrics.sampled.inc(len(draws))
+            token = pb.Token(token_id=draws[-1], position=pos, origin_sent_ns=w.frame.origin_sent_ns,
+                             accepted=draws[:-1], drafted=s.drafts)
             if sess.logits == pb.LOGITS_LAST:
-                token.logits = row.astype("<f4").tobytes()
+                token.logits = rows[:len(draws)].astype("<f4").tobytes()
             frames.append(pb.Frame(session_id=sess.session_id, epoch=sess.epoch, token=token,
                                    origin_sent_ns=w.frame.origin_sent_ns, timings=w.frame.timings))
         timing.wire_ns = time.monotonic_ns() - t0
@@ -158,6 +160,24 @@ class Links(StageState):
                 f.timings.append(timing)
                 f.token.timings.extend(f.timings)
             self._send(origin, 0, f, sess)
+
+    @staticmethod
+    def _verify(s: pb.Step, sess: Session, logits):
+        """The draws of a sampled step: at each of its last drafts+1 positions the token a plain decode
+        would draw there (greedy argmax, or the (seed, position)-keyed draw), while they match the drafts;
+        the first mismatch (or the position after the last draft) gives the next token. Returns the draws
+        (accepted drafts, then that token) and the step's rows they came from."""
+        k, sp = s.drafts, sess.sampling
+        rows = logits[-(k + 1):]
+        base = s.positions[len(s.positions) - k - 1]
+        drafted = s.token_ids[len(s.token_ids) - k:] if k else []
+        draws = []
+        for j, row in enumerate(rows):
+            draws.append(sample(row, temperature=sp.temperature, top_k=sp.top_k, top_p=sp.top_p, seed=sp.seed,
+                                position=base + j))
+            if j == k or draws[-1] != drafted[j]:
+                break
+        return draws, rows
 
     def _send(self, address: str, hop_index: int, frame: pb.Frame, sess: Session) -> None:
         frame.sent_unix_ns = time.time_ns()

@@ -2,8 +2,10 @@
 
 A token that comes back around the ring is counted against the session's `max_new_tokens` and stop
 ids; the origin queues the next decode step first (the ring goes on), then detokenizes on the engine
-thread and streams the token with its text to the client. Errors and logits rows pass straight to the
-client. When the client's stream goes away, its unfinished sessions are closed along the route.
+thread and streams the token with its text to the client. With speculation the next step also carries
+the drafts the session's source (dgr.wire.drafts) proposes, and a ring may return several tokens.
+Errors and logits rows pass straight to the client. When the client's stream goes away, its unfinished
+sessions are closed along the route.
 """
 
 from __future__ import annotations
@@ -44,10 +46,23 @@ class Origin(StageState):
             return
         tok = frame.token
         tok.ring_ns = time.monotonic_ns() - tok.origin_sent_ns if tok.origin_sent_ns else 0
-        sess.produced += 1
-        sess.context_ids.append(tok.token_id)
-        tok.done = tok.token_id in sess.stop_ids or sess.produced >= sess.max_new
-        pos = tok.position + 1
+        # A speculative ring returns several draws: the accepted drafts, then token_id. Count them one by
+        # one; a stop id or max_new_tokens among them ends the generation there (the rest are dropped).
+        draws = [*tok.accepted, tok.token_id]
+        first = tok.position - len(tok.accepted)
+        if sess.drafter is not None and tok.drafted:
+            sess.drafter.observe(tok.drafted, len(tok.accepted))
+        used = 0
+        for t in draws:
+            used += 1
+            sess.produced += 1
+            sess.context_ids.append(t)
+            sess.history.append(t)
+            if t in sess.stop_ids or sess.produced >= sess.max_new:
+                break
+        last = draws[used - 1]
+        tok.done = last in sess.stop_ids or sess.produced >= sess.max_new
+        pos = first + used
         if not tok.done and not sess.failed:
             # queue the next decode step first: the ring goes on while this token is detokenized and sent
             if pos >= self.info.n_ctx:
@@ -55,15 +70,46 @@ class Origin(StageState):
                 sess.client.put(pb.Frame(session_id=sess.session_id, epoch=sess.epoch, error=self._err(
                     pb.ENGINE, context_full(pos, self.info.n_ctx))))
             else:
-                nxt = pb.Frame(session_id=sess.session_id, epoch=sess.epoch, origin_sent_ns=time.monotonic_ns(),
-                               step=pb.Step(positions=[pos], token_ids=[tok.token_id], cache_expect=pos,
-                                            sample=True))
-                self._enqueue(Work(nxt, sess.client, time.monotonic_ns()), sess, own=True)
+                self._enqueue(Work(self._next_step(sess, pos, last, bool(tok.drafted)), sess.client,
+                                   time.monotonic_ns()), sess, own=True)
         else:
             sess.done = True
+        frames = self._client_frames(frame, draws[:used], first)
         # Detokenize on the engine thread once the next step's forward has started: text never delays
         # the ring, and the engine is never called from two threads.
-        self._defer(lambda n=len(sess.context_ids): self._send_token(sess, frame, n))
+        n0 = len(sess.context_ids) - len(frames)
+        self._defer(lambda: [self._send_token(sess, f, n0 + i + 1) for i, f in enumerate(frames)])
+
+    def _next_step(self, sess: Session, pos: int, token: int, after_drafts: bool) -> pb.Frame:
+        """The next decode step: the last token at `pos`, plus what the session's draft source proposes
+        (speculation: k+1 positions, verified by the last stage in the same ring). `after_drafts`: the
+        step answered was speculative, so stages may hold rejected positions >= pos to drop."""
+        drafts: list[int] = []
+        if sess.drafter is not None:
+            k = min(sess.draft_k, sess.max_new - sess.produced - 1, self.info.n_ctx - 1 - pos)
+            if k > 0:
+                drafts = list(sess.drafter.propose(sess.history, k))[:k]
+        n = 1 + len(drafts)
+        return pb.Frame(session_id=sess.session_id, epoch=sess.epoch, origin_sent_ns=time.monotonic_ns(),
+                        step=pb.Step(positions=range(pos, pos + n), token_ids=[token, *drafts], cache_expect=pos,
+                                     sample=True, drafts=len(drafts), rollback=after_drafts))
+
+    def _client_frames(self, frame: pb.Frame, draws: list[int], first: int) -> list[pb.Frame]:
+        """What the client gets for one ring: a Token per draw (accepted drafts marked `speculated`), the
+        ring's own frame (timings, ring time) last. LOGITS_LAST rows are split among them."""
+        tok = frame.token
+        rows = None
+        if tok.logits and tok.accepted:
+            width = len(tok.logits) // (len(tok.accepted) + 1)
+            rows = [tok.logits[i * width:(i + 1) * width] for i in range(len(draws))]
+        out = [pb.Frame(session_id=frame.session_id, epoch=frame.epoch, token=pb.Token(
+            token_id=t, position=first + i, speculated=True, logits=rows[i] if rows else b""))
+            for i, t in enumerate(draws[:-1])]
+        tok.token_id, tok.position = draws[-1], first + len(draws) - 1
+        del tok.accepted[len(draws) - 1:]
+        if rows:
+            tok.logits = rows[-1]
+        return [*out, frame]
 
     def _send_token(self, sess: Session, frame: pb.Frame, n_ids: int) -> None:
         tok = frame.token

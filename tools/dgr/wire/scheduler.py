@@ -1,8 +1,9 @@
 """Batching queued steps into engine calls: the step queue, the one engine thread, and its deferred jobs.
 
 The engine thread takes at most one queued step from each session (round robin, up to
-`max_batch_tokens`) into one `engine.forward`, checks each step's cache, and hands each result to the
-links (`_emit_boundary` / `_emit_last`, dgr.wire.links). A batch that fails is rerun step by step so
+`max_batch_tokens`) into one `engine.forward`, checks each step's cache (first dropping the drafts a
+speculative step left there that the last stage rejected, where the step says so), and hands each
+result to the links (`_emit_boundary` / `_emit_last`, dgr.wire.links). A batch that fails is rerun step by step so
 one session's fault never fails the others. Jobs deferred here (the origin's detokenizing) run on the
 same thread after the forward, so the engine is only ever driven from one thread.
 """
@@ -140,7 +141,8 @@ class Scheduler(StageState):
         s = w.frame.step
         want = "none"
         if self.info.is_last and (s.sample or sess.logits == pb.LOGITS_ALL):
-            want = "all" if sess.logits == pb.LOGITS_ALL else "last"
+            # a speculative step is verified at every position: one row per draw
+            want = "all" if sess.logits == pb.LOGITS_ALL or s.drafts else "last"
         ids = np.asarray(s.token_ids, dtype=np.int32) if len(s.token_ids) else None
         return Step(w.frame.session_id, w.frame.epoch, np.asarray(s.positions, dtype=np.int32),
                     token_ids=ids, boundary=w.x, want_logits=want)
@@ -158,7 +160,15 @@ class Scheduler(StageState):
                 except DgrError as err:
                     self._reply_error(w.reply, w.frame, self._err(pb.ENGINE, str(err)))
                     continue
-                if held != w.frame.step.cache_expect:
+                expect = w.frame.step.cache_expect
+                if held > expect and self._may_roll_back(w.frame.step, sess):
+                    try:                                # drop the drafts the last stage rejected
+                        self.engine.truncate(*key, expect)
+                    except DgrError as err:
+                        self._reply_error(w.reply, w.frame, self._err(pb.ENGINE, str(err)))
+                        continue
+                    held = expect
+                if held != expect:
                     self._reply_error(w.reply, w.frame, self._err(
                         pb.CACHE_MISS, f"session {key[0]} epoch {key[1]} holds {held} positions here but "
                                        f"the frame expects {w.frame.step.cache_expect}: re-prefill at a new "
@@ -178,6 +188,8 @@ class Scheduler(StageState):
             if res is None:
                 continue
             sess.held = res.n_cached
+            s = w.frame.step
+            sess.spec_floor = s.positions[0] + 1 if s.drafts else None   # where a rollback may start
             timing = pb.HopTiming(stage_index=self.identity.stage_index, queue_ns=t0 - w.t_recv,
                                   transit_ns=w.transit_ns,
                                   compute_ns=compute)
@@ -187,6 +199,12 @@ class Scheduler(StageState):
                 self._emit_last(w, sess, res, timing)
             else:
                 self._emit_boundary(w, sess, res, timing)
+
+    @staticmethod
+    def _may_roll_back(step: pb.Step, sess: Session) -> bool:
+        """A step flagged `rollback` may drop cached positions from its cache_expect on, but never below the
+        first draft of the session's last speculative step here: anything else stays a CACHE_MISS."""
+        return step.rollback and sess.spec_floor is not None and step.cache_expect >= sess.spec_floor
 
     def _forward(self, steps, ready):
         """One batched forward; if it fails, find the step at fault so other sessions keep going."""

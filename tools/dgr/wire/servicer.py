@@ -21,6 +21,7 @@ from dgr.errors import DgrError
 from dgr.log import get_logger
 from dgr.wire import codec
 from dgr.wire.codec import hop_name, schema_diff, schema_str
+from dgr.wire.drafts import DEFAULT_DRAFT_K, MAX_DRAFT_K, check_k, make_source
 from dgr.wire.tls import peer_identity
 from dgr.wire.gen import stage_pb2 as pb
 from dgr.wire.gen import stage_pb2_grpc as pb_grpc
@@ -63,7 +64,8 @@ class StageWorker(Scheduler, Links, Origin, pb_grpc.StageServicer):
             eos_token_ids=list(idn.eos_token_ids), chat_template=idn.chat_template, reaped_sessions=self.reaped_sessions,
             session_ttl_s=self.limits.session_ttl_s, max_queued_steps=self.limits.max_queued_steps,
             overloaded=self.overloaded, tls=self.tls is not None, mutual_tls=self.mutual_tls,
-            cached_positions=sum(s.held for s in list(self.sessions.values())), member=self.member)
+            cached_positions=sum(s.held for s in list(self.sessions.values())), member=self.member,
+            can_roll_back=i.can_truncate)
         if (s := self.schema_in()) is not None:
             d.schema_in.CopyFrom(s)
         if (s := self.schema_out()) is not None:
@@ -187,6 +189,13 @@ class StageWorker(Scheduler, Links, Origin, pb_grpc.StageServicer):
                 self._close_local(*key)
                 return reply
             hops.extend(reply.hops)
+        # speculation: every hop must roll back; a speculative step (k+1 positions) is never split
+        no = [hop_name(h.identity.stage_index, r.address) for h, r in zip(hops, req.route[req.hop_index:])
+              if not h.can_roll_back]
+        sess.can_roll_back, sess.no_roll_back = not no, ", ".join(no)
+        sess.spec_cap = min([codec.tokens_per_frame(min(h.max_message_bytes, self.max_message_bytes),
+                                                    h.seam_bytes_per_token)
+                             for h in hops if h.HasField("schema_out") and h.seam_bytes_per_token] or [MAX_DRAFT_K + 1])
         # the origin takes tokens back only from the last hop, errors from any hop of the route (mTLS)
         sess.returner = hops[-1].member or None
         sess.route_members = frozenset(h.member for h in hops if h.member)
@@ -220,6 +229,8 @@ class StageWorker(Scheduler, Links, Origin, pb_grpc.StageServicer):
                 return pb.CloseSessionReply(error=self._err(
                     pb.HOP_UNREACHABLE, f"could not close on {hop_name(sess.hop_index + 1, nxt.address)}: "
                                         f"{err.code().name}"))
+            except ValueError:                          # this worker is stopping: its links are closed
+                pass
         return pb.CloseSessionReply()
 
     def _close_local(self, session_id: str, epoch: int) -> None:
@@ -321,6 +332,7 @@ class StageWorker(Scheduler, Links, Origin, pb_grpc.StageServicer):
                     sess.context_ids = list(frame.generate.context_ids)
                     sess.text = frame.generate.context_text
                     sess.last_used = time.monotonic()
+                self._start_speculation(sess, frame.generate)
                 return
             if kind != "step":
                 raise WireFault(pb.BAD_FRAME, f"unexpected frame body {kind!r}")
@@ -339,8 +351,26 @@ class StageWorker(Scheduler, Links, Origin, pb_grpc.StageServicer):
             with self.lock:
                 if sess.client is None:
                     sess.client = reply
+                sess.history.extend(frame.step.token_ids)      # what draft sources look up
             frame.origin_sent_ns = time.monotonic_ns()
         self._enqueue(Work(frame, reply, time.monotonic_ns(), x, transit), sess)
+
+    def _start_speculation(self, sess: Session, g: pb.Generate) -> None:
+        """Origin: a Generate frame that asks for drafts gets its session's draft source, if every hop of
+        the route can roll back rejected drafts."""
+        if not g.draft_source:
+            return
+        try:
+            k = check_k(g.draft_k or DEFAULT_DRAFT_K)
+            drafter = make_source(g.draft_source)
+        except DgrError as err:
+            raise WireFault(pb.BAD_FRAME, str(err)) from None
+        if not sess.can_roll_back:
+            raise WireFault(pb.ENGINE, f"speculative decoding needs every stage to drop rejected drafts from its "
+                                       f"cache, and {sess.no_roll_back or 'a hop of the route'} cannot (a recurrent "
+                                       "or hybrid model keeps one running state, or the worker predates "
+                                       "speculation): generate without --speculate")
+        sess.drafter, sess.draft_k = drafter, min(k, sess.spec_cap - 1)
 
     def _check_step(self, step: pb.Step, sess: Session) -> np.ndarray | None:
         """Refuse malformed frames before they reach the engine queue; returns the decoded boundary."""
@@ -355,7 +385,13 @@ class StageWorker(Scheduler, Links, Origin, pb_grpc.StageServicer):
             raise WireFault(pb.BAD_FRAME, f"cache_expect {step.cache_expect} != first position {p0}")
         if p0 + n > info.n_ctx:
             raise WireFault(pb.ENGINE, context_full(p0 + n - 1, info.n_ctx))
+        if step.drafts and (step.drafts >= n or not step.sample):
+            raise WireFault(pb.BAD_FRAME, f"a speculative step carries its last token and then {step.drafts} "
+                                          f"drafts ({step.drafts + 1} positions, sampled), got {n} positions")
         if info.is_first:
+            if step.drafts or step.rollback:
+                raise WireFault(pb.BAD_FRAME, "drafts and rollbacks are the origin's own steps: a client sends "
+                                              "Generate(draft_source=...) instead")
             if len(step.token_ids) != n:
                 raise WireFault(pb.BAD_FRAME, f"stage 0 needs one token id per position ({n}), got "
                                               f"{len(step.token_ids)}")

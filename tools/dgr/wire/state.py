@@ -97,6 +97,17 @@ class Session:
     opener: str | None = None
     returner: str | None = None
     route_members: frozenset = frozenset()
+    # speculation (docs/speculation.md). At the origin: the draft source (dgr.wire.drafts) and its k,
+    # the tokens the session has run (prompt + generated: where drafts are looked up), whether every hop
+    # can roll back. On every stage: the first draft position of its last speculative step, below which
+    # a rollback never drops positions.
+    drafter: object | None = None
+    draft_k: int = 0
+    history: list = field(default_factory=list)
+    can_roll_back: bool = False
+    no_roll_back: str = ""             # the hops that cannot roll back, named
+    spec_cap: int = 17                 # positions a step may carry without being split into frames
+    spec_floor: int | None = None
 
 
 @dataclass

@@ -21,6 +21,11 @@ class TokenEvent:
     # per stage: (stage, transit in, queue, compute, encode+send) in ns
     timings: list[tuple[int, int, int, int, int]] = field(default_factory=list)
     return_ns: int = 0                   # transit of the token from the last stage to the origin
+    # speculation: a draft accepted in a ring that a later token closes (no timings of its own); on the
+    # token that closes a ring, the drafts that ring verified and how many of them it accepted
+    speculated: bool = False
+    drafted: int = 0
+    accepted: int = 0
 
 
 @dataclass
@@ -67,6 +72,23 @@ def _median(xs) -> float:
     return statistics.median(xs) if xs else 0.0
 
 
+def rings(gen: Generation) -> int:
+    """Trips round the ring that returned tokens (a speculative ring returns its accepted drafts too)."""
+    return sum(1 for e in gen.events if not e.speculated)
+
+
+def tokens_per_ring(gen: Generation) -> float:
+    """Decode tokens per decode ring (the prefill's ring, which returns the first token, left out):
+    1.0 without speculation, up to k+1 with k drafts all accepted every time."""
+    n = rings(gen) - 1
+    return (len(gen.events) - 1) / n if n > 0 else 0.0
+
+
+def draft_stats(gen: Generation) -> tuple[int, int]:
+    """(drafts sent, drafts accepted) over the generation."""
+    return sum(e.drafted for e in gen.events), sum(e.accepted for e in gen.events)
+
+
 def decode_events(gen: Generation):
     """Decode tokens with a full ring measured (the first token answers the prefill)."""
     return [e for e in gen.events[1:] if e.ring_ns]
@@ -102,6 +124,10 @@ def summarize(gen: Generation, n_stages: int) -> str:
              f"ring {_median(e.ring_ns / 1e6 for e in evs):.2f} ms/token (compute "
              f"{_median(e.compute_ns / 1e6 for e in evs):.2f} ms); per-hop overhead "
              f"{hop_overhead_ms(gen, n_stages):.2f} ms over {n_stages} boundaries; epochs {gen.epochs}"]
+    drafted, accepted = draft_stats(gen)
+    if drafted:
+        lines.append(f"speculation: {tokens_per_ring(gen):.2f} tokens per ring; {accepted} of {drafted} drafts "
+                     f"accepted ({100 * accepted / drafted:.0f}%)")
     if gen.failures:
         lines.append(f"recovered from {len(gen.failures)} failed attempt(s) over {len(gen.routes)} route(s): "
                      + "; ".join(f"{f.hop or 'route'} {f.code} after {f.tokens} tokens" for f in gen.failures))

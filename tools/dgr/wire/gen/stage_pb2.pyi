@@ -106,7 +106,7 @@ class DescribeRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StageDescription(_message.Message):
-    __slots__ = ("identity", "schema_in", "schema_out", "is_first", "is_last", "has_vocab", "n_vocab", "n_ctx", "max_sessions", "open_sessions", "queued_steps", "max_message_bytes", "max_frame_bytes_sent", "seam_bytes_per_token", "engine", "eos_token_ids", "reaped_sessions", "session_ttl_s", "max_queued_steps", "overloaded", "tls", "mutual_tls", "cached_positions", "member", "chat_template", "descriptor_json")
+    __slots__ = ("identity", "schema_in", "schema_out", "is_first", "is_last", "has_vocab", "n_vocab", "n_ctx", "max_sessions", "open_sessions", "queued_steps", "max_message_bytes", "max_frame_bytes_sent", "seam_bytes_per_token", "engine", "eos_token_ids", "reaped_sessions", "session_ttl_s", "max_queued_steps", "overloaded", "tls", "mutual_tls", "cached_positions", "member", "chat_template", "descriptor_json", "can_roll_back")
     IDENTITY_FIELD_NUMBER: _ClassVar[int]
     SCHEMA_IN_FIELD_NUMBER: _ClassVar[int]
     SCHEMA_OUT_FIELD_NUMBER: _ClassVar[int]
@@ -133,6 +133,7 @@ class StageDescription(_message.Message):
     MEMBER_FIELD_NUMBER: _ClassVar[int]
     CHAT_TEMPLATE_FIELD_NUMBER: _ClassVar[int]
     DESCRIPTOR_JSON_FIELD_NUMBER: _ClassVar[int]
+    CAN_ROLL_BACK_FIELD_NUMBER: _ClassVar[int]
     identity: Identity
     schema_in: BoundarySchema
     schema_out: BoundarySchema
@@ -159,7 +160,8 @@ class StageDescription(_message.Message):
     member: str
     chat_template: str
     descriptor_json: str
-    def __init__(self, identity: _Optional[_Union[Identity, _Mapping]] = ..., schema_in: _Optional[_Union[BoundarySchema, _Mapping]] = ..., schema_out: _Optional[_Union[BoundarySchema, _Mapping]] = ..., is_first: _Optional[bool] = ..., is_last: _Optional[bool] = ..., has_vocab: _Optional[bool] = ..., n_vocab: _Optional[int] = ..., n_ctx: _Optional[int] = ..., max_sessions: _Optional[int] = ..., open_sessions: _Optional[int] = ..., queued_steps: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., max_frame_bytes_sent: _Optional[int] = ..., seam_bytes_per_token: _Optional[int] = ..., engine: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., reaped_sessions: _Optional[int] = ..., session_ttl_s: _Optional[float] = ..., max_queued_steps: _Optional[int] = ..., overloaded: _Optional[int] = ..., tls: _Optional[bool] = ..., mutual_tls: _Optional[bool] = ..., cached_positions: _Optional[int] = ..., member: _Optional[str] = ..., chat_template: _Optional[str] = ..., descriptor_json: _Optional[str] = ...) -> None: ...
+    can_roll_back: bool
+    def __init__(self, identity: _Optional[_Union[Identity, _Mapping]] = ..., schema_in: _Optional[_Union[BoundarySchema, _Mapping]] = ..., schema_out: _Optional[_Union[BoundarySchema, _Mapping]] = ..., is_first: _Optional[bool] = ..., is_last: _Optional[bool] = ..., has_vocab: _Optional[bool] = ..., n_vocab: _Optional[int] = ..., n_ctx: _Optional[int] = ..., max_sessions: _Optional[int] = ..., open_sessions: _Optional[int] = ..., queued_steps: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., max_frame_bytes_sent: _Optional[int] = ..., seam_bytes_per_token: _Optional[int] = ..., engine: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., reaped_sessions: _Optional[int] = ..., session_ttl_s: _Optional[float] = ..., max_queued_steps: _Optional[int] = ..., overloaded: _Optional[int] = ..., tls: _Optional[bool] = ..., mutual_tls: _Optional[bool] = ..., cached_positions: _Optional[int] = ..., member: _Optional[str] = ..., chat_template: _Optional[str] = ..., descriptor_json: _Optional[str] = ..., can_roll_back: _Optional[bool] = ...) -> None: ...
 
 class TokenizeRequest(_message.Message):
     __slots__ = ("text", "add_special")
@@ -266,32 +268,40 @@ class Boundary(_message.Message):
     def __init__(self, dtype: _Optional[_Union[Dtype, str]] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class Step(_message.Message):
-    __slots__ = ("positions", "token_ids", "boundary", "schema", "cache_expect", "sample")
+    __slots__ = ("positions", "token_ids", "boundary", "schema", "cache_expect", "sample", "drafts", "rollback")
     POSITIONS_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     BOUNDARY_FIELD_NUMBER: _ClassVar[int]
     SCHEMA_FIELD_NUMBER: _ClassVar[int]
     CACHE_EXPECT_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_FIELD_NUMBER: _ClassVar[int]
+    DRAFTS_FIELD_NUMBER: _ClassVar[int]
+    ROLLBACK_FIELD_NUMBER: _ClassVar[int]
     positions: _containers.RepeatedScalarFieldContainer[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     boundary: Boundary
     schema: BoundarySchema
     cache_expect: int
     sample: bool
-    def __init__(self, positions: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., boundary: _Optional[_Union[Boundary, _Mapping]] = ..., schema: _Optional[_Union[BoundarySchema, _Mapping]] = ..., cache_expect: _Optional[int] = ..., sample: _Optional[bool] = ...) -> None: ...
+    drafts: int
+    rollback: bool
+    def __init__(self, positions: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., boundary: _Optional[_Union[Boundary, _Mapping]] = ..., schema: _Optional[_Union[BoundarySchema, _Mapping]] = ..., cache_expect: _Optional[int] = ..., sample: _Optional[bool] = ..., drafts: _Optional[int] = ..., rollback: _Optional[bool] = ...) -> None: ...
 
 class Generate(_message.Message):
-    __slots__ = ("max_new_tokens", "stop_token_ids", "context_ids", "context_text")
+    __slots__ = ("max_new_tokens", "stop_token_ids", "context_ids", "context_text", "draft_source", "draft_k")
     MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_IDS_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_TEXT_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_SOURCE_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_K_FIELD_NUMBER: _ClassVar[int]
     max_new_tokens: int
     stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
     context_ids: _containers.RepeatedScalarFieldContainer[int]
     context_text: str
-    def __init__(self, max_new_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., context_ids: _Optional[_Iterable[int]] = ..., context_text: _Optional[str] = ...) -> None: ...
+    draft_source: str
+    draft_k: int
+    def __init__(self, max_new_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., context_ids: _Optional[_Iterable[int]] = ..., context_text: _Optional[str] = ..., draft_source: _Optional[str] = ..., draft_k: _Optional[int] = ...) -> None: ...
 
 class HopTiming(_message.Message):
     __slots__ = ("stage_index", "queue_ns", "compute_ns", "wire_ns", "transit_ns")
@@ -308,7 +318,7 @@ class HopTiming(_message.Message):
     def __init__(self, stage_index: _Optional[int] = ..., queue_ns: _Optional[int] = ..., compute_ns: _Optional[int] = ..., wire_ns: _Optional[int] = ..., transit_ns: _Optional[int] = ...) -> None: ...
 
 class Token(_message.Message):
-    __slots__ = ("token_id", "position", "logits", "text", "done", "timings", "origin_sent_ns", "ring_ns", "return_ns")
+    __slots__ = ("token_id", "position", "logits", "text", "done", "timings", "origin_sent_ns", "ring_ns", "return_ns", "accepted", "drafted", "speculated")
     TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     POSITION_FIELD_NUMBER: _ClassVar[int]
     LOGITS_FIELD_NUMBER: _ClassVar[int]
@@ -318,6 +328,9 @@ class Token(_message.Message):
     ORIGIN_SENT_NS_FIELD_NUMBER: _ClassVar[int]
     RING_NS_FIELD_NUMBER: _ClassVar[int]
     RETURN_NS_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    DRAFTED_FIELD_NUMBER: _ClassVar[int]
+    SPECULATED_FIELD_NUMBER: _ClassVar[int]
     token_id: int
     position: int
     logits: bytes
@@ -327,7 +340,10 @@ class Token(_message.Message):
     origin_sent_ns: int
     ring_ns: int
     return_ns: int
-    def __init__(self, token_id: _Optional[int] = ..., position: _Optional[int] = ..., logits: _Optional[bytes] = ..., text: _Optional[str] = ..., done: _Optional[bool] = ..., timings: _Optional[_Iterable[_Union[HopTiming, _Mapping]]] = ..., origin_sent_ns: _Optional[int] = ..., ring_ns: _Optional[int] = ..., return_ns: _Optional[int] = ...) -> None: ...
+    accepted: _containers.RepeatedScalarFieldContainer[int]
+    drafted: int
+    speculated: bool
+    def __init__(self, token_id: _Optional[int] = ..., position: _Optional[int] = ..., logits: _Optional[bytes] = ..., text: _Optional[str] = ..., done: _Optional[bool] = ..., timings: _Optional[_Iterable[_Union[HopTiming, _Mapping]]] = ..., origin_sent_ns: _Optional[int] = ..., ring_ns: _Optional[int] = ..., return_ns: _Optional[int] = ..., accepted: _Optional[_Iterable[int]] = ..., drafted: _Optional[int] = ..., speculated: _Optional[bool] = ...) -> None: ...
 
 class Logits(_message.Message):
     __slots__ = ("positions", "values")
