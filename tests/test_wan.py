@@ -101,6 +101,25 @@ def test_a_fake_route_through_links_gives_the_loopback_text_and_every_hop_crosse
     assert rings and min(rings) >= 3 * one_way, rings   # three links per trip round the ring
 
 
+def test_a_thin_link_carrying_a_long_prompt_needs_a_longer_link_keepalive():
+    """A keepalive ping waits behind the boundary bytes queued ahead of it: 2048 tokens of a 576-wide seam
+    (4.7 MB) over 10 Mbit/s outlast the default 2 s, and the hop is dropped as unreachable, naming the flag;
+    `--link-keepalive-timeout` (Limits.link_keepalive_timeout_s) long enough for the burst carries it."""
+    from dgr.wire.errors import StageError
+    from dgr.wire.state import Limits
+
+    spec = "layers=4,embd=576,cuts=2,seed=3,ctx=4096"
+    prompt = [i % 200 + 3 for i in range(2048)]
+    with InProcessRoute.of(spec) as route, WanLinks(route.addresses, 1.0, mbit=10) as wan, \
+            RouteClient(wan.addresses, attempts=1) as c:
+        with pytest.raises(StageError, match="--link-keepalive-timeout"):
+            c.run(prompt, max_new_tokens=2, stop_token_ids=[])
+    with InProcessRoute.of(spec, limits=Limits(link_keepalive_timeout_s=30.0)) as route, \
+            WanLinks(route.addresses, 1.0, mbit=10) as wan, RouteClient(wan.addresses, attempts=1) as c:
+        gen = c.run(prompt, max_new_tokens=2, stop_token_ids=[])
+    assert len(gen.token_ids) == 2
+
+
 @pytest.mark.engine
 @pytest.mark.slow
 def test_smollm2_through_4_worker_processes_at_20ms_rtt_gives_the_loopback_text(engine_lib):

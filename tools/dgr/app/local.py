@@ -165,7 +165,7 @@ class InProcessRoute:
     `workers[i]` gives tests access to a stage's worker and engine (e.g. to evict a session's cache)."""
 
     def __init__(self, specs: list[tuple[str, int]], *, max_message_bytes: int | None = None,
-                 wire_dtype: str = "f32"):
+                 wire_dtype: str = "f32", limits=None):
         from dgr.app import stages
         from dgr.wire import codec
         from dgr.wire.worker import serve
@@ -174,7 +174,7 @@ class InProcessRoute:
         for spec, stage in specs:
             engine, ident = stages.fake_stage(spec, stage, wire_dtype)
             server, worker, address = serve(engine, ident, "127.0.0.1:0", max_message_bytes=max_message_bytes
-                                            or codec.DEFAULT_MAX_MESSAGE_BYTES, threads=32)
+                                            or codec.DEFAULT_MAX_MESSAGE_BYTES, threads=32, limits=limits)
             self.servers.append(server)
             self.workers.append(worker)
             self.addresses.append(address)

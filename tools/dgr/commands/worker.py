@@ -43,6 +43,10 @@ def register(sub) -> None:
                    help=f"steps one session may have queued before OVERLOADED (default {d.max_session_steps})")
     s.add_argument("--rpc-timeout", type=float, default=d.rpc_timeout_s, metavar="S",
                    help=f"deadline per hop of the RPCs this worker makes (default {d.rpc_timeout_s:g})")
+    s.add_argument("--link-keepalive-timeout", type=float, default=d.link_keepalive_timeout_s, metavar="S",
+                   help=f"give up on the next hop S seconds after an unanswered keepalive ping (default "
+                        f"{d.link_keepalive_timeout_s:g}; a ping waits behind the boundary bytes ahead of it, so "
+                        "thin links carrying long prompts need more)")
     s.add_argument("--drain-timeout", type=float, default=d.drain_timeout_s, metavar="S",
                    help=f"SIGTERM: exit within S seconds whatever the sessions and streams do "
                         f"(default {d.drain_timeout_s:g})")
@@ -88,7 +92,8 @@ def _serve(args) -> int:
         check_listen(args.listen, tls, args.insecure)   # before the engine loads: refuse fast
     limits = Limits(max_batch_tokens=args.max_batch_tokens, max_queued_steps=args.max_queued_steps,
                     max_session_steps=args.max_session_steps, session_ttl_s=max(0.0, args.session_ttl),
-                    rpc_timeout_s=args.rpc_timeout, drain_timeout_s=args.drain_timeout)
+                    rpc_timeout_s=args.rpc_timeout, drain_timeout_s=args.drain_timeout,
+                    link_keepalive_timeout_s=args.link_keepalive_timeout)
     if args.fake_engine:
         engine, ident = stages.fake_stage(args.fake_engine, args.stage, args.wire_dtype or DEFAULT_WIRE_DTYPE)
     else:

@@ -31,19 +31,20 @@ def channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
     return [("grpc.max_send_message_length", limit), ("grpc.max_receive_message_length", limit)]
 
 
-# A link pings its peer every second and gives up 2 s after an unanswered ping: a dead or stopped next
-# hop (SIGSTOP keeps the TCP connection up) is noticed within ~3 s, not at the next TCP timeout. (gRPC
-# >= 1.6x times an unanswered ping out after grpc.http2.ping_timeout_ms, 60 s by default: set it too.)
-LINK_KEEPALIVE_MS, LINK_KEEPALIVE_TIMEOUT_MS = 1000, 2000
+# A link pings its peer every second and gives up 2 s (Limits.link_keepalive_timeout_s, `dgr worker serve
+# --link-keepalive-timeout`) after an unanswered ping: a dead or stopped next hop (SIGSTOP keeps the TCP
+# connection up) is noticed within ~3 s, not at the next TCP timeout. (gRPC >= 1.6x times an unanswered
+# ping out after grpc.http2.ping_timeout_ms, 60 s by default: set it too.)
+LINK_KEEPALIVE_MS = 1000
 
 
-def link_options(max_message_bytes: int) -> list[tuple[str, int]]:
+def link_options(max_message_bytes: int, keepalive_timeout_ms: int = 2000) -> list[tuple[str, int]]:
     """A worker's channel to a peer (next hop, origin): message limits plus keepalive."""
     return [*channel_options(max_message_bytes), ("grpc.keepalive_time_ms", LINK_KEEPALIVE_MS),
-            ("grpc.keepalive_timeout_ms", LINK_KEEPALIVE_TIMEOUT_MS), ("grpc.keepalive_permit_without_calls", 1),
+            ("grpc.keepalive_timeout_ms", keepalive_timeout_ms), ("grpc.keepalive_permit_without_calls", 1),
             ("grpc.http2.max_pings_without_data", 0), ("grpc.http2.min_time_between_pings_ms", LINK_KEEPALIVE_MS),
             ("grpc.http2.min_ping_interval_without_data_ms", LINK_KEEPALIVE_MS),
-            ("grpc.http2.ping_timeout_ms", LINK_KEEPALIVE_TIMEOUT_MS)]
+            ("grpc.http2.ping_timeout_ms", keepalive_timeout_ms)]
 
 
 def server_options(max_message_bytes: int) -> list[tuple[str, int]]:
@@ -60,7 +61,8 @@ class Link:
 
     def __init__(self, worker: Links, address: str, label: str):
         self.worker, self.address, self.label = worker, address, label
-        self.channel = tls.channel(address, worker.tls, link_options(worker.max_message_bytes))
+        self.channel = tls.channel(address, worker.tls, link_options(
+            worker.max_message_bytes, int(worker.limits.link_keepalive_timeout_s * 1000)))
         self.stub = pb_grpc.StageStub(self.channel)
         self.lock = threading.Lock()
         self.q: queue.Queue | None = None
@@ -221,7 +223,8 @@ class Links(StageState):
             name = hop_name(idx, link.address) if idx >= 0 else link.address
             e = pb.WireError(code=pb.HOP_UNREACHABLE, hop=name, message=(
                 f"{name} is unreachable: {self.hop} lost its stream to it ({why}); that worker died, stopped "
-                f"answering (keepalive {LINK_KEEPALIVE_MS + LINK_KEEPALIVE_TIMEOUT_MS} ms) or shut down: use "
+                f"answering (keepalive {LINK_KEEPALIVE_MS + int(self.limits.link_keepalive_timeout_s * 1000)} ms) "
+                "or shut down (a thin link carrying a long prompt: raise --link-keepalive-timeout): use "
                 "another replica or restart it"))
             frame = pb.Frame(session_id=sess.session_id, epoch=sess.epoch, error=e)
             if link.address == sess.route[0].address:

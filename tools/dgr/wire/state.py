@@ -42,6 +42,9 @@ class Limits:
     session_ttl_s: float = 300.0         # idle sessions are reaped after this long (0: never)
     rpc_timeout_s: float = 5.0           # deadline per hop of the RPCs a worker makes (open/close chains)
     drain_timeout_s: float = 5.0         # SIGTERM: everything is stopped within this bound
+    # a link gives up on a peer this long after an unanswered keepalive ping; a ping waits behind the
+    # boundary bytes queued ahead of it, so a thin link carrying a long prefill needs more (docs/wan.md)
+    link_keepalive_timeout_s: float = 2.0
 
 
 @dataclass(frozen=True)
