@@ -171,6 +171,6 @@ def test_real_engine_descriptor_and_certificate(tmp_path, engine_lib):
     assert (i.engine, i.arch, i.layer_begin, i.layer_end, i.n_layer) == ("llama.cpp", "llama", 0, 3, 6)
     assert d.capacity.memory.weights_bytes > 0 and d.capacity.memory.kv_bytes > 0
     assert (d.capacity.n_ctx, d.capacity.max_sessions) == (128, 2)
-    assert d.seam.seam_out.bytes_per_token == {"f32": 256, "f16": 128, "bf16": 128}
+    assert d.seam.seam_out.bytes_per_token == {"f32": 256, "f16": 128, "bf16": 128, "q8_0": 68}
     assert [c.id for c in d.certificates] == [good]
     assert "ignoring certificate other-engine.json" in log and "engine_blake3" in log

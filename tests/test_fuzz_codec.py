@@ -77,7 +77,7 @@ def test_decode_of_any_boundary_is_an_array_of_its_shape_or_a_value_error(b):
     except ValueError:
         return
     assert isinstance(x, np.ndarray) and x.dtype == np.float32 and x.shape == tuple(b.shape)
-    assert len(b.data) == x.size * codec.DTYPE_BYTES[b.dtype]
+    assert len(b.data) == codec.boundary_nbytes(b.dtype, x.size)
 
 
 @FAST

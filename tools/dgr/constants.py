@@ -22,7 +22,7 @@ class Keys:
     # Boundary schema: what crosses the seam into / out of this stage.
     BOUNDARY_N_STREAMS = "dgr.boundary.n_streams"   # 1 for plain residuals, hc_mult (4) for DeepSeek V4 mHC
     BOUNDARY_N_EMBD = "dgr.boundary.n_embd"
-    BOUNDARY_DTYPE = "dgr.boundary.dtype"           # wire dtype: f32 | f16 | bf16
+    BOUNDARY_DTYPE = "dgr.boundary.dtype"           # wire dtype: f32 | f16 | bf16 | q8_0
     BOUNDARY_TOKEN_IDS = "dgr.boundary.token_ids"   # true when this stage needs the token-id sideband
 
 

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 from pydantic import BaseModel, ConfigDict, field_validator, model_validator
 
+from dgr.errors import WireError
+
 STRICT = ConfigDict(extra="forbid", strict=True, frozen=True)
 
 
@@ -24,17 +26,30 @@ class WireDtype:
     block_bytes: int
     lossless: bool
 
+    def fits(self, n_values: int) -> bool:
+        """Whether a boundary of `n_values` values per token packs into whole blocks (a block never
+        straddles two tokens: a step's frames are cut between tokens)."""
+        return n_values % self.block == 0
+
+    def check(self, n_values: int) -> None:
+        """ValueError, saying what to use instead, when `n_values` per token do not fill whole blocks."""
+        if not self.fits(n_values):
+            others = ", ".join(d.name for d in WIRE_DTYPES.values() if d.fits(n_values))
+            raise ValueError(f"wire dtype {self.name} packs {self.block} values per block, but this boundary has "
+                             f"{n_values} values per token (not a multiple of {self.block}); use {others}")
+
     def nbytes(self, n_values: int) -> int:
-        if n_values % self.block:
-            raise ValueError(f"{self.name} packs values in blocks of {self.block}; {n_values} is not a multiple")
+        self.check(n_values)
         return n_values // self.block * self.block_bytes
 
 
-# The one table of wire dtypes (proto/dgr/v1/stage.proto's enum names these in upper case).
+# The one table of wire dtypes (proto/dgr/v1/stage.proto's enum names these in upper case). q8_0 is
+# ggml's Q8_0 block: an f16 scale d = max|x| / 127, then 32 int8 q = round(x / d); x' = q * d.
 WIRE_DTYPES: dict[str, WireDtype] = {d.name: d for d in (
     WireDtype("f32", 1, 4, True),
     WireDtype("f16", 1, 2, False),
     WireDtype("bf16", 1, 2, False),
+    WireDtype("q8_0", 32, 34, False),
 )}
 DEFAULT_WIRE_DTYPE = "f32"
 
@@ -117,7 +132,7 @@ class StageContract(BaseModel):
             raise ValueError("the first stage reads token ids itself; it takes no sideband")
         if self.token_ids_out and self.layer_end == self.n_layer:
             raise ValueError("the last stage sends no boundary, so no sideband")
-        wire_dtype(self.dtype)
+        wire_dtype(self.dtype).check(self.n_streams * self.n_embd)
         return self
 
     @classmethod
@@ -154,7 +169,14 @@ class StageContract(BaseModel):
         return None if self.is_last else self._schema(self.token_ids_out)
 
     def with_dtype(self, dtype: str) -> "StageContract":
-        return self.model_copy(update={"dtype": wire_dtype(dtype).name})
+        """This contract in wire dtype `dtype` (what a worker's --wire-dtype chooses); WireError when the
+        boundary does not fill that dtype's blocks (model_copy runs no validator: checked here)."""
+        d = wire_dtype(dtype)
+        try:
+            d.check(self.n_streams * self.n_embd)
+        except ValueError as e:
+            raise WireError(f"--wire-dtype {d.name}: {e}") from None
+        return self.model_copy(update={"dtype": d.name})
 
     def describe(self) -> str:
         return f"layers [{self.layer_begin}, {self.layer_end}) of {self.n_layer}"

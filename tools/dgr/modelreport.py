@@ -47,7 +47,7 @@ def _report(path: str | Path, info) -> dict[str, Any]:
         "n_hash_layers": info.n_hash_layers,
         "experts": _experts(info),
         "boundary_shape": [info.n_streams, info.n_embd],
-        "boundary_bytes_per_token": {name: d.nbytes(width) for name, d in WIRE_DTYPES.items()},
+        "boundary_bytes_per_token": {name: d.nbytes(width) for name, d in WIRE_DTYPES.items() if d.fits(width)},
         "tied_embeddings": info.tied_embeddings,
         "n_tensors": len(h.tensors),
         "tensor_types": dict(sorted(types.items())),

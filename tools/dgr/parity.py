@@ -18,6 +18,7 @@ import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 
@@ -116,8 +117,13 @@ def check_chain(infos) -> None:
         raise EngineError(f"the stages end at layer {at}, the model has {infos[0].n_layer}")
 
 
+# (stage, session, boundary) -> the boundary the next stage takes: e.g. a wire dtype's encode + decode
+BoundaryTransform = Callable[[int, int, np.ndarray], np.ndarray]
+
+
 def _forward_chain(engines: list[Engine], steps_tokens: list[tuple[str, np.ndarray, np.ndarray]], want: str,
-                   perturb: tuple[int, int, int, float] | None, seam_bytes: list[int]):
+                   perturb: tuple[int, int, int, float] | None, seam_bytes: list[int], *,
+                   boundary_transform: BoundaryTransform | None = None):
     """One forward of several sessions through every stage; returns the last stage's results."""
     boundaries: list[np.ndarray | None] = [None] * len(steps_tokens)
     results = None
@@ -135,15 +141,20 @@ def _forward_chain(engines: list[Engine], steps_tokens: list[tuple[str, np.ndarr
                 if perturb and perturb[0] == si and perturb[1] == k:
                     b = b.copy()
                     b.flat[perturb[2]] += perturb[3]
+                if boundary_transform is not None:
+                    b = boundary_transform(si, k, b)
                 boundaries[k] = b
                 seam_bytes[si] += b.nbytes
     return results
 
 
 def run_pipeline(engines: list[Engine], sched: Schedule, *,
-                 perturb: tuple[int, int, int, float] | None = None) -> RunResult:
+                 perturb: tuple[int, int, int, float] | None = None,
+                 boundary_transform: BoundaryTransform | None = None) -> RunResult:
     """Run `sched` through `engines` (stages in order). `perturb` = (stage, session, flat index, delta)
-    adds delta to one value of that stage's output boundary in the prefill (negative controls)."""
+    adds delta to one value of that stage's output boundary in the prefill (negative controls).
+    `boundary_transform(stage, session, boundary)` replaces every boundary a stage gives (prefill and
+    decode) before the next stage takes it: dgr.app.dtypes runs each through a wire dtype's codec."""
     n = len(sched.prompts)
     sids = [f"s{k}" for k in range(n)]
     for eng in engines:
@@ -153,7 +164,8 @@ def run_pipeline(engines: list[Engine], sched: Schedule, *,
     try:
         t0 = time.perf_counter()
         pre = _forward_chain(engines, [(sids[k], np.arange(len(p), dtype=np.int32), np.asarray(p, dtype=np.int32))
-                                       for k, p in enumerate(sched.prompts)], "all", perturb, seam)
+                                       for k, p in enumerate(sched.prompts)], "all", perturb, seam,
+                             boundary_transform=boundary_transform)
         t1 = time.perf_counter()
         prefill = [r.logits for r in pre]
         gen = [[int(r.next_token)] for r in pre]
@@ -161,7 +173,8 @@ def run_pipeline(engines: list[Engine], sched: Schedule, *,
         for t in range(sched.steps):
             toks = [(sched.forced[k][t] if sched.forced else gen[k][t]) for k in range(n)]
             res = _forward_chain(engines, [(sids[k], np.array([len(sched.prompts[k]) + t], dtype=np.int32),
-                                            np.array([toks[k]], dtype=np.int32)) for k in range(n)], "last", None, seam)
+                                            np.array([toks[k]], dtype=np.int32)) for k in range(n)], "last", None, seam,
+                                 boundary_transform=boundary_transform)
             for k, r in enumerate(res):
                 dec[k].append(r.logits[0])
                 gen[k].append(int(r.next_token))

@@ -7,6 +7,7 @@ backend lanes. See docs/bundles.md for the format with a real example.
 
 from __future__ import annotations
 
+import json
 import re
 import tomllib
 from pathlib import Path
@@ -19,9 +20,10 @@ from pydantic import (
 )
 
 from dgr.constants import DEFAULT_CHUNK_SIZE, LANES
-from dgr.contract import DEFAULT_WIRE_DTYPE, STRICT, wire_dtype
+from dgr.contract import DEFAULT_WIRE_DTYPE, STRICT, WIRE_DTYPES, wire_dtype
 from dgr.errors import RecipeError
 from dgr.hashing import bytes_blake3
+from dgr.paths import REPO_ROOT
 
 _NAME = re.compile(r"^[a-z0-9][a-z0-9._-]{0,63}$")
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
@@ -267,3 +269,42 @@ def load_recipe(path: str | Path) -> LoadedRecipe:
     text = raw.decode("utf-8")
     return LoadedRecipe(recipe=parse_recipe(text, str(path)), path=path, text=text,
                         blake3=bytes_blake3(raw))
+
+
+# ------------------------------------------------------------------ the boundary dtype against its measured loss
+
+# The measured loss of every wire dtype per architecture, written by `dgr bench --dtypes`
+# (dgr.app.dtypes) beside docs/wire-dtypes.md, which renders the same rows.
+WIRE_DTYPE_TABLE = REPO_ROOT / "docs" / "wire-dtypes.json"
+# A lossy boundary whose greedy tokens agree with f32's less often than this is called poor.
+POOR_AGREEMENT = 0.9
+
+
+def boundary_dtype_warning(arch: str, dtype: str, table: Path = WIRE_DTYPE_TABLE) -> str | None:
+    """Why boundary dtype `dtype` is a risk for architecture `arch`, from the measured table; None when it
+    is exact, measured good, or there is no table (an installed dgr without the checkout's docs). A real
+    model's rows speak for its architecture before a tiny random-weight model's ("synth")."""
+    if wire_dtype(dtype).lossless:
+        return None
+    try:
+        rows = json.loads(Path(table).read_text())["rows"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    of_arch = [r for r in rows if r.get("arch") == arch]
+    real = [r for r in of_arch if r.get("model") != "synth"]
+    of_arch = real or of_arch
+    mine = [r for r in of_arch if r.get("dtype") == dtype]
+    if not mine:
+        return (f"boundary dtype {dtype} is lossy and {Path(table).name} has no measurement of it for "
+                f"architecture {arch}: measure it first (`dgr bench --dtypes`), or use f32 (exact)")
+    worst = min(mine, key=lambda r: r["top1_agree"])
+    if worst["top1_agree"] >= POOR_AGREEMENT:
+        return None
+    good = [d for d in WIRE_DTYPES if d != dtype and any(
+        r["dtype"] == d and r["top1_agree"] >= POOR_AGREEMENT for r in of_arch)]
+    on = "a tiny random-weight model" if worst["model"] == "synth" else worst["model"]
+    n = worst.get("prompts", 1)
+    return (f"boundary dtype {dtype} loses too much on architecture {arch}: measured on {on}, its greedy tokens "
+            f"agree with f32's at {worst['top1_agree']:.0%} of {n} x {worst['steps']} (first divergence at token "
+            f"{worst['first_divergence']}, KL {worst['kl_mean']:.2g} nats), under {POOR_AGREEMENT:.0%} "
+            f"(docs/wire-dtypes.md); use {' or '.join(good) or 'f32'} as [boundary] dtype")

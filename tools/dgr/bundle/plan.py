@@ -15,12 +15,15 @@ from pathlib import Path
 import gguf
 
 from dgr.bundle.quantize import check_conversion, target_type
-from dgr.contract import StageContract
+from dgr.contract import StageContract, wire_dtype
 from dgr.errors import BundleError, RecipeError
 from dgr.ggufmodel import INPUT, OUTPUT, SHARED, ModelInfo, TensorInfo, model_info, tensor_nbytes
+from dgr.log import get_logger
 from dgr.planner import WorkerSpec, plan
-from dgr.recipe import LoadedRecipe, check_ranges
+from dgr.recipe import LoadedRecipe, boundary_dtype_warning, check_ranges
 from dgr.source import resolve
+
+log = get_logger(__name__)
 
 
 @dataclass
@@ -89,12 +92,27 @@ def _ranges(recipe: LoadedRecipe, info: ModelInfo, layer_bytes: list[int], role:
         raise RecipeError(f"{recipe.path}: {e}") from None
 
 
+def _check_boundary_dtype(recipe: LoadedRecipe, info: ModelInfo) -> None:
+    """The recipe's [boundary] dtype against this model: whole blocks per token (RecipeError), and the
+    measured loss of that dtype on this architecture (a warning: `dgr recipe plan` and `build` both)."""
+    dtype = recipe.recipe.boundary.dtype
+    try:
+        wire_dtype(dtype).check(info.n_streams * info.n_embd)
+    except ValueError as e:
+        raise RecipeError(f"{recipe.path}: boundary.dtype: {e} (model {info.arch}, boundary "
+                          f"[n, {info.n_streams}, {info.n_embd}])") from None
+    why = boundary_dtype_warning(info.arch, dtype)
+    if why:
+        log.warning("warning: %s: %s", recipe.path, why)
+
+
 def make_plan(recipe: LoadedRecipe, *, progress: bool = False) -> BuildPlan:
     """Resolve the recipe's source and plan its stages (raises RecipeError / BundleError naming the fix)."""
     r = recipe.recipe
     src = resolve(r.source.uri, r.source.blake3, base_dir=recipe.path.parent, progress=progress)
     info = model_info(src)
     _check_source(src, info)
+    _check_boundary_dtype(recipe, info)
     targets: dict[str, gguf.GGMLQuantizationType] = {}
     for t in info.header.tensors:
         dst = target_type(t.name, t.type, recipe)

@@ -27,7 +27,8 @@ def register(sub) -> None:
                    "address needs --tls-cert/--tls-key or --insecure")
     s.add_argument("--lane", default=None, help="backend lane to advertise; must be the engine's own (default: "
                    "the lane the engine library was built for)")
-    s.add_argument("--wire-dtype", default=None, help="f32 | f16 | bf16 (default: the bundle's)")
+    s.add_argument("--wire-dtype", default=None, help="f32 | f16 | bf16 | q8_0 (default: the bundle's; "
+                   "their measured loss: docs/wire-dtypes.md)")
     s.add_argument("--max-message-bytes", type=int, default=DEFAULT_MAX_MESSAGE_BYTES)
     s.add_argument("--max-batch-tokens", type=int, default=d.max_batch_tokens)
     s.add_argument("--n-ctx", type=int, default=DEFAULT_N_CTX, help="positions per session (real engine)")
