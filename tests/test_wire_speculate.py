@@ -47,6 +47,15 @@ def test_ngram_drafts_propose_what_followed_the_last_match_and_back_off():
     assert d.propose(h, 3) == []
     d.observe(3, 1)                                   # (an accepted draft resets that)
     assert d.propose(h, 3) == [3, 4, 5]
+    d = NgramDrafts()
+    h = [1, 2, 3, 4, 5, 6, 1, 2, 3, 4]
+    for _ in range(3):                                # misses even with the longest (4-gram) match...
+        d.observe(4, 0)
+    assert [d.propose(h, 4) for _ in range(3)] == [[], [], [5, 6, 1, 2]]   # ...pause 2 plain steps
+    d.observe(4, 0)
+    assert [d.propose(h, 4) for _ in range(5)] == [[], [], [], [], [5, 6, 1, 2]]   # then 4
+    d.observe(4, 2)                                   # an accepted draft ends the pause
+    assert d.propose(h, 4) == [5, 6, 1, 2]
     with pytest.raises(WireError, match="reserved for beta"):
         make_source("mtp")
     with pytest.raises(WireError, match="unknown draft source"):

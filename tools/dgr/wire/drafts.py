@@ -44,7 +44,11 @@ class NgramDrafts:
     An index of every n-gram's latest end is kept incrementally (history is append-only), so a lookup
     is O(n_max) however long the history. Drafts that keep missing cost a (k+1)-position step for one
     token, so the source backs off: after a draft with nothing accepted it asks for a longer match
-    (n_min + misses in a row, up to n_max) before drafting again; one accepted draft resets it."""
+    (n_min + misses in a row, up to n_max) before drafting again, and once even n_max-grams keep missing
+    it pauses (2, 4, 8 ... up to MAX_PAUSE plain steps) before trying again; one accepted draft resets both.
+    Text that does not restate itself then pays for a draft now and then, not at every step."""
+
+    MAX_PAUSE = 32
 
     name = "ngram"
 
@@ -55,6 +59,7 @@ class NgramDrafts:
         self.index: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in range(n_min, n_max + 1)}
         self.seen = 0                    # history[:seen] is indexed (every n-gram ending before seen-1)
         self.misses = 0                  # drafts in a row with nothing accepted
+        self.pause = 0                   # plain steps left before drafting again
 
     def _catch_up(self, history: Sequence[int]) -> None:
         # index n-grams ending at e for e < len(history): each has a continuation history[e]
@@ -69,6 +74,9 @@ class NgramDrafts:
         if k <= 0 or len(history) < self.n_min + 1:
             return []
         self._catch_up(history)
+        if self.pause:
+            self.pause -= 1
+            return []
         n_least = min(self.n_max, self.n_min + self.misses)
         end = len(history)
         for n in range(self.n_max, n_least - 1, -1):
@@ -78,8 +86,15 @@ class NgramDrafts:
         return []
 
     def observe(self, drafted: int, accepted: int) -> None:
-        if drafted:
-            self.misses = 0 if accepted else self.misses + 1
+        if not drafted:
+            return
+        if accepted:
+            self.misses = self.pause = 0
+            return
+        self.misses += 1
+        beyond = self.misses - (self.n_max - self.n_min)   # misses with the longest match required
+        if beyond > 0:
+            self.pause = min(self.MAX_PAUSE, 2 ** beyond)
 
 
 def make_source(name: str) -> DraftSource:
