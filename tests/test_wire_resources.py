@@ -97,7 +97,10 @@ def test_a_flood_beyond_the_bounds_gets_overloaded_while_admitted_sessions_finis
             t.join(60)
         assert results == {0: want, 1: want}                        # every admitted session finished
         d = describe(r.addresses[0])
-        assert d.max_queued_steps == 8 and d.overloaded >= 18 + len(over) and d.queued_steps <= 8
+        assert d.max_queued_steps == 8 and d.queued_steps <= 8
+        # every refusal is counted by the stage that refused it: an open can be refused further down the
+        # route (a later stage still freeing a slot), so the count is over the route
+        assert sum(describe(a).overloaded for a in r.addresses) >= 18 + len(over)
         raw.close()
         ch.close()
 
