@@ -92,6 +92,10 @@ class Link:
                 self.q = None                           # the next frame opens a new stream
         q.put(END)                                      # release gRPC's request-consuming thread
         if not self.worker.stopping:
+            # the next frame to this peer gets a new channel: this one may sit in gRPC's reconnect backoff
+            # (after "connection refused" from a peer being restarted) and fail the next stream at once,
+            # though the peer is back at the same address
+            self.worker._forget_link(self)
             self.worker._on_link_broken(self, why, lost)
 
     def close(self) -> None:
@@ -201,6 +205,12 @@ class Links(StageState):
             if link is None:
                 link = self.links[address] = Link(self, address, hop_name(hop_index, address))
             return link
+
+    def _forget_link(self, link: Link) -> None:
+        """A broken link is not reused (its channel is left to close when the last sender lets go)."""
+        with self.lock:
+            if self.links.get(link.address) is link:
+                del self.links[link.address]
 
     def _to_origin(self, sess: Session, frame: pb.Frame) -> None:
         if self.info.is_first:
