@@ -53,15 +53,11 @@ def measure_speculation(*, stages: int = 3, bundle=None, threads: int = 1, k: in
     """Run both workloads `rounds` times each, plain and speculative alternating, on one route of
     `stages` worker processes (`bundle`: a bundle or its directory; default the demo's SmolLM2 bundle).
     Returns the figures (tokens_per_ring, tpot_ratio_plain, the equal-text flags) and the raw numbers."""
-    from dgr.app.local import LocalRoute
+    from dgr.app.local import LocalRoute, engine_library
     from dgr.wire.client import RouteClient
     from dgr.wire.stats import decode_events, draft_stats, rings, tokens_per_ring
 
-    lib = os.environ.get("DGR_ENGINE_LIB")
-    if not lib:
-        from dgr.enginebuild import ensure_engine
-
-        lib = str(ensure_engine("cpu"))
+    lib = str(engine_library())
     root = _bundle_root(bundle, stages)
     # ggml's CPU threads spin while they wait: workers sharing a machine split its cores between them
     threads = threads if threads > 0 else max(1, (os.cpu_count() or 1) // stages)

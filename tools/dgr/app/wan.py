@@ -27,7 +27,6 @@ the same machine load. The figures (all from this run):
 from __future__ import annotations
 
 import contextlib
-import os
 import re
 import statistics
 import time
@@ -93,12 +92,9 @@ def _metrics_urls(route) -> list[str]:
 
 
 def _engine_lib() -> Path:
-    env = os.environ.get("DGR_ENGINE_LIB")
-    if env:
-        return Path(env)
-    from dgr.enginebuild import ensure_engine
+    from dgr.app.local import engine_library
 
-    return ensure_engine("cpu")
+    return engine_library()
 
 
 def _bundle(bundle, stages: int):
