@@ -13,7 +13,7 @@ from dgr.errors import WireError
 from dgr.wire.client import RouteClient, parse_route
 from dgr.wire.errors import HopUnreachable
 
-from support.route import PROMPT, SAMPLED, fake_route, reference, run_with_fault
+from support.route import MAX_NEW, PROMPT, SAMPLED, SPEC, fake_route, reference, run_with_fault
 
 
 def test_parse_route_replicas_and_errors():
@@ -144,3 +144,26 @@ def test_cli_route_with_replicas_and_a_bad_route():
     bad = subprocess.run([sys.executable, "-m", "dgr", "generate", "--route", "127.0.0.1:1,,127.0.0.1:2", "x"],
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode != 0 and "stage 1 is empty" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_a_broken_stream_back_to_the_origin_is_recovered_not_waited_out():
+    """The last stage's stream to a live origin breaks mid-generation (here: its channel closed under it;
+    on a starved machine, a ping unanswered within the keepalive). The ring's token may be lost with it:
+    the last stage says so on a new stream, and the client re-routes at once instead of waiting out its
+    timeout; the text equals the uninterrupted run's."""
+    from dgr.app.local import InProcessRoute
+
+    at = random.Random(5).randint(2, 40)
+    with InProcessRoute.of(SPEC) as r:
+        with RouteClient(r.addresses) as c:
+            want = c.run(PROMPT, max_new_tokens=MAX_NEW, stop_token_ids=[])
+        last, origin = r.workers[-1], r.addresses[0]
+
+        def break_return_link():
+            last.links[origin].channel.close()          # every stream on it fails (CANCELLED)
+
+        with RouteClient(r.addresses, timeout=20) as c:
+            gen, _ = run_with_fault(c, break_return_link, at)
+    assert gen.text == want.text and gen.token_ids == want.token_ids
+    assert gen.epochs >= 2, gen.failures
+    assert gen.failures[0].code == "HOP_UNREACHABLE" and "lost its stream back to the origin" in gen.failures[0].why

@@ -156,8 +156,19 @@ class LocalRoute:
     def __enter__(self):
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, exc_type, exc, tb):
         self.stop()
+        if exc_type is not None and not issubclass(exc_type, (KeyboardInterrupt, GeneratorExit)):
+            self.dump_logs()
+
+    def dump_logs(self, lines: int = 40, out=None) -> None:
+        """The last `lines` lines of every worker's output to stderr (what a failed test shows: which
+        worker died, refused or reaped what)."""
+        out = out or sys.stderr
+        for w in self.all:
+            out.write(f"----- {w.name} ({w.address or 'not serving'}): last {lines} lines -----\n")
+            out.write("".join(w.log[-lines:]))
+        out.flush()
 
 
 class InProcessRoute:

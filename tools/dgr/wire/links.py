@@ -237,9 +237,23 @@ class Links(StageState):
                 "or shut down (a thin link carrying a long prompt: raise --link-keepalive-timeout): use "
                 "another replica or restart it"))
             frame = pb.Frame(session_id=sess.session_id, epoch=sess.epoch, error=e)
-            if link.address == sess.route[0].address:
-                log.warning("origin unreachable for session %s: %s", sess.session_id, e.message)
-            else:
+            if link.address != sess.route[0].address:
                 self._count_error(pb.HOP_UNREACHABLE)
                 self._to_origin(sess, frame)
+            elif not sess.told_origin:
+                # The stream back to the origin broke (the origin died, or a ping went unanswered on a
+                # starved machine): the ring's token may be lost, and a live origin would wait for it
+                # until the client's timeout. Say so on a new stream (the broken link is forgotten):
+                # a live origin hands the error to the client, which re-routes; a dead one fails that
+                # stream too, and nothing is retried (once per session).
+                sess.told_origin = True
+                self._count_error(pb.HOP_UNREACHABLE)
+                frame.error.hop, frame.error.message = self.hop, (
+                    f"{self.hop} lost its stream back to the origin {name} ({why}): the ring's last token may "
+                    "be lost; the session goes on in a new epoch")
+                log.warning("stream to the origin broke for session %s: %s; telling the origin on a new stream",
+                            sess.session_id, why)
+                self._to_origin(sess, frame)
+            else:
+                log.warning("origin unreachable for session %s: %s", sess.session_id, e.message)
 

@@ -111,6 +111,8 @@ class Session:
     no_roll_back: str = ""             # the hops that cannot roll back, named
     spec_cap: int = 17                 # positions a step may carry without being split into frames
     spec_floor: int | None = None
+    # the last stage: it already told the origin, on a new stream, that its stream there broke (once)
+    told_origin: bool = False
 
 
 @dataclass
