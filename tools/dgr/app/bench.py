@@ -44,6 +44,7 @@ class Setup:
     label: str                           # what the report calls the model
     synthetic: bool = False              # random weights, no tokenizer: prompts are random token ids
     wire_dtype: str | None = None        # None: the bundle's
+    data_plane: str = "native"           # the workers' `--data-plane` (dgr.wire.native)
     workdir: Path | None = None          # a temporary folder this setup made (synthetic bundles)
 
     @property
@@ -53,7 +54,7 @@ class Setup:
 
 def prepare(*, stages: int | None = None, bundle: str | None = None, source: str | None = None,
             synth: str | None = None, lib: str | None = None, threads: int = 1,
-            wire_dtype: str | None = None) -> Setup:
+            wire_dtype: str | None = None, data_plane: str = "native") -> Setup:
     """Resolve what `dgr bench` runs: `bundle` (a folder), `synth` (a fresh tiny model of that
     architecture split into `stages`), or the embedded SmolLM2 of `stages` (default 3)."""
     from dgr.app.local import engine_library
@@ -78,7 +79,7 @@ def prepare(*, stages: int | None = None, bundle: str | None = None, source: str
         raise DgrError(f"dgr bench: the bundle {b.root} has {len(b.manifest.stages)} stages, not --stages {stages}; "
                        "drop --stages or give a bundle of that many stages")
     return Setup(bundle=b, source=_source_of(b, source), lib=lib_path, threads=max(1, threads), label=label,
-                 synthetic=bool(synth), wire_dtype=wire_dtype, workdir=workdir)
+                 synthetic=bool(synth), wire_dtype=wire_dtype, workdir=workdir, data_plane=data_plane)
 
 
 def _source_of(b, source: str | None) -> Path:
@@ -253,7 +254,8 @@ def run_bench(setup: Setup, *, tokens: int = 64, prompt_lengths=PROMPT_LENGTHS, 
     need = max(lengths) + tokens + 8
     n_ctx = max(need, 512 if setup.synthetic else DEFAULT_N_CTX)
     args = [["--bundle", str(setup.bundle.root), "--stage", str(i), "--threads", str(setup.threads),
-             "--n-ctx", str(n_ctx), *(["--wire-dtype", setup.wire_dtype] if setup.wire_dtype else [])]
+             "--n-ctx", str(n_ctx), "--data-plane", setup.data_plane,
+             *(["--wire-dtype", setup.wire_dtype] if setup.wire_dtype else [])]
             for i in range(S)]
     acc = _Acc()
     log.info("bench: %s, %d stages in worker processes (%d thread(s) each) vs the whole model in this process",
@@ -281,7 +283,10 @@ def run_bench(setup: Setup, *, tokens: int = 64, prompt_lengths=PROMPT_LENGTHS, 
             log.info("bench: warming up both sides")
             c.run(decode_ids, max_new_tokens=4, stop_token_ids=[])
             whole_model_run(whole, decode_ids, 4, chunk_tokens=chunk)
-            ports = [int(a.rpartition(":")[2]) for a in route.addresses]     # stage order
+            # per stage (stage order), the ports it serves: gRPC, and its native plane's
+            ports = [[int(a.rpartition(":")[2])] + ([int(d.native_address.rpartition(":")[2])]
+                                                     if d.native_address else [])
+                     for a, d in zip(route.addresses, hops)]
             wire = _wire_bytes(c, decode_ids, tokens, ports)
             for r in range(rounds):
                 toks = {}
@@ -318,21 +323,22 @@ def run_bench(setup: Setup, *, tokens: int = 64, prompt_lengths=PROMPT_LENGTHS, 
                    time.perf_counter() - t_start)
 
 
-def _wire_bytes(c, ids: list[int], tokens: int, ports: list[int]) -> dict | None:
+def _wire_bytes(c, ids: list[int], tokens: int, ports: list[list[int]]) -> dict | None:
     """Socket bytes per decode token: a run of 1 + `tokens` tokens minus a run of 1, same prompt;
-    per stage (`ports` in stage order): the bytes into it and out of it on the connections it serves."""
-    b0 = tcp_bytes(set(ports))
+    per stage (`ports[j]`: the ports stage j serves, stage order): the bytes into it and out of it on the
+    connections it serves."""
+    every = {p for ps in ports for p in ps}
+    b0 = tcp_bytes(every)
     c.run(ids, max_new_tokens=1, stop_token_ids=[])
-    b1 = tcp_bytes(set(ports))
+    b1 = tcp_bytes(every)
     c.run(ids, max_new_tokens=1 + tokens, stop_token_ids=[])
-    b2 = tcp_bytes(set(ports))
+    b2 = tcp_bytes(every)
     if not (b0 and b1 and b2):
         return None
-    order = ports
-    per = {p: [((b2[p][k] - b1[p][k]) - (b1[p][k] - b0[p][k])) / tokens for k in (0, 1)] for p in order}
-    return {"into_stage": [round(per[p][0], 1) for p in order],
-            "out_of_stage": [round(per[p][1], 1) for p in order],
-            "total": round(sum(sum(v) for v in per.values()), 1)}
+    per = [[sum((b2[p][k] - b1[p][k]) - (b1[p][k] - b0[p][k]) for p in ps) / tokens for k in (0, 1)] for ps in ports]
+    return {"into_stage": [round(v[0], 1) for v in per],
+            "out_of_stage": [round(v[1], 1) for v in per],
+            "total": round(sum(sum(v) for v in per), 1)}
 
 
 def _ratio(num: list[float], den: list[float]) -> float:
@@ -365,6 +371,7 @@ def _report(setup: Setup, acc: _Acc, lengths, tokens, rounds, sessions, chunk, w
                   "arch": setup.bundle.manifest.model.arch, "stages": S, "threads": setup.threads,
                   "engine_lib": str(setup.lib), "tokens": tokens, "prompt_lengths": list(lengths),
                   "rounds": rounds, "chunk_tokens": chunk, "cpus": os.cpu_count(), "seconds": round(seconds, 1),
+                  "data_plane": setup.data_plane,
                   "wire_dtype": DTYPE_NAMES.get(dtype.dtype) if dtype is not None else None},
         "whole": {"decode_tok_s": wd, "prefill_tok_s": whole_pf[top], "prefill_tok_s_by_len": whole_pf,
                   "decode_ms_per_token": 1e3 / wd if wd else 0.0},

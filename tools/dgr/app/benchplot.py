@@ -11,7 +11,8 @@ def table(rep: dict) -> str:
     """The report as the lines a person reads: whole vs pipeline, the hops, the stages, bytes, sessions."""
     b, w, p, r, s = rep["bench"], rep["whole"], rep["pipeline"], rep["ratios"], rep["sessions"]
     lines = [f"dgr bench: {b['model']} ({b['arch']}), {b['stages']} stages, {b['threads']} thread(s) per process, "
-             f"{b['chunk_tokens']}-token prefill chunks, {b['wire_dtype']} boundary, {b['rounds']} round(s), "
+             f"{b['chunk_tokens']}-token prefill chunks, {b['wire_dtype']} boundary, {b.get('data_plane', 'grpc')} data plane, "
+             f"{b['rounds']} round(s), "
              f"{b['cpus']} CPU(s), {b['seconds']:.0f} s",
              f"  {'':28}{'whole':>10}{'pipeline':>10}{'ratio':>8}"]
     for n, v in w["prefill_tok_s_by_len"].items():

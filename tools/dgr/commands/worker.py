@@ -51,6 +51,10 @@ def register(sub) -> None:
     s.add_argument("--drain-timeout", type=float, default=d.drain_timeout_s, metavar="S",
                    help=f"SIGTERM: exit within S seconds whatever the sessions and streams do "
                         f"(default {d.drain_timeout_s:g})")
+    s.add_argument("--data-plane", choices=("grpc", "native"), default="grpc",
+                   help="native: run greedy decode steps round the ring in C++ over plain TCP (the engine "
+                        "library's data plane, proto/dgr/v1/native.md), next to gRPC; every stage of a route "
+                        "needs it for a session to use it (default grpc: every step over gRPC)")
     s.add_argument("--tls-cert", metavar="F", help="this worker's certificate (PEM; `dgr certs issue`)")
     s.add_argument("--tls-key", metavar="F", help="its private key (PEM)")
     s.add_argument("--tls-ca", metavar="F", help="the operator's CA (PEM): peers must present a certificate it "
@@ -107,7 +111,8 @@ def _serve(args) -> int:
             args.certs, ident, (info.layer_begin, info.layer_end), args.contract)
         server, worker, address = serve(engine, ident, args.listen, max_message_bytes=args.max_message_bytes,
                                         limits=limits, tls=tls, insecure=args.insecure,
-                                        metrics_listen=args.metrics_listen, certificates=certs)
+                                        metrics_listen=args.metrics_listen, certificates=certs,
+                                        data_plane=args.data_plane)
     except BaseException:
         engine.close()
         raise
@@ -118,6 +123,8 @@ def _serve(args) -> int:
     info = worker.info
     where = f", {ident.lane} lane, weights on {engine.memory().device or 'the host'}"
     sec = "mutual TLS" if worker.mutual_tls else "TLS" if tls else "plaintext"
+    if worker.native is not None:
+        print(f"dgr worker: native data plane on {worker.native.address}", flush=True)
     print(f"dgr worker: stage {ident.stage_index} [{info.layer_begin}, {info.layer_end}) of bundle "
           f"{ident.bundle_id}{where}, {sec} serving on {address}", flush=True)
     done = threading.Event()

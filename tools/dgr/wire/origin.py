@@ -14,6 +14,7 @@ import queue
 import threading
 import time
 
+from dgr.wire.codec import hop_name
 from dgr.wire.gen import stage_pb2 as pb
 from dgr.wire.state import Session, StageState, Work
 
@@ -45,7 +46,8 @@ class Origin(StageState):
             sess.client.put(frame)
             return
         tok = frame.token
-        tok.ring_ns = time.monotonic_ns() - tok.origin_sent_ns if tok.origin_sent_ns else 0
+        if tok.origin_sent_ns:                          # (a native token comes with its ring time)
+            tok.ring_ns = time.monotonic_ns() - tok.origin_sent_ns
         # A speculative ring returns several draws: the accepted drafts, then token_id. Count them one by
         # one; a stop id or max_new_tokens among them ends the generation there (the rest are dropped).
         draws = [*tok.accepted, tok.token_id]
@@ -69,6 +71,13 @@ class Origin(StageState):
                 sess.failed = True
                 sess.client.put(pb.Frame(session_id=sess.session_id, epoch=sess.epoch, error=self._err(
                     pb.ENGINE, context_full(pos, self.info.n_ctx))))
+            elif sess.native_decoding:
+                pass                                    # the native plane queued the next step itself
+            elif sess.native and sess.drafter is None:
+                # the prefill's token is back: the rest of the decode goes round the native plane
+                sess.native_decoding = True
+                self.native.decode(sess.session_id, sess.epoch, pos, last, sess.max_new - sess.produced,
+                                   sess.stop_ids)
             else:
                 self._enqueue(Work(self._next_step(sess, pos, last, bool(tok.drafted)), sess.client,
                                    time.monotonic_ns()), sess, own=True)
@@ -79,6 +88,35 @@ class Origin(StageState):
         # the ring, and the engine is never called from two threads.
         n0 = len(sess.context_ids) - len(frames)
         self._defer(lambda: [self._send_token(sess, f, n0 + i + 1) for i, f in enumerate(frames)])
+
+    def _on_native_event(self, ev) -> None:
+        """A token or an error from the native plane (dgr.wire.native): to the client as the gRPC plane's."""
+        from dgr.wire import native
+
+        sid, epoch = ev.session_id.decode(), ev.epoch
+        if ev.kind == native.KIND_TOKEN:
+            hops = [pb.HopTiming(stage_index=h.stage_index, queue_ns=max(0, h.queue_ns), compute_ns=max(0, h.compute_ns),
+                                 wire_ns=max(0, h.wire_ns), transit_ns=max(0, h.transit_ns)) for h in ev.hops[:ev.n_hops]]
+            self._deliver_to_client(pb.Frame(session_id=sid, epoch=epoch, token=pb.Token(
+                token_id=ev.token_id, position=ev.position, ring_ns=max(0, ev.ring_ns),
+                return_ns=max(0, ev.return_ns), timings=hops)))
+            return
+        with self.lock:
+            sess = self.sessions.get((sid, epoch))
+        if sess is None or sess.failed or sess.done:
+            return
+        why = ev.message.decode(errors="replace")
+        code = {native.E_UNREACHABLE: pb.HOP_UNREACHABLE, native.E_CACHE_MISS: pb.CACHE_MISS,
+                native.E_UNKNOWN: pb.UNKNOWN_SESSION}.get(ev.error_code, pb.ENGINE)
+        if ev.error_code == native.E_CONTEXT_FULL:
+            why = context_full(ev.position, self.info.n_ctx)
+        # name the hop at fault: the one a stage could not write to, else the one that reports
+        at = ev.stage_index + 1 if ev.error_code == native.E_UNREACHABLE else ev.stage_index
+        at = min(max(at, 0), len(sess.route) - 1)
+        name = hop_name(at, sess.route[at].address)
+        self._count_error(code)
+        self._deliver_to_client(pb.Frame(session_id=sid, epoch=epoch, error=pb.WireError(
+            code=code, hop=name, message=f"{name}: native plane: {why}")))
 
     def _next_step(self, sess: Session, pos: int, token: int, after_drafts: bool) -> pb.Frame:
         """The next decode step: the last token at `pos`, plus what the session's draft source proposes

@@ -65,7 +65,9 @@ class StageWorker(Scheduler, Links, Origin, pb_grpc.StageServicer):
             session_ttl_s=self.limits.session_ttl_s, max_queued_steps=self.limits.max_queued_steps,
             overloaded=self.overloaded, tls=self.tls is not None, mutual_tls=self.mutual_tls,
             cached_positions=sum(s.held for s in list(self.sessions.values())), member=self.member,
-            can_roll_back=i.can_truncate)
+            can_roll_back=i.can_truncate, native_address=self.native.address if self.native else "")
+        if self.native is not None:
+            d.native_steps, d.native_forwards = self.native.counts()
         if (s := self.schema_in()) is not None:
             d.schema_in.CopyFrom(s)
         if (s := self.schema_out()) is not None:
@@ -196,11 +198,23 @@ class StageWorker(Scheduler, Links, Origin, pb_grpc.StageServicer):
         sess.spec_cap = min([codec.tokens_per_frame(min(h.max_message_bytes, self.max_message_bytes),
                                                     h.seam_bytes_per_token)
                              for h in hops if h.HasField("schema_out") and h.seam_bytes_per_token] or [MAX_DRAFT_K + 1])
+        self._register_native(req, sess, hops)
         # the origin takes tokens back only from the last hop, errors from any hop of the route (mTLS)
         sess.returner = hops[-1].member or None
         sess.route_members = frozenset(h.member for h in hops if h.member)
         self.metrics.opened.inc()
         return pb.OpenSessionReply(hops=hops)
+
+    def _register_native(self, req, sess: Session, hops: list) -> None:
+        """A session this stage and every later hop can run on the native plane (greedy, no logits rows:
+        what the plane does) is registered there, with the next hop's plane (the last stage's tokens go
+        to the origin each frame names). The origin hands its decode over after the prefill."""
+        if self.native is None or req.sampling.temperature > 0 or req.logits != pb.LOGITS_NONE:
+            return
+        if not all(h.native_address for h in hops):
+            return
+        self.native.session(req.session_id, req.epoch, "" if self.info.is_last else hops[1].native_address)
+        sess.native = True
 
     def _chain_timeout(self, hops_after: int, context) -> float:
         """The deadline of a chained RPC: one rpc_timeout per hop still to go (so the hop nearest a fault
@@ -234,6 +248,8 @@ class StageWorker(Scheduler, Links, Origin, pb_grpc.StageServicer):
         return pb.CloseSessionReply()
 
     def _close_local(self, session_id: str, epoch: int) -> None:
+        if self.native is not None:
+            self.native.forget(session_id, epoch)
         with self.lock:
             self.sessions.pop((session_id, epoch), None)
             self._drop_pending(session_id, epoch)
@@ -433,13 +449,19 @@ class StageWorker(Scheduler, Links, Origin, pb_grpc.StageServicer):
             time.sleep(min(1.0, ttl / 4))
             self.reap_idle()
 
+    def _last_used(self, key, sess: Session) -> float:
+        """When a session last did anything here: its last gRPC step, or its last native one."""
+        if self.native is None or not sess.native:
+            return sess.last_used
+        return max(sess.last_used, self.native.last_used_ns(*key) / 1e9)
+
     def reap_idle(self) -> int:
         """Close every session idle for session_ttl_s (opened and never used counts), freeing its cache."""
         ttl = self.limits.session_ttl_s
         now = time.monotonic()
         with self.lock:
             idle = [(k, v) for k, v in self.sessions.items()
-                    if now - v.last_used >= ttl and k not in self.pending]
+                    if now - self._last_used(k, v) >= ttl and k not in self.pending]
         for (sid, epoch), sess in idle:
             log.info("reaping session %s epoch %d: idle for %.1f s (--session-ttl %g), %d positions freed",
                      sid, epoch, now - sess.last_used, ttl, sess.held)
@@ -456,6 +478,8 @@ class StageWorker(Scheduler, Links, Origin, pb_grpc.StageServicer):
     # ------------------------------------------------------------------ lifecycle
     def stop(self) -> None:
         self.stopping = True
+        if self.native is not None:                     # before the engine it drives is closed
+            self.native.stop()
         with self.lock:
             self.wake.notify_all()
             links = list(self.links.values())

@@ -113,6 +113,11 @@ class Session:
     spec_floor: int | None = None
     # the last stage: it already told the origin, on a new stream, that its stream there broke (once)
     told_origin: bool = False
+    # the native data plane (dgr.wire.native): registered with this stage's plane; at the origin, every
+    # hop has one and the session asks only for what it does (greedy, no logits rows, no speculation),
+    # and `native_decoding` once its decode was handed over
+    native: bool = False
+    native_decoding: bool = False
 
 
 @dataclass
@@ -165,6 +170,7 @@ class StageState:
                            "prefill": collections.deque(maxlen=STEP_TIMES_KEPT)}   # (compute_ns, queue_ns)
         self.errors: collections.Counter = collections.Counter()   # WireError code name -> answered
         self.metrics = WorkerMetrics(self)
+        self.native = None                              # dgr.wire.native.NativePlane (--data-plane native)
 
     @property
     def mutual_tls(self) -> bool:

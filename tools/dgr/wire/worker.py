@@ -38,6 +38,7 @@ from dgr.wire import codec
 from dgr.wire.gen import stage_pb2 as pb
 from dgr.wire.gen import stage_pb2_grpc as pb_grpc
 from dgr.wire.links import channel_options, server_options
+from dgr.wire.native import DATA_PLANES, NativePlane
 from dgr.wire.servicer import StageWorker
 from dgr.wire.state import DRAIN, Limits, StageIdentity
 from dgr.wire.tls import TlsConfig, add_port, check_listen
@@ -53,11 +54,12 @@ def serve(engine: ShardEngine, identity: StageIdentity, listen: str, *,
           max_message_bytes: int = codec.DEFAULT_MAX_MESSAGE_BYTES, max_batch_tokens: int | None = None,
           threads: int | None = None, limits: Limits | None = None, tls: TlsConfig | None = None,
           insecure: bool = False, metrics_listen: str | None = None,
-          certificates: tuple[HeldCertificate, ...] = ()) -> tuple[grpc.Server, StageWorker, str]:
+          certificates: tuple[HeldCertificate, ...] = (), data_plane: str = "grpc") -> tuple[grpc.Server, StageWorker, str]:
     """Start serving; returns (server, worker, bound address). Port 0 picks a free port. A listener other
     machines can reach needs `tls` (or `insecure=True`). `metrics_listen`: also serve Prometheus text at
     http(s)://HOST:PORT/metrics (`worker.metrics_url`; TLS as the worker's). `certificates`: those the
-    worker advertises (already checked against its identity: dgr.app.stages.held_certificates)."""
+    worker advertises (already checked against its identity: dgr.app.stages.held_certificates).
+    `data_plane`: "native" also starts the native data plane (dgr.wire.native) on the same host."""
     host, _, port = listen.rpartition(":")
     if not host or not port.isdigit():
         raise WireError(f"cannot listen on {listen!r}: give HOST:PORT with a free port (port 0 picks one)")
@@ -67,6 +69,11 @@ def serve(engine: ShardEngine, identity: StageIdentity, listen: str, *,
         if not mhost or not mport.isdigit():
             raise WireError(f"--metrics-listen {metrics_listen!r}: give HOST:PORT (port 0 picks a free one)")
         check_listen(metrics_listen, tls, insecure)
+    if data_plane not in DATA_PLANES:
+        raise WireError(f"--data-plane {data_plane!r}: choose one of {', '.join(DATA_PLANES)}")
+    if data_plane == "native" and tls is not None:
+        raise WireError("--data-plane native has no TLS yet (its frames are plaintext TCP): serve TLS routes with "
+                        "--data-plane grpc")
     limits = limits or Limits()
     if max_batch_tokens is not None:
         limits = Limits(**{**limits.__dict__, "max_batch_tokens": max_batch_tokens})
@@ -82,6 +89,17 @@ def serve(engine: ShardEngine, identity: StageIdentity, listen: str, *,
     worker = StageWorker(engine, identity, address=address, max_message_bytes=max_message_bytes,
                          limits=limits, tls=tls)
     worker.certificates = tuple(certificates)
+    if data_plane == "native":
+        try:
+            worker.native = NativePlane(engine, host, identity.stage_index)
+        except BaseException:
+            worker.stop()
+            server.stop(0)
+            raise
+        if host in ("0.0.0.0", "[::]"):                 # advertise a name other machines can use
+            worker.native.address = f"{address.rpartition(':')[0]}:{worker.native.address.rpartition(':')[2]}"
+        if worker.info.is_first:
+            worker.native.run_events(worker._on_native_event)
     if metrics_listen is not None:
         try:
             start_metrics(worker, metrics_listen)

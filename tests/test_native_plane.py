@@ -1,0 +1,228 @@
+"""The native data plane (`dgr worker serve --data-plane native`, worker/engine/dgr_dataplane.cpp): greedy
+decode steps go round the ring in C++ over plain TCP, in real worker processes, and the generation equals
+the whole model's token for token (SmolLM2, a tiny llama, DeepSeek V4 with its token-id sideband);
+sessions share engine forwards; what the plane does not do (sampling, logits rows) stays on gRPC and
+stays exact; a worker killed mid-decode is routed around; garbage on the port is dropped; the frame
+layout is one contract (proto/dgr/v1/native.md, the C header and source, dgr.wire.native)."""
+
+from __future__ import annotations
+
+import re
+import socket
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from dgr.app.local import LocalRoute
+from dgr.wire import native
+from dgr.wire.client import RouteClient
+
+from support.route import SAMPLED, run_with_fault
+
+REPO = Path(__file__).resolve().parents[1]
+PROMPT = "The three primary colors are"
+
+
+def _route(engine_lib, bundle, plane="native", replicas=1, n_ctx=512):
+    args = [["--bundle", str(bundle.root), "--stage", str(i), "--threads", "1", "--n-ctx", str(n_ctx),
+             "--data-plane", plane] for i in range(len(bundle.manifest.stages))]
+    return LocalRoute(args, replicas=replicas, env={"DGR_ENGINE_LIB": str(engine_lib)}, timeout=300)
+
+
+def _closed_by_peer(s: socket.socket) -> bool:
+    """The worker closed the connection (EOF, or a reset where bytes it did not read were left)."""
+    try:
+        return s.recv(100) == b""
+    except ConnectionResetError:
+        return True
+
+
+def _native_steps(c: RouteClient) -> list[int]:
+    return [d.native_steps for d in c.describe()]
+
+
+def test_frame_layout_is_one_contract():
+    doc = (REPO / "proto/dgr/v1/native.md").read_text()
+    head = (REPO / "worker/engine/dgr_dataplane.h").read_text()
+    src = (REPO / "worker/engine/dgr_dataplane.cpp").read_text()
+    assert f"0x{native.FRAME_MAGIC:08X}" in doc
+    assert re.search(rf"DGR_DP_MAGIC\s+0x{native.FRAME_MAGIC:08X}u", head)
+    assert re.search(rf"DGR_DP_MAX_HOPS\s+{native.MAX_HOPS}\b", head) and f"at most {native.MAX_HOPS}" in doc
+    assert re.search(rf"FIXED_BYTES\s+=\s+{native.FRAME_FIXED_BYTES};", src)
+    assert re.search(rf"HOP_BYTES\s+=\s+{native.HOP_BYTES};", src) and f"{native.HOP_BYTES} bytes each" in doc
+    # the doc's table: offsets in order, the fixed part ends where the variable part starts
+    offsets = [int(m) for m in re.findall(r"^\| (\d+) \|", doc, re.M)]
+    assert offsets == sorted(offsets) and offsets[-1] == native.FRAME_FIXED_BYTES
+    codes = {"1 unreachable": native.E_UNREACHABLE, "2 cache miss": native.E_CACHE_MISS, "3 engine": native.E_ENGINE,
+             "4 unknown session": native.E_UNKNOWN, "5 context full": native.E_CONTEXT_FULL}
+    for text, code in codes.items():
+        assert text in doc and text.startswith(str(code))
+
+
+@pytest.fixture(scope="module")
+def smollm2(engine_lib, smollm2_gguf):
+    """The 3-stage bundle and the whole model's greedy tokens and logits for PROMPT."""
+    from dgr.app.demo import ensure_bundle, whole_model_run
+    from dgr.engine import Engine
+
+    with Engine.open(smollm2_gguf, lib=engine_lib, n_threads=1) as eng:
+        ids = eng.tokenize(PROMPT)
+        ref = whole_model_run(eng, ids, 24)
+    return ensure_bundle(3, progress=False)[0], ids, ref
+
+
+@pytest.mark.engine
+@pytest.mark.slow
+def test_smollm2_native_ring_equals_the_whole_model(engine_lib, smollm2):
+    bundle, ids, ref = smollm2
+    with _route(engine_lib, bundle) as r, RouteClient(r.addresses) as c:
+        hops = c.describe()
+        assert all(d.native_address for d in hops)
+        gen = c.run(ids, max_new_tokens=24, stop_token_ids=[])
+        steps = _native_steps(c)
+        # the first token comes from the prefill (gRPC); the other 23 went round the native ring
+        assert steps == [23, 23, 23], steps
+        # logits rows (a parity run) are not what the plane does: that session stays on gRPC, exact
+        parity = c.run(ids, max_new_tokens=8, logits="last", stop_token_ids=[])
+        assert _native_steps(c) == steps
+    assert gen.token_ids == ref.token_ids and gen.epochs == 1
+    # every token still carries every stage's timings
+    assert all(sorted(h[0] for h in ev.timings) == [0, 1, 2] and ev.compute_ns > 0 for ev in gen.events[1:])
+    assert parity.token_ids == ref.token_ids[:8]
+    assert all(np.array_equal(parity.logits[len(ids) - 1 + k], ref.logits[k]) for k in range(8))
+
+
+@pytest.mark.engine
+@pytest.mark.slow
+def test_native_sessions_share_forwards_and_equal_their_sequential_runs(engine_lib, smollm2):
+    bundle = smollm2[0]
+    prompts = ["The capital of France is", "Once upon a time", "def fibonacci(n):", PROMPT]
+    with _route(engine_lib, bundle) as r:
+        with RouteClient(r.addresses) as c:
+            want = [c.run(p, max_new_tokens=16, stop_token_ids=[]).token_ids for p in prompts]
+            before = c.describe()
+
+        def one(p):
+            with RouteClient(r.addresses) as c:
+                return c.run(p, max_new_tokens=16, stop_token_ids=[]).token_ids
+
+        with ThreadPoolExecutor(len(prompts)) as ex:
+            got = list(ex.map(one, prompts))
+        with RouteClient(r.addresses) as c:
+            after = c.describe()
+    assert got == want
+    steps = [a.native_steps - b.native_steps for a, b in zip(after, before)]
+    forwards = [a.native_forwards - b.native_forwards for a, b in zip(after, before)]
+    assert steps == [4 * 15] * 3
+    assert any(f < s for f, s in zip(forwards, steps)), (steps, forwards)   # some steps shared a forward
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from support.engine import make_bundle, synth_model
+
+    d = tmp_path_factory.mktemp("native-tiny")
+    return make_bundle(synth_model(d, "llama"), [(0, 2), (2, 4), (4, 6)], d)
+
+
+@pytest.mark.engine
+def test_sampled_sessions_stay_on_grpc_and_equal_the_grpc_plane(engine_lib, tiny):
+    ids = list(range(5, 25))
+    with _route(engine_lib, tiny, "grpc", n_ctx=256) as r, RouteClient(r.addresses) as c:
+        assert not any(d.native_address for d in c.describe())
+        want_sampled = c.run(ids, max_new_tokens=24, stop_token_ids=[], **SAMPLED)
+        want_greedy = c.run(ids, max_new_tokens=24, stop_token_ids=[])
+    with _route(engine_lib, tiny, n_ctx=256) as r, RouteClient(r.addresses) as c:
+        sampled = c.run(ids, max_new_tokens=24, stop_token_ids=[], **SAMPLED)
+        assert _native_steps(c) == [0, 0, 0]
+        greedy = c.run(ids, max_new_tokens=24, stop_token_ids=[])
+        assert _native_steps(c) == [23, 23, 23]
+    assert sampled.token_ids == want_sampled.token_ids
+    assert greedy.token_ids == want_greedy.token_ids
+
+
+@pytest.mark.engine
+def test_a_middle_stage_killed_mid_decode_is_routed_around(engine_lib, tiny):
+    ids = list(range(5, 25))
+    with _route(engine_lib, tiny, replicas=[1, 2, 1], n_ctx=256) as r:
+        with RouteClient(r.replicas) as c:
+            want = c.run(ids, max_new_tokens=48, stop_token_ids=[])
+        with RouteClient(r.replicas) as c:
+            gen, _ = run_with_fault(c, lambda: r.kill(1), 9, prompt=ids, max_new_tokens=48)
+            after = c.describe()
+    assert gen.token_ids == want.token_ids
+    # (the gRPC link stage 0 keeps for prefills may notice first, or the native write: either names stage 1)
+    assert gen.epochs >= 2 and gen.failures[0].stage == 1 and gen.failures[0].code == "HOP_UNREACHABLE"
+    assert after[1].native_steps > 0                   # the replica's decode went native too
+
+
+@pytest.mark.engine
+def test_a_session_closed_under_the_native_ring_is_reported_and_reopened(engine_lib, tiny):
+    import grpc
+
+    from dgr.wire.gen import stage_pb2 as pb
+    from dgr.wire.gen import stage_pb2_grpc as pb_grpc
+
+    ids = list(range(5, 25))
+    with _route(engine_lib, tiny, n_ctx=256) as r:
+        with RouteClient(r.addresses) as c:
+            want = c.run(ids, max_new_tokens=40, stop_token_ids=[])
+        stub = pb_grpc.StageStub(grpc.insecure_channel(r.addresses[1]))
+
+        def close_at_stage_1():                        # as a reaper or an operator would, mid-decode
+            stub.CloseSession(pb.CloseSessionRequest(session_id="s", epoch=1, chain=False), timeout=10)
+
+        with RouteClient(r.addresses) as c:
+            gen, _ = run_with_fault(c, close_at_stage_1, 9, prompt=ids, max_new_tokens=40, session_id="s")
+    assert gen.token_ids == want.token_ids
+    f = gen.failures[0]
+    assert gen.epochs == 2 and (f.stage, f.code) == (1, "UNKNOWN_SESSION"), gen.failures
+    assert "native plane" in f.why and "session s epoch 1" in f.why and "open it again" in f.why
+
+
+@pytest.mark.engine
+def test_garbage_on_the_native_port_is_dropped_and_the_worker_keeps_serving(engine_lib, tiny):
+    ids = list(range(5, 25))
+    with _route(engine_lib, tiny, n_ctx=256) as r, RouteClient(r.addresses) as c:
+        want = c.run(ids, max_new_tokens=12, stop_token_ids=[])
+        host, _, port = c.describe()[1].native_address.rpartition(":")
+        with socket.create_connection((host, int(port)), timeout=10) as s:
+            s.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert _closed_by_peer(s)
+        with socket.create_connection((host, int(port)), timeout=10) as s:   # the right magic, lengths that lie
+            s.sendall(native.FRAME_MAGIC.to_bytes(4, "little") + (native.FRAME_FIXED_BYTES).to_bytes(4, "little")
+                      + bytes([1, 0, 200, 0]) + bytes(native.FRAME_FIXED_BYTES - 4))
+            assert _closed_by_peer(s)
+        again = c.run(ids, max_new_tokens=12, stop_token_ids=[])
+        log = "".join(r.logs[1])
+    assert again.token_ids == want.token_ids
+    assert "not a dgr native frame (bad magic)" in log and "frame lengths disagree" in log
+
+
+@pytest.mark.engine
+def test_deepseek4_native_ring_carries_the_sideband(engine_lib, tmp_path):
+    from dgr.app.demo import whole_model_run
+    from dgr.engine import Engine
+    from dgr.synth_deepseek4 import synth_deepseek4
+
+    from support.engine import make_bundle
+
+    v4 = synth_deepseek4(tmp_path / "v4.gguf", layers=6, hash_layers=3)
+    prompt = np.random.default_rng(11).integers(0, 256, size=40).tolist()
+    with Engine.open(v4, lib=engine_lib, n_threads=1, n_ctx=256) as eng:
+        whole = whole_model_run(eng, prompt, 12, chunk_tokens=64)
+    b = make_bundle(v4, [(0, 1), (1, 2), (2, 6)], tmp_path / "b", name="v4-native")   # stages 1, 2 need the ids
+    with _route(engine_lib, b, n_ctx=256) as r, RouteClient(r.addresses) as c:
+        gen = c.run(prompt, max_new_tokens=12, stop_token_ids=[])
+        assert _native_steps(c) == [11, 11, 11]
+    assert gen.token_ids == whole.token_ids
+
+
+def test_native_plane_is_refused_where_it_cannot_run(tmp_path):
+    fake = subprocess.run([sys.executable, "-m", "dgr", "worker", "serve", "--fake-engine", "layers=4,cuts=2",
+                           "--stage", "0", "--data-plane", "native"], capture_output=True, text=True, timeout=60)
+    assert fake.returncode != 0 and "needs the llama.cpp engine" in fake.stderr and "Traceback" not in fake.stderr

@@ -1,0 +1,140 @@
+"""The native data plane (worker/engine/dgr_dataplane.h), from the control plane's side.
+
+`dgr worker serve --data-plane native` starts one `NativePlane` next to the gRPC server: a TCP listener
+in the engine library whose threads run a session's decode steps round the ring in C++ (frames in,
+engine step, frames out, the greedy token back to the origin), without Python on the way. Python keeps
+everything else: describe, open/close, the prefill, the client's stream. A session goes native when
+every hop of its route has a plane and it asks for what the plane does (greedy, no logits rows, no
+speculation, a plaintext route); any other session runs on the gRPC plane as before. The frame layout
+is documented in proto/dgr/v1/native.md; `FRAME_FIXED_BYTES` and `HOP_BYTES` here are checked against it
+and against the C++ (tests/test_native_plane.py).
+"""
+
+from __future__ import annotations
+
+import ctypes as C
+import threading
+
+from dgr.errors import WireError
+
+FRAME_MAGIC = 0x4E524744                 # "DGRN" (DGR_DP_MAGIC)
+FRAME_FIXED_BYTES = 48
+HOP_BYTES = 36
+MAX_HOPS = 64                            # DGR_DP_MAX_HOPS
+KIND_TOKEN, KIND_ERROR = 2, 3
+E_UNREACHABLE, E_CACHE_MISS, E_ENGINE, E_UNKNOWN, E_CONTEXT_FULL = 1, 2, 3, 4, 5
+DATA_PLANES = ("grpc", "native")
+
+
+class _Hop(C.Structure):
+    _fields_ = [("stage_index", C.c_int32), ("queue_ns", C.c_int64), ("compute_ns", C.c_int64),
+                ("wire_ns", C.c_int64), ("transit_ns", C.c_int64)]
+
+
+class Event(C.Structure):
+    _fields_ = [("session_id", C.c_char * 128), ("epoch", C.c_int64), ("kind", C.c_int32),
+                ("token_id", C.c_int32), ("position", C.c_int32), ("done", C.c_int32),
+                ("error_code", C.c_int32), ("stage_index", C.c_int32), ("ring_ns", C.c_int64),
+                ("return_ns", C.c_int64), ("n_hops", C.c_int32), ("hops", _Hop * MAX_HOPS),
+                ("message", C.c_char * 512)]
+
+
+def _bind(lib: C.CDLL) -> None:
+    if getattr(lib, "_dgr_dp_bound", False):
+        return
+    if not hasattr(lib, "dgr_dp_start"):
+        raise WireError("this engine library has no native data plane (built before it): rebuild it with "
+                        "`dgr build-engine`, or serve with --data-plane grpc")
+    v, i32, i64, cp, p = C.c_void_p, C.c_int32, C.c_int64, C.c_char_p, C.POINTER
+    lib.dgr_dp_start.argtypes = [v, cp, i32, i32, p(v), p(i32)]
+    lib.dgr_dp_start.restype = i32
+    lib.dgr_dp_stop.argtypes = [v]
+    lib.dgr_dp_stop.restype = None
+    lib.dgr_dp_session.argtypes = [v, cp, i64, cp]
+    lib.dgr_dp_forget.argtypes = [v, cp, i64]
+    lib.dgr_dp_decode.argtypes = [v, cp, i64, i32, i32, i32, p(i32), i32]
+    lib.dgr_dp_next_event.argtypes = [v, i32, p(Event)]
+    lib.dgr_dp_last_used.argtypes = [v, cp, i64]
+    lib.dgr_dp_last_used.restype = i64
+    lib.dgr_dp_counts.argtypes = [v, p(i64), p(i64)]
+    lib.dgr_dp_counts.restype = None
+    for name in ("dgr_dp_session", "dgr_dp_forget", "dgr_dp_decode", "dgr_dp_next_event"):
+        getattr(lib, name).restype = i32
+    lib._dgr_dp_bound = True
+
+
+class NativePlane:
+    """A started plane over `engine` (a dgr.engine.Engine: the real engine only) on `host` (port 0:
+    a free one); `address` is HOST:PORT for the other stages."""
+
+    def __init__(self, engine, host: str, stage_index: int, port: int = 0):
+        lib = getattr(engine, "_lib", None)
+        if lib is None:
+            raise WireError("--data-plane native needs the llama.cpp engine (a bundle), not --fake-engine")
+        _bind(lib)
+        self._lib, self._engine = lib, engine
+        h, bound = C.c_void_p(), C.c_int32()
+        if lib.dgr_dp_start(engine._handle(), host.encode(), port, stage_index, C.byref(h), C.byref(bound)) != 0:
+            raise WireError(f"cannot start the native data plane on {host}:{port}: is the port free?")
+        self._h = h
+        self.address = f"{host}:{bound.value}"
+        self._lock = threading.Lock()
+        self._closing = False
+        self._events: threading.Thread | None = None
+
+    def run_events(self, on_event) -> None:
+        """Origin: call `on_event(Event)` for every token and error, on a thread of its own."""
+        def loop():
+            while not self._closing:
+                try:
+                    ev = self.next_event(200)
+                except EOFError:
+                    return
+                if ev is not None:
+                    on_event(ev)
+
+        self._events = threading.Thread(target=loop, daemon=True, name="native-events")
+        self._events.start()
+
+    def session(self, session_id: str, epoch: int, next_address: str) -> None:
+        self._lib.dgr_dp_session(self._h, session_id.encode(), epoch, next_address.encode())
+
+    def forget(self, session_id: str, epoch: int) -> None:
+        if self._h is not None:
+            self._lib.dgr_dp_forget(self._h, session_id.encode(), epoch)
+
+    def decode(self, session_id: str, epoch: int, position: int, token: int, max_new: int,
+               stop_ids) -> None:
+        stop = list(stop_ids)
+        arr = (C.c_int32 * max(1, len(stop)))(*stop)
+        if self._lib.dgr_dp_decode(self._h, session_id.encode(), epoch, position, token, max_new, arr, len(stop)):
+            raise WireError(f"session {session_id} epoch {epoch} is not registered on this native plane")
+
+    def next_event(self, timeout_ms: int = 200) -> Event | None:
+        """The next token or error at the origin; None when there is none yet. Raises once stopped."""
+        ev = Event()
+        if self._h is None:
+            raise EOFError("the native plane stopped")
+        rc = self._lib.dgr_dp_next_event(self._h, timeout_ms, C.byref(ev))
+        if rc < 0:
+            raise EOFError("the native plane stopped")
+        return ev if rc == 1 else None
+
+    def last_used_ns(self, session_id: str, epoch: int) -> int:
+        return self._lib.dgr_dp_last_used(self._h, session_id.encode(), epoch) if self._h is not None else 0
+
+    def counts(self) -> tuple[int, int]:
+        """(steps run, engine forwards): their ratio is the plane's batching."""
+        s, f = C.c_int64(), C.c_int64()
+        self._lib.dgr_dp_counts(self._h, C.byref(s), C.byref(f))
+        return s.value, f.value
+
+    def stop(self) -> None:
+        """Stop the event thread first (it waits inside the plane), then the plane."""
+        self._closing = True
+        if self._events is not None and self._events is not threading.current_thread():
+            self._events.join(5)
+        with self._lock:
+            h, self._h = self._h, None
+        if h is not None:
+            self._lib.dgr_dp_stop(h)
