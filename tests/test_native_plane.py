@@ -1,9 +1,11 @@
 """The native data plane (`dgr worker serve --data-plane native`, worker/engine/dgr_dataplane.cpp): greedy
 decode steps go round the ring in C++ over plain TCP, in real worker processes, and the generation equals
-the whole model's token for token (SmolLM2, a tiny llama, DeepSeek V4 with its token-id sideband);
-sessions share engine forwards; what the plane does not do (sampling, logits rows) stays on gRPC and
-stays exact; a worker killed mid-decode is routed around; garbage on the port is dropped; the frame
-layout is one contract (proto/dgr/v1/native.md, the C header and source, dgr.wire.native)."""
+the whole model's token for token (SmolLM2 and a tiny llama here; V4's sideband and every family in
+their own tests); sessions share engine forwards; the row each token was drawn from comes back with it
+for parity runs; what the plane does not do (sampling, every position's logits) stays on gRPC and stays
+exact; a worker killed or a session closed mid-decode is routed around or reopened; garbage on the port
+is dropped; the frame layout is one contract (proto/dgr/v1/native.md, the C header and source,
+dgr.wire.native)."""
 
 from __future__ import annotations
 
@@ -86,10 +88,14 @@ def test_smollm2_native_ring_equals_the_whole_model(engine_lib, smollm2):
         steps = _native_steps(c)
         # the first token comes from the prefill (gRPC); the other 23 went round the native ring
         assert steps == [23, 23, 23], steps
-        # logits rows (a parity run) are not what the plane does: that session stays on gRPC, exact
+        # a parity run: the row each token was drawn from comes back with it, round the native ring too
         parity = c.run(ids, max_new_tokens=8, logits="last", stop_token_ids=[])
-        assert _native_steps(c) == steps
+        assert _native_steps(c) == [30, 30, 30]
+        # every position's rows (LOGITS_ALL) are not what the plane does: that session stays on gRPC
+        every = c.run(ids, max_new_tokens=4, logits="all", stop_token_ids=[])
+        assert _native_steps(c) == [30, 30, 30]
     assert gen.token_ids == ref.token_ids and gen.epochs == 1
+    assert every.token_ids == ref.token_ids[:4]
     # every token still carries every stage's timings
     assert all(sorted(h[0] for h in ev.timings) == [0, 1, 2] and ev.compute_ns > 0 for ev in gen.events[1:])
     assert parity.token_ids == ref.token_ids[:8]
@@ -201,25 +207,6 @@ def test_garbage_on_the_native_port_is_dropped_and_the_worker_keeps_serving(engi
         log = "".join(r.logs[1])
     assert again.token_ids == want.token_ids
     assert "not a dgr native frame (bad magic)" in log and "frame lengths disagree" in log
-
-
-@pytest.mark.engine
-def test_deepseek4_native_ring_carries_the_sideband(engine_lib, tmp_path):
-    from dgr.app.demo import whole_model_run
-    from dgr.engine import Engine
-    from dgr.synth_deepseek4 import synth_deepseek4
-
-    from support.engine import make_bundle
-
-    v4 = synth_deepseek4(tmp_path / "v4.gguf", layers=6, hash_layers=3)
-    prompt = np.random.default_rng(11).integers(0, 256, size=40).tolist()
-    with Engine.open(v4, lib=engine_lib, n_threads=1, n_ctx=256) as eng:
-        whole = whole_model_run(eng, prompt, 12, chunk_tokens=64)
-    b = make_bundle(v4, [(0, 1), (1, 2), (2, 6)], tmp_path / "b", name="v4-native")   # stages 1, 2 need the ids
-    with _route(engine_lib, b, n_ctx=256) as r, RouteClient(r.addresses) as c:
-        gen = c.run(prompt, max_new_tokens=12, stop_token_ids=[])
-        assert _native_steps(c) == [11, 11, 11]
-    assert gen.token_ids == whole.token_ids
 
 
 def test_native_plane_is_refused_where_it_cannot_run(tmp_path):

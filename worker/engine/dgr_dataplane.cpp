@@ -247,6 +247,7 @@ struct out_conn {
 
 struct dp_session {
     std::string next;
+    bool        logits = false;    // the last stage: send each token's logits row with it
     int64_t     last_used = 0;
     bool        decoding = false;
     int32_t     remaining = 0;
@@ -275,7 +276,7 @@ struct dgr_dp {
     std::condition_variable work_cv, event_cv;
     std::map<sess_key, dp_session> sessions;
     std::deque<work> pending;
-    std::deque<dgr_dp_event> events;
+    std::deque<std::pair<dgr_dp_event, std::vector<float>>> events;   // with the token's logits row
     std::set<int> incoming;
     std::vector<std::thread> readers;
     int64_t n_steps = 0, n_forwards = 0;
@@ -315,7 +316,7 @@ struct dgr_dp {
 
     void event(dgr_dp_event && ev) {
         std::lock_guard<std::mutex> lock(mu);
-        events.push_back(std::move(ev));
+        events.emplace_back(std::move(ev), std::vector<float>());
         event_cv.notify_one();
     }
 
@@ -390,7 +391,8 @@ struct dgr_dp {
             } else {
                 s.decoding = false;
             }
-            events.push_back(ev);
+            ev.n_logits = (int32_t) f.floats.size();
+            events.emplace_back(ev, std::move(f.floats));
             if (full) {
                 dgr_dp_event e {};
                 fill_id(e, f);
@@ -398,7 +400,7 @@ struct dgr_dp {
                 e.error_code = DGR_DP_E_CONTEXT_FULL;
                 e.position = next_pos;
                 e.stage_index = stage_index;
-                events.push_back(e);
+                events.emplace_back(e, std::vector<float>());
             }
             event_cv.notify_one();
         }
@@ -488,6 +490,7 @@ struct dgr_dp {
             }
             std::vector<work *> ready, unknown;
             std::vector<std::string> nexts;
+            std::vector<char> logits;
             {
                 std::lock_guard<std::mutex> lock(mu);
                 for (auto & w : batch) {
@@ -499,6 +502,7 @@ struct dgr_dp {
                     it->second.last_used = mono_ns();
                     ready.push_back(&w);
                     nexts.push_back(it->second.next);
+                    logits.push_back(it->second.logits);
                 }
             }
             for (work * w : unknown) {
@@ -512,14 +516,16 @@ struct dgr_dp {
                          " boundary floats per token, the frame has " + std::to_string(w.f.floats.size()));
                     ready.erase(ready.begin() + (long) i);
                     nexts.erase(nexts.begin() + (long) i);
+                    logits.erase(logits.begin() + (long) i);
                     --i;
                 }
             }
-            if (!ready.empty()) run(ready, nexts, width);
+            if (!ready.empty()) run(ready, nexts, logits, width);
         }
     }
 
-    void run(std::vector<work *> & ready, std::vector<std::string> & nexts, int32_t width) {
+    void run(std::vector<work *> & ready, std::vector<std::string> & nexts, const std::vector<char> & logits,
+             int32_t width) {
         const size_t n = ready.size();
         std::vector<dgr_step> steps(n);
         std::vector<dgr_step_out> outs(n);
@@ -534,11 +540,14 @@ struct dgr_dp {
             s.token_ids = &f.token;
             s.boundary = info.is_first ? nullptr : f.floats.data();
             s.boundary_width = info.is_first ? 0 : width;
-            s.want_logits = info.is_last ? DGR_LOGITS_LAST : DGR_LOGITS_NONE;
+            s.want_logits = info.is_last && logits[k] ? DGR_LOGITS_LAST : DGR_LOGITS_NONE;
             outs[k] = dgr_step_out {};
             if (!info.is_last) {
                 bouts[k].resize((size_t) width);
                 outs[k].boundary = bouts[k].data();
+            } else if (logits[k]) {     // the row the token is drawn from travels with it
+                bouts[k].resize((size_t) info.n_vocab);
+                outs[k].logits = bouts[k].data();
             }
         }
         const int64_t t0 = mono_ns();
@@ -586,6 +595,7 @@ struct dgr_dp {
             if (info.is_last) {
                 out.kind = DGR_DP_TOKEN;
                 out.token = outs[k].next_token;
+                out.floats = std::move(bouts[k]);
                 dest = out.origin;
             } else {
                 out.kind = DGR_DP_STEP;
@@ -678,11 +688,12 @@ void dgr_dp_stop(dgr_dp * dp) {
     delete dp;
 }
 
-int32_t dgr_dp_session(dgr_dp * dp, const char * sid, int64_t epoch, const char * next) {
+int32_t dgr_dp_session(dgr_dp * dp, const char * sid, int64_t epoch, const char * next, int32_t logits) {
     if (!dp || !sid) return DGR_E_ENGINE;
     std::lock_guard<std::mutex> lock(dp->mu);
     dp_session & s = dp->sessions[sess_key(sid, epoch)];
     s.next = next ? next : "";
+    s.logits = logits != 0;
     s.last_used = mono_ns();
     return DGR_OK;
 }
@@ -727,13 +738,17 @@ int32_t dgr_dp_decode(dgr_dp * dp, const char * sid, int64_t epoch, int32_t posi
     return DGR_OK;
 }
 
-int32_t dgr_dp_next_event(dgr_dp * dp, int32_t timeout_ms, dgr_dp_event * out) {
+int32_t dgr_dp_next_event(dgr_dp * dp, int32_t timeout_ms, dgr_dp_event * out, float * logits, int32_t cap) {
     if (!dp || !out) return -1;
     std::unique_lock<std::mutex> lock(dp->mu);
     dp->event_cv.wait_for(lock, std::chrono::milliseconds(timeout_ms),
                           [&] { return dp->stopping || !dp->events.empty(); });
     if (!dp->events.empty()) {
-        *out = dp->events.front();
+        auto & front = dp->events.front();
+        *out = front.first;
+        const std::vector<float> & row = front.second;
+        out->n_logits = (int32_t) std::min<size_t>(row.size(), logits ? (size_t) std::max(cap, 0) : 0);
+        if (out->n_logits) memcpy(logits, row.data(), sizeof(float) * (size_t) out->n_logits);
         dp->events.pop_front();
         return 1;
     }

@@ -54,6 +54,7 @@ typedef struct dgr_dp_event {
     int32_t n_hops;
     dgr_dp_hop hops[DGR_DP_MAX_HOPS];
     char    message[512]; // error: what was wrong
+    int32_t n_logits;     // token: floats of its logits row (a session registered with logits), else 0
 } dgr_dp_event;
 
 // Listen on host:port (port 0 picks a free one) and serve decode steps through `eng` (the engine stays
@@ -63,16 +64,19 @@ DGR_API int32_t dgr_dp_start(dgr_engine * eng, const char * host, int32_t port, 
 // Stop serving: close every socket, join every thread. Events not taken are dropped.
 DGR_API void    dgr_dp_stop(dgr_dp * dp);
 // A session this stage serves natively: `next` is HOST:PORT of the next stage's plane ("" on the last
-// stage: its tokens go to the origin each frame names).
-DGR_API int32_t dgr_dp_session(dgr_dp * dp, const char * session_id, int64_t epoch, const char * next);
+// stage: its tokens go to the origin each frame names). `logits` (the last stage): 1 sends the logits
+// row each token was drawn from with it (parity runs), 0 none.
+DGR_API int32_t dgr_dp_session(dgr_dp * dp, const char * session_id, int64_t epoch, const char * next,
+                               int32_t logits);
 // Forget a session (closed): its queued steps are dropped, later frames for it answered UNKNOWN.
 DGR_API int32_t dgr_dp_forget(dgr_dp * dp, const char * session_id, int64_t epoch);
 // Origin: decode the session from (position, token) on, natively: at most `max_new` more tokens, ending
 // at the first of `stop_ids`. The session must be registered here (dgr_dp_session).
 DGR_API int32_t dgr_dp_decode(dgr_dp * dp, const char * session_id, int64_t epoch, int32_t position,
                               int32_t token, int32_t max_new, const int32_t * stop_ids, int32_t n_stop);
-// Origin: the next event, waiting up to timeout_ms. 1: *out filled; 0: none yet; -1: the plane stopped.
-DGR_API int32_t dgr_dp_next_event(dgr_dp * dp, int32_t timeout_ms, dgr_dp_event * out);
+// Origin: the next event, waiting up to timeout_ms. 1: *out filled (and its logits row, up to `cap`
+// floats, into `logits` when given); 0: none yet; -1: the plane stopped.
+DGR_API int32_t dgr_dp_next_event(dgr_dp * dp, int32_t timeout_ms, dgr_dp_event * out, float * logits, int32_t cap);
 // CLOCK_MONOTONIC ns of the session's last native step here (0: none): idle reaping counts it.
 DGR_API int64_t dgr_dp_last_used(dgr_dp * dp, const char * session_id, int64_t epoch);
 // Steps this plane has run, and engine forwards they took (batching: steps / forwards).

@@ -36,7 +36,7 @@ class Event(C.Structure):
                 ("token_id", C.c_int32), ("position", C.c_int32), ("done", C.c_int32),
                 ("error_code", C.c_int32), ("stage_index", C.c_int32), ("ring_ns", C.c_int64),
                 ("return_ns", C.c_int64), ("n_hops", C.c_int32), ("hops", _Hop * MAX_HOPS),
-                ("message", C.c_char * 512)]
+                ("message", C.c_char * 512), ("n_logits", C.c_int32)]
 
 
 def _bind(lib: C.CDLL) -> None:
@@ -50,10 +50,10 @@ def _bind(lib: C.CDLL) -> None:
     lib.dgr_dp_start.restype = i32
     lib.dgr_dp_stop.argtypes = [v]
     lib.dgr_dp_stop.restype = None
-    lib.dgr_dp_session.argtypes = [v, cp, i64, cp]
+    lib.dgr_dp_session.argtypes = [v, cp, i64, cp, i32]
     lib.dgr_dp_forget.argtypes = [v, cp, i64]
     lib.dgr_dp_decode.argtypes = [v, cp, i64, i32, i32, i32, p(i32), i32]
-    lib.dgr_dp_next_event.argtypes = [v, i32, p(Event)]
+    lib.dgr_dp_next_event.argtypes = [v, i32, p(Event), p(C.c_float), i32]
     lib.dgr_dp_last_used.argtypes = [v, cp, i64]
     lib.dgr_dp_last_used.restype = i64
     lib.dgr_dp_counts.argtypes = [v, p(i64), p(i64)]
@@ -78,26 +78,30 @@ class NativePlane:
             raise WireError(f"cannot start the native data plane on {host}:{port}: is the port free?")
         self._h = h
         self.address = f"{host}:{bound.value}"
+        n_vocab = engine.describe().n_vocab
+        self._row = (C.c_float * max(1, n_vocab))()     # the event thread's logits buffer
         self._lock = threading.Lock()
         self._closing = False
         self._events: threading.Thread | None = None
 
     def run_events(self, on_event) -> None:
-        """Origin: call `on_event(Event)` for every token and error, on a thread of its own."""
+        """Origin: call `on_event(Event, logits_row)` for every token and error, on a thread of its own."""
         def loop():
             while not self._closing:
                 try:
-                    ev = self.next_event(200)
+                    got = self.next_event(200)
                 except EOFError:
                     return
-                if ev is not None:
-                    on_event(ev)
+                if got is not None:
+                    on_event(*got)
 
         self._events = threading.Thread(target=loop, daemon=True, name="native-events")
         self._events.start()
 
-    def session(self, session_id: str, epoch: int, next_address: str) -> None:
-        self._lib.dgr_dp_session(self._h, session_id.encode(), epoch, next_address.encode())
+    def session(self, session_id: str, epoch: int, next_address: str, logits: bool = False) -> None:
+        """Register a session: its next hop's plane ("" on the last stage); `logits`: each token comes
+        with the row it was drawn from (LOGITS_LAST)."""
+        self._lib.dgr_dp_session(self._h, session_id.encode(), epoch, next_address.encode(), int(logits))
 
     def forget(self, session_id: str, epoch: int) -> None:
         if self._h is not None:
@@ -110,15 +114,19 @@ class NativePlane:
         if self._lib.dgr_dp_decode(self._h, session_id.encode(), epoch, position, token, max_new, arr, len(stop)):
             raise WireError(f"session {session_id} epoch {epoch} is not registered on this native plane")
 
-    def next_event(self, timeout_ms: int = 200) -> Event | None:
-        """The next token or error at the origin; None when there is none yet. Raises once stopped."""
+    def next_event(self, timeout_ms: int = 200) -> tuple[Event, bytes] | None:
+        """The next token or error at the origin, with the token's logits row (float32 little-endian
+        bytes, b"" without one); None when there is none yet. Raises EOFError once stopped. (One
+        thread calls it: the row buffer is reused.)"""
         ev = Event()
         if self._h is None:
             raise EOFError("the native plane stopped")
-        rc = self._lib.dgr_dp_next_event(self._h, timeout_ms, C.byref(ev))
+        rc = self._lib.dgr_dp_next_event(self._h, timeout_ms, C.byref(ev), self._row, len(self._row))
         if rc < 0:
             raise EOFError("the native plane stopped")
-        return ev if rc == 1 else None
+        if rc != 1:
+            return None
+        return ev, C.string_at(self._row, 4 * ev.n_logits) if ev.n_logits else b""
 
     def last_used_ns(self, session_id: str, epoch: int) -> int:
         return self._lib.dgr_dp_last_used(self._h, session_id.encode(), epoch) if self._h is not None else 0

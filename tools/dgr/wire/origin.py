@@ -89,7 +89,7 @@ class Origin(StageState):
         n0 = len(sess.context_ids) - len(frames)
         self._defer(lambda: [self._send_token(sess, f, n0 + i + 1) for i, f in enumerate(frames)])
 
-    def _on_native_event(self, ev) -> None:
+    def _on_native_event(self, ev, row: bytes = b"") -> None:
         """A token or an error from the native plane (dgr.wire.native): to the client as the gRPC plane's."""
         from dgr.wire import native
 
@@ -99,7 +99,7 @@ class Origin(StageState):
                                  wire_ns=max(0, h.wire_ns), transit_ns=max(0, h.transit_ns)) for h in ev.hops[:ev.n_hops]]
             self._deliver_to_client(pb.Frame(session_id=sid, epoch=epoch, token=pb.Token(
                 token_id=ev.token_id, position=ev.position, ring_ns=max(0, ev.ring_ns),
-                return_ns=max(0, ev.return_ns), timings=hops)))
+                return_ns=max(0, ev.return_ns), timings=hops, logits=row)))
             return
         with self.lock:
             sess = self.sessions.get((sid, epoch))
