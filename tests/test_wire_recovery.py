@@ -167,3 +167,22 @@ def test_a_broken_stream_back_to_the_origin_is_recovered_not_waited_out():
     assert gen.text == want.text and gen.token_ids == want.token_ids
     assert gen.epochs >= 2, gen.failures
     assert gen.failures[0].code == "HOP_UNREACHABLE" and "lost its stream back to the origin" in gen.failures[0].why
+
+
+def test_an_origin_restarted_in_place_serves_the_next_generation_at_once():
+    """Stage 0 is killed mid-generation (the client moves to its replica), then restarted in place. The
+    next generation, from a fresh client, starts there and the last stage must reach it on a new
+    connection: gRPC shares one connection among a process's channels with the same target and
+    arguments, and the last stage's new channel used to inherit the dead one's "connection refused"
+    and its backoff (its token lost, the client waiting out its timeout; 9 runs of 12 here)."""
+    rng = random.Random(17)
+    with fake_route([2, 1, 1]) as r:
+        want = reference(r, **SAMPLED)
+        for _ in range(4):
+            with RouteClient(r.replicas) as c:
+                run_with_fault(c, lambda: r.kill(0), rng.randint(2, 40), **SAMPLED)
+            r.restart(0)
+            with RouteClient(r.replicas, timeout=10) as c:
+                gen = c.run(PROMPT, max_new_tokens=MAX_NEW, stop_token_ids=[], **SAMPLED)
+            assert gen.text == want.text and gen.epochs == 1, gen.failures
+            assert gen.routes == [",".join(r.addresses)]

@@ -40,7 +40,10 @@ LINK_KEEPALIVE_MS = 1000
 
 def link_options(max_message_bytes: int, keepalive_timeout_ms: int = 2000) -> list[tuple[str, int]]:
     """A worker's channel to a peer (next hop, origin): message limits plus keepalive."""
-    return [*channel_options(max_message_bytes), ("grpc.keepalive_time_ms", LINK_KEEPALIVE_MS),
+    # reconnect soon to a peer restarted in place (gRPC's default backoff starts at 1 s and grows to 120 s)
+    return [*channel_options(max_message_bytes), ("grpc.initial_reconnect_backoff_ms", 200),
+            ("grpc.min_reconnect_backoff_ms", 200), ("grpc.max_reconnect_backoff_ms", 2000),
+            ("grpc.keepalive_time_ms", LINK_KEEPALIVE_MS),
             ("grpc.keepalive_timeout_ms", keepalive_timeout_ms), ("grpc.keepalive_permit_without_calls", 1),
             ("grpc.http2.max_pings_without_data", 0), ("grpc.http2.min_time_between_pings_ms", LINK_KEEPALIVE_MS),
             ("grpc.http2.min_ping_interval_without_data_ms", LINK_KEEPALIVE_MS),

@@ -93,8 +93,13 @@ def add_port(server: grpc.Server, listen: str, tls: TlsConfig | None) -> int:
 
 
 def channel(address: str, tls: TlsConfig | None, options: list[tuple[str, object]] | None = None) -> grpc.Channel:
-    """A channel to `address`: plaintext, or TLS checked against the configured CA."""
+    """A channel to `address`: plaintext, or TLS checked against the configured CA. Every channel has its
+    own connection (a local subchannel pool): by default gRPC shares one connection among all channels of
+    a process with the same target and arguments, so a new channel to a worker restarted in place would
+    inherit the old one's "connection refused" and its reconnect backoff, and fail at once."""
     opts = list(options or [])
+    if not any(k == "grpc.use_local_subchannel_pool" for k, _ in opts):
+        opts.append(("grpc.use_local_subchannel_pool", 1))
     if tls is None:
         return grpc.insecure_channel(address, options=opts)
     return grpc.secure_channel(address, tls.channel_credentials(), options=opts)
