@@ -276,6 +276,7 @@ struct dgr_dp {
     std::condition_variable work_cv, event_cv;
     std::map<sess_key, dp_session> sessions;
     std::deque<work> pending;
+    bool busy = false;              // a thread is driving the engine (drain)
     std::deque<std::pair<dgr_dp_event, std::vector<float>>> events;   // with the token's logits row
     std::set<int> incoming;
     std::vector<std::thread> readers;
@@ -387,6 +388,8 @@ struct dgr_dp {
                 full = true;
                 s.decoding = false;
             } else if (!ev.done) {      // the next step first: the ring goes on while the token is streamed
+                // (on the engine thread: this thread wakes the control plane's event thread too, and a
+                // forward run here would wait for the engine behind it)
                 queue_step(f.sid, f.epoch, next_pos, f.token);
             } else {
                 s.decoding = false;
@@ -407,7 +410,7 @@ struct dgr_dp {
     }
 
     // (mu held) the origin's own next step: the token at `pos`, no boundary
-    void queue_step(const std::string & sid, int64_t epoch, int32_t pos, int32_t token) {
+    void queue_step(const std::string & sid, int64_t epoch, int32_t pos, int32_t token, bool wake = true) {
         work w;
         w.f.kind = DGR_DP_STEP;
         w.f.sid = sid;
@@ -417,7 +420,7 @@ struct dgr_dp {
         w.f.origin = self;
         w.f.origin_sent_ns = w.t_recv = mono_ns();
         pending.push_back(std::move(w));
-        work_cv.notify_one();
+        if (wake) work_cv.notify_one();
     }
 
     // ---------------------------------------------------------------- reading
@@ -437,18 +440,23 @@ struct dgr_dp {
             } else if (f.kind == DGR_DP_ERROR) {
                 on_error(f);
             } else if (f.kind == DGR_DP_STEP) {
-                std::lock_guard<std::mutex> lock(mu);
-                work w;
-                w.f = std::move(f);
-                w.t_recv = mono_ns();
-                w.transit_ns = transit;
-                pending.push_back(std::move(w));
-                work_cv.notify_one();
+                {
+                    std::lock_guard<std::mutex> lock(mu);
+                    work w;
+                    w.f = std::move(f);
+                    w.t_recv = mono_ns();
+                    w.transit_ns = transit;
+                    pending.push_back(std::move(w));
+                }
+                // more frames already here (other sessions): queue them too, so they share the forward
+                pollfd pf { fd, POLLIN, 0 };
+                if (poll(&pf, 1, 0) <= 0) kick();
             } else {
                 fprintf(stderr, "dgr: native plane: dropped a connection: unknown frame kind %d\n", f.kind);
                 break;
             }
         }
+        kick();                         // a step this loop queued and left for the next frame
         std::lock_guard<std::mutex> lock(mu);
         if (incoming.erase(fd)) close(fd);
     }
@@ -470,14 +478,44 @@ struct dgr_dp {
     }
 
     // ---------------------------------------------------------------- the engine
+    // The engine is driven by one thread at a time, whichever holds `busy`: a reader thread that just
+    // queued a boundary step runs it (and whatever else is queued) at once, rather than waking the engine
+    // thread (a hand-off costs about as much as the hop itself on a busy machine); the engine thread runs
+    // the origin's own steps (queued with a token, when the control plane is woken too) and anything left
+    // while nobody drains.
     void engine_loop() {
+        for (;;) {
+            {
+                std::unique_lock<std::mutex> lock(mu);
+                work_cv.wait(lock, [&] { return stopping || (!pending.empty() && !busy); });
+                if (stopping) return;
+                busy = true;
+            }
+            drain();
+        }
+    }
+
+    // Run queued steps if no other thread is: called after queueing one, without `mu`.
+    void kick() {
+        {
+            std::lock_guard<std::mutex> lock(mu);
+            if (busy || pending.empty() || stopping) return;
+            busy = true;
+        }
+        drain();
+    }
+
+    // (`busy` is ours) batches until the queue is empty, then let go of `busy`
+    void drain() {
         const int32_t width = info.n_streams * info.n_embd;
         for (;;) {
             std::vector<work> batch;
             {
                 std::unique_lock<std::mutex> lock(mu);
-                work_cv.wait(lock, [&] { return stopping || !pending.empty(); });
-                if (stopping) return;
+                if (stopping || pending.empty()) {
+                    busy = false;
+                    return;
+                }
                 // one step per session per forward (distinct sessions), in arrival order
                 std::set<sess_key> taken;
                 for (auto it = pending.begin(); it != pending.end() && batch.size() < 64;) {
