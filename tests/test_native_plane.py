@@ -2,8 +2,8 @@
 decode steps go round the ring in C++ over plain TCP, in real worker processes, and the generation equals
 the whole model's token for token (SmolLM2 and a tiny llama here; V4's sideband and every family in
 their own tests); sessions share engine forwards; the row each token was drawn from comes back with it
-for parity runs; what the plane does not do (sampling, every position's logits) stays on gRPC and stays
-exact; a worker killed or a session closed mid-decode is routed around or reopened; garbage on the port
+for parity runs; sampled sessions draw in C++ exactly what the Python sampler draws; what the plane does
+not do (every position's logits) stays on gRPC and stays exact; a worker killed or a session closed mid-decode is routed around or reopened; garbage on the port
 is dropped; the frame layout is one contract (proto/dgr/v1/native.md, the C header and source,
 dgr.wire.native)."""
 
@@ -136,19 +136,51 @@ def tiny(tmp_path_factory):
 
 
 @pytest.mark.engine
-def test_sampled_sessions_stay_on_grpc_and_equal_the_grpc_plane(engine_lib, tiny):
+def test_the_native_sampler_draws_what_the_python_sampler_draws(engine_lib):
+    """dgr_sample (C++) and dgr.wire.sampling.sample are one algorithm: exp bit for bit (a fused
+    multiply-add anywhere in the C++ would show here), the same uniforms, the same token on random rows
+    (ties, top-k, top-p, temperatures)."""
+    from dgr.engine import load_library
+    from dgr.wire.native import NativeSampler
+    from dgr.wire.sampling import exp_fixed, sample, uniform
+
+    ns = NativeSampler(load_library(engine_lib))
+    rng = np.random.default_rng(0)
+    d = np.concatenate([-rng.exponential(30, size=20000), [0.0, -1e-300, -745.0, -800.0, -708.4]])
+    c = np.array([ns.exp_fixed(x) for x in d])
+    assert np.array_equal(exp_fixed(d).view(np.uint64), c.view(np.uint64))
+    ok = np.exp(d) > 1e-300
+    assert np.max(np.abs(exp_fixed(d)[ok] / np.exp(d[ok]) - 1)) < 1e-15
+    assert all(uniform(s, p) == ns.uniform(s, p) for s in (0, 1, 11, 2**63 + 5) for p in range(300))
+    for i in range(3000):
+        n = int(rng.integers(2, 3000))
+        row = (rng.standard_normal(n) * rng.uniform(0.1, 8)).astype(np.float32)
+        if i % 7 == 0:
+            row[rng.integers(0, n, 5)] = row.max()     # ties
+        kw = dict(temperature=float(np.float32(rng.uniform(0.05, 2.0))), top_k=int(rng.choice([0, 1, 5, 40, 5000])),
+                  top_p=float(np.float32(rng.choice([0.0, 0.5, 0.9, 0.95, 1.0]))),
+                  seed=int(rng.integers(0, 2**63)), position=int(rng.integers(0, 100000)))
+        assert sample(row, **kw) == ns.sample(row, **kw), (i, kw)
+        assert sample(row) == ns.sample(row)
+
+
+@pytest.mark.engine
+def test_sampled_sessions_go_native_and_equal_the_grpc_plane(engine_lib, tiny):
     ids = list(range(5, 25))
     with _route(engine_lib, tiny, "grpc", n_ctx=256) as r, RouteClient(r.addresses) as c:
         assert not any(d.native_address for d in c.describe())
         want_sampled = c.run(ids, max_new_tokens=24, stop_token_ids=[], **SAMPLED)
         want_greedy = c.run(ids, max_new_tokens=24, stop_token_ids=[])
+        want_top = c.run(ids, max_new_tokens=24, stop_token_ids=[], temperature=0.7, top_k=5, seed=3)
     with _route(engine_lib, tiny, n_ctx=256) as r, RouteClient(r.addresses) as c:
         sampled = c.run(ids, max_new_tokens=24, stop_token_ids=[], **SAMPLED)
-        assert _native_steps(c) == [0, 0, 0]
-        greedy = c.run(ids, max_new_tokens=24, stop_token_ids=[])
         assert _native_steps(c) == [23, 23, 23]
-    assert sampled.token_ids == want_sampled.token_ids
+        greedy = c.run(ids, max_new_tokens=24, stop_token_ids=[])
+        top = c.run(ids, max_new_tokens=24, stop_token_ids=[], temperature=0.7, top_k=5, seed=3)
+        assert _native_steps(c) == [69, 69, 69]
+    assert sampled.token_ids == want_sampled.token_ids and sampled.token_ids != greedy.token_ids
     assert greedy.token_ids == want_greedy.token_ids
+    assert top.token_ids == want_top.token_ids
 
 
 @pytest.mark.engine

@@ -248,6 +248,10 @@ struct out_conn {
 struct dp_session {
     std::string next;
     bool        logits = false;    // the last stage: send each token's logits row with it
+    double      temperature = 0.0; // the last stage's draw (dgr_sample)
+    int32_t     top_k = 0;
+    double      top_p = 0.0;
+    uint64_t    seed = 0;
     int64_t     last_used = 0;
     bool        decoding = false;
     int32_t     remaining = 0;
@@ -529,6 +533,7 @@ struct dgr_dp {
             std::vector<work *> ready, unknown;
             std::vector<std::string> nexts;
             std::vector<char> logits;
+            std::vector<dp_session> draws;          // each ready step's session (its sampling)
             {
                 std::lock_guard<std::mutex> lock(mu);
                 for (auto & w : batch) {
@@ -541,6 +546,7 @@ struct dgr_dp {
                     ready.push_back(&w);
                     nexts.push_back(it->second.next);
                     logits.push_back(it->second.logits);
+                    draws.push_back(it->second);
                 }
             }
             for (work * w : unknown) {
@@ -555,15 +561,16 @@ struct dgr_dp {
                     ready.erase(ready.begin() + (long) i);
                     nexts.erase(nexts.begin() + (long) i);
                     logits.erase(logits.begin() + (long) i);
+                    draws.erase(draws.begin() + (long) i);
                     --i;
                 }
             }
-            if (!ready.empty()) run(ready, nexts, logits, width);
+            if (!ready.empty()) run(ready, nexts, logits, draws, width);
         }
     }
 
     void run(std::vector<work *> & ready, std::vector<std::string> & nexts, const std::vector<char> & logits,
-             int32_t width) {
+             const std::vector<dp_session> & draws, int32_t width) {
         const size_t n = ready.size();
         std::vector<dgr_step> steps(n);
         std::vector<dgr_step_out> outs(n);
@@ -578,12 +585,13 @@ struct dgr_dp {
             s.token_ids = &f.token;
             s.boundary = info.is_first ? nullptr : f.floats.data();
             s.boundary_width = info.is_first ? 0 : width;
-            s.want_logits = info.is_last && logits[k] ? DGR_LOGITS_LAST : DGR_LOGITS_NONE;
+            s.want_logits = info.is_last && (logits[k] || draws[k].temperature > 0.0) ? DGR_LOGITS_LAST
+                                                                                        : DGR_LOGITS_NONE;
             outs[k] = dgr_step_out {};
             if (!info.is_last) {
                 bouts[k].resize((size_t) width);
                 outs[k].boundary = bouts[k].data();
-            } else if (logits[k]) {     // the row the token is drawn from travels with it
+            } else if (logits[k] || draws[k].temperature > 0.0) {   // the row the token is drawn from
                 bouts[k].resize((size_t) info.n_vocab);
                 outs[k].logits = bouts[k].data();
             }
@@ -632,8 +640,11 @@ struct dgr_dp {
             std::string dest;
             if (info.is_last) {
                 out.kind = DGR_DP_TOKEN;
-                out.token = outs[k].next_token;
-                out.floats = std::move(bouts[k]);
+                const dp_session & d = draws[k];
+                out.token = d.temperature > 0.0
+                    ? dgr_sample(bouts[k].data(), info.n_vocab, d.temperature, d.top_k, d.top_p, d.seed, w.f.position)
+                    : outs[k].next_token;
+                if (logits[k]) out.floats = std::move(bouts[k]);   // travels with it only when asked for
                 dest = out.origin;
             } else {
                 out.kind = DGR_DP_STEP;
@@ -726,12 +737,17 @@ void dgr_dp_stop(dgr_dp * dp) {
     delete dp;
 }
 
-int32_t dgr_dp_session(dgr_dp * dp, const char * sid, int64_t epoch, const char * next, int32_t logits) {
+int32_t dgr_dp_session(dgr_dp * dp, const char * sid, int64_t epoch, const char * next, int32_t logits,
+                       double temperature, int32_t top_k, double top_p, uint64_t seed) {
     if (!dp || !sid) return DGR_E_ENGINE;
     std::lock_guard<std::mutex> lock(dp->mu);
     dp_session & s = dp->sessions[sess_key(sid, epoch)];
     s.next = next ? next : "";
     s.logits = logits != 0;
+    s.temperature = temperature;
+    s.top_k = top_k;
+    s.top_p = top_p;
+    s.seed = seed;
     s.last_used = mono_ns();
     return DGR_OK;
 }

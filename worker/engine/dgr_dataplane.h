@@ -4,7 +4,7 @@
 // eligible session at every stage (dgr_dp_session); the origin then hands the session's decode to the
 // plane (dgr_dp_decode) with the first token. From there every decode step goes round the ring here:
 // stage 0 embeds the token, each stage runs its layers and writes the boundary straight to the next
-// stage's plane over TCP, the last stage takes the greedy token and writes it to the origin's plane,
+// stage's plane over TCP, the last stage draws the token (dgr_sample) and writes it to the origin's plane,
 // which counts it, queues the next step at once and hands the token to the control plane
 // (dgr_dp_next_event) to stream to the client. Steps of different sessions queued together share one
 // engine forward. Frame layout: proto/dgr/v1/native.md (tools/dgr/wire/native.py checks it).
@@ -44,7 +44,7 @@ typedef struct dgr_dp_event {
     char    session_id[128];
     int64_t epoch;
     int32_t kind;         // DGR_DP_TOKEN or DGR_DP_ERROR
-    int32_t token_id;     // token: the greedy draw
+    int32_t token_id;     // token: the last stage's draw
     int32_t position;     // token: the position it was drawn at; error: where it happened
     int32_t done;         // token: the last of the decode (a stop id or max_new reached)
     int32_t error_code;   // error: dgr_dp_error
@@ -64,10 +64,11 @@ DGR_API int32_t dgr_dp_start(dgr_engine * eng, const char * host, int32_t port, 
 // Stop serving: close every socket, join every thread. Events not taken are dropped.
 DGR_API void    dgr_dp_stop(dgr_dp * dp);
 // A session this stage serves natively: `next` is HOST:PORT of the next stage's plane ("" on the last
-// stage: its tokens go to the origin each frame names). `logits` (the last stage): 1 sends the logits
-// row each token was drawn from with it (parity runs), 0 none.
+// stage: its tokens go to the origin each frame names). The last stage: `logits` 1 sends the logits row
+// each token was drawn from with it (parity runs), 0 none; the draw is dgr_sample's with the session's
+// temperature (0: greedy), top_k, top_p and seed, keyed by each step's position.
 DGR_API int32_t dgr_dp_session(dgr_dp * dp, const char * session_id, int64_t epoch, const char * next,
-                               int32_t logits);
+                               int32_t logits, double temperature, int32_t top_k, double top_p, uint64_t seed);
 // Forget a session (closed): its queued steps are dropped, later frames for it answered UNKNOWN.
 DGR_API int32_t dgr_dp_forget(dgr_dp * dp, const char * session_id, int64_t epoch);
 // Origin: decode the session from (position, token) on, natively: at most `max_new` more tokens, ending
@@ -81,6 +82,15 @@ DGR_API int32_t dgr_dp_next_event(dgr_dp * dp, int32_t timeout_ms, dgr_dp_event 
 DGR_API int64_t dgr_dp_last_used(dgr_dp * dp, const char * session_id, int64_t epoch);
 // Steps this plane has run, and engine forwards they took (batching: steps / forwards).
 DGR_API void    dgr_dp_counts(dgr_dp * dp, int64_t * steps, int64_t * forwards);
+
+// The last stage's draw from one logits row (dgr_sample.cpp; the same algorithm, operation for operation,
+// as tools/dgr/wire/sampling.py): greedy when temperature <= 0, else temperature, top_k (0: off), top_p
+// (0 or 1: off), the uniform keyed by (seed, position). Returns the token id, -1 on bad arguments.
+DGR_API int32_t dgr_sample(const float * logits, int32_t n_vocab, double temperature, int32_t top_k, double top_p,
+                           uint64_t seed, int64_t position);
+// Its parts, for the cross-check against the Python sampler: e^d for d <= 0, and the uniform in [0, 1).
+DGR_API double  dgr_exp_fixed(double d);
+DGR_API double  dgr_uniform(uint64_t seed, int64_t position);
 
 #ifdef __cplusplus
 }

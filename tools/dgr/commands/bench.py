@@ -162,7 +162,7 @@ def register(sub) -> None:
                        help="compute threads of every worker process and of the whole model (default 1)")
     bench.add_argument("--wire-dtype", help="boundary dtype of the workers (default: the bundle's)")
     bench.add_argument("--data-plane", choices=("native", "grpc"), default="native",
-                       help="the workers' data plane (default native: greedy decode steps in C++ over TCP; "
+                       help="the workers' data plane (default native: decode steps in C++ over TCP; "
                             "grpc: every step over gRPC in Python)")
     bench.add_argument("--tokens", type=int, default=64, help="decode tokens per generation (default 64)")
     bench.add_argument("--prompt-lengths", default="32,128,256", help="prefill prompt lengths (default 32,128,256)")

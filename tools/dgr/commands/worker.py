@@ -52,7 +52,7 @@ def register(sub) -> None:
                    help=f"SIGTERM: exit within S seconds whatever the sessions and streams do "
                         f"(default {d.drain_timeout_s:g})")
     s.add_argument("--data-plane", choices=("grpc", "native"), default="grpc",
-                   help="native: run greedy decode steps round the ring in C++ over plain TCP (the engine "
+                   help="native: run decode steps round the ring in C++ over plain TCP (the engine "
                         "library's data plane, proto/dgr/v1/native.md), next to gRPC; every stage of a route "
                         "needs it for a session to use it (default grpc: every step over gRPC)")
     s.add_argument("--tls-cert", metavar="F", help="this worker's certificate (PEM; `dgr certs issue`)")

@@ -2,10 +2,10 @@
 
 `dgr worker serve --data-plane native` starts one `NativePlane` next to the gRPC server: a TCP listener
 in the engine library whose threads run a session's decode steps round the ring in C++ (frames in,
-engine step, frames out, the greedy token back to the origin), without Python on the way. Python keeps
+engine step, frames out, the last stage's draw back to the origin), without Python on the way. Python keeps
 everything else: describe, open/close, the prefill, the client's stream. A session goes native when
-every hop of its route has a plane and it asks for what the plane does (greedy, no logits rows, no
-speculation, a plaintext route); any other session runs on the gRPC plane as before. The frame layout
+every hop of its route has a plane and it asks for what the plane does (any sampling, no logits rows or
+the sampled row, no speculation, a plaintext route); any other session runs on the gRPC plane as before. The frame layout
 is documented in proto/dgr/v1/native.md; `FRAME_FIXED_BYTES` and `HOP_BYTES` here are checked against it
 and against the C++ (tests/test_native_plane.py).
 """
@@ -50,7 +50,7 @@ def _bind(lib: C.CDLL) -> None:
     lib.dgr_dp_start.restype = i32
     lib.dgr_dp_stop.argtypes = [v]
     lib.dgr_dp_stop.restype = None
-    lib.dgr_dp_session.argtypes = [v, cp, i64, cp, i32]
+    lib.dgr_dp_session.argtypes = [v, cp, i64, cp, i32, C.c_double, i32, C.c_double, C.c_uint64]
     lib.dgr_dp_forget.argtypes = [v, cp, i64]
     lib.dgr_dp_decode.argtypes = [v, cp, i64, i32, i32, i32, p(i32), i32]
     lib.dgr_dp_next_event.argtypes = [v, i32, p(Event), p(C.c_float), i32]
@@ -60,7 +60,35 @@ def _bind(lib: C.CDLL) -> None:
     lib.dgr_dp_counts.restype = None
     for name in ("dgr_dp_session", "dgr_dp_forget", "dgr_dp_decode", "dgr_dp_next_event"):
         getattr(lib, name).restype = i32
+    lib.dgr_sample.argtypes = [p(C.c_float), i32, C.c_double, i32, C.c_double, C.c_uint64, i64]
+    lib.dgr_sample.restype = i32
+    lib.dgr_exp_fixed.argtypes = [C.c_double]
+    lib.dgr_exp_fixed.restype = C.c_double
+    lib.dgr_uniform.argtypes = [C.c_uint64, i64]
+    lib.dgr_uniform.restype = C.c_double
     lib._dgr_dp_bound = True
+
+
+class NativeSampler:
+    """The C++ sampler of the native plane (`dgr_sample`) from Python: tests hold it against
+    dgr.wire.sampling.sample, which must draw the same token."""
+
+    def __init__(self, lib: C.CDLL):
+        _bind(lib)
+        self._lib = lib
+
+    def sample(self, logits, *, temperature=0.0, top_k=0, top_p=0.0, seed=0, position=0) -> int:
+        import numpy as np
+
+        row = np.ascontiguousarray(logits, dtype=np.float32)
+        return self._lib.dgr_sample(row.ctypes.data_as(C.POINTER(C.c_float)), len(row), temperature, top_k,
+                                    top_p, seed, position)
+
+    def exp_fixed(self, d: float) -> float:
+        return self._lib.dgr_exp_fixed(d)
+
+    def uniform(self, seed: int, position: int) -> float:
+        return self._lib.dgr_uniform(seed, position)
 
 
 class NativePlane:
@@ -98,10 +126,14 @@ class NativePlane:
         self._events = threading.Thread(target=loop, daemon=True, name="native-events")
         self._events.start()
 
-    def session(self, session_id: str, epoch: int, next_address: str, logits: bool = False) -> None:
+    def session(self, session_id: str, epoch: int, next_address: str, logits: bool = False,
+                sampling=None) -> None:
         """Register a session: its next hop's plane ("" on the last stage); `logits`: each token comes
-        with the row it was drawn from (LOGITS_LAST)."""
-        self._lib.dgr_dp_session(self._h, session_id.encode(), epoch, next_address.encode(), int(logits))
+        with the row it was drawn from (LOGITS_LAST); `sampling`: its dgr.v1.Sampling (None: greedy)."""
+        t, k, p, s = ((sampling.temperature, sampling.top_k, sampling.top_p, sampling.seed)
+                      if sampling is not None else (0.0, 0, 0.0, 0))
+        self._lib.dgr_dp_session(self._h, session_id.encode(), epoch, next_address.encode(), int(logits),
+                                 t, k, p, s)
 
     def forget(self, session_id: str, epoch: int) -> None:
         if self._h is not None:

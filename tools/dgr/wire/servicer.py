@@ -206,15 +206,16 @@ class StageWorker(Scheduler, Links, Origin, pb_grpc.StageServicer):
         return pb.OpenSessionReply(hops=hops)
 
     def _register_native(self, req, sess: Session, hops: list) -> None:
-        """A session this stage and every later hop can run on the native plane (greedy, no logits or the
-        sampled row: what the plane does) is registered there, with the next hop's plane (the last stage's
-        tokens go to the origin each frame names). The origin hands its decode over after the prefill."""
-        if self.native is None or req.sampling.temperature > 0 or req.logits == pb.LOGITS_ALL:
+        """A session this stage and every later hop can run on the native plane (any sampling, no logits or
+        the sampled row: what the plane does) is registered there, with the next hop's plane (the last
+        stage's tokens go to the origin each frame names). The origin hands its decode over after the
+        prefill."""
+        if self.native is None or req.logits == pb.LOGITS_ALL:
             return
         if not all(h.native_address for h in hops):
             return
         self.native.session(req.session_id, req.epoch, "" if self.info.is_last else hops[1].native_address,
-                            logits=req.logits == pb.LOGITS_LAST)
+                            logits=req.logits == pb.LOGITS_LAST, sampling=req.sampling)
         sess.native = True
 
     def _chain_timeout(self, hops_after: int, context) -> float:
