@@ -61,6 +61,8 @@ def register(sub) -> None:
     d.add_argument("--threads", type=int, default=0,
                    help="compute threads per worker (0: the CPU count divided by the stages)")
     d.add_argument("--prefill-tokens", type=int, default=256, help="also time prefill of a prompt this long (0: skip)")
+    d.add_argument("--data-plane", choices=("native", "grpc"), default="native",
+                   help="the workers' data plane (default native: decode steps in C++ over TCP; docs/wire.md)")
     d.set_defaults(func=_demo)
 
     p = sub.add_parser("wire", help="wire protocol maintenance")
@@ -105,7 +107,7 @@ def _demo(args) -> int:
     from dgr.app.demo import run_demo
 
     return run_demo(stages=args.stages, max_tokens=args.max_tokens, prompt=args.prompt,
-                    prefill_tokens=args.prefill_tokens, threads=args.threads)
+                    prefill_tokens=args.prefill_tokens, threads=args.threads, data_plane=args.data_plane)
 
 
 def _protoc(args) -> int:
