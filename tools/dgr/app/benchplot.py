@@ -56,7 +56,7 @@ def plot(rep: dict, path: str | Path) -> Path:
     b, w, p, s = rep["bench"], rep["whole"], rep["pipeline"], rep["sessions"]
     fig, ax = plt.subplots(2, 2, figsize=(13, 8.5))
     fig.suptitle(f"dgr bench: {b['model']}, {b['stages']} stages, {b['threads']} thread(s) per process, "
-                 f"{b['cpus']} CPU(s)")
+                 f"{b.get('data_plane', 'grpc')} data plane, {b['cpus']} CPU(s)")
 
     a = ax[0][0]
     labels = [f"prefill {n}" for n in w["prefill_tok_s_by_len"]] + ["decode"]
