@@ -369,7 +369,9 @@ struct dgr_dp {
         event(std::move(ev));
     }
 
-    void on_token(frame & f, int64_t transit_ns) {
+    // `from_reader`: the reader thread that read it runs the next step itself and wakes the control plane
+    // after that step started (read_loop); else the engine thread runs it and the control plane is woken now.
+    void on_token(frame & f, int64_t transit_ns, bool from_reader = false) {
         dgr_dp_event ev {};
         fill_id(ev, f);
         ev.kind = DGR_DP_TOKEN;
@@ -392,9 +394,7 @@ struct dgr_dp {
                 full = true;
                 s.decoding = false;
             } else if (!ev.done) {      // the next step first: the ring goes on while the token is streamed
-                // (on the engine thread: this thread wakes the control plane's event thread too, and a
-                // forward run here would wait for the engine behind it)
-                queue_step(f.sid, f.epoch, next_pos, f.token);
+                queue_step(f.sid, f.epoch, next_pos, f.token, !from_reader);
             } else {
                 s.decoding = false;
             }
@@ -409,7 +409,7 @@ struct dgr_dp {
                 e.stage_index = stage_index;
                 events.emplace_back(e, std::vector<float>());
             }
-            event_cv.notify_one();
+            if (!from_reader) event_cv.notify_one();
         }
     }
 
@@ -440,7 +440,13 @@ struct dgr_dp {
             }
             const int64_t transit = f.sent_unix_ns ? std::max<int64_t>(0, unix_ns() - f.sent_unix_ns) : 0;
             if (f.kind == DGR_DP_TOKEN) {
-                on_token(f, transit);
+                // the next step starts before the control plane is woken for this token: woken first, it
+                // takes the core and the engine (detokenizing) and the step waits behind it
+                on_token(f, transit, true);
+                pollfd pf { fd, POLLIN, 0 };
+                if (poll(&pf, 1, 0) <= 0) {     // more tokens already here: their steps share the forward
+                    kick_and_tell();
+                }
             } else if (f.kind == DGR_DP_ERROR) {
                 on_error(f);
             } else if (f.kind == DGR_DP_STEP) {
@@ -460,7 +466,7 @@ struct dgr_dp {
                 break;
             }
         }
-        kick();                         // a step this loop queued and left for the next frame
+        kick_and_tell();                // a step (or a token) this loop queued and left for the next frame
         std::lock_guard<std::mutex> lock(mu);
         if (incoming.erase(fd)) close(fd);
     }
@@ -499,6 +505,23 @@ struct dgr_dp {
         }
     }
 
+    // The origin: wake the control plane once the queued steps have started (or someone else runs them).
+    void kick_and_tell() {
+        bool mine = false;
+        {
+            std::lock_guard<std::mutex> lock(mu);
+            if (!busy && !pending.empty() && !stopping) {
+                busy = mine = true;
+            }
+        }
+        if (mine) {
+            drain(true);
+        } else {
+            std::lock_guard<std::mutex> lock(mu);
+            event_cv.notify_one();
+        }
+    }
+
     // Run queued steps if no other thread is: called after queueing one, without `mu`.
     void kick() {
         {
@@ -509,8 +532,9 @@ struct dgr_dp {
         drain();
     }
 
-    // (`busy` is ours) batches until the queue is empty, then let go of `busy`
-    void drain() {
+    // (`busy` is ours) batches until the queue is empty, then let go of `busy`. `tell`: wake the control
+    // plane's event thread once the first forward has started (kick_and_tell).
+    void drain(bool tell = false) {
         const int32_t width = info.n_streams * info.n_embd;
         for (;;) {
             std::vector<work> batch;
@@ -565,12 +589,18 @@ struct dgr_dp {
                     --i;
                 }
             }
-            if (!ready.empty()) run(ready, nexts, logits, draws, width);
+            if (!ready.empty()) {
+                run(ready, nexts, logits, draws, width, tell);
+            } else if (tell) {
+                std::lock_guard<std::mutex> lock(mu);
+                event_cv.notify_one();
+            }
+            tell = false;
         }
     }
 
     void run(std::vector<work *> & ready, std::vector<std::string> & nexts, const std::vector<char> & logits,
-             const std::vector<dp_session> & draws, int32_t width) {
+             const std::vector<dp_session> & draws, int32_t width, bool tell = false) {
         const size_t n = ready.size();
         std::vector<dgr_step> steps(n);
         std::vector<dgr_step_out> outs(n);
@@ -597,6 +627,10 @@ struct dgr_dp {
             }
         }
         const int64_t t0 = mono_ns();
+        if (tell) {                     // the tokens these steps follow: to the control plane now
+            std::lock_guard<std::mutex> lock(mu);
+            event_cv.notify_one();
+        }
         int32_t rc = dgr_forward(eng, (int32_t) n, steps.data(), outs.data());
         int64_t compute = mono_ns() - t0;
         std::vector<int32_t> ok(n, rc == DGR_OK);
