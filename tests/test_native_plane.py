@@ -56,6 +56,8 @@ def test_frame_layout_is_one_contract():
     assert re.search(rf"DGR_DP_MAX_HOPS\s+{native.MAX_HOPS}\b", head) and f"at most {native.MAX_HOPS}" in doc
     assert re.search(rf"FIXED_BYTES\s+=\s+{native.FRAME_FIXED_BYTES};", src)
     assert re.search(rf"HOP_BYTES\s+=\s+{native.HOP_BYTES};", src) and f"{native.HOP_BYTES} bytes each" in doc
+    assert re.search(rf"MAX_BODY\s+=\s+1u << {native.MAX_BODY_BYTES.bit_length() - 1};", src)
+    assert f"over {native.MAX_BODY_BYTES >> 20} MiB" in doc
     # the doc's table: offsets in order, the fixed part ends where the variable part starts
     offsets = [int(m) for m in re.findall(r"^\| (\d+) \|", doc, re.M)]
     assert offsets == sorted(offsets) and offsets[-1] == native.FRAME_FIXED_BYTES
@@ -235,10 +237,14 @@ def test_garbage_on_the_native_port_is_dropped_and_the_worker_keeps_serving(engi
             s.sendall(native.FRAME_MAGIC.to_bytes(4, "little") + (native.FRAME_FIXED_BYTES).to_bytes(4, "little")
                       + bytes([1, 0, 200, 0]) + bytes(native.FRAME_FIXED_BYTES - 4))
             assert _closed_by_peer(s)
+        with socket.create_connection((host, int(port)), timeout=10) as s:   # a body it will not allocate
+            s.sendall(native.FRAME_MAGIC.to_bytes(4, "little") + (native.MAX_BODY_BYTES + 1).to_bytes(4, "little"))
+            assert _closed_by_peer(s)
         again = c.run(ids, max_new_tokens=12, stop_token_ids=[])
         log = "".join(r.logs[1])
     assert again.token_ids == want.token_ids
     assert "not a dgr native frame (bad magic)" in log and "frame lengths disagree" in log
+    assert "frame body length out of range" in log
 
 
 def test_native_plane_is_refused_where_it_cannot_run(tmp_path):

@@ -39,7 +39,7 @@ namespace {
 
 constexpr size_t   FIXED_BYTES   = 48;          // the fixed part of a frame body (proto/dgr/v1/native.md)
 constexpr size_t   HOP_BYTES     = 36;          // one timing record
-constexpr uint32_t MAX_BODY      = 1u << 28;    // a frame body larger than this is refused
+constexpr uint32_t MAX_BODY      = 1u << 24;    // a frame body larger than this (16 MiB) is refused
 constexpr int      CONNECT_MS    = 2000;
 
 int64_t mono_ns() {

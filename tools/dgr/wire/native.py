@@ -21,6 +21,7 @@ FRAME_MAGIC = 0x4E524744                 # "DGRN" (DGR_DP_MAGIC)
 FRAME_FIXED_BYTES = 48
 HOP_BYTES = 36
 MAX_HOPS = 64                            # DGR_DP_MAX_HOPS
+MAX_BODY_BYTES = 1 << 24                 # a receiver refuses a larger frame body (MAX_BODY)
 KIND_TOKEN, KIND_ERROR = 2, 3
 E_UNREACHABLE, E_CACHE_MISS, E_ENGINE, E_UNKNOWN, E_CONTEXT_FULL = 1, 2, 3, 4, 5
 DATA_PLANES = ("grpc", "native")
