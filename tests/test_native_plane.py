@@ -186,6 +186,26 @@ def test_sampled_sessions_go_native_and_equal_the_grpc_plane(engine_lib, tiny):
 
 
 @pytest.mark.engine
+def test_a_lossy_wire_dtype_keeps_the_session_on_grpc(engine_lib, tiny):
+    """Native frames carry float32 boundaries; a route served in f16 must round at every seam as it asked,
+    so its sessions stay on gRPC and give the gRPC plane's f16 tokens."""
+    ids = list(range(5, 25))
+
+    def route(plane):
+        args = [["--bundle", str(tiny.root), "--stage", str(i), "--threads", "1", "--n-ctx", "256",
+                 "--data-plane", plane, "--wire-dtype", "f16"] for i in range(3)]
+        return LocalRoute(args, env={"DGR_ENGINE_LIB": str(engine_lib)}, timeout=300)
+
+    with route("grpc") as r, RouteClient(r.addresses) as c:
+        want = c.run(ids, max_new_tokens=16, logits="last", stop_token_ids=[])
+    with route("native") as r, RouteClient(r.addresses) as c:
+        got = c.run(ids, max_new_tokens=16, logits="last", stop_token_ids=[])
+        assert _native_steps(c) == [0, 0, 0]
+    assert got.token_ids == want.token_ids
+    assert all(np.array_equal(got.logits[p], want.logits[p]) for p in want.logits)
+
+
+@pytest.mark.engine
 def test_a_middle_stage_killed_mid_decode_is_routed_around(engine_lib, tiny):
     ids = list(range(5, 25))
     with _route(engine_lib, tiny, replicas=[1, 2, 1], n_ctx=256) as r:

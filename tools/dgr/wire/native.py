@@ -5,7 +5,7 @@ in the engine library whose threads run a session's decode steps round the ring 
 engine step, frames out, the last stage's draw back to the origin), without Python on the way. Python keeps
 everything else: describe, open/close, the prefill, the client's stream. A session goes native when
 every hop of its route has a plane and it asks for what the plane does (any sampling, no logits rows or
-the sampled row, no speculation, a plaintext route); any other session runs on the gRPC plane as before. The frame layout
+the sampled row, no speculation, an f32 boundary, a plaintext route); any other session runs on the gRPC plane as before. The frame layout
 is documented in proto/dgr/v1/native.md; `FRAME_FIXED_BYTES` and `HOP_BYTES` here are checked against it
 and against the C++ (tests/test_native_plane.py).
 """

@@ -207,12 +207,14 @@ class StageWorker(Scheduler, Links, Origin, pb_grpc.StageServicer):
 
     def _register_native(self, req, sess: Session, hops: list) -> None:
         """A session this stage and every later hop can run on the native plane (any sampling, no logits or
-        the sampled row: what the plane does) is registered there, with the next hop's plane (the last
+        the sampled row, an f32 boundary: what the plane does) is registered there, with the next hop's plane (the last
         stage's tokens go to the origin each frame names). The origin hands its decode over after the
         prefill."""
         if self.native is None or req.logits == pb.LOGITS_ALL:
             return
-        if not all(h.native_address for h in hops):
+        # native frames carry float32 boundaries: a route with a lossy wire dtype stays on gRPC, which
+        # rounds the boundary to it at every seam as the route asked
+        if not all(h.native_address and (not h.HasField("schema_out") or h.schema_out.dtype == pb.F32) for h in hops):
             return
         self.native.session(req.session_id, req.epoch, "" if self.info.is_last else hops[1].native_address,
                             logits=req.logits == pb.LOGITS_LAST, sampling=req.sampling)
