@@ -245,13 +245,20 @@ struct out_conn {
     ~out_conn() { if (fd >= 0) close(fd); }
 };
 
-struct dp_session {
+// What a step of a session needs after its forward: where it goes, and the last stage's draw.
+struct dp_plan {
     std::string next;
     bool        logits = false;    // the last stage: send each token's logits row with it
     double      temperature = 0.0; // the last stage's draw (dgr_sample)
     int32_t     top_k = 0;
     double      top_p = 0.0;
     uint64_t    seed = 0;
+
+    bool wants_row() const { return logits || temperature > 0.0; }
+};
+
+struct dp_session {
+    dp_plan     plan;
     int64_t     last_used = 0;
     bool        decoding = false;
     int32_t     remaining = 0;
@@ -554,43 +561,32 @@ struct dgr_dp {
                     it = pending.erase(it);
                 }
             }
-            std::vector<work *> ready, unknown;
-            std::vector<std::string> nexts;
-            std::vector<char> logits;
-            std::vector<dp_session> draws;          // each ready step's session (its sampling)
+            std::vector<work *> unknown, misfit;
+            std::vector<std::pair<work *, dp_plan>> ready;
             {
                 std::lock_guard<std::mutex> lock(mu);
                 for (auto & w : batch) {
                     auto it = sessions.find(sess_key(w.f.sid, w.f.epoch));
                     if (it == sessions.end()) {
                         unknown.push_back(&w);
-                        continue;
+                    } else if (!info.is_first && (int32_t) w.f.floats.size() != width) {
+                        misfit.push_back(&w);
+                    } else {
+                        it->second.last_used = mono_ns();
+                        ready.emplace_back(&w, it->second.plan);
                     }
-                    it->second.last_used = mono_ns();
-                    ready.push_back(&w);
-                    nexts.push_back(it->second.next);
-                    logits.push_back(it->second.logits);
-                    draws.push_back(it->second);
                 }
             }
             for (work * w : unknown) {
                 fail(w->f, DGR_DP_E_UNKNOWN, "stage " + std::to_string(stage_index) + " has no native session " +
                      w->f.sid + " epoch " + std::to_string(w->f.epoch) + " (closed or reaped): open it again");
             }
-            for (size_t i = 0; i < ready.size(); ++i) {
-                work & w = *ready[i];
-                if (!info.is_first && (int32_t) w.f.floats.size() != width) {
-                    fail(w.f, DGR_DP_E_ENGINE, "stage " + std::to_string(stage_index) + " takes " + std::to_string(width) +
-                         " boundary floats per token, the frame has " + std::to_string(w.f.floats.size()));
-                    ready.erase(ready.begin() + (long) i);
-                    nexts.erase(nexts.begin() + (long) i);
-                    logits.erase(logits.begin() + (long) i);
-                    draws.erase(draws.begin() + (long) i);
-                    --i;
-                }
+            for (work * w : misfit) {
+                fail(w->f, DGR_DP_E_ENGINE, "stage " + std::to_string(stage_index) + " takes " + std::to_string(width) +
+                     " boundary floats per token, the frame has " + std::to_string(w->f.floats.size()));
             }
             if (!ready.empty()) {
-                run(ready, nexts, logits, draws, width, tell);
+                run(ready, width, tell);
             } else if (tell) {
                 std::lock_guard<std::mutex> lock(mu);
                 event_cv.notify_one();
@@ -599,14 +595,13 @@ struct dgr_dp {
         }
     }
 
-    void run(std::vector<work *> & ready, std::vector<std::string> & nexts, const std::vector<char> & logits,
-             const std::vector<dp_session> & draws, int32_t width, bool tell = false) {
+    void run(std::vector<std::pair<work *, dp_plan>> & ready, int32_t width, bool tell = false) {
         const size_t n = ready.size();
         std::vector<dgr_step> steps(n);
         std::vector<dgr_step_out> outs(n);
         std::vector<std::vector<float>> bouts(n);
         for (size_t k = 0; k < n; ++k) {
-            frame & f = ready[k]->f;
+            frame & f = ready[k].first->f;
             dgr_step & s = steps[k];
             s.session_id = f.sid.c_str();
             s.epoch = f.epoch;
@@ -615,13 +610,12 @@ struct dgr_dp {
             s.token_ids = &f.token;
             s.boundary = info.is_first ? nullptr : f.floats.data();
             s.boundary_width = info.is_first ? 0 : width;
-            s.want_logits = info.is_last && (logits[k] || draws[k].temperature > 0.0) ? DGR_LOGITS_LAST
-                                                                                        : DGR_LOGITS_NONE;
+            s.want_logits = info.is_last && ready[k].second.wants_row() ? DGR_LOGITS_LAST : DGR_LOGITS_NONE;
             outs[k] = dgr_step_out {};
             if (!info.is_last) {
                 bouts[k].resize((size_t) width);
                 outs[k].boundary = bouts[k].data();
-            } else if (logits[k] || draws[k].temperature > 0.0) {   // the row the token is drawn from
+            } else if (ready[k].second.wants_row()) {   // the row the token is drawn from
                 bouts[k].resize((size_t) info.n_vocab);
                 outs[k].logits = bouts[k].data();
             }
@@ -636,7 +630,7 @@ struct dgr_dp {
         std::vector<int32_t> ok(n, rc == DGR_OK);
         if (rc != DGR_OK) {
             if (n == 1) {
-                fail(ready[0]->f, rc == DGR_E_CACHE_MISS ? DGR_DP_E_CACHE_MISS : DGR_DP_E_ENGINE, dgr_last_error());
+                fail(ready[0].first->f, rc == DGR_E_CACHE_MISS ? DGR_DP_E_CACHE_MISS : DGR_DP_E_ENGINE, dgr_last_error());
             } else {                    // find the step at fault: the others go on
                 for (size_t k = 0; k < n; ++k) {
                     const int64_t t1 = mono_ns();
@@ -644,7 +638,7 @@ struct dgr_dp {
                     if (r == DGR_OK) {
                         ok[k] = 1;
                     } else {
-                        fail(ready[k]->f, r == DGR_E_CACHE_MISS ? DGR_DP_E_CACHE_MISS : DGR_DP_E_ENGINE, dgr_last_error());
+                        fail(ready[k].first->f, r == DGR_E_CACHE_MISS ? DGR_DP_E_CACHE_MISS : DGR_DP_E_ENGINE, dgr_last_error());
                     }
                     compute = mono_ns() - t1;
                 }
@@ -657,7 +651,7 @@ struct dgr_dp {
         }
         for (size_t k = 0; k < n; ++k) {
             if (!ok[k]) continue;
-            work & w = *ready[k];
+            work & w = *ready[k].first;
             frame out;
             const int64_t tw = mono_ns();
             out.sid = std::move(w.f.sid);
@@ -674,17 +668,17 @@ struct dgr_dp {
             std::string dest;
             if (info.is_last) {
                 out.kind = DGR_DP_TOKEN;
-                const dp_session & d = draws[k];
+                const dp_plan & d = ready[k].second;
                 out.token = d.temperature > 0.0
                     ? dgr_sample(bouts[k].data(), info.n_vocab, d.temperature, d.top_k, d.top_p, d.seed, w.f.position)
                     : outs[k].next_token;
-                if (logits[k]) out.floats = std::move(bouts[k]);   // travels with it only when asked for
+                if (d.logits) out.floats = std::move(bouts[k]);   // travels with it only when asked for
                 dest = out.origin;
             } else {
                 out.kind = DGR_DP_STEP;
                 out.token = w.f.token;          // the token-id sideband travels with every step
                 out.floats = std::move(bouts[k]);
-                dest = nexts[k];
+                dest = ready[k].second.next;
             }
             h.wire_ns = mono_ns() - tw;
             out.hops.push_back(h);
@@ -776,12 +770,7 @@ int32_t dgr_dp_session(dgr_dp * dp, const char * sid, int64_t epoch, const char 
     if (!dp || !sid) return DGR_E_ENGINE;
     std::lock_guard<std::mutex> lock(dp->mu);
     dp_session & s = dp->sessions[sess_key(sid, epoch)];
-    s.next = next ? next : "";
-    s.logits = logits != 0;
-    s.temperature = temperature;
-    s.top_k = top_k;
-    s.top_p = top_p;
-    s.seed = seed;
+    s.plan = dp_plan { next ? next : "", logits != 0, temperature, top_k, top_p, seed };
     s.last_used = mono_ns();
     return DGR_OK;
 }

@@ -14,6 +14,7 @@ import queue
 import threading
 import time
 
+from dgr.wire import native
 from dgr.wire.codec import hop_name
 from dgr.wire.gen import stage_pb2 as pb
 from dgr.wire.state import Session, StageState, Work
@@ -91,8 +92,6 @@ class Origin(StageState):
 
     def _on_native_event(self, ev, row: bytes = b"") -> None:
         """A token or an error from the native plane (dgr.wire.native): to the client as the gRPC plane's."""
-        from dgr.wire import native
-
         sid, epoch = ev.session_id.decode(), ev.epoch
         if ev.kind == native.KIND_TOKEN:
             hops = [pb.HopTiming(stage_index=h.stage_index, queue_ns=max(0, h.queue_ns), compute_ns=max(0, h.compute_ns),
