@@ -83,13 +83,14 @@ def test_concurrent_sessions_equal_sequential(route):
 
 def test_cache_miss_reprefills_and_gives_the_same_text(route):
     with RouteClient(route.addresses) as c:
-        ref = c.run("evict me", max_new_tokens=20, temperature=0.7, seed=11)
+        # no stop ids: the generation must outlast the eviction at its 6th token (a draw may be EOS early)
+        ref = c.run("evict me", max_new_tokens=40, temperature=0.7, seed=11, stop_token_ids=[])
     assert ref.epochs == 1
     last = route.workers[2]
     evicted = threading.Event()
     with RouteClient(route.addresses) as c:
-        for i, ev in enumerate(c.generate("evict me", max_new_tokens=20, temperature=0.7, seed=11,
-                                          session_id="victim")):
+        for i, ev in enumerate(c.generate("evict me", max_new_tokens=40, temperature=0.7, seed=11,
+                                          stop_token_ids=[], session_id="victim")):
             if i == 5 and not evicted.is_set():
                 # the last stage loses this session's cache (as under memory pressure): keep the session,
                 # empty the cache; the next frame expects more positions than it holds
