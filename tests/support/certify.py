@@ -6,8 +6,9 @@ from __future__ import annotations
 from pathlib import Path
 
 # A contract for tests: the same shape as certification/alpha.toml, small prompts, speed rows on every
-# bundle (synthetic ones too) with thresholds a loaded 2-core runner always meets (no timing is asserted:
-# a ratio >= 0 always holds) unless the test asks for an impossible one.
+# bundle (synthetic ones too) with thresholds of 0, which any measurement meets (a ratio >= 0 always
+# holds). No test judges this machine's speed: a test that needs a failing speed row gives the numbers
+# (monkeypatching dgr.certify.runner.measure_speed), and dgr.certify.speed_figures is tested with given ones.
 TEST_CONTRACT = """\
 name = "test"
 lane = "cpu"

@@ -27,7 +27,7 @@ from dgr.engine_api import MemoryReport, StageInfo, Step, StepResult
 from dgr.errors import CacheMiss, EngineError, SchemaMismatch
 from dgr.paths import default_engine_library
 
-ABI_VERSION = 2
+ABI_VERSION = 3
 LIB_ENV = "DGR_ENGINE_LIB"
 
 OK, E_ENGINE, E_CACHE_MISS, E_SCHEMA, E_ARTIFACT, E_UNSUPPORTED = range(6)
@@ -37,7 +37,7 @@ _WANT = {"none": 0, "last": 1, "all": 2}
 class _OpenParams(C.Structure):
     _fields_ = [("n_ctx", C.c_int32), ("max_sessions", C.c_int32), ("n_ubatch", C.c_int32),
                 ("n_threads", C.c_int32), ("layer_begin", C.c_int32), ("layer_end", C.c_int32),
-                ("n_gpu_layers", C.c_int32), ("kv_f32", C.c_int32)]
+                ("n_gpu_layers", C.c_int32), ("kv_f32", C.c_int32), ("fast_kernels", C.c_int32)]
 
 
 class _StageInfo(C.Structure):
@@ -45,7 +45,8 @@ class _StageInfo(C.Structure):
                 ("layer_begin", C.c_int32), ("layer_end", C.c_int32), ("n_layer", C.c_int32),
                 ("n_embd", C.c_int32), ("n_streams", C.c_int32), ("n_vocab", C.c_int32),
                 ("is_first", C.c_int32), ("is_last", C.c_int32), ("needs_token_ids", C.c_int32),
-                ("has_vocab", C.c_int32), ("n_ctx", C.c_int32), ("max_sessions", C.c_int32)]
+                ("has_vocab", C.c_int32), ("n_ctx", C.c_int32), ("max_sessions", C.c_int32),
+                ("batch_invariant", C.c_int32)]
 
 
 class _Step(C.Structure):
@@ -178,7 +179,9 @@ class Engine:
     def open(cls, path: str | Path, *, layer_range: tuple[int, int] | None = None,
              n_ctx: int = DEFAULT_N_CTX, max_sessions: int = DEFAULT_MAX_SESSIONS, n_ubatch: int = 512,
              n_threads: int = 0, n_gpu_layers: int = -1, kv_dtype: str = "f16",
-             lib: str | Path | None = None) -> "Engine":
+             fast_kernels: bool = False, lib: str | Path | None = None) -> "Engine":
+        """`fast_kernels`: llama.cpp's shape-dependent CPU kernels (faster prefill, but a session's logits
+        then depend on what shares its forwards and how its tokens are batched); for measuring only."""
         h = load_library(lib)
         path = Path(path)
         if not path.is_file():
@@ -188,7 +191,7 @@ class Engine:
         p = _OpenParams(n_ctx=n_ctx, max_sessions=max_sessions, n_ubatch=n_ubatch, n_threads=n_threads,
                         layer_begin=layer_range[0] if layer_range else 0,
                         layer_end=layer_range[1] if layer_range else 0, n_gpu_layers=n_gpu_layers,
-                        kv_f32=int(kv_dtype == "f32"))
+                        kv_f32=int(kv_dtype == "f32"), fast_kernels=int(fast_kernels))
         if layer_range and layer_range[1] <= 0:
             raise EngineError(f"layer range {layer_range} is empty; give [begin, end) with end > begin >= 0")
         _refuse_what_llama_aborts_on(path)
@@ -235,7 +238,7 @@ class Engine:
             bool(self._lib.dgr_engine_can_truncate(self._handle()))
         return StageInfo(arch=s.arch.decode(), contract=contract, n_vocab=s.n_vocab,
                          has_vocab=bool(s.has_vocab), n_ctx=s.n_ctx, max_sessions=s.max_sessions,
-                         can_truncate=can_truncate)
+                         can_truncate=can_truncate, batch_invariant=bool(s.batch_invariant))
 
     def describe(self) -> StageInfo:
         return self._info
@@ -365,3 +368,25 @@ class Engine:
             self.close()
         except Exception:
             pass
+
+
+# llama_ftype values of the pinned llama.h that quantize every matrix to one type (`dgr_quantize`)
+QUANT_FTYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 7, "Q5_0": 8, "Q5_1": 9, "Q2_K": 10, "Q3_K": 12, "Q4_K": 15,
+                "Q5_K": 17, "Q6_K": 18, "IQ2_XXS": 19, "IQ2_XS": 20, "IQ3_XXS": 23, "IQ1_S": 24, "IQ4_NL": 25,
+                "IQ3_S": 26, "IQ2_S": 28, "IQ4_XS": 30, "IQ1_M": 31, "BF16": 32, "TQ1_0": 36, "TQ2_0": 37,
+                "F16": 1}
+
+
+def quantize(src: str | Path, dst: str | Path, qtype: str, *, n_threads: int = 0,
+             lib: str | Path | None = None) -> Path:
+    """Write `dst`: `src` with every matrix llama.cpp's quantizer would quantize in `qtype` (its own
+    quantizer, built with the engine; a uniform importance matrix for the types that need one)."""
+    if qtype not in QUANT_FTYPES:
+        raise EngineError(f"unknown quantization type {qtype!r}; choose one of {', '.join(QUANT_FTYPES)}")
+    h = load_library(lib)
+    h.dgr_quantize.argtypes = [C.c_char_p, C.c_char_p, C.c_int32, C.c_int32]
+    h.dgr_quantize.restype = C.c_int32
+    st = h.dgr_quantize(str(src).encode(), str(dst).encode(), QUANT_FTYPES[qtype], n_threads)
+    if st != OK:
+        _raise(h, st)
+    return Path(dst)

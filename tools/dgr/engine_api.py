@@ -30,6 +30,9 @@ class StageInfo:
     # can drop a session's cached positions from a point on (`ShardEngine.truncate`): what speculative
     # decoding needs to roll back rejected drafts; False for recurrent/hybrid models (one running state)
     can_truncate: bool = True
+    # a session's results do not depend on the batch: not on the sessions that share its forwards, nor on
+    # how its own tokens are cut into prefill chunks, decode steps or verification steps (CPU, exact)
+    batch_invariant: bool = True
 
     # The contract's facts, read-only, under the names callers have always used.
     @property

@@ -9,6 +9,9 @@
 // computed depends on it.
 #include "dgr_engine.h"
 #include "dgr_contract.h"
+#if DGR_WITH_HOOKS
+#include "dgr_hooks.h"
+#endif
 
 #include "ggml.h"
 #include "ggml-backend.h"
@@ -360,6 +363,11 @@ int32_t dgr_engine_open(const char * path_c, const dgr_open_params * params, dgr
         llama_model_params mp = llama_model_default_params();
         mp.n_gpu_layers = params->n_gpu_layers; // < 0: every owned layer on the lane's device, if it has one
         mp.kv_overrides = kvo.empty() ? nullptr : kvo.data();
+        // batch invariance: a repacked weight layout (ggml's CPU "extra" buffer types: repack, AMX) is
+        // multiplied by one kernel for a single row (gemv) and another for several (gemm), which round
+        // differently. Off with fast_kernels too: the AMX path crashed on this machine with one KV stream
+        // per session (SIGSEGV in ggml_backend_amx_mul_mat), and fast_kernels only measures the CPU kernels.
+        mp.use_extra_bufts = false;
         take_log_errors();
         eng->model = llama_model_load_from_file(path.c_str(), mp);
         if (!eng->model) {
@@ -381,7 +389,10 @@ int32_t dgr_engine_open(const char * path_c, const dgr_open_params * params, dgr
 
         llama_context_params cp = llama_context_default_params();
         cp.n_seq_max    = (uint32_t) max_sessions;
-        cp.kv_unified   = true; // sessions share one cache, so they can share one batch
+        // batch invariance: one KV stream per session. In one shared stream a session's cells land where
+        // other sessions left room, and attention sums them in cell order, so its logits depended on its
+        // neighbours. Sessions still share forwards (llama.cpp puts consecutive streams in one ubatch).
+        cp.kv_unified   = false;
         cp.n_ctx        = (uint32_t) n_ctx_seq * (uint32_t) max_sessions;
         cp.n_batch      = cp.n_ctx;
         cp.n_ubatch     = params->n_ubatch > 0 ? (uint32_t) params->n_ubatch : 512;
@@ -395,7 +406,15 @@ int32_t dgr_engine_open(const char * path_c, const dgr_open_params * params, dgr
             cp.type_v = GGML_TYPE_F32;
         }
         cp.no_perf      = true;
-        eng->ctx = llama_init_from_model(eng->model, cp);
+        {
+#if DGR_WITH_HOOKS
+            // the hook reads the process-wide setting when the context creates its CPU backend
+            static std::mutex init_mu;
+            std::lock_guard<std::mutex> init_lock(init_mu);
+            dgr_set_reference_kernels(params->fast_kernels == 0);
+#endif
+            eng->ctx = llama_init_from_model(eng->model, cp);
+        }
         if (!eng->ctx) {
             std::string why = take_log_errors();
             throw dgr_exc(DGR_E_ENGINE, fmt("%s: could not create a context: %s", path.c_str(), why.c_str()));
@@ -415,6 +434,8 @@ int32_t dgr_engine_open(const char * path_c, const dgr_open_params * params, dgr
         in.has_vocab   = in.n_vocab > 0;
         in.n_ctx       = n_ctx_seq;
         in.max_sessions = max_sessions;
+        // without the hooks (an engine over the unpatched tree) the CPU backend keeps its fast kernels
+        in.batch_invariant = DGR_WITH_HOOKS && params->fast_kernels == 0;
         for (int32_t s = max_sessions - 1; s >= 0; --s) {
             eng->free_seqs.push_back(s);
         }
@@ -462,9 +483,12 @@ int32_t dgr_session_open(dgr_engine * eng, const char * sid, int64_t epoch) {
             throw dgr_exc(DGR_E_ENGINE, fmt("all %d sessions are in use; close one first (or open the engine with more max_sessions)",
                     eng->info.max_sessions));
         }
+        // the lowest free sequence: llama.cpp puts only consecutive streams into one ubatch, so compact
+        // ids let more sessions share a forward
         session s;
-        s.seq = eng->free_seqs.back();
-        eng->free_seqs.pop_back();
+        auto lowest = std::min_element(eng->free_seqs.begin(), eng->free_seqs.end());
+        s.seq = *lowest;
+        eng->free_seqs.erase(lowest);
         llama_memory_seq_rm(mem, s.seq, -1, -1);
         eng->sessions[key] = s;
     });
@@ -614,9 +638,13 @@ int32_t dgr_forward(dgr_engine * eng, int32_t n_steps, const dgr_step * steps, d
             batch.token = (llama_token *) malloc(sizeof(llama_token) * n_total);
         }
         struct batch_guard { llama_batch & b; ~batch_guard() { llama_batch_free(b); } } bg { batch };
+        // rows in sequence order: llama.cpp's per-stream split puts only consecutive sequences in one ubatch
+        std::vector<int32_t> order(n_steps);
+        for (int32_t k = 0; k < n_steps; ++k) order[k] = k;
+        std::sort(order.begin(), order.end(), [&](int32_t a, int32_t b) { return ss[a]->seq < ss[b]->seq; });
         std::vector<int32_t> row_of_step(n_steps);
         int32_t j = 0;
-        for (int32_t k = 0; k < n_steps; ++k) {
+        for (const int32_t k : order) {
             const dgr_step & st = steps[k];
             row_of_step[k] = j;
             for (int32_t i = 0; i < st.n_tokens; ++i, ++j) {
@@ -700,7 +728,7 @@ int32_t dgr_forward(dgr_engine * eng, int32_t n_steps, const dgr_step * steps, d
                 dgr_step_out & o = outs[k];
                 o.n_logit_rows = 0;
                 o.next_token = -1;
-                const int32_t r0 = row_of_step[k] - row_of_step[k0]; // row in this call's batch
+                const int32_t r0 = row_of_step[k] - (per_session ? row_of_step[k0] : 0); // row in this call's batch
                 if (!in.is_last) {
                     if (o.boundary) {
                         for (int32_t i = 0; i < st.n_tokens; ++i) {
@@ -755,6 +783,47 @@ int32_t dgr_detokenize(dgr_engine * eng, const int32_t * ids, int32_t n_ids, cha
         if (n < 0) n = -n;
     });
     return rc == DGR_OK ? n : -1;
+}
+
+int32_t dgr_quantize(const char * src, const char * dst, int32_t ftype, int32_t n_threads) {
+    return guarded([&] {
+        if (!src || !dst) throw dgr_exc(DGR_E_ENGINE, "quantize: null argument");
+        // a uniform importance matrix for every matrix (its row length, times the experts of a 3-D one)
+        std::vector<std::string> names;
+        std::vector<std::vector<float>> values;
+        ggml_context * meta = nullptr;
+        gguf_init_params gp {};
+        gp.no_alloc = true;
+        gp.ctx = &meta;
+        gguf_context * g = gguf_init_from_file(src, gp);
+        if (!g || !meta) throw dgr_exc(DGR_E_ARTIFACT, fmt("%s: not a readable GGUF", src));
+        for (int64_t i = 0; i < gguf_get_n_tensors(g); ++i) {
+            const ggml_tensor * t = ggml_get_tensor(meta, gguf_get_tensor_name(g, i));
+            if (t && ggml_n_dims(t) >= 2) {
+                names.emplace_back(t->name);
+                values.emplace_back((size_t) (t->ne[0] * (ggml_n_dims(t) >= 3 ? t->ne[2] : 1)), 1.0f);
+            }
+        }
+        ggml_free(meta);
+        gguf_free(g);
+        std::vector<llama_model_imatrix_data> im;
+        for (size_t i = 0; i < names.size(); ++i) {
+            im.push_back({names[i].c_str(), values[i].data(), values[i].size()});
+        }
+        im.push_back({nullptr, nullptr, 0});
+        llama_model_quantize_params qp = llama_model_quantize_default_params();
+        qp.nthread = n_threads;
+        qp.ftype = (enum llama_ftype) ftype;
+        qp.pure = true;
+        qp.quantize_output_tensor = true;
+        qp.imatrix = im.data();
+        take_log_errors();
+        if (llama_model_quantize(src, dst, &qp) != 0) {
+            std::string why = take_log_errors();
+            throw dgr_exc(DGR_E_ENGINE, fmt("llama_model_quantize %s -> %s (ftype %d) failed%s%s", src, dst, ftype,
+                    why.empty() ? "" : ": ", why.c_str()));
+        }
+    });
 }
 
 } // extern "C"

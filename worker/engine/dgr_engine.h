@@ -18,7 +18,7 @@ extern "C" {
 #  define DGR_API __attribute__((visibility("default")))
 #endif
 
-#define DGR_ABI_VERSION 2
+#define DGR_ABI_VERSION 3
 
 enum dgr_status {
     DGR_OK              = 0,
@@ -46,6 +46,11 @@ typedef struct dgr_open_params {
     // 1: keep the KV cache in F32 (all-F32 reference runs, comparisons across backends); 0: llama.cpp's
     // default (F16).
     int32_t kv_f32;
+    // 0 (the default): batch invariant. A session's logits are bit-identical (CPU) whatever shares its
+    // forwards and however its own tokens are cut into batches: the CPU backend's reference kernels,
+    // one KV stream per session, no repacked weights. 1: llama.cpp's shape-dependent fast kernels
+    // (faster prefill; results then depend on the batch). For measuring the cost only.
+    int32_t fast_kernels;
 } dgr_open_params;
 
 typedef struct dgr_stage_info {
@@ -54,6 +59,7 @@ typedef struct dgr_stage_info {
     int32_t n_embd, n_streams, n_vocab;
     int32_t is_first, is_last, needs_token_ids, has_vocab;
     int32_t n_ctx, max_sessions;
+    int32_t batch_invariant;   // 1: results do not depend on the batch (see dgr_open_params.fast_kernels)
 } dgr_stage_info;
 
 enum dgr_want_logits { DGR_LOGITS_NONE = 0, DGR_LOGITS_LAST = 1, DGR_LOGITS_ALL = 2 };
@@ -115,6 +121,12 @@ DGR_API int32_t dgr_forward(dgr_engine * eng, int32_t n_steps, const dgr_step * 
 DGR_API int32_t dgr_tokenize  (dgr_engine * eng, const char * text, int32_t add_special, int32_t * out, int32_t cap);
 // Returns the number of bytes (written up to cap), or -1 on error.
 DGR_API int32_t dgr_detokenize(dgr_engine * eng, const int32_t * ids, int32_t n, char * out, int32_t cap);
+
+// The pinned llama.cpp's own quantizer (llama_model_quantize) on a whole GGUF: `ftype` is a llama_ftype
+// (LLAMA_FTYPE_MOSTLY_Q4_K_M = 15, ...), every matrix the quantizer would quantize gets its default type
+// (`pure`), the output and embedding matrices included. Types that need an importance matrix (IQ1/IQ2/
+// IQ3_XXS) get a uniform one. For test models of every weight type; n_threads 0: all cores.
+DGR_API int32_t dgr_quantize(const char * src, const char * dst, int32_t ftype, int32_t n_threads);
 
 #ifdef __cplusplus
 }

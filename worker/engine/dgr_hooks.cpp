@@ -9,8 +9,10 @@
 #include "llama-model-loader.h"
 
 #include "ggml.h"
+#include "ggml-backend.h"
 #include "gguf.h"
 
+#include <atomic>
 #include <cstring>
 #include <memory>
 #include <stdexcept>
@@ -254,4 +256,27 @@ bool dgr_build_boundary_out(const llm_graph_context & g, ggml_tensor * cur, ggml
     g.res->t_embd = cur;
     ggml_build_forward_expand(g.gf, cur);
     return true;
+}
+
+namespace {
+std::atomic<bool> g_reference_kernels{true};
+}
+
+void dgr_set_reference_kernels(bool on) {
+    g_reference_kernels.store(on);
+}
+
+bool dgr_reference_kernels() {
+    return g_reference_kernels.load();
+}
+
+void dgr_configure_cpu_backend(ggml_backend * backend_cpu) {
+    ggml_backend_dev_t dev = ggml_backend_get_device(backend_cpu);
+    ggml_backend_reg_t reg = dev ? ggml_backend_dev_backend_reg(dev) : nullptr;
+    using set_use_ref_t = void (*)(ggml_backend_t, bool);
+    auto set_use_ref = reg ? (set_use_ref_t) ggml_backend_reg_get_proc_address(reg, "ggml_backend_cpu_set_use_ref") : nullptr;
+    if (!set_use_ref) {
+        throw std::runtime_error("dgr: the CPU backend has no ggml_backend_cpu_set_use_ref: batch invariance needs it");
+    }
+    set_use_ref(backend_cpu, dgr_reference_kernels());
 }

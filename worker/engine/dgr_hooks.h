@@ -53,3 +53,14 @@ ggml_tensor * dgr_build_inp_boundary(const llm_graph_context & g);
 // After the owned layers: on a non-last stage, make `cur` (the raw residual, every output token in
 // batch order) the graph's embeddings output and return true; the arch then returns without norm/head.
 bool dgr_build_boundary_out(const llm_graph_context & g, ggml_tensor * cur, ggml_tensor * inp_out_ids);
+
+// Batch invariance (the patch "the CPU backend runs its reference kernels"): llama.cpp's CPU backend picks
+// kernels by the batch's shape (a tiled GEMM for K- and I-quant matrices at 8 rows or more, llamafile's
+// sgemm, a tiled or KV-split flash attention), and each rounds differently, so a session's logits
+// depended on how many rows shared its forward. Its reference kernels compute every row alone, the same
+// way at any batch size. Every context's CPU backend gets the process-wide setting, on unless the engine
+// turned it off (measurements of what invariance costs).
+struct ggml_backend;
+void dgr_set_reference_kernels(bool on);
+bool dgr_reference_kernels();
+void dgr_configure_cpu_backend(ggml_backend * backend_cpu);

@@ -3,7 +3,9 @@
 
 from dgr.certify.contract import DEFAULT_CONTRACT, Contract, ContractError, LoadedContract, load_contract
 from dgr.certify.gate import GateResult, Row, format_table, run_gate
-from dgr.certify.runner import CertifyError, certify, engine_library, mtp_off
+from dgr.certify.runner import CertifyError, certify, engine_library, measure_speed, mtp_off
+from dgr.certify.speed import SpeedRuns, speed_figures
 
 __all__ = ["DEFAULT_CONTRACT", "Contract", "ContractError", "LoadedContract", "load_contract", "GateResult", "Row",
-           "format_table", "run_gate", "CertifyError", "certify", "engine_library", "mtp_off"]
+           "format_table", "run_gate", "CertifyError", "certify", "engine_library", "measure_speed", "mtp_off",
+           "SpeedRuns", "speed_figures"]

@@ -5,15 +5,15 @@ runs); the whole source GGUF runs alone on the engine library in this process (t
 baseline: greedy tokens and logits of every contract prompt, prefilled in the route's chunks); then one
 `dgr worker serve` process per stage (dgr.app.local.LocalRoute) serves the bundle on loopback and the
 same prompts run through the route; tokens must be equal and logits bit-identical. Where the contract's
-speed gate applies, pipeline and whole model alternate on the same host and the ratios of their
-medians are judged. The result is a dgr.certificate.Certificate, whose `passed` is every figure's.
+speed gate applies, pipeline and whole model alternate on the same host (measure_speed) and the
+ratios of each side's fastest run are judged by dgr.certify.speed.speed_figures, a pure function. The
+result is a dgr.certificate.Certificate, whose `passed` is every figure's.
 """
 
 from __future__ import annotations
 
 import datetime as dt
 import os
-import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,6 +22,7 @@ import numpy as np
 from dgr.certificate import Certificate, ContractRef, Figure, Identity, StageRange
 from dgr.certify.contract import Contract, LoadedContract, load_contract
 from dgr.certify.host import host, usable_cores
+from dgr.certify.speed import SpeedRuns, speed_figures
 from dgr.errors import DgrError, RecipeError
 from dgr.hashing import file_blake3
 from dgr.log import get_logger
@@ -166,12 +167,9 @@ def _processes(route, n_stages: int) -> Figure:
                   detail=f"one `dgr worker serve` per stage on {', '.join(route.addresses)}")
 
 
-def _median(xs: list[float]) -> float:
-    return statistics.median(xs) if xs else 0.0
-
-
-def _speed(c: Contract, client, eng, threads: int) -> list[Figure]:
-    """Pipeline and whole model alternate (after one untimed round); the ratios of each side's best run."""
+def measure_speed(c: Contract, client, eng, threads: int) -> SpeedRuns:
+    """Pipeline and whole model alternate on this host (after one untimed round): tok/s of each timed run.
+    What they are judged by is dgr.certify.speed.speed_figures."""
     from dgr.app.demo import long_prompt, whole_model_run
 
     s = c.speed
@@ -188,21 +186,8 @@ def _speed(c: Contract, client, eng, threads: int) -> list[Figure]:
             wd.append(w.decode_tokens_per_s)
             pp.append(gl.prefill_tokens_per_s)
             wp.append(wl.prefill_tokens_per_s)
-    # Each side's fastest run is the one least disturbed by other work on the host (timeit's rule);
-    # the medians go into the detail.
-    rd = max(pd) / max(wd) if max(wd) else 0.0
-    rp = max(pp) / max(wp) if max(wp) else 0.0
-    how = f"best of {s.repeats}, {threads} thread(s) per process"
-    return [
-        Figure(check="speed: decode ratio", figure=round(rd, 3), threshold=f">= {s.decode_ratio_min}",
-               passed=rd >= s.decode_ratio_min,
-               detail=f"pipeline {max(pd):.1f} tok/s, whole model {max(wd):.1f} tok/s ({s.decode_tokens} tokens, "
-                      f"{how}; medians {_median(pd):.1f} and {_median(wd):.1f})"),
-        Figure(check=f"speed: prefill ratio ({len(long_ids)} tokens)", figure=round(rp, 3),
-               threshold=f">= {s.prefill_ratio_min}", passed=rp >= s.prefill_ratio_min,
-               detail=f"pipeline {max(pp):.1f} tok/s, whole model {max(wp):.1f} tok/s ({how}; medians "
-                      f"{_median(pp):.1f} and {_median(wp):.1f})"),
-    ]
+    return SpeedRuns(prefill_tokens=len(long_ids), threads=threads, pipeline_decode=tuple(pd),
+                     whole_decode=tuple(wd), pipeline_prefill=tuple(pp), whole_prefill=tuple(wp))
 
 
 def certify(bundle_path: str | Path, *, contract: LoadedContract | str | Path | None = None,
@@ -259,7 +244,7 @@ def certify(bundle_path: str | Path, *, contract: LoadedContract | str | Path | 
             figures += _parity_figures(par, c, n_vocab)
             figures.append(_processes(route, n_stages))
             if speed:
-                figures += _speed(c, client, eng, threads)
+                figures += speed_figures(measure_speed(c, client, eng, threads), c.speed)
     finally:
         eng.close()
     cert = Certificate(
