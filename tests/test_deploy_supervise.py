@@ -82,13 +82,10 @@ def test_free_ports_are_kept_across_a_restart_and_the_bundle_is_provisioned(tiny
 def test_a_worker_that_keeps_crashing_is_retried_with_backoff_and_up_fails_with_its_log(tiny, tmp_path):
     f, run = _file(tmp_path, tiny, "backoff = 0.2\nmax_backoff = 1.0\nready_timeout = 25"), tmp_path / "run"
     bad = {"DGR_ENGINE_LIB": str(tmp_path / "no-such-engine.so")}
-    t0 = time.monotonic()
-    up = dgr("up", f, "--run-dir", str(run), env=bad)
-    took = time.monotonic() - t0
-    assert up.returncode != 0
+    up = dgr("up", f, "--run-dir", str(run), env=bad)      # gives up at ready_timeout (and never hangs:
+    assert up.returncode != 0                               # support.deploy.dgr's own timeout bounds it)
     assert "did not answer health SERVING within 25 s; the run is stopped" in up.stderr
     assert "no-such-engine.so does not exist" in up.stderr, "the worker's own log says why"
-    assert took < 90
     assert runstate.run_processes(run) == [], "nothing left behind"
     log = (run / "logs" / "supervisor.log").read_text()
     delays = [float(x) for x in re.findall(r"s0-r0: exited with exit code 2 after [\d.]+ s; restarting in ([\d.]+) s", log)]

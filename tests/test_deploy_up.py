@@ -2,7 +2,8 @@
 
 The committed file as a user runs it (its own run folder in tmp): up to SERVING (measured), a route
 that generates, kill -9 of a worker restarted by the supervisor and the route generating the same text
-again (measured; bounded generously), status as JSON, and `dgr down` leaving no process and no port.
+again (measured and printed, not judged: the wait for the restart only gives up after a generous
+deadline), status as JSON, and `dgr down` leaving no process and no port.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ pytestmark = [pytest.mark.slow]
 FILE = "deploy/local-3stage.toml"
 ROUTE = "127.0.0.1:7100,127.0.0.1:7110|127.0.0.1:7111,127.0.0.1:7120"
 PROMPT = "The capital of France is"
-BOUND_S = 120.0   # generous: 2 shared cores, other builds running; the figures are printed
+BOUND_S = 120.0   # how long a wait (for a restart) goes on before it fails: a deadline, not a speed requirement
 
 
 @pytest.fixture(scope="module")
@@ -113,7 +114,6 @@ def test_up_generates_restarts_a_killed_worker_and_down_leaves_nothing(env, tmp_
     print(f"kill -9 of stage 0 -> SERVING again: {t_serving:.1f} s; -> the route generated again: {t_route:.1f} s")
     print(f"kill -9 of a stage-1 replica -> the route generated (through the other replica): {t_replica:.1f} s")
     print(f"dgr down: {t_down:.1f} s, no process left")
-    assert t_route < BOUND_S
 
 
 def test_down_of_a_deployment_that_is_not_up_is_harmless(env, tmp_path):

@@ -106,27 +106,42 @@ def test_smollm2_native_ring_equals_the_whole_model(engine_lib, smollm2):
 
 @pytest.mark.engine
 @pytest.mark.slow
-def test_native_sessions_share_forwards_and_equal_their_sequential_runs(engine_lib, smollm2):
+@pytest.mark.parametrize("n", [2, 4])
+def test_sessions_forced_to_share_every_forward_equal_the_whole_model_alone(engine_lib, smollm2_gguf, smollm2, n):
+    """Sharing is forced, not hoped for: every stage holds its queue (--hold-batch N) until steps of N
+    sessions wait, so the N prompts (different lengths) prefill in one forward per stage and every
+    decode step of one session shares its forward with the other N - 1, at other positions. Each
+    session's tokens and logits rows equal the whole model run alone, bit for bit."""
+    from dgr.app.demo import whole_model_run
+    from dgr.engine import Engine
+
     bundle = smollm2[0]
-    prompts = ["The capital of France is", "Once upon a time", "def fibonacci(n):", PROMPT]
-    with _route(engine_lib, bundle) as r:
-        with RouteClient(r.addresses) as c:
-            want = [c.run(p, max_new_tokens=16, stop_token_ids=[]).token_ids for p in prompts]
-            before = c.describe()
-
-        def one(p):
+    prompts = ["The capital of France is", "Once upon a time, in a land far away, there lived",
+               "def fibonacci(n):", "Water boils at one hundred degrees Celsius, and"][:n]
+    with Engine.open(smollm2_gguf, lib=engine_lib, n_threads=1) as eng:
+        ids = [eng.tokenize(p) for p in prompts]
+        refs = [whole_model_run(eng, i, 12) for i in ids]
+    assert len({len(i) for i in ids}) == n                  # every session at other positions
+    args = [["--bundle", str(bundle.root), "--stage", str(i), "--threads", "1", "--data-plane", "native",
+             "--hold-batch", str(n)] for i in range(3)]
+    with LocalRoute(args, env={"DGR_ENGINE_LIB": str(engine_lib)}, timeout=300) as r:
+        def one(i):
             with RouteClient(r.addresses) as c:
-                return c.run(p, max_new_tokens=16, stop_token_ids=[]).token_ids
+                return c.run(ids[i], max_new_tokens=12, logits="last", stop_token_ids=[])
 
-        with ThreadPoolExecutor(len(prompts)) as ex:
-            got = list(ex.map(one, prompts))
+        with ThreadPoolExecutor(n) as ex:
+            got = list(ex.map(one, range(n)))
         with RouteClient(r.addresses) as c:
-            after = c.describe()
-    assert got == want
-    steps = [a.native_steps - b.native_steps for a, b in zip(after, before)]
-    forwards = [a.native_forwards - b.native_forwards for a, b in zip(after, before)]
-    assert steps == [4 * 15] * 3
-    assert any(f < s for f, s in zip(forwards, steps)), (steps, forwards)   # some steps shared a forward
+            hops = c.describe()
+    for i, (g, ref) in enumerate(zip(got, refs)):
+        assert g.token_ids == ref.token_ids, f"session {i}"
+        for k in range(12):
+            assert np.array_equal(g.logits[len(ids[i]) - 1 + k].view(np.uint32), ref.logits[k].view(np.uint32)), \
+                f"session {i}, token {k}"
+    # the first token of each comes from its prefill (gRPC), the other 11 went round the native ring, and
+    # the hold made every native forward carry one step of each of the n sessions
+    assert [d.native_steps for d in hops] == [n * 11] * 3
+    assert [d.native_forwards for d in hops] == [11] * 3
 
 
 @pytest.fixture(scope="module")

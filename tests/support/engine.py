@@ -143,5 +143,61 @@ def alone_and_shared(path, lib, a, b, steps=4):
     return run(False), run(True)
 
 
+def cut(n: int, sizes) -> list[int]:
+    """`n` tokens cut into chunks of `sizes`, repeated (the last chunk shorter)."""
+    out, i, k = [], 0, 0
+    while i < n:
+        out.append(min(sizes[k % len(sizes)], n - i))
+        i, k = i + out[-1], k + 1
+    return out
+
+
+def logits_by_cuts(path, sessions, lib, *, fast_kernels: bool = False, n_ubatch: int = 512, n_ctx: int = 256):
+    """Every position's logits [n_tokens, n_vocab] of each session in `sessions` ((tokens, chunk sizes)),
+    the sessions run side by side in one engine: forward k holds chunk k of every session that has one
+    (so sessions share forwards at different positions and with different chunk sizes)."""
+    with Engine.open(path, n_ctx=n_ctx, max_sessions=len(sessions), n_ubatch=n_ubatch,
+                     fast_kernels=fast_kernels, lib=lib) as e:
+        for i in range(len(sessions)):
+            e.open_session(f"s{i}", 0)
+        offs, outs, k = [0] * len(sessions), [[] for _ in sessions], 0
+        while True:
+            batch, who = [], []
+            for i, (toks, cuts) in enumerate(sessions):
+                if k < len(cuts):
+                    o, n = offs[i], cuts[k]
+                    batch.append(Step(f"s{i}", 0, np.arange(o, o + n, dtype=np.int32),
+                                      token_ids=np.asarray(toks[o:o + n], np.int32), want_logits="all"))
+                    who.append(i)
+                    offs[i] += n
+            if not batch:
+                return [np.concatenate(o) for o in outs]
+            for i, r in zip(who, e.forward(batch)):
+                outs[i].append(r.logits)
+            k += 1
+
+
+def batching_differences(path, lib, *, fast_kernels: bool = False, n_vocab: int = 256) -> dict[str, float]:
+    """Max |logit diff| of one session (40 tokens) against its own one-batch prefill, for each way of
+    batching it: its own chunkings, and with two other sessions (23 and 9 tokens) sharing its forwards."""
+    rng = np.random.default_rng(1)
+    a, b, c = (rng.integers(0, min(n_vocab, 200), size=n).tolist() for n in (40, 23, 9))
+    ways = {
+        "token by token": [(a, [1] * len(a))],
+        "chunks of 7": [(a, cut(len(a), [7]))],
+        "chunks of 13, 1, 5": [(a, cut(len(a), [13, 1, 5]))],
+        "one batch beside 2 prefills": [(a, [len(a)]), (b, [len(b)]), (c, [len(c)])],
+        "mixed positions and chunks": [(a, cut(len(a), [3, 1])), (b, [10, 1, 1, 1, 1, 9]), (c, [1] * 9)],
+        "behind 2 other sessions": [(b, [len(b)]), (c, cut(len(c), [2])), (a, cut(len(a), [5, 1, 8]))],
+    }
+    ref = logits_by_cuts(path, [(a, [len(a)])], lib, fast_kernels=fast_kernels)[0]
+    out = {}
+    for name, sessions in ways.items():
+        got = logits_by_cuts(path, sessions, lib, fast_kernels=fast_kernels)
+        mine = got[0] if sessions[0][0] is a else got[-1]
+        out[name] = float(np.abs(mine - ref).max())
+    return out
+
+
 __all__ = ["Engine", "b3", "synth_model", "make_bundle", "rewrite_gguf", "long_prompts", "baseline_and_split",
-           "assert_split_bundle_exact", "alone_and_shared"]
+           "assert_split_bundle_exact", "alone_and_shared", "cut", "logits_by_cuts", "batching_differences"]

@@ -370,10 +370,10 @@ class Engine:
             pass
 
 
-# llama_ftype values of the pinned llama.h that quantize every matrix to one type (`dgr_quantize`)
+# the llama_ftype (pinned llama.h) whose default type is each type: with `pure`, every matrix in it (dgr_quantize)
 QUANT_FTYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 7, "Q5_0": 8, "Q5_1": 9, "Q2_K": 10, "Q3_K": 12, "Q4_K": 15,
                 "Q5_K": 17, "Q6_K": 18, "IQ2_XXS": 19, "IQ2_XS": 20, "IQ3_XXS": 23, "IQ1_S": 24, "IQ4_NL": 25,
-                "IQ3_S": 26, "IQ2_S": 28, "IQ4_XS": 30, "IQ1_M": 31, "BF16": 32, "TQ1_0": 36, "TQ2_0": 37,
+                "IQ3_S": 26, "IQ2_S": 29, "IQ4_XS": 30, "IQ1_M": 31, "BF16": 32, "TQ1_0": 36, "TQ2_0": 37,
                 "F16": 1}
 
 

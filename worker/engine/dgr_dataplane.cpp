@@ -288,6 +288,9 @@ struct dgr_dp {
     std::map<sess_key, dp_session> sessions;
     std::deque<work> pending;
     bool busy = false;              // a thread is driving the engine (drain)
+    int32_t max_batch = 64;         // sessions per forward (dgr_dp_configure; 1: no sharing)
+    int32_t hold = 0;               // tests: run only when this many sessions (or all registered) wait
+    int64_t n_registered = 0;       // sessions ever registered here (a hold is strict until `hold` were)
     std::deque<std::pair<dgr_dp_event, std::vector<float>>> events;   // with the token's logits row
     std::set<int> incoming;
     std::vector<std::thread> readers;
@@ -420,6 +423,18 @@ struct dgr_dp {
         }
     }
 
+    // (mu held) whether queued steps may run: some are queued and, with a hold (tests), steps of `hold`
+    // distinct sessions wait; once `hold` sessions have been registered, of every session still registered
+    // when fewer are (so the last rounds of a test's sessions, and later single sessions, run)
+    bool runnable() const {
+        if (pending.empty()) return false;
+        if (hold <= 0) return true;
+        std::set<sess_key> waiting;
+        for (const work & w : pending) waiting.insert(sess_key(w.f.sid, w.f.epoch));
+        const int64_t need = n_registered < hold ? hold : std::min<int64_t>(hold, (int64_t) sessions.size());
+        return (int64_t) waiting.size() >= need;
+    }
+
     // (mu held) the origin's own next step: the token at `pos`, no boundary
     void queue_step(const std::string & sid, int64_t epoch, int32_t pos, int32_t token, bool wake = true) {
         work w;
@@ -504,7 +519,7 @@ struct dgr_dp {
         for (;;) {
             {
                 std::unique_lock<std::mutex> lock(mu);
-                work_cv.wait(lock, [&] { return stopping || (!pending.empty() && !busy); });
+                work_cv.wait(lock, [&] { return stopping || (runnable() && !busy); });
                 if (stopping) return;
                 busy = true;
             }
@@ -517,7 +532,7 @@ struct dgr_dp {
         bool mine = false;
         {
             std::lock_guard<std::mutex> lock(mu);
-            if (!busy && !pending.empty() && !stopping) {
+            if (!busy && runnable() && !stopping) {
                 busy = mine = true;
             }
         }
@@ -533,7 +548,7 @@ struct dgr_dp {
     void kick() {
         {
             std::lock_guard<std::mutex> lock(mu);
-            if (busy || pending.empty() || stopping) return;
+            if (busy || !runnable() || stopping) return;
             busy = true;
         }
         drain();
@@ -547,13 +562,13 @@ struct dgr_dp {
             std::vector<work> batch;
             {
                 std::unique_lock<std::mutex> lock(mu);
-                if (stopping || pending.empty()) {
+                if (stopping || !runnable()) {
                     busy = false;
                     return;
                 }
                 // one step per session per forward (distinct sessions), in arrival order
                 std::set<sess_key> taken;
-                for (auto it = pending.begin(); it != pending.end() && batch.size() < 64;) {
+                for (auto it = pending.begin(); it != pending.end() && batch.size() < (size_t) max_batch;) {
                     sess_key k(it->f.sid, it->f.epoch);
                     if (taken.count(k)) { ++it; continue; }
                     taken.insert(k);
@@ -769,6 +784,7 @@ int32_t dgr_dp_session(dgr_dp * dp, const char * sid, int64_t epoch, const char 
                        double temperature, int32_t top_k, double top_p, uint64_t seed) {
     if (!dp || !sid) return DGR_E_ENGINE;
     std::lock_guard<std::mutex> lock(dp->mu);
+    if (!dp->sessions.count(sess_key(sid, epoch))) dp->n_registered += 1;
     dp_session & s = dp->sessions[sess_key(sid, epoch)];
     s.plan = dp_plan { next ? next : "", logits != 0, temperature, top_k, top_p, seed };
     s.last_used = mono_ns();
@@ -782,6 +798,7 @@ int32_t dgr_dp_forget(dgr_dp * dp, const char * sid, int64_t epoch) {
     {
         std::lock_guard<std::mutex> lock(dp->mu);
         dp->sessions.erase(k);
+        dp->work_cv.notify_one();       // a hold may now be met by fewer sessions
         for (auto it = dp->pending.begin(); it != dp->pending.end();) {
             if (it->f.sid == k.first && it->f.epoch == k.second) {
                 dropped.push_back(std::move(*it));
@@ -837,6 +854,15 @@ int64_t dgr_dp_last_used(dgr_dp * dp, const char * sid, int64_t epoch) {
     std::lock_guard<std::mutex> lock(dp->mu);
     auto it = dp->sessions.find(sess_key(sid, epoch));
     return it == dp->sessions.end() ? 0 : it->second.last_used;
+}
+
+int32_t dgr_dp_configure(dgr_dp * dp, int32_t max_batch_sessions, int32_t hold_sessions) {
+    if (!dp || max_batch_sessions < 1 || hold_sessions < 0) return DGR_E_ENGINE;
+    std::lock_guard<std::mutex> lock(dp->mu);
+    dp->max_batch = max_batch_sessions;
+    dp->hold = hold_sessions;
+    dp->work_cv.notify_one();
+    return DGR_OK;
 }
 
 void dgr_dp_counts(dgr_dp * dp, int64_t * steps, int64_t * forwards) {

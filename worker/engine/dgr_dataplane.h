@@ -80,6 +80,11 @@ DGR_API int32_t dgr_dp_decode(dgr_dp * dp, const char * session_id, int64_t epoc
 DGR_API int32_t dgr_dp_next_event(dgr_dp * dp, int32_t timeout_ms, dgr_dp_event * out, float * logits, int32_t cap);
 // CLOCK_MONOTONIC ns of the session's last native step here (0: none): idle reaping counts it.
 DGR_API int64_t dgr_dp_last_used(dgr_dp * dp, const char * session_id, int64_t epoch);
+// How steps share forwards: at most `max_batch_sessions` sessions per forward (1: none shared; default
+// 64), and, for tests that must force sharing, `hold_sessions` > 0 runs a forward only when steps of that
+// many distinct sessions wait (or of every session registered here, when fewer are). Results do not
+// depend on either (the engine is batch invariant); a hold only makes sharing certain instead of likely.
+DGR_API int32_t dgr_dp_configure(dgr_dp * dp, int32_t max_batch_sessions, int32_t hold_sessions);
 // Steps this plane has run, and engine forwards they took (batching: steps / forwards).
 DGR_API void    dgr_dp_counts(dgr_dp * dp, int64_t * steps, int64_t * forwards);
 

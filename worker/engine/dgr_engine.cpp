@@ -387,12 +387,18 @@ int32_t dgr_engine_open(const char * path_c, const dgr_open_params * params, dgr
             n_ctx_seq = std::min(n_ctx_seq, n_ctx_train);
         }
 
+        bool shared_kv = false;
         llama_context_params cp = llama_context_default_params();
         cp.n_seq_max    = (uint32_t) max_sessions;
         // batch invariance: one KV stream per session. In one shared stream a session's cells land where
         // other sessions left room, and attention sums them in cell order, so its logits depended on its
         // neighbours. Sessions still share forwards (llama.cpp puts consecutive streams in one ubatch).
-        cp.kv_unified   = false;
+        // kimi-linear's and minimax-01's graphs cannot take several streams at the pin (graph_reserve
+        // aborts on a broadcast add): they keep one shared stream. As hybrids they decode one session per
+        // forward (below), so no other session's rows share their forwards, but a session's cells land in
+        // the shared stream wherever there is room: not guaranteed invariant, and Describe says so.
+        shared_kv = f.arch == "kimi-linear" || f.arch == "minimax-01";
+        cp.kv_unified   = shared_kv;
         cp.n_ctx        = (uint32_t) n_ctx_seq * (uint32_t) max_sessions;
         cp.n_batch      = cp.n_ctx;
         cp.n_ubatch     = params->n_ubatch > 0 ? (uint32_t) params->n_ubatch : 512;
@@ -435,7 +441,7 @@ int32_t dgr_engine_open(const char * path_c, const dgr_open_params * params, dgr
         in.n_ctx       = n_ctx_seq;
         in.max_sessions = max_sessions;
         // without the hooks (an engine over the unpatched tree) the CPU backend keeps its fast kernels
-        in.batch_invariant = DGR_WITH_HOOKS && params->fast_kernels == 0;
+        in.batch_invariant = DGR_WITH_HOOKS && params->fast_kernels == 0 && !shared_kv;
         for (int32_t s = max_sessions - 1; s >= 0; --s) {
             eng->free_seqs.push_back(s);
         }

@@ -31,6 +31,12 @@ def register(sub) -> None:
                    "their measured loss: docs/wire-dtypes.md)")
     s.add_argument("--max-message-bytes", type=int, default=DEFAULT_MAX_MESSAGE_BYTES)
     s.add_argument("--max-batch-tokens", type=int, default=d.max_batch_tokens)
+    s.add_argument("--max-batch-sessions", type=int, default=d.max_batch_sessions, metavar="N",
+                   help=f"sessions whose steps may share one engine forward (default {d.max_batch_sessions}; "
+                        "1: no sharing). A session's results do not depend on it (docs/batching.md)")
+    s.add_argument("--hold-batch", type=int, default=0, metavar="N",
+                   help="tests: run a forward only when steps of N sessions wait (or of every session open "
+                        "here, when fewer are): makes sharing certain (default 0: off)")
     s.add_argument("--n-ctx", type=int, default=DEFAULT_N_CTX, help="positions per session (real engine)")
     s.add_argument("--max-sessions", type=int, default=DEFAULT_MAX_SESSIONS,
                    help="concurrent sessions (real engine)")
@@ -88,7 +94,7 @@ def _serve(args) -> int:
 
     if bool(args.bundle) == bool(args.fake_engine):
         raise WireError("give exactly one of --bundle BUNDLE or --fake-engine SPEC")
-    for flag in ("max_queued_steps", "max_session_steps"):
+    for flag in ("max_queued_steps", "max_session_steps", "max_batch_sessions"):
         if getattr(args, flag) < 1:
             raise WireError(f"--{flag.replace('_', '-')} must be at least 1")
     tls = TlsConfig.from_args(args.tls_cert, args.tls_key, args.tls_ca)
@@ -98,7 +104,8 @@ def _serve(args) -> int:
     limits = Limits(max_batch_tokens=args.max_batch_tokens, max_queued_steps=args.max_queued_steps,
                     max_session_steps=args.max_session_steps, session_ttl_s=max(0.0, args.session_ttl),
                     rpc_timeout_s=args.rpc_timeout, drain_timeout_s=args.drain_timeout,
-                    link_keepalive_timeout_s=args.link_keepalive_timeout)
+                    link_keepalive_timeout_s=args.link_keepalive_timeout,
+                    max_batch_sessions=args.max_batch_sessions, hold_batch=max(0, args.hold_batch))
     if args.fake_engine:
         engine, ident = stages.fake_stage(args.fake_engine, args.stage, args.wire_dtype or DEFAULT_WIRE_DTYPE)
     else:

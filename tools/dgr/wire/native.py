@@ -57,6 +57,8 @@ def _bind(lib: C.CDLL) -> None:
     lib.dgr_dp_next_event.argtypes = [v, i32, p(Event), p(C.c_float), i32]
     lib.dgr_dp_last_used.argtypes = [v, cp, i64]
     lib.dgr_dp_last_used.restype = i64
+    lib.dgr_dp_configure.argtypes = [v, i32, i32]
+    lib.dgr_dp_configure.restype = i32
     lib.dgr_dp_counts.argtypes = [v, p(i64), p(i64)]
     lib.dgr_dp_counts.restype = None
     for name in ("dgr_dp_session", "dgr_dp_forget", "dgr_dp_decode", "dgr_dp_next_event"):
@@ -163,6 +165,13 @@ class NativePlane:
 
     def last_used_ns(self, session_id: str, epoch: int) -> int:
         return self._lib.dgr_dp_last_used(self._h, session_id.encode(), epoch) if self._h is not None else 0
+
+    def configure(self, max_batch_sessions: int, hold_batch: int = 0) -> None:
+        """At most `max_batch_sessions` sessions per forward; `hold_batch` > 0 (tests) runs a forward only
+        when steps of that many sessions wait (or of every session registered here, when fewer are)."""
+        if self._lib.dgr_dp_configure(self._h, max_batch_sessions, hold_batch) != 0:
+            raise WireError(f"native plane: max_batch_sessions {max_batch_sessions} must be >= 1 and "
+                            f"hold_batch {hold_batch} >= 0")
 
     def counts(self) -> tuple[int, int]:
         """(steps run, engine forwards): their ratio is the plane's batching."""

@@ -34,6 +34,7 @@ class Scheduler(StageState):
         self.max_queued_steps = self.limits.max_queued_steps
         self.pending: dict[tuple[str, int], collections.deque] = {}
         self.n_pending = 0
+        self.opened_total = 0                               # sessions ever opened here (a test's hold)
         self.batch_ms = 1.0                                 # moving average of one engine batch (retry hints)
         self.jobs: collections.deque = collections.deque()   # engine-thread work that may wait a forward
         self.wake = threading.Condition(self.lock)
@@ -74,15 +75,25 @@ class Scheduler(StageState):
         dropped = self.pending.pop((session_id, epoch), None)
         self.n_pending -= len(dropped or ())
 
+    def _held(self) -> bool:
+        """(lock held) A test's hold (`Limits.hold_batch`): steps of fewer sessions wait than it asks for;
+        once that many sessions have been opened here, than are still open when fewer are (so the last
+        rounds of a test's sessions, and later single sessions, run)."""
+        hold = self.limits.hold_batch
+        need = hold if self.opened_total < hold else min(hold, len(self.sessions))
+        return hold > 0 and len(self.pending) < need
+
     def _take_batch(self) -> list[Work]:
         with self.lock:
-            while not self.stopping and not self.n_pending and not self.jobs:
+            while not self.stopping and (not self.n_pending or self._held()) and not self.jobs:
                 self.wake.wait(0.5)
+            if self._held():
+                return []
             batch, tokens = [], 0
             for key in list(self.pending):
                 dq = self.pending[key]
                 n = len(dq[0].frame.step.positions)
-                if batch and tokens + n > self.max_batch_tokens:
+                if batch and (tokens + n > self.max_batch_tokens or len(batch) >= self.limits.max_batch_sessions):
                     continue
                 batch.append(dq.popleft())
                 tokens += n

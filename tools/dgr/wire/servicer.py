@@ -170,6 +170,7 @@ class StageWorker(Scheduler, Links, Origin, pb_grpc.StageServicer):
                        opener=peer_identity(context) if context is not None else None)
         with self.lock:
             self.sessions[key] = sess
+            self.opened_total += 1
             self.latest_epoch[req.session_id] = req.epoch
         hops = [me]
         if not self.info.is_last:

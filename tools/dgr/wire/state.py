@@ -37,6 +37,10 @@ class Limits:
     """What a worker bounds, and how long it waits (`dgr worker serve` flags; docs/wire.md)."""
 
     max_batch_tokens: int = 512
+    max_batch_sessions: int = 64         # sessions whose steps share one engine forward (1: none shared)
+    # tests only: run a forward only when steps of this many sessions wait (or of every session open
+    # here, when fewer are), so sharing is certain rather than likely (0: off). Results never depend on it.
+    hold_batch: int = 0
     max_queued_steps: int = 512          # per worker: steps queued for the engine before OVERLOADED
     max_session_steps: int = 128         # per session (128 chunks of 64 tokens: an 8192-token prompt)
     session_ttl_s: float = 300.0         # idle sessions are reaped after this long (0: never)

@@ -92,6 +92,7 @@ def serve(engine: ShardEngine, identity: StageIdentity, listen: str, *,
     if data_plane == "native":
         try:
             worker.native = NativePlane(engine, host, identity.stage_index)
+            worker.native.configure(limits.max_batch_sessions, limits.hold_batch)
         except BaseException:
             worker.stop()
             server.stop(0)

@@ -1,0 +1,72 @@
+"""Batch invariance (CPU): a session's logits are bit-identical however its forwards are batched.
+
+Not on which other sessions share its forwards (at other positions, prefilling or decoding), and not on
+how its own tokens are cut: one prefill, chunks of any size, token by token (what a re-prefill after a
+route change, a decode and a speculative verification step each are). Sharing and chunking are forced
+here, forward by forward, through the engine itself: nothing depends on timing. The worker-level tests
+(test_native_plane.py, test_wire_recovery.py) force them through real workers.
+"""
+
+from __future__ import annotations
+
+import gguf
+import pytest
+
+from dgr.engine import QUANT_FTYPES, Engine, quantize
+from dgr.synth import known_archs, synth
+from dgr.synthparity import synth_model as synth_parity_model
+from support.engine import batching_differences
+
+pytestmark = pytest.mark.engine
+
+# every type llama.cpp's quantizer writes for a whole model (legacy, K-, I- and ternary quants, F16/BF16)
+WEIGHT_TYPES = sorted(QUANT_FTYPES)
+
+
+def test_smollm2_logits_do_not_depend_on_batching(smollm2_gguf, engine_lib):
+    diffs = batching_differences(smollm2_gguf, engine_lib, n_vocab=49152)
+    assert diffs == dict.fromkeys(diffs, 0.0), diffs
+
+
+@pytest.fixture(scope="module")
+def llama256(tmp_path_factory):
+    # rows of 256: every K- and I-quant block fits, so the quantizer does not fall back to another type
+    return synth("llama", 3, 256, 1, tmp_path_factory.mktemp("w") / "llama256.gguf")
+
+
+def _matrix_types(path) -> set[str]:
+    r = gguf.GGUFReader(path)
+    return {t.tensor_type.name for t in r.tensors if len(t.shape) >= 2 and t.name.startswith("blk.")}
+
+
+@pytest.mark.parametrize("qtype", WEIGHT_TYPES)
+def test_every_weight_type_is_batch_invariant(qtype, llama256, engine_lib, tmp_path):
+    model = quantize(llama256, tmp_path / f"{qtype}.gguf", qtype, lib=engine_lib)
+    assert _matrix_types(model) == {qtype}, f"the quantizer wrote {_matrix_types(model)} for {qtype}"
+    diffs = batching_differences(model, engine_lib)
+    assert diffs == dict.fromkeys(diffs, 0.0), f"{qtype}: {diffs}"
+
+
+def test_the_check_sees_what_llama_cpps_fast_kernels_change(llama256, engine_lib, tmp_path):
+    """The negative control: with llama.cpp's shape-dependent CPU kernels (the tiled K-quant GEMM from
+    8 rows on) the same comparisons differ, so the checks above can fail."""
+    model = quantize(llama256, tmp_path / "q4k.gguf", "Q4_K", lib=engine_lib)
+    diffs = batching_differences(model, engine_lib, fast_kernels=True)
+    assert diffs["token by token"] > 0 and diffs["chunks of 7"] > 0, diffs
+
+
+# Their graphs cannot take one KV stream per session at the pin (llama.cpp aborts building them), so
+# they keep one shared stream and are not batch invariant: Describe says so (docs/families.md).
+NOT_INVARIANT = {"kimi-linear", "minimax-01"}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", known_archs())
+def test_every_family_is_batch_invariant_or_says_it_is_not(arch, engine_lib, tmp_path):
+    model = synth_parity_model(arch, tmp_path / f"{arch}.gguf")
+    with Engine.open(model, n_ctx=64, max_sessions=2, lib=engine_lib) as e:
+        assert e.describe().batch_invariant == (arch not in NOT_INVARIANT)
+    if arch in NOT_INVARIANT:
+        return
+    diffs = batching_differences(model, engine_lib)
+    assert diffs == dict.fromkeys(diffs, 0.0), f"{arch}: {diffs}"
