@@ -1,6 +1,8 @@
 """The patch stack changes nothing for a whole model: the patched library computes every logit
 byte-identically to the same engine built over the UNPATCHED pinned llama.cpp (built once, cached
-in the workspace as build/cpu-pristine)."""
+in the workspace as build/cpu-pristine). Both run llama.cpp's own fast CPU kernels here: the one
+patch that changes arithmetic on purpose (0024, the reference kernels of batch invariance) is switched
+off by `fast_kernels`, and an unpatched engine has no such switch."""
 
 from __future__ import annotations
 
@@ -26,7 +28,8 @@ def pristine_lib():
 
 def _run(path, lib, sched):
     n_ctx = max(len(p) for p in sched.prompts) + sched.steps + 8
-    [e] = open_stages([path], n_ubatch=sched.n_ubatch, n_ctx=n_ctx, max_sessions=len(sched.prompts), lib=lib)
+    [e] = open_stages([path], n_ubatch=sched.n_ubatch, n_ctx=n_ctx, max_sessions=len(sched.prompts), lib=lib,
+                      fast_kernels=True)
     try:
         return run_pipeline([e], sched)
     finally:

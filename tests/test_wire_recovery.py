@@ -186,3 +186,38 @@ def test_an_origin_restarted_in_place_serves_the_next_generation_at_once():
                 gen = c.run(PROMPT, max_new_tokens=MAX_NEW, stop_token_ids=[], **SAMPLED)
             assert gen.text == want.text and gen.epochs == 1, gen.failures
             assert gen.routes == [",".join(r.addresses)]
+
+
+@pytest.mark.engine
+@pytest.mark.slow
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K", "IQ4_XS"])
+def test_kill_9_on_k_and_i_quant_weights_resumes_to_the_same_tokens_and_logits(qtype, tmp_path, engine_lib):
+    """The re-prefill after a kill -9 computes prompt + generated tokens as one batch; the tokens were
+    first computed one decode step at a time. With weights in K- and I-quants (llama.cpp's own
+    quantizer) both give the same logits bit for bit, so the text after the recovery point is the text
+    of the uninterrupted run (before batch invariance, a Q4_K/Q6_K model's text changed here)."""
+    import numpy as np
+
+    from dgr.app.local import LocalRoute
+    from dgr.engine import quantize
+    from dgr.synth import synth
+
+    from support.engine import make_bundle
+
+    model = quantize(synth("llama", 6, 256, 3, tmp_path / "f32.gguf"), tmp_path / f"{qtype}.gguf", qtype,
+                     lib=engine_lib)
+    bundle = make_bundle(model, [(0, 2), (2, 4), (4, 6)], tmp_path)
+    args = [["--bundle", str(bundle.root), "--stage", str(i), "--threads", "1", "--n-ctx", "256"]
+            for i in range(3)]
+    ids = list(range(5, 25))
+    kw = dict(prompt=ids, max_new_tokens=96, logits="last")
+    with LocalRoute(args, replicas=[1, 2, 1], env={"DGR_ENGINE_LIB": str(engine_lib)}, timeout=300) as r:
+        with RouteClient(r.replicas) as c:
+            want = c.run(ids, max_new_tokens=96, stop_token_ids=[], logits="last")
+        with RouteClient(r.replicas) as c:
+            gen, _ = run_with_fault(c, lambda: r.kill(1), 2, **kw)
+    assert gen.epochs >= 2 and gen.failures[0].stage == 1
+    assert gen.token_ids == want.token_ids
+    n = len(ids) - 1
+    for k in range(96):
+        assert np.array_equal(gen.logits[n + k].view(np.uint32), want.logits[n + k].view(np.uint32)), f"token {k}"

@@ -11,6 +11,8 @@ aggregate decode tok/s of M concurrent sessions against one. The report is a pla
 
 from __future__ import annotations
 
+import contextlib
+
 import os
 import statistics
 import subprocess
@@ -202,6 +204,8 @@ class _Acc:
     pipe_prefill: dict[int, list[float]] = field(default_factory=dict)
     single: list[float] = field(default_factory=list)
     multi: list[float] = field(default_factory=list)
+    multi_unbatched: list[float] = field(default_factory=list)     # same M sessions, --max-batch-sessions 1
+    whole_prefill_fast: list[float] = field(default_factory=list)  # longest prompt, llama.cpp's fast kernels
     same: list[bool] = field(default_factory=list)
 
 
@@ -261,8 +265,11 @@ def run_bench(setup: Setup, *, tokens: int = 64, prompt_lengths=PROMPT_LENGTHS, 
     log.info("bench: %s, %d stages in worker processes (%d thread(s) each) vs the whole model in this process",
              setup.label, S, setup.threads)
     t_start = time.perf_counter()
+    # the cost of batch invariance: the same route with no forward shared (--max-batch-sessions 1)
+    unbatched = LocalRoute([[*a, "--max-batch-sessions", "1"] for a in args],
+                           env={"DGR_ENGINE_LIB": str(setup.lib)}, timeout=300) if sessions > 1 else None
     with LocalRoute(args, env={"DGR_ENGINE_LIB": str(setup.lib)}, timeout=300) as route, \
-            RouteClient(route.addresses) as c:
+            RouteClient(route.addresses) as c, (unbatched or contextlib.nullcontext()):
         hops = c.hops
         chunk = c.chunk_tokens
         n_vocab = max(d.n_vocab for d in hops)
@@ -279,6 +286,7 @@ def run_bench(setup: Setup, *, tokens: int = 64, prompt_lengths=PROMPT_LENGTHS, 
             session_ids = [c.tokenize(SESSION_PROMPTS[k % len(SESSION_PROMPTS)]) for k in range(sessions)]
         long_ids = {n: ids_of(n) for n in lengths}
         whole = Engine.open(setup.source, lib=setup.lib, n_threads=setup.threads, n_ctx=n_ctx)
+        fast = Engine.open(setup.source, lib=setup.lib, n_threads=setup.threads, n_ctx=n_ctx, fast_kernels=True)
         try:
             log.info("bench: warming up both sides")
             c.run(decode_ids, max_new_tokens=4, stop_token_ids=[])
@@ -306,10 +314,13 @@ def run_bench(setup: Setup, *, tokens: int = 64, prompt_lengths=PROMPT_LENGTHS, 
                         for n, ids in long_ids.items():
                             acc.whole_prefill.setdefault(n, []).append(
                                 whole_model_run(whole, ids, 1, chunk_tokens=chunk).prefill_tokens_per_s)
+                        acc.whole_prefill_fast.append(whole_model_run(fast, long_ids[lengths[-1]], 1,
+                                                                      chunk_tokens=chunk).prefill_tokens_per_s)
                 acc.same.append(toks["pipe"] == toks["whole"])
                 if sessions > 1:
                     acc.single.append(_concurrent(route.addresses, session_ids[:1], tokens))
                     acc.multi.append(_concurrent(route.addresses, session_ids, tokens))
+                    acc.multi_unbatched.append(_concurrent(unbatched.addresses, session_ids, tokens))
                 log.info("bench: round %d/%d: decode whole %.1f / pipeline %.1f tok/s; prefill %d: whole %.1f / "
                          "pipeline %.1f tok/s%s", r + 1, rounds, acc.whole_decode[-1], acc.pipe_decode[-1],
                          lengths[-1], acc.whole_prefill[lengths[-1]][-1], acc.pipe_prefill[lengths[-1]][-1],
@@ -317,6 +328,7 @@ def run_bench(setup: Setup, *, tokens: int = 64, prompt_lengths=PROMPT_LENGTHS, 
                          if acc.multi else "")
         finally:
             whole.close()
+            fast.close()
         dtype = next((d.schema_out for d in hops if d.HasField("schema_out")), None)
         payload = [int(d.seam_bytes_per_token) for d in hops[:-1]]
     return _report(setup, acc, lengths, tokens, rounds, sessions, chunk, wire, payload, dtype,
@@ -397,7 +409,17 @@ def _report(setup: Setup, acc: _Acc, lengths, tokens, rounds, sessions, chunk, w
                    "single_tok_s": acc.single, "aggregate_tok_s": acc.multi},
         "sessions": {"m": sessions, "single_tok_s": _med(acc.single), "aggregate_tok_s": _med(acc.multi),
                      "aggregate_over_single": _ratio(acc.multi, acc.single),
-                     "how": "every token M concurrent sessions generate over the wall time from a common start"},
+                     "unbatched_aggregate_tok_s": _med(acc.multi_unbatched),
+                     "batched_over_unbatched": _ratio(acc.multi, acc.multi_unbatched),
+                     "how": "every token M concurrent sessions generate over the wall time from a common start; "
+                            "unbatched: the same bundle with --max-batch-sessions 1 (no forward shared)"},
+        # what batch invariance costs: batching stays (its sessions are exact), the CPU backend runs its
+        # reference kernels; the whole model's prefill of the longest prompt with llama.cpp's fast ones
+        "invariance": {"prefill_len": lengths[-1], "whole_prefill_tok_s": _med(acc.whole_prefill[lengths[-1]]),
+                       "whole_prefill_fast_kernels_tok_s": _med(acc.whole_prefill_fast),
+                       "reference_over_fast": _ratio(acc.whole_prefill[lengths[-1]], acc.whole_prefill_fast),
+                       "how": "the same whole model, alternating, reference kernels (batch invariant, "
+                              "what dgr runs) against fast_kernels (results depend on the batch)"},
     })
 
 

@@ -38,6 +38,15 @@ def table(rep: dict) -> str:
     if s["aggregate_tok_s"]:
         lines.append(f"  sessions: {s['m']} concurrent {s['aggregate_tok_s']:.1f} tok/s aggregate, one alone "
                      f"{s['single_tok_s']:.1f} tok/s: {s['aggregate_over_single']:.2f}x")
+        if s.get("unbatched_aggregate_tok_s"):
+            lines.append(f"  batching (exact): {s['m']} sessions {s['aggregate_tok_s']:.1f} tok/s sharing forwards, "
+                         f"{s['unbatched_aggregate_tok_s']:.1f} tok/s with none shared: "
+                         f"{s['batched_over_unbatched']:.2f}x")
+    inv = rep.get("invariance")
+    if inv and inv.get("whole_prefill_fast_kernels_tok_s"):
+        lines.append(f"  invariance: prefill of {inv['prefill_len']} (whole model) {inv['whole_prefill_tok_s']:.1f} tok/s "
+                     f"with the reference kernels, {inv['whole_prefill_fast_kernels_tok_s']:.1f} with llama.cpp's fast "
+                     f"ones: {inv['reference_over_fast']:.2f}x")
     lines.append(f"  greedy tokens equal the whole model's: {'yes' if p['same_tokens_as_whole'] else 'NO'}")
     return "\n".join(lines)
 

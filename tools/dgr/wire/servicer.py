@@ -65,7 +65,7 @@ class StageWorker(Scheduler, Links, Origin, pb_grpc.StageServicer):
             session_ttl_s=self.limits.session_ttl_s, max_queued_steps=self.limits.max_queued_steps,
             overloaded=self.overloaded, tls=self.tls is not None, mutual_tls=self.mutual_tls,
             cached_positions=sum(s.held for s in list(self.sessions.values())), member=self.member,
-            can_roll_back=i.can_truncate, native_address=self.native.address if self.native else "")
+            can_roll_back=i.can_truncate, batch_invariant=i.batch_invariant, native_address=self.native.address if self.native else "")
         if self.native is not None:
             d.native_steps, d.native_forwards = self.native.counts()
         if (s := self.schema_in()) is not None:
