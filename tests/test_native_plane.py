@@ -23,7 +23,7 @@ from dgr.app.local import LocalRoute
 from dgr.wire import native
 from dgr.wire.client import RouteClient
 
-from support.route import SAMPLED, run_with_fault
+from support.route import SAMPLED, die_at, run_with_fault
 
 REPO = Path(__file__).resolve().parents[1]
 PROMPT = "The three primary colors are"
@@ -223,11 +223,15 @@ def test_a_lossy_wire_dtype_keeps_the_session_on_grpc(engine_lib, tiny):
 @pytest.mark.engine
 def test_a_middle_stage_killed_mid_decode_is_routed_around(engine_lib, tiny):
     ids = list(range(5, 25))
-    with _route(engine_lib, tiny, replicas=[1, 2, 1], n_ctx=256) as r:
+    args = [["--bundle", str(tiny.root), "--stage", str(i), "--threads", "1", "--n-ctx", "256",
+             "--data-plane", "native"] for i in range(3)]
+    fault = die_at("victim", len(ids), 9)              # the native plane kills its process mid-decode
+    with LocalRoute(args, replicas=[1, 2, 1], env={"DGR_ENGINE_LIB": str(engine_lib)}, timeout=300,
+                    extra=lambda i, k: fault if (i, k) == (1, 0) else []) as r:
         with RouteClient(r.replicas) as c:
             want = c.run(ids, max_new_tokens=48, stop_token_ids=[])
         with RouteClient(r.replicas) as c:
-            gen, _ = run_with_fault(c, lambda: r.kill(1), 9, prompt=ids, max_new_tokens=48)
+            gen = c.run(ids, max_new_tokens=48, stop_token_ids=[], session_id="victim")
             after = c.describe()
     assert gen.token_ids == want.token_ids
     # (the gRPC link stage 0 keeps for prefills may notice first, or the native write: either names stage 1)

@@ -13,7 +13,8 @@ from dgr.errors import WireError
 from dgr.wire.client import RouteClient, parse_route
 from dgr.wire.errors import HopUnreachable
 
-from support.route import MAX_NEW, PROMPT, SAMPLED, SPEC, fake_route, reference, run_with_fault
+from support.route import (MAX_NEW, PROMPT, SAMPLED, SPEC, die_at, fake_prompt_len, fake_route, reference,
+                           run_with_fault)
 
 
 def test_parse_route_replicas_and_errors():
@@ -30,26 +31,35 @@ def test_kill_9_with_a_replica_resumes_to_the_same_text(victim):
     rng = random.Random(100 + victim)                  # the decode step: random, fixed per test
     counts = [1, 1, 1]
     counts[victim] = 2
-    with fake_route(counts) as r:
+    at = {mode: rng.randint(2, 40) for mode in ("greedy", "sampled")}
+    # the victim's first replica kills itself right after token `at` of each mode's session
+    fault = [a for mode in at for a in die_at(f"kill-{mode}", fake_prompt_len(), at[mode])]
+    with fake_route(counts, extra=lambda i, k: fault if (i, k) == (victim, 0) else []) as r:
         for mode, kw in (("greedy", {}), ("sampled", SAMPLED)):
             want = reference(r, **kw)
-            at = rng.randint(2, 40)
             with RouteClient(r.replicas) as c:
-                gen, _ = run_with_fault(c, lambda: r.kill(victim), at, **kw)
-            assert gen.text == want.text and gen.token_ids == want.token_ids, (mode, at)
+                gen = c.run(PROMPT, max_new_tokens=MAX_NEW, stop_token_ids=[], session_id=f"kill-{mode}", **kw)
+            assert gen.text == want.text and gen.token_ids == want.token_ids, (mode, at[mode])
             assert gen.epochs >= 2 and gen.failures[0].stage == victim, (mode, gen.failures)
             assert gen.failures[0].address == r.replicas[victim][0]
             assert gen.routes[-1].split(",")[victim] == r.replicas[victim][1]
+            r.workers[victim][0].proc.wait(30)         # it killed itself, not someone else
             r.restart(victim)                          # the preferred replica back for the next mode
 
 
 @pytest.mark.parametrize("kw", [{}, SAMPLED], ids=["greedy", "sampled"])
 def test_worker_restarted_in_place_resumes_to_the_same_text(kw):
     at = random.Random(7).randint(2, 40)
-    with fake_route() as r:                            # no replica: the same address comes back empty
+    fault = die_at("restarted", fake_prompt_len(), at)   # stage 1 kills itself right after token `at`
+    with fake_route(extra=lambda i, k: fault if i == 1 else []) as r:   # no replica: the same address comes back empty
         want = reference(r, **kw)
+
+        def restart():
+            r.workers[1][0].proc.wait(30)
+            r.restart(1)
+
         with RouteClient(r.addresses) as c:
-            gen, _ = run_with_fault(c, lambda: r.restart(1), at, **kw)
+            gen, _ = run_with_fault(c, restart, at, session_id="restarted", **kw)
         assert gen.text == want.text and gen.token_ids == want.token_ids
         assert gen.epochs >= 2 and {f.stage for f in gen.failures} == {1}
         assert gen.routes[-1] == r.route
@@ -68,11 +78,13 @@ def test_a_hop_dead_before_open_fails_over_during_prefill():
 
 def test_no_replica_left_names_every_hop_tried():
     at = random.Random(3).randint(2, 40)
-    with fake_route([1, 2, 1]) as r:
+    # the first replica dies right after token `at` (epoch 1), the second where it takes over (epoch 2)
+    fault = {k: die_at("doomed", fake_prompt_len(), at, epoch=1 + k) for k in (0, 1)}
+    with fake_route([1, 2, 1], extra=lambda i, k: fault[k] if i == 1 else []) as r:
         b1, b2 = r.replicas[1]
         with RouteClient(r.replicas, attempts=4) as c:
             with pytest.raises(HopUnreachable) as err:
-                run_with_fault(c, lambda: (r.kill(1, 0), r.kill(1, 1)), at)
+                c.run(PROMPT, max_new_tokens=MAX_NEW, stop_token_ids=[], session_id="doomed")
     msg = str(err.value)
     assert "gave up after 4 failed attempt(s)" in msg
     assert f"stage 1 ({b1})" in msg and f"stage 1 ({b2})" in msg, msg
@@ -123,11 +135,13 @@ def test_real_engine_kill_of_a_middle_stage_resumes_to_the_same_text(tmp_path, e
     args = [["--bundle", str(bundle.root), "--stage", str(i), "--threads", "1", "--n-ctx", "256"]
             for i in range(3)]
     ids = list(range(5, 25))
-    with LocalRoute(args, replicas=[1, 2, 1], env={"DGR_ENGINE_LIB": str(engine_lib)}, timeout=300) as r:
+    fault = die_at("victim", len(ids), 9)
+    with LocalRoute(args, replicas=[1, 2, 1], env={"DGR_ENGINE_LIB": str(engine_lib)}, timeout=300,
+                    extra=lambda i, k: fault if (i, k) == (1, 0) else []) as r:
         with RouteClient(r.replicas) as c:
             want = c.run(ids, max_new_tokens=48, stop_token_ids=[], **SAMPLED)
         with RouteClient(r.replicas) as c:
-            gen, _ = run_with_fault(c, lambda: r.kill(1), 9, prompt=ids, max_new_tokens=48, **SAMPLED)
+            gen = c.run(ids, max_new_tokens=48, stop_token_ids=[], session_id="victim", **SAMPLED)
     assert gen.token_ids == want.token_ids and gen.text == want.text
     assert gen.epochs >= 2 and gen.failures[0].stage == 1
 
@@ -210,12 +224,13 @@ def test_kill_9_on_k_and_i_quant_weights_resumes_to_the_same_tokens_and_logits(q
     args = [["--bundle", str(bundle.root), "--stage", str(i), "--threads", "1", "--n-ctx", "256"]
             for i in range(3)]
     ids = list(range(5, 25))
-    kw = dict(prompt=ids, max_new_tokens=96, logits="last")
-    with LocalRoute(args, replicas=[1, 2, 1], env={"DGR_ENGINE_LIB": str(engine_lib)}, timeout=300) as r:
+    fault = die_at("victim", len(ids), 17)             # after the 17th generated token
+    with LocalRoute(args, replicas=[1, 2, 1], env={"DGR_ENGINE_LIB": str(engine_lib)}, timeout=300,
+                    extra=lambda i, k: fault if (i, k) == (1, 0) else []) as r:
         with RouteClient(r.replicas) as c:
             want = c.run(ids, max_new_tokens=96, stop_token_ids=[], logits="last")
         with RouteClient(r.replicas) as c:
-            gen, _ = run_with_fault(c, lambda: r.kill(1), 2, **kw)
+            gen = c.run(ids, max_new_tokens=96, stop_token_ids=[], logits="last", session_id="victim")
     assert gen.epochs >= 2 and gen.failures[0].stage == 1
     assert gen.token_ids == want.token_ids
     n = len(ids) - 1

@@ -38,6 +38,18 @@ def run_with_fault(client: RouteClient, fault, at_token: int, prompt=PROMPT, **k
     return client.last, t_fault
 
 
+def die_at(session: str, prompt_len: int, at_token: int, epoch: int = 1) -> list[str]:
+    """Worker arguments: the worker kills itself (SIGKILL) right after the `at_token`-th generated token of
+    `session` (its first epoch), about to compute the next one, at position prompt_len + at_token - 1.
+    The fault lands mid-generation by construction: the ring cannot finish without that step."""
+    return ["--test-die-at", f"{session}:{epoch}:{prompt_len + at_token - 1}"]
+
+
+def fake_prompt_len(prompt: str = PROMPT) -> int:
+    """Tokens of `prompt` for the fake engine (BOS, then one token per byte)."""
+    return 1 + len(prompt.encode("utf-8"))
+
+
 def reference(route: LocalRoute, prompt=PROMPT, **kw):
     """The uninterrupted run of the same generation on the same route (a fresh client)."""
     kw.setdefault("max_new_tokens", MAX_NEW)

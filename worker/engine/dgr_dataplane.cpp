@@ -21,6 +21,7 @@
 #include <atomic>
 #include <chrono>
 #include <cerrno>
+#include <csignal>
 #include <condition_variable>
 #include <cstdio>
 #include <cstring>
@@ -32,6 +33,7 @@
 #include <set>
 #include <string>
 #include <thread>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -291,6 +293,7 @@ struct dgr_dp {
     int32_t max_batch = 64;         // sessions per forward (dgr_dp_configure; 1: no sharing)
     int32_t hold = 0;               // tests: run only when this many sessions (or all registered) wait
     int64_t n_registered = 0;       // sessions ever registered here (a hold is strict until `hold` were)
+    std::set<std::tuple<std::string, int64_t, int32_t>> die_at;   // tests: (session, epoch, position)
     std::deque<std::pair<dgr_dp_event, std::vector<float>>> events;   // with the token's logits row
     std::set<int> incoming;
     std::vector<std::thread> readers;
@@ -612,6 +615,16 @@ struct dgr_dp {
 
     void run(std::vector<std::pair<work *, dp_plan>> & ready, int32_t width, bool tell = false) {
         const size_t n = ready.size();
+        if (!die_at.empty()) {          // tests: a kill -9 at an exact step, whatever the timing
+            for (auto & r : ready) {
+                const frame & f = r.first->f;
+                if (die_at.count(std::make_tuple(f.sid, f.epoch, f.position))) {
+                    fprintf(stderr, "dgr: native plane: --test-die-at %s:%lld:%d reached: SIGKILL\n", f.sid.c_str(),
+                            (long long) f.epoch, f.position);
+                    raise(SIGKILL);
+                }
+            }
+        }
         std::vector<dgr_step> steps(n);
         std::vector<dgr_step_out> outs(n);
         std::vector<std::vector<float>> bouts(n);
@@ -854,6 +867,13 @@ int64_t dgr_dp_last_used(dgr_dp * dp, const char * sid, int64_t epoch) {
     std::lock_guard<std::mutex> lock(dp->mu);
     auto it = dp->sessions.find(sess_key(sid, epoch));
     return it == dp->sessions.end() ? 0 : it->second.last_used;
+}
+
+int32_t dgr_dp_die_at(dgr_dp * dp, const char * sid, int64_t epoch, int32_t position) {
+    if (!dp || !sid) return DGR_E_ENGINE;
+    std::lock_guard<std::mutex> lock(dp->mu);
+    dp->die_at.insert(std::make_tuple(std::string(sid), epoch, position));
+    return DGR_OK;
 }
 
 int32_t dgr_dp_configure(dgr_dp * dp, int32_t max_batch_sessions, int32_t hold_sessions) {

@@ -85,6 +85,9 @@ DGR_API int64_t dgr_dp_last_used(dgr_dp * dp, const char * session_id, int64_t e
 // many distinct sessions wait (or of every session registered here, when fewer are). Results do not
 // depend on either (the engine is batch invariant); a hold only makes sharing certain instead of likely.
 DGR_API int32_t dgr_dp_configure(dgr_dp * dp, int32_t max_batch_sessions, int32_t hold_sessions);
+// Tests: the process kills itself (SIGKILL) when it is about to run the step of `session_id` at `epoch`
+// and `position`: a kill -9 at an exact point of a generation, which no timing can move.
+DGR_API int32_t dgr_dp_die_at(dgr_dp * dp, const char * session_id, int64_t epoch, int32_t position);
 // Steps this plane has run, and engine forwards they took (batching: steps / forwards).
 DGR_API void    dgr_dp_counts(dgr_dp * dp, int64_t * steps, int64_t * forwards);
 

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import argparse
 import signal
 import threading
 
@@ -37,6 +38,8 @@ def register(sub) -> None:
     s.add_argument("--hold-batch", type=int, default=0, metavar="N",
                    help="tests: run a forward only when steps of N sessions wait (or of every session open "
                         "here, when fewer are): makes sharing certain (default 0: off)")
+    s.add_argument("--test-die-at", action="append", default=[], metavar="SESSION:EPOCH:POSITION",
+                   help=argparse.SUPPRESS)   # tests: SIGKILL itself about to run that step (Limits.die_at)
     s.add_argument("--n-ctx", type=int, default=DEFAULT_N_CTX, help="positions per session (real engine)")
     s.add_argument("--max-sessions", type=int, default=DEFAULT_MAX_SESSIONS,
                    help="concurrent sessions (real engine)")
@@ -85,6 +88,14 @@ def register(sub) -> None:
     d.set_defaults(func=_describe)
 
 
+def _die_at(text: str) -> tuple[str, int, int]:
+    sid, _, rest = text.partition(":")
+    epoch, _, pos = rest.partition(":")
+    if not sid or not epoch.isdigit() or not pos.isdigit():
+        raise WireError(f"--test-die-at {text!r}: give SESSION:EPOCH:POSITION")
+    return sid, int(epoch), int(pos)
+
+
 def _serve(args) -> int:
     from dgr.app import stages
     from dgr.contract import DEFAULT_WIRE_DTYPE
@@ -105,7 +116,8 @@ def _serve(args) -> int:
                     max_session_steps=args.max_session_steps, session_ttl_s=max(0.0, args.session_ttl),
                     rpc_timeout_s=args.rpc_timeout, drain_timeout_s=args.drain_timeout,
                     link_keepalive_timeout_s=args.link_keepalive_timeout,
-                    max_batch_sessions=args.max_batch_sessions, hold_batch=max(0, args.hold_batch))
+                    max_batch_sessions=args.max_batch_sessions, hold_batch=max(0, args.hold_batch),
+                    die_at=tuple(_die_at(x) for x in args.test_die_at))
     if args.fake_engine:
         engine, ident = stages.fake_stage(args.fake_engine, args.stage, args.wire_dtype or DEFAULT_WIRE_DTYPE)
     else:

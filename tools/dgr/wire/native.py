@@ -57,6 +57,8 @@ def _bind(lib: C.CDLL) -> None:
     lib.dgr_dp_next_event.argtypes = [v, i32, p(Event), p(C.c_float), i32]
     lib.dgr_dp_last_used.argtypes = [v, cp, i64]
     lib.dgr_dp_last_used.restype = i64
+    lib.dgr_dp_die_at.argtypes = [v, cp, i64, i32]
+    lib.dgr_dp_die_at.restype = i32
     lib.dgr_dp_configure.argtypes = [v, i32, i32]
     lib.dgr_dp_configure.restype = i32
     lib.dgr_dp_counts.argtypes = [v, p(i64), p(i64)]
@@ -172,6 +174,10 @@ class NativePlane:
         if self._lib.dgr_dp_configure(self._h, max_batch_sessions, hold_batch) != 0:
             raise WireError(f"native plane: max_batch_sessions {max_batch_sessions} must be >= 1 and "
                             f"hold_batch {hold_batch} >= 0")
+
+    def die_at(self, session_id: str, epoch: int, position: int) -> None:
+        """Tests: SIGKILL this process when about to run that step (dgr_dp_die_at)."""
+        self._lib.dgr_dp_die_at(self._h, session_id.encode(), epoch, position)
 
     def counts(self) -> tuple[int, int]:
         """(steps run, engine forwards): their ratio is the plane's batching."""

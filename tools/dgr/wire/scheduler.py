@@ -11,6 +11,8 @@ same thread after the forward, so the engine is only ever driven from one thread
 from __future__ import annotations
 
 import collections
+import os
+import signal
 import threading
 import time
 
@@ -189,6 +191,8 @@ class Scheduler(StageState):
                 steps.append(self._to_step(w, sess))
             if not steps:
                 return
+            if self.limits.die_at:                      # tests: a kill -9 at an exact step
+                self._die_if_asked(steps)
             t0 = time.monotonic_ns()
             results = self._forward(steps, ready)
             compute = time.monotonic_ns() - t0
@@ -210,6 +214,13 @@ class Scheduler(StageState):
                 self._emit_last(w, sess, res, timing)
             else:
                 self._emit_boundary(w, sess, res, timing)
+
+    def _die_if_asked(self, steps: list[Step]) -> None:
+        for s in steps:
+            for p in s.positions.tolist():
+                if (s.session_id, s.epoch, p) in self.limits.die_at:
+                    log.warning("--test-die-at %s:%d:%d reached: SIGKILL", s.session_id, s.epoch, p)
+                    os.kill(os.getpid(), signal.SIGKILL)
 
     @staticmethod
     def _may_roll_back(step: pb.Step, sess: Session) -> bool:

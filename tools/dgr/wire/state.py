@@ -41,6 +41,9 @@ class Limits:
     # tests only: run a forward only when steps of this many sessions wait (or of every session open
     # here, when fewer are), so sharing is certain rather than likely (0: off). Results never depend on it.
     hold_batch: int = 0
+    # tests only: the worker kills itself (SIGKILL) when about to run the step of (session, epoch) at
+    # position: a kill -9 at an exact point of a generation, which no timing can move
+    die_at: tuple[tuple[str, int, int], ...] = ()
     max_queued_steps: int = 512          # per worker: steps queued for the engine before OVERLOADED
     max_session_steps: int = 128         # per session (128 chunks of 64 tokens: an 8192-token prompt)
     session_ttl_s: float = 300.0         # idle sessions are reaped after this long (0: never)

@@ -93,6 +93,8 @@ def serve(engine: ShardEngine, identity: StageIdentity, listen: str, *,
         try:
             worker.native = NativePlane(engine, host, identity.stage_index)
             worker.native.configure(limits.max_batch_sessions, limits.hold_batch)
+            for sid, epoch, pos in limits.die_at:
+                worker.native.die_at(sid, epoch, pos)
         except BaseException:
             worker.stop()
             server.stop(0)
