@@ -14,6 +14,7 @@ import pytest
 
 from dgr.engine import QUANT_FTYPES, Engine, quantize
 from dgr.synth import known_archs, synth
+from dgr.synthparity import NOT_BATCH_INVARIANT
 from dgr.synthparity import synth_model as synth_parity_model
 from support.engine import batching_differences
 
@@ -57,7 +58,7 @@ def test_the_check_sees_what_llama_cpps_fast_kernels_change(llama256, engine_lib
 
 # Their graphs cannot take one KV stream per session at the pin (llama.cpp aborts building them), so
 # they keep one shared stream and are not batch invariant: Describe says so (docs/families.md).
-NOT_INVARIANT = {"kimi-linear", "minimax-01"}
+NOT_INVARIANT = set(NOT_BATCH_INVARIANT)
 
 
 @pytest.mark.slow

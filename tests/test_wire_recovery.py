@@ -236,3 +236,35 @@ def test_kill_9_on_k_and_i_quant_weights_resumes_to_the_same_tokens_and_logits(q
     n = len(ids) - 1
     for k in range(96):
         assert np.array_equal(gen.logits[n + k].view(np.uint32), want.logits[n + k].view(np.uint32)), f"token {k}"
+
+
+@pytest.mark.engine
+@pytest.mark.slow
+def test_kill_9_on_a_route_that_is_not_batch_invariant_replays_the_history_as_first_computed(tmp_path, engine_lib):
+    """minimax-01 is not batch invariant (docs/families.md): its workers say so, and the client's
+    re-prefill after a kill -9 replays prompt and generated tokens the way they were first computed
+    (the prompt as one chunk, each generated token as its own step), so tokens and logits still equal
+    the uninterrupted run's bit for bit."""
+    import numpy as np
+
+    from dgr.app.local import LocalRoute
+    from dgr.synthparity import synth_model as synth_parity_model
+
+    from support.engine import make_bundle
+
+    bundle = make_bundle(synth_parity_model("minimax-01", tmp_path / "m.gguf"), [(0, 3), (3, 4), (4, 8)], tmp_path)
+    args = [["--bundle", str(bundle.root), "--stage", str(i), "--threads", "1", "--n-ctx", "256"]
+            for i in range(3)]
+    ids = list(range(5, 25))
+    fault = die_at("victim", len(ids), 11)
+    with LocalRoute(args, replicas=[1, 2, 1], env={"DGR_ENGINE_LIB": str(engine_lib)}, timeout=300,
+                    extra=lambda i, k: fault if (i, k) == (1, 0) else []) as r:
+        with RouteClient(r.replicas) as c:
+            assert [d.batch_invariant for d in c.describe()] == [False] * 3
+            want = c.run(ids, max_new_tokens=32, stop_token_ids=[], logits="last")
+        with RouteClient(r.replicas) as c:
+            gen = c.run(ids, max_new_tokens=32, stop_token_ids=[], logits="last", session_id="victim")
+    assert gen.epochs >= 2 and gen.failures[0].stage == 1
+    assert gen.token_ids == want.token_ids
+    for p in want.logits:
+        assert np.array_equal(gen.logits[p].view(np.uint32), want.logits[p].view(np.uint32)), f"position {p}"

@@ -151,6 +151,15 @@ def table_row(arch: str, results: list[SynthParity]) -> str:
     return f"| {arch} | {', '.join(features(arch)) or '-'} | {stages} | {cuts} | {'exact' if ok else 'DIFFERS'} |\n"
 
 
+# Architectures whose results depend on the batch (docs/batching.md); the engine's own list is in
+# worker/engine/dgr_engine.cpp (`shared_kv`), and tests/test_engine_invariance.py checks both agree.
+NOT_BATCH_INVARIANT = {
+    "kimi-linear": "its graph cannot take one KV stream per session at the pin (llama.cpp aborts building it), "
+                   "so its sessions share one stream and its cells land wherever there is room",
+    "minimax-01": "the same (one shared KV stream); its own chunkings differ by up to 4e-7 on a tiny model",
+}
+
+
 def write_table(path: Path, by_arch: dict[str, list[SynthParity]], seconds: float) -> Path:
     rows = "".join(table_row(a, by_arch[a]) for a in sorted(by_arch))
     text = ("# Architectures: split equals whole\n\n"
@@ -160,7 +169,13 @@ def write_table(path: Path, by_arch: dict[str, list[SynthParity]], seconds: floa
             "the layer kinds), two sessions sharing each batch over several ubatches, then greedy decode;\n"
             "`exact` = every logit bit-identical to the whole model.\n\n"
             f"{len(by_arch)} architectures, {sum(len(v) for v in by_arch.values())} splits, "
-            f"{seconds:.0f} s on this run's machine.\n\n" + TABLE_HEAD + rows)
+            f"{seconds:.0f} s on this run's machine.\n\n" + TABLE_HEAD + rows +
+            "\n## Not batch invariant\n\n"
+            "Every architecture above gives a session the same logits whatever shares its forwards and however\n"
+            "its tokens are batched (docs/batching.md), except these; their workers say so in `Describe`\n"
+            "(`batch_invariant: false`), and a client recovering on such a route replays the history the way it\n"
+            "was first computed (the prompt in the same chunks, then each generated token as its own step).\n\n"
+            + "".join(f"- {a}: {why}\n" for a, why in sorted(NOT_BATCH_INVARIANT.items())))
     Path(path).write_text(text)
     return Path(path)
 

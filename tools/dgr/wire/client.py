@@ -378,8 +378,13 @@ class RouteClient:
         if spec is not None:
             g.draft_source, g.draft_k = spec.draft_source, spec.draft_k
         yield pb.Frame(session_id=sid, epoch=epoch, generate=g)
-        for lo in range(0, len(history), self.chunk_tokens):
-            hi = min(len(history), lo + self.chunk_tokens)
+        starts = list(range(0, len(history), self.chunk_tokens))
+        if gen.token_ids and not all(h.batch_invariant for h in self.hops):
+            # a hop whose results depend on the batch (docs/batching.md): replay the history the way it
+            # was first computed, the prompt in the same chunks and each generated token as its own step
+            n = len(gen.prompt_ids)
+            starts = [*range(0, n, self.chunk_tokens), *range(n, len(history))]
+        for lo, hi in zip(starts, [*starts[1:], len(history)]):
             f = pb.Frame(session_id=sid, epoch=epoch, step=pb.Step(
                 positions=range(lo, hi), token_ids=history[lo:hi], cache_expect=lo,
                 sample=hi == len(history)))
