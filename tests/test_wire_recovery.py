@@ -27,24 +27,23 @@ def test_parse_route_replicas_and_errors():
 
 
 @pytest.mark.parametrize("victim", [0, 1, 2])
-def test_kill_9_with_a_replica_resumes_to_the_same_text(victim):
-    rng = random.Random(100 + victim)                  # the decode step: random, fixed per test
+@pytest.mark.parametrize("mode", ["greedy", "sampled"])
+def test_kill_9_with_a_replica_resumes_to_the_same_text(victim, mode):
+    kw = SAMPLED if mode == "sampled" else {}
+    at = random.Random(f"{victim}{mode}").randint(2, 40)   # the decode step: random, fixed per test
     counts = [1, 1, 1]
     counts[victim] = 2
-    at = {mode: rng.randint(2, 40) for mode in ("greedy", "sampled")}
-    # the victim's first replica kills itself right after token `at` of each mode's session
-    fault = [a for mode in at for a in die_at(f"kill-{mode}", fake_prompt_len(), at[mode])]
+    # the victim's first replica kills itself right after token `at` of the session
+    fault = die_at("victim", fake_prompt_len(), at)
     with fake_route(counts, extra=lambda i, k: fault if (i, k) == (victim, 0) else []) as r:
-        for mode, kw in (("greedy", {}), ("sampled", SAMPLED)):
-            want = reference(r, **kw)
-            with RouteClient(r.replicas) as c:
-                gen = c.run(PROMPT, max_new_tokens=MAX_NEW, stop_token_ids=[], session_id=f"kill-{mode}", **kw)
-            assert gen.text == want.text and gen.token_ids == want.token_ids, (mode, at[mode])
-            assert gen.epochs >= 2 and gen.failures[0].stage == victim, (mode, gen.failures)
-            assert gen.failures[0].address == r.replicas[victim][0]
-            assert gen.routes[-1].split(",")[victim] == r.replicas[victim][1]
-            r.workers[victim][0].proc.wait(30)         # it killed itself, not someone else
-            r.restart(victim)                          # the preferred replica back for the next mode
+        want = reference(r, **kw)
+        with RouteClient(r.replicas) as c:
+            gen = c.run(PROMPT, max_new_tokens=MAX_NEW, stop_token_ids=[], session_id="victim", **kw)
+        assert r.workers[victim][0].proc.wait(30) == -9    # it killed itself, not someone else
+    assert gen.text == want.text and gen.token_ids == want.token_ids, at
+    assert gen.epochs >= 2 and gen.failures[0].stage == victim, gen.failures
+    assert gen.failures[0].address == r.replicas[victim][0]
+    assert gen.routes[-1].split(",")[victim] == r.replicas[victim][1]
 
 
 @pytest.mark.parametrize("kw", [{}, SAMPLED], ids=["greedy", "sampled"])
@@ -125,23 +124,39 @@ def test_route_source_supplies_a_replacement():
         assert asked == [(1, [b1])] and gen.routes[-1].split(",")[1] == b2
 
 
-@pytest.mark.engine
-def test_real_engine_kill_of_a_middle_stage_resumes_to_the_same_text(tmp_path, engine_lib):
+def _middle_replica_killed(bundle, engine_lib, at: int, max_new: int, **kw):
+    """A 3-stage route of `bundle` with two replicas of stage 1, the first killing itself (kill -9) right
+    after generated token `at`: (the stages' descriptions, the uninterrupted run, the run recovered)."""
     from dgr.app.local import LocalRoute
 
-    from support.engine import make_bundle, synth_model
-
-    bundle = make_bundle(synth_model(tmp_path, "llama"), [(0, 2), (2, 4), (4, 6)], tmp_path)
     args = [["--bundle", str(bundle.root), "--stage", str(i), "--threads", "1", "--n-ctx", "256"]
             for i in range(3)]
     ids = list(range(5, 25))
-    fault = die_at("victim", len(ids), 9)
+    fault = die_at("victim", len(ids), at)
     with LocalRoute(args, replicas=[1, 2, 1], env={"DGR_ENGINE_LIB": str(engine_lib)}, timeout=300,
                     extra=lambda i, k: fault if (i, k) == (1, 0) else []) as r:
         with RouteClient(r.replicas) as c:
-            want = c.run(ids, max_new_tokens=48, stop_token_ids=[], **SAMPLED)
+            hops = c.describe()
+            want = c.run(ids, max_new_tokens=max_new, stop_token_ids=[], **kw)
         with RouteClient(r.replicas) as c:
-            gen = c.run(ids, max_new_tokens=48, stop_token_ids=[], session_id="victim", **SAMPLED)
+            gen = c.run(ids, max_new_tokens=max_new, stop_token_ids=[], session_id="victim", **kw)
+    return hops, want, gen
+
+
+def _same_logits(gen, want) -> None:
+    import numpy as np
+
+    assert gen.token_ids == want.token_ids
+    for p in want.logits:
+        assert np.array_equal(gen.logits[p].view(np.uint32), want.logits[p].view(np.uint32)), f"position {p}"
+
+
+@pytest.mark.engine
+def test_real_engine_kill_of_a_middle_stage_resumes_to_the_same_text(tmp_path, engine_lib):
+    from support.engine import make_bundle, synth_model
+
+    bundle = make_bundle(synth_model(tmp_path, "llama"), [(0, 2), (2, 4), (4, 6)], tmp_path)
+    _, want, gen = _middle_replica_killed(bundle, engine_lib, 9, 48, **SAMPLED)
     assert gen.token_ids == want.token_ids and gen.text == want.text
     assert gen.epochs >= 2 and gen.failures[0].stage == 1
 
@@ -210,9 +225,6 @@ def test_kill_9_on_k_and_i_quant_weights_resumes_to_the_same_tokens_and_logits(q
     first computed one decode step at a time. With weights in K- and I-quants (llama.cpp's own
     quantizer) both give the same logits bit for bit, so the text after the recovery point is the text
     of the uninterrupted run (before batch invariance, a Q4_K/Q6_K model's text changed here)."""
-    import numpy as np
-
-    from dgr.app.local import LocalRoute
     from dgr.engine import quantize
     from dgr.synth import synth
 
@@ -221,21 +233,11 @@ def test_kill_9_on_k_and_i_quant_weights_resumes_to_the_same_tokens_and_logits(q
     model = quantize(synth("llama", 6, 256, 3, tmp_path / "f32.gguf"), tmp_path / f"{qtype}.gguf", qtype,
                      lib=engine_lib)
     bundle = make_bundle(model, [(0, 2), (2, 4), (4, 6)], tmp_path)
-    args = [["--bundle", str(bundle.root), "--stage", str(i), "--threads", "1", "--n-ctx", "256"]
-            for i in range(3)]
-    ids = list(range(5, 25))
-    fault = die_at("victim", len(ids), 17)             # after the 17th generated token
-    with LocalRoute(args, replicas=[1, 2, 1], env={"DGR_ENGINE_LIB": str(engine_lib)}, timeout=300,
-                    extra=lambda i, k: fault if (i, k) == (1, 0) else []) as r:
-        with RouteClient(r.replicas) as c:
-            want = c.run(ids, max_new_tokens=96, stop_token_ids=[], logits="last")
-        with RouteClient(r.replicas) as c:
-            gen = c.run(ids, max_new_tokens=96, stop_token_ids=[], logits="last", session_id="victim")
+    hops, want, gen = _middle_replica_killed(bundle, engine_lib, 17, 96, logits="last")   # after token 17
+    assert all(d.batch_invariant for d in hops)
     assert gen.epochs >= 2 and gen.failures[0].stage == 1
-    assert gen.token_ids == want.token_ids
-    n = len(ids) - 1
-    for k in range(96):
-        assert np.array_equal(gen.logits[n + k].view(np.uint32), want.logits[n + k].view(np.uint32)), f"token {k}"
+    assert len(want.logits) == 96
+    _same_logits(gen, want)
 
 
 @pytest.mark.engine
@@ -245,26 +247,12 @@ def test_kill_9_on_a_route_that_is_not_batch_invariant_replays_the_history_as_fi
     re-prefill after a kill -9 replays prompt and generated tokens the way they were first computed
     (the prompt as one chunk, each generated token as its own step), so tokens and logits still equal
     the uninterrupted run's bit for bit."""
-    import numpy as np
-
-    from dgr.app.local import LocalRoute
     from dgr.synthparity import synth_model as synth_parity_model
 
     from support.engine import make_bundle
 
     bundle = make_bundle(synth_parity_model("minimax-01", tmp_path / "m.gguf"), [(0, 3), (3, 4), (4, 8)], tmp_path)
-    args = [["--bundle", str(bundle.root), "--stage", str(i), "--threads", "1", "--n-ctx", "256"]
-            for i in range(3)]
-    ids = list(range(5, 25))
-    fault = die_at("victim", len(ids), 11)
-    with LocalRoute(args, replicas=[1, 2, 1], env={"DGR_ENGINE_LIB": str(engine_lib)}, timeout=300,
-                    extra=lambda i, k: fault if (i, k) == (1, 0) else []) as r:
-        with RouteClient(r.replicas) as c:
-            assert [d.batch_invariant for d in c.describe()] == [False] * 3
-            want = c.run(ids, max_new_tokens=32, stop_token_ids=[], logits="last")
-        with RouteClient(r.replicas) as c:
-            gen = c.run(ids, max_new_tokens=32, stop_token_ids=[], logits="last", session_id="victim")
+    hops, want, gen = _middle_replica_killed(bundle, engine_lib, 11, 32, logits="last")
+    assert [d.batch_invariant for d in hops] == [False] * 3
     assert gen.epochs >= 2 and gen.failures[0].stage == 1
-    assert gen.token_ids == want.token_ids
-    for p in want.logits:
-        assert np.array_equal(gen.logits[p].view(np.uint32), want.logits[p].view(np.uint32)), f"position {p}"
+    _same_logits(gen, want)
