@@ -1,4 +1,5 @@
-"""Placement planner properties: cover every layer once, respect memory, balance (optimal vs brute force)."""
+"""Placement planner properties: cover every layer once, respect memory, balance work (optimal vs brute force),
+and weigh the output head (work and memory) and the token embedding (memory only) as they really are."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import random
 import pytest
 
 from dgr.errors import RecipeError
-from dgr.planner import WorkerSpec, plan, stage_bytes
+from dgr.planner import WorkerSpec, balanced, plan, stage_bytes, stage_work
 
 
 def brute_force(layer_bytes, workers, inp, out, shared):
@@ -21,7 +22,7 @@ def brute_force(layer_bytes, workers, inp, out, shared):
             b = stage_bytes(layer_bytes, bounds[j], bounds[j + 1], j, k, inp, out, shared)
             if b > workers[j].memory:
                 break
-            costs.append(b / workers[j].speed)
+            costs.append(stage_work(layer_bytes, bounds[j], bounds[j + 1], j, k, out) / workers[j].speed)
         else:
             m = max(costs)
             if best is None or m < best:
@@ -50,8 +51,8 @@ def test_plan_properties_random(seed):
     assert all(a < b for a, b in p.ranges) and all(p.ranges[i][1] == p.ranges[i + 1][0] for i in range(k - 1))
     # respects memory
     assert all(sb <= w.memory for sb, w in zip(p.stage_bytes, workers))
-    # balanced: no plan has a lower slowest stage
-    assert max(sb / w.speed for sb, w in zip(p.stage_bytes, workers)) == pytest.approx(optimum)
+    # balanced: no plan has a lower slowest stage (work: layers, plus the head on the last)
+    assert max(sw / w.speed for sw, w in zip(p.stage_work, workers)) == pytest.approx(optimum)
     # deterministic
     assert plan(layer_bytes, workers, input_bytes=inp, output_bytes=out, shared_bytes=shared) == p
 
@@ -70,3 +71,23 @@ def test_plan_respects_a_small_worker_and_reports_misfits():
         plan([10] * 10, [WorkerSpec("big", 50), WorkerSpec("small", 25)])
     with pytest.raises(RecipeError, match="3 workers but the model has only 2 layers"):
         plan([1, 1], [WorkerSpec("a", 9), WorkerSpec("b", 9), WorkerSpec("c", 9)])
+
+
+def test_a_heavy_head_takes_layers_off_the_last_stage():
+    """12 layers of 10 and an output head of 40 (a large vocabulary): the last stage, which also runs the
+    head, gets fewer layers; counting layers alone would give 6 and 6 (and a last stage of 100 against 60)."""
+    p = plan([10] * 12, [WorkerSpec("a", 10**6), WorkerSpec("b", 10**6)], output_bytes=40)
+    assert p.ranges == ((0, 8), (8, 12))
+    assert p.stage_work == (80, 80) and p.stage_bytes == (80, 80)
+    assert balanced([10] * 12, 3, output_bytes=40).ranges == ((0, 5), (5, 10), (10, 12))
+
+
+def test_the_embedding_weighs_memory_not_work():
+    """A token embedding is a lookup (one row per token): it must fit the first stage's memory but does not
+    slow it down, so it does not push layers off the first stage."""
+    p = plan([10] * 12, [WorkerSpec("a", 10**6), WorkerSpec("b", 10**6)], input_bytes=50)
+    assert p.ranges == ((0, 6), (6, 12))
+    assert p.stage_bytes == (110, 60) and p.stage_work == (60, 60)
+    # ...but it still has to fit: with room for the embedding and 4 layers only, the first stage takes 4
+    tight = plan([10] * 12, [WorkerSpec("a", 90), WorkerSpec("b", 10**6)], input_bytes=50)
+    assert tight.ranges == ((0, 4), (4, 12))

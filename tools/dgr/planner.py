@@ -1,10 +1,17 @@
 """Placement: from workers' memory (and relative speed) to half-open layer ranges. Pure and deterministic.
 
-One stage per worker, in the order the workers are listed (the pipeline order). A stage's weight
-bytes are its layers' bytes plus the tensors only it carries (token embedding on the first stage,
-output norm and head on the last) plus tables every stage carries. The plan minimises the slowest
-stage's bytes / speed (bytes stand in for time: a forward pass reads every weight once) subject to
-each stage fitting its worker's memory; among equally good plans the one with the earliest cuts wins.
+One stage per worker, in the order the workers are listed (the pipeline order). Two measures per stage:
+
+- memory: its layers' bytes plus the tensors only it carries (token embedding on the first stage, output
+  norm and head on the last) plus tables every stage carries. Each stage must fit its worker's memory.
+- work: the bytes a token's forward pass reads there (decoding is bound by reading every weight once):
+  its layers' bytes, plus the output head on the last stage. The token embedding is memory only (a
+  lookup reads one row per token), and so are the small shared tables.
+
+The plan minimises the slowest stage's work / speed subject to each stage fitting; among equally good
+plans the one with the earliest cuts wins. So the last stage of a large-vocabulary model, whose head
+weighs as much as several layers, gets fewer layers; the first keeps its share of layers however big
+the embedding is, as long as it fits.
 """
 
 from __future__ import annotations
@@ -12,6 +19,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from dgr.errors import RecipeError
+
+# The memory of a worker that has no limit (a scaffold balancing stages by work alone).
+UNLIMITED = 1 << 62
 
 
 @dataclass(frozen=True)
@@ -24,11 +34,13 @@ class WorkerSpec:
 @dataclass(frozen=True)
 class Plan:
     ranges: tuple[tuple[int, int], ...]
-    stage_bytes: tuple[int, ...]
+    stage_bytes: tuple[int, ...]        # memory each stage holds
+    stage_work: tuple[int, ...] = ()    # bytes each stage reads per token (the balanced measure)
 
 
 def stage_bytes(layer_bytes: list[int], begin: int, end: int, index: int, count: int,
                 input_bytes: int, output_bytes: int, shared_bytes: int) -> int:
+    """The memory stage `index` of `count` holds with layers [begin, end)."""
     b = sum(layer_bytes[begin:end]) + shared_bytes
     if index == 0:
         b += input_bytes
@@ -37,9 +49,15 @@ def stage_bytes(layer_bytes: list[int], begin: int, end: int, index: int, count:
     return b
 
 
+def stage_work(layer_bytes: list[int], begin: int, end: int, index: int, count: int, output_bytes: int) -> int:
+    """The bytes stage `index` of `count` reads per token with layers [begin, end): its layers, and the head
+    on the last stage (the token embedding is a lookup: memory, not work)."""
+    return sum(layer_bytes[begin:end]) + (output_bytes if index == count - 1 else 0)
+
+
 def plan(layer_bytes: list[int], workers: list[WorkerSpec], *, input_bytes: int = 0,
          output_bytes: int = 0, shared_bytes: int = 0) -> Plan:
-    """Contiguous ranges covering every layer once, one per worker, fitting memory, balanced."""
+    """Contiguous ranges covering every layer once, one per worker, fitting memory, balancing work / speed."""
     n, k = len(layer_bytes), len(workers)
     if k == 0:
         raise RecipeError("placement.workers: no workers to place layers on")
@@ -52,11 +70,11 @@ def plan(layer_bytes: list[int], workers: list[WorkerSpec], *, input_bytes: int 
 
     def cost(j: int, a: int, b: int) -> float | None:
         w = workers[j]
-        total = prefix[b] - prefix[a] + shared_bytes + (input_bytes if j == 0 else 0) \
-            + (output_bytes if j == k - 1 else 0)
-        if total > w.memory:
+        layers = prefix[b] - prefix[a]
+        memory = layers + shared_bytes + (input_bytes if j == 0 else 0) + (output_bytes if j == k - 1 else 0)
+        if memory > w.memory:
             return None
-        return total / w.speed
+        return (layers + (output_bytes if j == k - 1 else 0)) / w.speed
 
     inf = float("inf")
     # best[j][b]: minimal max-cost placing layers [0, b) on workers 0..j; cut[j][b]: where stage j starts.
@@ -96,4 +114,12 @@ def plan(layer_bytes: list[int], workers: list[WorkerSpec], *, input_bytes: int 
     ranges.reverse()
     sizes = tuple(stage_bytes(layer_bytes, a, b, i, k, input_bytes, output_bytes, shared_bytes)
                   for i, (a, b) in enumerate(ranges))
-    return Plan(tuple(ranges), sizes)
+    work = tuple(stage_work(layer_bytes, a, b, i, k, output_bytes) for i, (a, b) in enumerate(ranges))
+    return Plan(tuple(ranges), sizes, work)
+
+
+def balanced(layer_bytes: list[int], n_stages: int, *, input_bytes: int = 0, output_bytes: int = 0,
+             shared_bytes: int = 0) -> Plan:
+    """`n_stages` equal workers without a memory limit: the ranges that balance work alone."""
+    return plan(layer_bytes, [WorkerSpec(f"stage{i}", UNLIMITED) for i in range(n_stages)],
+                input_bytes=input_bytes, output_bytes=output_bytes, shared_bytes=shared_bytes)

@@ -8,6 +8,7 @@ backend lanes. See docs/bundles.md for the format with a real example.
 from __future__ import annotations
 
 import json
+import os
 import re
 import tomllib
 from pathlib import Path
@@ -24,6 +25,7 @@ from dgr.contract import DEFAULT_WIRE_DTYPE, STRICT, WIRE_DTYPES, wire_dtype
 from dgr.errors import RecipeError
 from dgr.hashing import bytes_blake3
 from dgr.paths import REPO_ROOT
+from dgr.templates import RECIPE_TEMPLATE, template_variables
 
 _NAME = re.compile(r"^[a-z0-9][a-z0-9._-]{0,63}$")
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
@@ -308,3 +310,97 @@ def boundary_dtype_warning(arch: str, dtype: str, table: Path = WIRE_DTYPE_TABLE
             f"agree with f32's at {worst['top1_agree']:.0%} of {n} x {worst['steps']} (first divergence at token "
             f"{worst['first_divergence']}, KL {worst['kl_mean']:.2g} nats), under {POOR_AGREEMENT:.0%} "
             f"(docs/wire-dtypes.md); use {' or '.join(good) or 'f32'} as [boundary] dtype")
+
+
+# ------------------------------------------------------------------ `dgr recipe new`: the scaffold
+
+def _positive(key: str, v: str) -> int:
+    try:
+        n = int(v)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise RecipeError(f"{key}={v!r}: a whole number of at least 1")
+    return n
+
+
+def scaffold_values(values: dict[str, str], *, stages: int | None = None,
+                    from_model: str | Path | None = None, output_dir: str | Path = ".") -> dict[str, Any]:
+    """The template's context for `dgr recipe new`: `values` (KEY=VALUE from --set, checked against the
+    template's variables), `--stages`, and what `from_model` says (its uri relative to the new recipe's
+    folder, blake3, layer count and stage ranges balanced by what each stage holds and reads)."""
+    known = template_variables()
+    unknown = sorted(set(values) - set(known))
+    if unknown:
+        raise RecipeError(f"--set {', '.join(unknown)}: unknown template variable{'s' * (len(unknown) > 1)}; "
+                          f"the template's variables are {', '.join(known)} (`dgr recipe new --help` says what each is)")
+    ctx: dict[str, Any] = dict(values)
+    if stages is not None:
+        if "n_stages" in ctx and ctx["n_stages"] != str(stages):
+            raise RecipeError(f"--stages {stages} and --set n_stages={ctx['n_stages']} disagree; give one of them")
+        ctx["n_stages"] = str(stages)
+    for key, (choices, _) in known.items():
+        if isinstance(choices, list) and key in ctx and ctx[key] not in choices:
+            raise RecipeError(f"--set {key}={ctx[key]!r}: not one of {', '.join(choices)}")
+    for key, v in ctx.items():
+        if any(c in v for c in '"\\\n'):
+            raise RecipeError(f"--set {key}={v!r}: the value goes into a TOML string; write it without double quotes, "
+                              f"backslashes or line breaks (edit recipe.toml afterwards for anything fancier)")
+    name = ctx.get("name", known["name"][0])
+    if not _NAME.match(name):
+        raise RecipeError(f"name {name!r}: 1-64 of a-z 0-9 . _ - starting with a letter or digit (--name)")
+    if ctx.get("source_blake3") and not _HEX64.match(ctx["source_blake3"]):
+        raise RecipeError(f"--set source_blake3={ctx['source_blake3']!r}: 64 lowercase hex digits (`b3sum FILE`)")
+    if from_model is not None:
+        ctx.update(_from_model(Path(from_model), Path(output_dir) / name, ctx))
+    n_layer = _positive("n_layer", ctx.get("n_layer", known["n_layer"][0]))
+    n_stages = _positive("n_stages", ctx.get("n_stages", known["n_stages"][0]))
+    if n_stages > n_layer:
+        raise RecipeError(f"{n_stages} stages but the model has {n_layer} layers: each stage holds at least one "
+                          f"layer; use --stages {n_layer} or fewer")
+    return ctx
+
+
+def _from_model(model: Path, recipe_dir: Path, ctx: dict[str, str]) -> dict[str, Any]:
+    """Template values read from a local GGUF: the uri as the new recipe will find it, its blake3, its layer
+    count and (in `_balanced`) ranges balanced by what each stage holds and reads, as the planner weighs them."""
+    from dgr.bundle.plan import weights
+    from dgr.ggufmodel import model_info
+    from dgr.hashing import file_blake3
+    from dgr.planner import balanced
+
+    if not model.is_file():
+        raise RecipeError(f"--from-model {model}: no such file; give a local GGUF model")
+    info = model_info(model)
+    out: dict[str, Any] = {
+        "source_uri": ctx.get("source_uri") or os.path.relpath(model.resolve(), recipe_dir.resolve()),
+        "source_blake3": ctx.get("source_blake3") or file_blake3(model),
+    }
+    if "n_layer" in ctx and ctx["n_layer"] != str(info.n_layer):
+        raise RecipeError(f"--set n_layer={ctx['n_layer']} but {model} has {info.n_layer} layers; leave n_layer out")
+    out["n_layer"] = str(info.n_layer)
+    n_stages = _positive("n_stages", ctx.get("n_stages", template_variables()["n_stages"][0]))
+    if n_stages <= info.n_layer:
+        w = weights(info)
+        p = balanced(w.layer_bytes, n_stages, **w.kwargs())
+        out["_balanced"] = {f"{info.n_layer}x{n_stages}": json.dumps([list(r) for r in p.ranges])}
+    return out
+
+
+def scaffold(output_dir: str | Path, values: dict[str, Any], *, interactive: bool = False) -> Path:
+    """Write the template with `values` (from `scaffold_values`) into `output_dir/<name>/`; the recipe's path.
+    An existing folder of that name is refused (nothing is overwritten)."""
+    from cookiecutter.exceptions import CookiecutterException
+    from cookiecutter.main import cookiecutter
+
+    name = values.get("name", template_variables()["name"][0])
+    target = Path(output_dir) / name
+    if target.exists():
+        raise RecipeError(f"{target} already exists: dgr recipe new writes a new folder and overwrites nothing; "
+                          f"choose another --name or -o/--output-dir, or remove {target} first")
+    try:
+        out = cookiecutter(str(RECIPE_TEMPLATE), no_input=not interactive, extra_context=values,
+                           output_dir=str(output_dir), overwrite_if_exists=False)
+    except (CookiecutterException, ValueError) as e:
+        raise RecipeError(f"dgr recipe new: the template could not be written: {e}") from None
+    return Path(out) / "recipe.toml"

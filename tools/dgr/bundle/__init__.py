@@ -2,9 +2,10 @@
 
 One job per module:
 
-- `manifest`: the manifest model, its canonical JSON (the bundle id is its blake3), `load_bundle`;
+- `manifest`: the manifest model, its canonical JSON (the bundle id is its blake3), `load_bundle`, `check_id`;
 - `plan`: a recipe to stages (ranges, tensors, target types, each stage's contract), `make_plan`;
-- `quantize`: target types from the recipe's rules, and conversions the `gguf` package can make;
+- `quantize`: target types from the recipe's rules (never for tensors llama.cpp never quantizes), whether
+  the engine can run them, and conversions the `gguf` package can make;
 - `writer`: the stage GGUF writer (header, tensor table, data, in that order only);
 - `builder`: `build`, plan -> write stage files (hashing as they are written) -> seal manifest -> move into the store;
 - `verify`: `verify_bundle`, resumable chunk-by-chunk verification;
@@ -22,9 +23,10 @@ from typing import Any
 
 _EXPORTS = {
     "manifest": ("Bundle", "Manifest", "ManifestModel", "ManifestRecipe", "ManifestSource", "StageEntry",
-                 "bundle_id", "canonical_json", "load_bundle", "manifest_bytes", "stage_filename"),
-    "plan": ("BuildPlan", "StagePlan", "make_plan"),
-    "quantize": ("can_dequantize", "can_quantize", "check_conversion", "convert", "target_type"),
+                 "bundle_id", "canonical_json", "check_id", "load_bundle", "manifest_bytes", "stage_filename"),
+    "plan": ("BuildPlan", "RuleUse", "StagePlan", "Weights", "make_plan", "weights"),
+    "quantize": ("Choice", "can_dequantize", "can_quantize", "check_target", "choose", "convert",
+                 "never_quantized", "target_type"),
     "writer": ("StageWriter", "pack_kv"),
     "builder": ("build",),
     "verify": ("VerifyReport", "verify_bundle"),

@@ -33,7 +33,10 @@ from dgr.constants import FORMAT_VERSION, MANIFEST_NAME, Keys
 from dgr.contract import StageContract
 from dgr.errors import BundleError
 from dgr.hashing import ChunkHasher
+from dgr.log import get_logger
 from dgr.recipe import load_recipe
+
+log = get_logger(__name__)
 
 _COPY = 4 * 1024 * 1024  # bytes per piece when a tensor is copied unchanged
 _VT = gguf.GGUFValueType
@@ -121,6 +124,9 @@ def build(recipe_path: str | Path, store: str | Path, *, progress: bool = False)
     store = refuse_home(Path(store), "store")
     recipe = load_recipe(recipe_path)
     bp = make_plan(recipe, progress=progress)
+    if progress:
+        for use in bp.quantization:
+            log.info("quantization: %s", use.line())
     r = recipe.recipe
     chunk = int(r.bundle.chunk_size)
     total = sum(sp.weight_bytes for sp in bp.stages)   # tensor data: a lower bound of what is written

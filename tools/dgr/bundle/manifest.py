@@ -109,6 +109,32 @@ class Bundle:
         return self.root / self.manifest.stages[index].file
 
 
+# The shortest id prefix `check_id` takes: 8 hex digits (32 bits) tell bundles apart; fewer would
+# accept one bundle in a few hundred by chance. Listings show 12 (`NAME-ID12` store folders).
+MIN_ID_PREFIX = 8
+_HEX = set("0123456789abcdef")
+
+
+def check_id(b: Bundle, expect: str) -> None:
+    """BundleError unless `expect` is bundle `b`'s id as listings show it: the whole id, any prefix of it of
+    at least MIN_ID_PREFIX hex digits (the 12-digit short id included), or the store folder name NAME-ID12."""
+    want = expect.strip().lower()
+    name = f"{b.manifest.recipe.name}-".lower()
+    if want.startswith(name) and len(want) > len(name):
+        want = want[len(name):]  # the store folder's name: NAME-ID12
+    if not want or not set(want) <= _HEX or len(want) > len(b.id):
+        raise BundleError(f"expected id {expect!r} is not a bundle id: give the id (64 hex digits) or a prefix of "
+                          f"it, as `dgr recipe build` and the store's NAME-ID12 folders show it; this bundle is "
+                          f"{b.id} ({b.id[:12]})")
+    if len(want) < MIN_ID_PREFIX:
+        raise BundleError(f"expected id {expect!r} is too short to tell bundles apart: give at least "
+                          f"{MIN_ID_PREFIX} hex digits (listings show 12, e.g. {b.id[:12]})")
+    if not b.id.startswith(want):
+        raise BundleError(f"{b.root}: bundle id is {b.id} (short {b.id[:12]}), expected {expect} "
+                          f"({'a prefix of the id' if len(want) < len(b.id) else 'the whole id'}): this is "
+                          f"not the bundle you asked for; provision the expected one, or check the id you gave")
+
+
 def load_bundle(path: str | Path) -> Bundle:
     """Read and validate `path/manifest.json` (or a manifest path). Does not hash the stage files."""
     path = Path(path)

@@ -1,6 +1,7 @@
 """Build planning: a loaded recipe to the stages of a bundle, without writing anything.
 
-A plan holds each stage's range, its tensors with their target types, and its contract.
+A plan holds each stage's range, its tensors with their target types, its contract, and what each
+quantization rule did (the tensors it converts, the ones it matched that llama.cpp never quantizes).
 
 Placement is either the recipe's explicit ranges or the planner's answer for its workers; every
 tensor then goes to the stages that own it (a layer's tensors to the stage holding that layer, the
@@ -14,13 +15,13 @@ from pathlib import Path
 
 import gguf
 
-from dgr.bundle.quantize import check_conversion, target_type
+from dgr.bundle.quantize import Choice, check_target, choose
 from dgr.contract import StageContract, wire_dtype
 from dgr.errors import BundleError, RecipeError
 from dgr.ggufmodel import INPUT, OUTPUT, SHARED, ModelInfo, TensorInfo, model_info, tensor_nbytes
 from dgr.log import get_logger
 from dgr.planner import WorkerSpec, plan
-from dgr.recipe import LoadedRecipe, boundary_dtype_warning, check_ranges
+from dgr.recipe import KEEP, LoadedRecipe, boundary_dtype_warning, check_ranges
 from dgr.source import resolve
 
 log = get_logger(__name__)
@@ -39,6 +40,32 @@ class StagePlan:
 
 
 @dataclass
+class RuleUse:
+    """What one entry of the recipe's [quantization] did: the tensors it gives its type, and the tensors it
+    matched that keep their type because llama.cpp never quantizes them (name, why)."""
+
+    where: str
+    type: str
+    applied: list[str] = field(default_factory=list)
+    kept: list[tuple[str, str]] = field(default_factory=list)
+
+    def line(self) -> str:
+        head = f"{self.where}: "
+        if not self.applied and not self.kept:
+            return head + ("applies to no tensor: its pattern matches none an earlier rule has not taken "
+                           "(names look like blk.0.attn_q.weight, blk.0.ffn_up.weight, token_embd.weight)")
+        out = head + f"{len(self.applied)} tensor{'s' * (len(self.applied) != 1)} -> {self.type}"
+        if self.kept:
+            why: dict[str, list[str]] = {}
+            for name, w in self.kept:
+                why.setdefault(w, []).append(name)
+            parts = [f"{w}: {', '.join(ns[:2])}{', ...' if len(ns) > 2 else ''}" for w, ns in why.items()]
+            out += (f"; kept: {len(self.kept)} tensor{'s' * (len(self.kept) != 1)} llama.cpp never quantizes "
+                    f"({'; '.join(parts)})")
+        return out
+
+
+@dataclass
 class BuildPlan:
     recipe: LoadedRecipe
     source_path: Path
@@ -46,6 +73,7 @@ class BuildPlan:
     info: ModelInfo
     stages: list[StagePlan]
     excluded: list[str]
+    quantization: list[RuleUse] = field(default_factory=list)  # one per rule (and default) that is not keep
 
     def contract(self, sp: StagePlan) -> StageContract:
         """What stage `sp` takes and gives at its seams, in the recipe's wire dtype."""
@@ -75,7 +103,42 @@ def _check_source(src: Path, info: ModelInfo) -> None:
                           f"(teach dgr.ggufmodel.classify about them)")
 
 
-def _ranges(recipe: LoadedRecipe, info: ModelInfo, layer_bytes: list[int], role: dict[str, int]) -> list[tuple[int, int]]:
+@dataclass
+class Weights:
+    """What the planner weighs: bytes per layer, the first stage's own (token embedding), the last stage's
+    own (output norm and head; the embedding again when tied, as the head), and what every stage holds."""
+
+    layer_bytes: list[int]
+    input_bytes: int
+    output_bytes: int
+    shared_bytes: int
+    excluded: list[str]  # MTP layers' tensors: no stage holds them
+
+    def kwargs(self) -> dict[str, int]:
+        return {"input_bytes": self.input_bytes, "output_bytes": self.output_bytes, "shared_bytes": self.shared_bytes}
+
+
+def weights(info: ModelInfo, types: dict[str, gguf.GGMLQuantizationType] | None = None) -> Weights:
+    """The model's weights per layer and role, each tensor in `types` (default: its own type)."""
+    layer_bytes = [0] * info.n_layer
+    role = {INPUT: 0, OUTPUT: 0, SHARED: 0}
+    excluded: list[str] = []
+    for t in info.header.tensors:
+        owner = info.layer_of.get(t.name)  # None: unknown (a build refuses it; a scaffold leaves it out)
+        nb = tensor_nbytes(t.shape, types[t.name] if types else t.type)
+        if isinstance(owner, int):
+            if owner >= info.n_layer:
+                excluded.append(t.name)  # MTP: reserved, off for alpha
+            else:
+                layer_bytes[owner] += nb
+        elif owner is not None:
+            role[owner] += nb
+            if owner == INPUT and info.tied_embeddings and t.name == "token_embd.weight":
+                role[OUTPUT] += nb  # the tied head: the last stage carries the embedding as its output
+    return Weights(layer_bytes, role[INPUT], role[OUTPUT], role[SHARED], excluded)
+
+
+def _ranges(recipe: LoadedRecipe, info: ModelInfo, w: Weights) -> list[tuple[int, int]]:
     r = recipe.recipe
     if r.placement.stages is not None:
         ranges = list(r.placement.stages)
@@ -84,10 +147,9 @@ def _ranges(recipe: LoadedRecipe, info: ModelInfo, layer_bytes: list[int], role:
         except ValueError as e:
             raise RecipeError(f"{recipe.path}: placement.stages: {e} (model {info.arch}, {info.n_layer} layers)") from None
         return ranges
-    workers = [WorkerSpec(w.name, int(w.memory), w.speed) for w in r.placement.workers or []]
+    workers = [WorkerSpec(k.name, int(k.memory), k.speed) for k in r.placement.workers or []]
     try:
-        return list(plan(layer_bytes, workers, input_bytes=role[INPUT], output_bytes=role[OUTPUT],
-                         shared_bytes=role[SHARED]).ranges)
+        return list(plan(w.layer_bytes, workers, **w.kwargs()).ranges)
     except RecipeError as e:
         raise RecipeError(f"{recipe.path}: {e}") from None
 
@@ -114,26 +176,15 @@ def make_plan(recipe: LoadedRecipe, *, progress: bool = False) -> BuildPlan:
     _check_source(src, info)
     _check_boundary_dtype(recipe, info)
     targets: dict[str, gguf.GGMLQuantizationType] = {}
+    uses = _rule_uses(recipe)
     for t in info.header.tensors:
-        dst = target_type(t.name, t.type, recipe)
-        check_conversion(t, dst, recipe.path)
-        targets[t.name] = dst
-    layer_bytes = [0] * info.n_layer
-    role = {INPUT: 0, OUTPUT: 0, SHARED: 0}
-    excluded: list[str] = []
-    for t in info.header.tensors:
-        owner = info.layer_of[t.name]
-        nb = tensor_nbytes(t.shape, targets[t.name])
-        if isinstance(owner, int):
-            if owner >= info.n_layer:
-                excluded.append(t.name)  # MTP: reserved, off for alpha
-            else:
-                layer_bytes[owner] += nb
-        else:
-            role[owner] += nb
-            if owner == INPUT and info.tied_embeddings and t.name == "token_embd.weight":
-                role[OUTPUT] += nb
-    ranges = _ranges(recipe, info, layer_bytes, role)
+        c = choose(t.name, t.type, recipe, t.shape, info.arch)
+        check_target(t, c, recipe)
+        targets[t.name] = c.type
+        _note(uses, c, t.name)
+    w = weights(info, targets)
+    excluded = w.excluded
+    ranges = _ranges(recipe, info, w)
     stages = [StagePlan(i, b, e) for i, (b, e) in enumerate(ranges)]
     for t in info.header.tensors:
         if t.name in excluded:
@@ -144,4 +195,26 @@ def make_plan(recipe: LoadedRecipe, *, progress: bool = False) -> BuildPlan:
             raise BundleError(f"{src}: tensor {t.name!r} (owner {owner}) lands in no stage of {ranges}")
         for sp in homes:
             sp.tensors.append((t, targets[t.name]))
-    return BuildPlan(recipe, src, r.source.blake3, info, stages, excluded)
+    return BuildPlan(recipe, src, r.source.blake3, info, stages, excluded, list(uses.values()))
+
+
+def _rule_uses(recipe: LoadedRecipe) -> dict[int | None, RuleUse]:
+    """An empty RuleUse per rule that sets a type (and for the default when it does), keyed like Choice.rule."""
+    q = recipe.recipe.quantization
+    uses: dict[int | None, RuleUse] = {}
+    for i, rule in enumerate(q.rules):
+        if rule.type != KEEP:
+            uses[i] = RuleUse(f"rules[{i}] {rule.pattern}", rule.type)
+    if q.default != KEEP:
+        uses[None] = RuleUse("default", q.default)
+    return uses
+
+
+def _note(uses: dict[int | None, RuleUse], c: Choice, name: str) -> None:
+    use = uses.get(c.rule)
+    if use is None or c.asked == KEEP:
+        return
+    if c.kept:
+        use.kept.append((name, c.kept))
+    else:
+        use.applied.append(name)

@@ -62,6 +62,10 @@ def _plan(args) -> int:
     for sp in bp.stages:
         print(f"  stage {sp.index}: layers [{sp.begin}, {sp.end})  {len(sp.tensors)} tensors  "
               f"{sp.weight_bytes} bytes ({sp.weight_bytes / 2**20:.1f} MiB)")
+    if bp.quantization:
+        print("  quantization:")
+        for use in bp.quantization:
+            print(f"    {use.line()}")
     return 0
 
 
@@ -79,12 +83,11 @@ def _build(args) -> int:
 
 
 def _verify(args) -> int:
-    from dgr.bundle import verify_bundle
+    from dgr.bundle import check_id, load_bundle, verify_bundle
 
+    if args.expect_id:
+        check_id(load_bundle(args.bundle), args.expect_id)  # before hashing: a wrong bundle fails at once
     rep = verify_bundle(args.bundle, resume=not args.fresh, progress=not args.quiet)
-    if args.expect_id and rep.bundle_id != args.expect_id:
-        log.error("error: bundle id is %s, expected %s", rep.bundle_id, args.expect_id)
-        return 1
     print(f"ok: bundle {rep.bundle_id}: {rep.chunks_total} chunks verified "
           f"({rep.chunks_read} read now, {rep.chunks_skipped} verified by an earlier interrupted run)")
     return 0
@@ -100,34 +103,29 @@ def _provision(args) -> int:
 
 
 def _new(args) -> int:
-    from cookiecutter.main import cookiecutter
+    from dgr.recipe import scaffold, scaffold_values
 
-    template = Path(__file__).resolve().parents[1] / "templates" / "recipe"
-    ctx: dict[str, str] = {}
+    values: dict[str, str] = {}
     for kv in args.set or []:
         if "=" not in kv:
-            raise RecipeError(f"--set {kv!r}: write KEY=VALUE (keys: see {template / 'cookiecutter.json'})")
+            raise RecipeError(f"--set {kv!r}: write KEY=VALUE (the variables: dgr recipe new --help)")
         k, v = kv.split("=", 1)
-        ctx[k] = v
+        values[k.strip()] = v
     if args.name:
-        ctx["name"] = args.name
-    if args.from_model:
-        from dgr.ggufmodel import model_info
-        from dgr.hashing import file_blake3
-
-        model = Path(args.from_model)
-        info = model_info(model)
-        ctx.setdefault("source_uri", str(model))
-        ctx.setdefault("source_blake3", file_blake3(model))
-        ctx.setdefault("n_layer", str(info.n_layer))
-    out = cookiecutter(str(template), no_input=not args.interactive, extra_context=ctx,
-                       output_dir=args.output_dir, overwrite_if_exists=False)
-    print(Path(out) / "recipe.toml")
+        values["name"] = args.name
+    ctx = scaffold_values(values, stages=args.stages, from_model=args.from_model, output_dir=args.output_dir)
+    path = scaffold(args.output_dir, ctx, interactive=args.interactive)
+    print(path)
+    if not ctx.get("source_blake3"):
+        log.info("next: fill in source.uri and source.blake3 in %s (or scaffold with --from-model FILE.gguf), "
+                 "then `dgr recipe plan %s`", path, path.parent)
     return 0
 
 
 def register(sub) -> None:
     """Add this area's subcommands to the `dgr` parser."""
+    from dgr.templates import template_help
+
     p = sub.add_parser("inspect", help="show a GGUF model's layers, widths, seam and bytes")
     p.add_argument("file")
     p.add_argument("--json", action="store_true", help="machine-readable output")
@@ -162,11 +160,19 @@ def register(sub) -> None:
     p = rsub.add_parser("plan", help="show the stages a recipe would build, without building")
     p.add_argument("recipe")
     p.set_defaults(func=_plan)
-    p = rsub.add_parser("new", help="scaffold a recipe from the cookiecutter template")
-    p.add_argument("--name")
-    p.add_argument("--from-model", help="a local GGUF: fills in uri, blake3 and layer count")
-    p.add_argument("--set", action="append", metavar="KEY=VALUE", help="template variable (repeatable)")
-    p.add_argument("-o", "--output-dir", default=".")
+    p = rsub.add_parser(
+        "new", help="scaffold a recipe from the cookiecutter template",
+        description="Write NAME/recipe.toml from dgr's recipe template (tools/dgr/templates/recipe). An existing "
+                    "NAME folder is refused. With --from-model the source, its hash and its layer count are "
+                    "read from the file, and the stages balance the bytes each one holds and reads per token "
+                    "(the first also holds the token embedding, the last the output head).",
+        epilog=f"template variables (--set KEY=VALUE):\n{template_help()}",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--name", help="the recipe's name (the template variable `name`)")
+    p.add_argument("--from-model", help="a local GGUF: fills in source_uri, source_blake3, n_layer and balanced stages")
+    p.add_argument("--stages", type=int, metavar="N", help="pipeline stages (the template variable `n_stages`)")
+    p.add_argument("--set", action="append", metavar="KEY=VALUE", help="a template variable (repeatable; listed below)")
+    p.add_argument("-o", "--output-dir", default=".", help="where NAME/ is written (default: here)")
     p.add_argument("--interactive", action="store_true", help="prompt for every template variable")
     p.set_defaults(func=_new)
 
@@ -175,7 +181,8 @@ def register(sub) -> None:
     p = bsub.add_parser("verify", help="check every chunk of a bundle (resumes an interrupted check)")
     p.add_argument("bundle")
     p.add_argument("--fresh", action="store_true", help="ignore an interrupted run's progress")
-    p.add_argument("--expect-id", help="fail unless the bundle id is this")
+    p.add_argument("--expect-id", metavar="ID", help="fail unless this is the bundle's id: the whole id, its 12-digit "
+                   "short form, any prefix of 8 or more hex digits, or the store folder's NAME-ID12")
     p.add_argument("-q", "--quiet", action="store_true")
     p.set_defaults(func=_verify)
     p = bsub.add_parser("provision", help="copy a bundle into a store, verifying as it copies (resumable)")
