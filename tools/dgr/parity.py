@@ -7,8 +7,10 @@ forward batch, prefill in one step, then one token per session per step. Decode 
 baseline's greedy tokens (teacher forcing), so every step is compared even after a divergence.
 
 The baseline is the whole model through the same library with no range (plain llama.cpp path, no
-stage code); parity is exact when every logit is bit-for-bit equal (docs/engine.md). `dgr baseline` and
-`dgr parity` (dgr.commands.engine) only parse arguments and print what this module decides.
+stage code), with the bundle's weights: its source GGUF, or the recipe built as one stage when the recipe
+quantized (dgr.bundle.baseline_model); parity is exact when every logit is bit-for-bit equal
+(docs/engine.md). `dgr baseline` and `dgr parity` (dgr.commands.engine) only parse arguments and print
+what this module decides.
 """
 
 from __future__ import annotations
@@ -205,6 +207,24 @@ def run_baseline(model: str | Path, sched: Schedule, lib: str | Path | None = No
         return run_pipeline([eng], sched)
     finally:
         eng.close()
+
+
+def bundle_source(b, given: str | Path | None = None) -> Path:
+    """The bundle's source GGUF, verified by the blake3 its manifest records: `given` (--source), or its URI."""
+    from dgr.hashing import file_blake3
+    from dgr.source import resolve
+
+    want = b.manifest.source.blake3
+    if given is not None:
+        given = Path(given)
+        if not given.is_file() or file_blake3(given) != want:
+            raise DgrError(f"--source {given} is not the bundle's source (its manifest records blake3 {want[:16]}...)")
+        return given
+    try:
+        return resolve(b.manifest.source.uri, want, base_dir=b.root, progress=False)
+    except DgrError as e:
+        raise DgrError(f"cannot find the bundle's source model to make a baseline ({e}); pass --source PATH "
+                       "(the source GGUF), or --baseline FILE.npz from `dgr baseline`") from None
 
 
 def token_counts(sched: Schedule) -> tuple[int, int]:

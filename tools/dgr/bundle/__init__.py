@@ -31,6 +31,7 @@ _EXPORTS = {
     "builder": ("build",),
     "verify": ("VerifyReport", "verify_bundle"),
     "store": ("ProvisionReport", "provision", "refuse_home"),
+    "baseline": ("Baseline", "baseline_model"),
 }
 _WHERE = {name: mod for mod, names in _EXPORTS.items() for name in names}
 __all__ = sorted(_WHERE)

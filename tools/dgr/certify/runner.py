@@ -1,8 +1,10 @@
-"""`dgr certify`: a bundle's stages in worker processes against its whole source model, judged by a contract.
+"""`dgr certify`: a bundle's stages in worker processes against its whole model, judged by a contract.
 
 In order: the recipe the bundle was built from is re-read (an MTP-on recipe is refused before anything
-runs); the whole source GGUF runs alone on the engine library in this process (the independent
-baseline: greedy tokens and logits of every contract prompt, prefilled in the route's chunks); then one
+runs); the whole model runs alone on the engine library in this process (the independent baseline:
+greedy tokens and logits of every contract prompt, prefilled in the route's chunks): the source GGUF, or
+when the recipe quantized, the same recipe built as one stage (dgr.bundle.baseline_model, as `dgr
+parity` does: the whole model with the bundle's weights); then one
 `dgr worker serve` process per stage (dgr.app.local.LocalRoute) serves the bundle on loopback and the
 same prompts run through the route; tokens must be equal and logits bit-identical. Where the contract's
 speed gate applies, pipeline and whole model alternate on the same host (measure_speed) and the
@@ -132,7 +134,8 @@ def _compare(p: _Parity, gen, ids: list[int], ref) -> None:
         p.max_diff = max(p.max_diff, d if np.isfinite(d) else float("inf"))
 
 
-def _parity_figures(p: _Parity, c: Contract, n_vocab: int) -> list[Figure]:
+def _parity_figures(p: _Parity, c: Contract, n_vocab: int, baseline: str) -> list[Figure]:
+    """The parity rows; `baseline` says what the whole model was (the source, or the recipe as one stage)."""
     tol = c.parity.max_abs_logit_diff
     return [
         Figure(check="parity: greedy tokens", figure=f"{p.tokens_equal}/{p.tokens_total}", threshold="all equal",
@@ -142,7 +145,8 @@ def _parity_figures(p: _Parity, c: Contract, n_vocab: int) -> list[Figure]:
         Figure(check="parity: max |logit diff|", figure=p.max_diff, threshold="== 0" if tol == 0 else f"<= {tol}",
                passed=p.rows > 0 and p.rows_missing == 0 and p.max_diff <= tol,
                detail=f"{p.rows} rows x {n_vocab} logits compared" +
-                      (f", {p.rows_missing} rows missing" if p.rows_missing else "")),
+                      (f", {p.rows_missing} rows missing" if p.rows_missing else "") +
+                      f"; whole model: {baseline}"),
     ]
 
 
@@ -197,7 +201,7 @@ def certify(bundle_path: str | Path, *, contract: LoadedContract | str | Path | 
     `lane` (default: the contract's). Returns the certificate; `passed` says whether every row passed."""
     from dgr.app.demo import whole_model_run
     from dgr.app.local import LocalRoute
-    from dgr.bundle import load_bundle
+    from dgr.bundle import baseline_model, load_bundle
     from dgr.engine import Engine
     from dgr.wire.client import RouteClient
 
@@ -208,6 +212,7 @@ def certify(bundle_path: str | Path, *, contract: LoadedContract | str | Path | 
     figures = [mtp_off(b)]                          # refuses an MTP-on recipe before anything runs
     lib = engine_library(lane, lib)
     src = source_of(b, source)
+    whole = baseline_model(b, src, progress=True)   # the source, or the recipe built as one stage
     n_stages = len(b.manifest.stages)
     cores = usable_cores()
     threads = threads or c.threads(n_stages, cores)
@@ -216,10 +221,10 @@ def certify(bundle_path: str | Path, *, contract: LoadedContract | str | Path | 
     n_ctx = c.parity.n_ctx
     if speed:
         n_ctx = max(n_ctx, c.speed.prefill_tokens + 16, c.speed.decode_tokens + 64)
-    log.info("certify: bundle %s (%d stages) on the %s lane, engine %s, %d thread(s) per process",
-             b.root.name, n_stages, lane, lib, threads)
+    log.info("certify: bundle %s (%d stages) on the %s lane, engine %s, %d thread(s) per process; "
+             "whole model: %s", b.root.name, n_stages, lane, lib, threads, whole)
 
-    eng = Engine.open(src, lib=lib, n_threads=threads, n_ctx=n_ctx)
+    eng = Engine.open(whole.path, lib=lib, n_threads=threads, n_ctx=n_ctx)
     try:
         if eng.lane != lane:
             raise CertifyError(f"--lane {lane}: the engine library {lib} is built for the {eng.lane} lane")
@@ -241,7 +246,7 @@ def certify(bundle_path: str | Path, *, contract: LoadedContract | str | Path | 
             for ids, ref in zip(prompts, baseline[client.chunk_tokens]):
                 gen = client.run(ids, max_new_tokens=c.parity.max_new_tokens, logits="last", stop_token_ids=[])
                 _compare(par, gen, ids, ref)
-            figures += _parity_figures(par, c, n_vocab)
+            figures += _parity_figures(par, c, n_vocab, str(whole))
             figures.append(_processes(route, n_stages))
             if speed:
                 figures += speed_figures(measure_speed(c, client, eng, threads), c.speed)

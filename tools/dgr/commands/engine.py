@@ -26,7 +26,10 @@ def register(sub) -> None:
     p.add_argument("--stages", default="3", help="with --synth: stage count, or several (2,3,4) (default 3)")
     p.add_argument("--table", type=Path, help="with --synth: write the markdown table of the results (docs/families.md)")
     p.add_argument("--json", type=Path, help="with --synth: write every result as JSON")
-    p.add_argument("--baseline", type=Path, help="a baseline from `dgr baseline` (default: run the bundle's source now)")
+    p.add_argument("--baseline", type=Path, help="a baseline from `dgr baseline` (default: run the whole model now: "
+                   "the bundle's source, or its recipe built as one stage when the recipe quantizes)")
+    p.add_argument("--source", type=Path, help="the bundle's source GGUF, when its manifest's source URI does not "
+                   "resolve here (a path relative to the recipe's folder); checked against the manifest's blake3")
     p.add_argument("--ranges", help="with a whole GGUF: split it in this process, e.g. 0:10,10:30")
     _schedule_args(p)
     p.add_argument("--perturb-boundary", type=int, metavar="STAGE",
@@ -75,9 +78,11 @@ def cmd_parity(args) -> int:
         return cmd_parity_synth(args)
     if args.bundle is None:
         raise DgrError("dgr parity: give a bundle folder (or a whole GGUF with --ranges), or --synth ARCH")
-    from dgr.parity import (baseline_kv_dtype, compare, ctx_for, largest_logit, load_baseline, make_schedule,
-                            open_stages, open_tokenizer, parse_ranges, perturbation, run_baseline, run_pipeline,
-                            throughput, verdict)
+    if args.source and (args.ranges or args.baseline):
+        raise DgrError("--source names a bundle's source for the whole-model run; drop it with --ranges or --baseline")
+    from dgr.parity import (baseline_kv_dtype, bundle_source, compare, ctx_for, largest_logit, load_baseline,
+                            make_schedule, open_stages, open_tokenizer, parse_ranges, perturbation, run_baseline,
+                            run_pipeline, throughput, verdict)
 
     ranges = None
     if args.ranges:
@@ -86,25 +91,24 @@ def cmd_parity(args) -> int:
         ranges = parse_ranges(args.ranges)
         paths = [args.bundle] * len(ranges)
         source = args.bundle
+        what = f"the whole GGUF {source}"
     else:
-        from dgr.bundle import load_bundle
+        from dgr.bundle import baseline_model, load_bundle
 
         b = load_bundle(args.bundle)
         paths = b.stage_paths
         source = None
         if not args.baseline:
-            from dgr.source import resolve
-
-            try:
-                source = resolve(b.manifest.source.uri, b.manifest.source.blake3, base_dir=b.root, progress=False)
-            except DgrError as e:
-                raise DgrError(f"cannot find the bundle's source model to make a baseline ({e}); "
-                               "pass --baseline FILE.npz from `dgr baseline`") from None
+            source = bundle_source(b, args.source)
+            # the whole model with the bundle's weights: the source, or the recipe built as one stage
+            baseline = baseline_model(b, source, progress=True)
+            source, what = baseline.path, str(baseline)
 
     kv_dtype = args.kv_dtype or "f16"
     if args.baseline:
         sched, base, meta = load_baseline(args.baseline)
         kv_dtype = baseline_kv_dtype(args.baseline, meta, args.kv_dtype)
+        what = f"{args.baseline} (`dgr baseline` of {meta.get('model', 'a model it does not name')})"
     else:
         with open_tokenizer(source, args.lib) as tok:
             sched = make_schedule(tok, args.prompt, args.steps, args.n_ubatch)
@@ -125,6 +129,7 @@ def cmd_parity(args) -> int:
     c = compare(base, run)
     print(f"parity: {len(stages)} stages {' '.join(stages)}; {len(sched.prompts)} session(s), "
           f"prompt {[len(p) for p in sched.prompts]} tokens, {sched.steps} decode steps, {c.n_values} logits compared")
+    print(f"  baseline: {what}")
     print(f"  weights on: {' '.join(devices)}; KV cache {kv_dtype}")
     print(f"  max abs difference: {c.max_abs_diff:g} (largest |logit| of the baseline: {largest_logit(base):g})")
     print(f"  first diverging: {c.diverging_text()}")
