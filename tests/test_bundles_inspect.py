@@ -1,11 +1,14 @@
-"""`dgr inspect`: layers, widths, the boundary a split carries, bytes, tied embeddings, unknown tensors."""
+"""`dgr inspect`: layers, widths, the boundary a split carries, bytes, tied embeddings, unknown tensors, the chat
+template and the special tokens (bos, eos, eot and every end-of-generation id, as llama.cpp sees them)."""
 
 from __future__ import annotations
 
 import json
+import re
 
 import gguf
 import numpy as np
+import pytest
 
 from dgr.cli import main
 from dgr.ggufmodel import model_info
@@ -84,3 +87,45 @@ def test_inspect_a_bundle_stage(tmp_path, capsys):
     assert [sum(1 for v in x["layer_bytes"] if v) for x in reports] == [1, 2, 1]
     assert main(["inspect", str(b.stage_paths[1])]) == 0
     assert "bundle stage:    1 of 3 (recipe st), owns layers [1, 3)" in capsys.readouterr().out
+
+
+@pytest.mark.engine
+def test_inspect_shows_the_chat_template_and_the_special_tokens(smollm2_gguf, engine_lib, capsys):
+    assert main(["inspect", str(smollm2_gguf), "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    ct, st = r["chat_template"], r["special_tokens"]
+    assert ct["present"] and ct["chars"] > 100 and ct["first_line"].startswith("{% for message in messages %}")
+    assert st["from"] == "llama.cpp"
+    assert st["bos"] == {"id": 1, "text": "<|im_start|>"} and st["eos"] == {"id": 2, "text": "<|im_end|>"}
+    assert {"id": 0, "text": "<|endoftext|>"} in st["eog"] and st["eos"] in st["eog"]
+    assert main(["inspect", str(smollm2_gguf)]) == 0
+    text = capsys.readouterr().out
+    assert "chat template:   yes" in text and "{% for message in messages %}" in text
+    assert "bos 1 '<|im_start|>', eos 2 '<|im_end|>'" in text
+    assert re.search(r"end of generation \(\d+, llama.cpp's list.*0 '<\|endoftext\|>', 2 '<\|im_end\|>'", text), text
+
+
+@pytest.mark.engine
+def test_inspect_names_an_end_of_turn_that_is_not_the_eos(engine_lib, tmp_path, capsys, monkeypatch):
+    from support.engine import rewrite_gguf
+
+    from dgr.synth import synth, tokenizer_vocab
+
+    model = rewrite_gguf(synth("llama", 2, 32, 0, tmp_path / "m.gguf"), tmp_path / "eot.gguf",
+                         set_kv={gguf.Keys.Tokenizer.EOT_ID: 65})
+    assert main(["inspect", str(model), "--json"]) == 0
+    st = json.loads(capsys.readouterr().out)["special_tokens"]
+    eot = {"id": 65, "text": tokenizer_vocab()[0][65]}
+    assert st["eot"] == eot and eot in st["eog"] and st["eos"] in st["eog"] and st["eos"] != eot
+    assert main(["inspect", str(model)]) == 0
+    text = capsys.readouterr().out
+    assert "chat template:   none" in text and "--chat-template FILE" in text
+    assert f"eot 65 {eot['text']!r}" in text
+    # without an engine library: what the header declares, and why the rest is missing
+    monkeypatch.setenv("DGR_ENGINE_LIB", str(tmp_path / "no-engine.so"))
+    assert main(["inspect", str(model), "--json"]) == 0
+    st = json.loads(capsys.readouterr().out)["special_tokens"]
+    assert st["from"] == "header" and st["eog"] is None and "no-engine.so" in st["note"]
+    assert st["eot"] == eot
+    assert main(["inspect", str(model)]) == 0
+    assert "end of generation: unknown (llama.cpp's view needs the engine" in capsys.readouterr().out

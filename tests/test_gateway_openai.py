@@ -54,6 +54,10 @@ def test_models_is_the_routes_model(gw, rc):
     [m] = gw.client().models.list().data
     assert m.id == rc.hops[0].identity.model == gw.backend.info.name
     assert gw.backend.info.n_ctx == 512 and gw.backend.info.chat_template == rc.hops[0].chat_template != ""
+    assert gw.backend.info.chat_template_source == "the GGUF's tokenizer.chat_template (stage 0)"
+    # the stops: the eos (<|im_end|>) first, then every other end-of-generation id (<|endoftext|>, ...)
+    assert gw.backend.info.eos_ids == tuple(rc.hops[-1].eos_token_ids) and gw.backend.info.eos_ids[0] == 2
+    assert 0 in gw.backend.info.eos_ids and gw.backend.info.eos_token == "<|im_end|>"
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -181,3 +185,5 @@ def test_dgr_serve_process_with_a_model_name(route, rc):
         assert out.choices[0].message.content == _printed(ref, set(rc.hops[-1].eos_token_ids))
         with pytest.raises(openai.NotFoundError):
             c.chat.completions.create(model=rc.hops[0].identity.model + "-other", messages=MESSAGES)
+        log = "".join(proc.output)
+    assert "chat template from the GGUF's tokenizer.chat_template (stage 0)" in log, log

@@ -23,11 +23,11 @@ from pydantic import ValidationError
 
 from dgr.constants import DEFAULT_MAX_SESSIONS, DEFAULT_N_CTX
 from dgr.contract import StageContract
-from dgr.engine_api import MemoryReport, StageInfo, Step, StepResult
+from dgr.engine_api import MemoryReport, StageInfo, Step, StepResult, VocabInfo
 from dgr.errors import CacheMiss, EngineError, SchemaMismatch
 from dgr.paths import default_engine_library
 
-ABI_VERSION = 3
+ABI_VERSION = 4                 # worker/engine/dgr_engine.h's DGR_ABI_VERSION (4: dgr_vocab_read)
 LIB_ENV = "DGR_ENGINE_LIB"
 
 OK, E_ENGINE, E_CACHE_MISS, E_SCHEMA, E_ARTIFACT, E_UNSUPPORTED = range(6)
@@ -64,6 +64,11 @@ class _StepOut(C.Structure):
 class _Memory(C.Structure):
     _fields_ = [("weights_bytes", C.c_uint64), ("kv_bytes", C.c_uint64), ("compute_bytes", C.c_uint64),
                 ("device_weights_bytes", C.c_uint64), ("device", C.c_char * 64)]
+
+
+class _VocabInfo(C.Structure):
+    _fields_ = [("n_vocab", C.c_int32), ("bos", C.c_int32), ("eos", C.c_int32), ("eot", C.c_int32),
+                ("n_eog", C.c_int32)]
 
 
 _libs: dict[str, C.CDLL] = {}
@@ -114,6 +119,8 @@ def load_library(lib: str | Path | None = None) -> C.CDLL:
         h.dgr_forward.argtypes = [C.c_void_p, C.c_int32, C.POINTER(_Step), C.POINTER(_StepOut)]
         h.dgr_tokenize.argtypes = [C.c_void_p, C.c_char_p, C.c_int32, C.POINTER(C.c_int32), C.c_int32]
         h.dgr_detokenize.argtypes = [C.c_void_p, C.POINTER(C.c_int32), C.c_int32, C.c_char_p, C.c_int32]
+        h.dgr_vocab_read.argtypes = [C.c_char_p, C.POINTER(_VocabInfo), C.POINTER(C.c_int32), C.c_int32]
+        h.dgr_engine_vocab.argtypes = [C.c_void_p, C.POINTER(_VocabInfo), C.POINTER(C.c_int32), C.c_int32]
         # speculation's rollback, added within ABI 2: a library built before it lacks them (cannot roll back)
         if hasattr(h, "dgr_session_truncate"):
             h.dgr_session_truncate.argtypes = [C.c_void_p, C.c_char_p, C.c_int64, C.c_int32]
@@ -121,7 +128,8 @@ def load_library(lib: str | Path | None = None) -> C.CDLL:
             h.dgr_engine_can_truncate.argtypes = [C.c_void_p]
             h.dgr_engine_can_truncate.restype = C.c_int32
         for name in ("dgr_engine_open", "dgr_engine_describe", "dgr_engine_memory", "dgr_session_open",
-                     "dgr_session_close", "dgr_session_n_cached", "dgr_forward", "dgr_tokenize", "dgr_detokenize"):
+                     "dgr_session_close", "dgr_session_n_cached", "dgr_forward", "dgr_tokenize", "dgr_detokenize",
+                     "dgr_vocab_read", "dgr_engine_vocab"):
             getattr(h, name).restype = C.c_int32
         _libs[str(path)] = h
         return h
@@ -138,6 +146,34 @@ def _raise(h: C.CDLL, status: int) -> None:
     raise EngineError(msg)
 
 
+def _vocab(h: C.CDLL, call) -> VocabInfo:
+    """`call(info, eog, cap)` (dgr_vocab_read or dgr_engine_vocab bound to its first argument) as a VocabInfo;
+    a second call when the vocabulary marks more end-of-generation ids than the first array held."""
+    cap = 64
+    while True:
+        info, eog = _VocabInfo(), (C.c_int32 * cap)()
+        st = call(C.byref(info), eog, cap)
+        if st != OK:
+            _raise(h, st)
+        if info.n_eog <= cap:
+            break
+        cap = info.n_eog
+    opt = lambda t: None if t < 0 else int(t)               # noqa: E731
+    return VocabInfo(n_vocab=info.n_vocab, bos=opt(info.bos), eos=opt(info.eos), eot=opt(info.eot),
+                     eog=tuple(int(t) for t in eog[:info.n_eog]))
+
+
+def read_vocab(path: str | Path, *, lib: str | Path | None = None) -> VocabInfo:
+    """The special tokens of the GGUF at `path` (a whole model or a stage file) as llama.cpp sees them,
+    from its vocabulary alone (no weights are loaded): bos, eos, eot and every end-of-generation id."""
+    h = load_library(lib)
+    path = Path(path)
+    if not path.is_file():
+        raise EngineError(f"{path}: no such file")
+    _refuse_what_llama_aborts_on(path)
+    return _vocab(h, lambda info, eog, cap: h.dgr_vocab_read(str(path).encode(), info, eog, cap))
+
+
 def _i32(a, n: int, what: str) -> np.ndarray:
     arr = np.ascontiguousarray(np.asarray(a), dtype=np.int32)
     if arr.ndim != 1 or arr.shape[0] != n:
@@ -148,8 +184,9 @@ def _i32(a, n: int, what: str) -> np.ndarray:
 def _refuse_what_llama_aborts_on(path: Path) -> None:
     """Checks of a model file that llama.cpp makes with an assertion (which aborts the whole process)
     rather than an error: a vocabulary with a repeated token (llama-vocab.cpp's GGML_ASSERT on
-    id_to_token.size() == token_to_id.size()). A header dgr cannot read is left to the engine's own
-    checks, which answer with typed errors."""
+    id_to_token.size() == token_to_id.size()). llama.cpp reads each token as a C string, so two tokens
+    that agree up to a NUL byte are the same token to it. A header dgr cannot read is left to the
+    engine's own checks, which answer with typed errors."""
     import gguf
 
     from dgr.errors import GGUFError
@@ -159,9 +196,12 @@ def _refuse_what_llama_aborts_on(path: Path) -> None:
         tokens = read_header(path).get(gguf.Keys.Tokenizer.LIST)
     except GGUFError:
         return
-    if isinstance(tokens, list) and len(set(tokens)) != len(tokens):
+    if isinstance(tokens, list) and all(isinstance(t, str) for t in tokens):
+        as_c = [t.split("\x00", 1)[0] for t in tokens]
+        if len(set(as_c)) == len(as_c):
+            return
         seen: set = set()
-        dup = next(t for t in tokens if t in seen or seen.add(t))
+        dup = next(t for t in as_c if t in seen or seen.add(t))
         raise EngineError(f"{path}: the vocabulary ({gguf.Keys.Tokenizer.LIST}) repeats the token {dup!r}; "
                           "llama.cpp cannot load it: the file is corrupt or was written wrongly (rebuild it)")
 
@@ -342,6 +382,11 @@ class Engine:
             if n <= cap:
                 return buf.raw[:n].decode(errors="replace")
             cap = n
+
+    def vocab(self) -> VocabInfo:
+        """This engine's special tokens (see `read_vocab`): what a stage's identity advertises as stop ids."""
+        h = self._handle()
+        return _vocab(self._lib, lambda info, eog, cap: self._lib.dgr_engine_vocab(h, info, eog, cap))
 
     def memory(self) -> MemoryReport:
         m = _Memory()

@@ -78,6 +78,27 @@ class StageInfo:
         return (self.n_streams, self.n_embd)
 
 
+@dataclass(frozen=True)
+class VocabInfo:
+    """A vocabulary's special tokens as llama.cpp sees them (`dgr_vocab_read`, `Engine.vocab()`). Ids are
+    None where the vocabulary has none."""
+
+    n_vocab: int
+    bos: int | None
+    eos: int | None
+    eot: int | None          # end of turn (tokenizer.ggml.eot_token_id, or a known end-of-turn text)
+    # every id that ends a generation (llama_vocab_is_eog): eos, eot, eom, fim pad/rep/sep and the known
+    # end-of-turn texts (<|im_end|>, <end_of_turn>, <|eot_id|>, ...), ascending
+    eog: tuple[int, ...] = ()
+
+    @property
+    def stop_ids(self) -> tuple[int, ...]:
+        """The ids a generation stops at, the eos first (what a stage identity's eos_token_ids carries:
+        a gateway takes the first as the template's eos_token), then the other end-of-generation ids."""
+        head = () if self.eos is None else (self.eos,)
+        return head + tuple(t for t in self.eog if t != self.eos)
+
+
 @dataclass
 class Step:
     """One session's slice of a forward batch."""
@@ -134,6 +155,11 @@ class ShardEngine(Protocol):
     def tokenize(self, text: str, add_special: bool = True) -> list[int]: ...
 
     def detokenize(self, ids: list[int]) -> str: ...
+
+    def vocab(self) -> VocabInfo:
+        """The special tokens: bos, eos, eot and every id that ends a generation (a worker advertises
+        `stop_ids` in Describe's eos_token_ids)."""
+        ...
 
     def memory(self) -> MemoryReport: ...
 

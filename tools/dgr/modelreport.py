@@ -1,6 +1,9 @@
 """The report of `dgr inspect`: what a GGUF model looks like to dgr.
 
-Layers, widths, the seam and its bytes per token per wire dtype, bytes per layer, tensor ownership.
+Layers, widths, the seam and its bytes per token per wire dtype, bytes per layer, tensor ownership; the
+chat template, and the special tokens a generation starts and stops with. The end-of-generation ids are
+llama.cpp's own (`dgr.engine.read_vocab`: the vocabulary alone, no weights), the ids a worker of this
+file advertises as its stops; without an engine library the report gives what the header declares.
 
 (Not named `inspect`: a module of that name would shadow the standard library's.)
 """
@@ -59,6 +62,8 @@ def _report(path: str | Path, info) -> dict[str, Any]:
         "shared_bytes": info.role_bytes(SHARED),
         "total_tensor_bytes": sum(t.nbytes for t in h.tensors),
         "unknown_tensors": info.unknown,
+        "chat_template": _chat_template(h),
+        "special_tokens": _special_tokens(path, h),
         "stage": None if Keys.STAGE_INDEX not in h.kvs else {
             "index": h.get(Keys.STAGE_INDEX), "count": h.get(Keys.STAGE_COUNT),
             "layer_begin": h.get(Keys.LAYER_BEGIN), "layer_end": h.get(Keys.LAYER_END),
@@ -66,6 +71,48 @@ def _report(path: str | Path, info) -> dict[str, Any]:
             "token_ids": h.get(Keys.BOUNDARY_TOKEN_IDS),
         },
     }
+
+
+def _first_line(text: str, width: int = 100) -> str:
+    line = next((x.strip() for x in text.splitlines() if x.strip()), "")
+    return line if len(line) <= width else line[:width - 3] + "..."
+
+
+def _chat_template(h) -> dict[str, Any]:
+    """tokenizer.chat_template: whether the file has one, its size and first line, and the names of any
+    other templates it carries (tokenizer.chat_template.<name>)."""
+    t = h.get(GK.Tokenizer.CHAT_TEMPLATE)
+    prefix = GK.Tokenizer.CHAT_TEMPLATE + "."
+    others = sorted(k[len(prefix):] for k in h.kvs if k.startswith(prefix))
+    if not isinstance(t, str) or not t.strip():
+        return {"present": False, "chars": 0, "first_line": None, "others": others}
+    return {"present": True, "chars": len(t), "first_line": _first_line(t), "others": others}
+
+
+def _special_tokens(path: str | Path, h) -> dict[str, Any]:
+    """bos, eos, eot and every end-of-generation id, each with its text: llama.cpp's view of the vocabulary
+    when the engine library is at hand ("from": "llama.cpp"), else what the header declares ("header")."""
+    tokens = h.get(GK.Tokenizer.LIST)
+
+    def tok(i) -> dict[str, Any] | None:
+        if i is None or isinstance(i, bool) or not isinstance(i, int) or i < 0:
+            return None
+        text = tokens[i] if isinstance(tokens, list) and i < len(tokens) else None
+        return {"id": i, "text": text if isinstance(text, str) else None}
+
+    declared = {name: tok(h.get(key)) for name, key in (("bos", GK.Tokenizer.BOS_ID), ("eos", GK.Tokenizer.EOS_ID),
+                                                         ("eot", GK.Tokenizer.EOT_ID), ("eom", GK.Tokenizer.EOM_ID))}
+    if not isinstance(tokens, list):
+        return {**declared, "eog": None, "from": "header", "note": "the file has no vocabulary"}
+    from dgr.engine import read_vocab
+    from dgr.errors import EngineError
+
+    try:
+        v = read_vocab(path)
+    except EngineError as err:
+        return {**declared, "eog": None, "from": "header", "note": f"llama.cpp's view needs the engine: {err}"}
+    return {"bos": tok(v.bos), "eos": tok(v.eos), "eot": tok(v.eot), "eom": declared["eom"],
+            "eog": [tok(t) for t in v.eog], "from": "llama.cpp", "note": None}
 
 
 def _experts(info) -> dict[str, int] | None:
@@ -135,4 +182,27 @@ def format_report(r: dict[str, Any]) -> str:
                      f"{', '.join(r['unknown_tensors'])}")
     else:
         lines.append("unknown tensors: none")
+    lines += _format_chat(r)
     return "\n".join(lines)
+
+
+def _tok(t) -> str:
+    return "-" if t is None else f"{t['id']} {t['text']!r}" if t["text"] is not None else str(t["id"])
+
+
+def _format_chat(r: dict[str, Any]) -> list[str]:
+    ct, st = r["chat_template"], r["special_tokens"]
+    if ct["present"]:
+        lines = [f"chat template:   yes ({ct['chars']} chars), first line: {ct['first_line']}"]
+    else:
+        lines = ["chat template:   none (serve chat with `dgr serve --chat-template FILE`, or use /v1/completions)"]
+    if ct["others"]:
+        lines.append(f"                 also named templates: {', '.join(ct['others'])}")
+    lines.append("special tokens:  " + ", ".join(f"{k} {_tok(st[k])}" for k in ("bos", "eos", "eot", "eom")
+                                               if st[k] is not None or k != "eom"))
+    if st["eog"] is not None:
+        lines.append(f"end of generation ({len(st['eog'])}, llama.cpp's list; a generation stops at any): "
+                     + ", ".join(_tok(t) for t in st["eog"]))
+    else:
+        lines.append(f"end of generation: unknown ({st['note']}); the header declares the ids above")
+    return lines

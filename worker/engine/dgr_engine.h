@@ -18,7 +18,7 @@ extern "C" {
 #  define DGR_API __attribute__((visibility("default")))
 #endif
 
-#define DGR_ABI_VERSION 3
+#define DGR_ABI_VERSION 4
 
 enum dgr_status {
     DGR_OK              = 0,
@@ -61,6 +61,13 @@ typedef struct dgr_stage_info {
     int32_t n_ctx, max_sessions;
     int32_t batch_invariant;   // 1: results do not depend on the batch (see dgr_open_params.fast_kernels)
 } dgr_stage_info;
+
+// The vocabulary's special tokens, as llama.cpp itself sees them (llama_vocab_* over the loaded vocabulary).
+typedef struct dgr_vocab_info {
+    int32_t n_vocab;
+    int32_t bos, eos, eot;   // -1 where the vocabulary has none
+    int32_t n_eog;           // how many ids llama_vocab_is_eog marks (may exceed the caller's eog_cap)
+} dgr_vocab_info;
 
 enum dgr_want_logits { DGR_LOGITS_NONE = 0, DGR_LOGITS_LAST = 1, DGR_LOGITS_ALL = 2 };
 
@@ -116,6 +123,15 @@ DGR_API int32_t dgr_engine_can_truncate(dgr_engine * eng);
 
 // One llama_decode for all steps (distinct sessions). Either every step runs or none does.
 DGR_API int32_t dgr_forward(dgr_engine * eng, int32_t n_steps, const dgr_step * steps, dgr_step_out * outs);
+
+// End of generation, llama.cpp's own notion: bos, eos, eot, and every id llama_vocab_is_eog marks (eos, eot,
+// eom, fim pad/rep/sep and the known end-of-turn texts such as <|im_end|>, <end_of_turn>, <|eot_id|>),
+// ascending, written to `eog` up to `eog_cap` (out->n_eog says how many there are: call again with a larger
+// array when it is more). dgr_vocab_read loads only the vocabulary of the GGUF at `path` (a whole model or
+// any stage file: every stage keeps the tokenizer), no weights; dgr_engine_vocab reads an open engine's.
+// (Added in ABI 4.)
+DGR_API int32_t dgr_vocab_read  (const char * path, dgr_vocab_info * out, int32_t * eog, int32_t eog_cap);
+DGR_API int32_t dgr_engine_vocab(dgr_engine * eng, dgr_vocab_info * out, int32_t * eog, int32_t eog_cap);
 
 // Returns the number of ids (written up to cap), or -1 on error.
 DGR_API int32_t dgr_tokenize  (dgr_engine * eng, const char * text, int32_t add_special, int32_t * out, int32_t cap);

@@ -29,7 +29,7 @@ def fake_stage(spec: str, stage: int, wire_dtype: str = DEFAULT_WIRE_DTYPE) -> t
     engine = FakeEngine(model, stage)
     ident = StageIdentity(model=f"fake:{model.to_spec()}", bundle_id=model.bundle_id, stage_index=stage,
                           stage_count=len(model.ranges), lane="cpu", engine="fake", wire_dtype=wire_dtype,
-                          eos_token_ids=tuple(engine.eos_token_ids()),
+                          eos_token_ids=engine.vocab().stop_ids,
                           engine_blake3=file_blake3(fake_engine.__file__, threads=False))   # its "library"
     return engine, ident
 
@@ -84,13 +84,15 @@ def bundle_stage(path: str | Path, stage: int, *, lane: str | None = None, wire_
                         f"{info.n_embd}]{' +token ids' if info.needs_token_ids else ''}: rebuild the bundle "
                         "with this dgr, or use the engine it was built for")
     header = read_header(file)
-    eos = header.get(gguf.Keys.Tokenizer.EOS_ID)
     template = header.get(gguf.Keys.Tokenizer.CHAT_TEMPLATE)
+    # every id that ends a generation as llama.cpp sees it (eos, eot, eom, <|im_end|>, ...), the eos first:
+    # a model whose end of turn is not its eos stops at the end of a turn, as under llama-server
+    stops = engine.vocab().stop_ids
     commit, series = patch_series()
     ident = StageIdentity(model=b.manifest.recipe.name, bundle_id=b.id, stage_index=stage,
                           stage_count=len(stages), upstream_commit=commit, patch_series=series, lane=lane,
                           engine="llama.cpp", wire_dtype=wire_dtype or b.manifest.boundary_dtype,
-                          eos_token_ids=() if eos is None else (int(eos),),
+                          eos_token_ids=stops,
                           chat_template=template if isinstance(template, str) else "",
                           engine_blake3=file_blake3(library_path().resolve()))
     return engine, ident

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 
+from dgr.gateway.limits import DEFAULT_CHAT_MAX_TOKENS
 from dgr.log import get_logger
 
 log = get_logger(__name__)
@@ -21,6 +22,9 @@ def register(sub) -> None:
                    help="the model id clients ask for (default: the model the route's workers describe)")
     s.add_argument("--chat-template", metavar="FILE",
                    help="a Jinja chat template to use instead of the model's own tokenizer.chat_template")
+    s.add_argument("--max-tokens-default", metavar="N", type=int, default=DEFAULT_CHAT_MAX_TOKENS,
+                   help="tokens a chat request that gives no max_tokens may generate (default %(default)s; "
+                        "0: until the context is full); /v1/completions keeps OpenAI's 16")
     s.add_argument("--https-cert", metavar="FILE", help="serve HTTPS with this certificate (PEM)")
     s.add_argument("--https-key", metavar="FILE", help="... and this key")
     s.add_argument("--insecure", action="store_true",
@@ -44,19 +48,31 @@ def _serve(args) -> int:
     if not args.https_cert and not args.insecure and not is_loopback(host):
         raise WireError(f"refusing to serve plain HTTP on {args.listen}: give --https-cert/--https-key, or "
                         "--insecure behind a proxy that terminates TLS")
-    template = None
+    max_tokens = args.max_tokens_default
+    if max_tokens < 0:
+        raise WireError(f"--max-tokens-default {max_tokens}: give a number of tokens >= 1, or 0 to let a chat "
+                        "request without max_tokens run until the context is full")
+    template = source = None
     if args.chat_template:
         try:
             template = Path(args.chat_template).read_text()
-        except OSError as err:
-            raise WireError(f"--chat-template {args.chat_template}: {err.strerror or err}") from None
+        except (OSError, UnicodeDecodeError) as err:
+            why = err.strerror if isinstance(err, OSError) and err.strerror else err
+            raise WireError(f"--chat-template {args.chat_template}: cannot read it ({why}); give a UTF-8 Jinja "
+                            "file") from None
+        if not template.strip():
+            raise WireError(f"--chat-template {args.chat_template}: the file is empty; give a Jinja chat template "
+                            "(or drop the flag to use the model's own)")
+        source = f"--chat-template {Path(args.chat_template).resolve()}"
     tls = TlsConfig.from_args(args.tls_cert, args.tls_key, args.tls_ca)
     backend = RouteBackend(args.route, tls=tls, timeout=args.timeout, hop_deadline=args.hop_deadline,
-                           attempts=args.attempts, model_name=args.model_name, chat_template=template)
-    server = GatewayServer(create_app(backend), args.listen, ssl_certfile=args.https_cert,
-                           ssl_keyfile=args.https_key, log_level=args.log_level)
+                           attempts=args.attempts, model_name=args.model_name, chat_template=template,
+                           chat_template_source=source)
+    server = GatewayServer(create_app(backend, max_tokens_default=max_tokens), args.listen,
+                           ssl_certfile=args.https_cert, ssl_keyfile=args.https_key, log_level=args.log_level)
     info = backend.info
-    log.info("gateway: %d-stage route %s", info.stages, args.route)
+    log.info("gateway: %d-stage route %s; a chat request without max_tokens stops after %s", info.stages,
+             args.route, f"{max_tokens} tokens" if max_tokens else "the context is full")
     print(f"serving {info.name} on {server.url} (OpenAI API at {server.url}/v1, metrics at {server.url}/metrics)",
           flush=True)
     try:

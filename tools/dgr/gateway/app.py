@@ -4,10 +4,15 @@ Every error answers OpenAI's shape `{"error": {"message", "type", "param", "code
 request (bad JSON, bad field, over-long prompt, n_ctx exceeded, a chat template that refuses the
 messages), 404 for an unknown model or URL, 502/503 for a route that fails (the typed WireError's
 message). A failure after a stream started arrives as one `data: {"error": ...}` event.
+
+A client that goes away (closes, times out, resets) stops its generation, streaming or not: every
+request's connection is checked every DISCONNECT_POLL_S on a timer of its own, whatever the tokens do,
+and a gone client's job is cancelled, which closes its session along the route (docs/gateway.md).
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 
@@ -20,14 +25,13 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from dgr import __version__
 from dgr.errors import DgrError, WireError
 from dgr.gateway import chat, schemas
+from dgr.gateway.limits import DEFAULT_CHAT_MAX_TOKENS, DEFAULT_COMPLETION_TOKENS, DISCONNECT_POLL_S
 from dgr.gateway.metrics import GatewayMetrics, MetricsMiddleware
 from dgr.gateway.route import Job, ModelInfo, Params, RouteBackend
 from dgr.log import get_logger
 from dgr.wire.errors import HopUnreachable, Overloaded, StageError
 
 log = get_logger(__name__)
-
-DEFAULT_COMPLETION_TOKENS = 16           # OpenAI's default max_tokens for /v1/completions
 
 
 class GatewayError(DgrError):
@@ -63,7 +67,26 @@ def _sse(obj) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
-def create_app(backend: RouteBackend, metrics: GatewayMetrics | None = None) -> FastAPI:
+async def _cancel_when_gone(request: Request, job: Job) -> None:
+    """Cancel `job` once its client has gone: checked on a timer, not when a token arrives, so a fast
+    route never hides the disconnect and a slow one never delays seeing it."""
+    while not job.finished.is_set():
+        await asyncio.sleep(DISCONNECT_POLL_S)
+        if job.finished.is_set():
+            return
+        if await request.is_disconnected():
+            if not job.cancelled:
+                log.info("gateway: the client of %s went away after %d token(s); stopping its generation",
+                         request.url.path, job.completion_tokens)
+            job.cancel()
+            return
+
+
+def create_app(backend: RouteBackend, metrics: GatewayMetrics | None = None, *,
+               max_tokens_default: int = DEFAULT_CHAT_MAX_TOKENS) -> FastAPI:
+    """`max_tokens_default`: the budget of a chat request that gives no max_tokens (0: up to n_ctx)."""
+    if max_tokens_default < 0:
+        raise ValueError(f"max_tokens_default must be >= 0 (0: up to the context), got {max_tokens_default}")
     info: ModelInfo = backend.info
     m = metrics or GatewayMetrics(info.name)
     fingerprint = f"dgr-{info.bundle_id[:12]}"
@@ -114,7 +137,9 @@ def create_app(backend: RouteBackend, metrics: GatewayMetrics | None = None) -> 
 
     @app.get("/health")
     async def health():
-        return {"status": "ok", "model": info.name, "stages": info.stages}
+        return {"status": "ok", "model": info.name, "stages": info.stages,
+                "chat_template": info.chat_template_source, "stop_token_ids": list(info.eos_ids),
+                "max_tokens_default": max_tokens_default or None}
 
     # ------------------------------------------------------------------ generation
     def _check_model(name: str) -> None:
@@ -191,24 +216,24 @@ def create_app(backend: RouteBackend, metrics: GatewayMetrics | None = None) -> 
                         seed=req.seed, stops=tuple(req.stops), ignore_eos=req.ignore_eos)
         shapes = schemas.Shapes(kind, info.name, fingerprint)
         job = Job(backend, ids, params, m, t0)
+        # runs until the job ends, whoever serves the response (this coroutine or the stream)
+        job.watch = asyncio.create_task(_cancel_when_gone(request, job))
         # Wait for the first piece before answering: a route that fails at once gets its HTTP status.
-        events = job.events(timeout=0.5)
+        events = job.events()
         parts: list[str] = []
         streaming = False
         try:
             async for what, payload in events:
-                if what == "idle":
-                    if await request.is_disconnected():
-                        log.info("gateway: client gone before its completion finished")
-                        return Response(status_code=499)
-                elif what == "error":
+                if what == "error":
                     raise route_error(payload)
-                elif req.stream:
+                if job.cancelled:
+                    return Response(status_code=499)    # nobody reads it: the client has gone
+                if req.stream:
                     streaming = True
                     return StreamingResponse(_stream(job, shapes, req, len(ids), (what, payload), events),
                                              media_type="text/event-stream",
                                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-                elif what == "text":
+                if what == "text":
                     parts.append(payload)
                 else:
                     return shapes.full("".join(parts), payload, len(ids), job.completion_tokens)
@@ -236,7 +261,7 @@ def create_app(backend: RouteBackend, metrics: GatewayMetrics | None = None) -> 
                     if req.include_usage:
                         yield _sse(shapes.usage_chunk(n_prompt, job.completion_tokens))
                     break
-                item = await anext(events, None)          # ("idle", None) while waiting: nothing to send
+                item = await anext(events, None)
             yield "data: [DONE]\n\n"
         finally:
             job.cancel()                        # a client that went away: its session closes along the route
@@ -258,6 +283,7 @@ def create_app(backend: RouteBackend, metrics: GatewayMetrics | None = None) -> 
         t0 = time.perf_counter()
         req = await _parse(request, schemas.ChatRequest)
         _, ids = await run_in_threadpool(_chat_ids, req)
-        return await _generate(request, "chat", req, ids, _budget(req, len(ids), "messages", None), t0)
+        return await _generate(request, "chat", req, ids,
+                               _budget(req, len(ids), "messages", max_tokens_default or None), t0)
 
     return app

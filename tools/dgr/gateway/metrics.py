@@ -4,7 +4,8 @@ Served as Prometheus text at `GET /metrics`. Names (all prefixed `dgr_gateway_`)
 requests_total{endpoint,status}, prompt_tokens_total, generated_tokens_total,
 time_to_first_token_seconds, token_latency_seconds (between tokens of one generation),
 request_duration_seconds{endpoint}, open_streams (SSE responses open), active_generations,
-errors_total{code} (the OpenAI error code, or the route's ErrorCode name).
+errors_total{code} (the OpenAI error code, or the route's ErrorCode name), client_gone_total
+(generations stopped early because their client went away).
 """
 
 from __future__ import annotations
@@ -38,6 +39,8 @@ class GatewayMetrics:
                                   ["endpoint"], buckets=_REQ, registry=r)
         self.open_streams = Gauge(p + "open_streams", "streaming (SSE) responses open", registry=r)
         self.active = Gauge(p + "active_generations", "generations running on the route", registry=r)
+        self.client_gone = Counter(p + "client_gone", "generations stopped early because their client went away",
+                                   registry=r)
         self.errors = Counter(p + "errors", "error responses (and errors inside streams) by code", ["code"], registry=r)
         info = Gauge(p + "info", "what this gateway serves", ["model"], registry=r)
         info.labels(model=model).set(1)

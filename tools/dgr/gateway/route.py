@@ -35,12 +35,20 @@ class ModelInfo:
     name: str                    # the model id clients ask for (--model-name, or hops[0].identity.model)
     bundle_id: str
     n_ctx: int                   # positions a session may hold: the smallest of every stage's
-    eos_ids: tuple[int, ...]     # token-level stops (the last stage's eos)
-    chat_template: str           # tokenizer.chat_template ("" when the model has none)
+    # token-level stops: the last stage's eos_token_ids, every id that ends a generation as llama.cpp sees
+    # it (eos, eot, eom, <|im_end|>, ...); the first is the eos (an older worker sends the eos alone)
+    eos_ids: tuple[int, ...]
+    chat_template: str           # the Jinja chat template ("" when there is none)
+    chat_template_source: str    # where it came from: "--chat-template FILE", "the GGUF (...)", or "none"
     bos_token: str
     eos_token: str
     stages: int
     created: int                 # when the gateway first described the route (the model's `created`)
+
+
+def _first_line(text: str, width: int = 80) -> str:
+    line = next((x.strip() for x in text.splitlines() if x.strip()), "")
+    return repr(line if len(line) <= width else line[:width - 3] + "...")
 
 
 @dataclass(frozen=True)
@@ -60,7 +68,8 @@ class RouteBackend:
 
     def __init__(self, route: str | Sequence[Sequence[str]], *, tls: wtls.TlsConfig | None = None,
                  timeout: float = 120.0, hop_deadline: float | None = None, attempts: int | None = None,
-                 model_name: str | None = None, chat_template: str | None = None):
+                 model_name: str | None = None, chat_template: str | None = None,
+                 chat_template_source: str | None = None):
         self.replicas = parse_route(route) if isinstance(route, str) else [list(r) for r in route]
         self._kw = {"tls": tls, "timeout": timeout}
         if hop_deadline is not None:
@@ -69,7 +78,7 @@ class RouteBackend:
             self._kw["attempts"] = attempts
         self._idle: list[RouteClient] = []
         self._lock = threading.Lock()
-        self.info = self._describe(model_name, chat_template)
+        self.info = self._describe(model_name, chat_template, chat_template_source)
 
     def _new_client(self) -> RouteClient:
         return RouteClient(copy.deepcopy(self.replicas), **self._kw)
@@ -91,22 +100,35 @@ class RouteBackend:
         for c in idle:
             c.close()
 
-    def _describe(self, model_name: str | None, chat_template: str | None) -> ModelInfo:
+    def _describe(self, model_name: str | None, chat_template: str | None,
+                  chat_template_source: str | None) -> ModelInfo:
+        """`chat_template`: a template to use instead of the model's own (`chat_template_source` says
+        where it came from, e.g. "--chat-template FILE"); None: the GGUF's tokenizer.chat_template as
+        the first stage that has the vocabulary describes it."""
         with self.client() as c:
             hops = c.hops
             ident = hops[0].identity
             eos_ids = tuple(hops[-1].eos_token_ids)
-            template = chat_template if chat_template is not None else \
-                next((h.chat_template for h in hops if h.chat_template), "")
+            if chat_template is not None:
+                template, source = chat_template, chat_template_source or "given to the gateway"
+            else:
+                own = next(((i, h.chat_template) for i, h in enumerate(hops) if h.chat_template), None)
+                template = own[1] if own else ""
+                source = f"the GGUF's tokenizer.chat_template (stage {own[0]})" if own else "none"
             eos_token = c.detokenize([eos_ids[0]]) if eos_ids else ""
             bos = [t for t in c.tokenize("", add_special=True)]
             bos_token = c.detokenize(bos[:1]) if bos else ""
         n_ctx = min(h.n_ctx for h in hops)
         info = ModelInfo(name=model_name or ident.model or ident.bundle_id, bundle_id=ident.bundle_id, n_ctx=n_ctx,
-                         eos_ids=eos_ids, chat_template=template, bos_token=bos_token, eos_token=eos_token,
-                         stages=len(hops), created=int(time.time()))
-        log.info("gateway: route of %d stage(s) serves %s (bundle %s, n_ctx %d, %s chat template)",
-                 info.stages, info.name, info.bundle_id[:16], n_ctx, "its own" if template else "no")
+                         eos_ids=eos_ids, chat_template=template, chat_template_source=source, bos_token=bos_token,
+                         eos_token=eos_token, stages=len(hops), created=int(time.time()))
+        log.info("gateway: route of %d stage(s) serves %s (bundle %s, n_ctx %d); stops at token ids %s",
+                 info.stages, info.name, info.bundle_id[:16], n_ctx, list(eos_ids) or "(none: only max_tokens)")
+        if template:
+            log.info("gateway: chat template from %s (first line: %s)", source, _first_line(template))
+        else:
+            log.info("gateway: no chat template (the model has no tokenizer.chat_template): /v1/chat/completions "
+                     "answers 400 chat_template_missing; start `dgr serve` with --chat-template FILE to serve chat")
         return info
 
     def tokenize(self, text: str, add_special: bool = True) -> list[int]:
@@ -130,6 +152,8 @@ class Job:
         self.completion_tokens = 0
         self.t_first = 0.0
         self._cancel = threading.Event()
+        self.finished = threading.Event()       # the generation thread is done (its session closed)
+        self.watch: asyncio.Task | None = None  # the app's check for a client that went away
         self._loop = asyncio.get_running_loop()
         self._queue: asyncio.Queue = asyncio.Queue()
         self._thread = threading.Thread(target=self._run, daemon=True, name="gateway-generation")
@@ -138,14 +162,14 @@ class Job:
     def cancel(self) -> None:
         self._cancel.set()
 
-    async def events(self, timeout: float | None = None):
-        """The job's events; with `timeout`, ("idle", None) after that many seconds without one."""
+    @property
+    def cancelled(self) -> bool:
+        return self._cancel.is_set()
+
+    async def events(self):
+        """The job's events, ending with the first that is not text."""
         while True:
-            try:
-                item = await (asyncio.wait_for(self._queue.get(), timeout) if timeout else self._queue.get())
-            except asyncio.TimeoutError:
-                yield "idle", None
-                continue
+            item = await self._queue.get()
             yield item
             if item[0] != "text":
                 return
@@ -168,6 +192,8 @@ class Job:
         m.active.inc()
         m.prompt_tokens.inc(len(self.prompt_ids))
         try:
+            if self._cancel.is_set():                       # the client went away before it started
+                raise _Gone()
             with self.backend.client() as c:
                 it = c.generate(self.prompt_ids, max_new_tokens=p.max_tokens, temperature=temperature,
                                 top_k=p.top_k, top_p=top_p, seed=seed, stop_token_ids=stop_ids)
@@ -193,14 +219,18 @@ class Job:
                             finish = "stop"
                             break
                         if self._cancel.is_set():
-                            log.info("gateway: client gone after %d token(s); closing its session",
-                                     self.completion_tokens)
+                            log.info("gateway: client gone after %d token(s); closing its session along the "
+                                     "route", self.completion_tokens)
+                            m.client_gone.inc()
                             break
                 finally:
                     it.close()                              # closes the session along the route
             tail = scanner.flush()
             if tail:
                 self._put(("text", tail))
+            self._put(("done", finish))
+        except _Gone:
+            m.client_gone.inc()
             self._put(("done", finish))
         except WireError as err:
             self._put(("error", err))
@@ -209,3 +239,8 @@ class Job:
             self._put(("error", err))
         finally:
             m.active.dec()
+            self.finished.set()
+
+
+class _Gone(Exception):
+    """The job was cancelled before its generation started."""

@@ -11,7 +11,7 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 
 class _Request(BaseModel):
@@ -78,6 +78,13 @@ class ChatMessage(BaseModel):
 class ChatRequest(_Request):
     messages: list[ChatMessage] = Field(min_length=1)
     add_generation_prompt: bool = True
+    max_completion_tokens: int | None = Field(None, ge=1)     # OpenAI's newer name for max_tokens in chat
+
+    @model_validator(mode="after")
+    def _max_completion_tokens(self):
+        if self.max_tokens is None and self.max_completion_tokens is not None:
+            self.max_tokens = self.max_completion_tokens
+        return self
 
 
 def new_id(prefix: str) -> str:

@@ -24,7 +24,7 @@ import numpy as np
 
 from dgr.constants import DEFAULT_N_CTX
 from dgr.contract import StageContract
-from dgr.engine_api import MemoryReport, StageInfo, Step, StepResult
+from dgr.engine_api import MemoryReport, StageInfo, Step, StepResult, VocabInfo
 from dgr.errors import CacheMiss, EngineError, SchemaMismatch
 
 BOS, EOS, BYTE0 = 1, 2, 3
@@ -255,7 +255,11 @@ class FakeEngine:
         return bytes(i - BYTE0 for i in ids if BYTE0 <= i < BYTE0 + 256).decode("utf-8", "replace")
 
     def eos_token_ids(self) -> list[int]:
-        return [EOS]
+        return list(self.vocab().stop_ids)
+
+    def vocab(self) -> VocabInfo:
+        """As `dgr.engine.Engine.vocab()`: BOS and EOS, no separate end of turn; EOS alone ends a generation."""
+        return VocabInfo(n_vocab=self.model.vocab, bos=BOS, eos=EOS, eot=None, eog=(EOS,))
 
     def memory(self) -> MemoryReport:
         d = self.model.width
