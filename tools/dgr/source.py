@@ -123,6 +123,30 @@ def resolve(uri: str, expected_blake3: str, *, base_dir: Path | None = None, pro
     if not path.is_absolute() and base_dir is not None:
         path = base_dir / path
     if not path.is_file():
+        # A path relative to a recipe's folder, read from elsewhere (a bundle's manifest by `dgr parity`
+        # or `dgr certify`): the file this workspace last found under that blake3, if it is still there.
+        seen = _seen_local(expected_blake3)
+        if seen is not None:
+            return seen
         raise SourceError(f"source {uri}: no such file {path}; fix source.uri (a path is relative to the recipe's folder)")
     _check(path, expected_blake3, uri)
+    _remember_local(path, expected_blake3)
     return path
+
+
+def _remember_local(path: Path, blake3: str) -> None:
+    """Note where a local source with this blake3 was found (a hint only: every use re-checks the hash)."""
+    try:
+        d = cache_dir() / "local"
+        d.mkdir(parents=True, exist_ok=True)
+        (d / blake3).write_text(str(path.resolve()) + "\n")
+    except OSError:
+        pass  # a read-only workspace only loses the hint
+
+
+def _seen_local(blake3: str) -> Path | None:
+    try:
+        p = Path((cache_dir() / "local" / blake3).read_text().strip())
+    except (OSError, ValueError):
+        return None
+    return p if p.is_file() and file_blake3(p) == blake3 else None

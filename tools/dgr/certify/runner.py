@@ -78,20 +78,15 @@ def mtp_off(bundle) -> Figure:
 
 
 def source_of(bundle, source: str | Path | None = None) -> Path:
-    """The bundle's source GGUF, verified against the blake3 its manifest records."""
-    from dgr.source import resolve
+    """The bundle's source GGUF, verified against the blake3 its manifest records (`dgr parity`'s lookup)."""
+    from dgr.parity import bundle_source
 
-    want = bundle.manifest.source.blake3
-    if source is not None:
-        p = Path(source)
-        if not p.is_file() or file_blake3(p) != want:
-            raise CertifyError(f"--source {p} is not the bundle's source (blake3 {want[:16]}...)")
-        return p
     try:
-        return resolve(bundle.manifest.source.uri, want, base_dir=Path.cwd(), progress=False)
+        return bundle_source(bundle, source)
+    except CertifyError:
+        raise
     except DgrError as e:
-        raise CertifyError(f"the bundle's source GGUF is needed for the whole-model baseline: {e}; "
-                           "pass --source PATH") from e
+        raise CertifyError(f"the bundle's source GGUF is needed for the whole-model baseline: {e}") from None
 
 
 def is_synthetic(source: Path) -> bool:
