@@ -2,12 +2,20 @@
 
 Each area registers its own subcommands from `dgr.commands.<area>` (one file per area, so areas grow
 independently). A command handler takes the parsed args and returns an exit code.
+
+Output into a pipe that closes early (`dgr status FILE | head`) stops quietly with exit status 141, as
+the Python docs recommend (https://docs.python.org/3/library/signal.html#note-on-sigpipe): Python
+ignores SIGPIPE, so a write to a closed pipe raises BrokenPipeError instead of ending the process. 141
+(128 + SIGPIPE) is what a shell reports for any other program killed by SIGPIPE (`cat f | head` under
+`set -o pipefail`), so a script sees dgr's cut-short output the way it sees theirs; without pipefail the
+shell reports `head`'s status.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 from dgr.errors import DgrError
@@ -37,7 +45,11 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
+# 128 + SIGPIPE: the exit status of a command whose output pipe was closed (the module docstring says why)
+EXIT_CLOSED_PIPE = 141
+
+
+def _run(argv: list[str] | None) -> int:
     setup_logging()
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -52,6 +64,32 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("dgr: interrupted", file=sys.stderr)
         return 130
+
+
+def _silence_closed_streams() -> None:
+    """Point stdout and stderr at /dev/null where their reader is gone: what is still buffered for them
+    would fail again when Python flushes them at exit ("Exception ignored ... BrokenPipeError")."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            try:
+                devnull = os.open(os.devnull, os.O_WRONLY)
+                os.dup2(devnull, stream.fileno())
+                os.close(devnull)
+            except (OSError, ValueError, AttributeError):
+                pass                                    # not a real file (a test's capture): nothing to flush
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        try:
+            return _run(argv)
+        finally:
+            sys.stdout.flush()                          # a closed pipe shows here, not at interpreter exit
+    except BrokenPipeError:
+        _silence_closed_streams()
+        return EXIT_CLOSED_PIPE
 
 
 if __name__ == "__main__":

@@ -9,16 +9,20 @@ from dgr.log import get_logger
 log = get_logger(__name__)
 
 
-def add_route_args(p) -> None:
+def add_route_args(p, *, waits_for_route: bool = False) -> None:
     """What every client of a route takes (`dgr generate`, `dgr serve`): the route with its replicas,
-    how long to wait, how often to recover, and TLS to the workers."""
+    how long to wait, how often to recover, and TLS to the workers. `waits_for_route`: --timeout also
+    bounds the wait for stages that are not up yet when the route is opened (RouteClient.connect_wait)."""
     from dgr.wire.client import DEFAULT_ATTEMPTS, DEFAULT_HOP_DEADLINE
 
     p.add_argument("--route", required=True,
                    help="HOST:PORT,... stage 0 first; replicas of a stage in preference order separated by "
                         "'|' (quote it: \"A,B1|B2,C\")")
-    p.add_argument("--timeout", type=float, default=120.0,
-                   help="seconds to wait for a token from a route whose hops all answer (a slow route)")
+    p.add_argument("--timeout", type=float, default=120.0, metavar="S",
+                   help="seconds to wait for a token from a route whose hops all answer (a slow route)" +
+                        ("; also how long to wait, when the route is opened, for a stage that is not up yet "
+                         "(a worker starting or restarting: retried, one line on stderr says which) before "
+                         "giving up naming it" if waits_for_route else "") + " (default %(default)s)")
     p.add_argument("--hop-deadline", type=float, default=DEFAULT_HOP_DEADLINE, metavar="S",
                    help="after S seconds without a reply, probe every hop with deadline S; a hop that does "
                         "not answer is routed around (default %(default)s)")
@@ -35,8 +39,12 @@ def register(sub) -> None:
     from dgr.wire.codec import DEFAULT_MAX_MESSAGE_BYTES
 
     g = sub.add_parser("generate", help="generate text through a route of stage workers")
-    add_route_args(g)
-    g.add_argument("--max-tokens", type=int, default=32)
+    add_route_args(g, waits_for_route=True)
+    g.add_argument("--max-tokens", type=int, default=32, help="most tokens to generate (default %(default)s)")
+    g.add_argument("--ignore-eos", action="store_true",
+                   help="go on through the model's end-of-generation ids (eos) up to --max-tokens, printing "
+                        "their text (often empty) like any other token's; without it generation stops at the "
+                        "first (benchmarks and parity runs want fixed lengths)")
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     g.add_argument("--top-k", type=int, default=0)
     g.add_argument("--top-p", type=float, default=0.0)
@@ -78,13 +86,14 @@ def _generate(args) -> int:
 
     route = parse_route(args.route)
     tls = TlsConfig.from_args(args.tls_cert, args.tls_key, args.tls_ca)
+    # a user who just (re)started a worker gets a wait within --timeout, not "connection refused"
     with RouteClient(route, max_message_bytes=args.max_message_bytes, timeout=args.timeout,
                      chunk_tokens=args.chunk_tokens, tls=tls, hop_deadline=args.hop_deadline,
-                     attempts=args.attempts) as client:
+                     attempts=args.attempts, connect_wait=args.timeout) as client:
         for ev in client.generate(args.prompt, max_new_tokens=args.max_tokens, temperature=args.temperature,
                                   top_k=args.top_k, top_p=args.top_p, seed=args.seed,
                                   logits="last" if args.logits_out else "none", speculate=args.speculate,
-                                  draft_k=args.draft_k):
+                                  draft_k=args.draft_k, stop_token_ids=[] if args.ignore_eos else None):
             sys.stdout.write(ev.text)
             sys.stdout.flush()
         sys.stdout.write("\n")

@@ -6,7 +6,8 @@ stops answering or loses the session's cache, the client moves that stage to its
 a `RouteSource`), opens a new epoch and re-prefills from its token history (prompt + tokens so far):
 the text goes on without a gap or a repeat, up to `attempts` failures. Liveness: while it waits for a
 reply, every `hop_deadline` seconds without one it probes every hop (Describe, same deadline); a hop
-that does not answer is named and routed around. Shares nothing with the worker but the stubs.
+that does not answer is named and routed around. Opening the route can wait for hops that are not up
+yet (`connect_wait`: a worker starting or restarted in place). Shares nothing with the worker but the stubs.
 """
 
 from __future__ import annotations
@@ -39,6 +40,9 @@ _END = object()
 LOGITS = {"none": pb.LOGITS_NONE, "last": pb.LOGITS_LAST, "all": pb.LOGITS_ALL}
 DEFAULT_ATTEMPTS = 6
 DEFAULT_HOP_DEADLINE = 3.0
+# Waiting for a hop that is not up yet (`connect_wait`): the pause between tries doubles from the first
+# to the last; short enough that a worker back on its port is found within about two seconds.
+CONNECT_PAUSE_S = (0.25, 2.0)
 
 # The hook the mesh's router supplies: asked for a replacement of stage `i` once the listed replicas are
 # used up, with every address already tried for that stage (in order); returns another HOST:PORT or None.
@@ -64,6 +68,27 @@ def parse_route(text: str) -> list[list[str]]:
     return out
 
 
+def _tls_refused(detail: str) -> bool:
+    """A TLS peer drops a plaintext or untrusted client while it connects: what gRPC says then."""
+    low = detail.lower()
+    return any(s in low for s in ("ssl", "tls", "handshake", "certificate")) or \
+        ("failed to connect" in low and "socket closed" in low)
+
+
+def _not_up(err: grpc.RpcError, timeout: float) -> str | None:
+    """Why a hop cannot be reached, in a few words, when it may come up by itself (a worker starting,
+    restarting in place, or too busy to answer in time); None when waiting cannot help: a TLS refusal,
+    a name that does not resolve, or any answer from a worker."""
+    detail = (err.details() or "").strip()
+    if err.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return f"no answer within {timeout:g} s"
+    if err.code() != grpc.StatusCode.UNAVAILABLE or _tls_refused(detail) or "dns" in detail.lower():
+        return None
+    low = detail.lower()
+    return next((s for s in ("connection refused", "connection reset", "no route to host",
+                             "network is unreachable") if s in low), "unavailable")
+
+
 def _result(fut: grpc.Future, t: float):
     try:
         return fut.result(timeout=t)
@@ -75,13 +100,18 @@ class RouteClient:
     """`route`: HOST:PORT per stage, or a list of replicas per stage (preference order), or route text
     (`parse_route`). `timeout`: the longest wait for one token of a route that answers probes;
     `hop_deadline`: the deadline of liveness probes and the silence that triggers them; `attempts`:
-    failures recovered from before giving up; `tls`: this side's certificate (and CA) for every channel."""
+    failures recovered from before giving up; `tls`: this side's certificate (and CA) for every channel.
+    `connect_wait`: seconds to wait, when the route is opened (each stage's first Describe), for a stage
+    none of whose replicas is up yet (connection refused, no answer: a worker starting or restarted in
+    place), retrying with a growing pause and logging one line per stage and reason; then the error names
+    the stage. 0 (the default) fails at once, as a gateway or a benchmark wants; `dgr generate` waits up
+    to its `--timeout`. A TLS refusal or a wrong stage is never waited for."""
 
     def __init__(self, route: str | Sequence[str | Sequence[str]], *,
                  max_message_bytes: int = codec.DEFAULT_MAX_MESSAGE_BYTES, timeout: float = 120.0,
                  chunk_tokens: int = 64, tls: wtls.TlsConfig | None = None,
                  hop_deadline: float = DEFAULT_HOP_DEADLINE, attempts: int = DEFAULT_ATTEMPTS,
-                 route_source: RouteSource | None = None):
+                 route_source: RouteSource | None = None, connect_wait: float = 0.0):
         reps = parse_route(route) if isinstance(route, str) else \
             [[r] if isinstance(r, str) else list(dict.fromkeys(r)) for r in route]
         if not reps or not all(reps):
@@ -92,6 +122,7 @@ class RouteClient:
         self.timeout = timeout
         self.hop_deadline = hop_deadline
         self.attempts = attempts
+        self.connect_wait = connect_wait
         self.route_source = route_source
         self.tls = tls
         self.chunk_tokens = max(1, min(chunk_tokens, codec.tokens_per_frame(max_message_bytes, 0)))
@@ -122,6 +153,14 @@ class RouteClient:
             self._stubs[address] = pb_grpc.StageStub(self._channels[address])
         return self._stubs[address]
 
+    def _forget(self, address: str) -> None:
+        """Drop the channel to `address`: after "connection refused" it sits in gRPC's reconnect backoff
+        and would fail the next call at once, though the worker may be back by then."""
+        self._stubs.pop(address, None)
+        ch = self._channels.pop(address, None)
+        if ch is not None:
+            ch.close()
+
     def hop(self, i: int) -> str:
         return hop_name(i, self.route[i])
 
@@ -136,44 +175,48 @@ class RouteClient:
     # ------------------------------------------------------------------ control
     def _unreachable(self, i: int, what: str, err: grpc.RpcError) -> HopUnreachable:
         detail, hint = (err.details() or "").strip(), "is it running?"
-        low = detail.lower()          # a TLS peer drops a plaintext or untrusted client while it connects
-        if any(s in low for s in ("ssl", "tls", "handshake", "certificate")) or \
-                ("failed to connect" in low and "socket closed" in low):
+        if _tls_refused(detail):
             hint = ("TLS refused: give --tls-cert/--tls-key (and --tls-ca) from the CA the workers trust"
                     if self.tls is None else "TLS refused: is this certificate from the CA the worker trusts, "
                     "and does the worker's certificate name this host?")
         return HopUnreachable(f"{what}: {err.code().name}{': ' + detail if detail else ''}: {hint}", hop=self.hop(i))
 
-    def describe(self, timeout: float | None = None, missing_only: bool = False) -> list[pb.StageDescription]:
+    def describe(self, timeout: float | None = None, missing_only: bool = False,
+                 wait: float | None = None) -> list[pb.StageDescription]:
         """Describe every hop (`missing_only`: those not described yet) within `timeout` (default
         `hop_deadline`). At first, a stage whose replica does not answer moves to its next replica; none
-        left: HopUnreachable naming it."""
+        left: wait up to `wait` s (default `connect_wait`, counted from this call) for one to come up,
+        then HopUnreachable naming the stage."""
         timeout = timeout or self.hop_deadline
+        wait = self.connect_wait if wait is None else wait
+        t0 = time.monotonic()
         old = (self._hops if missing_only else None) or [None] * len(self.route)
         out: list[pb.StageDescription | None] = []
         for i in range(len(self.route)):
             if old[i] is not None:
                 out.append(old[i])
                 continue
-            errors = []
             first = self._ident[i] is None              # at start: fail over to the next replica at once
             cands = [self.route[i]] + ([a for a in self.replicas[i] if a != self.route[i]] if first else [])
-            for address in cands:
-                self.route[i] = address
-                try:
-                    d = self._stub(address).Describe(pb.DescribeRequest(), timeout=timeout)
-                except grpc.RpcError as err:
-                    errors.append(self._unreachable(i, "cannot reach the worker", err))
-                    continue
-                if (bad := self._check_identity(i, d)) is not None:
-                    errors.append(bad)
-                    continue
-                out.append(d)
-                break
-            else:
-                self._hops = out + [None] + list(old[i + 1:])   # described again on next use
-                raise errors[0] if len(errors) == 1 else type(errors[-1])(
-                    "no replica of this stage answers: " + "; ".join(str(e) for e in errors), hop=self.hop(i))
+            pause, noted = CONNECT_PAUSE_S[0], None
+            while True:
+                d, errors, down = self._describe_stage(i, cands, timeout)
+                if d is not None:
+                    break
+                left = wait - (time.monotonic() - t0)
+                if not (first and down and len(down) == len(errors)) or left <= 0:
+                    self._hops = out + [None] + list(old[i + 1:])   # described again on next use
+                    raise self._no_answer(i, errors, down if first and wait > 0 else {}, wait)
+                # every replica is down in a way that may pass: wait for one (a line when that changes)
+                why = " or ".join(f"{a} ({r})" for a, r in down.items())
+                if why != noted:
+                    log.warning("waiting for stage %d at %s; up to %.0f s more ...", i, why, left)
+                    noted = why
+                time.sleep(min(pause, left))
+                pause = min(2 * pause, CONNECT_PAUSE_S[1])
+            if noted is not None:
+                log.info("stage %d at %s answers after %.1f s", i, self.route[i], time.monotonic() - t0)
+            out.append(d)
         self._hops = out
         # Every stage processes the same chunks (no hop re-splits a chunk to fit its message limit), so
         # prefill follows one schedule end to end and a baseline chunked alike is comparable bit for bit
@@ -183,6 +226,41 @@ class RouteClient:
                 self.chunk_tokens = min(self.chunk_tokens, codec.tokens_per_frame(
                     min(d.max_message_bytes, self.max_message_bytes), d.seam_bytes_per_token))
         return out
+
+    def _describe_stage(self, i: int, cands: list[str], timeout: float):
+        """Describe stage i at the first of `cands` that answers as stage i: (description or None, the
+        errors of the others, {address: why} of those not up yet (`_not_up`))."""
+        errors: list[StageError] = []
+        down: dict[str, str] = {}
+        for address in cands:
+            self.route[i] = address
+            try:
+                d = self._stub(address).Describe(pb.DescribeRequest(), timeout=timeout)
+            except grpc.RpcError as err:
+                errors.append(self._unreachable(i, "cannot reach the worker", err))
+                if (why := _not_up(err, timeout)) is not None:
+                    down[address] = why
+                    self._forget(address)
+                continue
+            if (bad := self._check_identity(i, d)) is not None:
+                errors.append(bad)
+                continue
+            return d, errors, down
+        return None, errors, down
+
+    def _no_answer(self, i: int, errors: list[StageError], down: dict[str, str], waited: float) -> StageError:
+        """The error for stage i when none of its replicas answered (after waiting `waited` s for those
+        in `down`)."""
+        if down and len(down) == len(errors):
+            what = (f"still unreachable after waiting {waited:g} s ({next(iter(down.values()))})" if len(down) == 1
+                    else f"no replica came up within {waited:g} s: " +
+                    " or ".join(f"{a} ({r})" for a, r in down.items()))
+            return HopUnreachable(f"{what}: start its worker (dgr worker serve ... --listen {' or '.join(down)}), "
+                                  "correct the route, or wait longer (dgr generate --timeout S)", hop=self.hop(i))
+        if len(errors) == 1:
+            return errors[0]
+        return type(errors[-1])("no replica of this stage answers: " + "; ".join(str(e) for e in errors),
+                                hop=self.hop(i))
 
     def _check_identity(self, i: int, d: pb.StageDescription) -> StageError | None:
         """A replica must serve what stage i's first replica served (bundle, stage, range)."""
