@@ -106,6 +106,8 @@ class RouteBackend:
         where it came from, e.g. "--chat-template FILE"); None: the GGUF's tokenizer.chat_template as
         the first stage that has the vocabulary describes it."""
         with self.client() as c:
+            # at start, a worker still loading (`dgr serve` right after `dgr up`) is waited for within --timeout
+            c.describe(missing_only=True, wait=self._kw["timeout"])
             hops = c.hops
             ident = hops[0].identity
             eos_ids = tuple(hops[-1].eos_token_ids)
