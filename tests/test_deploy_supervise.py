@@ -1,5 +1,6 @@
-"""The supervisor: free ports picked at `dgr up` and kept across restarts, restarts with a growing backoff,
-a deployment that never serves refused with its workers' logs, and nothing left behind either way.
+"""The supervisor: free ports picked at `dgr up` and kept across restarts, restarts with a growing backoff
+until a worker that crashes the same way every time is given up on, a deployment that never serves
+refused at the ready timeout with its workers' logs, and nothing left behind either way.
 
 A tiny synthetic llama (3 stages) on the real engine: workers start in about a second.
 """
@@ -79,20 +80,38 @@ def test_free_ports_are_kept_across_a_restart_and_the_bundle_is_provisioned(tiny
     assert all(health(a, timeout=0.5) == "UNREACHABLE" for a in addrs)
 
 
-def test_a_worker_that_keeps_crashing_is_retried_with_backoff_and_up_fails_with_its_log(tiny, tmp_path):
-    f, run = _file(tmp_path, tiny, "backoff = 0.2\nmax_backoff = 1.0\nready_timeout = 25"), tmp_path / "run"
-    bad = {"DGR_ENGINE_LIB": str(tmp_path / "no-such-engine.so")}
-    up = dgr("up", f, "--run-dir", str(run), env=bad)      # gives up at ready_timeout (and never hangs:
+def test_a_worker_that_keeps_crashing_is_retried_with_backoff_then_given_up_on_and_up_fails_with_its_log(
+        tiny, tmp_path):
+    f, run = _file(tmp_path, tiny, "backoff = 0.2\nmax_backoff = 0.5\ngive_up_after = 4"), tmp_path / "run"
+    # a library that exists but does not load: every worker dies at every start, the same way
+    bad = {"DGR_ENGINE_LIB": str(write(tmp_path / "not-an-engine.so", "not an ELF file\n"))}
+    up = dgr("up", f, "--run-dir", str(run), env=bad)      # fails at the first give-up (never hangs:
     assert up.returncode != 0                               # support.deploy.dgr's own timeout bounds it)
-    assert "did not answer health SERVING within 25 s; the run is stopped" in up.stderr
-    assert "no-such-engine.so does not exist" in up.stderr, "the worker's own log says why"
+    assert "will not start: it exited 4 times in a row the same way" in up.stderr, up.stderr
+    assert "cannot load the engine library" in up.stderr, "the worker's own log says why"
     assert runstate.run_processes(run) == [], "nothing left behind"
     log = (run / "logs" / "supervisor.log").read_text()
-    delays = [float(x) for x in re.findall(r"s0-r0: exited with exit code 2 after [\d.]+ s; restarting in ([\d.]+) s", log)]
-    assert len(delays) >= 3, log
-    assert delays[:3] == [0.2, 0.4, 0.8] and max(delays) <= 1.0, delays
+    for name in ("s0-r0", "s1-r0", "s2-r0"):
+        delays = [float(x) for x in re.findall(rf"{name}: exited with exit code 2 after [\d.]+ s; restarting in "
+                                               r"([\d.]+) s", log)]
+        assert delays == [0.2, 0.4, 0.5][:len(delays)], (name, delays)   # doubling, capped at max_backoff
+    gave_up = re.findall(r"(s\d-r0): exited with exit code 2 after [\d.]+ s, 4 times in a row the same way: "
+                         r"not restarting it", log)
+    assert gave_up, log
+    assert len(re.findall(rf"{gave_up[0]}: exited with exit code 2", log)) == 4, "three restarts, then no more"
     st = runstate.read_state(run)
-    assert st["status"] == "down" and st["workers"]["s0-r0"]["restarts"] >= 3
+    assert st["status"] in ("down", "failed") and st["workers"][gave_up[0]]["restarts"] == 3
+
+
+def test_a_deployment_that_never_serves_is_stopped_at_the_ready_timeout_with_its_logs(tiny, tmp_path):
+    f, run = _file(tmp_path, tiny, "backoff = 0.2\nready_timeout = 5\ngive_up_after = 0"), tmp_path / "run"
+    bad = {"DGR_ENGINE_LIB": str(write(tmp_path / "not-an-engine.so", "not an ELF file\n"))}
+    up = dgr("up", f, "--run-dir", str(run), env=bad)
+    assert up.returncode != 0
+    assert "did not answer health SERVING within 5 s; the run is stopped" in up.stderr
+    assert "cannot load the engine library" in up.stderr, "each worker's log tail"
+    assert runstate.run_processes(run) == [], "nothing left behind"
+    assert runstate.read_state(run)["status"] == "down"
 
 
 def test_down_finds_the_workers_of_a_supervisor_killed_by_hand(tiny, lib_env, tmp_path):

@@ -63,7 +63,8 @@ def test_up_generates_restarts_a_killed_worker_and_down_leaves_nothing(env, tmp_
         assert "Paris" in text
 
         st = _status(env, run)
-        assert st["up"] and st["routes"] == [ROUTE]
+        assert st["up"] and st["state"] == "up" and st["routes"] == [ROUTE]
+        assert [(r["route"], r["state"]) for r in st["route_states"]] == [(ROUTE, "up")]
         assert [(w["name"], w["stage"], w["address"], w["health"], w["restarts"]) for w in st["workers"]] == [
             ("s0-r0", 0, "127.0.0.1:7100", "SERVING", 0), ("s1-r0", 1, "127.0.0.1:7110", "SERVING", 0),
             ("s1-r1", 1, "127.0.0.1:7111", "SERVING", 0), ("s2-r0", 2, "127.0.0.1:7120", "SERVING", 0)]
@@ -93,6 +94,8 @@ def test_up_generates_restarts_a_killed_worker_and_down_leaves_nothing(env, tmp_
             st = _status(env, run)
             if all(w["health"] == "SERVING" for w in st["workers"]) and st["workers"][1]["restarts"] == 1:
                 break
+            # meanwhile the route serves through the other replica: degraded, never down
+            assert st["state"] in ("up", "degraded") and st["routes"] == [ROUTE], st
             assert time.monotonic() < deadline, st
             time.sleep(0.2)
         w0, w1 = st["workers"][0], st["workers"][1]
@@ -109,7 +112,8 @@ def test_up_generates_restarts_a_killed_worker_and_down_leaves_nothing(env, tmp_
     assert down.returncode == 0, down.stderr
     assert runstate.run_processes(run) == []
     assert all(port_free("127.0.0.1", p) for p in (7100, 7110, 7111, 7120))
-    assert _status(env, run)["up"] is False
+    st = _status(env, run)
+    assert st["up"] is False and st["state"] == "down" and st["routes"] == []
     print(f"\ndgr up to SERVING (4 workers, bundle verified in the store): {t_up:.1f} s")
     print(f"kill -9 of stage 0 -> SERVING again: {t_serving:.1f} s; -> the route generated again: {t_route:.1f} s")
     print(f"kill -9 of a stage-1 replica -> the route generated (through the other replica): {t_replica:.1f} s")

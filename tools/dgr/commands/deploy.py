@@ -77,18 +77,59 @@ def _render(args) -> int:
     return 0
 
 
-def _up(args) -> int:
-    from dgr.deploy.control import up
+def _seconds(text: str) -> float:
+    import argparse
 
-    r = up(args.file, run_dir=args.run_dir, progress=not args.quiet)
-    print(f"dgr up: {len(r.workers)} worker(s) SERVING after {r.seconds:.1f} s "
-          f"(bundle ready after {r.provision_seconds:.1f} s); supervised, logs in {r.run_dir}/logs")
-    for w in r.workers:
-        print(f"  {w['name']:<7} stage {w['stage']} [{w['layers'][0]}, {w['layers'][1]})  {w['address']}  "
-              f"log {w['log']}")
-    print(f"route: {r.route}")
-    print(f"  dgr generate --route \"{r.route}\" \"Hello\"")
-    return 0
+    try:
+        v = float(text)
+    except ValueError:
+        v = -1.0
+    if not v > 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds above 0")
+    return v
+
+
+def _up(args) -> int:
+    import signal
+
+    from dgr.deploy.control import Interrupted, StopSignals, down, follow, up
+    from dgr.errors import DgrError
+
+    def say(line: str) -> None:
+        print(f"dgr up: {line}", file=sys.stderr, flush=True)
+
+    started = False
+    with StopSignals() as sigs:     # held through the clean-up below: a second signal does not cut it short
+        try:
+            r = up(args.file, run_dir=args.run_dir, progress=not args.quiet, ready_timeout=args.ready_timeout,
+                   say=say)
+            started = True
+            if not args.foreground:
+                sigs.release()      # from here the run outlives this process, as it is meant to
+            print(f"dgr up: {len(r.workers)} worker(s) SERVING after {r.seconds:.1f} s "
+                  f"(bundle ready after {r.provision_seconds:.1f} s); supervised, logs in {r.run_dir}/logs")
+            for w in r.workers:
+                print(f"  {w['name']:<7} stage {w['stage']} [{w['layers'][0]}, {w['layers'][1]})  {w['address']}  "
+                      f"log {w['log']}")
+            print(f"route: {r.route}")
+            print(f"  dgr generate --route \"{r.route}\" \"Hello\"", flush=True)
+            if args.foreground:
+                say("in the foreground: Ctrl-C or SIGTERM stops the run")
+                say(f"{follow(r.run_dir, say)}; nothing of the run is left")
+            return 0
+        except Interrupted as sig:
+            name = signal.Signals(sig.signum).name
+            try:
+                # `up` stopped what it had started before raising; this finds anything it could not know of
+                # (the signal came as it returned) and, after SERVING, stops the run
+                res = down(args.file, run_dir=args.run_dir)
+            except DgrError:
+                res = {"stopped": [], "seconds": 0.0}   # it never got as far as a run folder
+            if not started:
+                say(f"{name} before the workers served: the run is stopped, nothing of it is left")
+                return 128 + sig.signum
+            say(f"{name}: stopped {len(res['stopped'])} process(es) in {res['seconds']:.1f} s; none left")
+            return 0 if args.foreground else 128 + sig.signum
 
 
 def _down(args) -> int:
@@ -100,35 +141,47 @@ def _down(args) -> int:
 
 
 def _status(args) -> int:
+    from dgr.deploy.condition import EXIT
     from dgr.deploy.control import status
 
     s = status(args.file, run_dir=args.run_dir)
+    code = EXIT[s["state"]]
     if args.json:
         print(json.dumps(s, indent=2))
-        return 0 if s["up"] else 3
-    if not s["up"]:
-        print(f"{s['name']}: not up (run folder {s['run_dir']}); start it with `dgr up {args.file}`")
+        return code
+    if not s["supervised"]:
+        print(f"{s['name']}: down: not up (run folder {s['run_dir']}); start it with `dgr up {args.file}`")
+        for w in s["workers"]:
+            if w["gave_up"]:
+                print(f"  {w['name']:<7} stage {w['stage']}  {w['why']} (log {w['log']})")
         if s.get("orphans"):
             print(f"  its supervisor is gone but process(es) {s['orphans']} of the run are left, unsupervised: "
                   f"`dgr down {args.file}` stops them")
-        return 3
-    print(f"{s['name']}: up, supervisor pid {s['supervisor_pid']}, bundle {(s['bundle_id'] or '')[:12]}")
+        return code
+    n_up = sum(w["state"] == "up" for w in s["workers"])
+    print(f"{s['name']}: {s['state']} ({n_up} of {len(s['workers'])} local worker(s) up), supervisor pid "
+          f"{s['supervisor_pid']}, bundle {(s['bundle_id'] or '')[:12]}")
     for w in s["workers"]:
         load = w["load"] or {}
-        ld = (f"sessions {load.get('open_sessions', 0)}, queued {load.get('queued_steps', 0)}"
-              if w["load"] else "load unknown")
+        ld = (f"; sessions {load.get('open_sessions', 0)}, queued {load.get('queued_steps', 0)}"
+              if w["load"] else "")
         last = f", last exit: {w['last_exit']['how']}" if w["last_exit"] else ""
+        why = "" if w["state"] == "up" else f": {w['why']}"
         print(f"  {w['name']:<7} stage {w['stage']}  {w['address']:<21} pid {w['pid'] or '-':<7} "
-              f"{w['health']:<12} restarts {w['restarts']}{last}; {ld}")
+              f"{w['state']:<8} {w['health']:<11} restarts {w['restarts']}{last}{ld}{why}")
     for w in s["remote"]:
-        print(f"  {w['name']:<7} stage {w['stage']}  {w['address']:<21} on host {w['host']} (not this machine)")
-    for r in s["routes"]:
-        print(f"route: {r}")
-    return 0
+        print(f"  {w['name']:<7} stage {w['stage']}  {w['address']:<21} on host {w['host']} (not this machine, "
+              "not probed)")
+    for r in s["route_states"]:
+        note = "" if r["state"] == "up" else f": {r['why']}"
+        print(f"route ({r['state']}{note}): {r['route']}")
+    return code
 
 
 def register(sub) -> None:
     """Add this area's subcommands to the `dgr` parser."""
+    from dgr.deploy import READY_TIMEOUT_S
+
     run_help = "the run folder (default: <workspace>/deploy/<name>)"
     d = sub.add_parser("deploy", help="deployments: plan a deployment file, render systemd units")
     dsub = d.add_subparsers(dest="deploy_command", metavar="ACTION", required=True)
@@ -144,18 +197,38 @@ def register(sub) -> None:
     p.add_argument("--host", help="only this host's workers (default: every host's)")
     p.set_defaults(func=_render)
 
-    p = sub.add_parser("up", help="provision, start and supervise the deployment's workers on this machine")
+    p = sub.add_parser("up", help="provision, start and supervise the deployment's workers on this machine",
+                       description="Provision, start and supervise the deployment's workers on this machine; "
+                       "return once every one answers health SERVING. While waiting it reports each worker "
+                       "that serves and each exit (with the worker's last log line); it fails at once, "
+                       "stopping the run, when a worker is given up on (supervise.give_up_after crashes in a "
+                       "row the same way). SIGINT, SIGTERM or SIGHUP before SERVING (or any time with "
+                       "--foreground) stops everything it started.")
     p.add_argument("file")
     p.add_argument("--run-dir", help=run_help)
-    p.add_argument("-q", "--quiet", action="store_true")
+    p.add_argument("--ready-timeout", type=_seconds, metavar="SECONDS",
+                   help="how long to wait for every local worker to answer health SERVING before stopping the run "
+                   f"and failing (default: the file's supervise.ready_timeout, {READY_TIMEOUT_S:g} s unless it "
+                   "sets one)")
+    p.add_argument("--foreground", action="store_true",
+                   help="stay after SERVING, reporting restarts, until SIGINT/SIGTERM (which stop the run, exit 0) "
+                   "or `dgr down`; for a terminal or a service manager")
+    p.add_argument("-q", "--quiet", action="store_true",
+                   help="no progress (bundle checks, workers SERVING); exits, restarts and give-ups are still told")
     p.set_defaults(func=_up)
     p = sub.add_parser("down", help="stop the deployment's supervisor and workers on this machine")
     p.add_argument("file")
     p.add_argument("--run-dir", help=run_help)
     p.set_defaults(func=_down)
-    p = sub.add_parser("status", help="each local worker's health, load and restarts, and the routes")
+    p = sub.add_parser("status", help="up, degraded or down: the run, each local worker and each route; "
+                       "health, load and restarts",
+                       description="Whether the run, each local worker and each route is up, degraded or down "
+                       "(docs/deploy.md), with each worker's health, load and restarts. Exit status: 0 up, "
+                       "4 degraded (every route can serve, not every worker is up), 3 down (not running, or a "
+                       "route cannot serve), 2 an error (e.g. the file).")
     p.add_argument("file")
     p.add_argument("--json", action="store_true",
-                   help="per worker: name, stage, address, pid, health, restarts (and load); the routes")
+                   help="state (up/degraded/down); per worker: name, stage, address, pid, health, state, why, "
+                   "restarts, last_exit, gave_up, load; route_states; routes (those that can serve)")
     p.add_argument("--run-dir", help=run_help)
     p.set_defaults(func=_status)

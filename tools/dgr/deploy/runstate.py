@@ -2,8 +2,9 @@
 
 The folder is `<workspace>/deploy/<name>/` (dgr.paths; `--run-dir` picks another). `dgr up` writes
 `run.json` (every local worker: name, stage, address, command line, log file) and starts the
-supervisor; the supervisor alone writes `state.json` (its pid, each worker's pid, restarts, last exit),
-each time atomically, so readers never see half a file. `dgr up` and `dgr down` hold `lock` (dgr.locks)
+supervisor; the supervisor alone writes `state.json` (its pid and status, each worker's pid, exits,
+restarts, last exit with its last log line, and whether it was given up on), each time atomically, so
+readers never see half a file. `dgr up` and `dgr down` hold `lock` (dgr.locks)
 so two of them never interleave. Every process of a run carries `DGR_DEPLOY_RUN=<folder>` in its
 environment: that is how a pid read back from a file is known to still be ours, not a reused one.
 """
@@ -34,6 +35,35 @@ def lock_path(d: Path) -> Path:
 
 def log_path(d: Path, worker: str) -> Path:
     return d / "logs" / f"{worker}.log"
+
+
+# The supervisor writes this line into a worker's log before each start of it: what follows is that
+# start's output.
+START_MARK = " supervisor: starting "
+
+
+def start_mark(worker: str, start: int) -> str:
+    return f"--- {time.strftime('%Y-%m-%d %H:%M:%S')}{START_MARK}{worker} (start {start})\n"
+
+
+def last_log_line(path: str | Path, limit: int = 400) -> str | None:
+    """The last non-blank line a worker wrote to its log since its latest start (cut to `limit`
+    characters), or None when it wrote nothing since then: the line that usually says why it exited."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - 65536))
+            tail = f.read().decode(errors="replace")
+    except OSError:
+        return None
+    for line in reversed(tail.splitlines()):
+        line = line.strip()
+        if not line:
+            continue
+        if line.startswith("--- ") and START_MARK in line:
+            return None
+        return line if len(line) <= limit else line[:limit] + "..."
+    return None
 
 
 def write_json(path: Path, obj: Any) -> None:

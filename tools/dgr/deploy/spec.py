@@ -23,6 +23,7 @@ from pydantic import BaseModel, Field, ValidationError, field_validator, model_v
 
 from dgr.constants import DEFAULT_MAX_SESSIONS, DEFAULT_N_CTX, LANES
 from dgr.contract import STRICT
+from dgr.deploy import READY_TIMEOUT_S
 from dgr.errors import DgrError, first_field_error
 from dgr.recipe import Size
 
@@ -175,7 +176,14 @@ class Supervise(BaseModel):
     backoff: float = Field(default=0.5, gt=0, description="first wait before restarting a crashed worker (s)")
     max_backoff: float = Field(default=30.0, gt=0, description="the longest wait; it doubles per quick crash")
     stable_after: float = Field(default=30.0, gt=0, description="a worker up this long starts the backoff over")
-    ready_timeout: float = Field(default=180.0, gt=0, description="`dgr up` waits this long for SERVING")
+    ready_timeout: float = Field(default=READY_TIMEOUT_S, gt=0, description="`dgr up` waits this long for SERVING "
+                                 "(`dgr up --ready-timeout` overrides it)")
+    # A worker that dies the same way at every start (a missing engine library, a bad flag, no memory)
+    # will not start on the next try either: restarting it forever only hides the error. The default is
+    # systemd's StartLimitBurst; with the default backoff the 5 tries span about 8 s.
+    give_up_after: int = Field(default=5, ge=0, description="crashes in a row the same way (the same exit and "
+                               "last log line, each within stable_after of its start) after which a worker is "
+                               "no longer restarted; 0: never give up")
 
     @field_validator("backoff", "max_backoff", "stable_after", "ready_timeout", mode="before")
     @classmethod

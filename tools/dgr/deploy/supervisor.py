@@ -5,13 +5,19 @@ terminal does not end it). It reads `run.json`, starts every worker with its out
 `logs/<worker>.log`, and polls: a worker that exits while the run is up is restarted at the same
 address after a backoff that doubles with each quick crash (`supervise.backoff` up to
 `supervise.max_backoff`; a worker that ran `supervise.stable_after` seconds starts over), and the
-restart is counted and recorded in `state.json` and `logs/supervisor.log`. SIGTERM (`dgr down`) sends
-SIGTERM to every worker (they drain), waits their drain bound, SIGKILLs what is left, and exits.
+restart is counted and recorded in `state.json` and `logs/supervisor.log`, with the last line the
+worker wrote (usually why it exited). A worker that crashed `supervise.give_up_after` times in a row the
+same way (the same exit and the same last log line, numbers aside, each within `stable_after` of its
+start) is given up on: it is not restarted again and `state.json` carries its error. When every worker
+is given up on, nothing is left to supervise: the supervisor records `failed` and exits.
+SIGTERM (`dgr down`) sends SIGTERM to every worker (they drain), waits their drain bound, SIGKILLs what
+is left, and exits.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -19,11 +25,26 @@ import threading
 import time
 from pathlib import Path
 
-from dgr.deploy.runstate import RUN_ENV, read_run, write_json
+from dgr.deploy.runstate import RUN_ENV, last_log_line, read_run, start_mark, write_json
 
 
 def _now() -> float:
     return round(time.time(), 3)
+
+
+def _same_way(how: str, line: str | None) -> tuple[str, str]:
+    """What makes two crashes "the same way": the exit, and the last log line with its numbers (times,
+    pids, ports) left out."""
+    return how, re.sub(r"\d+", "#", line or "")
+
+
+def _how(code: int) -> str:
+    if code >= 0:
+        return f"exit code {code}"
+    try:
+        return f"signal {-code} ({signal.Signals(-code).name})"
+    except ValueError:                     # a real-time signal has no name of its own
+        return f"signal {-code}"
 
 
 class _Worker:
@@ -32,9 +53,14 @@ class _Worker:
         self.proc: subprocess.Popen | None = None
         self.started = 0.0
         self.restarts = 0
+        self.exits = 0
         self.fails = 0                     # quick crashes in a row: the backoff's exponent
+        self.same = 0                      # crashes in a row the same way (quick ones after the first)
+        self.way: tuple[str, str] | None = None
         self.next_start: float | None = 0.0
+        self.restart_at: float | None = None
         self.last_exit: dict | None = None
+        self.gave_up = False
 
     @property
     def name(self) -> str:
@@ -42,17 +68,17 @@ class _Worker:
 
     def start(self) -> None:
         with open(self.spec["log"], "ab") as log:
-            log.write(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} supervisor: starting {self.name} "
-                      f"(start {self.restarts + 1})\n".encode())
+            log.write(start_mark(self.name, self.restarts + 1).encode())
             log.flush()
             self.proc = subprocess.Popen(self.spec["argv"], stdin=subprocess.DEVNULL, stdout=log,
                                          stderr=subprocess.STDOUT, env=self.env)
-        self.started, self.next_start = time.monotonic(), None
+        self.started, self.next_start, self.restart_at = time.monotonic(), None, None
 
     def record(self) -> dict:
         return {"pid": self.proc.pid if self.proc and self.proc.poll() is None else None,
-                "restarts": self.restarts, "last_exit": self.last_exit,
-                "restart_pending": self.next_start is not None and self.restarts > 0}
+                "restarts": self.restarts, "exits": self.exits, "last_exit": self.last_exit,
+                "restart_pending": self.next_start is not None and self.exits > 0,
+                "restart_at": self.restart_at, "same_in_a_row": self.same, "gave_up": self.gave_up}
 
 
 class Supervisor:
@@ -63,6 +89,7 @@ class Supervisor:
             raise SystemExit(f"{d}/run.json is missing: start a deployment with `dgr up FILE`")
         sup = self.run["supervise"]
         self.backoff, self.max_backoff, self.stable = sup["backoff"], sup["max_backoff"], sup["stable_after"]
+        self.give_up_after = int(sup.get("give_up_after", 0))
         self.drain = float(self.run["drain_timeout"])
         env = {**os.environ, RUN_ENV: str(d), "PYTHONUNBUFFERED": "1"}
         self.workers = [_Worker(w, env) for w in self.run["workers"]]
@@ -75,6 +102,7 @@ class Supervisor:
     def save(self, status: str) -> None:
         write_json(self.dir / "state.json", {
             "supervisor_pid": os.getpid(), "status": status, "updated": _now(),
+            "give_up_after": self.give_up_after,
             "workers": {w.name: w.record() for w in self.workers}})
 
     def loop(self) -> None:
@@ -85,31 +113,50 @@ class Supervisor:
         while not self.stopping.is_set():
             changed = False
             for w in self.workers:
-                if w.proc is not None and w.next_start is None and w.proc.poll() is not None:
+                if w.proc is not None and w.proc.poll() is not None:
                     changed = True
                     self._crashed(w)
+                    w.proc = None
                 if w.next_start is not None and time.monotonic() >= w.next_start and not self.stopping.is_set():
                     w.restarts += 1
                     w.start()
                     self.say(f"{w.name}: restarted (restart {w.restarts}), pid {w.proc.pid}")
                     changed = True
+            if all(w.gave_up for w in self.workers):
+                self.say("every worker was given up on: nothing is left to supervise")
+                self.shutdown("failed")
+                return
             if changed:
                 self.save("up")
             self.stopping.wait(0.1)
-        self.shutdown()
+        self.shutdown("down")
 
     def _crashed(self, w: _Worker) -> None:
         code = w.proc.returncode
         ran = time.monotonic() - w.started
-        how = f"signal {-code} ({signal.Signals(-code).name})" if code < 0 else f"exit code {code}"
-        w.fails = 0 if ran >= self.stable else w.fails + 1
+        how = _how(code)
+        line = last_log_line(w.spec["log"])
+        way = _same_way(how, line)
+        quick = ran < self.stable
+        w.same = w.same + 1 if quick and way == w.way else 1
+        w.way = way
+        w.fails = w.fails + 1 if quick else 0
+        w.exits += 1
+        w.last_exit = {"code": code, "how": how, "at": _now(), "ran_s": round(ran, 2), "last_line": line,
+                       "restart_in_s": None}
+        said = f"{w.name}: exited with {how} after {ran:.1f} s"
+        last = f"; its last log line: {line}" if line else "; it wrote nothing to its log"
+        if self.give_up_after and w.same >= self.give_up_after:
+            w.gave_up, w.next_start, w.restart_at = True, None, None
+            self.say(f"{said}, {w.same} times in a row the same way: not restarting it "
+                     f"(supervise.give_up_after = {self.give_up_after}; see {w.spec['log']}){last}")
+            return
         delay = min(self.backoff * 2 ** max(0, w.fails - 1), self.max_backoff)
-        w.last_exit = {"code": code, "how": how, "at": _now(), "ran_s": round(ran, 2)}
-        w.next_start = time.monotonic() + delay
-        self.say(f"{w.name}: exited with {how} after {ran:.1f} s; restarting in {delay:.2f} s "
-                 f"(see {w.spec['log']})")
+        w.next_start, w.restart_at = time.monotonic() + delay, _now() + delay
+        w.last_exit["restart_in_s"] = round(delay, 3)
+        self.say(f"{said}; restarting in {delay:.2f} s (see {w.spec['log']}){last}")
 
-    def shutdown(self) -> None:
+    def shutdown(self, status: str = "down") -> None:
         self.say("stopping: SIGTERM to every worker")
         self.save("stopping")
         live = [w.proc for w in self.workers if w.proc is not None and w.proc.poll() is None]
@@ -125,8 +172,8 @@ class Supervisor:
                 p.kill()
                 p.wait()
         for w in self.workers:
-            w.next_start = None
-        self.save("down")
+            w.next_start = w.restart_at = None
+        self.save(status)
         self.say("stopped")
 
 
