@@ -125,7 +125,7 @@ def weights(info: ModelInfo, types: dict[str, gguf.GGMLQuantizationType] | None 
     excluded: list[str] = []
     for t in info.header.tensors:
         owner = info.layer_of.get(t.name)  # None: unknown (a build refuses it; a scaffold leaves it out)
-        nb = tensor_nbytes(t.shape, types[t.name] if types else t.type)
+        nb = tensor_nbytes(t.shape, types.get(t.name, t.type) if types else t.type)
         if isinstance(owner, int):
             if owner >= info.n_layer:
                 excluded.append(t.name)  # MTP: reserved, off for alpha

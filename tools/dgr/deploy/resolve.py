@@ -125,8 +125,7 @@ def fill_from_model(info: BundleInfo) -> tuple[list[int], int, int, int] | None:
     """Plan the recipe's stages from its source model (resolved into the download cache): sets
     `ranges` and `weights` where no built copy said them, and returns the planner's inputs (bytes per
     layer, input-only, output-only and shared bytes). None when there is no recipe."""
-    from dgr.bundle import make_plan
-    from dgr.ggufmodel import INPUT, OUTPUT, SHARED, tensor_nbytes
+    from dgr.bundle import make_plan, weights
     from dgr.recipe import load_recipe
 
     if info.recipe_path is None:
@@ -136,19 +135,6 @@ def fill_from_model(info: BundleInfo) -> tuple[list[int], int, int, int] | None:
         info.ranges = [(sp.begin, sp.end) for sp in bp.stages]
     if info.weights is None:
         info.weights = [sp.weight_bytes for sp in bp.stages]
-    layer = [0] * bp.info.n_layer
-    role = {INPUT: 0, OUTPUT: 0, SHARED: 0}
-    seen: set[str] = set()
-    for sp in bp.stages:
-        for t, q in sp.tensors:
-            if t.name in seen:
-                continue
-            seen.add(t.name)
-            owner, nb = bp.info.layer_of[t.name], tensor_nbytes(t.shape, q)
-            if isinstance(owner, int):
-                layer[owner] += nb
-            else:
-                role[owner] += nb
-                if owner == INPUT and bp.info.tied_embeddings and t.name == "token_embd.weight":
-                    role[OUTPUT] += nb   # a tied head: the last stage carries the embedding as its output
-    return layer, role[INPUT], role[OUTPUT], role[SHARED]
+    # the bundle's own measure (dgr.bundle.weights), each tensor at the type the build gives it
+    w = weights(bp.info, {t.name: q for sp in bp.stages for t, q in sp.tensors})
+    return w.layer_bytes, w.input_bytes, w.output_bytes, w.shared_bytes
