@@ -428,6 +428,10 @@ def quantize(src: str | Path, dst: str | Path, qtype: str, *, n_threads: int = 0
     quantizer, built with the engine; a uniform importance matrix for the types that need one)."""
     if qtype not in QUANT_FTYPES:
         raise EngineError(f"unknown quantization type {qtype!r}; choose one of {', '.join(QUANT_FTYPES)}")
+    if not Path(src).is_file():
+        raise EngineError(f"quantize: no such model file {src}")
+    if not Path(dst).parent.is_dir():
+        raise EngineError(f"quantize: the folder of {dst} does not exist: create it first")
     h = load_library(lib)
     h.dgr_quantize.argtypes = [C.c_char_p, C.c_char_p, C.c_int32, C.c_int32]
     h.dgr_quantize.restype = C.c_int32

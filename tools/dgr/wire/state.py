@@ -67,7 +67,7 @@ class StageIdentity:
     lane: str = "cpu"
     engine: str = "llama.cpp"
     wire_dtype: str = "f32"
-    eos_token_ids: tuple[int, ...] = ()
+    eos_token_ids: tuple[int, ...] = ()  # every end-of-generation id (llama_vocab_is_eog), the eos first
     chat_template: str = ""                # the model's own (tokenizer.chat_template), for gateways
     engine_blake3: str = ""                # blake3 of the engine library file (fake: of its source)
 
