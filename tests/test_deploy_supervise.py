@@ -10,27 +10,14 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import signal
 import time
 
 import pytest
-from support.deploy import dgr, tiny_bundle, write
+from support.deploy import lib_env, tiny, dgr, write  # noqa: F401 (fixtures)
 
 from dgr.deploy import runstate
 from dgr.deploy.control import health
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return tiny_bundle(tmp_path_factory.mktemp("tiny"))
-
-
-@pytest.fixture(scope="module")
-def lib_env(engine_lib, tmp_path_factory):
-    lib = tmp_path_factory.mktemp("engine") / "libdgr_engine.so"
-    shutil.copy2(engine_lib, lib)       # another build in the shared workspace may rewrite the original
-    return {"DGR_ENGINE_LIB": str(lib)}
 
 
 def _file(tmp_path, tiny, supervise: str = "") -> str:

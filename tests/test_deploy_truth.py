@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -22,25 +21,13 @@ import time
 from pathlib import Path
 
 import pytest
-from support.deploy import REPO, dgr, tiny_bundle, write
+from support.deploy import lib_env, tiny, REPO, dgr, write  # noqa: F401 (fixtures)
 
 from dgr.deploy import runstate
 from dgr.deploy.spec import Supervise
 
 READY_S = 300        # the ready timeout in these files: a `dgr up` that waited it out would fail BOUND_S
 BOUND_S = 120.0      # how long a test waits for something to happen before it fails
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return tiny_bundle(tmp_path_factory.mktemp("tiny"))
-
-
-@pytest.fixture(scope="module")
-def lib_env(engine_lib, tmp_path_factory):
-    lib = tmp_path_factory.mktemp("engine") / "libdgr_engine.so"
-    shutil.copy2(engine_lib, lib)       # another build in the shared workspace may rewrite the original
-    return {"DGR_ENGINE_LIB": str(lib)}
 
 
 def _file(tmp_path: Path, tiny, supervise: str = "") -> str:

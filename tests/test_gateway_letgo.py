@@ -16,17 +16,13 @@ import struct
 import subprocess
 import sys
 import time
-from contextlib import contextmanager
 
 import openai
 import pytest
 import requests
 
-from dgr.gateway.app import create_app
 from dgr.gateway.limits import DEFAULT_CHAT_MAX_TOKENS
-from dgr.gateway.route import RouteBackend
-from dgr.gateway.server import GatewayServer
-from support.gateway import Gateway, metric, open_sessions, serve_process, wait_no_sessions
+from support.gateway import gateway, metric, open_sessions, serve_process, wait_no_sessions
 from support.route import fake_route
 
 SPEC = "layers=6,embd=16,cuts=2:4,seed=8,ctx=40000"
@@ -46,22 +42,9 @@ def route():
         yield r
 
 
-@contextmanager
-def _gateway(route, app_kw=None, **kw):
-    """The gateway app over `route`, served from a thread of this process (`create_app(**app_kw)`)."""
-    backend = RouteBackend(route, **kw)
-    server = GatewayServer(create_app(backend, **(app_kw or {})), "127.0.0.1:0")
-    server.start()
-    try:
-        yield Gateway(backend, server)
-    finally:
-        server.stop()
-        backend.close()
-
-
 @pytest.fixture(scope="module")
 def gw(route):
-    with _gateway(route.route, chat_template=TEMPLATE) as g:
+    with gateway(route.route, chat_template=TEMPLATE) as g:
         yield g
 
 
@@ -136,7 +119,7 @@ def test_a_connection_reset_frees_every_stage(gw, route, stream):
 
 
 def test_a_chat_without_max_tokens_stops_at_the_servers_default(route):
-    with _gateway(route.route, {"max_tokens_default": 9}, chat_template=TEMPLATE) as g:
+    with gateway(route.route, {"max_tokens_default": 9}, chat_template=TEMPLATE) as g:
         c = g.client()
         out = c.chat.completions.create(model=g.backend.info.name, messages=MESSAGES, temperature=0,
                                         extra_body={"ignore_eos": True})
@@ -153,7 +136,7 @@ def test_a_chat_without_max_tokens_stops_at_the_servers_default(route):
                                    extra_body={"ignore_eos": True})
         assert out.usage.completion_tokens == 16
         assert requests.get(g.url + "/health").json()["max_tokens_default"] == 9
-    with _gateway(route.route, chat_template=TEMPLATE) as g:
+    with gateway(route.route, chat_template=TEMPLATE) as g:
         assert requests.get(g.url + "/health").json()["max_tokens_default"] == DEFAULT_CHAT_MAX_TOKENS
     assert 256 <= DEFAULT_CHAT_MAX_TOKENS <= 8192            # bounded, yet room for any ordinary answer
 

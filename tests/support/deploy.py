@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from support.engine import make_bundle, synth_model
 
 REPO = Path(__file__).resolve().parents[2]
@@ -33,3 +35,17 @@ def dgr(*args: str, env: dict | None = None, timeout: float = 300) -> subprocess
 
 def errors(proc: subprocess.CompletedProcess) -> list[str]:
     return [line.removeprefix("dgr: error: ") for line in proc.stderr.splitlines() if line.startswith("dgr: error: ")]
+
+
+# Fixtures the deployment tests share (a test module takes them with `from support.deploy import tiny, lib_env`).
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return tiny_bundle(tmp_path_factory.mktemp("tiny"))
+
+
+@pytest.fixture(scope="module")
+def lib_env(engine_lib, tmp_path_factory):
+    """DGR_ENGINE_LIB at a private copy: another build in the shared workspace may rewrite the original."""
+    lib = tmp_path_factory.mktemp("engine") / "libdgr_engine.so"
+    shutil.copy2(engine_lib, lib)
+    return {"DGR_ENGINE_LIB": str(lib)}

@@ -36,10 +36,11 @@ class Gateway:
 
 
 @contextmanager
-def gateway(route, **kw):
-    """`dgr serve`'s app over `route` (text or replicas), served from a thread of this process."""
+def gateway(route, app_kw: dict | None = None, **kw):
+    """`dgr serve`'s app over `route` (text or replicas), served from a thread of this process
+    (`create_app(backend, **app_kw)`; `kw` go to the RouteBackend)."""
     backend = RouteBackend(route, **kw)
-    server = GatewayServer(create_app(backend), "127.0.0.1:0")
+    server = GatewayServer(create_app(backend, **(app_kw or {})), "127.0.0.1:0")
     server.start()
     try:
         yield Gateway(backend, server)

@@ -85,20 +85,12 @@ def prepare(*, stages: int | None = None, bundle: str | None = None, source: str
 
 
 def _source_of(b, source: str | None) -> Path:
-    from dgr.hashing import file_blake3
-    from dgr.source import resolve
+    from dgr.parity import bundle_source
 
-    want = b.manifest.source.blake3
-    if source:
-        p = Path(source)
-        if not p.is_file() or file_blake3(p) != want:
-            raise DgrError(f"dgr bench: --source {p} is not this bundle's source model (blake3 {want[:16]}...)")
-        return p
     try:
-        return resolve(b.manifest.source.uri, want, base_dir=b.root, progress=False)
+        return bundle_source(b, source or None)
     except DgrError as e:
-        raise DgrError(f"dgr bench: the whole-model side needs the bundle's source GGUF: {e}; "
-                       "pass --source PATH") from None
+        raise DgrError(f"dgr bench: the whole-model side needs the bundle's source GGUF: {e}") from None
 
 
 def synth_bundle(arch: str, stages: int):
