@@ -15,6 +15,8 @@ def dgr_py_tests(srcs, lane = "cpu", data = [], slow = [], tags = [], cmake_engi
     flags on both sides), so they keep dgr's own CMake build rather than the Bazel one. A test file
     that collects no tests fails (the launcher keeps pytest's exit 5); helpers go in `data`."""
     engine = "//worker/engine:libdgr_engine_%s.so" % lane
+    # dgr-worker (docs/worker.md), as $DGR_WORKER_BIN (a runfiles path; tests/test_worker_cpp.py resolves it)
+    worker = "//worker/server:dgr-worker"
     for src in srcs:
         name = src[:-len(".py")]
         own = src not in cmake_engine
@@ -23,7 +25,8 @@ def dgr_py_tests(srcs, lane = "cpu", data = [], slow = [], tags = [], cmake_engi
             srcs = ["//toolchains/bazel:dgr_launcher.py", src],
             main = "//toolchains/bazel:dgr_launcher.py",
             args = (["--engine", "$(rootpath %s)" % engine] if own else []) + ["--pytest", "$(rootpath %s)" % src],
-            data = data + ([engine] if own else []),
+            data = data + ([engine] if own else []) + [worker],
+            env = {"DGR_WORKER_BIN": "$(rootpath %s)" % worker},
             python_version = "PY3",
             deps = ["//tools/dgr:dgr_lib", "@rules_python//python/runfiles"],
             timeout = "eternal" if src in slow else "long",

@@ -35,6 +35,9 @@ log = get_logger(__name__)
 
 TARGET = "dgr_engine"
 LIBRARY = ENGINE_LIBRARY
+# The stage worker as one C++ program (worker/server, docs/worker.md), built beside the library when the
+# configure step found gRPC C++ (worker/CMakeLists.txt records that as DGR_WORKER_ENABLED).
+WORKER_TARGET = WORKER_BINARY = "dgr-worker"
 WORKER_DIR = REPO_ROOT / "worker"
 
 # CMake switches per lane (llama.cpp's GGML_* options). Only `cpu` is built and tested by this
@@ -99,6 +102,8 @@ def _inputs(lane: str, pin: Pin, worker_dir: Path, args: list[str], tools: dict[
         "tree_hash": pin.tree_hash,
         "patches": [[p.file, p.blake3] for p in pin.patches],
         "worker": treehash.tree_hash(worker_dir, treehash.any_file),
+        # dgr-worker's C++ stubs are generated from the wire contract
+        "proto": file_blake3(REPO_ROOT / "proto" / "dgr" / "v1" / "stage.proto"),
         "cmake_args": args,
         "compiler": tools["cxx_version"],
     }
@@ -189,8 +194,16 @@ def ensure_engine(
         return _build(lane, bdir, lib, stamp_path, args, inputs, jobs, dirty, llama_src, progress)
 
 
+def worker_enabled(bdir: Path) -> bool:
+    """Whether the configured build folder `bdir` builds dgr-worker (CMake found gRPC C++ there)."""
+    cache = bdir / "CMakeCache.txt"
+    return cache.is_file() and "DGR_WORKER_ENABLED:INTERNAL=ON" in cache.read_text(errors="replace")
+
+
 def _up_to_date(stamp_path: Path, lib: Path, inputs: dict[str, Any]) -> bool:
     if not (stamp_path.exists() and lib.exists()):
+        return False
+    if worker_enabled(lib.parent) and not (lib.parent / WORKER_BINARY).exists():
         return False
     stamp = json.loads(stamp_path.read_text())
     return stamp.get("inputs") == inputs and stamp.get("library_blake3") == file_blake3(lib)
@@ -215,7 +228,11 @@ def _build(lane: str, bdir: Path, lib: Path, stamp_path: Path, args: list[str], 
     jobs = jobs or min(2, os.cpu_count() or 1)
     # ccache keys on paths relative to the workspace, so a second clone or workspace hits its cache.
     env = {"CCACHE_BASEDIR": str(bdir.parents[1]), **os.environ}
-    _run_logged(["cmake", "--build", str(bdir), "-j", str(jobs), "--target", TARGET], logfile,
+    targets = [TARGET, WORKER_TARGET] if worker_enabled(bdir) else [TARGET]
+    if len(targets) == 1:
+        log.warning("dgr-worker is not built for %s: CMake found no gRPC C++ (see %s; Debian: apt-get install "
+                    "libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler)", lane, logfile)
+    _run_logged(["cmake", "--build", str(bdir), "-j", str(jobs), "--target", *targets], logfile,
                 f"build {lane}", progress=progress, env=env)
     if not lib.exists():
         found = sorted(bdir.rglob(LIBRARY))

@@ -1,0 +1,60 @@
+#include "engine_lib.h"
+
+#include <dlfcn.h>
+#include <limits.h>
+#include <stdlib.h>
+#include <unistd.h>
+
+#include <stdexcept>
+
+namespace dgr {
+
+std::string EngineLib::error(int32_t status) const {
+    const char * e = last_error ? last_error() : nullptr;
+    return e && *e ? std::string(e) : "engine status " + std::to_string(status);
+}
+
+EngineLib load_engine_lib(const std::string & self_dir) {
+    const char * env = getenv("DGR_ENGINE_LIB");
+    std::string path = env && *env ? env : self_dir + "/libdgr_engine.so";
+    if (access(path.c_str(), R_OK) != 0) {
+        throw std::runtime_error("no engine library at " + path + (env && *env ? " ($DGR_ENGINE_LIB)" : "") +
+                                 ": build it beside dgr-worker (`dgr build-engine --lane cpu`) or set "
+                                 "DGR_ENGINE_LIB to a libdgr_engine.so");
+    }
+    char real[PATH_MAX];
+    if (!realpath(path.c_str(), real)) throw std::runtime_error(path + ": cannot resolve the path");
+    void * h = dlopen(real, RTLD_NOW | RTLD_LOCAL);
+    if (!h) throw std::runtime_error(std::string("cannot load the engine library: ") + dlerror());
+    EngineLib lib{};
+    lib.path = real;
+    auto sym = [&](auto & fn, const char * name) {
+        void * p = dlsym(h, name);
+        if (!p) {
+            throw std::runtime_error(lib.path + " has no " + name + ": it is older than this dgr-worker; rebuild it "
+                                     "(`dgr build-engine --lane cpu`)");
+        }
+        fn = reinterpret_cast<std::remove_reference_t<decltype(fn)>>(p);
+    };
+    sym(lib.abi_version, "dgr_abi_version");
+    if (lib.abi_version() != DGR_ABI_VERSION) {
+        throw std::runtime_error(lib.path + " speaks engine ABI " + std::to_string(lib.abi_version()) +
+                                 ", this dgr-worker ABI " + std::to_string(DGR_ABI_VERSION) +
+                                 ": build both from one checkout");
+    }
+    sym(lib.lane, "dgr_engine_lane");
+    sym(lib.last_error, "dgr_last_error");
+    sym(lib.open, "dgr_engine_open");
+    sym(lib.close, "dgr_engine_close");
+    sym(lib.describe, "dgr_engine_describe");
+    sym(lib.memory, "dgr_engine_memory");
+    sym(lib.session_open, "dgr_session_open");
+    sym(lib.session_close, "dgr_session_close");
+    sym(lib.can_truncate, "dgr_engine_can_truncate");
+    sym(lib.vocab, "dgr_engine_vocab");
+    sym(lib.tokenize, "dgr_tokenize");
+    sym(lib.detokenize, "dgr_detokenize");
+    return lib;
+}
+
+}  // namespace dgr

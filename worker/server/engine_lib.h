@@ -1,0 +1,37 @@
+// The ShardEngine library, loaded at run time through its C ABI (worker/engine/dgr_engine.h).
+//
+// dlopen rather than a link dependency: one dgr-worker binary serves any lane's engine library (the
+// one beside it in a build or release folder, or $DGR_ENGINE_LIB, as the Python tooling finds it), and
+// building the worker never rebuilds llama.cpp. The library's own path is what engine_blake3 hashes.
+#pragma once
+
+#include <string>
+
+#include "dgr_engine.h"
+
+namespace dgr {
+
+struct EngineLib {
+    std::string path;   // the file loaded (resolved)
+    int32_t      (*abi_version)(void);
+    const char * (*lane)(void);
+    const char * (*last_error)(void);
+    int32_t (*open)(const char *, const dgr_open_params *, dgr_engine **);
+    void    (*close)(dgr_engine *);
+    int32_t (*describe)(dgr_engine *, dgr_stage_info *);
+    int32_t (*memory)(dgr_engine *, dgr_memory *);
+    int32_t (*session_open)(dgr_engine *, const char *, int64_t);
+    int32_t (*session_close)(dgr_engine *, const char *, int64_t);
+    int32_t (*can_truncate)(dgr_engine *);
+    int32_t (*vocab)(dgr_engine *, dgr_vocab_info *, int32_t *, int32_t);
+    int32_t (*tokenize)(dgr_engine *, const char *, int32_t, int32_t *, int32_t);
+    int32_t (*detokenize)(dgr_engine *, const int32_t *, int32_t, char *, int32_t);
+
+    std::string error(int32_t status) const;   // dgr_last_error(), or the status
+};
+
+// $DGR_ENGINE_LIB, else libdgr_engine.so beside this executable. Throws std::runtime_error saying
+// which file was tried and how to get one.
+EngineLib load_engine_lib(const std::string & self_dir);
+
+}  // namespace dgr

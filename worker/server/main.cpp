@@ -1,0 +1,453 @@
+// dgr-worker: one stage of a bundle served over gRPC (dgr.v1.Stage and grpc.health.v1.Health), with no
+// Python at run time. Its flags are `dgr worker serve`'s (tools/dgr/commands/worker.py); docs/worker.md
+// says what phase 1 serves and what is still to come.
+//
+//   dgr-worker --bundle DIR --stage N [--listen HOST:PORT] [--n-ctx N] [--max-sessions N] ...
+//
+// Errors (bad flags, missing files, a stage out of range, a taken port) are one line on stderr and a
+// non-zero exit: 2 for the command line, 1 for everything else.
+#include <arpa/inet.h>
+#include <netdb.h>
+#include <sys/socket.h>
+#include <pthread.h>
+#include <limits.h>
+#include <signal.h>
+#include <unistd.h>
+
+#include <grpcpp/grpcpp.h>
+#include <grpcpp/health_check_service_interface.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <functional>
+#include <map>
+#include <sstream>
+#include <stdexcept>
+#include <thread>
+
+#include "blake3.h"
+#include "gguf_header.h"
+#include "nlohmann/json.hpp"
+#include "worker.h"
+
+namespace {
+
+// The pin (toolchains/llama.cpp.pin.json) this binary was built with: its commit and patch series are
+// the worker's identity, as dgr.buildinfo reads them from the checkout.
+const char * PIN_JSON =
+#include "dgr_pin.inc"
+    ;
+
+struct UsageError : std::runtime_error {
+    using std::runtime_error::runtime_error;
+};
+
+struct Options {
+    std::string bundle, fake_engine, listen = "127.0.0.1:0", lane, wire_dtype;
+    int stage = -1;
+    bool stage_given = false, insecure = false;
+    uint64_t max_message_bytes = dgr::DEFAULT_MAX_MESSAGE_BYTES;
+    int64_t n_ctx = 4096, max_sessions = 8, threads = 0;
+    dgr::Limits limits;
+    std::string data_plane = "grpc";
+    std::string tls_cert, tls_key, tls_ca, metrics_listen, certs, contract;
+    std::vector<std::string> die_at;
+};
+
+const char * USAGE =
+    "usage: dgr-worker --bundle DIR --stage N [--listen HOST:PORT] [--lane LANE] [--wire-dtype f32|f16|bf16|q8_0]\n"
+    "                  [--n-ctx N] [--max-sessions N] [--threads N] [--max-message-bytes N] [--max-batch-tokens N]\n"
+    "                  [--max-batch-sessions N] [--hold-batch N] [--session-ttl S] [--max-queued-steps N]\n"
+    "                  [--max-session-steps N] [--rpc-timeout S] [--link-keepalive-timeout S] [--drain-timeout S]\n"
+    "                  [--data-plane grpc] [--insecure]\n"
+    "Serves one stage of a bundle (dgr.v1.Stage over gRPC, grpc.health.v1) as `dgr worker serve` does.\n"
+    "Phase 1 (docs/worker.md): Describe, health, Tokenize/Detokenize, OpenSession/CloseSession; no frames yet.\n"
+    "The engine library is $DGR_ENGINE_LIB, else libdgr_engine.so beside this program.\n";
+
+int64_t to_int(const std::string & flag, const std::string & v) {
+    try {
+        size_t used = 0;
+        long long x = std::stoll(v, &used);
+        if (used != v.size()) throw std::invalid_argument(v);
+        return x;
+    } catch (const std::exception &) {
+        throw UsageError("argument " + flag + ": invalid int value: '" + v + "'");
+    }
+}
+
+double to_float(const std::string & flag, const std::string & v) {
+    try {
+        size_t used = 0;
+        double x = std::stod(v, &used);
+        if (used != v.size()) throw std::invalid_argument(v);
+        return x;
+    } catch (const std::exception &) {
+        throw UsageError("argument " + flag + ": invalid float value: '" + v + "'");
+    }
+}
+
+Options parse(int argc, char ** argv) {
+    Options o;
+    std::map<std::string, std::function<void(const std::string &)>> takes = {
+        {"--bundle", [&](auto & v) { o.bundle = v; }},
+        {"--fake-engine", [&](auto & v) { o.fake_engine = v; }},
+        {"--stage", [&](auto & v) { o.stage = int(to_int("--stage", v)); o.stage_given = true; }},
+        {"--listen", [&](auto & v) { o.listen = v; }},
+        {"--lane", [&](auto & v) { o.lane = v; }},
+        {"--wire-dtype", [&](auto & v) { o.wire_dtype = v; }},
+        {"--max-message-bytes", [&](auto & v) {
+             int64_t x = to_int("--max-message-bytes", v);
+             if (x <= int64_t(dgr::FRAME_OVERHEAD)) throw UsageError("--max-message-bytes must be more than " + std::to_string(dgr::FRAME_OVERHEAD));
+             o.max_message_bytes = uint64_t(x); }},
+        {"--max-batch-tokens", [&](auto & v) { o.limits.max_batch_tokens = to_int("--max-batch-tokens", v); }},
+        {"--max-batch-sessions", [&](auto & v) { o.limits.max_batch_sessions = to_int("--max-batch-sessions", v); }},
+        {"--hold-batch", [&](auto & v) { o.limits.hold_batch = std::max<int64_t>(0, to_int("--hold-batch", v)); }},
+        {"--test-die-at", [&](auto & v) { o.die_at.push_back(v); }},
+        {"--n-ctx", [&](auto & v) { o.n_ctx = to_int("--n-ctx", v); }},
+        {"--max-sessions", [&](auto & v) { o.max_sessions = to_int("--max-sessions", v); }},
+        {"--threads", [&](auto & v) { o.threads = to_int("--threads", v); }},
+        {"--session-ttl", [&](auto & v) { o.limits.session_ttl_s = std::max(0.0, to_float("--session-ttl", v)); }},
+        {"--max-queued-steps", [&](auto & v) { o.limits.max_queued_steps = to_int("--max-queued-steps", v); }},
+        {"--max-session-steps", [&](auto & v) { o.limits.max_session_steps = to_int("--max-session-steps", v); }},
+        {"--rpc-timeout", [&](auto & v) { o.limits.rpc_timeout_s = to_float("--rpc-timeout", v); }},
+        {"--link-keepalive-timeout", [&](auto & v) { o.limits.link_keepalive_timeout_s = to_float("--link-keepalive-timeout", v); }},
+        {"--drain-timeout", [&](auto & v) { o.limits.drain_timeout_s = to_float("--drain-timeout", v); }},
+        {"--data-plane", [&](auto & v) {
+             if (v != "grpc" && v != "native") throw UsageError("argument --data-plane: invalid choice: '" + v + "' (choose from 'grpc', 'native')");
+             o.data_plane = v; }},
+        {"--tls-cert", [&](auto & v) { o.tls_cert = v; }},
+        {"--tls-key", [&](auto & v) { o.tls_key = v; }},
+        {"--tls-ca", [&](auto & v) { o.tls_ca = v; }},
+        {"--metrics-listen", [&](auto & v) { o.metrics_listen = v; }},
+        {"--certs", [&](auto & v) { o.certs = v; }},
+        {"--contract", [&](auto & v) { o.contract = v; }},
+    };
+    for (int i = 1; i < argc; ++i) {
+        std::string a = argv[i];
+        if (a == "-h" || a == "--help") {
+            std::fputs(USAGE, stdout);
+            std::exit(0);
+        }
+        if (a == "--insecure") { o.insecure = true; continue; }
+        std::string flag = a, value;
+        bool inline_value = false;
+        if (auto eq = a.find('='); a.rfind("--", 0) == 0 && eq != std::string::npos) {
+            flag = a.substr(0, eq), value = a.substr(eq + 1), inline_value = true;
+        }
+        auto it = takes.find(flag);
+        if (it == takes.end()) throw UsageError("unrecognized argument: " + a);
+        if (!inline_value) {
+            if (i + 1 >= argc) throw UsageError("argument " + flag + ": expected one argument");
+            value = argv[++i];
+        }
+        it->second(value);
+    }
+    if (!o.stage_given) throw UsageError("the following arguments are required: --stage");
+    return o;
+}
+
+bool is_loopback(std::string host) {
+    if (host.size() >= 2 && host.front() == '[' && host.back() == ']') host = host.substr(1, host.size() - 2);
+    if (host == "localhost" || host == "ip6-localhost") return true;
+    in_addr a4;
+    in6_addr a6;
+    if (inet_pton(AF_INET, host.c_str(), &a4) == 1) return (ntohl(a4.s_addr) >> 24) == 127;
+    if (inet_pton(AF_INET6, host.c_str(), &a6) == 1) return IN6_IS_ADDR_LOOPBACK(&a6);
+    return false;
+}
+
+// Whether HOST:PORT can be bound now (as gRPC binds it, SO_REUSEADDR): checked before the engine loads, so
+// a taken port fails fast and with one line (gRPC's own bind failure logs a page first).
+std::string bind_error(const std::string & host, const std::string & port) {
+    std::string h = host;
+    if (h.size() >= 2 && h.front() == '[' && h.back() == ']') h = h.substr(1, h.size() - 2);
+    addrinfo hints{}, * res = nullptr;
+    hints.ai_socktype = SOCK_STREAM;
+    hints.ai_flags = AI_PASSIVE;
+    if (int rc = getaddrinfo(h.c_str(), port.c_str(), &hints, &res); rc != 0) return gai_strerror(rc);
+    std::string why;
+    for (addrinfo * a = res; a; a = a->ai_next) {
+        int fd = socket(a->ai_family, a->ai_socktype, a->ai_protocol);
+        if (fd < 0) { why = std::strerror(errno); continue; }
+        int one = 1;
+        setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
+        bool ok = bind(fd, a->ai_addr, a->ai_addrlen) == 0;
+        if (!ok) why = std::strerror(errno);
+        close(fd);
+        if (ok) { why.clear(); break; }
+    }
+    freeaddrinfo(res);
+    return why;
+}
+
+std::string self_dir() {
+    char buf[PATH_MAX];
+    ssize_t n = readlink("/proc/self/exe", buf, sizeof buf - 1);
+    if (n <= 0) return ".";
+    std::string p(buf, size_t(n));
+    return p.substr(0, p.rfind('/'));
+}
+
+struct Stage {
+    dgr::EngineLib lib;
+    dgr_engine * eng = nullptr;
+    dgr::StageIdentity id;
+};
+
+// The bundle's stage on the engine, and the identity the Python side builds (dgr.app.stages.bundle_stage).
+void open_stage(const Options & o, Stage & s) {
+    using json = nlohmann::json;
+    std::string root = o.bundle;
+    while (root.size() > 1 && root.back() == '/') root.pop_back();
+    std::string mpath = root + "/manifest.json";
+    std::string raw;
+    {
+        std::ifstream f(mpath, std::ios::binary);
+        if (!f) throw std::runtime_error(mpath + ": cannot read the bundle manifest (" + std::strerror(errno) + "); is " +
+                                         o.bundle + " a bundle folder?");
+        std::ostringstream ss;
+        ss << f.rdbuf();
+        raw = ss.str();
+    }
+    json m;
+    try {
+        m = json::parse(raw);
+        if (m.at("format_version").get<int>() != 1) {
+            throw std::runtime_error(mpath + ": format_version " + m.at("format_version").dump() + ", this dgr-worker reads 1; use a matching dgr");
+        }
+    } catch (const json::exception & e) {
+        throw std::runtime_error(mpath + ": not a valid dgr manifest: " + e.what());
+    }
+    // the manifest's bytes are canonical: its blake3 is the bundle id (dgr.bundle.manifest.bundle_id)
+    s.id.bundle_id = dgr::blake3_hex(raw);
+    const json & stages = m.at("stages");
+    const int n = int(stages.size());
+    if (o.stage < 0 || o.stage >= n) {
+        throw std::runtime_error("bundle " + root + " has " + std::to_string(n) + " stages (0.." + std::to_string(n - 1) +
+                                 "); there is no stage " + std::to_string(o.stage));
+    }
+    const json & entry = stages.at(size_t(o.stage));
+    std::string fname = entry.at("file").get<std::string>();
+    if (fname.empty() || fname == "." || fname == ".." || fname.find('/') != std::string::npos) {
+        throw std::runtime_error(mpath + ": stage " + std::to_string(o.stage) + " file '" + fname + "' is not a plain file name");
+    }
+    std::string file = root + "/" + fname;
+    if (access(file.c_str(), R_OK) != 0) throw std::runtime_error(file + ": no such stage file (re-provision the bundle)");
+    s.id.model = m.at("recipe").at("name").get<std::string>();
+    s.id.stage_index = o.stage;
+    s.id.stage_count = n;
+    s.id.wire_dtype = o.wire_dtype.empty() ? m.at("boundary_dtype").get<std::string>() : o.wire_dtype;
+    if (!dgr::find_dtype(s.id.wire_dtype)) {
+        throw std::runtime_error("unknown wire dtype '" + s.id.wire_dtype + "'; use one of f32, f16, bf16, q8_0");
+    }
+    json pin = json::parse(PIN_JSON);
+    s.id.upstream_commit = pin.at("commit").get<std::string>();
+    std::string series;
+    for (auto & p : pin.at("patches")) {
+        series += p.at("file").get<std::string>() + '\0' + p.at("blake3").get<std::string>() + '\n';
+    }
+    s.id.patch_series = dgr::blake3_hex(series);
+
+    s.lib = dgr::load_engine_lib(self_dir());
+    std::string lane = s.lib.lane();
+    if (!o.lane.empty() && o.lane != lane) {
+        throw std::runtime_error("--lane " + o.lane + ": the engine library was built for the " + lane +
+                                 " lane, and a worker advertises its engine's lane; start it with the " + o.lane +
+                                 " lane's engine ($DGR_ENGINE_LIB), or drop --lane");
+    }
+    s.id.lane = lane;
+    s.id.engine_blake3 = dgr::blake3_file(s.lib.path);
+    s.id.chat_template = dgr::gguf_string(file, "tokenizer.chat_template").value_or("");
+
+    dgr_open_params p{};
+    p.n_ctx = int32_t(o.n_ctx);
+    p.max_sessions = int32_t(o.max_sessions);
+    p.n_ubatch = 512;
+    p.n_threads = int32_t(o.threads);
+    p.n_gpu_layers = -1;
+    int32_t st = s.lib.open(file.c_str(), &p, &s.eng);
+    if (st != DGR_OK) throw std::runtime_error(s.lib.error(st));
+    dgr_stage_info info{};
+    st = s.lib.describe(s.eng, &info);
+    if (st != DGR_OK) throw std::runtime_error(s.lib.error(st));
+    int lb = entry.at("layer_begin").get<int>(), le = entry.at("layer_end").get<int>();
+    if (info.layer_begin != lb || info.layer_end != le) {
+        throw std::runtime_error(file + ": the engine opened layers [" + std::to_string(info.layer_begin) + ", " +
+                                 std::to_string(info.layer_end) + ") but the manifest says [" + std::to_string(lb) + ", " +
+                                 std::to_string(le) + "): rebuild the bundle");
+    }
+    const json & sch = entry.at("boundary_in");
+    if (!sch.is_null()) {
+        int ns = sch.at("n_streams").get<int>(), ne = sch.at("n_embd").get<int>();
+        bool ti = sch.at("token_ids").get<bool>();
+        if (ns != info.n_streams || ne != info.n_embd || ti != bool(info.needs_token_ids)) {
+            throw std::runtime_error(file + ": the manifest says stage " + std::to_string(o.stage) + " takes [n, " + std::to_string(ns) +
+                                     ", " + std::to_string(ne) + "]" + (ti ? " +token ids" : "") + " but the engine takes [n, " +
+                                     std::to_string(info.n_streams) + ", " + std::to_string(info.n_embd) + "]" +
+                                     (info.needs_token_ids ? " +token ids" : "") +
+                                     ": rebuild the bundle with this dgr, or use the engine it was built for");
+        }
+    }
+    // the boundary must fill the wire dtype's blocks (dgr.contract.StageContract.with_dtype)
+    const dgr::WireDtype * d = dgr::find_dtype(s.id.wire_dtype);
+    int width = info.n_streams * info.n_embd;
+    if (width % d->block != 0) {
+        std::string others;
+        for (auto & x : dgr::wire_dtypes()) {
+            if (width % x.block == 0) others += (others.empty() ? "" : ", ") + std::string(x.name);
+        }
+        throw std::runtime_error("--wire-dtype " + s.id.wire_dtype + ": wire dtype " + s.id.wire_dtype + " packs " +
+                                 std::to_string(d->block) + " values per block, but this boundary has " + std::to_string(width) +
+                                 " values per token (not a multiple of " + std::to_string(d->block) + "); use " + others);
+    }
+    // every id that ends a generation as llama.cpp sees it, the eos first (dgr.engine_api.VocabInfo.stop_ids)
+    std::vector<int32_t> eog(64);
+    dgr_vocab_info v{};
+    while (true) {
+        st = s.lib.vocab(s.eng, &v, eog.data(), int32_t(eog.size()));
+        if (st != DGR_OK) throw std::runtime_error(s.lib.error(st));
+        if (size_t(v.n_eog) <= eog.size()) break;
+        eog.resize(size_t(v.n_eog));
+    }
+    if (v.eos >= 0) s.id.eos_token_ids.push_back(v.eos);
+    for (int32_t k = 0; k < v.n_eog; ++k) {
+        if (eog[size_t(k)] != v.eos) s.id.eos_token_ids.push_back(eog[size_t(k)]);
+    }
+}
+
+int run(int argc, char ** argv) {
+    Options o = parse(argc, argv);
+    if (o.bundle.empty() == o.fake_engine.empty()) throw UsageError("give exactly one of --bundle BUNDLE or --fake-engine SPEC");
+    if (!o.fake_engine.empty()) {
+        throw std::runtime_error("--fake-engine: the fake model is Python's test double; dgr-worker serves bundles "
+                                 "(`dgr worker serve --fake-engine` serves it)");
+    }
+    for (auto & [flag, v] : {std::pair<const char *, int64_t>{"--max-queued-steps", o.limits.max_queued_steps},
+                             {"--max-session-steps", o.limits.max_session_steps},
+                             {"--max-batch-sessions", o.limits.max_batch_sessions}}) {
+        if (v < 1) throw std::runtime_error(std::string(flag) + " must be at least 1");
+    }
+    if (o.max_sessions < 1) throw std::runtime_error("--max-sessions must be at least 1");
+    if (o.n_ctx < 0) throw std::runtime_error("--n-ctx must not be negative");
+    // what phase 1 does not do yet is refused, never silently ignored (docs/worker.md)
+    if (!o.tls_cert.empty() || !o.tls_key.empty() || !o.tls_ca.empty()) {
+        throw std::runtime_error("--tls-cert/--tls-key/--tls-ca: dgr-worker has no TLS yet (issue 21, a later phase): "
+                                 "serve TLS stages with `dgr worker serve`");
+    }
+    if (!o.metrics_listen.empty()) throw std::runtime_error("--metrics-listen: dgr-worker serves no metrics yet (issue 21, a later phase)");
+    if (!o.certs.empty() || !o.contract.empty()) throw std::runtime_error("--certs/--contract: dgr-worker advertises no certificates yet (issue 21, a later phase)");
+    if (o.data_plane != "grpc") throw std::runtime_error("--data-plane native: dgr-worker has one data path, gRPC (docs/worker.md)");
+    if (!o.die_at.empty()) throw std::runtime_error("--test-die-at: not in dgr-worker yet (it runs no steps in phase 1)");
+    auto colon = o.listen.rfind(':');
+    std::string host = colon == std::string::npos ? "" : o.listen.substr(0, colon);
+    std::string port = colon == std::string::npos ? "" : o.listen.substr(colon + 1);
+    if (host.empty() || port.empty() || port.find_first_not_of("0123456789") != std::string::npos) {
+        throw std::runtime_error("cannot listen on '" + o.listen + "': give HOST:PORT with a free port (port 0 picks one)");
+    }
+    if (!o.insecure && !is_loopback(host)) {
+        throw std::runtime_error("refusing to listen on " + o.listen + " without TLS: anyone who reaches it could read and forge "
+                                 "boundaries. dgr-worker has no TLS yet: give --insecure to accept plaintext on a network you trust");
+    }
+
+    if (std::string why = bind_error(host, port); !why.empty()) {
+        throw std::runtime_error("cannot listen on " + o.listen + ": " + why + ": give HOST:PORT with a free port (port 0 picks one)");
+    }
+
+    Stage s;
+    open_stage(o, s);
+    struct Closer {
+        Stage & s;
+        ~Closer() { if (s.eng) s.lib.close(s.eng); }
+    } closer{s};
+
+    grpc::EnableDefaultHealthCheckService(true);
+    grpc::ServerBuilder b;
+    int bound = 0;
+    b.AddListeningPort(o.listen, grpc::InsecureServerCredentials(), &bound);
+    int limit = int(o.max_message_bytes + dgr::FRAME_OVERHEAD);
+    b.SetMaxReceiveMessageSize(limit);
+    b.SetMaxSendMessageSize(limit);
+    // no SO_REUSEPORT: a second worker on a taken port must fail, not share its connections
+    b.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
+    b.AddChannelArgument(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
+    b.AddChannelArgument(GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS, 500);
+    b.AddChannelArgument(GRPC_ARG_HTTP2_MAX_PING_STRIKES, 0);
+    b.AddChannelArgument(GRPC_ARG_HTTP2_MAX_PINGS_WITHOUT_DATA, 0);
+    b.AddChannelArgument(GRPC_ARG_KEEPALIVE_TIME_MS, 10000);
+    b.AddChannelArgument(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, 5000);
+    // errors name this hop by its address; a wildcard listen address names no machine, the host name does
+    std::string name = host;
+    if (host == "0.0.0.0" || host == "[::]") {
+        char hn[256] = {0};
+        gethostname(hn, sizeof hn - 1);
+        name = hn;
+    }
+    // the port is known only once bound (port 0): the worker is told its address right after
+    auto worker = std::make_unique<dgr::StageWorker>(s.lib, s.eng, s.id, name + ":" + port, o.max_message_bytes, o.limits);
+    b.RegisterService(worker.get());
+    std::unique_ptr<grpc::Server> server = b.BuildAndStart();
+    if (!server || bound == 0) {
+        throw std::runtime_error("cannot listen on " + o.listen + ": the address is taken or not this machine's; give "
+                                 "HOST:PORT with a free port (port 0 picks one)");
+    }
+    const std::string address = name + ":" + std::to_string(bound);
+    worker->set_address(address);
+    auto * health = server->GetHealthCheckService();
+    health->SetServingStatus("", true);
+    health->SetServingStatus("dgr.v1.Stage", true);
+    const dgr_stage_info & i = worker->info();
+    std::printf("dgr worker: stage %d [%d, %d) of bundle %s, %s lane, weights on %s, plaintext serving on %s\n",
+                s.id.stage_index, i.layer_begin, i.layer_end, s.id.bundle_id.c_str(), s.id.lane.c_str(), "the host",
+                address.c_str());
+    std::fflush(stdout);
+
+    // SIGTERM/SIGINT (blocked in every thread: main() blocked them before gRPC started any) end the wait
+    sigset_t sigs;
+    sigemptyset(&sigs);
+    sigaddset(&sigs, SIGTERM);
+    sigaddset(&sigs, SIGINT);
+    std::atomic<bool> done{false};
+    std::thread reaper([&] {
+        while (!done) {
+            std::this_thread::sleep_for(std::chrono::milliseconds(200));
+            worker->reap();
+        }
+    });
+    int sig = 0;
+    sigwait(&sigs, &sig);
+    health->SetServingStatus("", false);
+    health->SetServingStatus("dgr.v1.Stage", false);
+    worker->stop();
+    server->Shutdown(std::chrono::system_clock::now() +
+                     std::chrono::milliseconds(int64_t(std::max(0.0, o.limits.drain_timeout_s) * 1000)));
+    done = true;
+    reaper.join();
+    std::printf("dgr worker: stage %d on %s drained and stopped\n", s.id.stage_index, address.c_str());
+    std::fflush(stdout);
+    return 0;
+}
+
+}  // namespace
+
+int main(int argc, char ** argv) {
+    sigset_t sigs;
+    sigemptyset(&sigs);
+    sigaddset(&sigs, SIGTERM);
+    sigaddset(&sigs, SIGINT);
+    pthread_sigmask(SIG_BLOCK, &sigs, nullptr);
+    try {
+        return run(argc, argv);
+    } catch (const UsageError & e) {
+        std::fprintf(stderr, "dgr-worker: error: %s (dgr-worker --help lists the flags)\n", e.what());
+        return 2;
+    } catch (const std::exception & e) {
+        std::fprintf(stderr, "dgr-worker: error: %s\n", e.what());
+        return 1;
+    } catch (...) {
+        std::fprintf(stderr, "dgr-worker: error: unknown exception\n");
+        return 1;
+    }
+}

@@ -1,0 +1,574 @@
+#include "worker.h"
+
+#include <grpcpp/grpcpp.h>
+
+#include <algorithm>
+#include <stdexcept>
+
+#include "nlohmann/json.hpp"
+
+namespace dgr {
+
+namespace pb = dgr::v1;
+using Clock = std::chrono::steady_clock;
+
+const std::vector<WireDtype> & wire_dtypes() {
+    static const std::vector<WireDtype> t = {
+        {"f32", 1, 4, pb::F32}, {"f16", 1, 2, pb::F16}, {"bf16", 1, 2, pb::BF16}, {"q8_0", 32, 34, pb::Q8_0}};
+    return t;
+}
+
+const WireDtype * find_dtype(const std::string & name) {
+    for (auto & d : wire_dtypes()) {
+        if (name == d.name) return &d;
+    }
+    return nullptr;
+}
+
+static const WireDtype * dtype_of(pb::Dtype code) {
+    for (auto & d : wire_dtypes()) {
+        if (d.code == code) return &d;
+    }
+    return nullptr;
+}
+
+static uint64_t nbytes(const WireDtype & d, uint64_t n_values) { return n_values / d.block * d.block_bytes; }
+
+std::string utf8_replace(const std::string & s) {
+    // Unicode's "maximal subpart" practice (what CPython's decoder does): each maximal prefix of a valid
+    // sequence that cannot be completed becomes one U+FFFD
+    static const char REPL[] = "\xEF\xBF\xBD";
+    std::string out;
+    out.reserve(s.size());
+    auto u = [&](size_t i) { return static_cast<unsigned char>(s[i]); };
+    size_t i = 0, n = s.size();
+    while (i < n) {
+        unsigned char c = u(i);
+        if (c < 0x80) { out += char(c); ++i; continue; }
+        int need;
+        unsigned char lo = 0x80, hi = 0xBF;
+        if (c >= 0xC2 && c <= 0xDF) need = 1;
+        else if (c == 0xE0) { need = 2; lo = 0xA0; }
+        else if (c == 0xED) { need = 2; hi = 0x9F; }
+        else if (c >= 0xE1 && c <= 0xEF) need = 2;
+        else if (c == 0xF0) { need = 3; lo = 0x90; }
+        else if (c == 0xF4) { need = 3; hi = 0x8F; }
+        else if (c >= 0xF1 && c <= 0xF3) need = 3;
+        else { out += REPL; ++i; continue; }
+        size_t j = i + 1;
+        int got = 0;
+        while (got < need && j < n) {
+            unsigned char b = u(j);
+            if (got == 0 ? (b < lo || b > hi) : (b < 0x80 || b > 0xBF)) break;
+            ++j;
+            ++got;
+        }
+        if (got == need) out.append(s, i, j - i);
+        else out += REPL;
+        i = j;
+    }
+    return out;
+}
+
+static std::string status_name(grpc::StatusCode c) {
+    static const char * names[] = {"OK", "CANCELLED", "UNKNOWN", "INVALID_ARGUMENT", "DEADLINE_EXCEEDED",
+                                   "NOT_FOUND", "ALREADY_EXISTS", "PERMISSION_DENIED", "RESOURCE_EXHAUSTED",
+                                   "FAILED_PRECONDITION", "ABORTED", "OUT_OF_RANGE", "UNIMPLEMENTED", "INTERNAL",
+                                   "UNAVAILABLE", "DATA_LOSS", "UNAUTHENTICATED"};
+    int i = int(c);
+    return i >= 0 && i < int(sizeof names / sizeof *names) ? names[i] : std::to_string(i);
+}
+
+static std::string hop_name(uint32_t index, const std::string & address) {
+    return "stage " + std::to_string(index) + " (" + address + ")";
+}
+
+static std::string schema_str(const pb::BoundarySchema & s) {
+    const WireDtype * d = dtype_of(s.dtype());
+    return "[n, " + std::to_string(s.n_streams()) + ", " + std::to_string(s.n_embd()) + "] " +
+           (d ? std::string(d->name) : std::to_string(int(s.dtype()))) + " at layer " + std::to_string(s.layer()) +
+           (s.token_ids() ? " +token ids" : "") + " of bundle " + s.bundle_id();
+}
+
+static const char * py_bool(bool b) { return b ? "True" : "False"; }
+
+// Every handler runs inside this: no exception leaves a gRPC handler (INTERNAL with its message).
+template <typename F> static grpc::Status guarded(const char * rpc, F && f) {
+    try {
+        return f();
+    } catch (const std::exception & e) {
+        return grpc::Status(grpc::StatusCode::INTERNAL, std::string(rpc) + " failed: " + e.what());
+    } catch (...) {
+        return grpc::Status(grpc::StatusCode::INTERNAL, std::string(rpc) + " failed (unknown exception)");
+    }
+}
+
+StageWorker::StageWorker(const EngineLib & lib, dgr_engine * eng, StageIdentity identity, std::string address,
+                         uint64_t max_message_bytes, Limits limits)
+    : lib_(lib), eng_(eng), id_(std::move(identity)), address_(std::move(address)),
+      max_message_bytes_(max_message_bytes), limits_(limits), started_(Clock::now()) {
+    int32_t st = lib_.describe(eng_, &info_);
+    if (st != DGR_OK) throw std::runtime_error(lib_.error(st));
+    st = lib_.memory(eng_, &memory_);
+    if (st != DGR_OK) throw std::runtime_error(lib_.error(st));
+    can_truncate_ = lib_.can_truncate(eng_) != 0;
+    dtype_ = find_dtype(id_.wire_dtype);
+    if (!dtype_) throw std::runtime_error("unknown wire dtype '" + id_.wire_dtype + "'");
+}
+
+std::string StageWorker::hop() const {
+    std::lock_guard<std::mutex> g(addr_mu_);
+    return hop_name(uint32_t(id_.stage_index), address_);
+}
+
+void StageWorker::set_address(const std::string & address) {
+    std::lock_guard<std::mutex> g(addr_mu_);
+    address_ = address;
+}
+
+void StageWorker::count_error(pb::ErrorCode code) {
+    std::string name = pb::ErrorCode_Name(code);
+    std::lock_guard<std::mutex> g(mu_);
+    for (auto & e : errors_) {
+        if (e.first == name) { ++e.second; return; }
+    }
+    errors_.emplace_back(name, 1);
+}
+
+pb::WireError StageWorker::err(pb::ErrorCode code, const std::string & message, uint32_t retry_after_ms) {
+    count_error(code);
+    pb::WireError e;
+    e.set_code(code);
+    e.set_message(hop() + ": " + message);
+    e.set_hop(hop());
+    e.set_retry_after_ms(retry_after_ms);
+    return e;
+}
+
+void StageWorker::describe_msg(pb::StageDescription * d) {
+    const dgr_stage_info & i = info_;
+    auto * idn = d->mutable_identity();
+    idn->set_model(id_.model);
+    idn->set_bundle_id(id_.bundle_id);
+    idn->set_stage_index(uint32_t(id_.stage_index));
+    idn->set_stage_count(uint32_t(id_.stage_count));
+    idn->set_layer_begin(uint32_t(i.layer_begin));
+    idn->set_layer_end(uint32_t(i.layer_end));
+    idn->set_n_layer(uint32_t(i.n_layer));
+    idn->set_upstream_commit(id_.upstream_commit);
+    idn->set_patch_series(id_.patch_series);
+    idn->set_lane(id_.lane);
+    idn->set_arch(i.arch);
+    d->set_is_first(i.is_first);
+    d->set_is_last(i.is_last);
+    d->set_has_vocab(i.has_vocab);
+    d->set_n_vocab(uint32_t(i.n_vocab));
+    d->set_n_ctx(uint32_t(i.n_ctx));
+    d->set_max_sessions(uint32_t(i.max_sessions));
+    d->set_max_message_bytes(max_message_bytes_);
+    d->set_engine(id_.engine);
+    for (int32_t t : id_.eos_token_ids) d->add_eos_token_ids(uint32_t(t));
+    d->set_chat_template(id_.chat_template);
+    d->set_session_ttl_s(float(limits_.session_ttl_s));
+    d->set_max_queued_steps(uint32_t(limits_.max_queued_steps));
+    d->set_can_roll_back(can_truncate_);
+    d->set_batch_invariant(i.batch_invariant);
+    {
+        std::lock_guard<std::mutex> g(mu_);
+        d->set_open_sessions(uint32_t(sessions_.size()));
+        d->set_reaped_sessions(reaped_);
+        d->set_overloaded(overloaded_);
+    }
+    // phase 1 runs no frames: nothing queued, sent or cached yet
+    d->set_queued_steps(0);
+    d->set_max_frame_bytes_sent(0);
+    d->set_cached_positions(0);
+    const uint32_t width = uint32_t(i.n_streams) * uint32_t(i.n_embd);
+    if (!i.is_first) {
+        auto * s = d->mutable_schema_in();
+        s->set_n_streams(uint32_t(i.n_streams));
+        s->set_n_embd(uint32_t(i.n_embd));
+        s->set_dtype(dtype_->code);
+        s->set_token_ids(i.needs_token_ids);
+        s->set_bundle_id(id_.bundle_id);
+        s->set_layer(uint32_t(i.layer_begin));
+    }
+    if (!i.is_last) {
+        // token ids always travel with the boundary: any later stage that needs them has them
+        auto * s = d->mutable_schema_out();
+        s->set_n_streams(uint32_t(i.n_streams));
+        s->set_n_embd(uint32_t(i.n_embd));
+        s->set_dtype(dtype_->code);
+        s->set_token_ids(true);
+        s->set_bundle_id(id_.bundle_id);
+        s->set_layer(uint32_t(i.layer_end));
+        d->set_seam_bytes_per_token(nbytes(*dtype_, width));
+    }
+}
+
+std::string StageWorker::descriptor_json() {
+    // dgr.descriptor.Descriptor, field for field in its order (pydantic's model_dump_json)
+    using J = nlohmann::ordered_json;
+    const dgr_stage_info & i = info_;
+    const uint64_t width = uint64_t(i.n_streams) * uint64_t(i.n_embd);
+    auto seam = [&](int layer, bool token_ids) {
+        J per = J::object();
+        for (auto & d : wire_dtypes()) {
+            if (width % d.block == 0) per[d.name] = nbytes(d, width);
+        }
+        return J{{"layer", layer}, {"n_streams", i.n_streams}, {"n_embd", i.n_embd}, {"token_ids", token_ids},
+                 {"wire_dtype", dtype_->name}, {"bytes_per_token", per}};
+    };
+    auto times = [] {
+        return J{{"steps", 0}, {"compute_ms_median", 0.0}, {"compute_ms_p90", 0.0}, {"queue_ms_median", 0.0},
+                 {"queue_ms_p90", 0.0}};
+    };
+    J errors = J::object();
+    size_t open;
+    uint64_t reaped, overloaded;
+    bool stopping;
+    {
+        std::lock_guard<std::mutex> g(mu_);
+        for (auto & e : errors_) errors[e.first] = e.second;
+        open = sessions_.size();
+        reaped = reaped_;
+        overloaded = overloaded_;
+        stopping = stopping_;
+    }
+    double uptime = std::chrono::duration<double>(Clock::now() - started_).count();
+    J d = {
+        {"schema_version", 1},
+        {"address", [&] { std::lock_guard<std::mutex> g(addr_mu_); return address_; }()},
+        {"identity", {{"model", id_.model}, {"bundle_id", id_.bundle_id}, {"stage_index", id_.stage_index},
+                      {"stage_count", id_.stage_count}, {"layer_begin", i.layer_begin}, {"layer_end", i.layer_end},
+                      {"n_layer", i.n_layer}, {"upstream_commit", id_.upstream_commit},
+                      {"patch_series", id_.patch_series}, {"lane", id_.lane}, {"arch", i.arch},
+                      {"engine", id_.engine}, {"engine_blake3", id_.engine_blake3}, {"wire_dtype", id_.wire_dtype}}},
+        {"capacity", {{"max_sessions", i.max_sessions}, {"n_ctx", i.n_ctx},
+                      {"max_queued_steps", limits_.max_queued_steps}, {"max_session_steps", limits_.max_session_steps},
+                      {"max_batch_tokens", limits_.max_batch_tokens}, {"max_message_bytes", max_message_bytes_},
+                      {"session_ttl_s", limits_.session_ttl_s},
+                      {"memory", {{"weights_bytes", memory_.weights_bytes}, {"kv_bytes", memory_.kv_bytes},
+                                  {"compute_bytes", memory_.compute_bytes},
+                                  {"device_weights_bytes", memory_.device_weights_bytes},
+                                  {"device", std::string(memory_.device)}}},
+                      {"decode", times()}, {"prefill", times()}}},
+        {"load", {{"open_sessions", open}, {"queued_steps", 0}, {"cached_positions", 0}}},
+        {"seam", {{"seam_in", i.is_first ? J(nullptr) : seam(i.layer_begin, i.needs_token_ids != 0)},
+                  {"seam_out", i.is_last ? J(nullptr) : seam(i.layer_end, true)}}},
+        {"health", {{"serving", !stopping}, {"uptime_s", uptime}, {"errors", errors}, {"reaped_sessions", reaped},
+                    {"overloaded", overloaded}, {"restarts", 0}}},
+        {"security", {{"tls", false}, {"mutual_tls", false}, {"member", ""}}},
+        {"certificates", J::array()},
+        {"metrics", ""},
+    };
+    return d.dump(-1, ' ', false, J::error_handler_t::replace);
+}
+
+grpc::Status StageWorker::Describe(grpc::ServerContext *, const pb::DescribeRequest *, pb::StageDescription * d) {
+    return guarded("Describe", [&] {
+        describe_msg(d);
+        try {                                        // a liveness probe never fails on the descriptor
+            d->set_descriptor_json(descriptor_json());
+        } catch (const std::exception & e) {
+            fprintf(stderr, "dgr-worker: could not build the descriptor: %s\n", e.what());
+        }
+        return grpc::Status::OK;
+    });
+}
+
+grpc::Status StageWorker::Tokenize(grpc::ServerContext *, const pb::TokenizeRequest * req, pb::TokenizeReply * out) {
+    return guarded("Tokenize", [&] {
+        if (!info_.has_vocab) return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION, hop() + " holds no vocabulary");
+        const std::string & text = req->text();
+        std::vector<int32_t> ids(text.size() + 16);
+        int32_t n;
+        {
+            std::lock_guard<std::mutex> g(engine_mu_);
+            while (true) {
+                n = lib_.tokenize(eng_, text.c_str(), req->add_special(), ids.data(), int32_t(ids.size()));
+                if (n < 0) return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, lib_.error(DGR_E_ENGINE));
+                if (size_t(n) <= ids.size()) break;
+                ids.resize(size_t(n));
+            }
+        }
+        for (int32_t k = 0; k < n; ++k) out->add_token_ids(ids[size_t(k)]);
+        return grpc::Status::OK;
+    });
+}
+
+grpc::Status StageWorker::Detokenize(grpc::ServerContext *, const pb::DetokenizeRequest * req, pb::DetokenizeReply * out) {
+    return guarded("Detokenize", [&] {
+        if (!info_.has_vocab) return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION, hop() + " holds no vocabulary");
+        std::vector<int32_t> ids(req->token_ids().begin(), req->token_ids().end());
+        if (ids.empty()) ids.push_back(0);           // the array is never empty; n says how many count
+        std::string buf(16 * size_t(req->token_ids_size()) + 16, '\0');
+        int32_t n;
+        {
+            std::lock_guard<std::mutex> g(engine_mu_);
+            while (true) {
+                n = lib_.detokenize(eng_, ids.data(), req->token_ids_size(), &buf[0], int32_t(buf.size()));
+                if (n < 0) return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, lib_.error(DGR_E_ENGINE));
+                if (size_t(n) <= buf.size()) break;
+                buf.resize(size_t(n));
+            }
+        }
+        buf.resize(size_t(n));
+        out->set_text(utf8_replace(buf));
+        return grpc::Status::OK;
+    });
+}
+
+std::chrono::system_clock::time_point StageWorker::chain_deadline(size_t hops_after, const grpc::ServerContext * ctx) const {
+    // one rpc_timeout per hop still to go (the hop nearest a fault times out first), never past the
+    // caller's own deadline (less 0.2 s to answer), at least 0.1 s
+    double t = limits_.rpc_timeout_s * double(std::max<size_t>(1, hops_after));
+    auto now = std::chrono::system_clock::now();
+    auto theirs = ctx->deadline();
+    if (theirs != std::chrono::system_clock::time_point::max()) {
+        double left = std::chrono::duration<double>(theirs - now).count();
+        t = std::max(0.1, std::min(t, left - 0.2));
+    }
+    return now + std::chrono::duration_cast<std::chrono::system_clock::duration>(std::chrono::duration<double>(t));
+}
+
+pb::Stage::Stub * StageWorker::link(const std::string & address) {
+    std::lock_guard<std::mutex> g(mu_);
+    auto & stub = links_[address];
+    if (!stub) {
+        grpc::ChannelArguments args;
+        int limit = int(max_message_bytes_ + FRAME_OVERHEAD);
+        args.SetMaxSendMessageSize(limit);
+        args.SetMaxReceiveMessageSize(limit);
+        // its own connection: a peer restarted in place is not stuck behind a shared connection's backoff
+        args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
+        stub = pb::Stage::NewStub(grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args));
+    }
+    return stub.get();
+}
+
+uint32_t StageWorker::session_retry_ms() {
+    // when a slot may free up: the next idle session's reaping, else a second (mu_ held)
+    double ttl = limits_.session_ttl_s;
+    if (ttl <= 0 || sessions_.empty()) return 1000;
+    double idle = 0;
+    auto now = Clock::now();
+    for (auto & kv : sessions_) idle = std::max(idle, std::chrono::duration<double>(now - kv.second.last_used).count());
+    return uint32_t(std::min(ttl, std::max(0.1, ttl - idle)) * 1000);
+}
+
+grpc::Status StageWorker::OpenSession(grpc::ServerContext * ctx, const pb::OpenSessionRequest * req, pb::OpenSessionReply * reply) {
+    return guarded("OpenSession", [&] {
+        auto fail = [&](pb::ErrorCode code, const std::string & msg, uint32_t retry = 0) {
+            *reply->mutable_error() = err(code, msg, retry);
+            return grpc::Status::OK;
+        };
+        bool stopping;
+        { std::lock_guard<std::mutex> g(mu_); stopping = stopping_; }
+        if (stopping) return fail(pb::HOP_UNREACHABLE, "this worker is shutting down: open the session on another replica");
+        pb::StageDescription me;
+        describe_msg(&me);
+        const auto & ident = me.identity();
+        if (req->hop_index() >= uint32_t(req->route_size())) return fail(pb::BAD_FRAME, "hop_index is outside the route");
+        const pb::Hop & at = req->route(int(req->hop_index()));
+        auto range = [](uint32_t s, uint32_t b, uint32_t e, const std::string & bundle) {
+            return "stage " + std::to_string(s) + " [" + std::to_string(b) + ", " + std::to_string(e) + ") of bundle " + bundle;
+        };
+        std::string mine = range(ident.stage_index(), ident.layer_begin(), ident.layer_end(), ident.bundle_id());
+        std::string want = range(at.stage_index(), at.layer_begin(), at.layer_end(), at.bundle_id());
+        if (at.bundle_id() != ident.bundle_id() || at.stage_index() != ident.stage_index()) {
+            return fail(pb::WRONG_STAGE, "the route expects " + want + " at " + at.address() + " but this worker serves " +
+                                             mine + ": fix the route or start the right worker");
+        }
+        if (at.layer_begin() != ident.layer_begin() || at.layer_end() != ident.layer_end()) {
+            return fail(pb::WRONG_RANGE, "the route expects " + want + " but this worker serves " + mine);
+        }
+        const bool last_hop = req->hop_index() == uint32_t(req->route_size() - 1);
+        if ((req->hop_index() == 0) != bool(info_.is_first) || last_hop != bool(info_.is_last)) {
+            return fail(pb::WRONG_STAGE, "this worker serves " + mine + " (first=" + py_bool(info_.is_first) + ", last=" +
+                                             py_bool(info_.is_last) + ") but is hop " + std::to_string(req->hop_index()) +
+                                             " of a " + std::to_string(req->route_size()) +
+                                             "-hop route: the route must cover every layer in order");
+        }
+        if (req->hop_index() > 0) {
+            const auto & up = req->upstream();
+            if (!up.has_schema_out()) return fail(pb::WRONG_STAGE, "the previous hop did not say what it sends (no schema_out)");
+            std::string theirs = hop_name(up.identity().stage_index(), req->route(int(req->hop_index()) - 1).address());
+            const auto & so = up.schema_out();
+            const auto & si = me.schema_in();
+            std::vector<std::string> diff;
+            if (so.n_streams() != si.n_streams()) diff.push_back("n_streams");
+            if (so.n_embd() != si.n_embd()) diff.push_back("n_embd");
+            if (so.dtype() != si.dtype()) diff.push_back("dtype");
+            if (so.bundle_id() != si.bundle_id()) diff.push_back("bundle_id");
+            if (si.token_ids() && !so.token_ids()) diff.push_back("token_ids");
+            if (!diff.empty()) {
+                std::string d;
+                for (auto & f : diff) d += (d.empty() ? "" : ", ") + f;
+                return fail(pb::SCHEMA_MISMATCH, theirs + " sends " + schema_str(so) + " but this stage takes " + schema_str(si) +
+                                                     " (differs in " + d + "): both hops must serve stages of the same bundle");
+            }
+            if (so.layer() != si.layer()) {
+                return fail(pb::WRONG_RANGE, theirs + " hands over at layer " + std::to_string(so.layer()) +
+                                                 " but this stage begins at layer " + std::to_string(si.layer()));
+            }
+        }
+        if (info_.is_last) {
+            uint64_t vocab_bytes = uint64_t(info_.n_vocab) * 4 + FRAME_OVERHEAD;
+            if (req->logits() != pb::LOGITS_NONE && vocab_bytes > max_message_bytes_) {
+                return fail(pb::MESSAGE_TOO_LARGE, "one logits row needs " + std::to_string(vocab_bytes) + " bytes, over the " +
+                                                       std::to_string(max_message_bytes_) + "-byte message limit");
+            }
+        }
+        const Key key{req->session_id(), req->epoch()};
+        std::vector<Key> old;
+        {
+            std::unique_lock<std::mutex> g(mu_);
+            auto le = latest_epoch_.find(req->session_id());
+            if ((le != latest_epoch_.end() && req->epoch() < le->second) || sessions_.count(key)) {
+                std::string at = std::to_string(latest_epoch_[req->session_id()]);
+                g.unlock();
+                return fail(pb::STALE_EPOCH, "session " + req->session_id() + " is already at epoch " + at + "; open a newer epoch");
+            }
+            for (auto & kv : sessions_) {
+                if (kv.first.first == req->session_id()) old.push_back(kv.first);
+            }
+            if (sessions_.size() - old.size() >= size_t(info_.max_sessions)) {
+                ++overloaded_;
+                uint32_t retry = session_retry_ms();
+                g.unlock();
+                return fail(pb::OVERLOADED, "all " + std::to_string(info_.max_sessions) +
+                                                " sessions are in use: retry later or use another route", retry);
+            }
+        }
+        for (auto & k : old) close_local(k.first, k.second);
+        {
+            std::lock_guard<std::mutex> g(engine_mu_);
+            int32_t st = lib_.session_open(eng_, req->session_id().c_str(), int64_t(req->epoch()));
+            if (st != DGR_OK) {
+                std::string msg = lib_.error(st);
+                return fail(pb::ENGINE, msg);
+            }
+        }
+        {
+            std::lock_guard<std::mutex> g(mu_);
+            Session s;
+            s.route.assign(req->route().begin(), req->route().end());
+            s.hop_index = req->hop_index();
+            s.last_used = Clock::now();
+            sessions_[key] = std::move(s);
+            ++opened_total_;
+            latest_epoch_[req->session_id()] = req->epoch();
+        }
+        *reply->add_hops() = me;
+        if (!info_.is_last) {
+            const pb::Hop & nxt = req->route(int(req->hop_index()) + 1);
+            pb::OpenSessionRequest fwd = *req;
+            fwd.set_hop_index(req->hop_index() + 1);
+            *fwd.mutable_upstream() = me;
+            pb::OpenSessionReply theirs;
+            grpc::ClientContext cc;
+            cc.set_deadline(chain_deadline(size_t(req->route_size()) - 1 - req->hop_index(), ctx));
+            grpc::Status st = link(nxt.address())->OpenSession(&cc, fwd, &theirs);
+            if (!st.ok()) {
+                std::string name = hop_name(req->hop_index() + 1, nxt.address());
+                count_error(pb::HOP_UNREACHABLE);
+                theirs.Clear();
+                auto * e = theirs.mutable_error();
+                e->set_code(pb::HOP_UNREACHABLE);
+                e->set_hop(name);
+                e->set_message(name + " is unreachable: " + hop() + " could not open the session there (" +
+                               status_name(st.error_code()) + ": " + st.error_message() + "): is that worker running?");
+            }
+            if (theirs.has_error()) {
+                close_local(key.first, key.second);
+                reply->Clear();
+                *reply->mutable_error() = theirs.error();
+                return grpc::Status::OK;
+            }
+            for (auto & h : theirs.hops()) *reply->add_hops() = h;
+        }
+        return grpc::Status::OK;
+    });
+}
+
+void StageWorker::close_local(const std::string & sid, uint64_t epoch) {
+    bool held;
+    {
+        std::lock_guard<std::mutex> g(mu_);
+        held = sessions_.erase(Key{sid, epoch}) > 0;
+    }
+    if (held) {
+        std::lock_guard<std::mutex> g(engine_mu_);
+        int32_t st = lib_.session_close(eng_, sid.c_str(), int64_t(epoch));
+        if (st != DGR_OK) fprintf(stderr, "dgr-worker: closing session %s epoch %llu: %s\n", sid.c_str(),
+                                  (unsigned long long) epoch, lib_.error(st).c_str());
+    }
+}
+
+grpc::Status StageWorker::CloseSession(grpc::ServerContext * ctx, const pb::CloseSessionRequest * req, pb::CloseSessionReply * reply) {
+    return guarded("CloseSession", [&] {
+        std::vector<pb::Hop> route;
+        uint32_t hop_index = 0;
+        bool had;
+        {
+            std::lock_guard<std::mutex> g(mu_);
+            auto it = sessions_.find(Key{req->session_id(), req->epoch()});
+            had = it != sessions_.end();
+            if (had) {
+                route = it->second.route;
+                hop_index = it->second.hop_index;
+            }
+        }
+        close_local(req->session_id(), req->epoch());
+        if (req->chain() && had && !info_.is_last && hop_index + 1 < route.size()) {
+            const pb::Hop & nxt = route[hop_index + 1];
+            pb::CloseSessionReply theirs;
+            grpc::ClientContext cc;
+            cc.set_deadline(chain_deadline(route.size() - 1 - hop_index, ctx));
+            grpc::Status st = link(nxt.address())->CloseSession(&cc, *req, &theirs);
+            if (!st.ok()) {
+                *reply->mutable_error() = err(pb::HOP_UNREACHABLE, "could not close on " + hop_name(hop_index + 1, nxt.address()) +
+                                                                       ": " + status_name(st.error_code()));
+            }
+        }
+        return grpc::Status::OK;
+    });
+}
+
+grpc::Status StageWorker::Frames(grpc::ServerContext *, grpc::ServerReaderWriter<pb::Frame, pb::Frame> *) {
+    return grpc::Status(grpc::StatusCode::UNIMPLEMENTED,
+                        hop() + ": dgr-worker phase 1 serves no frames yet (issue 21, docs/worker.md): run this stage "
+                                "with `dgr worker serve` to generate");
+}
+
+int StageWorker::reap() {
+    double ttl = limits_.session_ttl_s;
+    if (ttl <= 0) return 0;
+    std::vector<Key> idle;
+    {
+        std::lock_guard<std::mutex> g(mu_);
+        auto now = Clock::now();
+        for (auto & kv : sessions_) {
+            if (std::chrono::duration<double>(now - kv.second.last_used).count() > ttl) idle.push_back(kv.first);
+        }
+    }
+    for (auto & k : idle) {
+        close_local(k.first, k.second);
+        std::lock_guard<std::mutex> g(mu_);
+        ++reaped_;
+    }
+    return int(idle.size());
+}
+
+void StageWorker::stop() {
+    std::vector<Key> open;
+    {
+        std::lock_guard<std::mutex> g(mu_);
+        stopping_ = true;
+        for (auto & kv : sessions_) open.push_back(kv.first);
+    }
+    for (auto & k : open) close_local(k.first, k.second);
+}
+
+}  // namespace dgr
