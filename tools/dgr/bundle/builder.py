@@ -93,8 +93,9 @@ def _write_stage(bp: BuildPlan, sp: StagePlan, src: BinaryIO, out: Path, chunk_s
             else:
                 src.seek(start)
                 data = np.frombuffer(src.read(t.nbytes), dtype=np.uint8)
-                on_bytes(t.nbytes)
-                w.write_tensor([convert(data, t, q)])
+                out_data = convert(data, t, q)
+                on_bytes(memoryview(out_data).nbytes)  # the bar's total counts bytes written
+                w.write_tensor([out_data])
         w.close()
     digest, chunks = hasher.finish()
     return hasher.size, digest, chunks
