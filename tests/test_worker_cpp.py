@@ -1,4 +1,4 @@
-"""dgr-worker (worker/server, the C++ stage worker; docs/worker.md), phase 1, against the Python worker.
+"""dgr-worker (worker/server, the C++ stage worker; docs/worker.md), its phase 1 RPCs, against the Python worker.
 
 Both serve the same stage of the same bundle as real processes on loopback; the Python client talks to
 both. Describe must agree field by field (the fields naming the process aside), the descriptor JSON too
@@ -240,12 +240,17 @@ def test_open_close_and_their_errors_equal(pair):
     assert results["cpp"][-2] == "[0, 0]"
 
 
-def test_frames_answer_unimplemented(pair):
-    c = pair["cpp", 0]
-    with pytest.raises(grpc.RpcError) as err:
-        list(c.stub.Frames(iter([pb.Frame(session_id="x", epoch=1)]), timeout=10))
-    assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
-    assert "phase 1" in err.value.details()
+def test_frames_refusals_equal_the_python_worker(pair):
+    """Frames is served (phase 2: tests/test_worker_cpp_frames.py); its typed refusals match the Python worker's."""
+    frames = [pb.Frame(session_id="x", epoch=1),
+              pb.Frame(session_id="x", epoch=1, step=pb.Step(positions=[0], token_ids=[1]))]
+    results = {}
+    for kind in ("cpp", "py"):
+        p = pair[kind, 0]
+        results[kind] = [(r.error.code, normalized(r.error.message, p))
+                         for r in p.stub.Frames(iter(frames), timeout=10)]
+    assert results["cpp"] == results["py"]
+    assert [c for c, _ in results["cpp"]] == [pb.UNKNOWN_SESSION, pb.UNKNOWN_SESSION]
 
 
 def one_line_error(cmd: list[str]) -> tuple[int, str]:

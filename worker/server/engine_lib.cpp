@@ -54,6 +54,19 @@ EngineLib load_engine_lib(const std::string & self_dir) {
     sym(lib.vocab, "dgr_engine_vocab");
     sym(lib.tokenize, "dgr_tokenize");
     sym(lib.detokenize, "dgr_detokenize");
+    sym(lib.forward, "dgr_forward");
+    sym(lib.n_cached, "dgr_session_n_cached");
+    sym(lib.last_cache_miss, "dgr_last_cache_miss");
+    sym(lib.sample, "dgr_sample");
+    auto opt = [&](auto & fn, const char * name) {
+        fn = reinterpret_cast<std::remove_reference_t<decltype(fn)>>(dlsym(h, name));
+    };
+    opt(lib.fp16_to_fp32, "ggml_fp16_to_fp32_row");
+    opt(lib.fp32_to_fp16, "ggml_fp32_to_fp16_row");
+    opt(lib.bf16_to_fp32, "ggml_bf16_to_fp32_row");
+    opt(lib.fp32_to_bf16, "ggml_fp32_to_bf16_row_ref");     // the scalar one: round to nearest even, NaN kept
+    opt(lib.quantize_q8_0, "quantize_row_q8_0_ref");
+    opt(lib.dequantize_q8_0, "dequantize_row_q8_0");
     return lib;
 }
 

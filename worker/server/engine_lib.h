@@ -26,6 +26,20 @@ struct EngineLib {
     int32_t (*vocab)(dgr_engine *, dgr_vocab_info *, int32_t *, int32_t);
     int32_t (*tokenize)(dgr_engine *, const char *, int32_t, int32_t *, int32_t);
     int32_t (*detokenize)(dgr_engine *, const int32_t *, int32_t, char *, int32_t);
+    // the data path (phase 2): forward, the cache, the last stage's draw (dgr_sample.cpp, the one sampler)
+    int32_t (*forward)(dgr_engine *, int32_t, const dgr_step *, dgr_step_out *);
+    int32_t (*n_cached)(dgr_engine *, const char *, int64_t, int32_t *);
+    void    (*last_cache_miss)(int64_t *, int64_t *);
+    int32_t (*sample)(const float *, int32_t, double, int32_t, double, uint64_t, int64_t);
+    // ggml's own wire-dtype converters, exported by the engine library (null when it does not: lossy wire
+    // dtypes are then refused at start). Layouts: f16/bf16 one uint16 a value; q8_0 blocks of 32 values,
+    // an f16 scale then 32 int8 (34 bytes).
+    void (*fp16_to_fp32)(const uint16_t *, float *, int64_t);
+    void (*fp32_to_fp16)(const float *, uint16_t *, int64_t);
+    void (*bf16_to_fp32)(const uint16_t *, float *, int64_t);
+    void (*fp32_to_bf16)(const float *, uint16_t *, int64_t);
+    void (*quantize_q8_0)(const float *, void *, int64_t);
+    void (*dequantize_q8_0)(const void *, float *, int64_t);
 
     std::string error(int32_t status) const;   // dgr_last_error(), or the status
 };

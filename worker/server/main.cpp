@@ -1,6 +1,6 @@
 // dgr-worker: one stage of a bundle served over gRPC (dgr.v1.Stage and grpc.health.v1.Health), with no
 // Python at run time. Its flags are `dgr worker serve`'s (tools/dgr/commands/worker.py); docs/worker.md
-// says what phase 1 serves and what is still to come.
+// says what it serves (phases 1 and 2) and what is still to come.
 //
 //   dgr-worker --bundle DIR --stage N [--listen HOST:PORT] [--n-ctx N] [--max-sessions N] ...
 //
@@ -332,7 +332,7 @@ int run(int argc, char ** argv) {
     }
     if (o.max_sessions < 1) throw std::runtime_error("--max-sessions must be at least 1");
     if (o.n_ctx < 0) throw std::runtime_error("--n-ctx must not be negative");
-    // what phase 1 does not do yet is refused, never silently ignored (docs/worker.md)
+    // what dgr-worker does not do yet is refused, never silently ignored (docs/worker.md)
     if (!o.tls_cert.empty() || !o.tls_key.empty() || !o.tls_ca.empty()) {
         throw std::runtime_error("--tls-cert/--tls-key/--tls-ca: dgr-worker has no TLS yet (issue 21, a later phase): "
                                  "serve TLS stages with `dgr worker serve`");
@@ -340,7 +340,7 @@ int run(int argc, char ** argv) {
     if (!o.metrics_listen.empty()) throw std::runtime_error("--metrics-listen: dgr-worker serves no metrics yet (issue 21, a later phase)");
     if (!o.certs.empty() || !o.contract.empty()) throw std::runtime_error("--certs/--contract: dgr-worker advertises no certificates yet (issue 21, a later phase)");
     if (o.data_plane != "grpc") throw std::runtime_error("--data-plane native: dgr-worker has one data path, gRPC (docs/worker.md)");
-    if (!o.die_at.empty()) throw std::runtime_error("--test-die-at: not in dgr-worker yet (it runs no steps in phase 1)");
+    if (!o.die_at.empty()) throw std::runtime_error("--test-die-at: not in dgr-worker yet (issue 21, a later phase)");
     auto colon = o.listen.rfind(':');
     std::string host = colon == std::string::npos ? "" : o.listen.substr(0, colon);
     std::string port = colon == std::string::npos ? "" : o.listen.substr(colon + 1);

@@ -25,14 +25,14 @@ const WireDtype * find_dtype(const std::string & name) {
     return nullptr;
 }
 
-static const WireDtype * dtype_of(pb::Dtype code) {
+const WireDtype * dtype_of(pb::Dtype code) {
     for (auto & d : wire_dtypes()) {
         if (d.code == code) return &d;
     }
     return nullptr;
 }
 
-static uint64_t nbytes(const WireDtype & d, uint64_t n_values) { return n_values / d.block * d.block_bytes; }
+uint64_t nbytes(const WireDtype & d, uint64_t n_values) { return n_values / d.block * d.block_bytes; }
 
 std::string utf8_replace(const std::string & s) {
     // Unicode's "maximal subpart" practice (what CPython's decoder does): each maximal prefix of a valid
@@ -70,7 +70,7 @@ std::string utf8_replace(const std::string & s) {
     return out;
 }
 
-static std::string status_name(grpc::StatusCode c) {
+std::string status_name(grpc::StatusCode c) {
     static const char * names[] = {"OK", "CANCELLED", "UNKNOWN", "INVALID_ARGUMENT", "DEADLINE_EXCEEDED",
                                    "NOT_FOUND", "ALREADY_EXISTS", "PERMISSION_DENIED", "RESOURCE_EXHAUSTED",
                                    "FAILED_PRECONDITION", "ABORTED", "OUT_OF_RANGE", "UNIMPLEMENTED", "INTERNAL",
@@ -79,11 +79,11 @@ static std::string status_name(grpc::StatusCode c) {
     return i >= 0 && i < int(sizeof names / sizeof *names) ? names[i] : std::to_string(i);
 }
 
-static std::string hop_name(uint32_t index, const std::string & address) {
+std::string hop_name(uint32_t index, const std::string & address) {
     return "stage " + std::to_string(index) + " (" + address + ")";
 }
 
-static std::string schema_str(const pb::BoundarySchema & s) {
+std::string schema_str(const pb::BoundarySchema & s) {
     const WireDtype * d = dtype_of(s.dtype());
     return "[n, " + std::to_string(s.n_streams()) + ", " + std::to_string(s.n_embd()) + "] " +
            (d ? std::string(d->name) : std::to_string(int(s.dtype()))) + " at layer " + std::to_string(s.layer()) +
@@ -114,6 +114,18 @@ StageWorker::StageWorker(const EngineLib & lib, dgr_engine * eng, StageIdentity 
     can_truncate_ = lib_.can_truncate(eng_) != 0;
     dtype_ = find_dtype(id_.wire_dtype);
     if (!dtype_) throw std::runtime_error("unknown wire dtype '" + id_.wire_dtype + "'");
+    const bool lossy_ok = lib_.fp16_to_fp32 && lib_.fp32_to_fp16 && lib_.bf16_to_fp32 && lib_.fp32_to_bf16 &&
+                          lib_.quantize_q8_0 && lib_.dequantize_q8_0;
+    if (dtype_->code != pb::F32 && !lossy_ok) {
+        throw std::runtime_error("--wire-dtype " + id_.wire_dtype + ": the engine library " + lib_.path +
+                                 " does not export ggml's converters; use --wire-dtype f32 or rebuild it");
+    }
+    pb::StageDescription me;
+    describe_msg(&me);
+    schema_in_ = me.schema_in();
+    schema_out_ = me.schema_out();
+    seam_bytes_per_token_ = me.seam_bytes_per_token();
+    engine_thread_ = std::thread([this] { engine_loop(); });   // last: it reads all of the above
 }
 
 std::string StageWorker::hop() const {
@@ -179,10 +191,14 @@ void StageWorker::describe_msg(pb::StageDescription * d) {
         d->set_reaped_sessions(reaped_);
         d->set_overloaded(overloaded_);
     }
-    // phase 1 runs no frames: nothing queued, sent or cached yet
-    d->set_queued_steps(0);
-    d->set_max_frame_bytes_sent(0);
-    d->set_cached_positions(0);
+    {
+        std::lock_guard<std::mutex> g(mu_);
+        d->set_queued_steps(uint32_t(n_pending_));
+        d->set_max_frame_bytes_sent(max_frame_bytes_sent_);
+        uint64_t cached = 0;
+        for (auto & kv : sessions_) cached += kv.second->held;
+        d->set_cached_positions(cached);
+    }
     const uint32_t width = uint32_t(i.n_streams) * uint32_t(i.n_embd);
     if (!i.is_first) {
         auto * s = d->mutable_schema_in();
@@ -225,12 +241,15 @@ std::string StageWorker::descriptor_json() {
     };
     J errors = J::object();
     size_t open;
-    uint64_t reaped, overloaded;
+    uint64_t reaped, overloaded, cached = 0;
+    int64_t queued;
     bool stopping;
     {
         std::lock_guard<std::mutex> g(mu_);
         for (auto & e : errors_) errors[e.first] = e.second;
         open = sessions_.size();
+        queued = n_pending_;
+        for (auto & kv : sessions_) cached += kv.second->held;
         reaped = reaped_;
         overloaded = overloaded_;
         stopping = stopping_;
@@ -253,7 +272,7 @@ std::string StageWorker::descriptor_json() {
                                   {"device_weights_bytes", memory_.device_weights_bytes},
                                   {"device", std::string(memory_.device)}}},
                       {"decode", times()}, {"prefill", times()}}},
-        {"load", {{"open_sessions", open}, {"queued_steps", 0}, {"cached_positions", 0}}},
+        {"load", {{"open_sessions", open}, {"queued_steps", queued}, {"cached_positions", cached}}},
         {"seam", {{"seam_in", i.is_first ? J(nullptr) : seam(i.layer_begin, i.needs_token_ids != 0)},
                   {"seam_out", i.is_last ? J(nullptr) : seam(i.layer_end, true)}}},
         {"health", {{"serving", !stopping}, {"uptime_s", uptime}, {"errors", errors}, {"reaped_sessions", reaped},
@@ -324,7 +343,7 @@ std::chrono::system_clock::time_point StageWorker::chain_deadline(size_t hops_af
     // caller's own deadline (less 0.2 s to answer), at least 0.1 s
     double t = limits_.rpc_timeout_s * double(std::max<size_t>(1, hops_after));
     auto now = std::chrono::system_clock::now();
-    auto theirs = ctx->deadline();
+    auto theirs = ctx ? ctx->deadline() : std::chrono::system_clock::time_point::max();
     if (theirs != std::chrono::system_clock::time_point::max()) {
         double left = std::chrono::duration<double>(theirs - now).count();
         t = std::max(0.1, std::min(t, left - 0.2));
@@ -353,7 +372,7 @@ uint32_t StageWorker::session_retry_ms() {
     if (ttl <= 0 || sessions_.empty()) return 1000;
     double idle = 0;
     auto now = Clock::now();
-    for (auto & kv : sessions_) idle = std::max(idle, std::chrono::duration<double>(now - kv.second.last_used).count());
+    for (auto & kv : sessions_) idle = std::max(idle, std::chrono::duration<double>(now - kv.second->last_used).count());
     return uint32_t(std::min(ttl, std::max(0.1, ttl - idle)) * 1000);
 }
 
@@ -452,10 +471,12 @@ grpc::Status StageWorker::OpenSession(grpc::ServerContext * ctx, const pb::OpenS
         }
         {
             std::lock_guard<std::mutex> g(mu_);
-            Session s;
-            s.route.assign(req->route().begin(), req->route().end());
-            s.hop_index = req->hop_index();
-            s.last_used = Clock::now();
+            auto s = std::make_shared<Session>();
+            s->route.assign(req->route().begin(), req->route().end());
+            s->hop_index = req->hop_index();
+            s->last_used = Clock::now();
+            s->sampling = req->sampling();
+            s->logits = int(req->logits());
             sessions_[key] = std::move(s);
             ++opened_total_;
             latest_epoch_[req->session_id()] = req->epoch();
@@ -497,6 +518,11 @@ void StageWorker::close_local(const std::string & sid, uint64_t epoch) {
     {
         std::lock_guard<std::mutex> g(mu_);
         held = sessions_.erase(Key{sid, epoch}) > 0;
+        auto it = pending_.find(Key{sid, epoch});   // its queued steps are forgotten
+        if (it != pending_.end()) {
+            n_pending_ -= int64_t(it->second.size());
+            pending_.erase(it);
+        }
     }
     if (held) {
         std::lock_guard<std::mutex> g(engine_mu_);
@@ -506,54 +532,82 @@ void StageWorker::close_local(const std::string & sid, uint64_t epoch) {
     }
 }
 
-grpc::Status StageWorker::CloseSession(grpc::ServerContext * ctx, const pb::CloseSessionRequest * req, pb::CloseSessionReply * reply) {
-    return guarded("CloseSession", [&] {
-        std::vector<pb::Hop> route;
-        uint32_t hop_index = 0;
-        bool had;
-        {
-            std::lock_guard<std::mutex> g(mu_);
-            auto it = sessions_.find(Key{req->session_id(), req->epoch()});
-            had = it != sessions_.end();
-            if (had) {
-                route = it->second.route;
-                hop_index = it->second.hop_index;
-            }
+void StageWorker::close_chained(const std::string & sid, uint64_t epoch, const grpc::ServerContext * ctx,
+                                pb::CloseSessionReply * reply) {
+    std::vector<pb::Hop> route;
+    uint32_t hop_index = 0;
+    bool had;
+    {
+        std::lock_guard<std::mutex> g(mu_);
+        auto it = sessions_.find(Key{sid, epoch});
+        had = it != sessions_.end();
+        if (had) {
+            route = it->second->route;
+            hop_index = it->second->hop_index;
         }
-        close_local(req->session_id(), req->epoch());
-        if (req->chain() && had && !info_.is_last && hop_index + 1 < route.size()) {
-            const pb::Hop & nxt = route[hop_index + 1];
-            pb::CloseSessionReply theirs;
-            grpc::ClientContext cc;
-            cc.set_deadline(chain_deadline(route.size() - 1 - hop_index, ctx));
-            grpc::Status st = link(nxt.address())->CloseSession(&cc, *req, &theirs);
-            if (!st.ok()) {
-                *reply->mutable_error() = err(pb::HOP_UNREACHABLE, "could not close on " + hop_name(hop_index + 1, nxt.address()) +
-                                                                       ": " + status_name(st.error_code()));
-            }
+    }
+    close_local(sid, epoch);
+    if (had && !info_.is_last && hop_index + 1 < route.size()) {
+        const pb::Hop & nxt = route[hop_index + 1];
+        pb::CloseSessionRequest req;
+        req.set_session_id(sid);
+        req.set_epoch(epoch);
+        req.set_chain(true);
+        pb::CloseSessionReply theirs;
+        grpc::ClientContext cc;
+        cc.set_deadline(chain_deadline(route.size() - 1 - hop_index, ctx));
+        grpc::Status st = link(nxt.address())->CloseSession(&cc, req, &theirs);
+        if (!st.ok() && reply) {
+            *reply->mutable_error() = err(pb::HOP_UNREACHABLE, "could not close on " + hop_name(hop_index + 1, nxt.address()) +
+                                                                   ": " + status_name(st.error_code()));
         }
-        return grpc::Status::OK;
-    });
+    }
 }
 
-grpc::Status StageWorker::Frames(grpc::ServerContext *, grpc::ServerReaderWriter<pb::Frame, pb::Frame> *) {
-    return grpc::Status(grpc::StatusCode::UNIMPLEMENTED,
-                        hop() + ": dgr-worker phase 1 serves no frames yet (issue 21, docs/worker.md): run this stage "
-                                "with `dgr worker serve` to generate");
+grpc::Status StageWorker::CloseSession(grpc::ServerContext * ctx, const pb::CloseSessionRequest * req, pb::CloseSessionReply * reply) {
+    return guarded("CloseSession", [&] {
+        if (req->chain()) close_chained(req->session_id(), req->epoch(), ctx, reply);
+        else close_local(req->session_id(), req->epoch());
+        return grpc::Status::OK;
+    });
 }
 
 int StageWorker::reap() {
     double ttl = limits_.session_ttl_s;
     if (ttl <= 0) return 0;
     std::vector<Key> idle;
+    std::vector<SessionPtr> told;
     {
         std::lock_guard<std::mutex> g(mu_);
         auto now = Clock::now();
         for (auto & kv : sessions_) {
-            if (std::chrono::duration<double>(now - kv.second.last_used).count() > ttl) idle.push_back(kv.first);
+            if (std::chrono::duration<double>(now - kv.second->last_used).count() > ttl && !pending_.count(kv.first)) {
+                idle.push_back(kv.first);
+                told.push_back(kv.second);
+            }
         }
     }
-    for (auto & k : idle) {
+    for (size_t n = 0; n < idle.size(); ++n) {
+        const Key & k = idle[n];
+        SessionPtr sess = told[n];
+        ReplyPtr client;
+        {
+            std::lock_guard<std::mutex> g(mu_);
+            if (sess->client && !sess->done) {
+                sess->failed = true;
+                client = sess->client;
+            }
+        }
+        if (client) {
+            char ttl_s[32];
+            snprintf(ttl_s, sizeof ttl_s, "%g", ttl);
+            pb::Frame f;
+            f.set_session_id(k.first);
+            f.set_epoch(k.second);
+            *f.mutable_error() = err(pb::UNKNOWN_SESSION, "session " + k.first + " epoch " + std::to_string(k.second) +
+                                                              " was closed after " + ttl_s + " s idle (--session-ttl): open it again");
+            client->put(std::move(f));
+        }
         close_local(k.first, k.second);
         std::lock_guard<std::mutex> g(mu_);
         ++reaped_;
@@ -562,13 +616,47 @@ int StageWorker::reap() {
 }
 
 void StageWorker::stop() {
-    std::vector<Key> open;
+    std::vector<std::pair<Key, SessionPtr>> open;
+    std::set<ReplyPtr> streams;
     {
         std::lock_guard<std::mutex> g(mu_);
         stopping_ = true;
-        for (auto & kv : sessions_) open.push_back(kv.first);
+        for (auto & kv : sessions_) open.emplace_back(kv.first, kv.second);
+        streams = streams_;
     }
-    for (auto & k : open) close_local(k.first, k.second);
+    // tell the clients (through the origin) first, as the Python worker's drain does
+    const std::string bye = hop() + " is shutting down (SIGTERM): the session is closed; use another replica";
+    for (auto & [k, sess] : open) {
+        try {
+            pb::Frame f;
+            f.set_session_id(k.first);
+            f.set_epoch(k.second);
+            *f.mutable_error() = err(pb::HOP_UNREACHABLE, bye);
+            if (info_.is_first) {
+                ReplyPtr client;
+                {
+                    std::lock_guard<std::mutex> g(mu_);
+                    if (!sess->done) client = sess->client;
+                }
+                if (client) client->put(std::move(f));
+            } else if (!sess->route.empty() && sess->route[0].address() != [&] { std::lock_guard<std::mutex> g(addr_mu_); return address_; }()) {
+                send(sess->route[0].address(), 0, std::move(f), sess);
+            }
+        } catch (const std::exception & e) {
+            fprintf(stderr, "dgr-worker: could not tell the origin of %s: %s\n", k.first.c_str(), e.what());
+        }
+    }
+    if (!open.empty()) std::this_thread::sleep_for(std::chrono::milliseconds(200));   // let those errors leave
+    for (auto & s : streams) s->finish(true);
+    for (auto & [k, sess] : open) close_local(k.first, k.second);
+    shutdown_threads();
+}
+
+StageWorker::~StageWorker() {
+    try {
+        shutdown_threads();
+    } catch (...) {
+    }
 }
 
 }  // namespace dgr

@@ -2,19 +2,26 @@
 //
 // Phase 1 of issue 21 (docs/worker.md): Describe (with the descriptor JSON), Tokenize/Detokenize,
 // OpenSession/CloseSession (the session table, chained along the route), the standard health service.
-// Frames answers UNIMPLEMENTED until phase 2 brings the data path. Behaviour, errors and messages are
-// those of the Python worker (tools/dgr/wire/servicer.py, state.py); tests/test_worker_cpp.py runs
-// both on one stage and compares them.
+// Phase 2 (frames.cpp): the Frames data path, the ring relay over one outgoing stream per next hop
+// (Link), the engine thread batching steps across sessions, sampling and generation control at the
+// origin. Behaviour, errors and messages are those of the Python worker (tools/dgr/wire/servicer.py,
+// scheduler.py, links.py, origin.py, state.py); tests/test_worker_cpp*.py run both and compare them.
 #pragma once
 
 #include <chrono>
+#include <condition_variable>
 #include <cstdint>
+#include <deque>
 #include <map>
 #include <memory>
 #include <mutex>
+#include <set>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
+
+#include <functional>
 
 #include "dgr/v1/stage.grpc.pb.h"
 #include "engine_lib.h"
@@ -57,10 +64,62 @@ const WireDtype * find_dtype(const std::string & name);
 constexpr uint64_t FRAME_OVERHEAD = 4096;
 constexpr uint64_t DEFAULT_MAX_MESSAGE_BYTES = 4 * 1024 * 1024 - 64 * 1024;
 
+// Shared by worker.cpp and frames.cpp (the texts are the Python worker's: dgr.wire.codec).
+const WireDtype * dtype_of(dgr::v1::Dtype code);
+uint64_t nbytes(const WireDtype & d, uint64_t n_values);
+std::string status_name(grpc::StatusCode c);
+std::string hop_name(uint32_t index, const std::string & address);
+std::string schema_str(const dgr::v1::BoundarySchema & s);
+
 // Bytes as text, each invalid UTF-8 sequence replaced by U+FFFD as Python's decode(errors="replace").
 std::string utf8_replace(const std::string & bytes);
 
+// A queue of frames for one stream to write: an incoming Frames call's replies (errors, and at the
+// origin the client's tokens), or an outgoing link's sends. `end`: the stream's reader is done (write
+// what is queued, then end); `drain`: the worker is shutting down (end now, UNAVAILABLE).
+struct FrameQueue {
+    enum Pop { FRAME, END, DRAIN };
+    std::mutex mu;
+    std::condition_variable cv;
+    std::deque<dgr::v1::Frame> q;
+    bool end = false, drain = false;
+    void put(dgr::v1::Frame f);
+    void finish(bool draining);
+    Pop pop(dgr::v1::Frame * out);
+};
+using ReplyPtr = std::shared_ptr<FrameQueue>;
+
+class StageWorker;
+
+// An outgoing Frames stream to one peer (the next hop, or the origin), shared by every session going
+// there: a writer thread opens the stream and writes the queue, a reader thread hands the peer's
+// answers (typed errors about frames sent) to the worker. A broken stream is never reused: its sessions
+// hear HOP_UNREACHABLE and the next frame to that address opens a new link (a new channel).
+class Link {
+  public:
+    Link(StageWorker * w, std::string address, std::string label, uint64_t max_message_bytes);
+    ~Link();
+    // false: the link is broken or closing (the caller opens a new one)
+    bool send(dgr::v1::Frame & f);   // moves f only when it returns true
+    void close();   // cancel the stream and join its threads
+    const std::string address, label;
+
+  private:
+    void run();
+    StageWorker * w_;
+    std::unique_ptr<dgr::v1::Stage::Stub> stub_;
+    std::mutex mu_;
+    std::condition_variable cv_;
+    std::deque<dgr::v1::Frame> q_;
+    std::set<std::pair<std::string, uint64_t>> sessions_;
+    bool broken_ = false, closing_ = false;
+    std::unique_ptr<grpc::ClientContext> ctx_;
+    std::thread thread_;
+};
+
 class StageWorker final : public dgr::v1::Stage::Service {
+    friend class Link;
+
   public:
     StageWorker(const EngineLib & lib, dgr_engine * eng, StageIdentity identity, std::string address,
                 uint64_t max_message_bytes, Limits limits);
@@ -77,8 +136,10 @@ class StageWorker final : public dgr::v1::Stage::Service {
     void set_address(const std::string & address);
     // Idle sessions past --session-ttl are closed (once a second at most); returns how many.
     int reap();
-    // SIGTERM: refuse new sessions, close every open one (engine included).
+    // SIGTERM: refuse new sessions, tell the clients, end every stream, close every session (engine
+    // included), stop the engine thread and the links.
     void stop();
+    ~StageWorker() override;
     std::string descriptor_json();
 
   private:
@@ -86,8 +147,59 @@ class StageWorker final : public dgr::v1::Stage::Service {
         std::vector<dgr::v1::Hop> route;
         uint32_t hop_index = 0;
         std::chrono::steady_clock::time_point last_used;
+        dgr::v1::Sampling sampling;
+        int logits = 0;                              // dgr::v1::LogitsMode
+        uint64_t held = 0;                           // positions cached after its last step here
+        // origin (stage 0) only: the client's reply stream and generation control
+        ReplyPtr client;
+        uint32_t max_new = 0, produced = 0;
+        std::set<int32_t> stop_ids;
+        std::vector<int32_t> context_ids;            // tokens generated so far (all epochs)
+        std::string text;                            // their text as the client has it
+        bool done = false, failed = false;
+        bool told_origin = false;                    // the last stage: its stream back to the origin broke (once)
     };
     using Key = std::pair<std::string, uint64_t>;
+    using SessionPtr = std::shared_ptr<Session>;
+    // One queued step: the frame, where errors about it go, its boundary decoded to float32.
+    struct Work {
+        dgr::v1::Frame frame;
+        ReplyPtr reply;
+        int64_t t_recv = 0;
+        std::vector<float> x;
+        uint64_t transit_ns = 0;
+    };
+    struct Fault {                                   // a frame refused: becomes a WireError to its sender
+        dgr::v1::ErrorCode code;
+        std::string message;
+        uint64_t held = 0, expected = 0;
+        uint32_t retry_after_ms = 0;
+    };
+
+    // frames.cpp: the data path
+    void on_frame(dgr::v1::Frame frame, const ReplyPtr & reply);
+    void check_step(const dgr::v1::Step & step, std::vector<float> * x);
+    void enqueue(Work w, const SessionPtr & sess, bool own);
+    uint32_t retry_after_ms();
+    bool held_back();
+    std::vector<Work> take_batch();
+    void engine_loop();
+    void run_batch(std::vector<Work> & batch);
+    void emit_boundary(Work & w, const SessionPtr & sess, const float * boundary, dgr::v1::HopTiming timing);
+    void emit_last(Work & w, const SessionPtr & sess, const float * logits, int32_t rows, dgr::v1::HopTiming timing);
+    void send(const std::string & address, uint32_t hop_index, dgr::v1::Frame frame, const SessionPtr & sess);
+    void to_origin(const SessionPtr & sess, dgr::v1::Frame frame);
+    void deliver_to_client(dgr::v1::Frame frame);
+    void send_token(const SessionPtr & sess, dgr::v1::Frame frame, size_t n_ids);
+    void reply_error(const ReplyPtr & reply, const dgr::v1::Frame & frame, dgr::v1::WireError e);
+    void on_link_reply(dgr::v1::Frame frame);
+    void on_link_broken(Link * link, const std::string & why, const std::set<Key> & lost);
+    void client_gone(const ReplyPtr & out);
+    void close_chained(const std::string & sid, uint64_t epoch, const grpc::ServerContext * ctx, dgr::v1::CloseSessionReply * reply);
+    SessionPtr session(const Key & key);
+    std::shared_ptr<Link> out_link(const std::string & address, uint32_t hop_index);
+    void encode(const float * x, int64_t n_tokens, dgr::v1::Boundary * b) const;
+    void shutdown_threads();
 
     void describe_msg(dgr::v1::StageDescription * d);
     dgr::v1::WireError err(dgr::v1::ErrorCode code, const std::string & message, uint32_t retry_after_ms = 0);
@@ -108,16 +220,31 @@ class StageWorker final : public dgr::v1::Stage::Service {
     dgr_memory memory_{};
     bool can_truncate_ = false;
     const WireDtype * dtype_;
+    dgr::v1::BoundarySchema schema_in_, schema_out_;   // what this stage takes and sends (describe_msg's)
+    uint64_t seam_bytes_per_token_ = 0;
     std::chrono::steady_clock::time_point started_;
 
     std::mutex engine_mu_;                           // the engine is never called from two threads at once
     std::mutex mu_;                                  // everything below
-    std::map<Key, Session> sessions_;
+    std::map<Key, SessionPtr> sessions_;
     std::map<std::string, uint64_t> latest_epoch_;
     std::vector<std::pair<std::string, uint64_t>> errors_;   // ErrorCode name -> answered, first seen first
     uint64_t reaped_ = 0, overloaded_ = 0, opened_total_ = 0;
     bool stopping_ = false;
-    std::map<std::string, std::unique_ptr<dgr::v1::Stage::Stub>> links_;
+    std::map<std::string, std::unique_ptr<dgr::v1::Stage::Stub>> links_;   // unary calls (open/close chains)
+    // the data path (mu_)
+    std::map<std::string, std::shared_ptr<Link>> out_links_;   // one Frames stream per peer address
+    std::vector<std::shared_ptr<Link>> dead_links_;             // broken ones, joined at stop
+    std::set<ReplyPtr> streams_;                     // reply queues of the incoming Frames calls
+    std::map<Key, std::deque<Work>> pending_;        // queued steps per session
+    std::deque<Key> order_;                          // sessions with queued steps, round robin
+    int64_t n_pending_ = 0;
+    std::deque<std::function<void()>> jobs_;         // engine-thread work after a forward (detokenizing)
+    std::condition_variable wake_;
+    double batch_ms_ = 1.0;                          // moving average of one engine batch (retry hints)
+    uint64_t max_frame_bytes_sent_ = 0;
+    bool threads_stopped_ = false;
+    std::thread engine_thread_;
 };
 
 }  // namespace dgr

@@ -1,0 +1,1089 @@
+// dgr-worker's data path (issue 21 phase 2, docs/worker.md): the Frames stream, the step queue and the
+// one engine thread, the ring relay over one outgoing stream per peer, sampling on the last stage and
+// generation control at the origin.
+//
+// It is the Python worker's behaviour, part for part, so that a route of dgr-workers, of Python workers,
+// or of both generates the same tokens and bit-identical logits (tests/test_worker_cpp_frames.py):
+//   tools/dgr/wire/servicer.py  Frames, _on_frame, _check_step          -> Frames, on_frame, check_step
+//   tools/dgr/wire/scheduler.py _enqueue, _take_batch, _run_batch       -> enqueue, take_batch, run_batch
+//   tools/dgr/wire/links.py     Link, _emit_boundary, _emit_last, _send -> Link, emit_boundary, emit_last, send
+//   tools/dgr/wire/origin.py    _deliver_to_client, _send_token         -> deliver_to_client, send_token
+// The draw is the engine library's dgr_sample (worker/engine/dgr_sample.cpp, the C++ sampler the native
+// plane uses, equal to tools/dgr/wire/sampling.py); wire dtypes use ggml's own converters from the same
+// library. Speculative steps (drafts, rollback) are refused with a message naming them (a later phase).
+//
+// Threads: gRPC's sync server gives each incoming Frames call a thread, which writes its reply queue;
+// a reader thread per call checks and queues the frames it reads. One engine thread runs every forward
+// (and the origin's detokenizing after it). Each Link has a writer and a reader thread. No exception
+// leaves any of them.
+#include <grpcpp/grpcpp.h>
+
+#include <algorithm>
+#include <cstring>
+#include <stdexcept>
+
+#include "worker.h"
+
+namespace dgr {
+
+namespace pb = dgr::v1;
+using Clock = std::chrono::steady_clock;
+
+namespace {
+
+constexpr int LINK_KEEPALIVE_MS = 1000;   // dgr.wire.links.LINK_KEEPALIVE_MS
+constexpr uint64_t PER_TOKEN_IDS = 10;    // dgr.wire.codec.PER_TOKEN_IDS
+
+int64_t mono_ns() {
+    return std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now().time_since_epoch()).count();
+}
+
+int64_t wall_ns() {
+    return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::system_clock::now().time_since_epoch()).count();
+}
+
+// dgr.wire.origin.context_full
+std::string context_full(int64_t position, int64_t n_ctx) {
+    return "the session reached the context limit: position " + std::to_string(position) + " is beyond the " +
+           std::to_string(n_ctx) + " positions (0.." + std::to_string(n_ctx - 1) +
+           ") a session may hold on this worker; start the workers with a larger `dgr worker serve --n-ctx N` "
+           "(every stage of the route), or use a shorter prompt or fewer tokens";
+}
+
+template <typename T> std::string list_str(const T & xs) {
+    std::string out = "[";
+    bool first = true;
+    for (auto x : xs) {
+        out += (first ? "" : ", ") + std::to_string(x);
+        first = false;
+    }
+    return out + "]";
+}
+
+// dgr.wire.codec.tokens_per_frame (at least one: the worker refuses a wire dtype that does not fit at start)
+uint64_t tokens_per_frame(uint64_t max_message_bytes, uint64_t bytes_per_token) {
+    uint64_t per = bytes_per_token + PER_TOKEN_IDS;
+    return max_message_bytes > FRAME_OVERHEAD + per ? (max_message_bytes - FRAME_OVERHEAD) / per : 1;
+}
+
+// Python's len(str): code points of valid UTF-8
+size_t code_points(const std::string & s) {
+    size_t n = 0;
+    for (unsigned char c : s) n += (c & 0xC0) != 0x80;
+    return n;
+}
+
+// the byte offset of code point `n` of valid UTF-8 (its size when shorter)
+size_t byte_offset(const std::string & s, size_t n) {
+    size_t i = 0;
+    for (; i < s.size(); ++i) {
+        if ((static_cast<unsigned char>(s[i]) & 0xC0) != 0x80) {
+            if (n == 0) return i;
+            --n;
+        }
+    }
+    return s.size();
+}
+
+const char * body_name(pb::Frame::BodyCase c) {
+    switch (c) {
+        case pb::Frame::kStep: return "'step'";
+        case pb::Frame::kGenerate: return "'generate'";
+        case pb::Frame::kToken: return "'token'";
+        case pb::Frame::kLogits: return "'logits'";
+        case pb::Frame::kError: return "'error'";
+        default: return "None";
+    }
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------- FrameQueue
+
+void FrameQueue::put(pb::Frame f) {
+    std::lock_guard<std::mutex> g(mu);
+    if (end || drain) return;                        // its stream is over: nobody would write it
+    q.push_back(std::move(f));
+    cv.notify_all();
+}
+
+void FrameQueue::finish(bool draining) {
+    std::lock_guard<std::mutex> g(mu);
+    (draining ? drain : end) = true;
+    cv.notify_all();
+}
+
+FrameQueue::Pop FrameQueue::pop(pb::Frame * out) {
+    std::unique_lock<std::mutex> l(mu);
+    cv.wait(l, [&] { return drain || end || !q.empty(); });
+    if (drain) return DRAIN;
+    if (!q.empty()) {
+        *out = std::move(q.front());
+        q.pop_front();
+        return FRAME;
+    }
+    return END;
+}
+
+// ---------------------------------------------------------------------------------------------- Link
+
+Link::Link(StageWorker * w, std::string address_, std::string label_, uint64_t max_message_bytes)
+    : address(std::move(address_)), label(std::move(label_)), w_(w) {
+    grpc::ChannelArguments args;                     // dgr.wire.links.link_options
+    int limit = int(max_message_bytes + FRAME_OVERHEAD);
+    args.SetMaxSendMessageSize(limit);
+    args.SetMaxReceiveMessageSize(limit);
+    args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
+    args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 200);
+    args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 200);
+    args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 2000);
+    args.SetInt(GRPC_ARG_KEEPALIVE_TIME_MS, LINK_KEEPALIVE_MS);
+    args.SetInt(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, int(w->limits_.link_keepalive_timeout_s * 1000));
+    args.SetInt(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
+    args.SetInt(GRPC_ARG_HTTP2_MAX_PINGS_WITHOUT_DATA, 0);
+    stub_ = pb::Stage::NewStub(grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args));
+    thread_ = std::thread([this] { run(); });
+}
+
+Link::~Link() { close(); }
+
+bool Link::send(pb::Frame & f) {
+    std::lock_guard<std::mutex> g(mu_);
+    if (broken_ || closing_) return false;
+    sessions_.emplace(f.session_id(), f.epoch());
+    q_.push_back(std::move(f));
+    cv_.notify_all();
+    return true;
+}
+
+void Link::close() {
+    {
+        std::lock_guard<std::mutex> g(mu_);
+        closing_ = true;
+        if (ctx_) ctx_->TryCancel();
+        cv_.notify_all();
+    }
+    if (thread_.joinable() && thread_.get_id() != std::this_thread::get_id()) thread_.join();
+}
+
+void Link::run() {
+    std::string why = "closed the stream";
+    std::thread reader;
+    try {
+        {
+            std::lock_guard<std::mutex> g(mu_);
+            if (closing_) return;
+            ctx_ = std::make_unique<grpc::ClientContext>();
+        }
+        auto stream = stub_->Frames(ctx_.get());
+        reader = std::thread([&] {
+            try {
+                pb::Frame r;
+                while (stream->Read(&r)) {           // the peer's answers: errors about frames sent
+                    w_->on_link_reply(std::move(r));
+                    r.Clear();
+                }
+            } catch (const std::exception & e) {
+                fprintf(stderr, "dgr-worker: link to %s: %s\n", address.c_str(), e.what());
+            } catch (...) {
+            }
+            std::lock_guard<std::mutex> g(mu_);
+            broken_ = true;
+            cv_.notify_all();
+        });
+        while (true) {
+            pb::Frame f;
+            {
+                std::unique_lock<std::mutex> l(mu_);
+                cv_.wait(l, [&] { return broken_ || closing_ || !q_.empty(); });
+                if (broken_ || closing_) break;
+                f = std::move(q_.front());
+                q_.pop_front();
+            }
+            if (!stream->Write(f)) break;
+        }
+        {
+            std::lock_guard<std::mutex> g(mu_);
+            broken_ = true;
+            if (closing_) ctx_->TryCancel();
+        }
+        reader.join();
+        grpc::Status st = stream->Finish();
+        if (!st.ok()) why = status_name(st.error_code()) + ": " + st.error_message();
+    } catch (const std::exception & e) {
+        why = e.what();
+    } catch (...) {
+        why = "unknown failure";
+    }
+    if (reader.joinable()) {
+        if (ctx_) ctx_->TryCancel();
+        reader.join();
+    }
+    std::set<std::pair<std::string, uint64_t>> lost;
+    bool closing;
+    {
+        std::lock_guard<std::mutex> g(mu_);
+        broken_ = true;
+        lost.swap(sessions_);
+        closing = closing_;
+        q_.clear();
+    }
+    if (!closing) {
+        try {
+            w_->on_link_broken(this, why, lost);
+        } catch (const std::exception & e) {
+            fprintf(stderr, "dgr-worker: link to %s broke: %s\n", address.c_str(), e.what());
+        } catch (...) {
+        }
+    }
+}
+
+// ------------------------------------------------------------------------------------ incoming frames
+
+StageWorker::SessionPtr StageWorker::session(const Key & key) {
+    std::lock_guard<std::mutex> g(mu_);
+    auto it = sessions_.find(key);
+    return it == sessions_.end() ? nullptr : it->second;
+}
+
+void StageWorker::reply_error(const ReplyPtr & reply, const pb::Frame & frame, pb::WireError e) {
+    if (!reply) return;
+    pb::Frame f;
+    f.set_session_id(frame.session_id());
+    f.set_epoch(frame.epoch());
+    *f.mutable_error() = std::move(e);
+    reply->put(std::move(f));
+}
+
+grpc::Status StageWorker::Frames(grpc::ServerContext * ctx, grpc::ServerReaderWriter<pb::Frame, pb::Frame> * stream) {
+    auto out = std::make_shared<FrameQueue>();
+    {
+        std::lock_guard<std::mutex> g(mu_);
+        if (stopping_) return grpc::Status(grpc::StatusCode::UNAVAILABLE, hop() + " is shutting down");
+        streams_.insert(out);
+    }
+    grpc::Status status = grpc::Status::OK;
+    std::thread reader;
+    try {
+        reader = std::thread([&] {
+            try {
+                pb::Frame f;
+                while (stream->Read(&f)) {
+                    on_frame(std::move(f), out);
+                    f.Clear();
+                }
+            } catch (const std::exception & e) {  // never let one stream take the worker down
+                fprintf(stderr, "dgr-worker: frame stream failed: %s\n", e.what());
+            } catch (...) {
+                fprintf(stderr, "dgr-worker: frame stream failed (unknown exception)\n");
+            }
+            out->finish(false);
+        });
+        while (true) {
+            pb::Frame f;
+            FrameQueue::Pop what = out->pop(&f);
+            if (what == FrameQueue::END) break;
+            if (what == FrameQueue::DRAIN) {
+                status = grpc::Status(grpc::StatusCode::UNAVAILABLE, hop() + " is shutting down (SIGTERM): its sessions "
+                                                                             "are closed; use another replica");
+                ctx->TryCancel();
+                break;
+            }
+            if (!stream->Write(f)) {                 // the caller went away
+                ctx->TryCancel();
+                break;
+            }
+        }
+    } catch (const std::exception & e) {
+        status = grpc::Status(grpc::StatusCode::INTERNAL, std::string("Frames failed: ") + e.what());
+        ctx->TryCancel();
+    } catch (...) {
+        status = grpc::Status(grpc::StatusCode::INTERNAL, "Frames failed (unknown exception)");
+        ctx->TryCancel();
+    }
+    if (reader.joinable()) reader.join();
+    {
+        std::lock_guard<std::mutex> g(mu_);
+        streams_.erase(out);
+    }
+    try {
+        client_gone(out);
+    } catch (...) {
+    }
+    return status;
+}
+
+void StageWorker::on_frame(pb::Frame frame, const ReplyPtr & reply) {
+    const auto kind = frame.body_case();
+    const int64_t sent = int64_t(frame.sent_unix_ns());
+    const uint64_t transit = sent ? uint64_t(std::max<int64_t>(0, wall_ns() - sent)) : 0;
+    const Key key{frame.session_id(), frame.epoch()};
+    SessionPtr sess = session(key);
+    if (kind == pb::Frame::kToken || kind == pb::Frame::kLogits || kind == pb::Frame::kError) {
+        if (kind == pb::Frame::kToken) frame.mutable_token()->set_return_ns(transit);
+        deliver_to_client(std::move(frame));         // returns into the origin
+        return;
+    }
+    std::vector<float> x;
+    try {
+        if (!sess) {
+            uint64_t latest = 0;
+            bool known;
+            {
+                std::lock_guard<std::mutex> g(mu_);
+                auto it = latest_epoch_.find(frame.session_id());
+                known = it != latest_epoch_.end();
+                if (known) latest = it->second;
+            }
+            if (known && latest > frame.epoch()) {
+                throw Fault{pb::STALE_EPOCH, "session " + frame.session_id() + " epoch " + std::to_string(frame.epoch()) +
+                                                 " was replaced by epoch " + std::to_string(latest)};
+            }
+            throw Fault{pb::UNKNOWN_SESSION, "no open session " + frame.session_id() + " epoch " +
+                                                 std::to_string(frame.epoch()) + ": open it (OpenSession) first"};
+        }
+        if (kind == pb::Frame::kGenerate) {
+            if (!info_.is_first) throw Fault{pb::BAD_FRAME, "generate frames go to stage 0 only"};
+            const auto & g = frame.generate();
+            if (!g.draft_source().empty()) {
+                throw Fault{pb::ENGINE, "speculative decoding (Generate.draft_source '" + g.draft_source() +
+                                            "') is not served by dgr-worker yet (issue 21, a later phase): generate "
+                                            "without --speculate, or run the stages with `dgr worker serve`"};
+            }
+            std::lock_guard<std::mutex> l(mu_);
+            sess->client = reply;
+            sess->max_new = g.max_new_tokens();
+            sess->stop_ids = std::set<int32_t>(g.stop_token_ids().begin(), g.stop_token_ids().end());
+            sess->context_ids.assign(g.context_ids().begin(), g.context_ids().end());
+            sess->text = g.context_text();
+            sess->last_used = Clock::now();
+            return;
+        }
+        if (kind != pb::Frame::kStep) throw Fault{pb::BAD_FRAME, std::string("unexpected frame body ") + body_name(kind)};
+        check_step(frame.step(), &x);
+    } catch (const Fault & f) {
+        pb::WireError e = err(f.code, f.message, f.retry_after_ms);
+        e.set_held(f.held);
+        e.set_expected(f.expected);
+        reply_error(reply, frame, std::move(e));
+        return;
+    }
+    if (info_.is_first) {
+        {
+            std::lock_guard<std::mutex> g(mu_);
+            if (!sess->client) sess->client = reply;
+        }
+        frame.set_origin_sent_ns(uint64_t(mono_ns()));
+    }
+    Work w;
+    w.frame = std::move(frame);
+    w.reply = reply;
+    w.t_recv = mono_ns();
+    w.x = std::move(x);
+    w.transit_ns = transit;
+    enqueue(std::move(w), sess, false);
+}
+
+// dgr.wire.servicer._check_step: malformed frames never reach the engine queue; *x gets the boundary
+void StageWorker::check_step(const pb::Step & step, std::vector<float> * x) {
+    const int64_t n = step.positions_size();
+    if (n == 0) throw Fault{pb::BAD_FRAME, "a step needs at least one position"};
+    const int64_t p0 = step.positions(0);
+    for (int64_t k = 0; k < n; ++k) {
+        if (int64_t(step.positions(int(k))) != p0 + k) throw Fault{pb::BAD_FRAME, "positions must be contiguous and increasing"};
+    }
+    if (int64_t(step.cache_expect()) != p0) {
+        throw Fault{pb::BAD_FRAME, "cache_expect " + std::to_string(step.cache_expect()) + " != first position " + std::to_string(p0)};
+    }
+    if (p0 + n > info_.n_ctx) throw Fault{pb::ENGINE, context_full(p0 + n - 1, info_.n_ctx)};
+    if (step.drafts() && (int64_t(step.drafts()) >= n || !step.sample())) {
+        throw Fault{pb::BAD_FRAME, "a speculative step carries its last token and then " + std::to_string(step.drafts()) +
+                                       " drafts (" + std::to_string(step.drafts() + 1) + " positions, sampled), got " +
+                                       std::to_string(n) + " positions"};
+    }
+    if (info_.is_first) {
+        if (step.drafts() || step.rollback()) {
+            throw Fault{pb::BAD_FRAME, "drafts and rollbacks are the origin's own steps: a client sends "
+                                       "Generate(draft_source=...) instead"};
+        }
+        if (step.token_ids_size() != n) {
+            throw Fault{pb::BAD_FRAME, "stage 0 needs one token id per position (" + std::to_string(n) + "), got " +
+                                           std::to_string(step.token_ids_size())};
+        }
+        if (step.has_boundary()) throw Fault{pb::SCHEMA_MISMATCH, "stage 0 takes token ids, not a boundary"};
+        return;
+    }
+    const pb::BoundarySchema & want = schema_in_;
+    if (!step.has_schema()) throw Fault{pb::SCHEMA_MISMATCH, "the frame names no schema; this stage takes " + schema_str(want)};
+    const auto & got = step.schema();
+    std::string diff;
+    auto differs = [&](bool d, const char * name) { if (d) diff += (diff.empty() ? "" : ", ") + std::string(name); };
+    differs(got.n_streams() != want.n_streams(), "n_streams");
+    differs(got.n_embd() != want.n_embd(), "n_embd");
+    differs(got.dtype() != want.dtype(), "dtype");
+    differs(got.bundle_id() != want.bundle_id(), "bundle_id");
+    if (!diff.empty()) {
+        throw Fault{pb::SCHEMA_MISMATCH, "frame schema " + schema_str(got) + " differs from this stage's " + schema_str(want) + " in " + diff};
+    }
+    if (got.layer() != want.layer()) {
+        throw Fault{pb::WRONG_RANGE, "the boundary is for layer " + std::to_string(got.layer()) + " but this stage owns [" +
+                                         std::to_string(info_.layer_begin) + ", " + std::to_string(info_.layer_end) + ")"};
+    }
+    if (info_.needs_token_ids && step.token_ids_size() != n) {
+        throw Fault{pb::SCHEMA_MISMATCH, "this stage owns token-id layers and needs the token-id sideband (" + std::to_string(n) +
+                                             " ids), got " + std::to_string(step.token_ids_size())};
+    }
+    const auto & b = step.boundary();
+    std::vector<int64_t> shape = {n, info_.n_streams, info_.n_embd};
+    std::vector<int64_t> got_shape(b.shape().begin(), b.shape().end());
+    if (got_shape != shape) {
+        throw Fault{pb::BAD_FRAME, "boundary shape " + list_str(got_shape) + " != " + list_str(shape) + " [n_tokens, n_streams, n_embd]"};
+    }
+    if (b.dtype() != want.dtype()) {
+        const WireDtype * d = dtype_of(b.dtype());
+        throw Fault{pb::SCHEMA_MISMATCH, "boundary dtype " + (d ? std::string(d->name) : std::to_string(int(b.dtype()))) +
+                                             " != schema dtype " + dtype_->name};
+    }
+    if (step.drafts() || step.rollback()) {
+        throw Fault{pb::ENGINE, "speculative steps (drafts, rollback) are not served by dgr-worker yet (issue 21, a later "
+                                "phase): generate without --speculate, or run the stages with `dgr worker serve`"};
+    }
+    const uint64_t values = uint64_t(n) * uint64_t(info_.n_streams) * uint64_t(info_.n_embd);
+    const uint64_t need = nbytes(*dtype_, values);
+    if (b.data().size() != need) {
+        throw Fault{pb::BAD_FRAME, "boundary of shape " + list_str(got_shape) + " in " + dtype_->name + " needs " +
+                                       std::to_string(need) + " bytes, got " + std::to_string(b.data().size())};
+    }
+    x->resize(values);
+    const char * src = b.data().data();
+    switch (dtype_->code) {
+        case pb::F32: std::memcpy(x->data(), src, values * 4); break;
+        case pb::F16: {
+            std::vector<uint16_t> h(values);
+            std::memcpy(h.data(), src, values * 2);
+            lib_.fp16_to_fp32(h.data(), x->data(), int64_t(values));
+            break;
+        }
+        case pb::BF16: {
+            std::vector<uint16_t> h(values);
+            std::memcpy(h.data(), src, values * 2);
+            lib_.bf16_to_fp32(h.data(), x->data(), int64_t(values));
+            break;
+        }
+        case pb::Q8_0: lib_.dequantize_q8_0(src, x->data(), int64_t(values)); break;
+        default: throw Fault{pb::BAD_FRAME, "unknown boundary dtype"};
+    }
+}
+
+// ------------------------------------------------------------------------- the queue and the engine
+
+uint32_t StageWorker::retry_after_ms() {   // mu_ held
+    return uint32_t(std::min(5000.0, std::max(50.0, batch_ms_ * double(1 + n_pending_))));
+}
+
+void StageWorker::enqueue(Work w, const SessionPtr & sess, bool own) {
+    const Key key{w.frame.session_id(), w.frame.epoch()};
+    std::string why;
+    uint32_t retry = 0;
+    {
+        std::lock_guard<std::mutex> g(mu_);
+        auto it = pending_.find(key);
+        if (!own && n_pending_ >= limits_.max_queued_steps) {
+            why = std::to_string(n_pending_) + " steps are queued (--max-queued-steps " + std::to_string(limits_.max_queued_steps) + ")";
+        } else if (!own && it != pending_.end() && int64_t(it->second.size()) >= limits_.max_session_steps) {
+            why = "session " + key.first + " has " + std::to_string(it->second.size()) + " steps queued (--max-session-steps " +
+                  std::to_string(limits_.max_session_steps) + ")";
+        }
+        if (why.empty()) {
+            sess->last_used = Clock::now();
+            if (it == pending_.end()) {
+                order_.push_back(key);
+                it = pending_.emplace(key, std::deque<Work>()).first;
+            }
+            it->second.push_back(std::move(w));
+            ++n_pending_;
+            wake_.notify_all();
+            return;
+        }
+        ++overloaded_;
+        retry = retry_after_ms();
+    }
+    reply_error(w.reply, w.frame, err(pb::OVERLOADED, why + ": retry later", retry));
+}
+
+bool StageWorker::held_back() {   // mu_ held; dgr.wire.scheduler._held (tests: force sharing)
+    const int64_t hold = limits_.hold_batch;
+    const int64_t need = int64_t(opened_total_) < hold ? hold : std::min<int64_t>(hold, int64_t(sessions_.size()));
+    return hold > 0 && int64_t(pending_.size()) < need;
+}
+
+std::vector<StageWorker::Work> StageWorker::take_batch() {
+    std::unique_lock<std::mutex> l(mu_);
+    while (!threads_stopped_ && (!n_pending_ || held_back()) && jobs_.empty()) {
+        wake_.wait_for(l, std::chrono::milliseconds(500));
+    }
+    std::vector<Work> batch;
+    if (threads_stopped_ || held_back()) return batch;
+    int64_t tokens = 0;
+    std::deque<Key> kept, served;                    // round robin: served sessions go to the back
+    for (auto & key : order_) {
+        auto it = pending_.find(key);
+        if (it == pending_.end() || it->second.empty()) continue;   // closed while queued
+        const int64_t n = it->second.front().frame.step().positions_size();
+        if (!batch.empty() && (tokens + n > limits_.max_batch_tokens || int64_t(batch.size()) >= limits_.max_batch_sessions)) {
+            kept.push_back(key);
+            continue;
+        }
+        batch.push_back(std::move(it->second.front()));
+        it->second.pop_front();
+        tokens += n;
+        --n_pending_;
+        if (it->second.empty()) pending_.erase(it);
+        else served.push_back(key);
+    }
+    kept.insert(kept.end(), served.begin(), served.end());
+    order_.swap(kept);
+    return batch;
+}
+
+void StageWorker::engine_loop() {
+    while (true) {
+        try {
+            {
+                std::lock_guard<std::mutex> g(mu_);
+                if (threads_stopped_) return;
+            }
+            std::vector<Work> batch = take_batch();
+            if (!batch.empty()) {
+                try {
+                    run_batch(batch);
+                } catch (const std::exception & e) {
+                    fprintf(stderr, "dgr-worker: engine batch failed: %s\n", e.what());
+                    for (auto & w : batch) reply_error(w.reply, w.frame, err(pb::INTERNAL, "the worker failed on this step; see its log"));
+                }
+            }
+            while (true) {                           // deferred jobs: the origin's detokenizing
+                std::function<void()> job;
+                {
+                    std::lock_guard<std::mutex> g(mu_);
+                    if (jobs_.empty()) break;
+                    job = std::move(jobs_.front());
+                    jobs_.pop_front();
+                }
+                try {
+                    job();
+                } catch (const std::exception & e) {
+                    fprintf(stderr, "dgr-worker: deferred job failed: %s\n", e.what());
+                }
+            }
+        } catch (const std::exception & e) {
+            fprintf(stderr, "dgr-worker: engine loop: %s\n", e.what());
+        } catch (...) {
+            fprintf(stderr, "dgr-worker: engine loop: unknown exception\n");
+        }
+    }
+}
+
+void StageWorker::run_batch(std::vector<Work> & batch) {
+    struct Ready {
+        Work * w;
+        SessionPtr sess;
+        std::vector<float> out;
+        dgr_step_out o{};
+        bool ok = false;
+    };
+    const int64_t width = int64_t(info_.n_streams) * info_.n_embd;
+    std::vector<Ready> ready;
+    int64_t t0 = 0, compute = 0;
+    {
+        std::lock_guard<std::mutex> eg(engine_mu_);
+        for (auto & w : batch) {
+            const Key key{w.frame.session_id(), w.frame.epoch()};
+            SessionPtr sess = session(key);
+            if (!sess) continue;                     // closed while queued
+            int32_t held = 0;
+            int32_t st = lib_.n_cached(eng_, key.first.c_str(), int64_t(key.second), &held);
+            if (st != DGR_OK) {
+                reply_error(w.reply, w.frame, err(pb::ENGINE, lib_.error(st)));
+                continue;
+            }
+            const uint64_t expect = w.frame.step().cache_expect();
+            if (uint64_t(held) != expect) {
+                pb::WireError e = err(pb::CACHE_MISS, "session " + key.first + " epoch " + std::to_string(key.second) + " holds " +
+                                                          std::to_string(held) + " positions here but the frame expects " +
+                                                          std::to_string(expect) + ": re-prefill at a new epoch");
+                e.set_held(uint64_t(held));
+                e.set_expected(expect);
+                reply_error(w.reply, w.frame, std::move(e));
+                continue;
+            }
+            ready.push_back(Ready{&w, sess, {}, {}, false});
+        }
+        if (ready.empty()) return;
+        std::vector<dgr_step> steps(ready.size());
+        for (size_t k = 0; k < ready.size(); ++k) {
+            Ready & r = ready[k];
+            const pb::Step & s = r.w->frame.step();
+            const int32_t n = s.positions_size();
+            int want = DGR_LOGITS_NONE;
+            if (info_.is_last && (s.sample() || r.sess->logits == pb::LOGITS_ALL)) {
+                want = r.sess->logits == pb::LOGITS_ALL ? DGR_LOGITS_ALL : DGR_LOGITS_LAST;
+            }
+            dgr_step & d = steps[k];
+            d.session_id = r.w->frame.session_id().c_str();
+            d.epoch = int64_t(r.w->frame.epoch());
+            d.n_tokens = n;
+            d.positions = s.positions().data();
+            d.token_ids = s.token_ids_size() ? s.token_ids().data() : nullptr;
+            d.boundary = r.w->x.empty() ? nullptr : r.w->x.data();
+            d.boundary_width = r.w->x.empty() ? 0 : int32_t(width);
+            d.want_logits = want;
+            if (!info_.is_last) {
+                r.out.resize(size_t(n) * size_t(width));
+                r.o.boundary = r.out.data();
+            } else if (want != DGR_LOGITS_NONE) {
+                r.out.resize(size_t(want == DGR_LOGITS_ALL ? n : 1) * size_t(info_.n_vocab));
+                r.o.logits = r.out.data();
+            }
+        }
+        auto fail = [&](Ready & r, int32_t st, const std::string & why) {
+            pb::WireError e;
+            if (st == DGR_E_CACHE_MISS) {
+                int64_t held = 0, expected = 0;
+                lib_.last_cache_miss(&held, &expected);
+                e = err(pb::CACHE_MISS, why);
+                e.set_held(uint64_t(held));
+                e.set_expected(uint64_t(expected));
+            } else {
+                e = err(st == DGR_E_SCHEMA ? pb::SCHEMA_MISMATCH : pb::ENGINE, why);
+            }
+            reply_error(r.w->reply, r.w->frame, std::move(e));
+        };
+        t0 = mono_ns();
+        std::vector<dgr_step_out> outs(ready.size());
+        for (size_t k = 0; k < ready.size(); ++k) outs[k] = ready[k].o;
+        int32_t st = lib_.forward(eng_, int32_t(steps.size()), steps.data(), outs.data());
+        if (st == DGR_OK) {
+            for (size_t k = 0; k < ready.size(); ++k) {
+                ready[k].o = outs[k];
+                ready[k].ok = true;
+            }
+        } else if (ready.size() == 1) {
+            fail(ready[0], st, lib_.error(st));
+        } else {
+            // one session's fault never fails the others: run the steps one by one (the failed batch ran none)
+            fprintf(stderr, "dgr-worker: batch of %zu failed (%s); running its steps one by one\n", ready.size(), lib_.error(st).c_str());
+            for (size_t k = 0; k < ready.size(); ++k) {
+                dgr_step_out o = ready[k].o;
+                int32_t s1 = lib_.forward(eng_, 1, &steps[k], &o);
+                if (s1 == DGR_OK) {
+                    ready[k].o = o;
+                    ready[k].ok = true;
+                } else {
+                    fail(ready[k], s1, lib_.error(s1));
+                }
+            }
+        }
+        compute = mono_ns() - t0;
+    }
+    auto now = Clock::now();
+    {
+        std::lock_guard<std::mutex> g(mu_);
+        batch_ms_ = 0.8 * batch_ms_ + 0.2 * double(compute) / 1e6;
+        for (auto & r : ready) {
+            r.sess->last_used = now;
+            if (r.ok) r.sess->held = uint64_t(std::max(0, r.o.n_cached));
+        }
+    }
+    for (auto & r : ready) {
+        if (!r.ok) continue;
+        pb::HopTiming timing;
+        timing.set_stage_index(uint32_t(id_.stage_index));
+        timing.set_queue_ns(uint64_t(std::max<int64_t>(0, t0 - r.w->t_recv)));
+        timing.set_transit_ns(r.w->transit_ns);
+        timing.set_compute_ns(uint64_t(compute));
+        if (info_.is_last) emit_last(*r.w, r.sess, r.o.logits, r.o.n_logit_rows, timing);
+        else emit_boundary(*r.w, r.sess, r.out.data(), timing);
+    }
+}
+
+// ------------------------------------------------------------------------------------- outgoing
+
+void StageWorker::encode(const float * x, int64_t n_tokens, pb::Boundary * b) const {
+    const int64_t values = n_tokens * int64_t(info_.n_streams) * info_.n_embd;
+    b->set_dtype(dtype_->code);
+    b->add_shape(uint32_t(n_tokens));
+    b->add_shape(uint32_t(info_.n_streams));
+    b->add_shape(uint32_t(info_.n_embd));
+    std::string * data = b->mutable_data();
+    data->resize(nbytes(*dtype_, uint64_t(values)));
+    switch (dtype_->code) {
+        case pb::F32: std::memcpy(&(*data)[0], x, size_t(values) * 4); break;
+        case pb::F16: {
+            std::vector<uint16_t> h(static_cast<size_t>(values));
+            lib_.fp32_to_fp16(x, h.data(), values);
+            std::memcpy(&(*data)[0], h.data(), size_t(values) * 2);
+            break;
+        }
+        case pb::BF16: {
+            std::vector<uint16_t> h(static_cast<size_t>(values));
+            lib_.fp32_to_bf16(x, h.data(), values);
+            std::memcpy(&(*data)[0], h.data(), size_t(values) * 2);
+            break;
+        }
+        case pb::Q8_0: lib_.quantize_q8_0(x, &(*data)[0], values); break;
+        default: throw std::runtime_error("cannot encode wire dtype " + std::string(dtype_->name));
+    }
+}
+
+void StageWorker::emit_boundary(Work & w, const SessionPtr & sess, const float * boundary, pb::HopTiming timing) {
+    const int64_t t0 = mono_ns();
+    const pb::Step & s = w.frame.step();
+    const pb::Hop & nxt = sess->route[sess->hop_index + 1];
+    const pb::BoundarySchema & schema = schema_out_;
+    const int64_t width = int64_t(info_.n_streams) * info_.n_embd;
+    const int64_t per = int64_t(tokens_per_frame(max_message_bytes_, seam_bytes_per_token_));
+    const int64_t n = s.positions_size();
+    std::vector<pb::Frame> frames;
+    for (int64_t lo = 0; lo < n; lo += per) {
+        const int64_t hi = std::min(n, lo + per);
+        pb::Frame f;
+        f.set_session_id(w.frame.session_id());
+        f.set_epoch(w.frame.epoch());
+        pb::Step * step = f.mutable_step();
+        for (int64_t k = lo; k < hi; ++k) step->add_positions(s.positions(int(k)));
+        for (int64_t k = lo; k < hi && k < s.token_ids_size(); ++k) step->add_token_ids(s.token_ids(int(k)));
+        encode(boundary + lo * width, hi - lo, step->mutable_boundary());
+        *step->mutable_schema() = schema;
+        step->set_cache_expect(uint64_t(s.positions(int(lo))));
+        step->set_sample(s.sample() && hi == n);
+        step->set_drafts(hi == n ? s.drafts() : 0);
+        step->set_rollback(s.rollback() && lo == 0);
+        f.set_origin_sent_ns(w.frame.origin_sent_ns());
+        *f.mutable_timings() = w.frame.timings();
+        frames.push_back(std::move(f));
+    }
+    timing.set_wire_ns(uint64_t(mono_ns() - t0));
+    for (auto & f : frames) {
+        *f.add_timings() = timing;
+        send(nxt.address(), sess->hop_index + 1, std::move(f), sess);
+    }
+}
+
+void StageWorker::emit_last(Work & w, const SessionPtr & sess, const float * logits, int32_t rows, pb::HopTiming timing) {
+    const int64_t t0 = mono_ns();
+    const pb::Step & s = w.frame.step();
+    const std::string origin = sess->route[0].address();
+    const int64_t n = s.positions_size();
+    const int64_t n_vocab = info_.n_vocab;
+    std::vector<pb::Frame> frames;
+    if (sess->logits == pb::LOGITS_ALL && logits && rows > 0) {
+        const int64_t per = std::max<int64_t>(1, int64_t(max_message_bytes_ - FRAME_OVERHEAD) / (n_vocab * 4 + 8));
+        const int64_t valid = std::min<int64_t>(n, rows);
+        for (int64_t lo = 0; lo < valid; lo += per) {
+            const int64_t hi = std::min(valid, lo + per);
+            pb::Frame f;
+            f.set_session_id(w.frame.session_id());
+            f.set_epoch(w.frame.epoch());
+            pb::Logits * l = f.mutable_logits();
+            for (int64_t k = lo; k < hi; ++k) l->add_positions(s.positions(int(k)));
+            l->set_values(reinterpret_cast<const char *>(logits + lo * n_vocab), size_t((hi - lo) * n_vocab) * 4);
+            frames.push_back(std::move(f));
+        }
+    }
+    if (s.sample()) {
+        if (!logits || rows < 1) throw std::runtime_error("the engine returned no logits row to sample from");
+        const float * row = logits + int64_t(rows - 1) * n_vocab;
+        const int32_t position = s.positions(int(n - 1));
+        const pb::Sampling & sp = sess->sampling;
+        const int32_t token = lib_.sample(row, int32_t(n_vocab), double(sp.temperature()), int32_t(sp.top_k()),
+                                          double(sp.top_p()), sp.seed(), position);
+        if (token < 0) throw std::runtime_error("dgr_sample refused the logits row");
+        pb::Frame f;
+        f.set_session_id(w.frame.session_id());
+        f.set_epoch(w.frame.epoch());
+        pb::Token * t = f.mutable_token();
+        t->set_token_id(token);
+        t->set_position(position);
+        t->set_origin_sent_ns(w.frame.origin_sent_ns());
+        t->set_drafted(0);
+        if (sess->logits == pb::LOGITS_LAST) t->set_logits(reinterpret_cast<const char *>(row), size_t(n_vocab) * 4);
+        f.set_origin_sent_ns(w.frame.origin_sent_ns());
+        *f.mutable_timings() = w.frame.timings();
+        frames.push_back(std::move(f));
+    }
+    timing.set_wire_ns(uint64_t(mono_ns() - t0));
+    for (auto & f : frames) {
+        if (f.has_token()) {
+            *f.add_timings() = timing;
+            *f.mutable_token()->mutable_timings() = f.timings();
+        }
+        send(origin, 0, std::move(f), sess);
+    }
+}
+
+std::shared_ptr<Link> StageWorker::out_link(const std::string & address, uint32_t hop_index) {
+    std::lock_guard<std::mutex> g(mu_);
+    if (threads_stopped_) return nullptr;
+    auto & l = out_links_[address];
+    if (!l) l = std::make_shared<Link>(this, address, hop_name(hop_index, address), max_message_bytes_);
+    return l;
+}
+
+void StageWorker::send(const std::string & address, uint32_t hop_index, pb::Frame frame, const SessionPtr & sess) {
+    frame.set_sent_unix_ns(uint64_t(wall_ns()));
+    const uint64_t size = frame.ByteSizeLong();
+    if (size > max_message_bytes_) {                 // a bug if it happens: frames are sized below the limit
+        pb::Frame e;
+        e.set_session_id(frame.session_id());
+        e.set_epoch(frame.epoch());
+        *e.mutable_error() = err(pb::MESSAGE_TOO_LARGE, "a " + std::to_string(size) + "-byte frame would exceed the " +
+                                                            std::to_string(max_message_bytes_) + "-byte limit");
+        to_origin(sess, std::move(e));
+        return;
+    }
+    bool self;
+    {
+        std::lock_guard<std::mutex> g(mu_);
+        max_frame_bytes_sent_ = std::max(max_frame_bytes_sent_, size);
+    }
+    {
+        std::lock_guard<std::mutex> g(addr_mu_);
+        self = address == address_ && hop_index == 0 && info_.is_first;
+    }
+    if (self) {                                      // a one-stage route: the origin is this worker
+        on_frame(std::move(frame), nullptr);
+        return;
+    }
+    for (int attempt = 0; attempt < 2; ++attempt) {
+        std::shared_ptr<Link> l = out_link(address, hop_index);
+        if (!l) return;                              // stopping
+        if (l->send(frame)) return;
+        // broken but not yet forgotten: forget it, the next try opens a new one
+        std::lock_guard<std::mutex> g(mu_);
+        auto it = out_links_.find(address);
+        if (it != out_links_.end() && it->second == l) {
+            dead_links_.push_back(l);
+            out_links_.erase(it);
+        }
+    }
+}
+
+void StageWorker::to_origin(const SessionPtr & sess, pb::Frame frame) {
+    if (info_.is_first) deliver_to_client(std::move(frame));
+    else send(sess->route[0].address(), 0, std::move(frame), sess);
+}
+
+void StageWorker::on_link_reply(pb::Frame frame) {
+    SessionPtr sess = session(Key{frame.session_id(), frame.epoch()});
+    if (sess) to_origin(sess, std::move(frame));
+}
+
+void StageWorker::on_link_broken(Link * link, const std::string & why, const std::set<Key> & lost) {
+    std::vector<std::pair<Key, SessionPtr>> sessions;
+    {
+        std::lock_guard<std::mutex> g(mu_);
+        auto it = out_links_.find(link->address);
+        if (it != out_links_.end() && it->second.get() == link) {   // never reused: the next frame opens a new one
+            dead_links_.push_back(it->second);
+            out_links_.erase(it);
+        }
+        for (auto & k : lost) {
+            auto s = sessions_.find(k);
+            if (s != sessions_.end()) sessions.emplace_back(k, s->second);
+        }
+    }
+    const int keepalive = LINK_KEEPALIVE_MS + int(limits_.link_keepalive_timeout_s * 1000);
+    for (auto & [key, sess] : sessions) {
+        int idx = -1;
+        for (size_t i = 0; i < sess->route.size(); ++i) {
+            if (sess->route[i].address() == link->address) { idx = int(i); break; }
+        }
+        const std::string name = idx >= 0 ? hop_name(uint32_t(idx), link->address) : link->address;
+        pb::Frame f;
+        f.set_session_id(key.first);
+        f.set_epoch(key.second);
+        pb::WireError * e = f.mutable_error();
+        e->set_code(pb::HOP_UNREACHABLE);
+        e->set_hop(name);
+        e->set_message(name + " is unreachable: " + hop() + " lost its stream to it (" + why + "); that worker died, stopped "
+                       "answering (keepalive " + std::to_string(keepalive) + " ms) or shut down (a thin link carrying a long "
+                       "prompt: raise --link-keepalive-timeout): use another replica or restart it");
+        if (link->address != sess->route[0].address()) {
+            count_error(pb::HOP_UNREACHABLE);
+            to_origin(sess, std::move(f));
+            continue;
+        }
+        bool tell;
+        {
+            std::lock_guard<std::mutex> g(mu_);
+            tell = !sess->told_origin;
+            sess->told_origin = true;
+        }
+        if (tell) {
+            // the ring's token may be lost and a live origin would wait for it: say so on a new stream (once)
+            count_error(pb::HOP_UNREACHABLE);
+            e->set_hop(hop());
+            e->set_message(hop() + " lost its stream back to the origin " + name + " (" + why +
+                           "): the ring's last token may be lost; the session goes on in a new epoch");
+            fprintf(stderr, "dgr-worker: stream to the origin broke for session %s: %s; telling the origin on a new stream\n",
+                    f.session_id().c_str(), why.c_str());
+            to_origin(sess, std::move(f));
+        } else {
+            fprintf(stderr, "dgr-worker: origin unreachable for session %s: %s\n", f.session_id().c_str(), e->message().c_str());
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------- the origin
+
+void StageWorker::deliver_to_client(pb::Frame frame) {
+    SessionPtr sess = session(Key{frame.session_id(), frame.epoch()});
+    if (!sess || !info_.is_first) return;
+    ReplyPtr client;
+    {
+        std::lock_guard<std::mutex> g(mu_);
+        client = sess->client;
+    }
+    if (!client) return;
+    if (frame.has_error()) {
+        {
+            std::lock_guard<std::mutex> g(mu_);
+            sess->failed = true;
+        }
+        client->put(std::move(frame));
+        return;
+    }
+    if (frame.has_logits()) {
+        client->put(std::move(frame));
+        return;
+    }
+    if (!frame.has_token()) return;
+    pb::Token * tok = frame.mutable_token();
+    if (tok->origin_sent_ns()) tok->set_ring_ns(uint64_t(mono_ns()) - tok->origin_sent_ns());
+    // a speculative ring (accepted drafts) is never asked for by this origin: one draw per ring
+    const int32_t t = tok->token_id();
+    const int64_t pos = int64_t(tok->position()) + 1;
+    bool next = false, full = false;
+    size_t n_ids;
+    {
+        std::lock_guard<std::mutex> g(mu_);
+        ++sess->produced;
+        sess->context_ids.push_back(t);
+        const bool done = sess->stop_ids.count(t) || sess->produced >= sess->max_new;
+        tok->set_done(done);
+        if (!done && !sess->failed) {
+            if (pos >= info_.n_ctx) {
+                sess->failed = true;
+                full = true;
+            } else {
+                next = true;
+            }
+        } else {
+            sess->done = true;
+        }
+        n_ids = sess->context_ids.size();
+    }
+    if (full) {
+        pb::Frame e;
+        e.set_session_id(frame.session_id());
+        e.set_epoch(frame.epoch());
+        *e.mutable_error() = err(pb::ENGINE, context_full(pos, info_.n_ctx));
+        client->put(std::move(e));
+    } else if (next) {
+        // queue the next decode step first: the ring goes on while this token is detokenized and sent
+        Work w;
+        w.frame.set_session_id(frame.session_id());
+        w.frame.set_epoch(frame.epoch());
+        w.frame.set_origin_sent_ns(uint64_t(mono_ns()));
+        pb::Step * s = w.frame.mutable_step();
+        s->add_positions(int32_t(pos));
+        s->add_token_ids(t);
+        s->set_cache_expect(uint64_t(pos));
+        s->set_sample(true);
+        w.reply = client;
+        w.t_recv = mono_ns();
+        enqueue(std::move(w), sess, true);
+    }
+    // detokenize on the engine thread once the next step's forward has started: text never delays the
+    // ring, and the engine is never called from two threads
+    auto shared = std::make_shared<pb::Frame>(std::move(frame));
+    std::lock_guard<std::mutex> g(mu_);
+    jobs_.push_back([this, sess, shared, n_ids] { send_token(sess, std::move(*shared), n_ids); });
+    wake_.notify_all();
+}
+
+void StageWorker::send_token(const SessionPtr & sess, pb::Frame frame, size_t n_ids) {
+    pb::Token * tok = frame.mutable_token();
+    std::string full;
+    if (info_.has_vocab) {
+        std::vector<int32_t> ids;
+        {
+            std::lock_guard<std::mutex> g(mu_);
+            ids.assign(sess->context_ids.begin(), sess->context_ids.begin() + long(std::min(n_ids, sess->context_ids.size())));
+        }
+        std::string buf(16 * ids.size() + 16, '\0');
+        int32_t n;
+        std::lock_guard<std::mutex> eg(engine_mu_);
+        const int32_t dummy = 0;
+        while (true) {
+            n = lib_.detokenize(eng_, ids.empty() ? &dummy : ids.data(), int32_t(ids.size()), &buf[0], int32_t(buf.size()));
+            if (n < 0) throw std::runtime_error("detokenize: " + lib_.error(DGR_E_ENGINE));
+            if (size_t(n) <= buf.size()) break;
+            buf.resize(size_t(n));
+        }
+        buf.resize(size_t(n));
+        full = utf8_replace(buf);
+    }
+    static const std::string REPL = "\xEF\xBF\xBD";
+    ReplyPtr client;
+    {
+        std::lock_guard<std::mutex> g(mu_);
+        const bool unfinished = full.size() >= 3 && full.compare(full.size() - 3, 3, REPL) == 0;
+        if (unfinished && !tok->done()) {
+            tok->set_text("");                       // an unfinished UTF-8 sequence: wait for more
+        } else {
+            tok->set_text(full.substr(byte_offset(full, code_points(sess->text))));
+            sess->text = full;
+        }
+        client = sess->client;
+    }
+    if (client) client->put(std::move(frame));
+}
+
+void StageWorker::client_gone(const ReplyPtr & out) {
+    // the client's stream ended: stop decoding for it and free its sessions along the route
+    std::vector<Key> orphans;
+    {
+        std::lock_guard<std::mutex> g(mu_);
+        for (auto & kv : sessions_) {
+            if (kv.second->client == out && !kv.second->done) {
+                kv.second->failed = true;
+                orphans.push_back(kv.first);
+            }
+        }
+    }
+    for (auto & k : orphans) close_chained(k.first, k.second, nullptr, nullptr);
+}
+
+void StageWorker::shutdown_threads() {
+    std::vector<std::shared_ptr<Link>> links;
+    {
+        std::lock_guard<std::mutex> g(mu_);
+        threads_stopped_ = true;
+        wake_.notify_all();
+        for (auto & kv : out_links_) links.push_back(kv.second);
+        links.insert(links.end(), dead_links_.begin(), dead_links_.end());
+    }
+    if (engine_thread_.joinable() && engine_thread_.get_id() != std::this_thread::get_id()) engine_thread_.join();
+    for (auto & l : links) l->close();
+    {
+        std::lock_guard<std::mutex> g(mu_);
+        for (auto & kv : out_links_) links.push_back(kv.second);
+        out_links_.clear();
+        dead_links_.clear();
+    }
+    links.clear();                                   // destroyed here, outside the lock
+}
+
+}  // namespace dgr
