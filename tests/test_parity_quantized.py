@@ -124,19 +124,27 @@ def test_an_unquantized_bundle_is_still_compared_with_its_source(root, source, e
     assert not (ws / "baselines").exists()          # nothing built
 
 
-def test_a_source_the_manifest_names_relative_to_the_recipe_is_given_with_source(root, source, engine_lib, workspace):
+def test_a_source_the_manifest_names_relative_to_the_recipe_is_found_again_or_given_with_source(
+        root, source, engine_lib, tmp_path, monkeypatch):
     """`dgr recipe new --from-model` writes the source's path relative to the recipe's folder, which the
-    bundle cannot resolve from elsewhere: parity says to pass --source, and then checks the bundle."""
+    bundle cannot resolve from elsewhere. The workspace that built the bundle remembers where that blake3
+    was found (and checks it again); any other workspace says to pass --source, then checks the bundle."""
     d = root / "rel"
     d.mkdir()
+    built_in = tmp_path / "built-in"
+    monkeypatch.setenv("DGR_WORKSPACE", str(built_in))
     rel = build(write_recipe(d / "recipe.toml", "q8", Path("..") / source.name, RANGES, Q8_RULE), root / "store-rel")
-    r = parity(rel, engine_lib, workspace)
+    fresh = tmp_path / "fresh"
+    r = parity(rel, engine_lib, fresh)
     assert r.returncode == 2 and "--source PATH" in r.stderr, r.stdout + r.stderr
-    r = parity(rel, engine_lib, workspace, "--source", str(root / "store-rel"))
+    r = parity(rel, engine_lib, fresh, "--source", str(root / "store-rel"))
     assert r.returncode == 2 and "is not the bundle's source" in r.stderr, r.stdout + r.stderr
-    r = parity(rel, engine_lib, workspace, "--source", str(source))
+    r = parity(rel, engine_lib, fresh, "--source", str(source))
     assert r.returncode == 0 and "parity: EXACT" in r.stdout, r.stdout + r.stderr
     assert "baseline: the recipe built as one stage: " in r.stdout
+    # the workspace that built it finds the source by itself
+    r = parity(rel, engine_lib, built_in)
+    assert r.returncode == 0 and "parity: EXACT" in r.stdout, r.stdout + r.stderr
 
 
 def test_certify_of_a_quantized_bundle_passes_against_the_recipe_built_as_one_stage(
