@@ -277,7 +277,16 @@ def test_bad_flags_and_inputs_are_one_clear_line(worker_bin, tiny, tmp_path):
     rc, line = one_line_error([w, "--bundle", str(tiny), "--stage", "0", "--wire-dtype", "f8"])
     assert rc == 1 and "unknown wire dtype 'f8'" in line
     rc, line = one_line_error([w, "--bundle", str(tiny), "--stage", "0", "--tls-cert", "x.pem"])
-    assert rc == 1 and "no TLS yet" in line
+    assert rc == 1 and "give both --tls-cert and --tls-key" in line
+    rc, line = one_line_error([w, "--bundle", str(tiny), "--stage", "0", "--tls-ca", "ca.pem"])
+    assert rc == 1 and "--tls-ca needs --tls-cert and --tls-key" in line
+    rc, line = one_line_error([w, "--bundle", str(tiny), "--stage", "0", "--tls-cert", str(tmp_path / "c.pem"),
+                               "--tls-key", str(tmp_path / "k.pem")])
+    assert rc == 1 and "c.pem: no such file (make one with `dgr certs init` / `dgr certs issue`)" in line
+    rc, line = one_line_error([w, "--bundle", str(tiny), "--stage", "0", "--listen", "0.0.0.0:0", "--insecure", "--advertise", "0.0.0.0"])
+    assert rc == 1 and "--advertise 0.0.0.0: give the HOST[:PORT]" in line
+    rc, line = one_line_error([w, "--bundle", str(tiny), "--stage", "0", "--send-timeout", "0"])
+    assert rc == 1 and "--send-timeout must be more than 0" in line
     rc, line = one_line_error([w, "--bundle", str(tiny), "--stage", "0", "--lane", "vulkan"])
     assert rc == 1 and "built for the cpu lane" in line
     with socket.socket() as sk:                  # a port in use

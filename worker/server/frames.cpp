@@ -100,16 +100,35 @@ const char * body_name(pb::Frame::BodyCase c) {
 
 // ---------------------------------------------------------------------------------------- FrameQueue
 
-void FrameQueue::put(pb::Frame f) {
+bool FrameQueue::put(pb::Frame f) {
+    const int64_t size = int64_t(f.ByteSizeLong());
     std::lock_guard<std::mutex> g(mu);
-    if (end || drain) return;                        // its stream is over: nobody would write it
+    if (end || drain) return false;                  // its stream is over: nobody would write it
+    if (cap > 0 && bytes + size > cap && !q.empty()) {
+        failed = "its reader fell " + std::to_string(bytes + size) + " bytes behind (--max-send-queue-bytes " +
+                 std::to_string(cap) + ")";
+        drain = true;
+        if (ctx) ctx->TryCancel();
+        cv.notify_all();
+        return false;
+    }
+    bytes += size;
     q.push_back(std::move(f));
     cv.notify_all();
+    return true;
 }
 
 void FrameQueue::finish(bool draining) {
     std::lock_guard<std::mutex> g(mu);
     (draining ? drain : end) = true;
+    cv.notify_all();
+}
+
+void FrameQueue::fail(const std::string & why) {
+    std::lock_guard<std::mutex> g(mu);
+    if (failed.empty()) failed = why;
+    drain = true;
+    if (ctx) ctx->TryCancel();
     cv.notify_all();
 }
 
@@ -120,6 +139,8 @@ FrameQueue::Pop FrameQueue::pop(pb::Frame * out) {
     if (!q.empty()) {
         *out = std::move(q.front());
         q.pop_front();
+        bytes = q.empty() ? 0 : std::max<int64_t>(0, bytes - int64_t(out->ByteSizeLong()));
+        writing_since = mono_ns();                   // the caller writes it now (the send deadline)
         return FRAME;
     }
     return END;
@@ -141,19 +162,39 @@ Link::Link(StageWorker * w, std::string address_, std::string label_, uint64_t m
     args.SetInt(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, int(w->limits_.link_keepalive_timeout_s * 1000));
     args.SetInt(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
     args.SetInt(GRPC_ARG_HTTP2_MAX_PINGS_WITHOUT_DATA, 0);
-    stub_ = pb::Stage::NewStub(grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args));
+    stub_ = pb::Stage::NewStub(grpc::CreateCustomChannel(address, w->channel_credentials(), args));
     thread_ = std::thread([this] { run(); });
 }
 
 Link::~Link() { close(); }
 
 bool Link::send(pb::Frame & f) {
+    const int64_t size = int64_t(f.ByteSizeLong());
     std::lock_guard<std::mutex> g(mu_);
     if (broken_ || closing_) return false;
+    const int64_t cap = w_->limits_.max_send_queue_bytes;
+    if (cap > 0 && bytes_ + size > cap && !q_.empty()) {
+        // the peer stopped reading: fail the link (its sessions hear HOP_UNREACHABLE), never block the engine
+        failed_ = "it fell " + std::to_string(bytes_ + size) + " bytes behind (--max-send-queue-bytes " + std::to_string(cap) + ")";
+        broken_ = true;
+        if (ctx_) ctx_->TryCancel();
+        cv_.notify_all();
+        return false;
+    }
     sessions_.emplace(f.session_id(), f.epoch());
+    bytes_ += size;
     q_.push_back(std::move(f));
     cv_.notify_all();
     return true;
+}
+
+void Link::check_stall(int64_t now_ns, int64_t timeout_ns) {
+    std::lock_guard<std::mutex> g(mu_);
+    if (broken_ || closing_ || !writing_since_ || now_ns - writing_since_ <= timeout_ns) return;
+    failed_ = "it did not take a frame for " + std::to_string(timeout_ns / 1000000) + " ms (--send-timeout)";
+    broken_ = true;
+    if (ctx_) ctx_->TryCancel();
+    cv_.notify_all();
 }
 
 void Link::close() {
@@ -199,8 +240,15 @@ void Link::run() {
                 if (broken_ || closing_) break;
                 f = std::move(q_.front());
                 q_.pop_front();
+                bytes_ = q_.empty() ? 0 : std::max<int64_t>(0, bytes_ - int64_t(f.ByteSizeLong()));
+                writing_since_ = mono_ns();
             }
-            if (!stream->Write(f)) break;
+            bool ok = stream->Write(f);
+            {
+                std::lock_guard<std::mutex> g(mu_);
+                writing_since_ = 0;
+            }
+            if (!ok) break;
         }
         {
             std::lock_guard<std::mutex> g(mu_);
@@ -210,6 +258,8 @@ void Link::run() {
         reader.join();
         grpc::Status st = stream->Finish();
         if (!st.ok()) why = status_name(st.error_code()) + ": " + st.error_message();
+        std::lock_guard<std::mutex> g(mu_);
+        if (!failed_.empty()) why = "this worker failed the link: " + failed_;
     } catch (const std::exception & e) {
         why = e.what();
     } catch (...) {
@@ -255,13 +305,73 @@ void StageWorker::reply_error(const ReplyPtr & reply, const pb::Frame & frame, p
     reply->put(std::move(f));
 }
 
+// --max-connections: every call of the Stage service holds its connection's slot while it runs
+struct Admit {
+    StageWorker * w;
+    std::string peer, why;
+    Admit(StageWorker * w_, const grpc::ServerContext * ctx) : w(w_) {
+        why = w->admit(ctx);
+        if (why.empty() && ctx) peer = ctx->peer();
+    }
+    ~Admit() {
+        if (why.empty()) w->release(peer);
+    }
+};
+
+std::string StageWorker::admit(const grpc::ServerContext * ctx) {
+    if (!ctx) return "";
+    const std::string peer = ctx->peer();
+    std::lock_guard<std::mutex> g(mu_);
+    auto it = conns_.find(peer);
+    if (it == conns_.end() && int64_t(conns_.size()) >= limits_.max_connections) {
+        ++overloaded_;
+        return hop() + ": " + std::to_string(conns_.size()) + " connections have calls in progress (--max-connections " +
+               std::to_string(limits_.max_connections) + "): retry later or use another replica";
+    }
+    ++conns_[peer];
+    return "";
+}
+
+void StageWorker::release(const std::string & peer) {
+    std::lock_guard<std::mutex> g(mu_);
+    auto it = conns_.find(peer);
+    if (it != conns_.end() && --it->second <= 0) conns_.erase(it);
+}
+
+void StageWorker::check_stalls() {
+    const int64_t timeout = int64_t(limits_.send_timeout_s * 1e9);
+    if (timeout <= 0) return;
+    const int64_t now = mono_ns();
+    std::vector<ReplyPtr> streams;
+    std::vector<std::shared_ptr<Link>> links;
+    {
+        std::lock_guard<std::mutex> g(mu_);
+        streams.assign(streams_.begin(), streams_.end());
+        for (auto & kv : out_links_) links.push_back(kv.second);
+    }
+    for (auto & q : streams) {
+        bool stalled;
+        {
+            std::lock_guard<std::mutex> g(q->mu);
+            stalled = q->writing_since && now - q->writing_since > timeout;
+        }
+        if (stalled) q->fail("its reader did not take a frame for " + std::to_string(timeout / 1000000) + " ms (--send-timeout)");
+    }
+    for (auto & l : links) l->check_stall(now, timeout);
+}
+
 grpc::Status StageWorker::Frames(grpc::ServerContext * ctx, grpc::ServerReaderWriter<pb::Frame, pb::Frame> * stream) {
+    Admit admitted(this, ctx);
+    if (!admitted.why.empty()) return grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED, admitted.why);
     auto out = std::make_shared<FrameQueue>();
+    out->cap = limits_.max_send_queue_bytes;
+    out->ctx = ctx;
     {
         std::lock_guard<std::mutex> g(mu_);
         if (stopping_) return grpc::Status(grpc::StatusCode::UNAVAILABLE, hop() + " is shutting down");
         streams_.insert(out);
     }
+    const std::optional<std::string> peer = trust_.mutual ? peer_identity(ctx) : std::nullopt;
     grpc::Status status = grpc::Status::OK;
     std::thread reader;
     try {
@@ -269,7 +379,7 @@ grpc::Status StageWorker::Frames(grpc::ServerContext * ctx, grpc::ServerReaderWr
             try {
                 pb::Frame f;
                 while (stream->Read(&f)) {
-                    on_frame(std::move(f), out);
+                    on_frame(std::move(f), out, &peer);
                     f.Clear();
                 }
             } catch (const std::exception & e) {  // never let one stream take the worker down
@@ -284,12 +394,30 @@ grpc::Status StageWorker::Frames(grpc::ServerContext * ctx, grpc::ServerReaderWr
             FrameQueue::Pop what = out->pop(&f);
             if (what == FrameQueue::END) break;
             if (what == FrameQueue::DRAIN) {
-                status = grpc::Status(grpc::StatusCode::UNAVAILABLE, hop() + " is shutting down (SIGTERM): its sessions "
-                                                                             "are closed; use another replica");
+                std::string failed;
+                {
+                    std::lock_guard<std::mutex> g(out->mu);
+                    failed = out->failed;
+                }
+                if (!failed.empty()) {
+                    fprintf(stderr, "dgr-worker: failed a Frames stream from %s: %s; its sessions are closed\n",
+                            ctx->peer().c_str(), failed.c_str());
+                    status = grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
+                                          hop() + " failed this stream: " + failed + "; its sessions are closed: read the "
+                                                  "stream's frames as they come, then open the session again");
+                } else {
+                    status = grpc::Status(grpc::StatusCode::UNAVAILABLE, hop() + " is shutting down (SIGTERM): its sessions "
+                                                                                 "are closed; use another replica");
+                }
                 ctx->TryCancel();
                 break;
             }
-            if (!stream->Write(f)) {                 // the caller went away
+            bool ok = stream->Write(f);
+            {
+                std::lock_guard<std::mutex> g(out->mu);
+                out->writing_since = 0;
+            }
+            if (!ok) {                               // the caller went away (or the send deadline cancelled it)
                 ctx->TryCancel();
                 break;
             }
@@ -303,6 +431,15 @@ grpc::Status StageWorker::Frames(grpc::ServerContext * ctx, grpc::ServerReaderWr
     }
     if (reader.joinable()) reader.join();
     {
+        std::lock_guard<std::mutex> g(out->mu);
+        out->ctx = nullptr;
+        if (status.ok() && !out->failed.empty()) {
+            fprintf(stderr, "dgr-worker: failed a Frames stream: %s; its sessions are closed\n", out->failed.c_str());
+        }
+        out->drain = true;                           // nothing more is queued for it
+        out->q.clear();
+    }
+    {
         std::lock_guard<std::mutex> g(mu_);
         streams_.erase(out);
     }
@@ -313,13 +450,60 @@ grpc::Status StageWorker::Frames(grpc::ServerContext * ctx, grpc::ServerReaderWr
     return status;
 }
 
-void StageWorker::on_frame(pb::Frame frame, const ReplyPtr & reply) {
+// mTLS (dgr.wire.servicer._check_sender): a session's frames come only from the peer that opened it here;
+// tokens back into the origin only from its last hop, errors from a hop of its route
+void StageWorker::check_sender(const char * kind, const SessionPtr & sess, const std::optional<std::string> * peer,
+                               const std::string & sid) {
+    if (!trust_.mutual || !peer || !sess) return;
+    std::set<std::string> want;
+    std::string what;
+    const std::string k = kind;
+    {
+        std::lock_guard<std::mutex> g(mu_);
+        if (k == "token" || k == "logits") {
+            if (!sess->returner.empty()) want.insert(sess->returner);
+            what = "the route's last hop";
+        } else if (k == "error") {
+            want = sess->route_members;
+            what = "a hop of the route";
+        } else {
+            if (sess->opener) want.insert(*sess->opener);
+            what = std::string("the peer that opened it at this stage (") +
+                   (info_.is_first ? "the client" : "stage " + std::to_string(id_.stage_index - 1)) + ")";
+        }
+    }
+    if (want.empty() || (peer->has_value() && want.count(**peer))) return;
+    std::string names;
+    for (auto & n : want) names += (names.empty() ? "" : " or ") + n;
+    throw Fault{pb::WRONG_STAGE, k + " frames of session " + sid + " are accepted here only from " +
+                                     what + ", member " + names + "; this stream comes from member " +
+                                     (peer->has_value() ? **peer : std::string("(no certificate name)"))};
+}
+
+std::string StageWorker::refuse_owner(const std::string & sid, uint64_t epoch, const grpc::ServerContext * ctx) {
+    if (!trust_.mutual || !ctx) return "";
+    const std::optional<std::string> peer = peer_identity(ctx);
+    std::lock_guard<std::mutex> g(mu_);
+    auto it = sessions_.find(Key{sid, epoch});
+    if (it == sessions_.end() || !it->second->opener || (peer && *peer == *it->second->opener)) return "";
+    return "session " + sid + " epoch " + std::to_string(epoch) + " was opened here by member " + *it->second->opener +
+           "; only it may close it, and this call comes from member " + (peer ? *peer : std::string("(no certificate name)"));
+}
+
+void StageWorker::on_frame(pb::Frame frame, const ReplyPtr & reply, const std::optional<std::string> * peer) {
     const auto kind = frame.body_case();
     const int64_t sent = int64_t(frame.sent_unix_ns());
     const uint64_t transit = sent ? uint64_t(std::max<int64_t>(0, wall_ns() - sent)) : 0;
     const Key key{frame.session_id(), frame.epoch()};
     SessionPtr sess = session(key);
     if (kind == pb::Frame::kToken || kind == pb::Frame::kLogits || kind == pb::Frame::kError) {
+        try {
+            check_sender(kind == pb::Frame::kToken ? "token" : kind == pb::Frame::kLogits ? "logits" : "error", sess, peer, frame.session_id());
+        } catch (Fault & f) {
+            fprintf(stderr, "dgr-worker: refused a frame: %s\n", f.message.c_str());
+            if (kind != pb::Frame::kError) reply_error(reply, frame, err(f.code, f.message));
+            return;
+        }
         if (kind == pb::Frame::kToken) frame.mutable_token()->set_return_ns(transit);
         deliver_to_client(std::move(frame));         // returns into the origin
         return;
@@ -341,6 +525,12 @@ void StageWorker::on_frame(pb::Frame frame, const ReplyPtr & reply) {
             }
             throw Fault{pb::UNKNOWN_SESSION, "no open session " + frame.session_id() + " epoch " +
                                                  std::to_string(frame.epoch()) + ": open it (OpenSession) first"};
+        }
+        try {
+            check_sender(kind == pb::Frame::kGenerate ? "generate" : kind == pb::Frame::kStep ? "step" : "other", sess, peer, frame.session_id());
+        } catch (Fault & f) {
+            fprintf(stderr, "dgr-worker: refused a frame: %s\n", f.message.c_str());
+            throw;
         }
         if (kind == pb::Frame::kGenerate) {
             if (!info_.is_first) throw Fault{pb::BAD_FRAME, "generate frames go to stage 0 only"};
@@ -852,7 +1042,7 @@ void StageWorker::send(const std::string & address, uint32_t hop_index, pb::Fram
         self = address == address_ && hop_index == 0 && info_.is_first;
     }
     if (self) {                                      // a one-stage route: the origin is this worker
-        on_frame(std::move(frame), nullptr);
+        on_frame(std::move(frame), nullptr, nullptr);
         return;
     }
     for (int attempt = 0; attempt < 2; ++attempt) {

@@ -53,7 +53,8 @@ struct Options {
     int64_t n_ctx = 4096, max_sessions = 8, threads = 0;
     dgr::Limits limits;
     std::string data_plane = "grpc";
-    std::string tls_cert, tls_key, tls_ca, metrics_listen, certs, contract;
+    std::string tls_cert, tls_key, tls_ca, metrics_listen, certs, contract, advertise;
+    int64_t max_rpc_threads = 256;
     std::vector<std::string> die_at;
 };
 
@@ -62,9 +63,15 @@ const char * USAGE =
     "                  [--n-ctx N] [--max-sessions N] [--threads N] [--max-message-bytes N] [--max-batch-tokens N]\n"
     "                  [--max-batch-sessions N] [--hold-batch N] [--session-ttl S] [--max-queued-steps N]\n"
     "                  [--max-session-steps N] [--rpc-timeout S] [--link-keepalive-timeout S] [--drain-timeout S]\n"
-    "                  [--data-plane grpc] [--insecure]\n"
+    "                  [--data-plane grpc] [--tls-cert PEM --tls-key PEM [--tls-ca PEM]] [--insecure]\n"
+    "                  [--advertise HOST[:PORT]] [--max-connections N] [--max-rpc-threads N] [--send-timeout S]\n"
+    "                  [--max-send-queue-bytes N]\n"
     "Serves one stage of a bundle (dgr.v1.Stage over gRPC, grpc.health.v1) as `dgr worker serve` does.\n"
-    "Phase 1 (docs/worker.md): Describe, health, Tokenize/Detokenize, OpenSession/CloseSession; no frames yet.\n"
+    "TLS with --tls-cert/--tls-key (`dgr certs issue`); with --tls-ca, mutual TLS: peers need a certificate the CA\n"
+    "signed, and a session's frames are taken only from the members that opened it (docs/worker.md).\n"
+    "Bounds: --max-connections (256) connections with a Frames stream, --max-rpc-threads (256) gRPC threads,\n"
+    "--max-message-bytes both ways, --max-queued-steps/--max-session-steps, --max-send-queue-bytes (64 MiB) per\n"
+    "reply stream and link, --send-timeout (10 s) for one write: a peer that stops reading fails its own stream.\n"
     "The engine library is $DGR_ENGINE_LIB, else libdgr_engine.so beside this program.\n";
 
 int64_t to_int(const std::string & flag, const std::string & v) {
@@ -124,6 +131,11 @@ Options parse(int argc, char ** argv) {
         {"--metrics-listen", [&](auto & v) { o.metrics_listen = v; }},
         {"--certs", [&](auto & v) { o.certs = v; }},
         {"--contract", [&](auto & v) { o.contract = v; }},
+        {"--advertise", [&](auto & v) { o.advertise = v; }},
+        {"--max-connections", [&](auto & v) { o.limits.max_connections = to_int("--max-connections", v); }},
+        {"--max-rpc-threads", [&](auto & v) { o.max_rpc_threads = to_int("--max-rpc-threads", v); }},
+        {"--send-timeout", [&](auto & v) { o.limits.send_timeout_s = to_float("--send-timeout", v); }},
+        {"--max-send-queue-bytes", [&](auto & v) { o.limits.max_send_queue_bytes = to_int("--max-send-queue-bytes", v); }},
     };
     for (int i = 1; i < argc; ++i) {
         std::string a = argv[i];
@@ -327,16 +339,20 @@ int run(int argc, char ** argv) {
     }
     for (auto & [flag, v] : {std::pair<const char *, int64_t>{"--max-queued-steps", o.limits.max_queued_steps},
                              {"--max-session-steps", o.limits.max_session_steps},
-                             {"--max-batch-sessions", o.limits.max_batch_sessions}}) {
+                             {"--max-batch-sessions", o.limits.max_batch_sessions},
+                             {"--max-connections", o.limits.max_connections},
+                             {"--max-rpc-threads", o.max_rpc_threads}}) {
         if (v < 1) throw std::runtime_error(std::string(flag) + " must be at least 1");
     }
     if (o.max_sessions < 1) throw std::runtime_error("--max-sessions must be at least 1");
+    if (o.limits.send_timeout_s <= 0) throw std::runtime_error("--send-timeout must be more than 0 seconds");
+    if (o.limits.max_send_queue_bytes < int64_t(o.max_message_bytes + dgr::FRAME_OVERHEAD)) {
+        throw std::runtime_error("--max-send-queue-bytes must hold one message: at least --max-message-bytes + " +
+                                 std::to_string(dgr::FRAME_OVERHEAD) + " (" + std::to_string(o.max_message_bytes + dgr::FRAME_OVERHEAD) + ")");
+    }
     if (o.n_ctx < 0) throw std::runtime_error("--n-ctx must not be negative");
     // what dgr-worker does not do yet is refused, never silently ignored (docs/worker.md)
-    if (!o.tls_cert.empty() || !o.tls_key.empty() || !o.tls_ca.empty()) {
-        throw std::runtime_error("--tls-cert/--tls-key/--tls-ca: dgr-worker has no TLS yet (issue 21, a later phase): "
-                                 "serve TLS stages with `dgr worker serve`");
-    }
+    const dgr::Trust trust = dgr::tls_trust(dgr::TlsFiles{o.tls_cert, o.tls_key, o.tls_ca});
     if (!o.metrics_listen.empty()) throw std::runtime_error("--metrics-listen: dgr-worker serves no metrics yet (issue 21, a later phase)");
     if (!o.certs.empty() || !o.contract.empty()) throw std::runtime_error("--certs/--contract: dgr-worker advertises no certificates yet (issue 21, a later phase)");
     if (o.data_plane != "grpc") throw std::runtime_error("--data-plane native: dgr-worker has one data path, gRPC (docs/worker.md)");
@@ -347,9 +363,23 @@ int run(int argc, char ** argv) {
     if (host.empty() || port.empty() || port.find_first_not_of("0123456789") != std::string::npos) {
         throw std::runtime_error("cannot listen on '" + o.listen + "': give HOST:PORT with a free port (port 0 picks one)");
     }
-    if (!o.insecure && !is_loopback(host)) {
+    if (!trust.tls && !o.insecure && !is_loopback(host)) {
         throw std::runtime_error("refusing to listen on " + o.listen + " without TLS: anyone who reaches it could read and forge "
-                                 "boundaries. dgr-worker has no TLS yet: give --insecure to accept plaintext on a network you trust");
+                                 "boundaries. Give --tls-cert/--tls-key (and --tls-ca for mutual TLS; `dgr certs` makes "
+                                 "them), or --insecure to accept plaintext on a network you trust");
+    }
+    std::string adv_host, adv_port;                  // --advertise HOST[:PORT]: the address peers reach it at
+    if (!o.advertise.empty()) {
+        const std::string & a = o.advertise;
+        auto c = a.rfind(':');
+        const bool has_port = c != std::string::npos && a.find(']', c) == std::string::npos && (a.front() != '[' || a[c - 1] == ']');
+        adv_host = has_port ? a.substr(0, c) : a;
+        adv_port = has_port ? a.substr(c + 1) : "";
+        if (adv_host.empty() || adv_host == "0.0.0.0" || adv_host == "[::]" || adv_host == "::" ||
+            (has_port && (adv_port.empty() || adv_port.find_first_not_of("0123456789") != std::string::npos))) {
+            throw std::runtime_error("--advertise " + a + ": give the HOST[:PORT] other machines reach this worker at "
+                                     "(a name or an address, never a wildcard)");
+        }
     }
 
     if (std::string why = bind_error(host, port); !why.empty()) {
@@ -366,7 +396,14 @@ int run(int argc, char ** argv) {
     grpc::EnableDefaultHealthCheckService(true);
     grpc::ServerBuilder b;
     int bound = 0;
-    b.AddListeningPort(o.listen, grpc::InsecureServerCredentials(), &bound);
+    b.AddListeningPort(o.listen, trust.tls ? trust.server : grpc::InsecureServerCredentials(), &bound);
+    // bounds (docs/worker.md): gRPC's threads; calls per connection; connections with calls in progress are
+    // counted by the worker (--max-connections); idle connections are closed after 10 minutes
+    grpc::ResourceQuota quota("dgr-worker");
+    quota.SetMaxThreads(int(o.max_rpc_threads));
+    b.SetResourceQuota(quota);
+    b.AddChannelArgument(GRPC_ARG_MAX_CONCURRENT_STREAMS, 100);
+    b.AddChannelArgument(GRPC_ARG_MAX_CONNECTION_IDLE_MS, 600000);
     int limit = int(o.max_message_bytes + dgr::FRAME_OVERHEAD);
     b.SetMaxReceiveMessageSize(limit);
     b.SetMaxSendMessageSize(limit);
@@ -379,29 +416,31 @@ int run(int argc, char ** argv) {
     b.AddChannelArgument(GRPC_ARG_KEEPALIVE_TIME_MS, 10000);
     b.AddChannelArgument(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, 5000);
     // errors name this hop by its address; a wildcard listen address names no machine, the host name does
-    std::string name = host;
-    if (host == "0.0.0.0" || host == "[::]") {
+    std::string name = adv_host.empty() ? host : adv_host;
+    if (adv_host.empty() && (host == "0.0.0.0" || host == "[::]")) {
         char hn[256] = {0};
         gethostname(hn, sizeof hn - 1);
         name = hn;
     }
     // the port is known only once bound (port 0): the worker is told its address right after
     auto worker = std::make_unique<dgr::StageWorker>(s.lib, s.eng, s.id, name + ":" + port, o.max_message_bytes, o.limits);
+    worker->set_trust(trust);
     b.RegisterService(worker.get());
     std::unique_ptr<grpc::Server> server = b.BuildAndStart();
     if (!server || bound == 0) {
         throw std::runtime_error("cannot listen on " + o.listen + ": the address is taken or not this machine's; give "
                                  "HOST:PORT with a free port (port 0 picks one)");
     }
-    const std::string address = name + ":" + std::to_string(bound);
+    const std::string address = name + ":" + (adv_port.empty() ? std::to_string(bound) : adv_port);
     worker->set_address(address);
     auto * health = server->GetHealthCheckService();
     health->SetServingStatus("", true);
     health->SetServingStatus("dgr.v1.Stage", true);
     const dgr_stage_info & i = worker->info();
-    std::printf("dgr worker: stage %d [%d, %d) of bundle %s, %s lane, weights on %s, plaintext serving on %s\n",
+    const char * mode = trust.mutual ? "mutual TLS" : trust.tls ? "TLS" : "plaintext";
+    std::printf("dgr worker: stage %d [%d, %d) of bundle %s, %s lane, weights on %s, %s serving on %s\n",
                 s.id.stage_index, i.layer_begin, i.layer_end, s.id.bundle_id.c_str(), s.id.lane.c_str(), "the host",
-                address.c_str());
+                mode, address.c_str());
     std::fflush(stdout);
 
     // SIGTERM/SIGINT (blocked in every thread: main() blocked them before gRPC started any) end the wait
@@ -413,7 +452,13 @@ int run(int argc, char ** argv) {
     std::thread reaper([&] {
         while (!done) {
             std::this_thread::sleep_for(std::chrono::milliseconds(200));
-            worker->reap();
+            try {
+                worker->reap();
+                worker->check_stalls();
+            } catch (const std::exception & e) {
+                std::fprintf(stderr, "dgr-worker: reaper: %s\n", e.what());
+            } catch (...) {
+            }
         }
     });
     int sig = 0;

@@ -138,6 +138,12 @@ void StageWorker::set_address(const std::string & address) {
     address_ = address;
 }
 
+void StageWorker::set_trust(Trust trust) { trust_ = std::move(trust); }
+
+std::shared_ptr<grpc::ChannelCredentials> StageWorker::channel_credentials() const {
+    return trust_.channel ? trust_.channel : grpc::InsecureChannelCredentials();
+}
+
 void StageWorker::count_error(pb::ErrorCode code) {
     std::string name = pb::ErrorCode_Name(code);
     std::lock_guard<std::mutex> g(mu_);
@@ -185,6 +191,9 @@ void StageWorker::describe_msg(pb::StageDescription * d) {
     d->set_max_queued_steps(uint32_t(limits_.max_queued_steps));
     d->set_can_roll_back(can_truncate_);
     d->set_batch_invariant(i.batch_invariant);
+    d->set_tls(trust_.tls);
+    d->set_mutual_tls(trust_.mutual);
+    d->set_member(trust_.member);
     {
         std::lock_guard<std::mutex> g(mu_);
         d->set_open_sessions(uint32_t(sessions_.size()));
@@ -277,7 +286,7 @@ std::string StageWorker::descriptor_json() {
                   {"seam_out", i.is_last ? J(nullptr) : seam(i.layer_end, true)}}},
         {"health", {{"serving", !stopping}, {"uptime_s", uptime}, {"errors", errors}, {"reaped_sessions", reaped},
                     {"overloaded", overloaded}, {"restarts", 0}}},
-        {"security", {{"tls", false}, {"mutual_tls", false}, {"member", ""}}},
+        {"security", {{"tls", trust_.tls}, {"mutual_tls", trust_.mutual}, {"member", trust_.member}}},
         {"certificates", J::array()},
         {"metrics", ""},
     };
@@ -361,7 +370,7 @@ pb::Stage::Stub * StageWorker::link(const std::string & address) {
         args.SetMaxReceiveMessageSize(limit);
         // its own connection: a peer restarted in place is not stuck behind a shared connection's backoff
         args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
-        stub = pb::Stage::NewStub(grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args));
+        stub = pb::Stage::NewStub(grpc::CreateCustomChannel(address, channel_credentials(), args));
     }
     return stub.get();
 }
@@ -477,6 +486,7 @@ grpc::Status StageWorker::OpenSession(grpc::ServerContext * ctx, const pb::OpenS
             s->last_used = Clock::now();
             s->sampling = req->sampling();
             s->logits = int(req->logits());
+            if (trust_.mutual) s->opener = peer_identity(ctx);
             sessions_[key] = std::move(s);
             ++opened_total_;
             latest_epoch_[req->session_id()] = req->epoch();
@@ -508,6 +518,17 @@ grpc::Status StageWorker::OpenSession(grpc::ServerContext * ctx, const pb::OpenS
                 return grpc::Status::OK;
             }
             for (auto & h : theirs.hops()) *reply->add_hops() = h;
+        }
+        {
+            // the origin takes tokens back only from the last hop, errors from any hop of the route (mTLS)
+            std::lock_guard<std::mutex> g(mu_);
+            auto it = sessions_.find(key);
+            if (it != sessions_.end() && reply->hops_size() > 0) {
+                it->second->returner = reply->hops(reply->hops_size() - 1).member();
+                for (auto & h : reply->hops()) {
+                    if (!h.member().empty()) it->second->route_members.insert(h.member());
+                }
+            }
         }
         return grpc::Status::OK;
     });
@@ -566,6 +587,11 @@ void StageWorker::close_chained(const std::string & sid, uint64_t epoch, const g
 
 grpc::Status StageWorker::CloseSession(grpc::ServerContext * ctx, const pb::CloseSessionRequest * req, pb::CloseSessionReply * reply) {
     return guarded("CloseSession", [&] {
+        if (std::string why = refuse_owner(req->session_id(), req->epoch(), ctx); !why.empty()) {
+            fprintf(stderr, "dgr-worker: refused a close: %s\n", why.c_str());
+            *reply->mutable_error() = err(pb::WRONG_STAGE, why);
+            return grpc::Status::OK;
+        }
         if (req->chain()) close_chained(req->session_id(), req->epoch(), ctx, reply);
         else close_local(req->session_id(), req->epoch());
         return grpc::Status::OK;

@@ -15,6 +15,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <set>
 #include <string>
 #include <thread>
@@ -25,6 +26,7 @@
 
 #include "dgr/v1/stage.grpc.pb.h"
 #include "engine_lib.h"
+#include "tls.h"
 
 namespace dgr {
 
@@ -39,6 +41,10 @@ struct Limits {
     double  rpc_timeout_s = 5.0;
     double  drain_timeout_s = 5.0;
     double  link_keepalive_timeout_s = 2.0;
+    // phase 3 bounds (docs/worker.md "Bounds"): a peer that stops reading fails its own stream or link
+    double  send_timeout_s = 10.0;                   // --send-timeout: one write may wait this long
+    int64_t max_send_queue_bytes = 64 << 20;         // --max-send-queue-bytes: per reply stream and per link
+    int64_t max_connections = 256;                   // --max-connections: connections with calls in progress
 };
 
 // What the engine's stage info does not know: where the stage comes from (dgr.wire.state.StageIdentity).
@@ -77,14 +83,21 @@ std::string utf8_replace(const std::string & bytes);
 // A queue of frames for one stream to write: an incoming Frames call's replies (errors, and at the
 // origin the client's tokens), or an outgoing link's sends. `end`: the stream's reader is done (write
 // what is queued, then end); `drain`: the worker is shutting down (end now, UNAVAILABLE).
+// The queue is bounded (bytes): a reader that falls behind by more, or a write that waits past the send
+// deadline, fails the stream (its call is cancelled; `failed` says why) and never blocks whoever puts.
 struct FrameQueue {
     enum Pop { FRAME, END, DRAIN };
     std::mutex mu;
     std::condition_variable cv;
     std::deque<dgr::v1::Frame> q;
     bool end = false, drain = false;
-    void put(dgr::v1::Frame f);
+    int64_t bytes = 0, cap = 0;                      // queued bytes; cap 0: unbounded
+    int64_t writing_since = 0;                       // steady ns the write in progress began (0: none)
+    grpc::ServerContext * ctx = nullptr;             // the call, while its handler runs (cancelled on failure)
+    std::string failed;                              // why the stream was failed ("" while it is not)
+    bool put(dgr::v1::Frame f);                      // false: the stream is over or was just failed
     void finish(bool draining);
+    void fail(const std::string & why);
     Pop pop(dgr::v1::Frame * out);
 };
 using ReplyPtr = std::shared_ptr<FrameQueue>;
@@ -102,6 +115,8 @@ class Link {
     // false: the link is broken or closing (the caller opens a new one)
     bool send(dgr::v1::Frame & f);   // moves f only when it returns true
     void close();   // cancel the stream and join its threads
+    // the send deadline: a write waiting longer than `timeout_ns` fails the link (its sessions are told)
+    void check_stall(int64_t now_ns, int64_t timeout_ns);
     const std::string address, label;
 
   private:
@@ -113,6 +128,8 @@ class Link {
     std::deque<dgr::v1::Frame> q_;
     std::set<std::pair<std::string, uint64_t>> sessions_;
     bool broken_ = false, closing_ = false;
+    int64_t bytes_ = 0, writing_since_ = 0;
+    std::string failed_;                             // why this side failed the link (a bound), else ""
     std::unique_ptr<grpc::ClientContext> ctx_;
     std::thread thread_;
 };
@@ -134,6 +151,11 @@ class StageWorker final : public dgr::v1::Stage::Service {
     const dgr_stage_info & info() const { return info_; }
     std::string hop() const;
     void set_address(const std::string & address);
+    // TLS (before serving): the links' credentials, what Describe reports, the peer checks under mTLS
+    void set_trust(Trust trust);
+    std::shared_ptr<grpc::ChannelCredentials> channel_credentials() const;
+    // The send deadlines (--send-timeout) of every reply stream and link; called about 5 times a second.
+    void check_stalls();
     // Idle sessions past --session-ttl are closed (once a second at most); returns how many.
     int reap();
     // SIGTERM: refuse new sessions, tell the clients, end every stream, close every session (engine
@@ -158,6 +180,10 @@ class StageWorker final : public dgr::v1::Stage::Service {
         std::string text;                            // their text as the client has it
         bool done = false, failed = false;
         bool told_origin = false;                    // the last stage: its stream back to the origin broke (once)
+        // mutual TLS (dgr.wire.servicer._check_sender): who may send its frames here
+        std::optional<std::string> opener;           // the member that opened it at this stage
+        std::string returner;                        // the route's last hop (tokens into the origin)
+        std::set<std::string> route_members;         // every hop of the route (errors into the origin)
     };
     using Key = std::pair<std::string, uint64_t>;
     using SessionPtr = std::shared_ptr<Session>;
@@ -177,7 +203,12 @@ class StageWorker final : public dgr::v1::Stage::Service {
     };
 
     // frames.cpp: the data path
-    void on_frame(dgr::v1::Frame frame, const ReplyPtr & reply);
+    // peer: the sender's member name under mTLS (nullptr: this worker itself, never checked)
+    void on_frame(dgr::v1::Frame frame, const ReplyPtr & reply, const std::optional<std::string> * peer);
+    void check_sender(const char * kind, const SessionPtr & sess, const std::optional<std::string> * peer, const std::string & sid);
+    // mTLS: CloseSession of an open session comes from the member that opened it here; "" when it may,
+    // else why not
+    std::string refuse_owner(const std::string & sid, uint64_t epoch, const grpc::ServerContext * ctx);
     void check_step(const dgr::v1::Step & step, std::vector<float> * x);
     void enqueue(Work w, const SessionPtr & sess, bool own);
     uint32_t retry_after_ms();
@@ -209,7 +240,14 @@ class StageWorker final : public dgr::v1::Stage::Service {
     std::chrono::system_clock::time_point chain_deadline(size_t hops_after, const grpc::ServerContext * ctx) const;
     dgr::v1::Stage::Stub * link(const std::string & address);
 
+    // --max-connections: connections (gRPC peers) with calls in progress
+    friend struct Admit;
+    std::string admit(const grpc::ServerContext * ctx);   // "" admitted, else why not
+    void release(const std::string & peer);
+    std::map<std::string, int> conns_;               // peer -> calls in progress (mu_)
+
     const EngineLib & lib_;
+    Trust trust_;
     dgr_engine * eng_;
     StageIdentity id_;
     mutable std::mutex addr_mu_;
