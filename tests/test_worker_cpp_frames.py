@@ -160,12 +160,6 @@ def test_mixed_routes_equal(routes):
         _same(_run(mixed, logits="last", **SAMPLED), ref)
 
 
-def test_speculation_is_refused_by_name(routes):
-    with pytest.raises(StageError) as e:
-        _run(routes["cpp"], speculate="ngram", attempts=0)
-    assert "speculative decoding" in str(e.value) and "dgr-worker" in str(e.value)
-
-
 def test_bad_frames_answer_typed_errors(routes):
     """Frames straight into dgr-worker's stage 0 and 1: each refusal is a typed WireError on the stream."""
     cpp_addr = routes["cpp"]

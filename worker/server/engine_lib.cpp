@@ -51,6 +51,7 @@ EngineLib load_engine_lib(const std::string & self_dir) {
     sym(lib.session_open, "dgr_session_open");
     sym(lib.session_close, "dgr_session_close");
     sym(lib.can_truncate, "dgr_engine_can_truncate");
+    sym(lib.truncate, "dgr_session_truncate");
     sym(lib.vocab, "dgr_engine_vocab");
     sym(lib.tokenize, "dgr_tokenize");
     sym(lib.detokenize, "dgr_detokenize");

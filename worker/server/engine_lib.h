@@ -23,6 +23,7 @@ struct EngineLib {
     int32_t (*session_open)(dgr_engine *, const char *, int64_t);
     int32_t (*session_close)(dgr_engine *, const char *, int64_t);
     int32_t (*can_truncate)(dgr_engine *);
+    int32_t (*truncate)(dgr_engine *, const char *, int64_t, int32_t);   // speculation: drop rejected drafts
     int32_t (*vocab)(dgr_engine *, dgr_vocab_info *, int32_t *, int32_t);
     int32_t (*tokenize)(dgr_engine *, const char *, int32_t, int32_t *, int32_t);
     int32_t (*detokenize)(dgr_engine *, const int32_t *, int32_t, char *, int32_t);

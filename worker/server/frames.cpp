@@ -7,10 +7,13 @@
 //   tools/dgr/wire/servicer.py  Frames, _on_frame, _check_step          -> Frames, on_frame, check_step
 //   tools/dgr/wire/scheduler.py _enqueue, _take_batch, _run_batch       -> enqueue, take_batch, run_batch
 //   tools/dgr/wire/links.py     Link, _emit_boundary, _emit_last, _send -> Link, emit_boundary, emit_last, send
-//   tools/dgr/wire/origin.py    _deliver_to_client, _send_token         -> deliver_to_client, send_token
+//   tools/dgr/wire/origin.py    _deliver_to_client, _next_step, _send_token -> deliver_to_client, next_step, send_token
+//   tools/dgr/wire/servicer.py  _start_speculation; links.py _verify    -> start_speculation; emit_last
+//   tools/dgr/wire/drafts.py    NgramDrafts                             -> drafts.cpp (the one place drafting lives)
 // The draw is the engine library's dgr_sample (worker/engine/dgr_sample.cpp, the C++ sampler the native
 // plane uses, equal to tools/dgr/wire/sampling.py); wire dtypes use ggml's own converters from the same
-// library. Speculative steps (drafts, rollback) are refused with a message naming them (a later phase).
+// library. Speculation (phase 4): the origin drafts, every stage runs the k+1 positions and drops rejected
+// drafts on the next step (rollback, dgr_session_truncate), the last stage verifies (tests/test_worker_cpp_speculate.py).
 //
 // Threads: gRPC's sync server gives each incoming Frames call a thread, which writes its reply queue;
 // a reader thread per call checks and queues the frames it reads. One engine thread runs every forward
@@ -19,8 +22,11 @@
 #include <grpcpp/grpcpp.h>
 
 #include <algorithm>
+#include <csignal>
 #include <cstring>
 #include <stdexcept>
+
+#include <unistd.h>
 
 #include "worker.h"
 
@@ -504,7 +510,13 @@ void StageWorker::on_frame(pb::Frame frame, const ReplyPtr & reply, const std::o
             if (kind != pb::Frame::kError) reply_error(reply, frame, err(f.code, f.message));
             return;
         }
-        if (kind == pb::Frame::kToken) frame.mutable_token()->set_return_ns(transit);
+        if (kind == pb::Frame::kToken) {
+            frame.mutable_token()->set_return_ns(transit);
+            if (transit) {
+                std::lock_guard<std::mutex> g(metrics_.mu);
+                metrics_.transit_token.observe(double(transit) / 1e9);
+            }
+        }
         deliver_to_client(std::move(frame));         // returns into the origin
         return;
     }
@@ -535,22 +547,23 @@ void StageWorker::on_frame(pb::Frame frame, const ReplyPtr & reply, const std::o
         if (kind == pb::Frame::kGenerate) {
             if (!info_.is_first) throw Fault{pb::BAD_FRAME, "generate frames go to stage 0 only"};
             const auto & g = frame.generate();
-            if (!g.draft_source().empty()) {
-                throw Fault{pb::ENGINE, "speculative decoding (Generate.draft_source '" + g.draft_source() +
-                                            "') is not served by dgr-worker yet (issue 21, a later phase): generate "
-                                            "without --speculate, or run the stages with `dgr worker serve`"};
+            {
+                std::lock_guard<std::mutex> l(mu_);
+                sess->client = reply;
+                sess->max_new = g.max_new_tokens();
+                sess->stop_ids = std::set<int32_t>(g.stop_token_ids().begin(), g.stop_token_ids().end());
+                sess->context_ids.assign(g.context_ids().begin(), g.context_ids().end());
+                sess->text = g.context_text();
+                sess->last_used = Clock::now();
             }
-            std::lock_guard<std::mutex> l(mu_);
-            sess->client = reply;
-            sess->max_new = g.max_new_tokens();
-            sess->stop_ids = std::set<int32_t>(g.stop_token_ids().begin(), g.stop_token_ids().end());
-            sess->context_ids.assign(g.context_ids().begin(), g.context_ids().end());
-            sess->text = g.context_text();
-            sess->last_used = Clock::now();
+            start_speculation(sess, g);
             return;
         }
         if (kind != pb::Frame::kStep) throw Fault{pb::BAD_FRAME, std::string("unexpected frame body ") + body_name(kind)};
         check_step(frame.step(), &x);
+        std::lock_guard<std::mutex> g(metrics_.mu);
+        if (transit) metrics_.transit_step.observe(double(transit) / 1e9);
+        if (!x.empty()) metrics_.seam_in += frame.step().boundary().data().size();
     } catch (const Fault & f) {
         pb::WireError e = err(f.code, f.message, f.retry_after_ms);
         e.set_held(f.held);
@@ -562,6 +575,8 @@ void StageWorker::on_frame(pb::Frame frame, const ReplyPtr & reply, const std::o
         {
             std::lock_guard<std::mutex> g(mu_);
             if (!sess->client) sess->client = reply;
+            const auto & ids = frame.step().token_ids();
+            sess->history.insert(sess->history.end(), ids.begin(), ids.end());   // what draft sources look up
         }
         frame.set_origin_sent_ns(uint64_t(mono_ns()));
     }
@@ -590,6 +605,10 @@ void StageWorker::check_step(const pb::Step & step, std::vector<float> * x) {
         throw Fault{pb::BAD_FRAME, "a speculative step carries its last token and then " + std::to_string(step.drafts()) +
                                        " drafts (" + std::to_string(step.drafts() + 1) + " positions, sampled), got " +
                                        std::to_string(n) + " positions"};
+    }
+    if (step.drafts() && step.token_ids_size() != n) {       // the last stage verifies the drafted ids
+        throw Fault{pb::BAD_FRAME, "a speculative step carries one token id per position (" + std::to_string(n) + "), got " +
+                                       std::to_string(step.token_ids_size())};
     }
     if (info_.is_first) {
         if (step.drafts() || step.rollback()) {
@@ -633,10 +652,6 @@ void StageWorker::check_step(const pb::Step & step, std::vector<float> * x) {
         const WireDtype * d = dtype_of(b.dtype());
         throw Fault{pb::SCHEMA_MISMATCH, "boundary dtype " + (d ? std::string(d->name) : std::to_string(int(b.dtype()))) +
                                              " != schema dtype " + dtype_->name};
-    }
-    if (step.drafts() || step.rollback()) {
-        throw Fault{pb::ENGINE, "speculative steps (drafts, rollback) are not served by dgr-worker yet (issue 21, a later "
-                                "phase): generate without --speculate, or run the stages with `dgr worker serve`"};
     }
     const uint64_t values = uint64_t(n) * uint64_t(info_.n_streams) * uint64_t(info_.n_embd);
     const uint64_t need = nbytes(*dtype_, values);
@@ -774,6 +789,22 @@ void StageWorker::engine_loop() {
     }
 }
 
+// --test-die-at (tests: a kill -9 at an exact step, dgr.wire.scheduler._die_if_asked): about to run a step
+// that holds a listed (session, epoch, position), the worker SIGKILLs itself, nothing flushed or closed.
+void StageWorker::die_if_asked(size_t n, const std::function<const pb::Frame &(size_t)> & frame) {
+    for (size_t k = 0; k < n; ++k) {
+        const pb::Frame & f = frame(k);
+        for (int64_t p : f.step().positions()) {
+            if (limits_.die_at.count({f.session_id(), f.epoch(), p})) {
+                fprintf(stderr, "dgr-worker: --test-die-at %s:%llu:%lld reached: SIGKILL\n", f.session_id().c_str(),
+                        (unsigned long long)f.epoch(), (long long)p);
+                fflush(stderr);
+                kill(getpid(), SIGKILL);
+            }
+        }
+    }
+}
+
 void StageWorker::run_batch(std::vector<Work> & batch) {
     struct Ready {
         Work * w;
@@ -797,7 +828,23 @@ void StageWorker::run_batch(std::vector<Work> & batch) {
                 reply_error(w.reply, w.frame, err(pb::ENGINE, lib_.error(st)));
                 continue;
             }
-            const uint64_t expect = w.frame.step().cache_expect();
+            const pb::Step & s = w.frame.step();
+            const uint64_t expect = s.cache_expect();
+            int64_t floor;
+            {
+                std::lock_guard<std::mutex> g(mu_);
+                floor = sess->spec_floor;
+            }
+            // a step flagged rollback drops the drafts the last stage rejected, never below the first draft
+            // of the session's last speculative step here (dgr.wire.scheduler._may_roll_back)
+            if (uint64_t(held) > expect && s.rollback() && floor >= 0 && int64_t(expect) >= floor) {
+                st = lib_.truncate(eng_, key.first.c_str(), int64_t(key.second), int32_t(expect));
+                if (st != DGR_OK) {
+                    reply_error(w.reply, w.frame, err(pb::ENGINE, lib_.error(st)));
+                    continue;
+                }
+                held = int32_t(expect);
+            }
             if (uint64_t(held) != expect) {
                 pb::WireError e = err(pb::CACHE_MISS, "session " + key.first + " epoch " + std::to_string(key.second) + " holds " +
                                                           std::to_string(held) + " positions here but the frame expects " +
@@ -810,6 +857,7 @@ void StageWorker::run_batch(std::vector<Work> & batch) {
             ready.push_back(Ready{&w, sess, {}, {}, false});
         }
         if (ready.empty()) return;
+        if (!limits_.die_at.empty()) die_if_asked(ready.size(), [&](size_t k) -> const pb::Frame & { return ready[k].w->frame; });
         std::vector<dgr_step> steps(ready.size());
         for (size_t k = 0; k < ready.size(); ++k) {
             Ready & r = ready[k];
@@ -817,7 +865,8 @@ void StageWorker::run_batch(std::vector<Work> & batch) {
             const int32_t n = s.positions_size();
             int want = DGR_LOGITS_NONE;
             if (info_.is_last && (s.sample() || r.sess->logits == pb::LOGITS_ALL)) {
-                want = r.sess->logits == pb::LOGITS_ALL ? DGR_LOGITS_ALL : DGR_LOGITS_LAST;
+                // a speculative step is verified at every position: one row per draw
+                want = r.sess->logits == pb::LOGITS_ALL || s.drafts() ? DGR_LOGITS_ALL : DGR_LOGITS_LAST;
             }
             dgr_step & d = steps[k];
             d.session_id = r.w->frame.session_id().c_str();
@@ -882,7 +931,10 @@ void StageWorker::run_batch(std::vector<Work> & batch) {
         batch_ms_ = 0.8 * batch_ms_ + 0.2 * double(compute) / 1e6;
         for (auto & r : ready) {
             r.sess->last_used = now;
-            if (r.ok) r.sess->held = uint64_t(std::max(0, r.o.n_cached));
+            if (!r.ok) continue;
+            r.sess->held = uint64_t(std::max(0, r.o.n_cached));
+            const pb::Step & s = r.w->frame.step();
+            r.sess->spec_floor = s.drafts() ? int64_t(s.positions(0)) + 1 : -1;   // where a rollback may start
         }
     }
     for (auto & r : ready) {
@@ -892,6 +944,7 @@ void StageWorker::run_batch(std::vector<Work> & batch) {
         timing.set_queue_ns(uint64_t(std::max<int64_t>(0, t0 - r.w->t_recv)));
         timing.set_transit_ns(r.w->transit_ns);
         timing.set_compute_ns(uint64_t(compute));
+        metrics_.step(r.w->frame.step().positions_size(), int64_t(timing.queue_ns()), compute);
         if (info_.is_last) emit_last(*r.w, r.sess, r.o.logits, r.o.n_logit_rows, timing);
         else emit_boundary(*r.w, r.sess, r.out.data(), timing);
     }
@@ -944,6 +997,10 @@ void StageWorker::emit_boundary(Work & w, const SessionPtr & sess, const float *
         for (int64_t k = lo; k < hi; ++k) step->add_positions(s.positions(int(k)));
         for (int64_t k = lo; k < hi && k < s.token_ids_size(); ++k) step->add_token_ids(s.token_ids(int(k)));
         encode(boundary + lo * width, hi - lo, step->mutable_boundary());
+        {
+            std::lock_guard<std::mutex> g(metrics_.mu);
+            metrics_.seam_out += step->boundary().data().size();
+        }
         *step->mutable_schema() = schema;
         step->set_cache_expect(uint64_t(s.positions(int(lo))));
         step->set_sample(s.sample() && hi == n);
@@ -967,9 +1024,33 @@ void StageWorker::emit_last(Work & w, const SessionPtr & sess, const float * log
     const int64_t n = s.positions_size();
     const int64_t n_vocab = info_.n_vocab;
     std::vector<pb::Frame> frames;
+    // The draws of a sampled step (dgr.wire.links._verify): at each of its last drafts+1 positions the token a
+    // plain decode would draw there (greedy argmax, or the (seed, position)-keyed draw), while they match the
+    // drafts; the first mismatch (or the position after the last draft) gives the next token.
+    const int64_t k = s.drafts();
+    std::vector<int32_t> draws;
+    const float * vrows = nullptr;                   // the rows the draws came from
+    if (s.sample()) {
+        if (!logits || rows < k + 1) throw std::runtime_error("the engine returned too few logits rows to sample from");
+        vrows = logits + int64_t(rows - (k + 1)) * n_vocab;
+        const int64_t base = s.positions(int(n - k - 1));
+        const pb::Sampling & sp = sess->sampling;
+        for (int64_t j = 0; j <= k; ++j) {
+            const int32_t token = lib_.sample(vrows + j * n_vocab, int32_t(n_vocab), double(sp.temperature()), int32_t(sp.top_k()),
+                                              double(sp.top_p()), sp.seed(), base + j);
+            if (token < 0) throw std::runtime_error("dgr_sample refused the logits row");
+            draws.push_back(token);
+            if (j == k || token != s.token_ids(int(s.token_ids_size() - k + j))) break;
+        }
+    }
+    if (!draws.empty()) {
+        std::lock_guard<std::mutex> g(metrics_.mu);
+        metrics_.sampled += draws.size();
+    }
     if (sess->logits == pb::LOGITS_ALL && logits && rows > 0) {
         const int64_t per = std::max<int64_t>(1, int64_t(max_message_bytes_ - FRAME_OVERHEAD) / (n_vocab * 4 + 8));
-        const int64_t valid = std::min<int64_t>(n, rows);
+        // positions computed from rejected drafts get no rows
+        const int64_t valid = std::min<int64_t>(n, rows) - (s.sample() ? k + 1 - int64_t(draws.size()) : 0);
         for (int64_t lo = 0; lo < valid; lo += per) {
             const int64_t hi = std::min(valid, lo + per);
             pb::Frame f;
@@ -982,22 +1063,19 @@ void StageWorker::emit_last(Work & w, const SessionPtr & sess, const float * log
         }
     }
     if (s.sample()) {
-        if (!logits || rows < 1) throw std::runtime_error("the engine returned no logits row to sample from");
-        const float * row = logits + int64_t(rows - 1) * n_vocab;
-        const int32_t position = s.positions(int(n - 1));
-        const pb::Sampling & sp = sess->sampling;
-        const int32_t token = lib_.sample(row, int32_t(n_vocab), double(sp.temperature()), int32_t(sp.top_k()),
-                                          double(sp.top_p()), sp.seed(), position);
-        if (token < 0) throw std::runtime_error("dgr_sample refused the logits row");
+        const int32_t position = s.positions(int(n - k - 1)) + int32_t(draws.size()) - 1;
         pb::Frame f;
         f.set_session_id(w.frame.session_id());
         f.set_epoch(w.frame.epoch());
         pb::Token * t = f.mutable_token();
-        t->set_token_id(token);
+        t->set_token_id(draws.back());
         t->set_position(position);
         t->set_origin_sent_ns(w.frame.origin_sent_ns());
-        t->set_drafted(0);
-        if (sess->logits == pb::LOGITS_LAST) t->set_logits(reinterpret_cast<const char *>(row), size_t(n_vocab) * 4);
+        for (size_t j = 0; j + 1 < draws.size(); ++j) t->add_accepted(draws[j]);
+        t->set_drafted(uint32_t(k));
+        if (sess->logits == pb::LOGITS_LAST) {
+            t->set_logits(reinterpret_cast<const char *>(vrows), draws.size() * size_t(n_vocab) * 4);
+        }
         f.set_origin_sent_ns(w.frame.origin_sent_ns());
         *f.mutable_timings() = w.frame.timings();
         frames.push_back(std::move(f));
@@ -1151,23 +1229,37 @@ void StageWorker::deliver_to_client(pb::Frame frame) {
     if (!frame.has_token()) return;
     pb::Token * tok = frame.mutable_token();
     if (tok->origin_sent_ns()) tok->set_ring_ns(uint64_t(mono_ns()) - tok->origin_sent_ns());
-    // a speculative ring (accepted drafts) is never asked for by this origin: one draw per ring
-    const int32_t t = tok->token_id();
-    const int64_t pos = int64_t(tok->position()) + 1;
+    // A speculative ring returns several draws: the accepted drafts, then token_id. Count them one by one;
+    // a stop id or max_new_tokens among them ends the generation there (the rest are dropped).
+    std::vector<int32_t> draws(tok->accepted().begin(), tok->accepted().end());
+    draws.push_back(tok->token_id());
+    const int64_t first = int64_t(tok->position()) - tok->accepted_size();
     bool next = false, full = false;
-    size_t n_ids;
+    size_t used = 0, n_ids;
+    int64_t pos = 0;
+    pb::Frame step;
     {
         std::lock_guard<std::mutex> g(mu_);
-        ++sess->produced;
-        sess->context_ids.push_back(t);
-        const bool done = sess->stop_ids.count(t) || sess->produced >= sess->max_new;
+        if (sess->drafter && tok->drafted()) sess->drafter->observe(tok->drafted(), uint32_t(tok->accepted_size()));
+        bool done = false;
+        for (int32_t t : draws) {
+            ++used;
+            ++sess->produced;
+            sess->context_ids.push_back(t);
+            sess->history.push_back(t);
+            if (sess->stop_ids.count(t) || sess->produced >= sess->max_new) break;
+        }
+        const int32_t last = draws[used - 1];
+        done = sess->stop_ids.count(last) || sess->produced >= sess->max_new;
         tok->set_done(done);
+        pos = first + int64_t(used);
         if (!done && !sess->failed) {
             if (pos >= info_.n_ctx) {
                 sess->failed = true;
                 full = true;
             } else {
                 next = true;
+                step = next_step(*sess, frame.session_id(), frame.epoch(), pos, last, tok->drafted() > 0);
             }
         } else {
             sess->done = true;
@@ -1183,24 +1275,109 @@ void StageWorker::deliver_to_client(pb::Frame frame) {
     } else if (next) {
         // queue the next decode step first: the ring goes on while this token is detokenized and sent
         Work w;
-        w.frame.set_session_id(frame.session_id());
-        w.frame.set_epoch(frame.epoch());
-        w.frame.set_origin_sent_ns(uint64_t(mono_ns()));
-        pb::Step * s = w.frame.mutable_step();
-        s->add_positions(int32_t(pos));
-        s->add_token_ids(t);
-        s->set_cache_expect(uint64_t(pos));
-        s->set_sample(true);
+        w.frame = std::move(step);
         w.reply = client;
         w.t_recv = mono_ns();
         enqueue(std::move(w), sess, true);
     }
+    // What the client gets for the ring (dgr.wire.origin._client_frames): a Token per draw (accepted drafts
+    // marked speculated), the ring's own frame (timings, ring time) last; LOGITS_LAST rows split among them.
+    std::vector<pb::Frame> out;
+    const size_t width = tok->accepted_size() && !tok->logits().empty() ? tok->logits().size() / size_t(tok->accepted_size() + 1) : 0;
+    for (size_t i = 0; i + 1 < used; ++i) {
+        pb::Frame f;
+        f.set_session_id(frame.session_id());
+        f.set_epoch(frame.epoch());
+        pb::Token * t = f.mutable_token();
+        t->set_token_id(draws[i]);
+        t->set_position(int32_t(first + int64_t(i)));
+        t->set_speculated(true);
+        if (width) t->set_logits(tok->logits().substr(i * width, width));
+        out.push_back(std::move(f));
+    }
+    tok->set_token_id(draws[used - 1]);
+    tok->set_position(int32_t(first + int64_t(used) - 1));
+    while (size_t(tok->accepted_size()) > used - 1) tok->mutable_accepted()->RemoveLast();
+    if (width) tok->set_logits(tok->logits().substr((used - 1) * width, width));
+    out.push_back(std::move(frame));
     // detokenize on the engine thread once the next step's forward has started: text never delays the
     // ring, and the engine is never called from two threads
-    auto shared = std::make_shared<pb::Frame>(std::move(frame));
+    const size_t n0 = n_ids - out.size();
+    auto shared = std::make_shared<std::vector<pb::Frame>>(std::move(out));
     std::lock_guard<std::mutex> g(mu_);
-    jobs_.push_back([this, sess, shared, n_ids] { send_token(sess, std::move(*shared), n_ids); });
+    jobs_.push_back([this, sess, shared, n0] {
+        for (size_t i = 0; i < shared->size(); ++i) send_token(sess, std::move((*shared)[i]), n0 + i + 1);
+    });
     wake_.notify_all();
+}
+
+// dgr.wire.origin._next_step: the last token at `pos`, plus what the session's draft source proposes (k+1
+// positions, verified by the last stage in the same ring). `after_drafts`: the step answered was
+// speculative, so stages may hold rejected positions >= pos to drop. mu_ held.
+pb::Frame StageWorker::next_step(Session & s, const std::string & sid, uint64_t epoch, int64_t pos, int32_t token, bool after_drafts) {
+    std::vector<int32_t> drafts;
+    if (s.drafter) {
+        const int64_t k = std::min<int64_t>({int64_t(s.draft_k), int64_t(s.max_new) - int64_t(s.produced) - 1,
+                                             int64_t(info_.n_ctx) - 1 - pos});
+        if (k > 0) {
+            drafts = s.drafter->propose(s.history, k);
+            if (int64_t(drafts.size()) > k) drafts.resize(size_t(k));
+        }
+    }
+    pb::Frame f;
+    f.set_session_id(sid);
+    f.set_epoch(epoch);
+    f.set_origin_sent_ns(uint64_t(mono_ns()));
+    pb::Step * st = f.mutable_step();
+    for (int64_t p = pos; p < pos + 1 + int64_t(drafts.size()); ++p) st->add_positions(int32_t(p));
+    st->add_token_ids(token);
+    for (int32_t d : drafts) st->add_token_ids(d);
+    st->set_cache_expect(uint64_t(pos));
+    st->set_sample(true);
+    st->set_drafts(uint32_t(drafts.size()));
+    st->set_rollback(after_drafts);
+    return f;
+}
+
+// dgr.wire.servicer._start_speculation: a Generate that asks for drafts gets its session's draft source, if
+// every hop of the route can roll back rejected drafts.
+void StageWorker::start_speculation(const SessionPtr & sess, const pb::Generate & g) {
+    if (g.draft_source().empty()) return;
+    std::unique_ptr<DraftSource> drafter;
+    uint32_t k;
+    try {
+        k = check_draft_k(g.draft_k() ? g.draft_k() : DEFAULT_DRAFT_K);
+        drafter = make_draft_source(g.draft_source());
+    } catch (const std::invalid_argument & e) {
+        throw Fault{pb::BAD_FRAME, e.what()};
+    }
+    std::lock_guard<std::mutex> l(mu_);
+    if (!sess->can_roll_back) {
+        throw Fault{pb::ENGINE, "speculative decoding needs every stage to drop rejected drafts from its cache, and " +
+                                    (sess->no_roll_back.empty() ? std::string("a hop of the route") : sess->no_roll_back) +
+                                    " cannot (a recurrent or hybrid model keeps one running state, or the worker predates "
+                                    "speculation): generate without --speculate"};
+    }
+    sess->drafter = std::move(drafter);
+    sess->draft_k = uint32_t(std::min<uint64_t>(k, sess->spec_cap - 1));
+}
+
+void StageWorker::note_route(Session & s, const google::protobuf::RepeatedPtrField<pb::StageDescription> & hops) {
+    std::string no;
+    uint64_t cap = 0;
+    for (int i = 0; i < hops.size(); ++i) {
+        const pb::StageDescription & h = hops.Get(i);
+        const size_t at = size_t(s.hop_index) + size_t(i);
+        const std::string address = at < s.route.size() ? s.route[at].address() : std::string();
+        if (!h.can_roll_back()) no += (no.empty() ? "" : ", ") + hop_name(h.identity().stage_index(), address);
+        if (h.has_schema_out() && h.seam_bytes_per_token()) {
+            uint64_t t = tokens_per_frame(std::min<uint64_t>(h.max_message_bytes(), max_message_bytes_), h.seam_bytes_per_token());
+            cap = cap ? std::min(cap, t) : t;
+        }
+    }
+    s.can_roll_back = no.empty();
+    s.no_roll_back = no;
+    s.spec_cap = cap ? cap : MAX_DRAFT_K + 1;
 }
 
 void StageWorker::send_token(const SessionPtr & sess, pb::Frame frame, size_t n_ids) {
@@ -1274,6 +1451,84 @@ void StageWorker::shutdown_threads() {
         dead_links_.clear();
     }
     links.clear();                                   // destroyed here, outside the lock
+}
+
+}  // namespace dgr
+
+namespace dgr {
+
+void StageWorker::set_metrics_url(const std::string & url) {
+    std::lock_guard<std::mutex> g(addr_mu_);
+    metrics_url_ = url;
+}
+
+// dgr.wire.state.WorkerMetrics and _StateCollector, name for name
+std::string StageWorker::metrics_text() {
+    std::string o;
+    const char * kinds[2] = {"decode", "prefill"};
+    {
+        std::lock_guard<std::mutex> g(metrics_.mu);
+        prom_family(o, "dgr_worker_steps", "counter", "engine steps run (one session's frame of positions)");
+        for (int k = 0; k < 2; ++k) prom_sample(o, "dgr_worker_steps_total", std::string("kind=\"") + kinds[k] + "\"", double(metrics_.steps[k]));
+        prom_family(o, "dgr_worker_tokens", "counter", "positions run through the engine");
+        for (int k = 0; k < 2; ++k) prom_sample(o, "dgr_worker_tokens_total", std::string("kind=\"") + kinds[k] + "\"", double(metrics_.tokens[k]));
+        prom_family(o, "dgr_worker_tokens_sampled", "counter", "tokens sampled (last stage)");
+        prom_sample(o, "dgr_worker_tokens_sampled_total", "", double(metrics_.sampled));
+        prom_histogram(o, "dgr_worker_step_queue_seconds", "a step's wait for the engine thread", "", {{"", &metrics_.queue}});
+        prom_histogram(o, "dgr_worker_step_compute_seconds", "the engine call a step ran in", "", {{"", &metrics_.compute}});
+        prom_histogram(o, "dgr_worker_frame_transit_seconds", "from the sender handing a frame to gRPC to this worker "
+                       "reading it (wall clocks): steps in, tokens back at the origin", "frame",
+                       {{"step", &metrics_.transit_step}, {"token", &metrics_.transit_token}});
+        if (!info_.is_first || !info_.is_last) {
+            prom_family(o, "dgr_worker_seam_bytes", "counter", "boundary bytes across this worker's seams (layer: the seam's global layer index)");
+            if (!info_.is_first) {
+                prom_sample(o, "dgr_worker_seam_bytes_total", "direction=\"received\",layer=\"" + std::to_string(info_.layer_begin) + "\"",
+                            double(metrics_.seam_in));
+            }
+            if (!info_.is_last) {
+                prom_sample(o, "dgr_worker_seam_bytes_total", "direction=\"sent\",layer=\"" + std::to_string(info_.layer_end) + "\"",
+                            double(metrics_.seam_out));
+            }
+        }
+    }
+    std::lock_guard<std::mutex> g(mu_);
+    prom_family(o, "dgr_worker_sessions_opened", "counter", "sessions opened here");
+    prom_sample(o, "dgr_worker_sessions_opened_total", "", double(opened_total_));
+    prom_family(o, "dgr_worker_errors", "counter", "typed errors this worker answered, by dgr.v1.ErrorCode");
+    const auto * codes = pb::ErrorCode_descriptor();
+    for (int i = 0; i < codes->value_count(); ++i) {
+        const std::string name = codes->value(i)->name();
+        if (name == "ERROR_UNSPECIFIED") continue;
+        uint64_t n = 0;
+        for (auto & e : errors_) {
+            if (e.first == name) n = e.second;
+        }
+        prom_sample(o, "dgr_worker_errors_total", "code=\"" + name + "\"", double(n));
+    }
+    uint64_t held = 0;
+    for (auto & kv : sessions_) held += kv.second->held;
+    auto gauge = [&](const char * name, const char * help, double v) {
+        prom_family(o, std::string("dgr_worker_") + name, "gauge", help);
+        prom_sample(o, std::string("dgr_worker_") + name, "", v);
+    };
+    gauge("sessions_open", "open sessions", double(sessions_.size()));
+    gauge("queued_steps", "steps queued for the engine", double(n_pending_));
+    gauge("cached_positions", "positions held over all open sessions", double(held));
+    gauge("uptime_seconds", "seconds since the worker started",
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - started_).count());
+    gauge("max_frame_bytes_sent", "largest frame sent so far", double(max_frame_bytes_sent_));
+    prom_family(o, "dgr_worker_sessions_reaped", "counter", "sessions closed after --session-ttl idle");
+    prom_sample(o, "dgr_worker_sessions_reaped_total", "", double(reaped_));
+    prom_family(o, "dgr_worker_overloaded", "counter", "requests answered OVERLOADED");
+    prom_sample(o, "dgr_worker_overloaded_total", "", double(overloaded_));
+    prom_family(o, "dgr_worker_info", "gauge", "what this worker serves (always 1)");
+    prom_sample(o, "dgr_worker_info",
+                "model=\"" + prom_escape(id_.model) + "\",bundle_id=\"" + prom_escape(id_.bundle_id) + "\",stage=\"" +
+                    std::to_string(id_.stage_index) + "\",stage_count=\"" + std::to_string(id_.stage_count) + "\",layers=\"" +
+                    std::to_string(info_.layer_begin) + "-" + std::to_string(info_.layer_end) + "\",lane=\"" +
+                    prom_escape(id_.lane) + "\",engine=\"" + prom_escape(id_.engine) + "\"",
+                1.0);
+    return o;
 }
 
 }  // namespace dgr

@@ -55,7 +55,6 @@ struct Options {
     std::string data_plane = "grpc";
     std::string tls_cert, tls_key, tls_ca, metrics_listen, certs, contract, advertise;
     int64_t max_rpc_threads = 256;
-    std::vector<std::string> die_at;
 };
 
 const char * USAGE =
@@ -112,7 +111,13 @@ Options parse(int argc, char ** argv) {
         {"--max-batch-tokens", [&](auto & v) { o.limits.max_batch_tokens = to_int("--max-batch-tokens", v); }},
         {"--max-batch-sessions", [&](auto & v) { o.limits.max_batch_sessions = to_int("--max-batch-sessions", v); }},
         {"--hold-batch", [&](auto & v) { o.limits.hold_batch = std::max<int64_t>(0, to_int("--hold-batch", v)); }},
-        {"--test-die-at", [&](auto & v) { o.die_at.push_back(v); }},
+        {"--test-die-at", [&](auto & v) {             // SESSION:EPOCH:POSITION (tools/dgr/commands/worker.py _die_at)
+             auto a = v.find(':'), b = a == std::string::npos ? a : v.find(':', a + 1);
+             auto digits = [](const std::string & t) { return !t.empty() && t.find_first_not_of("0123456789") == std::string::npos; };
+             std::string sid = v.substr(0, a), ep = a == std::string::npos ? "" : v.substr(a + 1, b - a - 1),
+                         pos = b == std::string::npos ? "" : v.substr(b + 1);
+             if (sid.empty() || !digits(ep) || !digits(pos)) throw UsageError("--test-die-at '" + v + "': give SESSION:EPOCH:POSITION");
+             o.limits.die_at.insert({sid, std::stoull(ep), std::stoll(pos)}); }},
         {"--n-ctx", [&](auto & v) { o.n_ctx = to_int("--n-ctx", v); }},
         {"--max-sessions", [&](auto & v) { o.max_sessions = to_int("--max-sessions", v); }},
         {"--threads", [&](auto & v) { o.threads = to_int("--threads", v); }},
@@ -353,10 +358,26 @@ int run(int argc, char ** argv) {
     if (o.n_ctx < 0) throw std::runtime_error("--n-ctx must not be negative");
     // what dgr-worker does not do yet is refused, never silently ignored (docs/worker.md)
     const dgr::Trust trust = dgr::tls_trust(dgr::TlsFiles{o.tls_cert, o.tls_key, o.tls_ca});
-    if (!o.metrics_listen.empty()) throw std::runtime_error("--metrics-listen: dgr-worker serves no metrics yet (issue 21, a later phase)");
+    std::string mhost, mport;                        // --metrics-listen HOST:PORT (dgr.wire.worker.serve's rules)
+    if (!o.metrics_listen.empty()) {
+        auto c = o.metrics_listen.rfind(':');
+        mhost = c == std::string::npos ? "" : o.metrics_listen.substr(0, c);
+        mport = c == std::string::npos ? "" : o.metrics_listen.substr(c + 1);
+        if (mhost.empty() || mport.empty() || mport.find_first_not_of("0123456789") != std::string::npos) {
+            throw std::runtime_error("--metrics-listen '" + o.metrics_listen + "': give HOST:PORT (port 0 picks a free one)");
+        }
+        if (trust.tls) {
+            throw std::runtime_error("--metrics-listen with TLS: dgr-worker serves metrics over plain HTTP only so far (issue "
+                                     "21, a later phase); serve them with `dgr worker serve`, or drop --metrics-listen");
+        }
+        if (!o.insecure && !is_loopback(mhost)) {
+            throw std::runtime_error("refusing to listen on " + o.metrics_listen + " without TLS: anyone who reaches it could "
+                                     "read and forge boundaries. Give --tls-cert/--tls-key (and --tls-ca for mutual TLS; `dgr "
+                                     "certs` makes them), or --insecure to accept plaintext on a network you trust");
+        }
+    }
     if (!o.certs.empty() || !o.contract.empty()) throw std::runtime_error("--certs/--contract: dgr-worker advertises no certificates yet (issue 21, a later phase)");
     if (o.data_plane != "grpc") throw std::runtime_error("--data-plane native: dgr-worker has one data path, gRPC (docs/worker.md)");
-    if (!o.die_at.empty()) throw std::runtime_error("--test-die-at: not in dgr-worker yet (issue 21, a later phase)");
     auto colon = o.listen.rfind(':');
     std::string host = colon == std::string::npos ? "" : o.listen.substr(0, colon);
     std::string port = colon == std::string::npos ? "" : o.listen.substr(colon + 1);
@@ -433,6 +454,24 @@ int run(int argc, char ** argv) {
     }
     const std::string address = name + ":" + (adv_port.empty() ? std::to_string(bound) : adv_port);
     worker->set_address(address);
+    std::unique_ptr<dgr::MetricsServer> metrics;
+    if (!mhost.empty()) {
+        try {
+            metrics = std::make_unique<dgr::MetricsServer>(mhost, mport, [w = worker.get()] { return w->metrics_text(); });
+        } catch (const std::exception & e) {
+            throw std::runtime_error("cannot serve metrics on " + o.metrics_listen + ": " + e.what() +
+                                     ": give a free HOST:PORT (port 0 picks one)");
+        }
+        std::string mname = mhost;
+        if (mhost == "0.0.0.0" || mhost == "[::]") {
+            char hn[256] = {0};
+            gethostname(hn, sizeof hn - 1);
+            mname = hn;
+        }
+        const std::string url = "http://" + mname + ":" + std::to_string(metrics->port()) + "/metrics";
+        worker->set_metrics_url(url);
+        std::printf("dgr worker: metrics on %s\n", url.c_str());
+    }
     auto * health = server->GetHealthCheckService();
     health->SetServingStatus("", true);
     health->SetServingStatus("dgr.v1.Stage", true);
@@ -463,16 +502,42 @@ int run(int argc, char ** argv) {
     });
     int sig = 0;
     sigwait(&sigs, &sig);
+    // --drain-timeout bounds the whole drain (dgr.wire.worker.drain and its watchdog): a second signal, or the
+    // bound passing while anything still hangs (an engine step, a peer that does not read), leaves at once
+    const double bound_s = std::max(0.0, o.limits.drain_timeout_s);
+    const auto end = std::chrono::steady_clock::now() + std::chrono::milliseconds(int64_t(bound_s * 1000));
+    std::thread([sigs, bound_s] {
+        const auto until = std::chrono::steady_clock::now() + std::chrono::nanoseconds(int64_t(bound_s * 1e9));
+        int again;
+        do {                                         // a stop and continue (SIGSTOP/SIGCONT) interrupts the wait
+            const int64_t left = std::max<int64_t>(0, std::chrono::duration_cast<std::chrono::nanoseconds>(
+                                                          until - std::chrono::steady_clock::now()).count());
+            timespec ts{time_t(left / 1000000000), long(left % 1000000000)};
+            again = sigtimedwait(&sigs, nullptr, &ts);
+        } while (again < 0 && errno == EINTR);
+        if (again > 0) std::fprintf(stderr, "dgr-worker: second signal while draining: exiting now\n");
+        else std::fprintf(stderr, "dgr-worker: draining took longer than --drain-timeout %g s: exiting now\n", bound_s);
+        std::fflush(stdout);
+        std::fflush(stderr);
+        _exit(1);
+    }).detach();
     health->SetServingStatus("", false);
     health->SetServingStatus("dgr.v1.Stage", false);
     worker->stop();
+    // what is left of the bound, at most a second, for the calls still in flight (Python: grace=min(1, left))
+    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(end - std::chrono::steady_clock::now());
     server->Shutdown(std::chrono::system_clock::now() +
-                     std::chrono::milliseconds(int64_t(std::max(0.0, o.limits.drain_timeout_s) * 1000)));
+                     std::clamp(left - std::chrono::milliseconds(100), std::chrono::milliseconds(0), std::chrono::milliseconds(1000)));
     done = true;
     reaper.join();
+    s.lib.close(s.eng);                              // the engine thread is joined (stop): nothing else calls it
+    s.eng = nullptr;
     std::printf("dgr worker: stage %d on %s drained and stopped\n", s.id.stage_index, address.c_str());
     std::fflush(stdout);
-    return 0;
+    std::fflush(stderr);
+    // leave now rather than wait in destructors for a handler still blocked on a dead peer (as the Python
+    // worker's hard_exit(0)): the bound is the point of a drain
+    _exit(0);
 }
 
 }  // namespace

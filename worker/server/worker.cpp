@@ -288,7 +288,7 @@ std::string StageWorker::descriptor_json() {
                     {"overloaded", overloaded}, {"restarts", 0}}},
         {"security", {{"tls", trust_.tls}, {"mutual_tls", trust_.mutual}, {"member", trust_.member}}},
         {"certificates", J::array()},
-        {"metrics", ""},
+        {"metrics", [&] { std::lock_guard<std::mutex> g(addr_mu_); return metrics_url_; }()},
     };
     return d.dump(-1, ' ', false, J::error_handler_t::replace);
 }
@@ -524,6 +524,7 @@ grpc::Status StageWorker::OpenSession(grpc::ServerContext * ctx, const pb::OpenS
             std::lock_guard<std::mutex> g(mu_);
             auto it = sessions_.find(key);
             if (it != sessions_.end() && reply->hops_size() > 0) {
+                note_route(*it->second, reply->hops());
                 it->second->returner = reply->hops(reply->hops_size() - 1).member();
                 for (auto & h : reply->hops()) {
                     if (!h.member().empty()) it->second->route_members.insert(h.member());

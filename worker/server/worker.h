@@ -19,13 +19,16 @@
 #include <set>
 #include <string>
 #include <thread>
+#include <tuple>
 #include <utility>
 #include <vector>
 
 #include <functional>
 
 #include "dgr/v1/stage.grpc.pb.h"
+#include "drafts.h"
 #include "engine_lib.h"
+#include "metrics.h"
 #include "tls.h"
 
 namespace dgr {
@@ -45,6 +48,8 @@ struct Limits {
     double  send_timeout_s = 10.0;                   // --send-timeout: one write may wait this long
     int64_t max_send_queue_bytes = 64 << 20;         // --max-send-queue-bytes: per reply stream and per link
     int64_t max_connections = 256;                   // --max-connections: connections with calls in progress
+    // --test-die-at SESSION:EPOCH:POSITION (tests only): SIGKILL itself about to run that step
+    std::set<std::tuple<std::string, uint64_t, int64_t>> die_at;
 };
 
 // What the engine's stage info does not know: where the stage comes from (dgr.wire.state.StageIdentity).
@@ -163,6 +168,10 @@ class StageWorker final : public dgr::v1::Stage::Service {
     void stop();
     ~StageWorker() override;
     std::string descriptor_json();
+    // --metrics-listen: Prometheus text (the Python worker's names: dgr.wire.state.WorkerMetrics) and the URL
+    // Describe's descriptor reports
+    std::string metrics_text();
+    void set_metrics_url(const std::string & url);
 
   private:
     struct Session {
@@ -184,6 +193,17 @@ class StageWorker final : public dgr::v1::Stage::Service {
         std::optional<std::string> opener;           // the member that opened it at this stage
         std::string returner;                        // the route's last hop (tokens into the origin)
         std::set<std::string> route_members;         // every hop of the route (errors into the origin)
+        // speculation (dgr.wire.state.Session). At the origin: the draft source and its k, the tokens the
+        // session has run (prompt + generated: where drafts are looked up), whether every hop can roll back,
+        // the positions a step may carry unsplit. On every stage: the first draft position of its last
+        // speculative step, below which a rollback never drops positions (-1: none).
+        std::unique_ptr<DraftSource> drafter;
+        uint32_t draft_k = 0;
+        std::vector<int32_t> history;
+        bool can_roll_back = false;
+        std::string no_roll_back;
+        uint64_t spec_cap = MAX_DRAFT_K + 1;
+        int64_t spec_floor = -1;
     };
     using Key = std::pair<std::string, uint64_t>;
     using SessionPtr = std::shared_ptr<Session>;
@@ -210,12 +230,18 @@ class StageWorker final : public dgr::v1::Stage::Service {
     // else why not
     std::string refuse_owner(const std::string & sid, uint64_t epoch, const grpc::ServerContext * ctx);
     void check_step(const dgr::v1::Step & step, std::vector<float> * x);
+    // OpenSession's reply hops (this stage's and those after it): can the route roll back, and how many
+    // positions fit one frame (dgr.wire.servicer.OpenSession); mu_ held
+    void note_route(Session & s, const google::protobuf::RepeatedPtrField<dgr::v1::StageDescription> & hops);
+    void start_speculation(const SessionPtr & sess, const dgr::v1::Generate & g);
+    dgr::v1::Frame next_step(Session & s, const std::string & sid, uint64_t epoch, int64_t pos, int32_t token, bool after_drafts);
     void enqueue(Work w, const SessionPtr & sess, bool own);
     uint32_t retry_after_ms();
     bool held_back();
     std::vector<Work> take_batch();
     void engine_loop();
     void run_batch(std::vector<Work> & batch);
+    void die_if_asked(size_t n, const std::function<const dgr::v1::Frame &(size_t)> & frame);
     void emit_boundary(Work & w, const SessionPtr & sess, const float * boundary, dgr::v1::HopTiming timing);
     void emit_last(Work & w, const SessionPtr & sess, const float * logits, int32_t rows, dgr::v1::HopTiming timing);
     void send(const std::string & address, uint32_t hop_index, dgr::v1::Frame frame, const SessionPtr & sess);
@@ -261,6 +287,8 @@ class StageWorker final : public dgr::v1::Stage::Service {
     dgr::v1::BoundarySchema schema_in_, schema_out_;   // what this stage takes and sends (describe_msg's)
     uint64_t seam_bytes_per_token_ = 0;
     std::chrono::steady_clock::time_point started_;
+    Metrics metrics_;
+    std::string metrics_url_;                        // (addr_mu_)
 
     std::mutex engine_mu_;                           // the engine is never called from two threads at once
     std::mutex mu_;                                  // everything below

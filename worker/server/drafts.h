@@ -1,0 +1,51 @@
+// Draft sources for speculative decoding at the origin (stage 0): the C++ port of dgr.wire.drafts, the one
+// place dgr-worker drafts. The origin asks its session's source for up to k tokens that may follow the
+// history (prompt + tokens so far), sends them with the last accepted token as one step of k+1 positions,
+// and tells the source how many the last stage accepted. Same proposals as the Python NgramDrafts for the
+// same history (tests/test_worker_cpp_speculate.py compares routes of both).
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace dgr {
+
+constexpr uint32_t DEFAULT_DRAFT_K = 4;
+constexpr uint32_t MAX_DRAFT_K = 16;     // a speculative step is never split into frames: k+1 positions stay small
+
+class DraftSource {
+  public:
+    virtual ~DraftSource() = default;
+    // up to k tokens that may follow `history` (append-only between calls); empty for none
+    virtual std::vector<int32_t> propose(const std::vector<int32_t> & history, int64_t k) = 0;
+    // the last stage accepted `accepted` of the `drafted` tokens last proposed
+    virtual void observe(uint32_t drafted, uint32_t accepted) = 0;
+};
+
+// Prompt lookup (dgr.wire.drafts.NgramDrafts): match the history's last n tokens (n from n_max down to
+// n_min, fewer after misses) against their latest earlier occurrence and propose what followed; back off
+// (longer matches, then pauses of 2, 4, 8 ... MAX_PAUSE plain steps) while drafts keep missing.
+class NgramDrafts final : public DraftSource {
+  public:
+    static constexpr int64_t MAX_PAUSE = 32;
+    explicit NgramDrafts(int n_min = 2, int n_max = 4);
+    std::vector<int32_t> propose(const std::vector<int32_t> & history, int64_t k) override;
+    void observe(uint32_t drafted, uint32_t accepted) override;
+
+  private:
+    void catch_up(const std::vector<int32_t> & history);
+    int n_min_, n_max_;
+    std::map<int, std::map<std::vector<int32_t>, int64_t>> index_;   // n -> n-gram -> its latest end
+    int64_t seen_ = 0, misses_ = 0, pause_ = 0;
+};
+
+// The source called `name` (one per session); throws std::invalid_argument with dgr.wire.drafts' message
+// for an unknown or reserved name.
+std::unique_ptr<DraftSource> make_draft_source(const std::string & name);
+// A draft count a route accepts (1..MAX_DRAFT_K); throws std::invalid_argument saying so.
+uint32_t check_draft_k(uint32_t k);
+
+}  // namespace dgr

@@ -1,0 +1,163 @@
+// Prometheus text and the /metrics HTTP server (metrics.h).
+#include "metrics.h"
+
+#include <arpa/inet.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <stdexcept>
+
+namespace dgr {
+
+void Histogram::observe(double s) {
+    size_t k = 0;
+    while (k < LATENCY_BUCKETS.size() && s > LATENCY_BUCKETS[k]) ++k;
+    if (k < LATENCY_BUCKETS.size()) ++buckets[k];
+    ++count;
+    sum += s;
+}
+
+void Metrics::step(int64_t n_tokens, int64_t queue_ns, int64_t compute_ns) {
+    std::lock_guard<std::mutex> g(mu);
+    const int kind = n_tokens == 1 ? 0 : 1;          // dgr.wire.state.WorkerMetrics.step: decode is one position
+    ++steps[kind];
+    tokens[kind] += uint64_t(n_tokens);
+    queue.observe(double(queue_ns) / 1e9);
+    compute.observe(double(compute_ns) / 1e9);
+}
+
+std::string prom_escape(const std::string & v) {
+    std::string o;
+    for (char c : v) {
+        if (c == '\\') o += "\\\\";
+        else if (c == '"') o += "\\\"";
+        else if (c == '\n') o += "\\n";
+        else o += c;
+    }
+    return o;
+}
+
+static std::string num(double v) {
+    if (std::isinf(v)) return v > 0 ? "+Inf" : "-Inf";
+    char b[64];
+    std::snprintf(b, sizeof b, "%.17g", v);
+    std::string s = b;
+    if (s.find_first_of(".eEn") == std::string::npos) s += ".0";
+    return s;
+}
+
+void prom_family(std::string & out, const std::string & name, const char * type, const std::string & help) {
+    out += "# HELP " + name + " " + help + "\n# TYPE " + name + " " + type + "\n";
+}
+
+void prom_sample(std::string & out, const std::string & name, const std::string & labels, double v) {
+    out += name + (labels.empty() ? "" : "{" + labels + "}") + " " + num(v) + "\n";
+}
+
+void prom_histogram(std::string & out, const std::string & name, const std::string & help, const std::string & label,
+                    const std::vector<std::pair<std::string, const Histogram *>> & series) {
+    prom_family(out, name, "histogram", help);
+    for (auto & [lv, h] : series) {
+        const std::string pre = label.empty() ? "" : label + "=\"" + prom_escape(lv) + "\",";
+        uint64_t cum = 0;
+        for (size_t k = 0; k < LATENCY_BUCKETS.size(); ++k) {
+            cum += h->buckets[k];
+            prom_sample(out, name + "_bucket", pre + "le=\"" + num(LATENCY_BUCKETS[k]) + "\"", double(cum));
+        }
+        prom_sample(out, name + "_bucket", pre + "le=\"+Inf\"", double(h->count));
+        const std::string l = label.empty() ? "" : label + "=\"" + prom_escape(lv) + "\"";
+        prom_sample(out, name + "_count", l, double(h->count));
+        prom_sample(out, name + "_sum", l, h->sum);
+    }
+}
+
+MetricsServer::MetricsServer(const std::string & host, const std::string & port, std::function<std::string()> render)
+    : render_(std::move(render)) {
+    addrinfo hints{}, *res = nullptr;
+    hints.ai_family = AF_UNSPEC;
+    hints.ai_socktype = SOCK_STREAM;
+    hints.ai_flags = AI_PASSIVE;
+    std::string h = host.size() > 1 && host.front() == '[' && host.back() == ']' ? host.substr(1, host.size() - 2) : host;
+    if (int rc = getaddrinfo(h.c_str(), port.c_str(), &hints, &res); rc != 0) throw std::runtime_error(gai_strerror(rc));
+    std::string why = "no address";
+    for (addrinfo * a = res; a; a = a->ai_next) {
+        int fd = socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC, a->ai_protocol);
+        if (fd < 0) continue;
+        int one = 1;
+        setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
+        if (bind(fd, a->ai_addr, a->ai_addrlen) == 0 && listen(fd, 16) == 0) {
+            fd_ = fd;
+            break;
+        }
+        why = std::strerror(errno);
+        close(fd);
+    }
+    freeaddrinfo(res);
+    if (fd_ < 0) throw std::runtime_error(why);
+    sockaddr_storage ss{};
+    socklen_t len = sizeof ss;
+    getsockname(fd_, reinterpret_cast<sockaddr *>(&ss), &len);
+    port_ = ss.ss_family == AF_INET6 ? ntohs(reinterpret_cast<sockaddr_in6 *>(&ss)->sin6_port)
+                                     : ntohs(reinterpret_cast<sockaddr_in *>(&ss)->sin_port);
+    thread_ = std::thread([this] {
+        try {
+            run();
+        } catch (const std::exception & e) {
+            std::fprintf(stderr, "dgr-worker: the metrics server stopped: %s\n", e.what());
+        } catch (...) {
+            std::fprintf(stderr, "dgr-worker: the metrics server stopped\n");
+        }
+    });
+}
+
+MetricsServer::~MetricsServer() {
+    stop_ = true;
+    if (thread_.joinable()) thread_.join();
+    if (fd_ >= 0) close(fd_);
+}
+
+void MetricsServer::run() {
+    while (!stop_) {
+        pollfd p{fd_, POLLIN, 0};
+        if (poll(&p, 1, 200) <= 0) continue;
+        int c = accept4(fd_, nullptr, nullptr, SOCK_CLOEXEC);
+        if (c < 0) continue;
+        timeval tv{5, 0};
+        setsockopt(c, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+        setsockopt(c, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv);
+        std::string req;
+        char buf[2048];
+        while (req.size() < 8192 && req.find("\r\n\r\n") == std::string::npos) {
+            ssize_t n = recv(c, buf, sizeof buf, 0);
+            if (n <= 0) break;
+            req.append(buf, size_t(n));
+        }
+        std::string body, status = "200 OK", type = "text/plain; version=0.0.4; charset=utf-8";
+        if (req.rfind("GET ", 0) == 0 || req.rfind("HEAD ", 0) == 0) {
+            body = render_();
+        } else {
+            status = "405 Method Not Allowed";
+            type = "text/plain; charset=utf-8";
+            body = "GET /metrics\n";
+        }
+        std::string head = "HTTP/1.1 " + status + "\r\nContent-Type: " + type + "\r\nContent-Length: " +
+                           std::to_string(body.size()) + "\r\nConnection: close\r\n\r\n";
+        std::string out = head + (req.rfind("HEAD ", 0) == 0 ? "" : body);
+        for (size_t off = 0; off < out.size();) {
+            ssize_t n = send(c, out.data() + off, out.size() - off, MSG_NOSIGNAL);
+            if (n <= 0) break;
+            off += size_t(n);
+        }
+        close(c);
+    }
+}
+
+}  // namespace dgr
