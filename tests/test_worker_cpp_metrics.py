@@ -4,15 +4,23 @@ do, bytes per seam equal on both sides, the URL in the descriptor; scraped from 
 
 from __future__ import annotations
 
+import http.client
 import json
 import re
 import signal
+import ssl
 import subprocess
+import urllib.error
+import urllib.request
+
+import grpc
+import pytest
 
 from dgr.wire.client import RouteClient
 from dgr.wire.gen import stage_pb2 as pb
+from dgr.wire.gen import stage_pb2_grpc as pb_grpc
 from support.metrics import scrape, value
-from support.worker import wait_for
+from support.worker import make_ca, tls_flags, wait_for
 from test_worker_cpp import cpp, py, worker_bin  # noqa: F401  (worker_bin: the fixture)
 from test_worker_cpp_frames import FLAGS, tiny  # noqa: F401  (tiny: the fixture)
 
@@ -110,3 +118,30 @@ def test_metrics_listen_is_refused_on_a_network_without_tls(tiny, worker_bin):
         r = subprocess.run([str(worker_bin), "--bundle", str(tiny[1]), "--stage", "0", "--metrics-listen", bad],
                            capture_output=True, text=True, timeout=60)
         assert r.returncode == 1 and why in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("kind", ["cpp", "py"])
+def test_metrics_over_mutual_tls_as_the_python_worker_serves_them(tiny, worker_bin, tmp_path, kind):
+    """Under --tls-ca: HTTPS with the worker's certificate, a client certificate from the CA required; plain
+    HTTP gets no answer. The same checks pass against both workers."""
+    cfg = make_ca(tmp_path / "ca", ["w0", "scraper"])
+    flags = (*FLAGS, *METRICS, *tls_flags(cfg["w0"]))
+    p = cpp(worker_bin, tiny[1], 0, *flags) if kind == "cpp" else py(tiny[1], 0, *flags)
+    try:
+        url = _url(p)
+        assert url.startswith("https://127.0.0.1:"), url
+        ctx = ssl.create_default_context(cafile=str(cfg["scraper"].ca))
+        with pytest.raises((ssl.SSLError, ConnectionError, urllib.error.URLError)):   # no client certificate
+            urllib.request.urlopen(url, context=ctx, timeout=10).read()
+        with pytest.raises((ConnectionError, urllib.error.URLError, http.client.HTTPException)):  # plain HTTP
+            urllib.request.urlopen("http://" + url.removeprefix("https://"), timeout=10).read()
+        ctx.load_cert_chain(str(cfg["scraper"].cert), str(cfg["scraper"].key))
+        with urllib.request.urlopen(url, context=ctx, timeout=10) as r:
+            assert r.status == 200 and r.headers["Content-Type"].startswith("text/plain")
+            text = r.read().decode()
+        assert "dgr_worker_steps_total" in text and "dgr_worker_errors_total" in text
+        with grpc.secure_channel(p.address, cfg["scraper"].channel_credentials()) as ch:
+            d = pb_grpc.StageStub(ch).Describe(pb.DescribeRequest(), timeout=30)
+        assert json.loads(d.descriptor_json)["metrics"] == url
+    finally:
+        p.stop()

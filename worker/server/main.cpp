@@ -64,13 +64,17 @@ const char * USAGE =
     "                  [--max-session-steps N] [--rpc-timeout S] [--link-keepalive-timeout S] [--drain-timeout S]\n"
     "                  [--data-plane grpc] [--tls-cert PEM --tls-key PEM [--tls-ca PEM]] [--insecure]\n"
     "                  [--advertise HOST[:PORT]] [--max-connections N] [--max-rpc-threads N] [--send-timeout S]\n"
-    "                  [--max-send-queue-bytes N]\n"
+    "                  [--max-send-queue-bytes N] [--metrics-listen HOST:PORT] [--certs DIR [--contract FILE]]\n"
     "Serves one stage of a bundle (dgr.v1.Stage over gRPC, grpc.health.v1) as `dgr worker serve` does.\n"
     "TLS with --tls-cert/--tls-key (`dgr certs issue`); with --tls-ca, mutual TLS: peers need a certificate the CA\n"
     "signed, and a session's frames are taken only from the members that opened it (docs/worker.md).\n"
     "Bounds: --max-connections (256) connections with a Frames stream, --max-rpc-threads (256) gRPC threads,\n"
     "--max-message-bytes both ways, --max-queued-steps/--max-session-steps, --max-send-queue-bytes (64 MiB) per\n"
     "reply stream and link, --send-timeout (10 s) for one write: a peer that stops reading fails its own stream.\n"
+    "--certs DIR: advertise the certificates (`dgr certify`, DIR/*.json) for exactly this worker's identity, whose\n"
+    "contract (--contract FILE, else the path each records) is unchanged and whose figures all passed; others are\n"
+    "logged with the reason and ignored. --metrics-listen: Prometheus text at http(s)://HOST:PORT/metrics (https,\n"
+    "and client certificates under --tls-ca, with TLS).\n"
     "The engine library is $DGR_ENGINE_LIB, else libdgr_engine.so beside this program.\n";
 
 int64_t to_int(const std::string & flag, const std::string & v) {
@@ -366,17 +370,12 @@ int run(int argc, char ** argv) {
         if (mhost.empty() || mport.empty() || mport.find_first_not_of("0123456789") != std::string::npos) {
             throw std::runtime_error("--metrics-listen '" + o.metrics_listen + "': give HOST:PORT (port 0 picks a free one)");
         }
-        if (trust.tls) {
-            throw std::runtime_error("--metrics-listen with TLS: dgr-worker serves metrics over plain HTTP only so far (issue "
-                                     "21, a later phase); serve them with `dgr worker serve`, or drop --metrics-listen");
-        }
-        if (!o.insecure && !is_loopback(mhost)) {
+        if (!trust.tls && !o.insecure && !is_loopback(mhost)) {
             throw std::runtime_error("refusing to listen on " + o.metrics_listen + " without TLS: anyone who reaches it could "
                                      "read and forge boundaries. Give --tls-cert/--tls-key (and --tls-ca for mutual TLS; `dgr "
                                      "certs` makes them), or --insecure to accept plaintext on a network you trust");
         }
     }
-    if (!o.certs.empty() || !o.contract.empty()) throw std::runtime_error("--certs/--contract: dgr-worker advertises no certificates yet (issue 21, a later phase)");
     if (o.data_plane != "grpc") throw std::runtime_error("--data-plane native: dgr-worker has one data path, gRPC (docs/worker.md)");
     auto colon = o.listen.rfind(':');
     std::string host = colon == std::string::npos ? "" : o.listen.substr(0, colon);
@@ -446,6 +445,14 @@ int run(int argc, char ** argv) {
     // the port is known only once bound (port 0): the worker is told its address right after
     auto worker = std::make_unique<dgr::StageWorker>(s.lib, s.eng, s.id, name + ":" + port, o.max_message_bytes, o.limits);
     worker->set_trust(trust);
+    if (!o.certs.empty()) {                          // dgr.app.stages.held_certificates
+        const dgr_stage_info & si = worker->info();
+        dgr::CertIdentity me{s.id.model, s.id.bundle_id, s.id.lane, s.id.upstream_commit, s.id.patch_series,
+                             s.id.engine_blake3, s.id.stage_index, si.layer_begin, si.layer_end};
+        auto held = dgr::held_certificates(o.certs, me, o.contract);
+        std::printf("dgr worker: %zu certificate(s) advertised from %s\n", held.size(), o.certs.c_str());
+        worker->set_certificates(std::move(held));
+    }
     b.RegisterService(worker.get());
     std::unique_ptr<grpc::Server> server = b.BuildAndStart();
     if (!server || bound == 0) {
@@ -457,7 +464,9 @@ int run(int argc, char ** argv) {
     std::unique_ptr<dgr::MetricsServer> metrics;
     if (!mhost.empty()) {
         try {
-            metrics = std::make_unique<dgr::MetricsServer>(mhost, mport, [w = worker.get()] { return w->metrics_text(); });
+            // HTTPS under TLS, client certificates from the CA under mutual TLS (dgr.wire.worker.start_metrics)
+            metrics = std::make_unique<dgr::MetricsServer>(mhost, mport, [w = worker.get()] { return w->metrics_text(); },
+                                                           o.tls_cert, o.tls_key, o.tls_ca);
         } catch (const std::exception & e) {
             throw std::runtime_error("cannot serve metrics on " + o.metrics_listen + ": " + e.what() +
                                      ": give a free HOST:PORT (port 0 picks one)");
@@ -468,7 +477,7 @@ int run(int argc, char ** argv) {
             gethostname(hn, sizeof hn - 1);
             mname = hn;
         }
-        const std::string url = "http://" + mname + ":" + std::to_string(metrics->port()) + "/metrics";
+        const std::string url = std::string(trust.tls ? "https" : "http") + "://" + mname + ":" + std::to_string(metrics->port()) + "/metrics";
         worker->set_metrics_url(url);
         std::printf("dgr worker: metrics on %s\n", url.c_str());
     }

@@ -5,8 +5,13 @@
 #include <netdb.h>
 #include <netinet/in.h>
 #include <poll.h>
+#include <pthread.h>
+#include <signal.h>
 #include <sys/socket.h>
 #include <unistd.h>
+
+#include <openssl/err.h>
+#include <openssl/ssl.h>
 
 #include <cerrno>
 #include <chrono>
@@ -79,8 +84,41 @@ void prom_histogram(std::string & out, const std::string & name, const std::stri
     }
 }
 
-MetricsServer::MetricsServer(const std::string & host, const std::string & port, std::function<std::string()> render)
+namespace {
+
+std::string ssl_error() {
+    char b[256] = {0};
+    unsigned long e = ERR_get_error();
+    if (!e) return "unknown TLS error";
+    ERR_error_string_n(e, b, sizeof b);
+    ERR_clear_error();
+    return b;
+}
+
+}  // namespace
+
+MetricsServer::MetricsServer(const std::string & host, const std::string & port, std::function<std::string()> render,
+                             const std::string & tls_cert, const std::string & tls_key, const std::string & tls_ca)
     : render_(std::move(render)) {
+    if (!tls_cert.empty()) {
+        // TLS 1.2+, the worker's own certificate; under --tls-ca the client's must verify against it
+        ssl_ = SSL_CTX_new(TLS_server_method());
+        if (!ssl_) throw std::runtime_error("TLS: " + ssl_error());
+        SSL_CTX_set_min_proto_version(ssl_, TLS1_2_VERSION);
+        auto fail = [&](const std::string & what) {
+            std::string why = what + ": " + ssl_error();
+            SSL_CTX_free(ssl_);
+            ssl_ = nullptr;
+            throw std::runtime_error(why);
+        };
+        if (SSL_CTX_use_certificate_chain_file(ssl_, tls_cert.c_str()) != 1) fail("--tls-cert " + tls_cert);
+        if (SSL_CTX_use_PrivateKey_file(ssl_, tls_key.c_str(), SSL_FILETYPE_PEM) != 1) fail("--tls-key " + tls_key);
+        if (SSL_CTX_check_private_key(ssl_) != 1) fail("--tls-key " + tls_key + " does not match --tls-cert");
+        if (!tls_ca.empty()) {
+            if (SSL_CTX_load_verify_locations(ssl_, tls_ca.c_str(), nullptr) != 1) fail("--tls-ca " + tls_ca);
+            SSL_CTX_set_verify(ssl_, SSL_VERIFY_PEER | SSL_VERIFY_FAIL_IF_NO_PEER_CERT, nullptr);
+        }
+    }
     addrinfo hints{}, *res = nullptr;
     hints.ai_family = AF_UNSPEC;
     hints.ai_socktype = SOCK_STREAM;
@@ -108,6 +146,12 @@ MetricsServer::MetricsServer(const std::string & host, const std::string & port,
     port_ = ss.ss_family == AF_INET6 ? ntohs(reinterpret_cast<sockaddr_in6 *>(&ss)->sin6_port)
                                      : ntohs(reinterpret_cast<sockaddr_in *>(&ss)->sin_port);
     thread_ = std::thread([this] {
+        // OpenSSL writes without MSG_NOSIGNAL: a client gone mid-reply must not end the worker with SIGPIPE,
+        // so this thread blocks it, and answer() takes any it raised
+        sigset_t pipe;
+        sigemptyset(&pipe);
+        sigaddset(&pipe, SIGPIPE);
+        pthread_sigmask(SIG_BLOCK, &pipe, nullptr);
         try {
             run();
         } catch (const std::exception & e) {
@@ -122,6 +166,7 @@ MetricsServer::~MetricsServer() {
     stop_ = true;
     if (thread_.joinable()) thread_.join();
     if (fd_ >= 0) close(fd_);
+    if (ssl_) SSL_CTX_free(ssl_);
 }
 
 void MetricsServer::run() {
@@ -130,33 +175,57 @@ void MetricsServer::run() {
         if (poll(&p, 1, 200) <= 0) continue;
         int c = accept4(fd_, nullptr, nullptr, SOCK_CLOEXEC);
         if (c < 0) continue;
-        timeval tv{5, 0};
-        setsockopt(c, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
-        setsockopt(c, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv);
-        std::string req;
-        char buf[2048];
-        while (req.size() < 8192 && req.find("\r\n\r\n") == std::string::npos) {
-            ssize_t n = recv(c, buf, sizeof buf, 0);
-            if (n <= 0) break;
-            req.append(buf, size_t(n));
-        }
-        std::string body, status = "200 OK", type = "text/plain; version=0.0.4; charset=utf-8";
-        if (req.rfind("GET ", 0) == 0 || req.rfind("HEAD ", 0) == 0) {
-            body = render_();
-        } else {
-            status = "405 Method Not Allowed";
-            type = "text/plain; charset=utf-8";
-            body = "GET /metrics\n";
-        }
-        std::string head = "HTTP/1.1 " + status + "\r\nContent-Type: " + type + "\r\nContent-Length: " +
-                           std::to_string(body.size()) + "\r\nConnection: close\r\n\r\n";
-        std::string out = head + (req.rfind("HEAD ", 0) == 0 ? "" : body);
-        for (size_t off = 0; off < out.size();) {
-            ssize_t n = send(c, out.data() + off, out.size() - off, MSG_NOSIGNAL);
-            if (n <= 0) break;
-            off += size_t(n);
-        }
+        answer(c);
         close(c);
+    }
+}
+
+// one request on connection `c` (closed by the caller)
+void MetricsServer::answer(int c) {
+    timeval tv{5, 0};
+    setsockopt(c, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+    setsockopt(c, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv);
+    SSL * tls = nullptr;                         // under TLS: a handshake first; a failed one (plain HTTP, no
+    if (ssl_) {                                  // client certificate under --tls-ca) is answered nothing
+        tls = SSL_new(ssl_);
+        if (!tls || SSL_set_fd(tls, c) != 1 || SSL_accept(tls) != 1) {
+            ERR_clear_error();
+            if (tls) SSL_free(tls);
+            return;
+        }
+    }
+    std::string req;
+    char buf[2048];
+    while (req.size() < 8192 && req.find("\r\n\r\n") == std::string::npos) {
+        ssize_t n = tls ? SSL_read(tls, buf, sizeof buf) : recv(c, buf, sizeof buf, 0);
+        if (n <= 0) break;
+        req.append(buf, size_t(n));
+    }
+    std::string body, status = "200 OK", type = "text/plain; version=0.0.4; charset=utf-8";
+    if (req.rfind("GET ", 0) == 0 || req.rfind("HEAD ", 0) == 0) {
+        body = render_();
+    } else {
+        status = "405 Method Not Allowed";
+        type = "text/plain; charset=utf-8";
+        body = "GET /metrics\n";
+    }
+    std::string head = "HTTP/1.1 " + status + "\r\nContent-Type: " + type + "\r\nContent-Length: " +
+                       std::to_string(body.size()) + "\r\nConnection: close\r\n\r\n";
+    std::string out = head + (req.rfind("HEAD ", 0) == 0 ? "" : body);
+    for (size_t off = 0; off < out.size();) {
+        ssize_t n = tls ? SSL_write(tls, out.data() + off, int(out.size() - off)) : send(c, out.data() + off, out.size() - off, MSG_NOSIGNAL);
+        if (n <= 0) break;
+        off += size_t(n);
+    }
+    if (tls) {
+        SSL_shutdown(tls);
+        SSL_free(tls);
+        sigset_t pipe;
+        sigemptyset(&pipe);
+        sigaddset(&pipe, SIGPIPE);
+        timespec none{0, 0};
+        while (sigtimedwait(&pipe, nullptr, &none) > 0) {
+        }
     }
 }
 

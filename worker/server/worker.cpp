@@ -287,7 +287,13 @@ std::string StageWorker::descriptor_json() {
         {"health", {{"serving", !stopping}, {"uptime_s", uptime}, {"errors", errors}, {"reaped_sessions", reaped},
                     {"overloaded", overloaded}, {"restarts", 0}}},
         {"security", {{"tls", trust_.tls}, {"mutual_tls", trust_.mutual}, {"member", trust_.member}}},
-        {"certificates", J::array()},
+        {"certificates", [&] {
+             J a = J::array();
+             for (auto & c : certificates_)
+                 a.push_back({{"id", c.id}, {"contract", c.contract}, {"contract_blake3", c.contract_blake3}, {"lane", c.lane},
+                              {"issued_at", c.issued_at}, {"summary", c.summary}});
+             return a;
+         }()},
         {"metrics", [&] { std::lock_guard<std::mutex> g(addr_mu_); return metrics_url_; }()},
     };
     return d.dump(-1, ' ', false, J::error_handler_t::replace);

@@ -26,6 +26,7 @@
 #include <functional>
 
 #include "dgr/v1/stage.grpc.pb.h"
+#include "certs.h"
 #include "drafts.h"
 #include "engine_lib.h"
 #include "metrics.h"
@@ -172,6 +173,8 @@ class StageWorker final : public dgr::v1::Stage::Service {
     // Describe's descriptor reports
     std::string metrics_text();
     void set_metrics_url(const std::string & url);
+    // the certificates it advertises (certs.h: already checked against its identity); set before serving
+    void set_certificates(std::vector<HeldCertificate> c) { certificates_ = std::move(c); }
 
   private:
     struct Session {
@@ -289,6 +292,7 @@ class StageWorker final : public dgr::v1::Stage::Service {
     std::chrono::steady_clock::time_point started_;
     Metrics metrics_;
     std::string metrics_url_;                        // (addr_mu_)
+    std::vector<HeldCertificate> certificates_;      // fixed once serving
 
     std::mutex engine_mu_;                           // the engine is never called from two threads at once
     std::mutex mu_;                                  // everything below

@@ -1,0 +1,29 @@
+// The certificates (`dgr certify`, DIR/*.json, schema dgr.certificate/v1) dgr-worker advertises (--certs,
+// --contract): dgr.app.stages.held_certificates and dgr.certificate.check, ported. A certificate is held
+// only when its identity equals this worker's exactly, it covers this stage, its contract file still has
+// the blake3 it records and every figure passed; every other one is logged with the reason and ignored.
+#pragma once
+
+#include <string>
+#include <vector>
+
+namespace dgr {
+
+// What a worker compares a certificate's identity with (dgr.certificate.IDENTITY_FIELDS).
+struct CertIdentity {
+    std::string model, bundle_id, lane, upstream_commit, patch_series, engine_blake3;
+    int stage_index = 0, layer_begin = 0, layer_end = 0;
+};
+
+// One advertised certificate (dgr.descriptor.HeldCertificate).
+struct HeldCertificate {
+    std::string id, contract, contract_blake3, lane, issued_at, summary;
+};
+
+// DIR/*.json in name order; `contract` "" means the path each certificate records (relative: from the
+// current directory, where the Python worker uses its checkout). Throws on a missing DIR or contract file;
+// logs each ignored or advertised certificate to stderr in the Python worker's words.
+std::vector<HeldCertificate> held_certificates(const std::string & dir, const CertIdentity & mine,
+                                               const std::string & contract);
+
+}  // namespace dgr
