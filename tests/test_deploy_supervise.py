@@ -14,32 +14,14 @@ import signal
 import time
 
 import pytest
-from support.deploy import lib_env, tiny, dgr, write  # noqa: F401 (fixtures)
+from support.deploy import lib_env, tiny, dgr, not_a_library, tiny_deployment  # noqa: F401 (fixtures)
 
 from dgr.deploy import runstate
 from dgr.deploy.control import health
 
 
-def _file(tmp_path, tiny, supervise: str = "") -> str:
-    stages = "".join(f'[[stages]]\nlayers = [{b}, {e}]\nhost = "a"\n\n' for b, e in [(0, 2), (2, 4), (4, 6)])
-    return str(write(tmp_path / "tiny.toml", f"""name = "tiny"
-[bundle]
-id = "{tiny.id[:12]}"
-source = "{tiny.root}"
-
-[[hosts]]
-name = "a"
-address = "127.0.0.1"
-store = "{tmp_path / 'store'}"
-
-{stages}
-[supervise]
-{supervise}
-"""))
-
-
 def test_free_ports_are_kept_across_a_restart_and_the_bundle_is_provisioned(tiny, lib_env, tmp_path):
-    f, run = _file(tmp_path, tiny, "backoff = 0.2"), tmp_path / "run"
+    f, run = tiny_deployment(tmp_path, tiny, "backoff = 0.2"), tmp_path / "run"
     up = dgr("up", f, "--run-dir", str(run), "-q", env=lib_env)
     assert up.returncode == 0, up.stderr[-3000:]
     try:
@@ -69,9 +51,9 @@ def test_free_ports_are_kept_across_a_restart_and_the_bundle_is_provisioned(tiny
 
 def test_a_worker_that_keeps_crashing_is_retried_with_backoff_then_given_up_on_and_up_fails_with_its_log(
         tiny, tmp_path):
-    f, run = _file(tmp_path, tiny, "backoff = 0.2\nmax_backoff = 0.5\ngive_up_after = 4"), tmp_path / "run"
+    f, run = tiny_deployment(tmp_path, tiny, "backoff = 0.2\nmax_backoff = 0.5\ngive_up_after = 4"), tmp_path / "run"
     # a library that exists but does not load: every worker dies at every start, the same way
-    bad = {"DGR_ENGINE_LIB": str(write(tmp_path / "not-an-engine.so", "not an ELF file\n"))}
+    bad = not_a_library(tmp_path)
     up = dgr("up", f, "--run-dir", str(run), env=bad)      # fails at the first give-up (never hangs:
     assert up.returncode != 0                               # support.deploy.dgr's own timeout bounds it)
     assert "will not start: it exited 4 times in a row the same way" in up.stderr, up.stderr
@@ -91,8 +73,8 @@ def test_a_worker_that_keeps_crashing_is_retried_with_backoff_then_given_up_on_a
 
 
 def test_a_deployment_that_never_serves_is_stopped_at_the_ready_timeout_with_its_logs(tiny, tmp_path):
-    f, run = _file(tmp_path, tiny, "backoff = 0.2\nready_timeout = 5\ngive_up_after = 0"), tmp_path / "run"
-    bad = {"DGR_ENGINE_LIB": str(write(tmp_path / "not-an-engine.so", "not an ELF file\n"))}
+    f, run = tiny_deployment(tmp_path, tiny, "backoff = 0.2\nready_timeout = 5\ngive_up_after = 0"), tmp_path / "run"
+    bad = not_a_library(tmp_path)
     up = dgr("up", f, "--run-dir", str(run), env=bad)
     assert up.returncode != 0
     assert "did not answer health SERVING within 5 s; the run is stopped" in up.stderr
@@ -102,7 +84,7 @@ def test_a_deployment_that_never_serves_is_stopped_at_the_ready_timeout_with_its
 
 
 def test_down_finds_the_workers_of_a_supervisor_killed_by_hand(tiny, lib_env, tmp_path):
-    f, run = _file(tmp_path, tiny), tmp_path / "run"
+    f, run = tiny_deployment(tmp_path, tiny), tmp_path / "run"
     assert dgr("up", f, "--run-dir", str(run), "-q", env=lib_env).returncode == 0
     st = runstate.read_state(run)
     workers = [w["pid"] for w in st["workers"].values()]

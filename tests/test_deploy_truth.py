@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 import pytest
-from support.deploy import lib_env, tiny, REPO, dgr, write  # noqa: F401 (fixtures)
+from support.deploy import lib_env, tiny, REPO, dgr, not_a_library, tiny_deployment  # noqa: F401 (fixtures)
 
 from dgr.deploy import runstate
 from dgr.deploy.spec import Supervise
@@ -32,39 +32,7 @@ BOUND_S = 120.0      # how long a test waits for something to happen before it f
 
 def _file(tmp_path: Path, tiny, supervise: str = "") -> str:
     """The tiny bundle in 3 stages on loopback, stage 1 twice (4 workers: s0-r0, s1-r0, s1-r1, s2-r0)."""
-    return str(write(tmp_path / "tiny.toml", f"""name = "tiny"
-[bundle]
-id = "{tiny.id[:12]}"
-source = "{tiny.root}"
-
-[[hosts]]
-name = "a"
-address = "127.0.0.1"
-store = "{tmp_path / 'store'}"
-
-[[stages]]
-layers = [0, 2]
-host = "a"
-
-[[stages]]
-layers = [2, 4]
-host = "a"
-replicas = 2
-
-[[stages]]
-layers = [4, 6]
-host = "a"
-
-[supervise]
-backoff = 0.2
-ready_timeout = {READY_S}
-{supervise}
-"""))
-
-
-def _not_a_library(tmp_path: Path) -> dict:
-    """An engine library that exists but does not load: every worker dies at start, the same way."""
-    return {"DGR_ENGINE_LIB": str(write(tmp_path / "not-an-engine.so", "not an ELF file\n"))}
+    return tiny_deployment(tmp_path, tiny, f"backoff = 0.2\nready_timeout = {READY_S}\n{supervise}", (1, 2, 1))
 
 
 def _leaves_nothing(run: Path) -> None:
@@ -155,7 +123,7 @@ def test_up_with_a_missing_engine_library_fails_at_once_naming_it(tiny, tmp_path
 def test_a_worker_that_dies_the_same_way_at_every_start_is_given_up_on_and_up_fails_with_its_error(tiny, tmp_path):
     f, run = _file(tmp_path, tiny), tmp_path / "run"
     try:
-        up = dgr("up", f, "--run-dir", str(run), env=_not_a_library(tmp_path), timeout=BOUND_S)
+        up = dgr("up", f, "--run-dir", str(run), env=not_a_library(tmp_path), timeout=BOUND_S)
     finally:
         _leaves_nothing(run)
     assert up.returncode == 2, up.stderr
@@ -197,7 +165,7 @@ def test_the_ready_timeouts_default_is_documented():
 def test_ready_timeout_flag_overrides_the_files(tiny, tmp_path):
     f, run = _file(tmp_path, tiny, "give_up_after = 0"), tmp_path / "run"     # never given up: waits out the bound
     try:
-        up = dgr("up", f, "--run-dir", str(run), "--ready-timeout", "4", env=_not_a_library(tmp_path),
+        up = dgr("up", f, "--run-dir", str(run), "--ready-timeout", "4", env=not_a_library(tmp_path),
                  timeout=BOUND_S)
     finally:
         _leaves_nothing(run)
@@ -215,7 +183,7 @@ def test_ready_timeout_flag_overrides_the_files(tiny, tmp_path):
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_a_signal_while_up_waits_stops_the_supervisor_and_the_workers(tiny, tmp_path, sig):
     f, run = _file(tmp_path, tiny, "give_up_after = 0"), tmp_path / "run"      # workers crash, never given up
-    up = _Up(f, "--run-dir", str(run), env=_not_a_library(tmp_path))
+    up = _Up(f, "--run-dir", str(run), env=not_a_library(tmp_path))
     try:
         deadline = time.monotonic() + BOUND_S           # it is waiting, its supervisor restarting workers
         while not any(r["last_exit"] for r in ((runstate.read_state(run) or {}).get("workers") or {}).values()):

@@ -33,6 +33,31 @@ def dgr(*args: str, env: dict | None = None, timeout: float = 300) -> subprocess
                           timeout=timeout, env={**os.environ, **(env or {})})
 
 
+def tiny_deployment(tmp_path: Path, tiny, supervise: str = "", replicas: tuple[int, ...] = (1, 1, 1)) -> str:
+    """A deployment file of the tiny bundle in 3 stages on loopback (free ports), `replicas[i]` workers of
+    stage i, with `supervise` as its [supervise] section's lines."""
+    stages = "".join(f'[[stages]]\nlayers = [{b}, {e}]\nhost = "a"\nreplicas = {n}\n\n'
+                     for (b, e), n in zip(TINY_RANGES, replicas))
+    return str(write(tmp_path / "tiny.toml", f"""name = "tiny"
+[bundle]
+id = "{tiny.id[:12]}"
+source = "{tiny.root}"
+
+[[hosts]]
+name = "a"
+address = "127.0.0.1"
+store = "{tmp_path / 'store'}"
+
+{stages}[supervise]
+{supervise}
+"""))
+
+
+def not_a_library(tmp_path: Path) -> dict:
+    """DGR_ENGINE_LIB at a file that exists but does not load: every worker dies at start, the same way."""
+    return {"DGR_ENGINE_LIB": str(write(tmp_path / "not-an-engine.so", "not an ELF file\n"))}
+
+
 def errors(proc: subprocess.CompletedProcess) -> list[str]:
     return [line.removeprefix("dgr: error: ") for line in proc.stderr.splitlines() if line.startswith("dgr: error: ")]
 
