@@ -81,6 +81,23 @@ def test_bandwidth_is_paced_and_the_half_close_passes_after_the_data():
     assert reads[0][0] - t >= 0.005
 
 
+def test_a_stall_holds_both_directions_once_its_threshold_came_in_then_releases_everything_in_order():
+    """Below the threshold bytes pass; the byte that crosses it starts the stall, and nothing comes back
+    (not even the echo of earlier bytes still in the link) until it ends; then all of it, in order."""
+    with echo_server() as target, Link(target, 1.0, stall=(8, 1.5)) as link, connect(link.address) as s:
+        s.sendall(b"abcd")
+        assert recv_exactly(s, 4) == b"abcd"            # under the threshold: an ordinary link
+        t = time.monotonic()
+        s.sendall(b"efgh")                              # 8 bytes in: the stall starts
+        s.sendall(b"ijkl")
+        assert recv_exactly(s, 8) == b"efghijkl"
+        held = time.monotonic() - t
+        assert link.stats()["stalled"] and link.down.bytes == 12
+    assert held >= 1.5
+    with pytest.raises(ValueError, match="stall"):
+        Link(target, 1.0, stall=(8, 0))
+
+
 def test_a_closed_target_closes_the_client_side():
     with echo_server() as target, Link(target, 1.0) as link, connect(link.address) as s:
         s.sendall(b"abc")
@@ -122,22 +139,32 @@ def test_a_fake_route_through_links_gives_the_loopback_text_and_every_hop_crosse
 
 
 def test_a_thin_link_carrying_a_long_prompt_needs_a_longer_link_keepalive():
-    """A keepalive ping waits behind the boundary bytes queued ahead of it: 2048 tokens of a 576-wide seam
-    (4.7 MB) over 10 Mbit/s outlast the default 2 s, and the hop is dropped as unreachable, naming the flag;
-    `--link-keepalive-timeout` (Limits.link_keepalive_timeout_s) long enough for the burst carries it."""
+    """A keepalive ping waits behind the bytes queued ahead of it: on a thin link a long prompt's boundaries
+    (2048 tokens of a 576-wide seam are 4.7 MB, 3.8 s at 10 Mbit/s) hold it past the default 2 s, and the
+    hop is dropped as unreachable, naming the flag; `--link-keepalive-timeout`
+    (Limits.link_keepalive_timeout_s) longer than the burst carries it. How long a paced link holds a ping
+    depends on how fast this machine drains gRPC's windows, so the links here hold everything for a set
+    time instead, once 256 KiB of the prompt's boundaries came in: longer than a ping's 1 s + 2 s in the
+    first route, shorter than the 60 s keepalive timeout of the second. (The client's own probes of silent
+    hops wait 30 s here, so that the workers' keepalive is what notices.)"""
     from dgr.wire.errors import StageError
     from dgr.wire.state import Limits
 
     spec = "layers=4,embd=576,cuts=2,seed=3,ctx=4096"
-    prompt = [i % 200 + 3 for i in range(2048)]
-    with InProcessRoute.of(spec) as route, WanLinks(route.addresses, 1.0, mbit=10) as wan, \
-            RouteClient(wan.addresses, attempts=1) as c:
+    prompt = [i % 200 + 3 for i in range(512)]          # 1.2 MB per seam
+    stall = (256 * 1024, 8.0)
+    with InProcessRoute.of(spec) as route, WanLinks(route.addresses, 1.0, stall=stall) as wan, \
+            RouteClient(wan.addresses, attempts=1, hop_deadline=30) as c:
         with pytest.raises(StageError, match="--link-keepalive-timeout"):
             c.run(prompt, max_new_tokens=2, stop_token_ids=[])
-    with InProcessRoute.of(spec, limits=Limits(link_keepalive_timeout_s=30.0)) as route, \
-            WanLinks(route.addresses, 1.0, mbit=10) as wan, RouteClient(wan.addresses, attempts=1) as c:
+        assert [s["stalled"] for s in wan.stats()] == [False, True]   # the prompt link carries token ids, the seam link boundaries
+    with InProcessRoute.of(spec, limits=Limits(link_keepalive_timeout_s=60.0)) as route, \
+            WanLinks(route.addresses, 1.0, stall=stall) as wan, \
+            RouteClient(wan.addresses, attempts=1, hop_deadline=30) as c:
+        ref = c.run(prompt[:8], max_new_tokens=2, stop_token_ids=[])   # short: under the stall's threshold
         gen = c.run(prompt, max_new_tokens=2, stop_token_ids=[])
-    assert len(gen.token_ids) == 2
+        assert [s["stalled"] for s in wan.stats()] == [False, True]   # the prompt link carries token ids, the seam link boundaries
+    assert len(gen.token_ids) == 2 and len(ref.token_ids) == 2
 
 
 @pytest.mark.engine

@@ -10,6 +10,11 @@ delay starts (`start = max(now, link free)`, `free = start + bits / rate`): a fl
 store-and-forward link. A bounded queue per direction stops reading when it is full, so TCP's own flow
 control pushes back on the sender, as a real bottleneck does.
 
+`stall=(after_bytes, seconds)` makes a link go silent once: when `after_bytes` have come in towards its
+target, neither direction releases anything for `seconds` (a thin link's queue draining, a congested
+path), so what a peer does while its bytes and pings are held can be tested without depending on how
+fast this machine happens to be.
+
 `WanLinks(addresses, one_way_ms, mbit)` puts one forwarder in front of each address; `.addresses` are
 the forwarders', in the same order, to give a route client: every worker reaches the next hop (and the
 last stage the origin) through the addresses of the route it is told, so every hop crosses a link.
@@ -94,6 +99,7 @@ class _Pipe:
                 if not data:
                     break
                 now = time.monotonic_ns()
+                self.link._arrived(self, len(data), now)
                 with self.cv:
                     while self.queued >= self.link.queue_bytes and not self.dead:
                         self.cv.wait(0.5)               # full: stop reading, TCP pushes back on the sender
@@ -119,7 +125,7 @@ class _Pipe:
                             return
                         if self.q:
                             due, data = self.q[0]
-                            wait = due - time.monotonic_ns()
+                            wait = max(due, self.link.held_until_ns) - time.monotonic_ns()
                             if wait <= 0:
                                 break
                             self.cv.wait(wait / 1e9)
@@ -144,6 +150,10 @@ class _Pipe:
             self.dead = True
             self.cv.notify_all()
 
+    def wake(self) -> None:
+        with self.cv:
+            self.cv.notify_all()
+
 
 class Link:
     """A forwarder listening on `listen` (port 0 picks one) in front of `target`: every connection to it
@@ -151,11 +161,13 @@ class Link:
     as the machine goes). `down` counts bytes towards the target, `up` bytes back from it."""
 
     def __init__(self, target: str, one_way_ms: float, mbit: float | None = None, *, listen: str = "127.0.0.1:0",
-                 queue_bytes: int | None = None):
+                 queue_bytes: int | None = None, stall: tuple[int, float] | None = None):
         if one_way_ms < 0:
             raise ValueError(f"one_way_ms must be >= 0, not {one_way_ms}")
         if mbit is not None and mbit <= 0:
             raise ValueError(f"mbit must be > 0 (or None for no limit), not {mbit}")
+        if stall is not None and (stall[0] < 0 or stall[1] <= 0):
+            raise ValueError(f"stall must be (after_bytes >= 0, seconds > 0), not {stall}")
         host, _, port = target.rpartition(":")
         if not host or not port.isdigit():
             raise ValueError(f"target {target!r} is not HOST:PORT")
@@ -166,6 +178,10 @@ class Link:
         bdp = int(mbit * 1e6 / 8 * one_way_ms / 1e3) if mbit else 0
         self.queue_bytes = queue_bytes or (max(MIN_PACED_QUEUE_BYTES, 2 * bdp) if mbit else UNPACED_QUEUE_BYTES)
         self.down, self.up = Direction(), Direction()
+        self.stall = stall
+        self.arrived_down = 0                           # bytes read towards the target (for `stall`)
+        self.held_until_ns = 0                          # nothing is released before this (a stall)
+        self.stalled = False
         self.connections = 0
         self.pipes: set[_Pipe] = set()
         self.socks: set[socket.socket] = set()
@@ -201,6 +217,21 @@ class Link:
                 self.pipes.add(_Pipe(self, a, b, self.down, f"{self.address}-{n}-down"))
                 self.pipes.add(_Pipe(self, b, a, self.up, f"{self.address}-{n}-up"))
 
+    def _arrived(self, pipe: _Pipe, n: int, now: int) -> None:
+        """Count bytes read towards the target and start the one stall when they pass its threshold."""
+        if self.stall is None or pipe.stats is not self.down:
+            return
+        with self.lock:
+            self.arrived_down += n
+            if self.stalled or self.arrived_down < self.stall[0]:
+                return
+            self.stalled = True
+            self.held_until_ns = now + int(self.stall[1] * 1e9)
+            pipes = list(self.pipes)
+        log.info("wan link %s: stalled for %.1f s after %d bytes", self.address, self.stall[1], self.arrived_down)
+        for p in pipes:
+            p.wake()                                    # writers waiting on a due time re-read the hold
+
     def _drop(self, pipe: _Pipe, clean: bool) -> None:
         """A direction ended. After a clean half-close the other direction goes on until its side closes
         too; on a failure (or when both are done) both sockets close, so each side sees the connection go."""
@@ -217,7 +248,7 @@ class Link:
 
     def stats(self) -> dict:
         return {"address": self.address, "target": "%s:%d" % self.target, "one_way_ms": self.one_way_ms,
-                "mbit": self.mbit, "connections": self.connections, "bytes_down": self.down.bytes,
+                "mbit": self.mbit, "stalled": self.stalled, "connections": self.connections, "bytes_down": self.down.bytes,
                 "bytes_up": self.up.bytes, "late_ms_median": statistics.median(
                     [self.down.late_ms_median(), self.up.late_ms_median()])}
 
@@ -252,13 +283,14 @@ class WanLinks:
     and bandwidth. `addresses` (the attribute) are the forwarders', in order: give them to a
     RouteClient. A context manager; `stats()` says what each link carried."""
 
-    def __init__(self, addresses: Sequence[str], one_way_ms: float, mbit: float | None = None):
+    def __init__(self, addresses: Sequence[str], one_way_ms: float, mbit: float | None = None, *,
+                 stall: tuple[int, float] | None = None):
         self.targets = list(addresses)
         self.one_way_ms, self.mbit = float(one_way_ms), mbit
         self.links: list[Link] = []
         try:
             for a in self.targets:
-                self.links.append(Link(a, one_way_ms, mbit))
+                self.links.append(Link(a, one_way_ms, mbit, stall=stall))
         except BaseException:
             self.close()
             raise
