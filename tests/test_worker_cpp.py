@@ -95,8 +95,9 @@ def cpp(worker_bin: Path, bundle: Path, stage: int, *extra: str) -> Proc:
 
 
 def py(bundle: Path, stage: int, *extra: str) -> Proc:
-    return Proc([sys.executable, "-m", "dgr", "worker", "serve", "--bundle", str(bundle), "--stage", str(stage),
-                 "--listen", "127.0.0.1:0", *extra])
+    """The Python worker (`--python-worker`: `dgr worker serve --bundle` itself runs dgr-worker)."""
+    return Proc([sys.executable, "-m", "dgr", "worker", "serve", "--python-worker", "--bundle", str(bundle),
+                 "--stage", str(stage), "--listen", "127.0.0.1:0", *extra])
 
 
 def fields(d: pb.StageDescription) -> dict:
@@ -305,6 +306,31 @@ def test_sigterm_drains_and_exits(worker_bin, tiny):
     c.p.send_signal(signal.SIGTERM)
     assert c.p.wait(timeout=30) == 0
     assert "drained and stopped" in c.p.stdout.read()
+
+
+def test_dgr_worker_serve_runs_dgr_worker_with_its_flags(worker_bin, tiny, tmp_path, monkeypatch):
+    """`dgr worker serve --bundle` is the front end: it checks the bundle and becomes dgr-worker (the same
+    process), every flag passed on; what it refuses it refuses before, in one line."""
+    monkeypatch.setenv("DGR_WORKER_BIN", str(worker_bin))
+    env = dict(os.environ)
+    p = Proc([sys.executable, "-m", "dgr", "worker", "serve", "--bundle", str(tiny), "--stage", "1",
+              "--listen", "127.0.0.1:0", "--max-sessions", "3", "--session-ttl", "7.5"])
+    try:
+        assert Path(os.readlink(f"/proc/{p.p.pid}/exe")).resolve() == worker_bin.resolve()
+        argv = Path(f"/proc/{p.p.pid}/cmdline").read_bytes().split(b"\0")
+        assert [b"--max-sessions", b"3"] == argv[argv.index(b"--max-sessions"):][:2]
+        assert [b"--session-ttl", b"7.5"] == argv[argv.index(b"--session-ttl"):][:2]
+        d = p.stub.Describe(pb.DescribeRequest(), timeout=10)
+        assert (d.identity.stage_index, d.max_sessions) == (1, 3)
+    finally:
+        p.stop()
+    bad = subprocess.run([sys.executable, "-m", "dgr", "worker", "serve", "--bundle", str(tiny), "--stage", "5"],
+                         capture_output=True, text=True, env=env, timeout=60)
+    assert bad.returncode != 0 and "there is no stage 5" in bad.stderr
+    missing = {**env, "DGR_WORKER_BIN": str(tmp_path / "nothing")}
+    bad = subprocess.run([sys.executable, "-m", "dgr", "worker", "serve", "--bundle", str(tiny), "--stage", "0"],
+                         capture_output=True, text=True, env=missing, timeout=60)
+    assert bad.returncode != 0 and "not an executable file" in bad.stderr
 
 
 def test_smollm2_stage0_equal_and_measured(smollm2_gguf, engine_lib, worker_bin, tmp_path):

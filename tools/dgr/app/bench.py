@@ -46,7 +46,7 @@ class Setup:
     label: str                           # what the report calls the model
     synthetic: bool = False              # random weights, no tokenizer: prompts are random token ids
     wire_dtype: str | None = None        # None: the bundle's
-    data_plane: str = "native"           # the workers' `--data-plane` (dgr.wire.native)
+    data_plane: str = "grpc"             # the workers' `--data-plane`: grpc (dgr-worker) or native
     workdir: Path | None = None          # a temporary folder this setup made (synthetic bundles)
 
     @property
@@ -56,7 +56,7 @@ class Setup:
 
 def prepare(*, stages: int | None = None, bundle: str | None = None, source: str | None = None,
             synth: str | None = None, lib: str | None = None, threads: int = 1,
-            wire_dtype: str | None = None, data_plane: str = "native") -> Setup:
+            wire_dtype: str | None = None, data_plane: str = "grpc") -> Setup:
     """Resolve what `dgr bench` runs: `bundle` (a folder), `synth` (a fresh tiny model of that
     architecture split into `stages`), or the embedded SmolLM2 of `stages` (default 3)."""
     from dgr.app.local import engine_library

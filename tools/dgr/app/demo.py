@@ -103,7 +103,7 @@ def long_prompt(tokenize, n: int) -> list[int]:
 
 
 def run_demo(*, stages: int = 3, max_tokens: int = 32, prompt: str = "The capital of France is",
-             prefill_tokens: int = 256, threads: int = 0, data_plane: str = "native") -> int:
+             prefill_tokens: int = 256, threads: int = 0, data_plane: str = "grpc") -> int:
     from dgr.engine import Engine
     from dgr.enginebuild import ensure_engine
     from dgr.wire.client import RouteClient

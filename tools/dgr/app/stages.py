@@ -42,25 +42,34 @@ def patch_series() -> tuple[str, str]:
     return info.commit, info.patch_series
 
 
-def bundle_stage(path: str | Path, stage: int, *, lane: str | None = None, wire_dtype: str | None = None,
-                 n_ctx: int = DEFAULT_N_CTX, max_sessions: int = DEFAULT_MAX_SESSIONS, n_threads: int = 0,
-                 verify: bool = True) -> tuple[ShardEngine, StageIdentity]:
-    """Open stage `stage` of the bundle at `path` on the real engine (after checking its hashes)."""
+def checked_bundle(path: str | Path, stage: int, *, verify: bool = True):
+    """The bundle at `path`, once `stage` is one of its stages and (`verify`) its files match the
+    manifest's hashes; WireError saying which otherwise."""
     from dgr.bundle import load_bundle, verify_bundle
-    from dgr.engine import Engine, library_path
-    from dgr.ggufmodel import read_header
     from dgr.locks import locked
     from dgr.paths import workspace
 
     b = load_bundle(path)
-    stages = b.manifest.stages
-    if not 0 <= stage < len(stages):
-        raise WireError(f"bundle {b.root} has {len(stages)} stages (0..{len(stages) - 1}); there is no stage {stage}")
+    n = len(b.manifest.stages)
+    if not 0 <= stage < n:
+        raise WireError(f"bundle {b.root} has {n} stages (0..{n - 1}); there is no stage {stage}")
     if verify:
         # Workers of one bundle usually start together; verify one at a time (the later ones find the
         # chunks already checked in the resumable verify state).
         with locked(workspace() / "state" / "locks" / f"verify-{b.id[:16]}.lock"):
             verify_bundle(b.root)
+    return b
+
+
+def bundle_stage(path: str | Path, stage: int, *, lane: str | None = None, wire_dtype: str | None = None,
+                 n_ctx: int = DEFAULT_N_CTX, max_sessions: int = DEFAULT_MAX_SESSIONS, n_threads: int = 0,
+                 verify: bool = True) -> tuple[ShardEngine, StageIdentity]:
+    """Open stage `stage` of the bundle at `path` on the real engine (after checking its hashes)."""
+    from dgr.engine import Engine, library_path
+    from dgr.ggufmodel import read_header
+
+    b = checked_bundle(path, stage, verify=verify)
+    stages = b.manifest.stages
     entry = stages[stage]
     file = b.stage_path(stage)
     engine = Engine.open(file, n_ctx=n_ctx, max_sessions=max_sessions, n_threads=n_threads)

@@ -1,11 +1,21 @@
 """`dgr worker serve` (one stage of a bundle, or of the fake model, served over gRPC until SIGTERM) and
-`dgr worker describe` (what a worker advertises: its descriptor)."""
+`dgr worker describe` (what a worker advertises: its descriptor).
+
+`dgr worker serve --bundle` is the typed front end of `dgr-worker`, the C++ worker (docs/worker.md): it
+checks what Python checks best (the flags, the listen address, the bundle's hashes with the workspace's
+resumable verify state), then replaces itself with `dgr-worker` and the same flags. The Python worker
+(`dgr.wire.worker`) still serves the fake model, the native data plane, and `--python-worker` (a
+hidden flag for tests that compare the two), until it retires.
+"""
 
 from __future__ import annotations
 
 import argparse
+import os
 import signal
+import sys
 import threading
+from pathlib import Path
 
 from dgr.constants import DEFAULT_MAX_SESSIONS, DEFAULT_N_CTX
 from dgr.errors import WireError
@@ -76,7 +86,8 @@ def register(sub) -> None:
                    "logged and ignored")
     s.add_argument("--contract", metavar="FILE", help="the contract file certificates must still match "
                    "(default: the path each certificate records, from the checkout)")
-    s.set_defaults(func=_serve)
+    s.add_argument("--python-worker", action="store_true", help=argparse.SUPPRESS)   # tests: the Python worker
+    s.set_defaults(func=_serve, _parser=s)
 
     d = wsub.add_parser("describe", help="print what a worker advertises (its descriptor)")
     d.add_argument("address", metavar="HOST:PORT")
@@ -118,6 +129,8 @@ def _serve(args) -> int:
                     link_keepalive_timeout_s=args.link_keepalive_timeout,
                     max_batch_sessions=args.max_batch_sessions, hold_batch=max(0, args.hold_batch),
                     die_at=tuple(_die_at(x) for x in args.test_die_at))
+    if args.bundle and args.data_plane == "grpc" and not args.python_worker:
+        _exec_worker(args)
     if args.fake_engine:
         engine, ident = stages.fake_stage(args.fake_engine, args.stage, args.wire_dtype or DEFAULT_WIRE_DTYPE)
     else:
@@ -167,6 +180,64 @@ def _serve(args) -> int:
     # gRPC handler thread that is still blocked on a dead peer (the bound is the point of a drain).
     hard_exit(0, "")
     return 0
+
+
+WORKER_BIN_ENV = "DGR_WORKER_BIN"
+# flags of `dgr worker serve` that are Python's own: never passed to dgr-worker
+_FRONT_END_ONLY = {"python_worker", "func", "_parser", "command", "worker_command"}
+
+
+def worker_binary() -> Path:
+    """`dgr-worker`: $DGR_WORKER_BIN, else the one beside the engine library (a CMake build folder, a
+    release's lib/ has it in ../bin); WireError saying how to get one otherwise."""
+    from dgr.engine import library_path
+
+    env = os.environ.get(WORKER_BIN_ENV)
+    if env:
+        path = Path(env)
+        if not (path.is_file() and os.access(path, os.X_OK)):
+            raise WireError(f"${WORKER_BIN_ENV} is {env}, which is not an executable file: unset it, or point it "
+                            "at a built dgr-worker")
+        return path
+    lib = library_path()
+    for path in (lib.parent / "dgr-worker", lib.parent.parent / "bin" / "dgr-worker"):
+        if path.is_file() and os.access(path, os.X_OK):
+            return path
+    raise WireError(f"no dgr-worker beside the engine library {lib}: run `dgr build-engine --lane cpu` (it needs "
+                    "gRPC C++: `apt-get install libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev "
+                    f"protobuf-compiler nlohmann-json3-dev`), or set ${WORKER_BIN_ENV} to a built dgr-worker")
+
+
+def worker_argv(args) -> list[str]:
+    """`dgr worker serve`'s parsed flags as dgr-worker's arguments, every value explicit (Python's defaults
+    are the ones that apply)."""
+    out: list[str] = []
+    for action in args._parser._actions:
+        if not action.option_strings or action.dest in _FRONT_END_ONLY or action.dest == "help":
+            continue
+        flag, value = action.option_strings[0], getattr(args, action.dest, None)
+        if isinstance(action, argparse._StoreTrueAction):
+            out += [flag] if value else []
+        elif isinstance(action, argparse._AppendAction):
+            for v in value or ():
+                out += [flag, str(v)]
+        elif value is not None:
+            out += [flag, f"{value:g}" if isinstance(value, float) else str(value)]
+    return out
+
+
+def _exec_worker(args) -> None:
+    """Check the bundle's hashes (as the Python worker does, with the workspace's resumable verify
+    state), then become dgr-worker with the same flags and the engine library this dgr would load."""
+    from dgr.app.stages import checked_bundle
+    from dgr.engine import LIB_ENV, library_path
+
+    binary = worker_binary()
+    checked_bundle(args.bundle, args.stage)
+    env = {**os.environ, LIB_ENV: str(library_path().resolve())}
+    argv = [str(binary), *worker_argv(args)]
+    sys.stdout.flush(), sys.stderr.flush()
+    os.execve(binary, argv, env)
 
 
 def _describe(args) -> int:
