@@ -1,4 +1,5 @@
-"""The fake engine is a faithful stand-in: split == whole bit for bit, real cache and schema checks."""
+"""The fake engine (the C library worker/fake, through dgr.engine's ctypes) is a faithful stand-in: split == whole
+bit for bit, real cache and schema checks. More in tests/test_fake_engine_cpp.py."""
 
 from __future__ import annotations
 

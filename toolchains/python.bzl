@@ -17,6 +17,9 @@ def dgr_py_tests(srcs, lane = "cpu", data = [], slow = [], tags = [], cmake_engi
     engine = "//worker/engine:libdgr_engine_%s.so" % lane
     # dgr-worker (docs/worker.md), as $DGR_WORKER_BIN (a runfiles path; tests/test_worker_cpp.py resolves it)
     worker = "//worker/server:dgr-worker"
+    # the fake engine (worker/fake), as $DGR_FAKE_ENGINE_LIB (a runfiles path; dgr.testing.fake_engine
+    # resolves it): for the in-process fake and for dgr-worker --fake-engine
+    fake = "//worker/fake:libdgr_fake_engine.so"
     for src in srcs:
         name = src[:-len(".py")]
         own = src not in cmake_engine
@@ -25,8 +28,8 @@ def dgr_py_tests(srcs, lane = "cpu", data = [], slow = [], tags = [], cmake_engi
             srcs = ["//toolchains/bazel:dgr_launcher.py", src],
             main = "//toolchains/bazel:dgr_launcher.py",
             args = (["--engine", "$(rootpath %s)" % engine] if own else []) + ["--pytest", "$(rootpath %s)" % src],
-            data = data + ([engine] if own else []) + [worker],
-            env = {"DGR_WORKER_BIN": "$(rootpath %s)" % worker},
+            data = data + ([engine] if own else []) + [worker, fake],
+            env = {"DGR_WORKER_BIN": "$(rootpath %s)" % worker, "DGR_FAKE_ENGINE_LIB": "$(rootpath %s)" % fake},
             python_version = "PY3",
             deps = ["//tools/dgr:dgr_lib", "@rules_python//python/runfiles"],
             timeout = "eternal" if src in slow else "long",

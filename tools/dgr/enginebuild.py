@@ -38,6 +38,10 @@ LIBRARY = ENGINE_LIBRARY
 # The stage worker as one C++ program (worker/server, docs/worker.md), built beside the library when the
 # configure step found gRPC C++ (worker/CMakeLists.txt records that as DGR_WORKER_ENABLED).
 WORKER_TARGET = WORKER_BINARY = "dgr-worker"
+# The fake engine (worker/fake: a toy model behind the same C ABI, for tests; dgr.testing.fake_engine and
+# `dgr-worker --fake-engine` load it), built beside the library: it compiles in a second, nothing of llama.cpp.
+FAKE_TARGET = "dgr_fake_engine"
+FAKE_LIBRARY = "libdgr_fake_engine.so"
 WORKER_DIR = REPO_ROOT / "worker"
 
 # CMake switches per lane (llama.cpp's GGML_* options). Only `cpu` is built and tested by this
@@ -200,10 +204,19 @@ def worker_enabled(bdir: Path) -> bool:
     return cache.is_file() and "DGR_WORKER_ENABLED:INTERNAL=ON" in cache.read_text(errors="replace")
 
 
+def fake_enabled(bdir: Path) -> bool:
+    """Whether the configured build folder `bdir` has the fake engine's target (worker/CMakeLists.txt
+    records it as DGR_FAKE_ENGINE_ENABLED; another worker folder, such as a test's stand-in, may not)."""
+    cache = bdir / "CMakeCache.txt"
+    return cache.is_file() and "DGR_FAKE_ENGINE_ENABLED:INTERNAL=ON" in cache.read_text(errors="replace")
+
+
 def _up_to_date(stamp_path: Path, lib: Path, inputs: dict[str, Any]) -> bool:
     if not (stamp_path.exists() and lib.exists()):
         return False
     if worker_enabled(lib.parent) and not (lib.parent / WORKER_BINARY).exists():
+        return False
+    if fake_enabled(lib.parent) and not (lib.parent / FAKE_LIBRARY).exists():
         return False
     stamp = json.loads(stamp_path.read_text())
     return stamp.get("inputs") == inputs and stamp.get("library_blake3") == file_blake3(lib)
@@ -228,8 +241,8 @@ def _build(lane: str, bdir: Path, lib: Path, stamp_path: Path, args: list[str], 
     jobs = jobs or min(2, os.cpu_count() or 1)
     # ccache keys on paths relative to the workspace, so a second clone or workspace hits its cache.
     env = {"CCACHE_BASEDIR": str(bdir.parents[1]), **os.environ}
-    targets = [TARGET, WORKER_TARGET] if worker_enabled(bdir) else [TARGET]
-    if len(targets) == 1:
+    targets = [TARGET] + ([FAKE_TARGET] if fake_enabled(bdir) else []) + ([WORKER_TARGET] if worker_enabled(bdir) else [])
+    if WORKER_TARGET not in targets:
         log.warning("dgr-worker is not built for %s: CMake found no gRPC C++ (see %s; Debian: apt-get install "
                     "libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler)", lane, logfile)
     _run_logged(["cmake", "--build", str(bdir), "-j", str(jobs), "--target", *targets], logfile,

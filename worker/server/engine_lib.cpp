@@ -14,18 +14,22 @@ std::string EngineLib::error(int32_t status) const {
     return e && *e ? std::string(e) : "engine status " + std::to_string(status);
 }
 
-EngineLib load_engine_lib(const std::string & self_dir) {
-    const char * env = getenv("DGR_ENGINE_LIB");
-    std::string path = env && *env ? env : self_dir + "/libdgr_engine.so";
+namespace {
+
+// `env` names the library, else `file` beside this executable; `what` says which library in errors.
+EngineLib load(const std::string & self_dir, const char * env_name, const char * file, const char * what) {
+    const char * env = getenv(env_name);
+    std::string path = env && *env ? env : self_dir + "/" + file;
     if (access(path.c_str(), R_OK) != 0) {
-        throw std::runtime_error("no engine library at " + path + (env && *env ? " ($DGR_ENGINE_LIB)" : "") +
-                                 ": build it beside dgr-worker (`dgr build-engine --lane cpu`) or set "
-                                 "DGR_ENGINE_LIB to a libdgr_engine.so");
+        throw std::runtime_error(std::string("no ") + what + " library at " + path +
+                                 (env && *env ? std::string(" ($") + env_name + ")" : std::string()) +
+                                 ": build it beside dgr-worker (`dgr build-engine --lane cpu`) or set " + env_name +
+                                 " to a " + file);
     }
     char real[PATH_MAX];
     if (!realpath(path.c_str(), real)) throw std::runtime_error(path + ": cannot resolve the path");
     void * h = dlopen(real, RTLD_NOW | RTLD_LOCAL);
-    if (!h) throw std::runtime_error(std::string("cannot load the engine library: ") + dlerror());
+    if (!h) throw std::runtime_error(std::string("cannot load the ") + what + " library: " + dlerror());
     EngineLib lib{};
     lib.path = real;
     auto sym = [&](auto & fn, const char * name) {
@@ -68,6 +72,22 @@ EngineLib load_engine_lib(const std::string & self_dir) {
     opt(lib.fp32_to_bf16, "ggml_fp32_to_bf16_row_ref");     // the scalar one: round to nearest even, NaN kept
     opt(lib.quantize_q8_0, "quantize_row_q8_0_ref");
     opt(lib.dequantize_q8_0, "dequantize_row_q8_0");
+    opt(lib.fake_spec, "dgr_fake_spec");
+    return lib;
+}
+
+}  // namespace
+
+EngineLib load_engine_lib(const std::string & self_dir) {
+    return load(self_dir, "DGR_ENGINE_LIB", "libdgr_engine.so", "engine");
+}
+
+EngineLib load_fake_engine_lib(const std::string & self_dir) {
+    EngineLib lib = load(self_dir, "DGR_FAKE_ENGINE_LIB", "libdgr_fake_engine.so", "fake engine");
+    if (!lib.fake_spec) {
+        throw std::runtime_error(lib.path + " is not the fake engine (it has no dgr_fake_spec): set DGR_FAKE_ENGINE_LIB "
+                                 "to a libdgr_fake_engine.so (`dgr build-engine --lane cpu` builds one beside dgr-worker)");
+    }
     return lib;
 }
 

@@ -41,6 +41,8 @@ struct EngineLib {
     void (*fp32_to_bf16)(const float *, uint16_t *, int64_t);
     void (*quantize_q8_0)(const float *, void *, int64_t);
     void (*dequantize_q8_0)(const void *, float *, int64_t);
+    // the fake engine's canonical spec (worker/fake/dgr_fake_engine.h: dgr_fake_spec); null in a real engine
+    int32_t (*fake_spec)(const char *, char *, int32_t, int32_t *);
 
     std::string error(int32_t status) const;   // dgr_last_error(), or the status
 };
@@ -48,5 +50,9 @@ struct EngineLib {
 // $DGR_ENGINE_LIB, else libdgr_engine.so beside this executable. Throws std::runtime_error saying
 // which file was tried and how to get one.
 EngineLib load_engine_lib(const std::string & self_dir);
+
+// The fake engine (worker/fake: a toy model behind the same C ABI, for tests; --fake-engine):
+// $DGR_FAKE_ENGINE_LIB, else libdgr_fake_engine.so beside this executable.
+EngineLib load_fake_engine_lib(const std::string & self_dir);
 
 }  // namespace dgr

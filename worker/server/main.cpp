@@ -3,6 +3,7 @@
 // says what it serves (phases 1 and 2) and what is still to come.
 //
 //   dgr-worker --bundle DIR --stage N [--listen HOST:PORT] [--n-ctx N] [--max-sessions N] ...
+//   dgr-worker --fake-engine SPEC --stage N ...        (the fake engine, worker/fake: tests)
 //
 // Errors (bad flags, missing files, a stage out of range, a taken port) are one line on stderr and a
 // non-zero exit: 2 for the command line, 1 for everything else.
@@ -16,6 +17,7 @@
 
 #include <grpcpp/grpcpp.h>
 #include <grpcpp/health_check_service_interface.h>
+#include <openssl/sha.h>
 
 #include <atomic>
 #include <chrono>
@@ -75,7 +77,9 @@ const char * USAGE =
     "contract (--contract FILE, else the path each records) is unchanged and whose figures all passed; others are\n"
     "logged with the reason and ignored. --metrics-listen: Prometheus text at http(s)://HOST:PORT/metrics (https,\n"
     "and client certificates under --tls-ca, with TLS).\n"
-    "The engine library is $DGR_ENGINE_LIB, else libdgr_engine.so beside this program.\n";
+    "The engine library is $DGR_ENGINE_LIB, else libdgr_engine.so beside this program.\n"
+    "--fake-engine SPEC --stage N (instead of --bundle): stage N of the fake model SPEC (tests; docs/worker.md \"The\n"
+    "fake engine\") on $DGR_FAKE_ENGINE_LIB, else libdgr_fake_engine.so beside this program.\n";
 
 int64_t to_int(const std::string & flag, const std::string & v) {
     try {
@@ -218,6 +222,8 @@ struct Stage {
     dgr::StageIdentity id;
 };
 
+void check_stage(Stage & s, const dgr_stage_info & info);
+
 // The bundle's stage on the engine, and the identity the Python side builds (dgr.app.stages.bundle_stage).
 void open_stage(const Options & o, Stage & s) {
     using json = nlohmann::json;
@@ -312,6 +318,11 @@ void open_stage(const Options & o, Stage & s) {
                                      ": rebuild the bundle with this dgr, or use the engine it was built for");
         }
     }
+    check_stage(s, info);
+}
+
+// What every stage checks once open, bundle or fake: the wire dtype fits the boundary; the stop ids.
+void check_stage(Stage & s, const dgr_stage_info & info) {
     // the boundary must fill the wire dtype's blocks (dgr.contract.StageContract.with_dtype)
     const dgr::WireDtype * d = dgr::find_dtype(s.id.wire_dtype);
     int width = info.n_streams * info.n_embd;
@@ -328,7 +339,7 @@ void open_stage(const Options & o, Stage & s) {
     std::vector<int32_t> eog(64);
     dgr_vocab_info v{};
     while (true) {
-        st = s.lib.vocab(s.eng, &v, eog.data(), int32_t(eog.size()));
+        int32_t st = s.lib.vocab(s.eng, &v, eog.data(), int32_t(eog.size()));
         if (st != DGR_OK) throw std::runtime_error(s.lib.error(st));
         if (size_t(v.n_eog) <= eog.size()) break;
         eog.resize(size_t(v.n_eog));
@@ -339,13 +350,60 @@ void open_stage(const Options & o, Stage & s) {
     }
 }
 
+std::string sha256_hex(const std::string & text) {
+    unsigned char md[SHA256_DIGEST_LENGTH];
+    SHA256(reinterpret_cast<const unsigned char *>(text.data()), text.size(), md);
+    static const char * hex = "0123456789abcdef";
+    std::string out;
+    for (unsigned char c : md) out += hex[c >> 4], out += hex[c & 15];
+    return out;
+}
+
+// Stage `--stage` of the fake model `--fake-engine SPEC` on the fake engine library (worker/fake), and the
+// identity the Python side builds for it (dgr.app.stages.fake_stage): the model "fake:" + the canonical
+// spec, the bundle id "fake-" + its sha256 (FakeModel.bundle_id), the cpu lane, the engine "fake". The
+// spec's ctx= and sessions= are the stage's n_ctx and max_sessions (--n-ctx, --max-sessions and --threads
+// are not the fake's, as in `dgr worker serve --fake-engine`).
+void open_fake_stage(const Options & o, Stage & s) {
+    s.lib = dgr::load_fake_engine_lib(self_dir());
+    int32_t n_stages = 0;
+    int32_t len = s.lib.fake_spec(o.fake_engine.c_str(), nullptr, 0, &n_stages);
+    if (len < 0) throw std::runtime_error(s.lib.error(DGR_E_ENGINE));
+    std::string spec(size_t(len) + 1, '\0');
+    s.lib.fake_spec(o.fake_engine.c_str(), &spec[0], int32_t(spec.size()), &n_stages);
+    spec.resize(size_t(len));
+    if (o.stage < 0 || o.stage >= n_stages) {
+        throw std::runtime_error("fake bundle has " + std::to_string(n_stages) + " stages; there is no stage " +
+                                 std::to_string(o.stage));
+    }
+    std::string lane = s.lib.lane();
+    if (!o.lane.empty() && o.lane != lane) {
+        throw std::runtime_error("--lane " + o.lane + ": the fake engine serves the " + lane + " lane; drop --lane");
+    }
+    s.id.model = "fake:" + spec;
+    s.id.bundle_id = "fake-" + sha256_hex(spec).substr(0, 16);
+    s.id.stage_index = o.stage;
+    s.id.stage_count = n_stages;
+    s.id.lane = lane;
+    s.id.engine = "fake";
+    s.id.wire_dtype = o.wire_dtype.empty() ? "f32" : o.wire_dtype;     // dgr.contract.DEFAULT_WIRE_DTYPE
+    if (!dgr::find_dtype(s.id.wire_dtype)) {
+        throw std::runtime_error("unknown wire dtype '" + s.id.wire_dtype + "'; use one of f32, f16, bf16, q8_0");
+    }
+    s.id.engine_blake3 = dgr::blake3_file(s.lib.path);
+    const std::string open = spec + ",stage=" + std::to_string(o.stage);
+    dgr_open_params p{};
+    int32_t st = s.lib.open(open.c_str(), &p, &s.eng);
+    if (st != DGR_OK) throw std::runtime_error(s.lib.error(st));
+    dgr_stage_info info{};
+    st = s.lib.describe(s.eng, &info);
+    if (st != DGR_OK) throw std::runtime_error(s.lib.error(st));
+    check_stage(s, info);
+}
+
 int run(int argc, char ** argv) {
     Options o = parse(argc, argv);
     if (o.bundle.empty() == o.fake_engine.empty()) throw UsageError("give exactly one of --bundle BUNDLE or --fake-engine SPEC");
-    if (!o.fake_engine.empty()) {
-        throw std::runtime_error("--fake-engine: the fake model is Python's test double; dgr-worker serves bundles "
-                                 "(`dgr worker serve --fake-engine` serves it)");
-    }
     for (auto & [flag, v] : {std::pair<const char *, int64_t>{"--max-queued-steps", o.limits.max_queued_steps},
                              {"--max-session-steps", o.limits.max_session_steps},
                              {"--max-batch-sessions", o.limits.max_batch_sessions},
@@ -407,7 +465,8 @@ int run(int argc, char ** argv) {
     }
 
     Stage s;
-    open_stage(o, s);
+    if (o.fake_engine.empty()) open_stage(o, s);
+    else open_fake_stage(o, s);
     struct Closer {
         Stage & s;
         ~Closer() { if (s.eng) s.lib.close(s.eng); }

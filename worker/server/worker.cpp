@@ -117,6 +117,11 @@ StageWorker::StageWorker(const EngineLib & lib, dgr_engine * eng, StageIdentity 
     const bool lossy_ok = lib_.fp16_to_fp32 && lib_.fp32_to_fp16 && lib_.bf16_to_fp32 && lib_.fp32_to_bf16 &&
                           lib_.quantize_q8_0 && lib_.dequantize_q8_0;
     if (dtype_->code != pb::F32 && !lossy_ok) {
+        if (lib_.fake_spec) {                        // the fake engine links nothing of ggml
+            throw std::runtime_error("--wire-dtype " + id_.wire_dtype + ": the fake engine (" + lib_.path +
+                                     ") has no ggml converters and serves --wire-dtype f32 only; use `dgr worker "
+                                     "serve --fake-engine` for lossy wire dtypes");
+        }
         throw std::runtime_error("--wire-dtype " + id_.wire_dtype + ": the engine library " + lib_.path +
                                  " does not export ggml's converters; use --wire-dtype f32 or rebuild it");
     }

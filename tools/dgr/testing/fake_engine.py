@@ -1,34 +1,61 @@
-"""A deterministic numpy ShardEngine for protocol and client tests (milliseconds, no llama.cpp).
+"""The fake engine for protocol and client tests (milliseconds, no llama.cpp): a small C++ library behind
+the real engine's C ABI (worker/fake/dgr_fake_engine.cpp, `libdgr_fake_engine.so`), run here through
+dgr.engine's ctypes and by the real dgr-worker (`dgr-worker --fake-engine SPEC --stage N`).
 
 A fake *model* (`FakeModel`, built from a spec string such as ``"layers=6,embd=16,cuts=2:4,seed=1"``)
 has token embeddings, `layers` residual layers and a head, all drawn from `seed`. A fake *bundle* cuts it
 at `cuts` into stages; `FakeEngine(model, stage)` runs one stage, `FakeEngine(model)` the whole model,
 and the whole model's logits equal the composition of its stages' bit for bit (every op is a per-token
-matvec, so batching and chunking do not change a single bit).
+scalar loop in a fixed order, so batching and chunking do not change a single bit).
 
 Each layer mixes the token with the running mean of everything the session has seen at that layer, so
 outputs depend on history and a stage must hold a real per-session cache: a step whose positions do not
 continue the cache raises `CacheMiss`. The first `hash_layers` layers also mix in the token id (as
 DeepSeek V4's hash-routed layers do), so a later stage that owns one of them needs the token-id
-sideband (`dgr.contract.needs_token_ids`).
+sideband (`dgr.contract.needs_token_ids`). `recurrent=1` behaves as a recurrent model: no partial
+rollback (truncate refuses). The layer formula and the weights' generator are at the top of
+worker/fake/dgr_fake_engine.cpp.
 
 Vocabulary: 0 pad, 1 BOS, 2 EOS, 3..258 the bytes 0..255 (UTF-8), the rest unused.
+
+The library: $DGR_FAKE_ENGINE_LIB (a runfiles path under Bazel), else `libdgr_fake_engine.so` beside the
+engine library when it is newer than the fake's sources (`dgr build-engine --lane cpu` builds it there),
+else one built here on demand with the system C++ compiler (a second or two), cached in the workspace
+under a hash of its sources.
 """
 
 from __future__ import annotations
 
+import ctypes as C
+import dataclasses
 import hashlib
+import os
+import shutil
+import subprocess
+import threading
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
 from dgr.constants import DEFAULT_N_CTX
 from dgr.contract import StageContract
-from dgr.engine_api import MemoryReport, StageInfo, Step, StepResult, VocabInfo
-from dgr.errors import CacheMiss, EngineError, SchemaMismatch
+from dgr.engine import OK, Engine, _raise, load_library
+from dgr.engine_api import MemoryReport, StageInfo, Step, StepResult
+from dgr.errors import EngineError
 
 BOS, EOS, BYTE0 = 1, 2, 3
 _SPEC_KEYS = ("layers", "embd", "streams", "vocab", "seed", "cuts", "hash_layers", "ctx", "sessions", "recurrent")
+
+LIB_ENV = "DGR_FAKE_ENGINE_LIB"
+LIBRARY = "libdgr_fake_engine.so"
+# what the library is compiled from (repository paths); a change to any of them rebuilds it on demand
+SOURCES = ("worker/fake/dgr_fake_engine.cpp", "worker/fake/dgr_fake_engine.h", "worker/engine/dgr_sample.cpp",
+           "worker/engine/dgr_dataplane.h", "worker/engine/dgr_engine.h", "worker/engine/dgr_contract.h",
+           "worker/engine/dgr_keys.h")
+# no -march, no -ffast-math: fp-contract off keeps every product and sum rounded on its own (the same
+# flags as worker/CMakeLists.txt and worker/fake/BUILD.bazel give it)
+CXXFLAGS = ("-std=c++17", "-O2", "-fPIC", "-shared", "-fvisibility=hidden", "-ffp-contract=off")
 
 
 @dataclass(frozen=True)
@@ -53,21 +80,23 @@ class FakeModel:
 
     @classmethod
     def from_spec(cls, spec: str) -> FakeModel:
-        """Parse ``key=value,...`` (keys: layers embd streams vocab seed cuts hash_layers ctx sessions;
-        cuts as ``2:4``)."""
+        """Parse ``key=value,...`` (keys: layers embd streams vocab seed cuts hash_layers ctx sessions
+        recurrent; cuts as ``2:4``)."""
         kw: dict = {}
         for part in filter(None, (p.strip() for p in spec.split(","))):
             key, sep, value = part.partition("=")
             if not sep or key not in _SPEC_KEYS:
                 raise EngineError(f"fake engine spec {spec!r}: bad item {part!r}; expected key=value "
                                   f"with key in {', '.join(_SPEC_KEYS)}")
-            if key == "cuts":
-                kw[key] = tuple(int(c) for c in value.split(":") if c)
-            else:
-                kw[key] = int(value)
+            try:
+                kw[key] = tuple(int(c) for c in value.split(":") if c) if key == "cuts" else int(value)
+            except ValueError:
+                raise EngineError(f"fake engine spec {spec!r}: bad item {part!r}; {value!r} is not an "
+                                  f"integer") from None
         return cls(**kw)
 
     def to_spec(self) -> str:
+        """The canonical spec (worker/fake/dgr_fake_engine.cpp's dgr_fake_spec writes the same)."""
         return ",".join(f"{k}={':'.join(map(str, v)) if k == 'cuts' else v}"
                         for k in _SPEC_KEYS for v in [getattr(self, k)]
                         if k != "recurrent" or v)          # (older specs, and their bundle ids, unchanged)
@@ -86,188 +115,168 @@ class FakeModel:
         return self.streams * self.embd
 
 
-class _Weights:
-    """All parameters, drawn deterministically from the seed (per layer, so a stage draws only its own)."""
+# --- where the library comes from
 
-    def __init__(self, m: FakeModel, begin: int, end: int):
-        d = m.width
-        rng = np.random.default_rng([m.seed, 0])
-        self.embed = rng.standard_normal((m.vocab, d)).astype(np.float32)
-        self.head = (rng.standard_normal((d, m.vocab)) / np.sqrt(d)).astype(np.float32)
-        self.tok = (rng.standard_normal((m.vocab, d)) * 0.5).astype(np.float32)
-        self.layers = {}
-        for layer in range(begin, end):
-            r = np.random.default_rng([m.seed, 1, layer])
-            w = (r.standard_normal((d, d)) / np.sqrt(d)).astype(np.float32)
-            a = r.uniform(0.5, 1.5, d).astype(np.float32)
-            self.layers[layer] = (w, a)
+_found: Path | None = None
+_find_lock = threading.Lock()
 
 
-class FakeEngine:
-    """One stage (or, with stage=None, the whole model) of a `FakeModel`."""
+def _repo_root() -> Path:
+    from dgr.paths import REPO_ROOT
+
+    return REPO_ROOT
+
+
+def _from_env(value: str) -> Path:
+    """$DGR_FAKE_ENGINE_LIB: a path, or under Bazel a runfiles path (as tests resolve $DGR_WORKER_BIN)."""
+    path = Path(value)
+    if not path.is_absolute() and not path.exists():
+        roots = [os.environ.get(k) for k in ("RUNFILES_DIR", "TEST_SRCDIR")]
+        found = [Path(r) / os.environ.get("TEST_WORKSPACE", "") / value for r in roots if r]
+        path = next((f for f in found if f.exists()), path)
+    if not path.is_file():
+        raise EngineError(f"{LIB_ENV}={value}: no such file; unset it (the fake engine is then built on demand) "
+                          f"or point it at a built {LIBRARY}")
+    return path.resolve()
+
+
+def _beside_engine() -> Path | None:
+    """libdgr_fake_engine.so beside the engine library ($DGR_ENGINE_LIB, else the workspace's CPU build),
+    when it is at least as new as every source it is built from (a stale one is passed over)."""
+    from dgr.engine import LIB_ENV as ENGINE_ENV
+    from dgr.paths import default_engine_library
+
+    env = os.environ.get(ENGINE_ENV)
+    for engine in ([Path(env)] if env else []) + [default_engine_library("cpu")]:
+        lib = engine.parent / LIBRARY
+        if lib.is_file():
+            srcs = [_repo_root() / s for s in SOURCES]
+            newest = max((s.stat().st_mtime for s in srcs if s.is_file()), default=0.0)
+            if lib.stat().st_mtime >= newest:
+                return lib.resolve()
+    return None
+
+
+def _compiler() -> str:
+    cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
+    if not cxx or not shutil.which(cxx):
+        raise EngineError(f"the fake engine ({LIBRARY}) is built on demand with a C++ compiler, and none was found "
+                          "(CXX, c++, g++ or clang++): install one (Debian: apt-get install g++), build it with "
+                          f"`dgr build-engine --lane cpu`, or set {LIB_ENV}")
+    return cxx
+
+
+def build_library() -> Path:
+    """Compile the fake engine with the system C++ compiler into the workspace (once per source hash,
+    under a file lock); its path."""
+    from dgr.locks import locked
+    from dgr.paths import workspace
+
+    root = _repo_root()
+    srcs = [root / s for s in SOURCES]
+    missing = [str(s) for s in srcs if not s.is_file()]
+    if missing:
+        raise EngineError(f"the fake engine's sources are not here ({', '.join(missing)}): set {LIB_ENV} to a "
+                          f"built {LIBRARY}, or run from a checkout")
+    cxx = _compiler()
+    h = hashlib.sha256("\0".join((cxx, *CXXFLAGS)).encode())
+    for rel, src in zip(SOURCES, srcs):
+        h.update(f"\0{rel}\0".encode())
+        h.update(src.read_bytes())
+    folder = workspace() / "build" / "fake-engine"
+    out = folder / h.hexdigest()[:16] / LIBRARY
+    if out.is_file():
+        return out
+    with locked(folder / ".build.lock"):
+        if out.is_file():
+            return out
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_name(f".{LIBRARY}.{os.getpid()}.tmp")
+        cmd = [cxx, *CXXFLAGS, f"-I{root / 'worker/engine'}", f"-I{root / 'worker/fake'}",
+               str(root / "worker/fake/dgr_fake_engine.cpp"), str(root / "worker/engine/dgr_sample.cpp"), "-o", str(tmp)]
+        try:
+            done = subprocess.run(cmd, capture_output=True, text=True)
+        except OSError as err:
+            raise EngineError(f"cannot run the C++ compiler {cxx} for the fake engine: {err}") from None
+        if done.returncode != 0:
+            tmp.unlink(missing_ok=True)
+            raise EngineError(f"building the fake engine failed ({' '.join(cmd)}):\n{done.stderr[-4000:]}")
+        os.replace(tmp, out)
+    return out
+
+
+def library_path() -> Path:
+    """The fake engine library: $DGR_FAKE_ENGINE_LIB, else the one beside the engine library (when it is
+    not older than its sources), else one built on demand (see `build_library`)."""
+    global _found
+    env = os.environ.get(LIB_ENV)
+    if env:
+        return _from_env(env)
+    with _find_lock:
+        if _found is None or not _found.is_file():
+            _found = _beside_engine() or build_library()
+        return _found
+
+
+# --- the engine
+
+
+class FakeEngine(Engine):
+    """One stage (or, with stage=None, the whole model) of a `FakeModel`, on the C fake engine through
+    dgr.engine's ctypes (implements dgr.engine_api.ShardEngine, as `dgr.engine.Engine` does)."""
 
     def __init__(self, model: FakeModel | str, stage: int | None = None):
         self.model = FakeModel.from_spec(model) if isinstance(model, str) else model
         m = self.model
-        if stage is None:
-            self.begin, self.end, self.stage = 0, m.layers, None
-        else:
-            if not 0 <= stage < len(m.ranges):
-                raise EngineError(f"fake bundle has {len(m.ranges)} stages; there is no stage {stage}")
-            (self.begin, self.end), self.stage = m.ranges[stage], stage
-        self.w = _Weights(m, self.begin, self.end)
-        # Its seams by the one sideband rule, as a bundle build would plan them.
-        contract = StageContract.plan(self.begin, self.end, m.layers, n_streams=m.streams, n_embd=m.embd,
+        if stage is not None and not 0 <= stage < len(m.ranges):
+            raise EngineError(f"fake bundle has {len(m.ranges)} stages; there is no stage {stage}")
+        self.stage = stage
+        self.begin, self.end = (0, m.layers) if stage is None else m.ranges[stage]
+        self.sessions: set[tuple[str, int]] = set()     # the open (session, epoch) keys
+        spec = m.to_spec() + ("" if stage is None else f",stage={stage}")
+        lib = load_library(library_path())
+        out = C.c_void_p()
+        st = lib.dgr_engine_open(spec.encode(), None, C.byref(out))
+        if st != OK:
+            _raise(lib, st)
+        super().__init__(out, lib, Path(f"fake:{spec}"))
+
+    def _describe(self) -> StageInfo:
+        info = super()._describe()
+        m = self.model
+        # its seams by the one sideband rule, as a bundle build would plan them (the next stage's needs too)
+        contract = StageContract.plan(info.layer_begin, info.layer_end, m.layers, n_streams=m.streams, n_embd=m.embd,
                                       n_hash_layers=m.hash_layers)
-        self._info = StageInfo(arch="fake", contract=contract, n_vocab=m.vocab, has_vocab=True, n_ctx=m.ctx,
-                               max_sessions=m.sessions, can_truncate=not m.recurrent)
-        self.sessions: dict[tuple[str, int], dict] = {}
-        self.closed = False
+        return dataclasses.replace(info, contract=contract)
 
-    def describe(self) -> StageInfo:
-        return self._info
+    @property
+    def closed(self) -> bool:
+        return self._h is None
 
-    # --- sessions
     def open_session(self, session_id: str, epoch: int) -> None:
-        key = (session_id, epoch)
-        if key in self.sessions:
-            raise EngineError(f"session {session_id} epoch {epoch} is already open")
-        if len(self.sessions) >= self.model.sessions:
-            raise EngineError(f"all {self.model.sessions} sessions are in use; close one first")
-        d = self.model.width
-        # "sums": each layer's running sum; "inputs": each layer's input per position, kept so that
-        # `truncate` can recompute the sums of a shorter prefix (speculation's rollback)
-        self.sessions[key] = {"n": 0, "sums": {l: np.zeros(d, np.float64) for l in self.w.layers},
-                              "inputs": {l: [] for l in self.w.layers}}
+        super().open_session(session_id, epoch)
+        self.sessions.add((session_id, epoch))
 
     def close_session(self, session_id: str, epoch: int) -> None:
-        self.sessions.pop((session_id, epoch), None)
-
-    def n_cached(self, session_id: str, epoch: int) -> int:
-        return self._session(session_id, epoch)["n"]
-
-    def truncate(self, session_id: str, epoch: int, n_keep: int) -> None:
-        """Drop positions >= n_keep: the running sums become those of the first n_keep inputs, summed in
-        the same order as the forward did (so the result is bit for bit the cache of a shorter history)."""
-        sess = self._session(session_id, epoch)
-        if not 0 <= n_keep <= sess["n"]:
-            raise EngineError(f"session {session_id} epoch {epoch} holds {sess['n']} positions: cannot keep {n_keep}")
-        if n_keep == sess["n"]:
-            return
-        if self.model.recurrent:
-            raise EngineError("fake recurrent model: its state cannot drop positions (only the latest state is "
-                              "kept), so speculative decoding is not possible; generate without --speculate")
-        for layer, inputs in sess["inputs"].items():
-            del inputs[n_keep:]
-            s = np.zeros(self.model.width, np.float64)
-            for h in inputs:
-                s += h
-            sess["sums"][layer] = s
-        sess["n"] = n_keep
-
-    def _session(self, session_id: str, epoch: int) -> dict:
-        try:
-            return self.sessions[(session_id, epoch)]
-        except KeyError:
-            raise EngineError(f"no open session {session_id} epoch {epoch} on layers "
-                              f"[{self.begin}, {self.end}); open it first") from None
-
-    # --- compute
-    def _check(self, step: Step, info: StageInfo) -> tuple[dict, np.ndarray]:
-        sess = self._session(step.session_id, step.epoch)
-        pos = np.asarray(step.positions, dtype=np.int32)
-        n = len(pos)
-        if n == 0:
-            raise EngineError("a step needs at least one position")
-        if pos[0] != sess["n"]:
-            raise CacheMiss(f"session {step.session_id} epoch {step.epoch} holds {sess['n']} positions "
-                            f"on layers [{self.begin}, {self.end}) but the step starts at {pos[0]}: "
-                            f"re-prefill at a new epoch", held=sess["n"], expected=int(pos[0]))
-        if not np.array_equal(pos, np.arange(pos[0], pos[0] + n)):
-            raise EngineError("positions must be contiguous and increasing")
-        if pos[-1] >= info.n_ctx:
-            raise EngineError(f"position {pos[-1]} is beyond the context of {info.n_ctx}")
-        needs_ids = info.is_first or info.needs_token_ids
-        if needs_ids and (step.token_ids is None or len(step.token_ids) != n):
-            raise SchemaMismatch(f"layers [{self.begin}, {self.end}) need {n} token ids with the step "
-                                 f"(got {None if step.token_ids is None else len(step.token_ids)})")
-        if step.token_ids is not None:
-            ids = np.asarray(step.token_ids)
-            if ids.size and (ids.min() < 0 or ids.max() >= info.n_vocab):
-                raise EngineError(f"token id out of range [0, {info.n_vocab})")
-        if info.is_first:
-            x = self.w.embed[np.asarray(step.token_ids)]
-        else:
-            want = (n, info.n_streams, info.n_embd)
-            b = step.boundary
-            if b is None or b.dtype != np.float32 or tuple(b.shape) != want:
-                got = None if b is None else f"{b.dtype}{list(b.shape)}"
-                raise SchemaMismatch(f"layers [{self.begin}, {self.end}) take a float32 boundary "
-                                     f"{list(want)}, got {got}")
-            x = b.reshape(n, -1)
-        return sess, x
+        super().close_session(session_id, epoch)
+        self.sessions.discard((session_id, epoch))
 
     def forward(self, steps: list[Step]) -> list[StepResult]:
         if self.closed:
             raise EngineError("engine is closed")
-        info = self.describe()
-        keys = [(s.session_id, s.epoch) for s in steps]
-        if len(set(keys)) != len(keys):
-            raise EngineError("one batch holds at most one step per session")
-        checked = [self._check(s, info) for s in steps]   # validate all before touching any cache
-        results = []
-        for step, (sess, x) in zip(steps, checked):
-            ids = None if step.token_ids is None else np.asarray(step.token_ids)
-            out = np.empty_like(x)
-            for t in range(x.shape[0]):
-                h = x[t].astype(np.float32)
-                for layer in range(self.begin, self.end):
-                    w, a = self.w.layers[layer]
-                    s = sess["sums"][layer]
-                    s += h
-                    sess["inputs"][layer].append(h)
-                    mean = (s / (sess["n"] + t + 1)).astype(np.float32)
-                    z = w @ h + a * mean
-                    if layer < self.model.hash_layers:
-                        z = z + self.w.tok[ids[t]]
-                    h = (h + np.tanh(z)).astype(np.float32)
-                out[t] = h
-            sess["n"] += x.shape[0]
-            res = StepResult(step.session_id, step.epoch, n_cached=sess["n"])
-            if info.is_last:
-                rows = {"all": out, "last": out[-1:], "none": out[:0]}[step.want_logits]
-                res.logits = np.stack([self._head(r) for r in rows]) if len(rows) else \
-                    np.zeros((0, info.n_vocab), np.float32)
-                res.next_token = int(np.argmax(self._head(out[-1])))
-            else:
-                res.boundary = out.reshape(-1, info.n_streams, info.n_embd)
-            results.append(res)
+        results = super().forward(steps) if steps else []
+        if self._info.is_last:                          # want_logits="none": no rows (not None)
+            for r in results:
+                if r.logits is None:
+                    r.logits = np.zeros((0, self._info.n_vocab), np.float32)
         return results
-
-    def _head(self, h: np.ndarray) -> np.ndarray:
-        return (h / np.float32(max(float(np.linalg.norm(h)), 1e-6))) @ self.w.head
-
-    # --- vocabulary
-    def tokenize(self, text: str, add_special: bool = True) -> list[int]:
-        return ([BOS] if add_special else []) + [BYTE0 + b for b in text.encode("utf-8")]
-
-    def detokenize(self, ids: list[int]) -> str:
-        return bytes(i - BYTE0 for i in ids if BYTE0 <= i < BYTE0 + 256).decode("utf-8", "replace")
 
     def eos_token_ids(self) -> list[int]:
         return list(self.vocab().stop_ids)
 
-    def vocab(self) -> VocabInfo:
-        """As `dgr.engine.Engine.vocab()`: BOS and EOS, no separate end of turn; EOS alone ends a generation."""
-        return VocabInfo(n_vocab=self.model.vocab, bos=BOS, eos=EOS, eot=None, eog=(EOS,))
-
     def memory(self) -> MemoryReport:
-        d = self.model.width
-        weights = sum(w.nbytes + a.nbytes for w, a in self.w.layers.values()) + self.w.embed.nbytes \
-            + self.w.head.nbytes + self.w.tok.nbytes
-        return MemoryReport(weights_bytes=weights, kv_bytes=len(self.sessions) * len(self.w.layers) * d * 8,
-                            compute_bytes=0, layers_with_state=tuple(self.w.layers))
+        return dataclasses.replace(super().memory(), layers_with_state=tuple(range(self.begin, self.end)))
 
     def close(self) -> None:
         self.sessions.clear()
-        self.closed = True
+        super().close()

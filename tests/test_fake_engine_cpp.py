@@ -1,0 +1,334 @@
+"""The fake engine as a C++ library behind the real engine's C ABI (worker/fake; issue 21): through
+dgr.engine's ctypes in this process (dgr.testing.fake_engine.FakeEngine) and inside real dgr-worker
+processes (`dgr-worker --fake-engine SPEC --stage N`).
+
+In process: split == whole bit for bit, batching and chunking change no bit, a truncate is bit for bit the
+cache of the shorter history, and every refusal is typed (cache miss, schema, sideband, context, sessions,
+recurrent). Across processes: a route of dgr-workers generates the tokens and logits of the in-process
+whole model, and a dgr-worker's Describe is the Python worker's for the same fake stage.
+"""
+
+from __future__ import annotations
+
+import ctypes as C
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from dgr.engine_api import Step
+from dgr.errors import CacheMiss, EngineError, SchemaMismatch
+from dgr.testing import fake_engine
+from dgr.testing.fake_engine import EOS, FakeEngine, FakeModel
+from dgr.wire.client import RouteClient
+from dgr.wire.gen import stage_pb2 as pb
+from test_worker_cpp import Proc, fields, worker_bin  # noqa: F401  (worker_bin: the fixture)
+
+SPEC = "layers=7,embd=8,streams=2,cuts=2:5,hash_layers=3,seed=3"
+TEXT = "a fake model, now in C++"
+
+
+def _prefill(e: FakeEngine, sid: str, ids: list[int], chunks: list[tuple[int, int]], want: str = "all"):
+    rows = []
+    for lo, hi in chunks:
+        r = e.forward([Step(sid, 1, np.arange(lo, hi), np.array(ids[lo:hi]), want_logits=want)])[0]
+        rows.append(r.logits)
+    return np.concatenate(rows)
+
+
+def _split(model: FakeModel, ids: list[int], chunks: list[tuple[int, int]]) -> np.ndarray:
+    stages = [FakeEngine(model, i) for i in range(len(model.ranges))]
+    for e in stages:
+        e.open_session("s", 1)
+    rows = []
+    for lo, hi in chunks:
+        pos, tid, b = np.arange(lo, hi), np.array(ids[lo:hi]), None
+        for e in stages:
+            r = e.forward([Step("s", 1, pos, tid, boundary=b, want_logits="all")])[0]
+            b = r.boundary
+        rows.append(r.logits)
+    return np.concatenate(rows)
+
+
+@pytest.mark.parametrize("spec", [SPEC, "layers=5,embd=16,cuts=1:2:4,seed=9", "layers=3,embd=4,cuts=,seed=2"])
+def test_stages_compose_to_the_whole_model_bit_for_bit(spec):
+    model = FakeModel.from_spec(spec)
+    whole = FakeEngine(model)
+    ids = whole.tokenize(TEXT)
+    whole.open_session("s", 1)
+    ref = _prefill(whole, "s", ids, [(0, len(ids))])
+    assert ref.shape == (len(ids), model.vocab) and ref.dtype == np.float32 and np.isfinite(ref).all()
+    for chunks in ([(0, len(ids))], [(0, 1), (1, 7), (7, len(ids))], [(i, i + 1) for i in range(len(ids))]):
+        assert np.array_equal(_split(model, ids, chunks), ref)
+
+
+def test_batching_and_chunking_change_no_bit():
+    model = FakeModel.from_spec(SPEC)
+    e = FakeEngine(model)
+    a, b = e.tokenize("first session"), e.tokenize("second one, longer")
+    e.open_session("a", 1)
+    e.open_session("b", 1)
+    alone_a = _prefill(e, "a", a, [(0, len(a))])
+    alone_b = _prefill(e, "b", b, [(0, len(b))])
+    e.open_session("a2", 1)
+    e.open_session("b2", 1)
+    # both sessions in one forward, cut differently
+    r1 = e.forward([Step("a2", 1, np.arange(0, 5), np.array(a[:5]), want_logits="all"),
+                    Step("b2", 1, np.arange(0, 2), np.array(b[:2]), want_logits="all")])
+    r2 = e.forward([Step("b2", 1, np.arange(2, len(b)), np.array(b[2:]), want_logits="all"),
+                    Step("a2", 1, np.arange(5, len(a)), np.array(a[5:]), want_logits="all")])
+    assert np.array_equal(np.concatenate([r1[0].logits, r2[1].logits]), alone_a)
+    assert np.array_equal(np.concatenate([r1[1].logits, r2[0].logits]), alone_b)
+    # want_logits last and none: the same rows, the same greedy token
+    e.open_session("c", 1)
+    r = e.forward([Step("c", 1, np.arange(len(a)), np.array(a), want_logits="last")])[0]
+    assert np.array_equal(r.logits[0], alone_a[-1]) and r.next_token == int(np.argmax(alone_a[-1]))
+    e.open_session("d", 1)
+    r = e.forward([Step("d", 1, np.arange(len(a)), np.array(a), want_logits="none")])[0]
+    assert r.logits.shape == (0, model.vocab) and r.next_token == int(np.argmax(alone_a[-1]))
+
+
+def test_outputs_depend_on_history_and_seed():
+    model = FakeModel.from_spec(SPEC)
+    e = FakeEngine(model)
+    e.open_session("a", 1)
+    e.open_session("b", 1)
+    ra = e.forward([Step("a", 1, np.arange(2), np.array([5, 9]), want_logits="all")])[0]
+    rb = e.forward([Step("b", 1, np.arange(2), np.array([6, 9]), want_logits="all")])[0]
+    assert not np.array_equal(ra.logits[1], rb.logits[1])
+    other = FakeEngine(SPEC.replace("seed=3", "seed=4"))
+    other.open_session("a", 1)
+    ro = other.forward([Step("a", 1, np.arange(2), np.array([5, 9]), want_logits="all")])[0]
+    assert not np.array_equal(ra.logits, ro.logits)
+    again = FakeEngine(model)
+    again.open_session("a", 1)
+    assert np.array_equal(again.forward([Step("a", 1, np.arange(2), np.array([5, 9]), want_logits="all")])[0].logits,
+                          ra.logits)
+
+
+def test_truncate_is_the_cache_of_the_shorter_history_bit_for_bit():
+    model = FakeModel.from_spec(SPEC)
+    ids = FakeEngine(model).tokenize(TEXT)
+    for stage in (None, 1, 2):
+        e = FakeEngine(model, stage)
+        info = e.describe()
+        assert info.can_truncate
+        e.open_session("s", 1)
+        e.open_session("t", 1)
+        b = None
+        if not info.is_first:
+            b = np.random.default_rng(1).standard_normal((len(ids), model.streams, model.embd)).astype(np.float32)
+
+        def step(sid, lo, hi):
+            return Step(sid, 1, np.arange(lo, hi), np.array(ids[lo:hi]), boundary=None if b is None else b[lo:hi],
+                        want_logits="all")
+
+        e.forward([step("s", 0, len(ids))])
+        e.truncate("s", 1, 6)
+        assert e.n_cached("s", 1) == 6
+        e.forward([step("t", 0, 6)])
+        got, want = e.forward([step("s", 6, 10)])[0], e.forward([step("t", 6, 10)])[0]
+        for x, y in ((got.logits, want.logits), (got.boundary, want.boundary)):
+            assert (x is None and y is None) or np.array_equal(x, y)
+        with pytest.raises(EngineError, match="cannot keep 11"):
+            e.truncate("s", 1, 11)
+
+
+def test_refusals_are_typed_and_change_nothing():
+    model = FakeModel.from_spec(SPEC)
+    s1 = FakeEngine(model, 1)
+    info = s1.describe()
+    assert info.needs_token_ids and not info.is_first and not info.is_last
+    assert info.contract.token_ids_out is False and FakeEngine(model, 0).describe().contract.token_ids_out
+    s1.open_session("s", 1)
+    b = np.zeros((2, 2, 8), np.float32)
+    with pytest.raises(CacheMiss) as miss:
+        s1.forward([Step("s", 1, np.arange(3, 5), np.array([1, 2]), boundary=b)])
+    assert (miss.value.held, miss.value.expected) == (0, 3)
+    with pytest.raises(SchemaMismatch, match="token ids"):
+        s1.forward([Step("s", 1, np.arange(2), None, boundary=b)])
+    with pytest.raises(SchemaMismatch, match=r"\[2, 2, 8\]"):
+        s1.forward([Step("s", 1, np.arange(2), np.array([1, 2]), boundary=np.zeros((2, 1, 8), np.float32))])
+    with pytest.raises(EngineError, match="no open session"):
+        s1.forward([Step("t", 1, np.arange(2), np.array([1, 2]), boundary=b)])
+    with pytest.raises(EngineError, match="contiguous"):
+        s1.forward([Step("s", 1, np.array([0, 2]), np.array([1, 2]), boundary=b)])
+    with pytest.raises(EngineError, match="out of range"):
+        s1.forward([Step("s", 1, np.arange(2), np.array([1, model.vocab]), boundary=b)])
+    with pytest.raises(EngineError, match="at most one step per session"):
+        s1.forward([Step("s", 1, np.arange(2), np.array([1, 2]), boundary=b)] * 2)
+    # all or nothing: a good step beside a bad one does not run
+    s1.open_session("u", 1)
+    with pytest.raises(CacheMiss):
+        s1.forward([Step("u", 1, np.arange(2), np.array([1, 2]), boundary=b),
+                    Step("s", 1, np.arange(1, 3), np.array([1, 2]), boundary=b)])
+    assert s1.n_cached("s", 1) == 0 and s1.n_cached("u", 1) == 0
+    with pytest.raises(EngineError, match="already open"):
+        s1.open_session("s", 1)
+
+
+def test_context_sessions_and_recurrent_limits():
+    e = FakeEngine("layers=2,embd=4,cuts=,ctx=5,sessions=2,recurrent=1")
+    info = e.describe()
+    assert (info.n_ctx, info.max_sessions, info.can_truncate) == (5, 2, False)
+    e.open_session("a", 1)
+    e.open_session("b", 1)
+    with pytest.raises(EngineError, match="all 2 sessions are in use"):
+        e.open_session("c", 1)
+    e.close_session("b", 1)
+    e.open_session("c", 1)
+    with pytest.raises(EngineError, match="position 5 is beyond the context of 5"):
+        e.forward([Step("a", 1, np.arange(6), np.arange(3, 9), want_logits="last")])
+    e.forward([Step("a", 1, np.arange(4), np.arange(3, 7), want_logits="last")])
+    with pytest.raises(EngineError, match="recurrent"):
+        e.truncate("a", 1, 2)
+    e.truncate("a", 1, 4)                     # keeping everything is no rollback
+    assert e.n_cached("a", 1) == 4
+
+
+def test_vocabulary_and_memory():
+    e = FakeEngine(SPEC)
+    assert e.tokenize("hé") == [1, 3 + 104, 3 + 0xC3, 3 + 0xA9]
+    assert e.tokenize("x", add_special=False) == [3 + 120]
+    assert e.detokenize([1, 3 + 104, 3 + 0xC3, 3 + 0xA9, 2, 0]) == "hé"
+    v = e.vocab()
+    assert (v.bos, v.eos, v.eot, v.eog, v.stop_ids) == (1, EOS, None, (EOS,), (EOS,)) and e.eos_token_ids() == [EOS]
+    m = e.memory()
+    assert m.weights_bytes > 0 and m.kv_bytes == 0 and m.layers_with_state == tuple(range(7))
+    e.open_session("s", 1)
+    e.forward([Step("s", 1, np.arange(3), np.array([3, 4, 5]), want_logits="none")])
+    assert e.memory().kv_bytes > 0 and e.sessions == {("s", 1)}
+    e.close()
+    assert e.closed and not e.sessions
+    with pytest.raises(EngineError, match="closed"):
+        e.forward([Step("s", 1, np.arange(1), np.array([3]))])
+
+
+def test_the_library_writes_the_python_canonical_spec():
+    lib = C.CDLL(str(fake_engine.library_path()))
+    lib.dgr_fake_spec.argtypes = [C.c_char_p, C.c_char_p, C.c_int32, C.POINTER(C.c_int32)]
+    lib.dgr_fake_spec.restype = C.c_int32
+    lib.dgr_last_error.restype = C.c_char_p
+    for spec in (SPEC, "", "layers=9,cuts=3,recurrent=1", " seed=7 , ctx=64,cuts=1:2:3,, sessions=3"):
+        buf, n = C.create_string_buffer(512), C.c_int32()
+        size = lib.dgr_fake_spec(spec.encode(), buf, 512, C.byref(n))
+        m = FakeModel.from_spec(spec)
+        assert buf.value.decode() == m.to_spec() and size == len(m.to_spec()) and n.value == len(m.ranges)
+    for bad, why in (("layers=4,colour=blue", "bad item 'colour=blue'"), ("layers=4,cuts=4", "cuts=(4,)"),
+                     ("vocab=100", "vocab=100 must be at least 259"), ("stage=1", "bad item 'stage=1'"),
+                     ("layers=x", "'x' is not an integer")):
+        assert lib.dgr_fake_spec(bad.encode(), None, 0, None) == -1
+        assert why in lib.dgr_last_error().decode()
+    with pytest.raises(EngineError, match="there is no stage 3"):
+        FakeEngine(SPEC, 3)
+
+
+def test_every_build_of_the_library_gives_the_same_bits(monkeypatch):
+    """The library found (beside the engine: CMake's -O3, or Bazel's) and the one built on demand (-O2)."""
+    from dgr.paths import REPO_ROOT
+
+    if not all((REPO_ROOT / s).is_file() for s in fake_engine.SOURCES):
+        pytest.skip("the fake engine's sources are not in this tree (an installed dgr)")
+    rows = []
+    for lib in {fake_engine.library_path(), fake_engine.build_library()}:
+        monkeypatch.setenv(fake_engine.LIB_ENV, str(lib))
+        e = FakeEngine(SPEC)
+        ids = e.tokenize(TEXT)
+        e.open_session("s", 1)
+        rows.append(_prefill(e, "s", ids, [(0, len(ids))]))
+    assert all(np.array_equal(r, rows[0]) for r in rows)
+
+
+# --- dgr-worker processes
+
+
+@pytest.fixture(scope="module")
+def fake_lib() -> str:
+    """The one fake library of this module: the in-process engines and every worker process load it."""
+    path = str(fake_engine.library_path())
+    old = os.environ.get(fake_engine.LIB_ENV)
+    os.environ[fake_engine.LIB_ENV] = path
+    yield path
+    if old is None:
+        os.environ.pop(fake_engine.LIB_ENV, None)
+    else:
+        os.environ[fake_engine.LIB_ENV] = old
+
+
+def cpp_fake(worker_bin, spec: str, stage: int, *extra: str) -> Proc:
+    return Proc([str(worker_bin), "--fake-engine", spec, "--stage", str(stage), "--listen", "127.0.0.1:0", *extra])
+
+
+@pytest.fixture(scope="module")
+def cpp_route(worker_bin, fake_lib):
+    procs = []
+    try:
+        for i in range(len(FakeModel.from_spec(SPEC).ranges)):
+            procs.append(cpp_fake(worker_bin, SPEC, i))
+        yield [p.address for p in procs]
+    finally:
+        for p in procs:
+            print(p.stop()[-2000:])
+
+
+def _whole_model(ids: list[int], n: int) -> tuple[list[int], np.ndarray]:
+    e = FakeEngine(SPEC)
+    e.open_session("ref", 1)
+    r = e.forward([Step("ref", 1, np.arange(len(ids)), np.array(ids), want_logits="all")])[0]
+    rows, out, pos = [r.logits], [], len(ids)
+    while True:
+        out.append(r.next_token)
+        if len(out) == n:
+            return out, np.concatenate(rows)
+        r = e.forward([Step("ref", 1, np.array([pos]), np.array([r.next_token]), want_logits="all")])[0]
+        rows.append(r.logits)
+        pos += 1
+
+
+def test_a_route_of_dgr_workers_generates_what_the_whole_model_does(cpp_route):
+    with RouteClient(cpp_route, chunk_tokens=5) as c:
+        gen = c.run(TEXT, max_new_tokens=16, logits="all", stop_token_ids=[])
+    ids, rows = _whole_model(gen.prompt_ids, 16)
+    assert gen.token_ids == ids
+    assert sorted(gen.logits) == list(range(len(gen.prompt_ids) + 15))
+    assert np.array_equal(np.stack([gen.logits[p] for p in sorted(gen.logits)]), rows)
+
+
+def test_sampled_generation_equals_the_python_workers(cpp_route):
+    from dgr.app.local import InProcessRoute
+
+    kw = dict(max_new_tokens=20, temperature=0.9, top_k=40, top_p=0.95, seed=7, stop_token_ids=[], logits="last")
+    with RouteClient(cpp_route) as c:
+        a = c.run(TEXT, **kw)
+    with InProcessRoute.of(SPEC) as r, RouteClient(r.addresses) as c:
+        b = c.run(TEXT, **kw)
+    assert a.token_ids == b.token_ids and a.text == b.text
+    assert sorted(a.logits) == sorted(b.logits) and all(np.array_equal(a.logits[p], b.logits[p]) for p in a.logits)
+
+
+def test_describe_equals_the_python_worker(worker_bin, fake_lib):
+    a = cpp_fake(worker_bin, SPEC, 1)
+    b = Proc([sys.executable, "-m", "dgr", "worker", "serve", "--fake-engine", SPEC, "--stage", "1",
+              "--listen", "127.0.0.1:0"])
+    try:
+        da, db = (p.stub.Describe(pb.DescribeRequest(), timeout=10) for p in (a, b))
+        model = FakeModel.from_spec(SPEC)
+        assert da.identity.bundle_id == model.bundle_id and da.identity.model == f"fake:{model.to_spec()}"
+        assert da.engine == "fake" and da.identity.lane == "cpu" and (da.identity.layer_begin, da.identity.layer_end) == (2, 5)
+        assert da.schema_in.token_ids and list(da.eos_token_ids) == [EOS]
+        assert fields(da) == fields(db)
+    finally:
+        for p in (a, b):
+            p.stop()
+
+
+def test_dgr_worker_refuses_a_bad_fake_spec_or_stage(worker_bin, fake_lib):
+    for args, why in ((["--fake-engine", "layers=4,colour=blue", "--stage", "0"], "bad item 'colour=blue'"),
+                      (["--fake-engine", SPEC, "--stage", "3"], "fake bundle has 3 stages; there is no stage 3"),
+                      (["--fake-engine", SPEC, "--stage", "0", "--wire-dtype", "f16"], "serves --wire-dtype f32 only"),
+                      (["--fake-engine", SPEC, "--bundle", "x", "--stage", "0"], "exactly one of")):
+        done = subprocess.run([str(worker_bin), *args, "--listen", "127.0.0.1:0"], capture_output=True, text=True,
+                              timeout=60)
+        assert done.returncode in (1, 2) and why in done.stderr, (args, done.stderr)
