@@ -61,13 +61,13 @@ def test_a_worker_that_keeps_crashing_is_retried_with_backoff_then_given_up_on_a
     assert runstate.run_processes(run) == [], "nothing left behind"
     log = (run / "logs" / "supervisor.log").read_text()
     for name in ("s0-r0", "s1-r0", "s2-r0"):
-        delays = [float(x) for x in re.findall(rf"{name}: exited with exit code 2 after [\d.]+ s; restarting in "
+        delays = [float(x) for x in re.findall(rf"{name}: exited with exit code 1 after [\d.]+ s; restarting in "
                                                r"([\d.]+) s", log)]
         assert delays == [0.2, 0.4, 0.5][:len(delays)], (name, delays)   # doubling, capped at max_backoff
-    gave_up = re.findall(r"(s\d-r0): exited with exit code 2 after [\d.]+ s, 4 times in a row the same way: "
+    gave_up = re.findall(r"(s\d-r0): exited with exit code 1 after [\d.]+ s, 4 times in a row the same way: "
                          r"not restarting it", log)
     assert gave_up, log
-    assert len(re.findall(rf"{gave_up[0]}: exited with exit code 2", log)) == 4, "three restarts, then no more"
+    assert len(re.findall(rf"{gave_up[0]}: exited with exit code 1", log)) == 4, "three restarts, then no more"
     st = runstate.read_state(run)
     assert st["status"] in ("down", "failed") and st["workers"][gave_up[0]]["restarts"] == 3
 

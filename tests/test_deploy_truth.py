@@ -130,23 +130,23 @@ def test_a_worker_that_dies_the_same_way_at_every_start_is_given_up_on_and_up_fa
     give_up = Supervise().give_up_after                     # the default (the file does not set it)
     err = up.stderr.splitlines()[-1]
     assert re.search(rf"^dgr: error: workers? [\w, -]+ will not start: it exited {give_up} times in a row the "
-                     r"same way \(exit code 2, .*\) and the supervisor gave up on it; its last log line: "
-                     r"dgr: error: cannot load the engine library .*not-an-engine\.so", err), err
+                     r"same way \(exit code 1, .*\) and the supervisor gave up on it; its last log line: "
+                     r"dgr(-worker)?: error: cannot load the engine library.*not-an-engine\.so", err), err
     assert "The run is stopped: fix that, then `dgr up" in err
     # progress while it waited: each exit told once, with the worker's last log line the first time
     for name in ("s0-r0", "s1-r0", "s1-r1", "s2-r0"):
         told = [x for x in up.stderr.splitlines() if x.startswith(f"dgr up: {name} exited")]
         assert 1 <= len(told) <= give_up, told                      # one line per exit: at most give_up_after
-        assert re.search(r"exited with exit code 2 after [\d.]+ s; restarting in 0\.2 s; its last log line: "
-                         r"dgr: error: cannot load the engine library", told[0]), told[0]
-        assert all("exited again the same way (exit code 2" in x for x in told[1:-1]), told
+        assert re.search(r"exited with exit code 1 after [\d.]+ s; restarting in 0\.2 s; its last log line: "
+                         r"dgr(-worker)?: error: cannot load the engine library", told[0]), told[0]
+        assert all("exited again the same way (exit code 1" in x for x in told[1:-1]), told
     st = runstate.read_state(run)
     gave_up = [n for n, r in st["workers"].items() if r["gave_up"]]
     assert gave_up and all(st["workers"][n]["same_in_a_row"] == give_up for n in gave_up), st
     log = (run / "logs" / "supervisor.log").read_text()
-    assert re.search(rf"{gave_up[0]}: exited with exit code 2 after [\d.]+ s, {give_up} times in a row the same "
+    assert re.search(rf"{gave_up[0]}: exited with exit code 1 after [\d.]+ s, {give_up} times in a row the same "
                      r"way: not restarting it \(supervise.give_up_after = \d+; see .*\); its last log line: "
-                     r"dgr: error: cannot load the engine library", log), log
+                     r"dgr(-worker)?: error: cannot load the engine library", log), log
 
 
 # 3: the ready timeout's default is told

@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import time
 
 import pytest
-from support.deploy import dgr
+from support.deploy import dgr, private_engine
 
 from dgr.deploy import runstate
 from dgr.deploy.control import health
@@ -31,10 +30,7 @@ BOUND_S = 120.0   # how long a wait (for a restart) goes on before it fails: a d
 
 @pytest.fixture(scope="module")
 def env(engine_lib, smollm2_gguf, tmp_path_factory):
-    # A private copy of the engine library: another build in the shared workspace may rewrite it mid-test.
-    lib = tmp_path_factory.mktemp("engine") / "libdgr_engine.so"
-    shutil.copy2(engine_lib, lib)
-    return {"DGR_ENGINE_LIB": str(lib)}
+    return private_engine(engine_lib, tmp_path_factory.mktemp("engine"))
 
 
 def _generate(env) -> str:

@@ -24,6 +24,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from dgr.descriptor import Descriptor
+from dgr.paths import env_path
 from dgr.wire.gen import stage_pb2 as pb
 from dgr.wire.gen import stage_pb2_grpc as pb_grpc
 from support.engine import make_bundle, synth_model
@@ -36,11 +37,7 @@ PROCESS_FIELDS = {"member", "native_address", "native_steps", "native_forwards",
 @pytest.fixture(scope="module")
 def worker_bin(engine_lib) -> Path:
     env = os.environ.get("DGR_WORKER_BIN")
-    path = Path(env) if env else Path(engine_lib).parent / "dgr-worker"
-    if env and not path.is_absolute():           # Bazel: a runfiles path
-        roots = [os.environ.get(k) for k in ("RUNFILES_DIR", "TEST_SRCDIR")]
-        found = [Path(r) / os.environ.get("TEST_WORKSPACE", "") / env for r in roots if r]
-        path = next((f for f in found if f.exists()), Path(env).resolve())
+    path = env_path(env).resolve() if env else Path(engine_lib).parent / "dgr-worker"   # Bazel: a runfiles path
     assert path.is_file() and os.access(path, os.X_OK), (
         f"no dgr-worker at {path}: build it with `dgr build-engine --lane cpu` (CMake puts it beside "
         f"libdgr_engine.so; it needs `apt-get install libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev "

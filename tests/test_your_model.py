@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import socket
 import subprocess
 import sys
@@ -20,6 +19,7 @@ import gguf
 import openai
 import pytest
 from support.engine import b3, synth_model
+from support.deploy import private_engine
 
 from dgr.engine import quantize
 
@@ -44,9 +44,7 @@ def _free_ports(n: int) -> list[int]:
 @pytest.fixture(scope="module")
 def walk(tmp_path_factory, engine_lib):
     root = tmp_path_factory.mktemp("your-model")
-    lib = root / "libdgr_engine.so"   # a private copy: another build may rewrite the shared one mid-test
-    shutil.copy2(engine_lib, lib)
-    env = {**os.environ, "DGR_ENGINE_LIB": str(lib), "DGR_WORKSPACE": str(root / "workspace")}
+    env = {**os.environ, **private_engine(engine_lib, root / "engine"), "DGR_WORKSPACE": str(root / "workspace")}
 
     def dgr(*args: str, cwd: Path = root, timeout: float = 300, ok: bool = True) -> subprocess.CompletedProcess:
         p = subprocess.run([sys.executable, "-m", "dgr.cli", *args], cwd=cwd, env=env, capture_output=True,
@@ -58,7 +56,7 @@ def walk(tmp_path_factory, engine_lib):
     # "The model you have": K-quant weights (a width of 256: whole Q4_K blocks) and no chat template.
     f32 = synth_model(root / "src", "llama", layers=6, embd=256)
     (root / "downloads").mkdir()
-    model = quantize(f32, root / "downloads" / "base-model-Q4_K.gguf", "Q4_K", lib=lib)
+    model = quantize(f32, root / "downloads" / "base-model-Q4_K.gguf", "Q4_K", lib=env["DGR_ENGINE_LIB"])
     return {"root": root, "model": model, "env": env, "dgr": dgr}
 
 

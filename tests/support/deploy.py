@@ -54,8 +54,12 @@ store = "{tmp_path / 'store'}"
 
 
 def not_a_library(tmp_path: Path) -> dict:
-    """DGR_ENGINE_LIB at a file that exists but does not load: every worker dies at start, the same way."""
-    return {"DGR_ENGINE_LIB": str(write(tmp_path / "not-an-engine.so", "not an ELF file\n"))}
+    """DGR_ENGINE_LIB at a file that exists but does not load: every worker (dgr-worker) dies at start, the
+    same way."""
+    from dgr.commands.worker import worker_binary
+
+    return {"DGR_ENGINE_LIB": str(write(tmp_path / "not-an-engine.so", "not an ELF file\n")),
+            "DGR_WORKER_BIN": str(worker_binary())}
 
 
 def errors(proc: subprocess.CompletedProcess) -> list[str]:
@@ -68,9 +72,17 @@ def tiny(tmp_path_factory):
     return tiny_bundle(tmp_path_factory.mktemp("tiny"))
 
 
+def private_engine(engine_lib: Path, folder: Path) -> dict[str, str]:
+    """Copies of the engine library and dgr-worker in `folder` (another build in the shared workspace may
+    rewrite the originals mid-test), as the environment that makes a dgr use them."""
+    from dgr.commands.worker import worker_binary
+
+    folder.mkdir(parents=True, exist_ok=True)
+    shutil.copy2(engine_lib, folder / "libdgr_engine.so")
+    shutil.copy2(worker_binary(), folder / "dgr-worker")
+    return {"DGR_ENGINE_LIB": str(folder / "libdgr_engine.so"), "DGR_WORKER_BIN": str(folder / "dgr-worker")}
+
+
 @pytest.fixture(scope="module")
 def lib_env(engine_lib, tmp_path_factory):
-    """DGR_ENGINE_LIB at a private copy: another build in the shared workspace may rewrite the original."""
-    lib = tmp_path_factory.mktemp("engine") / "libdgr_engine.so"
-    shutil.copy2(engine_lib, lib)
-    return {"DGR_ENGINE_LIB": str(lib)}
+    return private_engine(engine_lib, tmp_path_factory.mktemp("engine"))

@@ -9,6 +9,17 @@ from dgr.constants import WORKSPACE_DIRNAME, WORKSPACE_ENV
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
+def env_path(value: str) -> Path:
+    """A path from an environment variable: as given, or under Bazel a runfiles path (tests get
+    $DGR_WORKER_BIN and $DGR_FAKE_ENGINE_LIB that way) when that is where the file is."""
+    path = Path(value)
+    if not path.is_absolute() and not path.exists():
+        roots = [os.environ.get(k) for k in ("RUNFILES_DIR", "TEST_SRCDIR")]
+        found = [Path(r) / os.environ.get("TEST_WORKSPACE", "") / value for r in roots if r]
+        path = next((f for f in found if f.exists()), path)
+    return path
+
+
 def workspace() -> Path:
     """The ignored workspace (upstream source, builds, download cache)."""
     env = os.environ.get(WORKSPACE_ENV)

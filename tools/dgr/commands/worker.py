@@ -191,21 +191,28 @@ def worker_binary() -> Path:
     """`dgr-worker`: $DGR_WORKER_BIN, else the one beside the engine library (a CMake build folder, a
     release's lib/ has it in ../bin); WireError saying how to get one otherwise."""
     from dgr.engine import library_path
+    from dgr.paths import env_path
 
     env = os.environ.get(WORKER_BIN_ENV)
     if env:
-        path = Path(env)
+        path = env_path(env).resolve()
         if not (path.is_file() and os.access(path, os.X_OK)):
             raise WireError(f"${WORKER_BIN_ENV} is {env}, which is not an executable file: unset it, or point it "
                             "at a built dgr-worker")
         return path
     lib = library_path()
     for path in (lib.parent / "dgr-worker", lib.parent.parent / "bin" / "dgr-worker"):
-        if path.is_file() and os.access(path, os.X_OK):
+        if path.is_file() and os.access(path, os.X_OK) and _is_program(path):
             return path
     raise WireError(f"no dgr-worker beside the engine library {lib}: run `dgr build-engine --lane cpu` (it needs "
                     "gRPC C++: `apt-get install libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev "
                     f"protobuf-compiler nlohmann-json3-dev`), or set ${WORKER_BIN_ENV} to a built dgr-worker")
+
+
+def _is_program(path: Path) -> bool:
+    """An ELF executable: never a release's launcher script that runs dgr itself."""
+    with open(path, "rb") as f:
+        return f.read(4) == b"\x7fELF"
 
 
 def worker_argv(args) -> list[str]:
@@ -232,8 +239,8 @@ def _exec_worker(args) -> None:
     from dgr.app.stages import checked_bundle
     from dgr.engine import LIB_ENV, library_path
 
+    checked_bundle(args.bundle, args.stage)           # a tampered file is named before anything else
     binary = worker_binary()
-    checked_bundle(args.bundle, args.stage)
     env = {**os.environ, LIB_ENV: str(library_path().resolve())}
     argv = [str(binary), *worker_argv(args)]
     sys.stdout.flush(), sys.stderr.flush()

@@ -128,12 +128,10 @@ def _repo_root() -> Path:
 
 
 def _from_env(value: str) -> Path:
-    """$DGR_FAKE_ENGINE_LIB: a path, or under Bazel a runfiles path (as tests resolve $DGR_WORKER_BIN)."""
-    path = Path(value)
-    if not path.is_absolute() and not path.exists():
-        roots = [os.environ.get(k) for k in ("RUNFILES_DIR", "TEST_SRCDIR")]
-        found = [Path(r) / os.environ.get("TEST_WORKSPACE", "") / value for r in roots if r]
-        path = next((f for f in found if f.exists()), path)
+    """$DGR_FAKE_ENGINE_LIB: a path, or under Bazel a runfiles path."""
+    from dgr.paths import env_path
+
+    path = env_path(value)
     if not path.is_file():
         raise EngineError(f"{LIB_ENV}={value}: no such file; unset it (the fake engine is then built on demand) "
                           f"or point it at a built {LIBRARY}")
