@@ -8,7 +8,9 @@ file under worker/, the lane, the CMake arguments and the compiler) and CMake is
 it matches and the library is still the one built. When the inputs change, CMake and Ninja rebuild
 only what changed, and ccache serves objects compiled before (GGML_CCACHE). The engine's own
 worker/CMakeLists.txt (engine area) defines the shared library target `dgr_engine` and writes it
-into the build folder's top level; it finds llama.cpp through -DDGR_LLAMA_SRC.
+into the build folder's top level; it finds llama.cpp through -DDGR_LLAMA_SRC, and the pinned BLAKE3 C
+sources dgr-worker compiles in (worker/third_party/blake3.json, dgr.upstream.vendored) through
+-DDGR_BLAKE3_SRC.
 """
 
 from __future__ import annotations
@@ -86,12 +88,14 @@ def build_dir(lane: str = "cpu", ws: Path | None = None, *, pristine: bool = Fal
     return engine_build_dir(name) if ws is None else Path(ws) / "build" / name
 
 
-def cmake_args(lane: str, worker_dir: Path, bdir: Path, llama_src: Path) -> list[str]:
+def cmake_args(lane: str, worker_dir: Path, bdir: Path, llama_src: Path, blake3_src: Path | None = None) -> list[str]:
     return [
         "-S", str(worker_dir), "-B", str(bdir), "-G", "Ninja",
         "-DCMAKE_BUILD_TYPE=Release",
         "-DGGML_CCACHE=ON",
         f"-DDGR_LLAMA_SRC={llama_src}",
+        # dgr-worker's BLAKE3: the official C implementation, pinned and verified (worker/third_party/blake3.json)
+        *([f"-DDGR_BLAKE3_SRC={blake3_src}"] if blake3_src else []),
         # The verified tree holds only what the tree hash covers (no tests/ or examples/).
         "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
         f"-DDGR_LANE={lane}",
@@ -183,10 +187,14 @@ def ensure_engine(
         llama_src = upstream.layout(pin, ws).pristine
     else:
         llama_src = upstream.ensure_patched(pin, ws)
+    # dgr-worker's BLAKE3 C sources, pinned beside the CMake project that compiles them (a stand-in
+    # project without the pin gets none)
+    blake3_pin = worker_dir / "third_party" / "blake3.json"
+    blake3_src = upstream.fetch_vendored(ws=ws, pin_path=blake3_pin) if blake3_pin.is_file() else None
     bdir = build_dir(lane, ws, pristine=pristine)
     lib = bdir / LIBRARY
     stamp_path = bdir / "dgr-build.stamp.json"
-    args = cmake_args(lane, worker_dir, bdir, llama_src) + [f"-D{k}={v}" for k, v in sorted((defines or {}).items())]
+    args = cmake_args(lane, worker_dir, bdir, llama_src, blake3_src) + [f"-D{k}={v}" for k, v in sorted((defines or {}).items())]
     inputs = _inputs(lane, pin, worker_dir, args, tools)
     # Edits in the patched tree (patch development) are invisible to the stamp: let Ninja decide.
     dirty = [] if pristine else upstream.local_changes(llama_src)

@@ -4,6 +4,11 @@
 //
 //   dgr-worker --bundle DIR --stage N [--listen HOST:PORT] [--n-ctx N] [--max-sessions N] ...
 //   dgr-worker --fake-engine SPEC --stage N ...        (the fake engine, worker/fake: tests)
+//   dgr-worker --blake3 FILE [--blake3 FILE ...]       (hidden: the BLAKE3 of each file, as `b3sum` prints it)
+//
+// Before anything loads it, the bundle's stage file is checked against the manifest chunk by chunk
+// (dgr.bundle.verify_bundle's check and messages; docs/worker.md "Stage file check"); --no-verify skips the
+// hashing (not the size check) when `dgr worker serve` has just verified the bundle itself.
 //
 // Errors (bad flags, missing files, a stage out of range, a taken port) are one line on stderr and a
 // non-zero exit: 2 for the command line, 1 for everything else.
@@ -12,7 +17,9 @@
 #include <sys/socket.h>
 #include <pthread.h>
 #include <limits.h>
+#include <fcntl.h>
 #include <signal.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <grpcpp/grpcpp.h>
@@ -50,7 +57,8 @@ struct UsageError : std::runtime_error {
 struct Options {
     std::string bundle, fake_engine, listen = "127.0.0.1:0", lane, wire_dtype;
     int stage = -1;
-    bool stage_given = false, insecure = false;
+    bool stage_given = false, insecure = false, no_verify = false;
+    std::vector<std::string> blake3_files;           // --blake3 FILE (hidden): print digests and exit
     uint64_t max_message_bytes = dgr::DEFAULT_MAX_MESSAGE_BYTES;
     int64_t n_ctx = 4096, max_sessions = 8, threads = 0;
     dgr::Limits limits;
@@ -60,7 +68,7 @@ struct Options {
 };
 
 const char * USAGE =
-    "usage: dgr-worker --bundle DIR --stage N [--listen HOST:PORT] [--lane LANE] [--wire-dtype f32|f16|bf16|q8_0]\n"
+    "usage: dgr-worker [serve] --bundle DIR --stage N [--listen HOST:PORT] [--lane LANE] [--wire-dtype f32|f16|bf16|q8_0]\n"
     "                  [--n-ctx N] [--max-sessions N] [--threads N] [--max-message-bytes N] [--max-batch-tokens N]\n"
     "                  [--max-batch-sessions N] [--hold-batch N] [--session-ttl S] [--max-queued-steps N]\n"
     "                  [--max-session-steps N] [--rpc-timeout S] [--link-keepalive-timeout S] [--drain-timeout S]\n"
@@ -77,6 +85,8 @@ const char * USAGE =
     "contract (--contract FILE, else the path each records) is unchanged and whose figures all passed; others are\n"
     "logged with the reason and ignored. --metrics-listen: Prometheus text at http(s)://HOST:PORT/metrics (https,\n"
     "and client certificates under --tls-ca, with TLS).\n"
+    "The stage file is checked against the bundle manifest, chunk by chunk (BLAKE3), before the engine loads it;\n"
+    "--no-verify checks only its size (for `dgr worker serve`, which has just verified the bundle).\n"
     "The engine library is $DGR_ENGINE_LIB, else libdgr_engine.so beside this program.\n"
     "--fake-engine SPEC --stage N (instead of --bundle): stage N of the fake model SPEC (tests; docs/worker.md \"The\n"
     "fake engine\") on $DGR_FAKE_ENGINE_LIB, else libdgr_fake_engine.so beside this program.\n";
@@ -107,6 +117,7 @@ Options parse(int argc, char ** argv) {
     Options o;
     std::map<std::string, std::function<void(const std::string &)>> takes = {
         {"--bundle", [&](auto & v) { o.bundle = v; }},
+        {"--blake3", [&](auto & v) { o.blake3_files.push_back(v); }},
         {"--fake-engine", [&](auto & v) { o.fake_engine = v; }},
         {"--stage", [&](auto & v) { o.stage = int(to_int("--stage", v)); o.stage_given = true; }},
         {"--listen", [&](auto & v) { o.listen = v; }},
@@ -150,13 +161,17 @@ Options parse(int argc, char ** argv) {
         {"--send-timeout", [&](auto & v) { o.limits.send_timeout_s = to_float("--send-timeout", v); }},
         {"--max-send-queue-bytes", [&](auto & v) { o.limits.max_send_queue_bytes = to_int("--max-send-queue-bytes", v); }},
     };
-    for (int i = 1; i < argc; ++i) {
+    // `dgr-worker serve ...` is `dgr-worker ...`: the words of `dgr worker serve`, and of the units and
+    // scripts written for a release's bin/dgr-worker when it was a launcher of it
+    const int first = argc > 1 && std::string(argv[1]) == "serve" ? 2 : 1;
+    for (int i = first; i < argc; ++i) {
         std::string a = argv[i];
         if (a == "-h" || a == "--help") {
             std::fputs(USAGE, stdout);
             std::exit(0);
         }
         if (a == "--insecure") { o.insecure = true; continue; }
+        if (a == "--no-verify") { o.no_verify = true; continue; }
         std::string flag = a, value;
         bool inline_value = false;
         if (auto eq = a.find('='); a.rfind("--", 0) == 0 && eq != std::string::npos) {
@@ -170,6 +185,7 @@ Options parse(int argc, char ** argv) {
         }
         it->second(value);
     }
+    if (!o.blake3_files.empty()) return o;
     if (!o.stage_given) throw UsageError("the following arguments are required: --stage");
     return o;
 }
@@ -214,6 +230,74 @@ std::string self_dir() {
     if (n <= 0) return ".";
     std::string p(buf, size_t(n));
     return p.substr(0, p.rfind('/'));
+}
+
+// The stage file against its manifest entry (dgr.bundle.verify_bundle's check, its messages): present, the
+// manifest's size, and unless `hash` is false every chunk of `chunk` bytes with the blake3 the manifest lists,
+// read in order; the first bad chunk is named. Runs before the engine library is loaded. Returns what it read.
+struct StageCheck {
+    uint64_t bytes = 0;
+    size_t chunks = 0;
+    double seconds = 0;
+};
+
+StageCheck check_stage_file(const std::string & file, const nlohmann::json & entry, uint64_t chunk, int stage,
+                            const std::string & mpath, bool hash) {
+    const auto t0 = std::chrono::steady_clock::now();
+    struct stat st{};
+    if (stat(file.c_str(), &st) != 0 || !S_ISREG(st.st_mode)) {
+        throw std::runtime_error(file + ": stage " + std::to_string(stage) + " file is missing; re-provision the bundle");
+    }
+    const uint64_t want = entry.at("size").get<uint64_t>(), have = uint64_t(st.st_size);
+    if (have != want) {
+        const uint64_t bad = std::min(have, want) / chunk;
+        throw std::runtime_error(file + ": size " + std::to_string(have) + " bytes, manifest says " + std::to_string(want) +
+                                 ": the file is " + (have < want ? "truncated" : "too long") + "; first bad chunk " +
+                                 std::to_string(bad) + " (bytes " + std::to_string(bad * chunk) + "-); re-provision the bundle");
+    }
+    StageCheck out;
+    if (!hash) return out;
+    const nlohmann::json & chunks = entry.at("chunks");
+    const uint64_t n = (want + chunk - 1) / chunk;
+    if (!chunks.is_array() || chunks.size() != n) {
+        throw std::runtime_error(mpath + ": stage " + std::to_string(stage) + " lists " + std::to_string(chunks.size()) +
+                                 " chunk hashes for " + std::to_string(want) + " bytes in chunks of " + std::to_string(chunk) +
+                                 " (" + std::to_string(n) + " expected): not a valid dgr manifest; rebuild the bundle");
+    }
+    int fd = open(file.c_str(), O_RDONLY | O_CLOEXEC);
+    if (fd < 0) throw std::runtime_error(file + ": cannot read the stage file (" + std::strerror(errno) + ")");
+    struct Fd {
+        int fd;
+        ~Fd() { close(fd); }
+    } guard{fd};
+    posix_fadvise(fd, 0, 0, POSIX_FADV_SEQUENTIAL);
+    std::vector<uint8_t> buf(static_cast<size_t>(chunk));
+    dgr::Blake3 h;
+    for (uint64_t k = 0; k < n; ++k) {
+        const uint64_t begin = k * chunk, len = std::min(chunk, want - begin);
+        uint64_t got = 0;
+        while (got < len) {
+            ssize_t r = read(fd, buf.data() + got, size_t(len - got));
+            if (r < 0 && errno == EINTR) continue;
+            if (r < 0) throw std::runtime_error(file + ": read error at byte " + std::to_string(begin + got) + " (" + std::strerror(errno) + ")");
+            if (r == 0) {
+                throw std::runtime_error(file + ": the file is truncated (it shrank while being read); first bad chunk " +
+                                         std::to_string(k) + " (bytes " + std::to_string(begin) + "-); re-provision the bundle");
+            }
+            got += uint64_t(r);
+        }
+        h.reset();
+        h.update(buf.data(), size_t(len));
+        if (h.hex() != chunks[size_t(k)].get<std::string>()) {
+            throw std::runtime_error(file + ": chunk " + std::to_string(k) + " (bytes " + std::to_string(begin) + "-" +
+                                     std::to_string(begin + len - 1) + ") does not match the manifest: the file is corrupt; "
+                                     "re-provision the bundle");
+        }
+        out.bytes += len;
+        out.chunks += 1;
+    }
+    out.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    return out;
 }
 
 struct Stage {
@@ -262,7 +346,23 @@ void open_stage(const Options & o, Stage & s) {
         throw std::runtime_error(mpath + ": stage " + std::to_string(o.stage) + " file '" + fname + "' is not a plain file name");
     }
     std::string file = root + "/" + fname;
-    if (access(file.c_str(), R_OK) != 0) throw std::runtime_error(file + ": no such stage file (re-provision the bundle)");
+    // the stage file is what the manifest says, chunk by chunk, before anything of the engine is loaded
+    uint64_t chunk = 0;
+    try {
+        chunk = m.at("chunk_size").get<uint64_t>();
+    } catch (const json::exception & e) {
+        throw std::runtime_error(mpath + ": not a valid dgr manifest: " + e.what());
+    }
+    if (chunk < 4096 || (chunk & (chunk - 1)) != 0 || chunk > (uint64_t(1) << 30)) {
+        throw std::runtime_error(mpath + ": chunk_size " + std::to_string(chunk) + " is not a power of two in [4096, 1 GiB]: "
+                                 "not a valid dgr manifest; rebuild the bundle");
+    }
+    const StageCheck checked = check_stage_file(file, entry, chunk, o.stage, mpath, !o.no_verify);
+    if (!o.no_verify) {
+        std::printf("dgr worker: %s: %zu chunk(s), %llu bytes match the manifest (%.3f s)\n", file.c_str(), checked.chunks,
+                    (unsigned long long)checked.bytes, checked.seconds);
+        std::fflush(stdout);
+    }
     s.id.model = m.at("recipe").at("name").get<std::string>();
     s.id.stage_index = o.stage;
     s.id.stage_count = n;
@@ -403,6 +503,10 @@ void open_fake_stage(const Options & o, Stage & s) {
 
 int run(int argc, char ** argv) {
     Options o = parse(argc, argv);
+    if (!o.blake3_files.empty()) {                   // --blake3 FILE: the digest of each, `b3sum`'s format
+        for (auto & f : o.blake3_files) std::printf("%s  %s\n", dgr::blake3_file(f).c_str(), f.c_str());
+        return 0;
+    }
     if (o.bundle.empty() == o.fake_engine.empty()) throw UsageError("give exactly one of --bundle BUNDLE or --fake-engine SPEC");
     for (auto & [flag, v] : {std::pair<const char *, int64_t>{"--max-queued-steps", o.limits.max_queued_steps},
                              {"--max-session-steps", o.limits.max_session_steps},

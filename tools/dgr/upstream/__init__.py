@@ -2,8 +2,9 @@
 
 One job per module: `layout` (where each state lives), `sources` (one source's archive, sha256
 checked), `extract` (the tree-hash files of an archive), `pristine` (fetch and verify the tree),
-`patchlist` (the pin's patch list against patches/llama.cpp/), `apply` (the patched git tree) and
-`state` (the status report). The pin itself is `dgr.pin`, which the runtime reads without this package.
+`patchlist` (the pin's patch list against patches/llama.cpp/), `apply` (the patched git tree),
+`state` (the status report), `fetchtree` (one source tree: first source, archive, extract, check) and
+`vendored` (the C sources dgr-worker compiles in, BLAKE3, pinned the same way). The pin itself is `dgr.pin`, which the runtime reads without this package.
 """
 
 from dgr.pin import PATCH_DIR_REL, PIN_PATH, PatchEntry, Pin, load_pin, patch_lane, patch_series
@@ -20,10 +21,12 @@ from dgr.upstream.patchlist import (
 from dgr.upstream.pristine import explain_tree, fetch, require_tree_hash, verify
 from dgr.upstream.sources import fetch_archive
 from dgr.upstream.state import status
+from dgr.upstream.vendored import BLAKE3_PIN, VendoredPin, fetch_vendored, load_vendored_pin
 
 __all__ = [
-    "GIT_ENV", "Layout", "PATCH_DIR_REL", "PIN_PATH", "PatchEntry", "Pin", "apply_patches", "check_lane_patch",
+    "BLAKE3_PIN", "GIT_ENV", "Layout", "PATCH_DIR_REL", "PIN_PATH", "PatchEntry", "Pin", "apply_patches", "check_lane_patch",
     "check_patch_list", "ensure_patched", "explain_tree", "fetch", "fetch_archive", "lane_dir", "layout",
     "load_pin", "local_changes", "patch", "patch_files_in_dir", "patch_lane", "patch_series", "patch_stamp",
     "pin_patches", "require_tree_hash", "status", "touched_files", "verify",
+    "VendoredPin", "fetch_vendored", "load_vendored_pin",
 ]

@@ -1,16 +1,20 @@
-"""Extract the tree-hash files of an archive's `strip_prefix` folder, refusing members that escape it."""
+"""Extract the files of an archive's `strip_prefix` folder (by default the ones the tree hash covers),
+refusing members that escape it."""
 
 from __future__ import annotations
 
 import tarfile
 from pathlib import Path
+from typing import Callable
 
 from dgr import treehash
 from dgr.errors import UpstreamError
 
 
-def extract(archive: Path, strip_prefix: str, into: Path) -> int:
-    """Extract the files below `strip_prefix` that the tree hash covers into `into`; returns their number."""
+def extract(archive: Path, strip_prefix: str, into: Path,
+            keep: Callable[[str], bool] = treehash.is_upstream_file) -> int:
+    """Extract the files below `strip_prefix` for which `keep(relative path)` holds (default: those the
+    llama.cpp tree hash covers) into `into`; returns their number."""
     prefix = strip_prefix.strip("/") + "/"
     try:
         tar = tarfile.open(archive)
@@ -24,7 +28,7 @@ def extract(archive: Path, strip_prefix: str, into: Path) -> int:
             rel = m.name[len(prefix):]
             if ".." in rel.split("/") or rel.startswith("/"):
                 raise UpstreamError(f"{archive.name}: member {m.name} points outside {strip_prefix}; refused")
-            if not rel or m.isdir() or not treehash.is_upstream_file(rel):
+            if not rel or m.isdir() or not keep(rel):
                 continue
             if not (m.isfile() or m.issym()):
                 raise UpstreamError(f"{archive.name}: member {m.name} is neither a file nor a symlink; refused")

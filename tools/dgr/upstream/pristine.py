@@ -3,10 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import tempfile
-import time
 from pathlib import Path
 
 from dgr import treehash
@@ -14,9 +10,8 @@ from dgr.errors import UpstreamError
 from dgr.locks import locked
 from dgr.log import get_logger
 from dgr.pin import Pin, load_pin
-from dgr.upstream.extract import extract
+from dgr.upstream.fetchtree import fetch_tree
 from dgr.upstream.layout import Layout, layout
-from dgr.upstream.sources import fetch_archive
 
 log = get_logger(__name__)
 
@@ -63,47 +58,24 @@ def _fetch_locked(pin: Pin, lay: Layout) -> Path:
     expected = require_tree_hash(pin)
     lay.upstream.mkdir(parents=True, exist_ok=True)
     lay.pristine_meta.unlink(missing_ok=True)
-    failures = []
-    for src in pin.sources:
-        t0 = time.monotonic()
-        try:
-            archive = fetch_archive(src, lay.downloads / src.download_name(pin.commit))
-        except UpstreamError as err:
-            failures.append(str(err))
-            log.warning("source failed: %s", err)
-            continue
-        tmp = Path(tempfile.mkdtemp(dir=lay.upstream, prefix=f".src-{pin.commit[:12]}-"))
-        try:
-            try:
-                n = extract(archive, src.strip_prefix, tmp)
-            except UpstreamError as err:
-                failures.append(str(err))
-                log.warning("source failed: %s", err)
-                continue
-            entries = treehash.listing(tmp)
-            got = treehash.hash_listing(entries)
-            if got != expected:
-                failures.append(f"{src.describe()}: tree hash {got} does not match the pin's {expected}; "
-                                + explain_tree(pin, entries))
-                log.warning("source failed: %s", failures[-1])
-                continue
-            if lay.pristine.exists():
-                shutil.rmtree(lay.pristine)
-            os.replace(tmp, lay.pristine)
-        finally:
-            if tmp.exists():
-                shutil.rmtree(tmp)
-        lay.pristine_listing.write_text(treehash.listing_text(entries))
-        meta = {"commit": pin.commit, "source": src.describe(), "archive": archive.name,
-                "sha256": src.sha256, "tree_hash": got, "files": n,
-                "fetch_seconds": round(time.monotonic() - t0, 1)}
-        lay.pristine_meta.write_text(json.dumps(meta, indent=2) + "\n")
-        log.info("llama.cpp %s from %s: %d files, tree hash verified", pin.commit[:12], src.describe(), n)
-        return lay.pristine
-    raise UpstreamError(
-        f"could not fetch llama.cpp {pin.commit} from any source in {pin.path}:\n  "
-        + "\n  ".join(failures)
-    )
+
+    def check(tree: Path) -> tuple[list[treehash.Entry], str]:
+        entries = treehash.listing(tree)
+        got = treehash.hash_listing(entries)
+        if got != expected:
+            raise UpstreamError(f"tree hash {got} does not match the pin's {expected}; " + explain_tree(pin, entries))
+        return entries, got
+
+    done = fetch_tree(pin.sources, pin.commit, lay.downloads, lay.pristine, keep=treehash.is_upstream_file,
+                      check=check, what=f"llama.cpp {pin.commit}", pin_path=pin.path)
+    entries, got = done.checked
+    lay.pristine_listing.write_text(treehash.listing_text(entries))
+    meta = {"commit": pin.commit, "source": done.source.describe(), "archive": done.archive.name,
+            "sha256": done.source.sha256, "tree_hash": got, "files": done.files,
+            "fetch_seconds": done.seconds}
+    lay.pristine_meta.write_text(json.dumps(meta, indent=2) + "\n")
+    log.info("llama.cpp %s from %s: %d files, tree hash verified", pin.commit[:12], done.source.describe(), done.files)
+    return lay.pristine
 
 
 def verify(pin: Pin | None = None, ws: Path | None = None) -> str:
