@@ -16,18 +16,7 @@ let
     inherit (p) blake3;
   }) pin.patches;
   python = python3.withPackages (ps: [ ps.blake3 ]);
-  # The two scripts import tools/dgr/hashing.py from beside them (the one file-hashing module): copy
-  # just those files, in the tree's layout, so that editing anything else rebuilds nothing.
-  keep = [ "tools" "tools/dgr" "tools/dgr/__init__.py" "tools/dgr/hashing.py" "tools/dgr/treehash.py"
-           "toolchains" "toolchains/bazel" "toolchains/bazel/blake3sum.py" ];
-  scripts = builtins.path {
-    path = root;
-    name = "dgr-hash-scripts";
-    filter = path: _type:
-      builtins.elem (builtins.replaceStrings [ "${toString root}/" ] [ "" ] (toString path)) keep;
-  };
-  treehash = "${scripts}/tools/dgr/treehash.py";
-  blake3sum = "${scripts}/toolchains/bazel/blake3sum.py";
+  inherit (import ./hash-scripts.nix { inherit root; }) treehash blake3sum;
   applyPatch = p: ''
     got=$(python3 ${blake3sum} ${p.path} | cut -d' ' -f1)
     if [ "$got" != "${p.blake3}" ]; then

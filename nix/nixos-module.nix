@@ -8,7 +8,8 @@
 #     tls = { cert = "/etc/dgr/stage1.pem"; key = "/etc/dgr/stage1.key"; ca = "/etc/dgr/ca.pem"; };
 #   };
 #
-# Each worker becomes `dgr-worker-<name>.service`, run as `<package>/bin/dgr-worker serve ...` with the
+# Each worker becomes `dgr-worker-<name>.service`, run as `<package>/bin/dgr-worker serve ...` (the C++
+# stage worker of nix/package.nix, no Python; it finds its engine at ../lib/libdgr_engine.so) with the
 # flags `dgr up` and `dgr deploy render --systemd` give: restarted on failure, a dynamic user with no
 # home directories, a read-only system, the TLS files handed over as credentials, memory and task limits.
 # flake.nix exports it as nixosModules.default with `self` (for the default package of each lane).
@@ -76,7 +77,9 @@ let
     wantedBy = [ "multi-user.target" ];
     after = [ "network-online.target" ];
     wants = [ "network-online.target" ];
-    environment = { PYTHONUNBUFFERED = "1"; DGR_WORKSPACE = "/var/lib/dgr-worker-${name}"; };
+    # dgr-worker is C++: no PYTHONUNBUFFERED to set. DGR_WORKSPACE is the state folder, as in the units
+    # `dgr deploy render --systemd` writes.
+    environment = { DGR_WORKSPACE = "/var/lib/dgr-worker-${name}"; };
     serviceConfig = {
       # %d/... are systemd's credentials folder: keep them unquoted
       ExecStart = "${packageOf w}/bin/dgr-worker ${lib.concatStringsSep " "

@@ -1,15 +1,20 @@
-# The dgr worker of one backend lane: the ShardEngine (worker/CMakeLists.txt over the patched
-# llama.cpp) and a `dgr-worker` that runs the dgr tool with it. One package; each backend is an
-# override (useCuda, useRocm, useVulkan, useMetalKit), suffixed by its lane.
+# The dgr worker of one backend lane, both from worker/CMakeLists.txt: the ShardEngine
+# (lib/libdgr_engine.so over the patched llama.cpp, include/dgr_engine.h) and bin/dgr-worker, the stage
+# worker as one C++ program (worker/server: gRPC C++, protobuf, OpenSSL, the pinned BLAKE3 C sources) that
+# serves a stage with no Python; it finds the engine at ../lib/libdgr_engine.so. One package; each backend
+# is an override (useCuda, useRocm, useVulkan, useMetalKit), suffixed by its lane.
 {
   stdenv,
   cmake,
   ninja,
-  writeShellScript,
+  pkg-config,
+  grpc,
+  protobuf,
+  openssl,
   pin,
   root,
   llamaSrc,
-  dgr,
+  blake3Src,
   cudaPackages ? { },
   rocmPackages ? { },
   vulkan-headers ? null,
@@ -37,13 +42,21 @@ let
   suffix = if lane == "cpu" then "" else "-${lane}";
   onOff = b: if b then "ON" else "OFF";
   when = b: xs: if b then xs else [ ];
-  # worker/ only; docs and Nix files are dropped so that editing them rebuilds nothing.
+  # What worker/CMakeLists.txt reads: worker/ (with third_party/blake3.json, a configure dependency),
+  # ../proto (dgr-worker's stubs are generated from proto/dgr/v1/stage.proto) and
+  # ../toolchains/llama.cpp.pin.json (the pin dgr-worker advertises). Docs, Bazel and Nix files are
+  # dropped so that editing them rebuilds nothing. CMake runs on worker/ (cmakeDir).
   src = builtins.path {
-    path = root + "/worker";
+    path = root;
     name = "dgr-worker-src";
     filter =
       path: type:
-      builtins.match ".*\\.(md|nix)" (baseNameOf path) == null
+      let
+        rel = builtins.substring (builtins.stringLength (toString root) + 1) (-1) (toString path);
+        under = dir: rel == dir || builtins.substring 0 (builtins.stringLength dir + 1) rel == "${dir}/";
+      in
+      (under "worker" || under "proto" || rel == "toolchains" || rel == "toolchains/llama.cpp.pin.json")
+      && builtins.match ".*\\.(md|nix)" (baseNameOf path) == null
       && builtins.match "BUILD(\\.bazel)?" (baseNameOf path) == null;
   };
 in
@@ -51,17 +64,29 @@ stdenv.mkDerivation {
   pname = "dgr-worker${suffix}";
   version = pin.release;
   inherit src;
+  cmakeDir = "../worker";
 
+  # protoc and grpc_cpp_plugin run at build time (protobuf, grpc); pkg-config finds
+  # grpc++ protobuf libcrypto libssl. nlohmann/json is the pinned llama.cpp's vendored copy
+  # (${DGR_LLAMA_SRC}/vendor), as with every CMake build.
   nativeBuildInputs =
     [
       cmake
       ninja
+      pkg-config
+      protobuf
+      grpc
     ]
     ++ when useCuda [ cudaPackages.cuda_nvcc ]
     ++ when useVulkan [ shaderc ]
     ++ when useRocm [ rocmPackages.clr ];
   buildInputs =
-    when useCuda [
+    [
+      grpc
+      protobuf
+      openssl
+    ]
+    ++ when useCuda [
       cudaPackages.cuda_cudart
       cudaPackages.libcublas
       cudaPackages.cuda_cccl
@@ -79,6 +104,8 @@ stdenv.mkDerivation {
   cmakeFlags =
     [
       "-DDGR_LLAMA_SRC=${llamaSrc}"
+      "-DDGR_BLAKE3_SRC=${blake3Src}"
+      "-DDGR_LANE=${lane}"
       # Portable builds: no -march=native in a package.
       "-DGGML_NATIVE=OFF"
       "-DGGML_CCACHE=OFF"
@@ -91,20 +118,36 @@ stdenv.mkDerivation {
       "-DCMAKE_CUDA_ARCHITECTURES=${builtins.concatStringsSep ";" cudaArchitectures}"
     ];
 
+  # CMake leaves dgr-worker out (saying why) when it finds no gRPC C++: here that is an error.
   installPhase = ''
     runHook preInstall
+    if [ ! -x dgr-worker ]; then
+      echo "dgr-worker was not built: see CMake's 'dgr-worker is not built' above" >&2
+      exit 1
+    fi
     install -Dm755 libdgr_engine.so $out/lib/libdgr_engine.so
-    install -Dm644 ${root + "/worker/engine/dgr_engine.h"} $out/include/dgr_engine.h
-    install -Dm755 ${writeShellScript "dgr-worker" ''
-      export DGR_ENGINE_LIB="''${DGR_ENGINE_LIB:-@out@/lib/libdgr_engine.so}"
-      exec ${dgr}/bin/dgr worker "$@"
-    ''} $out/bin/dgr-worker
-    substituteInPlace $out/bin/dgr-worker --replace-fail @out@ $out
+    install -Dm644 ../worker/engine/dgr_engine.h $out/include/dgr_engine.h
+    install -Dm755 dgr-worker $out/bin/dgr-worker
     runHook postInstall
   '';
 
+  # The installed program runs on its own (its libraries found, no Python): its BLAKE3 of the pinned
+  # sources is the pin's.
+  doInstallCheck = true;
+  installCheckPhase = ''
+    runHook preInstallCheck
+    ${builtins.concatStringsSep "\n" (map (name: ''
+      got=$($out/bin/dgr-worker --blake3 ${blake3Src}/${name} | cut -d' ' -f1)
+      if [ "$got" != "${blake3Src.files.${name}}" ]; then
+        echo "dgr-worker --blake3 ${name}: $got, the pin says ${blake3Src.files.${name}}" >&2
+        exit 1
+      fi
+    '') (builtins.attrNames blake3Src.files))}
+    runHook postInstallCheck
+  '';
+
   passthru = {
-    inherit lane llamaSrc dgr;
+    inherit lane llamaSrc blake3Src;
   };
 
   meta = {

@@ -1,9 +1,11 @@
-# Everything the flake exposes for one system: the llama.cpp source at the pin, the worker per lane
-# (one parameterized package, overrides per backend), the dgr tool, and shells generated from them.
+# Everything the flake exposes for one system: the llama.cpp source at the pin, the BLAKE3 C sources at
+# theirs, the worker per lane (one parameterized package, overrides per backend: the engine and the C++
+# dgr-worker), the dgr tool, and shells generated from them.
 {
   nixpkgs,
   system,
   pin,
+  blake3Pin,
   root,
 }:
 let
@@ -40,29 +42,34 @@ let
     ];
 
   llamaSrc = pkgs.callPackage ./llama-cpp-src.nix { inherit pin root; };
+  blake3Src = pkgs.callPackage ./blake3-src.nix { inherit blake3Pin root; };
   dgr = pkgs.callPackage ./dgr.nix { inherit root pythonDeps; };
-  worker = pkgs.callPackage ./package.nix { inherit pin root llamaSrc dgr; };
+  # dgr-worker is a C++ program: the worker package needs nothing of the dgr tool.
+  worker = pkgs.callPackage ./package.nix { inherit pin root llamaSrc blake3Src; };
 
   lanes = {
     cpu = worker;
     cuda = pkgsCuda.callPackage ./package.nix {
-      inherit pin root llamaSrc dgr;
+      inherit pin root llamaSrc blake3Src;
       useCuda = true;
     };
     rocm = pkgsRocm.callPackage ./package.nix {
-      inherit pin root llamaSrc dgr;
+      inherit pin root llamaSrc blake3Src;
       useRocm = true;
     };
     vulkan = worker.override { useVulkan = true; };
     metal = worker.override { useMetalKit = true; };
   };
 
-  # A shell per package: its build inputs, plus what working on dgr needs (tests, Bazel, caches).
+  # A shell per package: its build inputs (CMake, gRPC C++, protobuf, OpenSSL, pkg-config, the lane's
+  # toolkit), plus what working on dgr needs (tests, Bazel, caches). Bazel's dgr-worker takes
+  # nlohmann/json from the include path (worker/server/BUILD.bazel), CMake's from the pinned llama.cpp.
   shellFor =
     name: pkg:
     pkgs.mkShell {
       name = "dgr-${name}";
       inputsFrom = [ pkg ];
+      buildInputs = [ pkgs.nlohmann_json ];
       packages = [
         (pkgs.python3.withPackages (ps: pythonDeps ps ++ [ ps.pytest ]))
         pkgs.bazel_7
@@ -80,6 +87,7 @@ in
     default = worker;
     inherit dgr;
     llama-cpp-src = llamaSrc;
+    blake3-src = blake3Src;
   };
   devShells = builtins.mapAttrs shellFor lanes // {
     default = shellFor "cpu" worker;

@@ -3,8 +3,11 @@
 nixpkgs cannot be fetched here, so the test writes a minimal stand-in flake (every attribute dgr's
 Nix files use, as trivial derivations) and evaluates the real flake.nix against it with
 `--override-input nixpkgs path:<stand-in>`: the packages and shells per lane exist, derivations
-instantiate, the llama.cpp source and patch series are the pin's, and each lane's switches are set.
-A stand-in that lacks an attribute the flake needs makes the evaluation fail (negative control).
+instantiate, the llama.cpp source and patch series are the pin's, the BLAKE3 C sources are
+worker/third_party/blake3.json's, each lane's switches are set, and each lane's package builds the C++
+dgr-worker (gRPC C++, protobuf, OpenSSL, -DDGR_BLAKE3_SRC) and installs it as bin/dgr-worker, with
+nothing of the Python dgr. A stand-in that lacks an attribute the flake needs makes the evaluation
+fail (negative control).
 Only the real nixpkgs build is out of reach here (docs/build.md).
 """
 
@@ -69,7 +72,11 @@ let
     callPackage = callPackageWith pkgs;
     mkShell = args: mkDerivation ({ name = "shell"; } // args);
     writeShellScript = name: text: drv name { };
-    fetchPypi = args: drv "${args.pname}-${args.version}.tar.gz" { };
+    # what it was asked for, kept for the tests (nixpkgs' fetches pname-version.tar.gz by its hash)
+    fetchPypi = args: drv "${args.pname}-${args.version}.tar.gz" {
+      inherit (args) pname version;
+      sha256 = args.sha256 or args.hash;
+    };
     python3 = (tool "python3") // {
       withPackages = f: builtins.seq (forceNames (f python3Packages)) (tool "python3-env");
     };
@@ -78,7 +85,7 @@ let
     ]);
     rocmPackages = { clr = tool "clr"; hipblas = tool "hipblas"; rocblas = tool "rocblas"; };
   } // builtins.listToAttrs (map (n: { name = n; value = tool n; }) [
-    "cmake" "ninja" "shaderc" "vulkan-headers" "vulkan-loader" "bazel_7" "ccache" "git"
+    @TOOLS@
   ]);
 in
 pkgs
@@ -87,15 +94,19 @@ pkgs
 PYTHON_PACKAGES = ["gguf", "numpy", "pydantic", "blake3", "tomli-w", "cookiecutter", "requests", "tqdm",
                    "grpcio", "grpcio-tools", "grpcio-health-checking", "protobuf", "pytest", "setuptools"]
 CUDA_PACKAGES = ["cuda_nvcc", "cuda_cudart", "libcublas", "cuda_cccl"]
+# dgr-worker's (gRPC C++, protobuf with protoc, OpenSSL, pkg-config) and the shells' (nlohmann_json) among them
+TOOLS = ["cmake", "ninja", "pkg-config", "grpc", "protobuf", "openssl", "nlohmann_json", "shaderc",
+         "vulkan-headers", "vulkan-loader", "bazel_7", "ccache", "git"]
 
 
-def write_standin(dest: Path, cuda_packages=CUDA_PACKAGES) -> Path:
+def write_standin(dest: Path, cuda_packages=CUDA_PACKAGES, tools=TOOLS) -> Path:
     dest.mkdir(parents=True)
     quote = lambda names: " ".join(f'"{n}"' for n in names)  # noqa: E731
     (dest / "flake.nix").write_text(STANDIN_FLAKE)
     (dest / "default.nix").write_text(
         STANDIN_DEFAULT.replace("@PYTHON_PACKAGES@", quote(PYTHON_PACKAGES))
         .replace("@CUDA_PACKAGES@", quote(cuda_packages))
+        .replace("@TOOLS@", quote(tools))
     )
     return dest
 
@@ -124,7 +135,7 @@ def standin(tmp_path_factory) -> Path:
 
 def test_packages_and_shells_exist_per_lane_and_instantiate(standin):
     drvs = eval_json(standin, f"packages.{SYSTEM}", "ps: builtins.mapAttrs (n: p: p.drvPath) ps")
-    assert set(drvs) == set(LANES) | {"default", "dgr", "llama-cpp-src"}
+    assert set(drvs) == set(LANES) | {"default", "dgr", "llama-cpp-src", "blake3-src"}
     assert all(p.endswith(".drv") for p in drvs.values())
     names = eval_json(standin, f"packages.{SYSTEM}", "ps: builtins.mapAttrs (n: p: p.name) ps")
     release = upstream.load_pin().raw.get("release", "")
@@ -134,6 +145,13 @@ def test_packages_and_shells_exist_per_lane_and_instantiate(standin):
             assert names[lane] == f"dgr-worker-{lane}-{release}", "one package, suffixed per lane"
     shells = eval_json(standin, f"devShells.{SYSTEM}", "ss: builtins.mapAttrs (n: s: s.drvPath) ss")
     assert set(shells) == set(LANES) | {"default"}
+    # each shell takes its package's inputs (gRPC C++, protobuf, OpenSSL, pkg-config ...), plus nlohmann_json
+    # for Bazel's dgr-worker
+    inputs = eval_json(standin, f"devShells.{SYSTEM}", "ss: builtins.mapAttrs (n: s: { "
+                       "from = map (p: p.drvPath) s.inputsFrom; build = map (d: d.name) s.buildInputs; }) ss")
+    for shell, got in inputs.items():
+        assert got["from"] == [drvs["cpu" if shell == "default" else shell]], shell
+        assert "nlohmann_json" in got["build"], shell
 
 
 def test_the_source_and_patches_are_the_pins(standin):
@@ -142,6 +160,69 @@ def test_the_source_and_patches_are_the_pins(standin):
     assert got["commit"] == pin.commit and got["tree_hash"] == pin.tree_hash
     assert got["patchNames"] == [Path(p.file).name for p in pin.patches]
     assert eval_json(standin, "lib.pin.commit") == pin.commit
+    sdist = next(s for s in pin.raw["sources"] if s["kind"] == "pypi-sdist")
+    src = eval_json(standin, f"packages.{SYSTEM}.llama-cpp-src",
+                    "p: { inherit (p.src) pname version sha256; inherit (p) sourceRoot; }")
+    assert f"{src['pname']}-{src['version']}.tar.gz" == sdist["filename"] and src["sha256"] == sdist["sha256"]
+    assert src["sourceRoot"] == sdist["strip_prefix"]
+
+
+BLAKE3_PIN = json.loads((REPO / "worker" / "third_party" / "blake3.json").read_text())
+
+
+def test_the_blake3_sources_are_the_pins(standin):
+    sdist = next(s for s in BLAKE3_PIN["sources"] if s["kind"] == "pypi-sdist")
+    got = eval_json(standin, f"packages.{SYSTEM}.blake3-src",
+                    "p: { inherit (p.src) pname version sha256; inherit (p) sourceRoot installPhase; "
+                    "inherit (p.passthru) files; }")
+    assert f"{got['pname']}-{got['version']}.tar.gz" == sdist["filename"] == "blake3-1.0.11.tar.gz"
+    assert got["sha256"] == sdist["sha256"], "the sdist is fetched by the pin's sha256"
+    assert got["sourceRoot"] == sdist["strip_prefix"] == "blake3-1.0.11/c_impl/vendor"
+    assert got["files"] == BLAKE3_PIN["files"]
+    for name, digest in BLAKE3_PIN["files"].items():   # each pinned file checked, then kept
+        assert f'"{digest}"' in got["installPhase"] and f"install -Dm644 {name} $out/{name}" in got["installPhase"]
+    assert eval_json(standin, "lib.blake3Pin.version") == BLAKE3_PIN["version"]
+
+
+def test_each_lane_builds_the_cpp_dgr_worker(standin):
+    # The old package installed a shell script running the Python `dgr worker` as bin/dgr-worker; the
+    # front end now execs bin/dgr-worker and refuses a launcher script, so the package builds the program.
+    blake3_src = eval_json(standin, f"packages.{SYSTEM}.blake3-src.outPath")
+    got = eval_json(standin, f"packages.{SYSTEM}", """ps: builtins.mapAttrs (n: p: {
+        build = map (d: d.name) p.buildInputs;
+        native = map (d: d.name) p.nativeBuildInputs;
+        inherit (p) cmakeFlags cmakeDir installPhase installCheckPhase doInstallCheck;
+        passthru = builtins.attrNames p.passthru;
+        blake3Src = p.passthru.blake3Src.outPath;
+        # every input the derivation is made of, as text: the dgr tool must not be among them
+        inputs = builtins.toJSON (builtins.removeAttrs p [ "override" "meta" ]);
+        proto = builtins.pathExists (p.src + "/proto/dgr/v1/stage.proto");
+        pinJson = builtins.pathExists (p.src + "/toolchains/llama.cpp.pin.json");
+        blake3Json = builtins.pathExists (p.src + "/worker/third_party/blake3.json");
+        cmakeLists = builtins.pathExists (p.src + "/worker/CMakeLists.txt");
+        server = builtins.pathExists (p.src + "/worker/server/main.cpp");
+        tools = builtins.pathExists (p.src + "/tools");
+      }) (removeAttrs ps [ "dgr" "llama-cpp-src" "blake3-src" ])""")
+    dgr_out = eval_json(standin, f"packages.{SYSTEM}.dgr.outPath")
+    for lane in LANES:
+        p = got[lane]
+        assert {"grpc", "protobuf", "openssl"} <= set(p["build"]), lane
+        assert {"cmake", "ninja", "pkg-config", "protobuf", "grpc"} <= set(p["native"]), "protoc, grpc_cpp_plugin"
+        assert f"-DDGR_BLAKE3_SRC={blake3_src}" in p["cmakeFlags"] and p["blake3Src"] == blake3_src, lane
+        assert f"-DDGR_LANE={lane}" in p["cmakeFlags"], "the engine reports the lane the module passes (--lane)"
+        # CMake runs on worker/ with ../proto and ../toolchains beside it (worker/CMakeLists.txt)
+        assert p["cmakeDir"] == "../worker"
+        assert p["proto"] and p["pinJson"] and p["blake3Json"] and p["cmakeLists"] and p["server"], lane
+        assert not p["tools"], "the Python tool is not the worker's source"
+        install = p["installPhase"]
+        assert "install -Dm755 dgr-worker $out/bin/dgr-worker" in install
+        assert "install -Dm755 libdgr_engine.so $out/lib/libdgr_engine.so" in install
+        assert "$out/include/dgr_engine.h" in install
+        assert "dgr worker" not in install and "/bin/dgr " not in install and "DGR_ENGINE_LIB" not in install
+        assert "dgr" not in p["passthru"] and dgr_out not in p["inputs"], "nothing of the Python dgr"
+        assert p["doInstallCheck"] is True and "$out/bin/dgr-worker --blake3" in p["installCheckPhase"]
+        for name, digest in BLAKE3_PIN["files"].items():
+            assert f"{blake3_src}/{name}" in p["installCheckPhase"] and digest in p["installCheckPhase"]
 
 
 def test_each_lane_turns_on_its_backend(standin):
@@ -181,3 +262,12 @@ def test_a_missing_nixpkgs_attribute_fails_the_evaluation(tmp_path):
     assert proc.returncode != 0
     assert "cuda_nvcc" in proc.stderr
     assert nix_eval(lacking, f"packages.{SYSTEM}.cpu.drvPath").returncode == 0
+
+
+@pytest.mark.parametrize("missing", ["grpc", "protobuf", "openssl", "pkg-config"])
+def test_a_stand_in_without_dgr_workers_inputs_fails(tmp_path, missing):
+    # Negative control: dgr-worker's build inputs are the package's, on every lane.
+    lacking = write_standin(tmp_path / "nixpkgs", tools=[t for t in TOOLS if t != missing])
+    proc = nix_eval(lacking, f"packages.{SYSTEM}.cpu.drvPath")
+    assert proc.returncode != 0
+    assert missing in proc.stderr, proc.stderr[-2000:]

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 import shutil
 import subprocess
@@ -187,6 +188,16 @@ def test_the_module_evaluates_to_one_service_per_worker(flake):
     assert (args.tls_cert, args.tls_key, args.tls_ca) == ("%d/tls.pem", "%d/tls.key", "%d/ca.pem")
     a0 = build_parser().parse_args(["worker", *shlex.split(s0["serviceConfig"]["ExecStart"])[1:]])
     assert (a0.threads, a0.session_ttl, a0.tls_cert) == (1, 300.0, None)
+    # bin/dgr-worker is the C++ worker (nix/package.nix): it takes every flag the unit passes, and no
+    # Python runs under the unit
+    takes = set(re.findall(r'"(--[a-z0-9-]+)"', (REPO / "worker" / "server" / "main.cpp").read_text()))
+    for s in (s0, s1):
+        argv = shlex.split(s["serviceConfig"]["ExecStart"])
+        assert argv[1] == "serve"
+        flags = {a.split("=", 1)[0] for a in argv[2:] if a.startswith("--")}
+        assert flags and flags <= takes, flags - takes
+        env = s["environment"]
+        assert "PYTHONUNBUFFERED" not in env and env["DGR_WORKSPACE"].startswith("/var/lib/dgr-worker-")
 
 
 @pytest.mark.parametrize("workers, says", [
