@@ -6,7 +6,7 @@ same targets, made by the macros below from the `LANES` table:
   @llama_cpp//:ggml_<lane>            ggml's backend registry with the lane's backend linked in
   //worker:libdgr_engine_<lane>.so    the engine (C ABI) as a shared library
   //worker:engine_<lane>              the same as a cc_library (for cc_test and other C++ users)
-  //:release_<lane>                   worker + engine + MANIFEST.json (blake3 of each file), a .tar
+  //:release_<lane>                   dgr-worker + engine + MANIFEST.json (blake3 of each file), a .tar
 
 `--config=<lane>` (.bazelrc) points the unsuffixed aliases (//worker:engine, //:release) at one lane.
 Lanes that need hardware this machine lacks are tagged `manual` (so `bazel test //...` skips them)
@@ -176,6 +176,7 @@ def dgr_releases():
             name = "release_" + lane,
             srcs = [
                 engine,
+                "//worker/server:dgr-worker",
                 "@llama_cpp//:dgr_upstream.json",
                 "@dgr_python_deps//:wheels",
                 "//toolchains:python-runtime.lock.json",
@@ -191,6 +192,7 @@ def dgr_releases():
                 "--out $(location release_%s.tar.gz)" % lane,
                 "--manifest $(location release_%s.MANIFEST.json)" % lane,
                 "--engine $(location %s)" % engine,
+                "--worker $(location //worker/server:dgr-worker)",
                 "--upstream $(location @llama_cpp//:dgr_upstream.json)",
                 "--lock $(location //toolchains:python-runtime.lock.json)",
                 "--wheel $(locations @dgr_python_deps//:wheels)",

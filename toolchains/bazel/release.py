@@ -1,16 +1,18 @@
 #!/usr/bin/env python3
 """Write one lane's release: a deterministic .tar.gz of the worker and engine, and its manifest.
 
-    release.py --lane cpu --out R.tar.gz --manifest M.json --engine libdgr_engine_cpu.so \
+    release.py --lane cpu --out R.tar.gz --manifest M.json --engine libdgr_engine_cpu.so --worker dgr-worker \
                --upstream dgr_upstream.json --lock python-runtime.lock.json --wheel W.whl ... \
                --python-root tools tools/dgr/*.py ...
 
 The archive holds, under `dgr-<lane>/`:
     lib/libdgr_engine.so     the ShardEngine (C ABI) of the lane
-    python/dgr/...           the dgr package: the worker service, its CLI, the engine binding
+    bin/dgr-worker           the stage worker (C++, worker/server): serves a stage with no Python at all,
+                             finding the engine in ../lib (`bin/dgr-worker serve --bundle B --stage N ...`)
+    python/dgr/...           the dgr package: the operator's tooling, the engine binding
     python/<dep>/...         its Python dependencies: the locked wheels, unpacked (no pip, no network)
-    bin/dgr-worker           runs `dgr worker ...` with that engine and package, on the host's python3
-    bin/dgr                  the whole `dgr` command line the same way (generate, bundle provision, --version)
+    bin/dgr                  the whole `dgr` command line on the host's python3 (generate, bundle provision,
+                             --version, `dgr worker serve`, which runs bin/dgr-worker)
     upstream.json            llama.cpp's commit, tree hash and the patch series as applied
     release.json             dgr's version, the lane, the wheels' Python tag and the wheels
     MANIFEST.json            size and blake3 of every other file (also written beside the archive)
@@ -45,7 +47,7 @@ if [ "$tag" != "{python}" ]; then
     echo "dgr: $py is $tag, but this release carries Python dependencies built for {python} (CPython {python_dots}); set PYTHON to such a python3" >&2
     exit 2
 fi
-DGR_ENGINE_LIB="$here/lib/libdgr_engine.so" PYTHONPATH="$here/python" exec "$py" -S -m dgr {args}"$@"
+DGR_ENGINE_LIB="$here/lib/libdgr_engine.so" PYTHONPATH="$here/python" exec "$py" -S -m dgr "$@"
 """
 
 
@@ -84,6 +86,7 @@ def build(args: argparse.Namespace) -> tuple[bytes, bytes]:
     top = f"dgr-{args.lane}"
     files: dict[str, tuple[bytes, int]] = {}  # archive path -> (content, mode)
     files["lib/libdgr_engine.so"] = (_read(args.engine), 0o755)
+    files["bin/dgr-worker"] = (_read(args.worker), 0o755)
     files["upstream.json"] = (_read(args.upstream), 0o644)
     root = args.python_root.rstrip("/") + "/"
     for src in args.python:
@@ -100,9 +103,8 @@ def build(args: argparse.Namespace) -> tuple[bytes, bytes]:
         _unpack_wheel(given[e["file"]], files)
     tag = lock["python"]
     dots = f"{tag[2]}.{tag[3:]}"
-    for name, what, sub in (("dgr-worker", "dgr worker", "worker "), ("dgr", "dgr", "")):
-        text = LAUNCHER_SH.format(what=what, python=tag, python_dots=dots, args=sub)
-        files[f"bin/{name}"] = (text.encode(), 0o755)
+    text = LAUNCHER_SH.format(what="dgr", python=tag, python_dots=dots)
+    files["bin/dgr"] = (text.encode(), 0o755)
     release = {
         "format": 1,
         "version": _version(files["python/dgr/__init__.py"][0]),
@@ -159,6 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", required=True)
     p.add_argument("--manifest", required=True)
     p.add_argument("--engine", required=True)
+    p.add_argument("--worker", required=True, help="dgr-worker (//worker/server:dgr-worker)")
     p.add_argument("--upstream", required=True)
     p.add_argument("--lock", required=True, help="toolchains/python-runtime.lock.json")
     p.add_argument("--wheel", action="extend", nargs="+", default=[], help="the locked wheels")

@@ -232,6 +232,16 @@ std::string self_dir() {
     return p.substr(0, p.rfind('/'));
 }
 
+// Where the engine library is looked for (unless $DGR_ENGINE_LIB names it): beside this program (a build
+// folder), else ../lib (a release: bin/dgr-worker, lib/libdgr_engine.so).
+std::string engine_dir() {
+    const std::string here = self_dir();
+    struct stat st;
+    if (stat((here + "/libdgr_engine.so").c_str(), &st) != 0 && stat((here + "/../lib/libdgr_engine.so").c_str(), &st) == 0)
+        return here + "/../lib";
+    return here;
+}
+
 // The stage file against its manifest entry (dgr.bundle.verify_bundle's check, its messages): present, the
 // manifest's size, and unless `hash` is false every chunk of `chunk` bytes with the blake3 the manifest lists,
 // read in order; the first bad chunk is named. Runs before the engine library is loaded. Returns what it read.
@@ -378,7 +388,7 @@ void open_stage(const Options & o, Stage & s) {
     }
     s.id.patch_series = dgr::blake3_hex(series);
 
-    s.lib = dgr::load_engine_lib(self_dir());
+    s.lib = dgr::load_engine_lib(engine_dir());
     std::string lane = s.lib.lane();
     if (!o.lane.empty() && o.lane != lane) {
         throw std::runtime_error("--lane " + o.lane + ": the engine library was built for the " + lane +
