@@ -5,15 +5,19 @@ processes (`dgr-worker --fake-engine SPEC --stage N`).
 In process: split == whole bit for bit, batching and chunking change no bit, a truncate is bit for bit the
 cache of the shorter history, and every refusal is typed (cache miss, schema, sideband, context, sessions,
 recurrent). Across processes: a route of dgr-workers generates the tokens and logits of the in-process
-whole model, and a dgr-worker's Describe is the Python worker's for the same fake stage.
+whole model, and a dgr-worker's Describe is the Python worker's for the same fake stage. The library's
+ggml wire-dtype converters are the real engine library's bit for bit, so dgr-worker serves the lossy wire
+dtypes on it as the Python worker does (with numpy: dgr.wire.codec).
 """
 
 from __future__ import annotations
 
 import ctypes as C
 import os
+import platform
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -22,6 +26,7 @@ from dgr.engine_api import Step
 from dgr.errors import CacheMiss, EngineError, SchemaMismatch
 from dgr.testing import fake_engine
 from dgr.testing.fake_engine import EOS, FakeEngine, FakeModel
+from dgr.wire import codec
 from dgr.wire.client import RouteClient
 from dgr.wire.gen import stage_pb2 as pb
 from test_worker_cpp import Proc, fields, worker_bin  # noqa: F401  (worker_bin: the fixture)
@@ -273,8 +278,8 @@ def cpp_route(worker_bin, fake_lib):
             print(p.stop()[-2000:])
 
 
-def _whole_model(ids: list[int], n: int) -> tuple[list[int], np.ndarray]:
-    e = FakeEngine(SPEC)
+def _whole_model(ids: list[int], n: int, spec: str = SPEC) -> tuple[list[int], np.ndarray]:
+    e = FakeEngine(spec)
     e.open_session("ref", 1)
     r = e.forward([Step("ref", 1, np.arange(len(ids)), np.array(ids), want_logits="all")])[0]
     rows, out, pos = [r.logits], [], len(ids)
@@ -327,8 +332,178 @@ def test_describe_equals_the_python_worker(worker_bin, fake_lib):
 def test_dgr_worker_refuses_a_bad_fake_spec_or_stage(worker_bin, fake_lib):
     for args, why in ((["--fake-engine", "layers=4,colour=blue", "--stage", "0"], "bad item 'colour=blue'"),
                       (["--fake-engine", SPEC, "--stage", "3"], "fake bundle has 3 stages; there is no stage 3"),
-                      (["--fake-engine", SPEC, "--stage", "0", "--wire-dtype", "f16"], "serves --wire-dtype f32 only"),
+                      (["--fake-engine", SPEC, "--stage", "0", "--wire-dtype", "q8_0"], "packs 32 values per block"),
+                      (["--fake-engine", SPEC, "--stage", "0", "--wire-dtype", "f8"], "unknown wire dtype 'f8'"),
                       (["--fake-engine", SPEC, "--bundle", "x", "--stage", "0"], "exactly one of")):
         done = subprocess.run([str(worker_bin), *args, "--listen", "127.0.0.1:0"], capture_output=True, text=True,
                               timeout=60)
         assert done.returncode in (1, 2) and why in done.stderr, (args, done.stderr)
+
+
+# --- ggml's wire-dtype converters (the fake's own C++, the real engine library's ggml)
+
+CONVERTERS = ("ggml_fp16_to_fp32_row", "ggml_fp32_to_fp16_row", "ggml_bf16_to_fp32_row", "ggml_fp32_to_bf16_row_ref",
+              "quantize_row_q8_0_ref", "dequantize_row_q8_0")
+# ggml leaves q8_0's int8 cast undefined out of range (a block with a NaN or an infinity, or one whose scale
+# 1/d overflows); the fake does what an x86 build of ggml does, so those blocks are compared there only
+X86 = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
+
+
+class _Converters:
+    def __init__(self, path):
+        self.lib = C.CDLL(str(path))
+        for name in CONVERTERS:
+            f = getattr(self.lib, name)
+            f.argtypes, f.restype = [C.c_void_p, C.c_void_p, C.c_int64], None
+
+    def _call(self, name: str, x: np.ndarray, out_dtype, n_out: int, n: int) -> np.ndarray:
+        x = np.ascontiguousarray(x)
+        y = np.zeros(n_out, out_dtype)
+        getattr(self.lib, name)(x.ctypes.data, y.ctypes.data, n)
+        return y
+
+    def run(self, f32: np.ndarray, u16: np.ndarray, q8_in: np.ndarray, blocks: np.ndarray) -> dict[str, np.ndarray]:
+        """Every converter's output bits: f32 values narrowed, 16-bit patterns widened, q8_0 both ways."""
+        nq, nb = q8_in.size, blocks.size // 34
+        q = self._call("quantize_row_q8_0_ref", q8_in, np.uint8, nq // 32 * 34, nq)
+        return {
+            "f32->f16": self._call("ggml_fp32_to_fp16_row", f32, np.uint16, f32.size, f32.size),
+            "f32->bf16": self._call("ggml_fp32_to_bf16_row_ref", f32, np.uint16, f32.size, f32.size),
+            "f16->f32": self._call("ggml_fp16_to_fp32_row", u16, np.float32, u16.size, u16.size).view(np.uint32),
+            "bf16->f32": self._call("ggml_bf16_to_fp32_row", u16, np.float32, u16.size, u16.size).view(np.uint32),
+            "q8_0": q,
+            "q8_0 back": self._call("dequantize_row_q8_0", q, np.float32, nq, nq).view(np.uint32),
+            "q8_0 blocks back": self._call("dequantize_row_q8_0", blocks, np.float32, nb * 32, nb * 32).view(np.uint32),
+        }
+
+
+def _f32_cases(rng) -> np.ndarray:
+    """float32 values that find a converter's every corner (as one array)."""
+    bits = np.array([0x00000000, 0x80000000, 0x7F800000, 0xFF800000,                      # zeros, infinities
+                     0x7FC00000, 0xFFC00000, 0x7FC00001, 0x7FFFFFFF, 0xFFFFFFFF,           # quiet NaNs
+                     0x7F800001, 0xFF800001, 0x7FA00000, 0x7FBFFFFF,                       # signalling NaNs
+                     0x7F7FFFFF, 0xFF7FFFFF, 0x00800000, 0x80800000,                       # max, min normal
+                     0x00000001, 0x80000001, 0x007FFFFF, 0x807FFFFF], np.uint32)           # subnormals' ends
+    with np.errstate(over="ignore"):
+        scales = 10.0 ** np.arange(-46, 40)
+        normals = (rng.standard_normal((scales.size, 500)) * scales[:, None]).astype(np.float32).ravel()
+    # f16 ties: the midpoint of every two neighbouring f16 values (subnormal, normal, 65504..65536), and one
+    # float32 ulp either side of it
+    h = np.arange(0x7C00, dtype=np.uint32)
+    lo = h.astype(np.uint16).view(np.float16).astype(np.float64)
+    hi = np.append(lo[1:], 65536.0)
+    mid = ((lo + hi) / 2).astype(np.float32)
+    f16_ties = np.concatenate([mid, np.nextafter(mid, np.float32(0)), np.nextafter(mid, np.float32(np.inf))])
+    # bf16 ties: the low half 0x8000 exactly, and one either side
+    k = rng.integers(0, 1 << 16, 20000, dtype=np.uint32)
+    bf16_ties = np.concatenate([(k << 16) | d for d in (0x7FFF, 0x8000, 0x8001)]).astype(np.uint32).view(np.float32)
+    f32_subnormals = (rng.integers(1, 1 << 23, 20000, dtype=np.uint32) | (rng.integers(0, 2, 20000, dtype=np.uint32) << 31))
+    anything = rng.integers(0, 1 << 32, 200000, dtype=np.uint64).astype(np.uint32)
+    out = np.concatenate([bits.view(np.float32), normals, f16_ties, -f16_ties, bf16_ties,
+                          f32_subnormals.view(np.float32), anything.view(np.float32)])
+    return out.astype(np.float32)
+
+
+def _q8_0_cases(rng) -> np.ndarray:
+    """Rows of q8_0 blocks (32 float32 values each; as one array): the blocks whose int8 cast ggml leaves
+    undefined on x86 only."""
+    blocks = [rng.standard_normal((200, 32)) * 10.0 ** rng.uniform(-37, 37, (200, 1)),   # every normal scale
+              np.zeros((1, 32)), np.full((1, 32), -0.0), np.tile([0.0, -0.0], 16)[None],   # all-zero blocks
+              np.concatenate([[-127.0], np.arange(-15.5, 15.5)])[None],                    # scale 1: ties at every step
+              np.concatenate([[127.0], rng.integers(-126, 127, 31) + 0.5])[None],
+              np.full((1, 32), 3.0e5), np.full((1, 32), np.finfo(np.float32).max),          # f16 scale an infinity
+              np.full((1, 32), np.finfo(np.float32).min), np.full((1, 32), 65504.0),
+              np.full((1, 32), 1.0), rng.standard_normal((1, 32)) * 1e-30]                  # f16 scale subnormal or 0
+    edge = [rng.standard_normal((1, 32)) * s for s in (1e-45, 1e-42, 1e-40, 1e-39, 2e-39, 1e-38, 2e-38, 1e-37,
+                                                        4e-37, 1e-36)]                      # 1/d overflows (some)
+    for at in (0, 5, 31):
+        for bad in (np.nan, np.inf, -np.inf):
+            b = np.ones(32)
+            b[at] = bad
+            edge.append(b[None])
+    b = np.concatenate([np.ones(5), [np.nan], np.full(26, 1e-3)])                           # NaN then smaller
+    edge.append(b[None])
+    if X86:
+        blocks += edge
+    with np.errstate(over="ignore"):
+        return np.concatenate(blocks).astype(np.float32).ravel()
+
+
+@pytest.mark.engine
+def test_the_fake_librarys_converters_are_the_real_engine_librarys(engine_lib, fake_lib):
+    """The six ggml converters dgr-worker resolves for the lossy wire dtypes: the fake library's (plain C++) give
+    the real engine library's (ggml's) bits on corner cases and on every 16-bit pattern."""
+    from dgr.paths import REPO_ROOT
+
+    rng = np.random.default_rng(11)
+    f32 = _f32_cases(rng)
+    u16 = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
+    q8_in = _q8_0_cases(rng)
+    raw = rng.integers(0, 256, (3000, 34), dtype=np.uint8)          # blocks as bytes: any scale, NaN and inf too
+    scales = np.array([0x7C00, 0xFC00, 0x7E00, 0x7C01, 0x0001, 0x8000, 0x0000, 0x7BFF] * 8, np.uint16)
+    raw[:64, :2] = scales.view(np.uint8).reshape(-1, 2)
+    raw[:32, 2:] = 0                                                # 0 * inf, 0 * NaN
+    want = _Converters(engine_lib).run(f32, u16, q8_in, raw.ravel())
+    libs = {fake_lib}
+    if all((REPO_ROOT / s).is_file() for s in fake_engine.SOURCES):
+        libs.add(str(fake_engine.build_library()))       # the -O2 build on demand too
+    for lib in libs:
+        got = _Converters(lib).run(f32, u16, q8_in, raw.ravel())
+        for name, w in want.items():
+            bad = np.nonzero(got[name] != w)[0]
+            assert bad.size == 0, (lib, name, bad[:10], got[name][bad[:10]], w[bad[:10]])
+
+
+# --- lossy wire dtypes: dgr-worker (the fake's converters) and the Python worker (numpy) serve the same route
+
+SPEC_32 = "layers=7,embd=16,streams=2,cuts=2:5,hash_layers=3,seed=3"      # 32 values a token: q8_0 fits
+
+
+def _route(cmds: list[list[str]]) -> list[Proc]:
+    with ThreadPoolExecutor(len(cmds)) as ex:
+        futures = [ex.submit(Proc, c) for c in cmds]
+    procs, errors = [], []
+    for f in futures:
+        try:
+            procs.append(f.result())
+        except Exception as e:  # noqa: BLE001  (stop the others, then fail)
+            errors.append(e)
+    if errors:
+        for p in procs:
+            p.stop()
+        raise errors[0]
+    return procs
+
+
+@pytest.mark.parametrize("dtype", ["f16", "bf16", "q8_0"])
+def test_dgr_worker_serves_lossy_wire_dtypes_as_the_python_worker(worker_bin, fake_lib, dtype):
+    n = len(FakeModel.from_spec(SPEC_32).ranges)
+    listen = ["--listen", "127.0.0.1:0", "--wire-dtype", dtype]
+    procs = _route([[str(worker_bin), "--fake-engine", SPEC_32, "--stage", str(i), *listen] for i in range(n)] +
+                   [[sys.executable, "-m", "dgr", "worker", "serve", "--python-worker", "--fake-engine", SPEC_32,
+                     "--stage", str(i), *listen] for i in range(n)])
+    cpp, py = procs[:n], procs[n:]
+    try:
+        code = codec.DTYPES[dtype]
+        for i, p in enumerate(cpp + py):
+            d = p.stub.Describe(pb.DescribeRequest(), timeout=10)
+            assert (d.schema_out if i % n < n - 1 else d.schema_in).dtype == code
+        kw = dict(max_new_tokens=12, logits="all", stop_token_ids=[])
+        runs = {}
+        for name, route in (("cpp", cpp), ("python", py), ("mixed", [cpp[0], py[1], cpp[2]]),
+                            ("mixed2", [py[0], cpp[1], py[2]])):
+            with RouteClient([p.address for p in route], chunk_tokens=5) as c:
+                runs[name] = c.run(TEXT, **kw)
+        ref = runs["python"]
+        assert len(ref.token_ids) == 12
+        for name, gen in runs.items():
+            assert gen.token_ids == ref.token_ids and gen.text == ref.text, name
+            assert sorted(gen.logits) == sorted(ref.logits), name
+            assert all(np.array_equal(gen.logits[p], ref.logits[p]) for p in ref.logits), name
+        # lossy: not the f32 route's logits (the dtype did cross the seams)
+        _, f32_rows = _whole_model(ref.prompt_ids, 12, SPEC_32)
+        assert not np.array_equal(np.stack([ref.logits[p] for p in sorted(ref.logits)]), f32_rows)
+    finally:
+        for p in procs:
+            print(p.stop()[-2000:])
+

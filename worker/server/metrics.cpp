@@ -1,6 +1,10 @@
 // Prometheus text and the /metrics HTTP server (metrics.h).
 #include "metrics.h"
 
+#include <vector>
+
+#include <algorithm>
+
 #include <arpa/inet.h>
 #include <netdb.h>
 #include <netinet/in.h>
@@ -37,6 +41,28 @@ void Metrics::step(int64_t n_tokens, int64_t queue_ns, int64_t compute_ns) {
     tokens[kind] += uint64_t(n_tokens);
     queue.observe(double(queue_ns) / 1e9);
     compute.observe(double(compute_ns) / 1e9);
+    recent[kind].emplace_back(compute_ns, queue_ns);
+    if (recent[kind].size() > STEP_TIMES_KEPT) recent[kind].pop_front();
+}
+
+Metrics::Times Metrics::times(int kind) {
+    std::vector<int64_t> c, q;
+    {
+        std::lock_guard<std::mutex> g(mu);
+        for (auto & [cn, qn] : recent[kind]) c.push_back(cn), q.push_back(qn);
+    }
+    Times t;
+    t.steps = c.size();
+    if (c.empty()) return t;
+    std::sort(c.begin(), c.end());
+    std::sort(q.begin(), q.end());
+    auto median = [](const std::vector<int64_t> & x) {     // statistics.median: the middle, or the mean of two
+        size_t n = x.size();
+        return (n % 2 ? double(x[n / 2]) : (double(x[n / 2 - 1]) + double(x[n / 2])) / 2) / 1e6;
+    };
+    auto p90 = [](const std::vector<int64_t> & x) { return double(x[std::min(x.size() - 1, size_t(0.9 * double(x.size())))]) / 1e6; };
+    t.compute_median = median(c), t.compute_p90 = p90(c), t.queue_median = median(q), t.queue_p90 = p90(q);
+    return t;
 }
 
 std::string prom_escape(const std::string & v) {

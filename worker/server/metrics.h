@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <functional>
 #include <map>
+#include <deque>
 #include <mutex>
 #include <string>
 #include <thread>
@@ -35,7 +36,13 @@ struct Metrics {
     uint64_t steps[2] = {0, 0}, tokens[2] = {0, 0};   // [decode, prefill]
     uint64_t sampled = 0, opened = 0, seam_in = 0, seam_out = 0;
     Histogram queue, compute, transit_step, transit_token;
+    // the last STEP_TIMES_KEPT steps of each kind, (compute_ns, queue_ns): the descriptor's medians
+    static constexpr size_t STEP_TIMES_KEPT = 1024;  // dgr.wire.state.STEP_TIMES_KEPT
+    std::deque<std::pair<int64_t, int64_t>> recent[2];
     void step(int64_t n_tokens, int64_t queue_ns, int64_t compute_ns);
+    // median and 90th percentile (nearest rank) of recent[kind] in ms, as dgr.wire.state.step_times
+    struct Times { uint64_t steps = 0; double compute_median = 0, compute_p90 = 0, queue_median = 0, queue_p90 = 0; };
+    Times times(int kind);
 };
 
 // Prometheus text helpers (the exposition format prometheus_client writes).

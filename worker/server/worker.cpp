@@ -117,11 +117,6 @@ StageWorker::StageWorker(const EngineLib & lib, dgr_engine * eng, StageIdentity 
     const bool lossy_ok = lib_.fp16_to_fp32 && lib_.fp32_to_fp16 && lib_.bf16_to_fp32 && lib_.fp32_to_bf16 &&
                           lib_.quantize_q8_0 && lib_.dequantize_q8_0;
     if (dtype_->code != pb::F32 && !lossy_ok) {
-        if (lib_.fake_spec) {                        // the fake engine links nothing of ggml
-            throw std::runtime_error("--wire-dtype " + id_.wire_dtype + ": the fake engine (" + lib_.path +
-                                     ") has no ggml converters and serves --wire-dtype f32 only; use `dgr worker "
-                                     "serve --fake-engine` for lossy wire dtypes");
-        }
         throw std::runtime_error("--wire-dtype " + id_.wire_dtype + ": the engine library " + lib_.path +
                                  " does not export ggml's converters; use --wire-dtype f32 or rebuild it");
     }
@@ -249,9 +244,10 @@ std::string StageWorker::descriptor_json() {
         return J{{"layer", layer}, {"n_streams", i.n_streams}, {"n_embd", i.n_embd}, {"token_ids", token_ids},
                  {"wire_dtype", dtype_->name}, {"bytes_per_token", per}};
     };
-    auto times = [] {
-        return J{{"steps", 0}, {"compute_ms_median", 0.0}, {"compute_ms_p90", 0.0}, {"queue_ms_median", 0.0},
-                 {"queue_ms_p90", 0.0}};
+    auto times = [this](int kind) {
+        Metrics::Times t = metrics_.times(kind);
+        return J{{"steps", t.steps}, {"compute_ms_median", t.compute_median}, {"compute_ms_p90", t.compute_p90},
+                 {"queue_ms_median", t.queue_median}, {"queue_ms_p90", t.queue_p90}};
     };
     J errors = J::object();
     size_t open;
@@ -285,7 +281,7 @@ std::string StageWorker::descriptor_json() {
                                   {"compute_bytes", memory_.compute_bytes},
                                   {"device_weights_bytes", memory_.device_weights_bytes},
                                   {"device", std::string(memory_.device)}}},
-                      {"decode", times()}, {"prefill", times()}}},
+                      {"decode", times(0)}, {"prefill", times(1)}}},
         {"load", {{"open_sessions", open}, {"queued_steps", queued}, {"cached_positions", cached}}},
         {"seam", {{"seam_in", i.is_first ? J(nullptr) : seam(i.layer_begin, i.needs_token_ids != 0)},
                   {"seam_out", i.is_last ? J(nullptr) : seam(i.layer_end, true)}}},

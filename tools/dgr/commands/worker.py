@@ -129,7 +129,7 @@ def _serve(args) -> int:
                     link_keepalive_timeout_s=args.link_keepalive_timeout,
                     max_batch_sessions=args.max_batch_sessions, hold_batch=max(0, args.hold_batch),
                     die_at=tuple(_die_at(x) for x in args.test_die_at))
-    if args.bundle and args.data_plane == "grpc" and not args.python_worker:
+    if args.data_plane == "grpc" and not args.python_worker:
         _exec_worker(args)
     if args.fake_engine:
         engine, ident = stages.fake_stage(args.fake_engine, args.stage, args.wire_dtype or DEFAULT_WIRE_DTYPE)
@@ -234,15 +234,27 @@ def worker_argv(args) -> list[str]:
 
 
 def _exec_worker(args) -> None:
-    """Check the bundle's hashes (as the Python worker does, with the workspace's resumable verify
-    state), then become dgr-worker with the same flags and the engine library this dgr would load."""
+    """Check what Python checks best (the bundle's hashes, with the workspace's resumable verify state; a
+    fake model's spec and stage), then become dgr-worker with the same flags and the engine library this dgr
+    would load (the fake one for --fake-engine, built on demand)."""
     from dgr.app.stages import checked_bundle
     from dgr.engine import LIB_ENV, library_path
 
-    checked_bundle(args.bundle, args.stage)           # a tampered file is named before anything else
+    env = dict(os.environ)
+    extra = []
+    if args.fake_engine:
+        from dgr.testing import fake_engine
+
+        n = len(fake_engine.FakeModel.from_spec(args.fake_engine).ranges)
+        if not 0 <= args.stage < n:
+            raise WireError(f"fake bundle has {n} stages; there is no stage {args.stage}")
+        env[fake_engine.LIB_ENV] = str(fake_engine.library_path())
+    else:
+        checked_bundle(args.bundle, args.stage)       # a tampered file is named before anything else
+        extra = ["--no-verify"]                         # hashed just now: not read twice
     binary = worker_binary()
-    env = {**os.environ, LIB_ENV: str(library_path().resolve())}
-    argv = [str(binary), *worker_argv(args), "--no-verify"]    # hashed just now: not read twice
+    env[LIB_ENV] = str(library_path().resolve())
+    argv = [str(binary), *worker_argv(args), *extra]
     sys.stdout.flush(), sys.stderr.flush()
     os.execve(binary, argv, env)
 
