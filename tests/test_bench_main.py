@@ -91,10 +91,15 @@ def test_bench_on_a_tiny_model_reports_every_figure_and_the_plot(tmp_path, capsy
 @pytest.mark.slow
 def test_bench_smollm2_three_stages(tmp_path, engine_lib):
     rc, rep = _bench(tmp_path, "--stages", "3", "--tokens", "16", "--prompt-lengths", "32,128", "--sessions", "2",
-                     "--rounds", "1")
+                     "--rounds", "1", "--tls")
     assert rc == 0
     _check_report(rep, 3, [32, 128])
     assert rep["bench"]["model"] == "smollm2-135m-3stage"
+    # the same bundle with mutual TLS beside plaintext in the same run: both measured, the same text
+    t = rep["tls"]
+    assert t["stages"] == 3 and t["same_text"] is True
+    assert t["plaintext_per_hop_ms"] > 0 and t["tls_per_hop_ms"] > 0
+    assert t["plaintext_decode_tok_s"] > 0 and t["tls_decode_tok_s"] > 0
     assert rep["wire"]["payload_bytes_per_token_per_seam"] == [576 * 4, 576 * 4]     # f32 rows of n_embd 576
 
 

@@ -45,7 +45,9 @@ class TlsCost:
         ])
 
 
-def measure(*, stages: int = 3, tokens: int = 48, rounds: int = 3, threads: int = 1) -> TlsCost:
+def measure(*, stages: int = 3, tokens: int = 48, rounds: int = 3, threads: int = 1, bundle=None) -> TlsCost:
+    """`bundle` (a dgr.bundle.Bundle, or None: the embedded SmolLM2 of `stages`) served twice, plaintext and
+    mutual TLS, generations alternating."""
     from dgr.app.demo import ensure_bundle
     from dgr.app.local import LocalRoute, engine_library
     from dgr.certs import init, issue
@@ -54,7 +56,9 @@ def measure(*, stages: int = 3, tokens: int = 48, rounds: int = 3, threads: int 
     from dgr.wire.tls import TlsConfig
 
     lib = engine_library()
-    bundle, _ = ensure_bundle(stages)
+    if bundle is None:
+        bundle, _ = ensure_bundle(stages)
+    stages = len(bundle.manifest.stages)
     certs = Path(tempfile.mkdtemp(prefix="dgr-tls-bench-"))
     init(certs)
     for i in range(stages):

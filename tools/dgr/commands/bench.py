@@ -98,10 +98,29 @@ def _extras(args, bundle, stages: int) -> dict:
         if "error" not in s:
             print(f"spec: {s.get('tokens_per_ring', 0):.2f} tokens per ring on the repetitive workload; "
                   f"TPOT with/without on the other {s.get('tpot_ratio_plain', 0):.3f}")
+    if args.tls:
+        log.info("bench: mutual TLS beside plaintext, %d rounds", args.rounds)
+        out["tls"] = _section("dgr.app.tlscost", "measure", lambda f: f(
+            stages=stages, bundle=_bundle_of(bundle), tokens=args.tokens, rounds=args.rounds,
+            threads=args.threads).as_dict())
+        t = out["tls"]
+        if "error" not in t:
+            print(f"tls: per-hop overhead {t['plaintext_per_hop_ms']:.3f} ms plaintext, {t['tls_per_hop_ms']:.3f} ms "
+                  f"mutual TLS ({t['tls_cost_per_hop_ms']:+.3f}); decode {t['plaintext_decode_tok_s']:.1f} and "
+                  f"{t['tls_decode_tok_s']:.1f} tok/s; same text: {'yes' if t['same_text'] else 'NO'}")
     for key, v in out.items():
         if isinstance(v, dict) and "error" in v:
             print(f"{key}: {v['error']}", file=sys.stderr)
     return out
+
+
+def _bundle_of(bundle):
+    """A Bundle from what the sections get (a folder, a Bundle, or None: the embedded SmolLM2)."""
+    if bundle is None or hasattr(bundle, "manifest"):
+        return bundle
+    from dgr.bundle import load_bundle
+
+    return load_bundle(bundle)
 
 
 def _main(args) -> int:
@@ -117,9 +136,9 @@ def _main(args) -> int:
                        "e.g. 32,128,256") from None
     if not lengths or min(lengths) < 1 or args.tokens < 2 or args.rounds < 1 or args.sessions < 1:
         raise DgrError("dgr bench: --prompt-lengths, --rounds and --sessions must be positive, --tokens at least 2")
-    extras = args.wan_rtt_ms is not None or args.dtypes or args.speculate
+    extras = args.wan_rtt_ms is not None or args.dtypes or args.speculate or args.tls
     if args.no_main and not extras:
-        raise DgrError("dgr bench --no-main: nothing left to run; add --wan-rtt-ms, --dtypes or --speculate")
+        raise DgrError("dgr bench --no-main: nothing left to run; add --wan-rtt-ms, --dtypes, --speculate or --tls")
     rep: dict = {}
     stages, bundle = args.stages or 3, args.bundle
     if not args.no_main:
@@ -180,6 +199,8 @@ def register(sub) -> None:
     bench.add_argument("--speculate", choices=["ngram"], help="also: speculative decoding over the ring on two "
                        "workloads, with and without (JSON key `spec`)")
     bench.add_argument("--draft-k", type=int, default=4, help="with --speculate: drafted tokens per trip (default 4)")
+    bench.add_argument("--tls", action="store_true", help="also: the same bundle served with mutual TLS beside "
+                       "plaintext, generations alternating; per-hop overhead and decode of each (JSON key `tls`)")
     bench.add_argument("--no-main", action="store_true", help="only the sections the flags above ask for")
     bench.set_defaults(func=_main)
     bsub = bench.add_subparsers(dest="bench_command", metavar="ACTION")
