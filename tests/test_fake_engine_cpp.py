@@ -302,12 +302,14 @@ def test_a_route_of_dgr_workers_generates_what_the_whole_model_does(cpp_route):
 
 
 def test_sampled_generation_equals_the_python_workers(cpp_route):
-    from dgr.app.local import InProcessRoute
+    from dgr.app.local import LocalRoute
 
     kw = dict(max_new_tokens=20, temperature=0.9, top_k=40, top_p=0.95, seed=7, stop_token_ids=[], logits="last")
     with RouteClient(cpp_route) as c:
         a = c.run(TEXT, **kw)
-    with InProcessRoute.of(SPEC) as r, RouteClient(r.addresses) as c:
+    n = len(FakeModel.from_spec(SPEC).ranges)
+    with LocalRoute([["--python-worker", "--fake-engine", SPEC, "--stage", str(i)] for i in range(n)]) as r, \
+            RouteClient(r.addresses) as c:
         b = c.run(TEXT, **kw)
     assert a.token_ids == b.token_ids and a.text == b.text
     assert sorted(a.logits) == sorted(b.logits) and all(np.array_equal(a.logits[p], b.logits[p]) for p in a.logits)
@@ -315,7 +317,7 @@ def test_sampled_generation_equals_the_python_workers(cpp_route):
 
 def test_describe_equals_the_python_worker(worker_bin, fake_lib):
     a = cpp_fake(worker_bin, SPEC, 1)
-    b = Proc([sys.executable, "-m", "dgr", "worker", "serve", "--fake-engine", SPEC, "--stage", "1",
+    b = Proc([sys.executable, "-m", "dgr", "worker", "serve", "--python-worker", "--fake-engine", SPEC, "--stage", "1",
               "--listen", "127.0.0.1:0"])
     try:
         da, db = (p.stub.Describe(pb.DescribeRequest(), timeout=10) for p in (a, b))

@@ -1,10 +1,9 @@
 """Property tests (hypothesis) of the frame codec (round trips per wire dtype, decode of any Boundary, schema_diff,
-tokens_per_frame) and of a worker's frame checks (any frame is refused with a typed error or is well formed)."""
+tokens_per_frame) and of dgr-worker's frame checks (any frame is refused with a typed error or is well formed)."""
 
 from __future__ import annotations
 
 import math
-import queue
 
 import numpy as np
 import pytest
@@ -12,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from dgr.app.local import InProcessRoute
+from dgr.app.local import FakeRoute
 from dgr.errors import WireError
 from dgr.wire import codec
 from dgr.wire.client import RouteClient
@@ -133,15 +132,32 @@ def test_tokens_per_frame_is_the_most_that_fit(limit, per_token):
 
 @pytest.fixture(scope="module")
 def stage1():
-    with InProcessRoute.of(SPEC) as r:
+    """Stage 1 of a fake route of dgr-workers, with session ("prop", 1) open on it as stage 0 would open it."""
+    import grpc
+
+    from dgr.wire.gen import stage_pb2_grpc as pb_grpc
+
+    with FakeRoute.of(SPEC) as r:
         descs = RouteClient(r.addresses).describe()
-        import grpc
+        with grpc.insecure_channel(r.addresses[1]) as ch:
+            stub = pb_grpc.StageStub(ch)
+            assert not open_on(stub, r.addresses, 1, descs, "prop", 1).HasField("error")
+            yield stub, descs[1]
 
-        from dgr.wire.gen import stage_pb2_grpc as pb_grpc
 
-        stub = pb_grpc.StageStub(grpc.insecure_channel(r.addresses[1]))
-        assert not open_on(stub, r.addresses, 1, descs, "prop", 1).HasField("error")
-        yield r.workers[1], descs[1]
+def _replies(stub, frame: pb.Frame, probe: pb.Frame) -> list[pb.Frame]:
+    """Send `frame`, then `probe` (refused at once), on a new Frames stream; the replies that came before the
+    probe's. A new stream each time: a late engine error about an earlier frame goes to that frame's stream."""
+    call = stub.Frames(iter([frame, probe]), timeout=30)
+    got = []
+    try:
+        for reply in call:
+            if reply.session_id == probe.session_id:
+                return got
+            got.append(reply)
+    finally:
+        call.cancel()
+    raise AssertionError(f"the stream ended before the probe was answered (replies so far: {got}); frame: {frame}")
 
 
 def _frames(want: pb.BoundarySchema, ns: int, ne: int):
@@ -203,28 +219,28 @@ def _well_formed(f: pb.Frame, want: pb.BoundarySchema, ns: int, ne: int, n_ctx: 
 
 
 def test_frame_checks_refuse_every_malformed_frame_with_a_typed_error(stage1):
-    worker, desc = stage1
+    stub, desc = stage1
     want = desc.schema_in
     ns, ne = want.n_streams, want.n_embd
     codes = set(pb.ErrorCode.values()) - {0}
     seen: dict[str, int] = {}
+    # a frame of a session nobody opened: refused at once, whatever came before it on the stream
+    probe = pb.Frame(session_id="probe", epoch=1, step=pb.Step(
+        positions=[0], token_ids=[7], cache_expect=0, schema=want,
+        boundary=codec.encode(np.zeros((1, ns, ne), np.float32), want.dtype)))
 
     @settings(max_examples=600, deadline=None, suppress_health_check=[HealthCheck.too_slow])
     @given(_frames(want, ns, ne))
     def check(frame):
-        q: queue.Queue = queue.Queue()
-        worker._on_frame(frame, q)                    # what the worker does with each frame it reads
+        replies = _replies(stub, frame, probe)        # what dgr-worker answers to the frame it reads
         ok = _well_formed(frame, want, ns, ne, desc.n_ctx)
         if ok:
             seen["accepted"] = seen.get("accepted", 0) + 1
-            try:
-                early = q.get(timeout=0.0)
-            except queue.Empty:
-                return
             # a well-formed step can only be refused later, by the engine (CACHE_MISS) or the queue bound
-            assert early.error.code in (pb.CACHE_MISS, pb.OVERLOADED, pb.ENGINE), early
+            assert all(r.error.code in (pb.CACHE_MISS, pb.OVERLOADED, pb.ENGINE) for r in replies), replies
             return
-        reply = q.get(timeout=5)
+        assert replies, f"a malformed frame was not refused: {frame}"
+        reply = replies[0]
         assert reply.WhichOneof("body") == "error", frame
         assert reply.error.code in codes and reply.error.hop.startswith("stage 1 ("), reply
         assert reply.error.message

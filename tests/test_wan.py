@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from dgr.app.local import InProcessRoute, LocalRoute
+from dgr.app.local import FakeRoute, LocalRoute
 from dgr.app.wan import Link, WanLinks, measure_wan, raw_overhead, table
 from dgr.wire.client import RouteClient
 from support.wan import connect, echo_server, recv_exactly, sink_server
@@ -126,7 +126,7 @@ def test_a_link_to_nothing_refuses_connections_and_bad_arguments_are_named():
 
 def test_a_fake_route_through_links_gives_the_loopback_text_and_every_hop_crosses_one():
     one_way = 15.0
-    with InProcessRoute.of(FAKE) as route, RouteClient(route.addresses) as direct, \
+    with FakeRoute.of(FAKE) as route, RouteClient(route.addresses) as direct, \
             WanLinks(route.addresses, one_way) as wan, RouteClient(wan.addresses) as far:
         ref = direct.run(PROMPT, max_new_tokens=12, stop_token_ids=[])
         before = wan.bytes()
@@ -144,24 +144,22 @@ def test_a_fake_route_through_links_gives_the_loopback_text_and_every_hop_crosse
 def test_a_thin_link_carrying_a_long_prompt_needs_a_longer_link_keepalive():
     """A keepalive ping waits behind the bytes queued ahead of it: on a thin link a long prompt's boundaries
     (2048 tokens of a 576-wide seam are 4.7 MB, 3.8 s at 10 Mbit/s) hold it past the default 2 s, and the
-    hop is dropped as unreachable, naming the flag; `--link-keepalive-timeout`
-    (Limits.link_keepalive_timeout_s) longer than the burst carries it. How long a paced link holds a ping
-    depends on how fast this machine drains gRPC's windows, so the links here hold everything for a set
-    time instead, once 256 KiB of the prompt's boundaries came in: longer than a ping's 1 s + 2 s in the
-    first route, shorter than the 60 s keepalive timeout of the second. (The client's own probes of silent
-    hops wait 30 s here, so that the workers' keepalive is what notices.)"""
+    hop is dropped as unreachable, naming the flag; `--link-keepalive-timeout` longer than the burst carries
+    it. How long a paced link holds a ping depends on how fast this machine drains gRPC's windows, so the
+    links here hold everything for a set time instead, once 256 KiB of the prompt's boundaries came in:
+    longer than a ping's 1 s + 2 s in the first route, shorter than the 60 s keepalive timeout of the second.
+    (The client's own probes of silent hops wait 30 s here, so that the workers' keepalive is what notices.)"""
     from dgr.wire.errors import StageError
-    from dgr.wire.state import Limits
 
     spec = "layers=4,embd=576,cuts=2,seed=3,ctx=4096"
     prompt = [i % 200 + 3 for i in range(512)]          # 1.2 MB per seam
     stall = (256 * 1024, 8.0)
-    with InProcessRoute.of(spec) as route, WanLinks(route.addresses, 1.0, stall=stall) as wan, \
+    with FakeRoute.of(spec) as route, WanLinks(route.addresses, 1.0, stall=stall) as wan, \
             RouteClient(wan.addresses, attempts=1, hop_deadline=30) as c:
         with pytest.raises(StageError, match="--link-keepalive-timeout"):
             c.run(prompt, max_new_tokens=2, stop_token_ids=[])
         assert [s["stalled"] for s in wan.stats()] == [False, True]   # the prompt link carries token ids, the seam link boundaries
-    with InProcessRoute.of(spec, limits=Limits(link_keepalive_timeout_s=60.0)) as route, \
+    with FakeRoute.of(spec, extra=["--link-keepalive-timeout", "60"]) as route, \
             WanLinks(route.addresses, 1.0, stall=stall) as wan, \
             RouteClient(wan.addresses, attempts=1, hop_deadline=30) as c:
         ref = c.run(prompt[:8], max_new_tokens=2, stop_token_ids=[])   # short: under the stall's threshold

@@ -176,23 +176,21 @@ def test_cli_route_with_replicas_and_a_bad_route():
 
 
 def test_a_broken_stream_back_to_the_origin_is_recovered_not_waited_out():
-    """The last stage's stream to a live origin breaks mid-generation (here: its channel closed under it;
-    on a starved machine, a ping unanswered within the keepalive). The ring's token may be lost with it:
-    the last stage says so on a new stream, and the client re-routes at once instead of waiting out its
-    timeout; the text equals the uninterrupted run's."""
-    from dgr.app.local import InProcessRoute
-
+    """The last stage's stream to a live origin breaks mid-generation (here: the last stage fails it right
+    before a seeded random decode step, --test-break-origin-link-at; on a starved machine, a ping unanswered
+    within the keepalive). The ring's token may be lost with it: the last stage says so on a new stream,
+    and the client re-routes at once instead of waiting out its timeout; the text equals the uninterrupted
+    run's."""
     at = random.Random(5).randint(2, 40)
-    with InProcessRoute.of(SPEC) as r:
-        with RouteClient(r.addresses) as c:
-            want = c.run(PROMPT, max_new_tokens=MAX_NEW, stop_token_ids=[])
-        last, origin = r.workers[-1], r.addresses[0]
+    fault = ["--test-break-origin-link-at", f"victim:1:{fake_prompt_len() + at - 1}"]   # right after token `at`
+    from dgr.app.local import FakeRoute
 
-        def break_return_link():
-            last.links[origin].channel.close()          # every stream on it fails (CANCELLED)
-
+    with FakeRoute.of(SPEC, extra=lambda i, _: fault if i == 2 else []) as r:
+        want = reference(r)
         with RouteClient(r.addresses, timeout=20) as c:
-            gen, _ = run_with_fault(c, break_return_link, at)
+            gen = c.run(PROMPT, max_new_tokens=MAX_NEW, stop_token_ids=[], session_id="victim")
+        log = "".join(r.logs[2])
+    assert "--test-break-origin-link-at victim:1:" in log and "link failed" in log
     assert gen.text == want.text and gen.token_ids == want.token_ids
     assert gen.epochs >= 2, gen.failures
     assert gen.failures[0].code == "HOP_UNREACHABLE" and "lost its stream back to the origin" in gen.failures[0].why

@@ -1,15 +1,15 @@
-"""Direct relay over real gRPC on loopback, workers in this process serving the fake engine."""
+"""Direct relay over real gRPC on loopback: routes of dgr-worker processes serving the fake engine."""
 
 from __future__ import annotations
 
-import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import numpy as np
 import pytest
 
-from dgr.app.local import InProcessRoute
+from dgr.app.local import FakeRoute
 from dgr.engine_api import Step
 from dgr.testing.fake_engine import FakeEngine, FakeModel
 from dgr.wire import codec
@@ -18,6 +18,7 @@ from dgr.wire.errors import Overloaded, RemoteSchemaMismatch, WrongRange, WrongS
 from dgr.wire.gen import stage_pb2 as pb
 from dgr.wire.gen import stage_pb2_grpc as pb_grpc
 from support.wire import RawStream, open_on
+from support.worker import describe
 
 SPEC = "layers=8,embd=16,streams=2,cuts=2:5,hash_layers=3,seed=5"
 
@@ -39,14 +40,14 @@ def whole_model(spec: str, ids: list[int], n: int) -> tuple[list[int], list[np.n
 
 @pytest.fixture(scope="module")
 def route():
-    with InProcessRoute.of(SPEC) as r:
+    with FakeRoute.of(SPEC) as r:
         yield r
 
 
 @pytest.mark.parametrize("cuts", ["", "4", "2:5", "1:3:6"])
 def test_greedy_split_equals_whole_model_tokens_and_logits(cuts):
     spec = f"layers=8,embd=16,streams=2,cuts={cuts},hash_layers=3,seed=5"
-    with InProcessRoute.of(spec) as r, RouteClient(r.addresses) as c:
+    with FakeRoute.of(spec) as r, RouteClient(r.addresses) as c:
         gen = c.run("Split me, then put me back together.", max_new_tokens=24, logits="last")
     ref_ids, ref_rows = whole_model(spec, gen.prompt_ids, 24)
     assert gen.token_ids == ref_ids
@@ -81,25 +82,23 @@ def test_concurrent_sessions_equal_sequential(route):
     assert len({tuple(s) for s in sequential}) >= 6       # distinct enough that cross-talk would show
 
 
-def test_cache_miss_reprefills_and_gives_the_same_text(route):
-    with RouteClient(route.addresses) as c:
-        # no stop ids: the generation must outlast the eviction at its 6th token (a draw may be EOS early)
-        ref = c.run("evict me", max_new_tokens=40, temperature=0.7, seed=11, stop_token_ids=[])
+def test_cache_miss_reprefills_and_gives_the_same_text():
+    # no stop ids: the generation must outlast the eviction after its 6th token (a draw may be EOS early)
+    kw = dict(max_new_tokens=40, temperature=0.7, seed=11, stop_token_ids=[])
+    at = 1 + len(b"evict me") + 5                         # BOS + the bytes; the step after the 6th token
+    # the last stage loses the session's cache right before that step (as under memory pressure): the session
+    # stays, its cache is empty, and the step expects more positions than it holds
+    evict = ["--test-evict-at", f"victim:1:{at}"]
+    with FakeRoute.of(SPEC, extra=lambda stage, _: evict if stage == 2 else []) as r:
+        with RouteClient(r.addresses) as c:
+            ref = c.run("evict me", **kw)
+        with RouteClient(r.addresses) as c:
+            gen = c.run("evict me", session_id="victim", **kw)
+        log = "".join(r.logs[2])
     assert ref.epochs == 1
-    last = route.workers[2]
-    evicted = threading.Event()
-    with RouteClient(route.addresses) as c:
-        for i, ev in enumerate(c.generate("evict me", max_new_tokens=40, temperature=0.7, seed=11,
-                                          stop_token_ids=[], session_id="victim")):
-            if i == 5 and not evicted.is_set():
-                # the last stage loses this session's cache (as under memory pressure): keep the session,
-                # empty the cache; the next frame expects more positions than it holds
-                with last.engine_lock:
-                    last.engine.close_session("victim", ev.epoch)
-                    last.engine.open_session("victim", ev.epoch)
-                evicted.set()
-        gen = c.last
+    assert f"--test-evict-at victim:1:{at} reached" in log
     assert gen.epochs == 2
+    assert [(f.stage, f.code, f.tokens) for f in gen.failures] == [(2, "CACHE_MISS", 6)], gen.failures
     assert gen.token_ids == ref.token_ids and gen.text == ref.text
 
 
@@ -158,24 +157,24 @@ def test_bad_frames_get_typed_errors_and_the_worker_keeps_serving(route):
 
 def test_mismatched_bundle_between_hops_is_refused_at_open():
     other = SPEC.replace("seed=5", "seed=6")               # same shapes and ranges, different bundle
-    with InProcessRoute([(SPEC, 0), (other, 1), (other, 2)]) as r, RouteClient(r.addresses) as c:
+    with FakeRoute([(SPEC, 0), (other, 1), (other, 2)]) as r, RouteClient(r.addresses) as c:
         with pytest.raises(RemoteSchemaMismatch) as err:
             c.run("x", max_new_tokens=2)
         msg = str(err.value)
         assert f"stage 0 ({r.addresses[0]})" in msg and f"stage 1 ({r.addresses[1]})" in msg
         assert FakeModel.from_spec(SPEC).bundle_id in msg and FakeModel.from_spec(other).bundle_id in msg
-        assert r.workers[0].sessions == {} and r.workers[1].sessions == {}   # nothing left open
+        assert [d.open_sessions for d in _describe_all(r.addresses)] == [0, 0, 0]   # nothing left open
 
 
 def test_wrong_order_and_wrong_range_are_refused_at_open():
     moved = SPEC.replace("cuts=2:5", "cuts=3:5")
-    with InProcessRoute([(SPEC, 1), (SPEC, 0), (SPEC, 2)]) as r, RouteClient(r.addresses) as c:
+    with FakeRoute([(SPEC, 1), (SPEC, 0), (SPEC, 2)]) as r, RouteClient(r.addresses) as c:
         with pytest.raises(WrongStage, match="hop 0"):
             c.run("x", max_new_tokens=2)
-    with InProcessRoute([(SPEC, 0), (moved, 1), (moved, 2)]) as r, RouteClient(r.addresses) as c:
+    with FakeRoute([(SPEC, 0), (moved, 1), (moved, 2)]) as r, RouteClient(r.addresses) as c:
         with pytest.raises(RemoteSchemaMismatch):            # another cut is another bundle
             c.run("x", max_new_tokens=2)
-    with InProcessRoute.of(SPEC) as r, RouteClient(r.addresses) as c:
+    with FakeRoute.of(SPEC) as r, RouteClient(r.addresses) as c:
         c.describe()
         c.hops[1].identity.layer_end = 6                     # the route claims stage 1 owns [2, 6)
         with pytest.raises(WrongRange, match=r"expects stage 1 \[2, 6\).*serves stage 1 \[2, 5\)"):
@@ -184,7 +183,7 @@ def test_wrong_order_and_wrong_range_are_refused_at_open():
 
 def test_overloaded_at_open():
     spec = SPEC + ",sessions=2"
-    with InProcessRoute.of(spec) as r:
+    with FakeRoute.of(spec) as r:
         clients = [RouteClient(r.addresses) for _ in range(3)]
         clients[0].open("a", 1, pb.Sampling(), pb.LOGITS_NONE)
         clients[1].open("b", 1, pb.Sampling(), pb.LOGITS_NONE)
@@ -198,7 +197,7 @@ def test_long_prompt_streams_in_chunks_under_the_message_limit():
     spec = "layers=4,embd=64,streams=4,cuts=1:3,seed=2"    # 1 KiB of boundary per token
     limit = 16 * 1024
     prompt = "a long prompt that needs many frames " * 12
-    with InProcessRoute.of(spec, max_message_bytes=limit) as r, \
+    with FakeRoute.of(spec, max_message_bytes=limit) as r, \
             RouteClient(r.addresses, max_message_bytes=limit, chunk_tokens=100) as c:
         gen = c.run(prompt, max_new_tokens=8, logits="last")
         assert gen.chunk_tokens == codec.tokens_per_frame(limit, 64 * 4 * 4) < 100   # capped to one frame
@@ -214,28 +213,33 @@ def test_long_prompt_streams_in_chunks_under_the_message_limit():
 
 def test_wire_dtype_bf16_runs_and_stays_close():
     spec = "layers=6,embd=16,cuts=3,seed=9"
-    with InProcessRoute.of(spec, wire_dtype="bf16") as r, RouteClient(r.addresses) as c:
+    with FakeRoute.of(spec, wire_dtype="bf16") as r, RouteClient(r.addresses) as c:
         assert c.describe()[0].seam_bytes_per_token == 16 * 2
         gen = c.run("lossy wire", max_new_tokens=1, logits="last")
     _, rows = whole_model(spec, gen.prompt_ids, 1)
     assert np.max(np.abs(gen.logits[len(gen.prompt_ids) - 1] - rows[0])) < 0.1
 
 
-def test_a_client_that_goes_away_stops_the_ring_and_frees_its_sessions(route):
-    import time
+def test_a_client_that_goes_away_stops_the_ring_and_frees_its_sessions():
+    with FakeRoute.of(SPEC) as route, RouteClient(route.addresses) as c:   # its own: "gone" is its only session
+        c.open("gone", 1, pb.Sampling(), pb.LOGITS_NONE)
+        raw = RawStream(route.addresses[0])
+        raw.q.put(pb.Frame(session_id="gone", epoch=1, generate=pb.Generate(max_new_tokens=100000)))
+        ids = c.tokenize("walk away")
+        first = raw.ask(pb.Frame(session_id="gone", epoch=1, step=pb.Step(
+            positions=range(len(ids)), token_ids=ids, cache_expect=0, sample=True)))
+        assert first.WhichOneof("body") == "token"
+        raw.call.cancel()                                    # no CloseSession: the client just vanishes
+        # once the session is closed everywhere, no worker holds a session or a cached position
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and any(_load(d) != (0, 0) for d in _describe_all(route.addresses)):
+            time.sleep(0.05)
+        assert [_load(d) for d in _describe_all(route.addresses)] == [(0, 0)] * 3
 
-    c = RouteClient(route.addresses)
-    c.open("gone", 1, pb.Sampling(), pb.LOGITS_NONE)
-    raw = RawStream(route.addresses[0])
-    raw.q.put(pb.Frame(session_id="gone", epoch=1, generate=pb.Generate(max_new_tokens=100000)))
-    ids = c.tokenize("walk away")
-    first = raw.ask(pb.Frame(session_id="gone", epoch=1, step=pb.Step(
-        positions=range(len(ids)), token_ids=ids, cache_expect=0, sample=True)))
-    assert first.WhichOneof("body") == "token"
-    raw.call.cancel()                                        # no CloseSession: the client just vanishes
-    deadline = time.monotonic() + 10
-    while any(("gone", 1) in w.sessions for w in route.workers) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not any(("gone", 1) in w.sessions for w in route.workers)
-    assert all(("gone", 1) not in w.engine.sessions for w in route.workers)
-    c.close()
+
+def _describe_all(addresses: list[str]) -> list[pb.StageDescription]:
+    return [describe(a) for a in addresses]
+
+
+def _load(d: pb.StageDescription) -> tuple[int, int]:
+    return d.open_sessions, d.cached_positions

@@ -1,6 +1,6 @@
 """Speculative decoding over the ring: n-gram drafts from the origin, verified by the last stage in the same
 trip, rejected positions rolled back on every stage. The text must equal the non-speculative one token for
-token (fake engine: logits too, bit for bit), on in-process workers, worker processes and the real engine
+token (fake engine: logits too, bit for bit), on fake-model dgr-workers, worker processes and the real engine
 (SmolLM2 and a tiny llama); recurrent models are refused with a clear error."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import sys
 import numpy as np
 import pytest
 
-from dgr.app.local import InProcessRoute, LocalRoute
+from dgr.app.local import FakeRoute, LocalRoute
 from dgr.errors import WireError
 from dgr.wire.client import RouteClient
 from dgr.wire.drafts import NgramDrafts, make_source
@@ -65,7 +65,7 @@ def test_ngram_drafts_propose_what_followed_the_last_match_and_back_off():
 @pytest.mark.parametrize("stages", ["cuts=3", "cuts=2:4", "cuts=1:2:4"])
 def test_speculative_greedy_equals_plain_bit_for_bit(stages):
     spec = SPEC.replace("cuts=2:4", stages)
-    with InProcessRoute.of(spec) as route, RouteClient(route.addresses) as c:
+    with FakeRoute.of(spec) as route, RouteClient(route.addresses) as c:
         plain, fast = _both(c, logits="last")
     assert fast.token_ids == plain.token_ids and fast.text == plain.text
     assert sorted(fast.logits) == sorted(plain.logits)
@@ -77,7 +77,7 @@ def test_speculative_greedy_equals_plain_bit_for_bit(stages):
 
 
 def test_speculative_sampling_and_all_logits_equal_plain():
-    with InProcessRoute.of(SPEC) as route, RouteClient(route.addresses) as c:
+    with FakeRoute.of(SPEC) as route, RouteClient(route.addresses) as c:
         plain, fast = _both(c, **SAMPLED)               # each draw keyed by (seed, position): same text
         assert fast.token_ids == plain.token_ids and fast.text == plain.text
         plain, fast = _both(c, logits="all", max_new_tokens=40)
@@ -87,7 +87,7 @@ def test_speculative_sampling_and_all_logits_equal_plain():
 
 
 def test_stop_token_and_max_tokens_inside_an_accepted_draft():
-    with InProcessRoute.of(SPEC) as route, RouteClient(route.addresses) as c:
+    with FakeRoute.of(SPEC) as route, RouteClient(route.addresses) as c:
         ref = c.run(PROMPT, max_new_tokens=96, stop_token_ids=[], speculate="ngram")
         # a token the speculative run got as an accepted draft: stopping there must cut the ring short
         k = next(i for i, e in enumerate(ref.events) if e.speculated and i > 10)
@@ -124,7 +124,7 @@ def test_a_killed_stage_mid_speculation_recovers_to_the_same_text():
 
 def test_rollback_only_drops_rejected_drafts():
     """A step flagged `rollback` that would drop positions no speculative step put there is a CACHE_MISS."""
-    with InProcessRoute.of(SPEC) as route, RouteClient(route.addresses) as c:
+    with FakeRoute.of(SPEC) as route, RouteClient(route.addresses) as c:
         c.run("warm", max_new_tokens=2)
         hops = c.hops
         sid = "raw-rollback"
@@ -162,7 +162,7 @@ def test_rollback_only_drops_rejected_drafts():
 
 def test_recurrent_models_refuse_speculation_clearly():
     spec = SPEC + ",recurrent=1"
-    with InProcessRoute.of(spec) as route, RouteClient(route.addresses) as c:
+    with FakeRoute.of(spec) as route, RouteClient(route.addresses) as c:
         assert c.run(PROMPT, max_new_tokens=8).token_ids              # plain decoding still works
         with pytest.raises(WireError, match=r"stage 0 \(.*\) \(fake\).*cannot roll back.*without --speculate"):
             c.run(PROMPT, max_new_tokens=8, speculate="ngram")

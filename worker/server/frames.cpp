@@ -203,6 +203,15 @@ void Link::check_stall(int64_t now_ns, int64_t timeout_ns) {
     cv_.notify_all();
 }
 
+void Link::fail(const std::string & why) {
+    std::lock_guard<std::mutex> g(mu_);
+    if (broken_ || closing_) return;
+    failed_ = why;
+    broken_ = true;
+    if (ctx_) ctx_->TryCancel();
+    cv_.notify_all();
+}
+
 void Link::close() {
     {
         std::lock_guard<std::mutex> g(mu_);
@@ -805,6 +814,33 @@ void StageWorker::die_if_asked(size_t n, const std::function<const pb::Frame &(s
     }
 }
 
+// --test-evict-at, --test-break-origin-link-at (tests: a fault at an exact step, which no timing can move)
+void StageWorker::test_faults(const pb::Frame & f, const SessionPtr & sess) {
+    const std::string & sid = f.session_id();
+    for (int64_t p : f.step().positions()) {
+        const auto at = std::make_tuple(sid, f.epoch(), p);
+        if (limits_.evict_at.count(at)) {
+            // the session's cache is lost (as under memory pressure): the session stays, its cache is empty
+            fprintf(stderr, "dgr-worker: --test-evict-at %s:%llu:%lld reached: cache dropped\n", sid.c_str(),
+                    (unsigned long long)f.epoch(), (long long)p);
+            lib_.session_close(eng_, sid.c_str(), int64_t(f.epoch()));
+            int32_t st = lib_.session_open(eng_, sid.c_str(), int64_t(f.epoch()));
+            if (st != DGR_OK) fprintf(stderr, "dgr-worker: --test-evict-at: reopen failed: %s\n", lib_.error(st).c_str());
+        }
+        if (limits_.break_origin_link_at.count(at) && !info_.is_first) {
+            std::shared_ptr<Link> l;
+            {
+                std::lock_guard<std::mutex> g(mu_);
+                auto it = out_links_.find(sess->route[0].address());
+                if (it != out_links_.end()) l = it->second;
+            }
+            fprintf(stderr, "dgr-worker: --test-break-origin-link-at %s:%llu:%lld reached: %s\n", sid.c_str(),
+                    (unsigned long long)f.epoch(), (long long)p, l ? "link failed" : "no link to fail");
+            if (l) l->fail("--test-break-origin-link-at");
+        }
+    }
+}
+
 void StageWorker::run_batch(std::vector<Work> & batch) {
     struct Ready {
         Work * w;
@@ -822,6 +858,7 @@ void StageWorker::run_batch(std::vector<Work> & batch) {
             const Key key{w.frame.session_id(), w.frame.epoch()};
             SessionPtr sess = session(key);
             if (!sess) continue;                     // closed while queued
+            if (!limits_.evict_at.empty() || !limits_.break_origin_link_at.empty()) test_faults(w.frame, sess);
             int32_t held = 0;
             int32_t st = lib_.n_cached(eng_, key.first.c_str(), int64_t(key.second), &held);
             if (st != DGR_OK) {

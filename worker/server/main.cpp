@@ -113,6 +113,20 @@ double to_float(const std::string & flag, const std::string & v) {
     }
 }
 
+// SESSION:EPOCH:POSITION, a step of the tests' hooks (--test-die-at ...; tools/dgr/commands/worker.py _die_at)
+std::tuple<std::string, uint64_t, int64_t> step_at(const std::string & flag, const std::string & v) {
+    auto a = v.find(':'), b = a == std::string::npos ? a : v.find(':', a + 1);
+    auto digits = [](const std::string & t) { return !t.empty() && t.find_first_not_of("0123456789") == std::string::npos; };
+    std::string sid = v.substr(0, a), ep = a == std::string::npos ? "" : v.substr(a + 1, b - a - 1),
+                pos = b == std::string::npos ? "" : v.substr(b + 1);
+    if (sid.empty() || !digits(ep) || !digits(pos)) throw UsageError(flag + " '" + v + "': give SESSION:EPOCH:POSITION");
+    try {
+        return {sid, std::stoull(ep), std::stoll(pos)};
+    } catch (const std::exception &) {
+        throw UsageError(flag + " '" + v + "': give SESSION:EPOCH:POSITION");
+    }
+}
+
 Options parse(int argc, char ** argv) {
     Options o;
     std::map<std::string, std::function<void(const std::string &)>> takes = {
@@ -130,13 +144,10 @@ Options parse(int argc, char ** argv) {
         {"--max-batch-tokens", [&](auto & v) { o.limits.max_batch_tokens = to_int("--max-batch-tokens", v); }},
         {"--max-batch-sessions", [&](auto & v) { o.limits.max_batch_sessions = to_int("--max-batch-sessions", v); }},
         {"--hold-batch", [&](auto & v) { o.limits.hold_batch = std::max<int64_t>(0, to_int("--hold-batch", v)); }},
-        {"--test-die-at", [&](auto & v) {             // SESSION:EPOCH:POSITION (tools/dgr/commands/worker.py _die_at)
-             auto a = v.find(':'), b = a == std::string::npos ? a : v.find(':', a + 1);
-             auto digits = [](const std::string & t) { return !t.empty() && t.find_first_not_of("0123456789") == std::string::npos; };
-             std::string sid = v.substr(0, a), ep = a == std::string::npos ? "" : v.substr(a + 1, b - a - 1),
-                         pos = b == std::string::npos ? "" : v.substr(b + 1);
-             if (sid.empty() || !digits(ep) || !digits(pos)) throw UsageError("--test-die-at '" + v + "': give SESSION:EPOCH:POSITION");
-             o.limits.die_at.insert({sid, std::stoull(ep), std::stoll(pos)}); }},
+        {"--test-die-at", [&](auto & v) { o.limits.die_at.insert(step_at("--test-die-at", v)); }},
+        {"--test-evict-at", [&](auto & v) { o.limits.evict_at.insert(step_at("--test-evict-at", v)); }},
+        {"--test-break-origin-link-at", [&](auto & v) {
+             o.limits.break_origin_link_at.insert(step_at("--test-break-origin-link-at", v)); }},
         {"--n-ctx", [&](auto & v) { o.n_ctx = to_int("--n-ctx", v); }},
         {"--max-sessions", [&](auto & v) { o.max_sessions = to_int("--max-sessions", v); }},
         {"--threads", [&](auto & v) { o.threads = to_int("--threads", v); }},
@@ -579,12 +590,12 @@ int run(int argc, char ** argv) {
     }
 
     Stage s;
-    if (o.fake_engine.empty()) open_stage(o, s);
-    else open_fake_stage(o, s);
-    struct Closer {
+    struct Closer {                                  // before the open: a refusal after the engine opened closes it
         Stage & s;
         ~Closer() { if (s.eng) s.lib.close(s.eng); }
     } closer{s};
+    if (o.fake_engine.empty()) open_stage(o, s);
+    else open_fake_stage(o, s);
 
     grpc::EnableDefaultHealthCheckService(true);
     grpc::ServerBuilder b;
@@ -669,10 +680,13 @@ int run(int argc, char ** argv) {
     sigemptyset(&sigs);
     sigaddset(&sigs, SIGTERM);
     sigaddset(&sigs, SIGINT);
-    std::atomic<bool> done{false};
+    std::mutex reaper_mu;                            // the reaper wakes 5 times a second, and at once to stop
+    std::condition_variable reaper_cv;
+    bool done = false;
     std::thread reaper([&] {
-        while (!done) {
-            std::this_thread::sleep_for(std::chrono::milliseconds(200));
+        std::unique_lock<std::mutex> l(reaper_mu);
+        while (!reaper_cv.wait_for(l, std::chrono::milliseconds(200), [&] { return done; })) {
+            l.unlock();
             try {
                 worker->reap();
                 worker->check_stalls();
@@ -680,6 +694,7 @@ int run(int argc, char ** argv) {
                 std::fprintf(stderr, "dgr-worker: reaper: %s\n", e.what());
             } catch (...) {
             }
+            l.lock();
         }
     });
     int sig = 0;
@@ -710,7 +725,11 @@ int run(int argc, char ** argv) {
     const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(end - std::chrono::steady_clock::now());
     server->Shutdown(std::chrono::system_clock::now() +
                      std::clamp(left - std::chrono::milliseconds(100), std::chrono::milliseconds(0), std::chrono::milliseconds(1000)));
-    done = true;
+    {
+        std::lock_guard<std::mutex> g(reaper_mu);
+        done = true;
+    }
+    reaper_cv.notify_all();
     reaper.join();
     s.lib.close(s.eng);                              // the engine thread is joined (stop): nothing else calls it
     s.eng = nullptr;

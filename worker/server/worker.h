@@ -51,6 +51,12 @@ struct Limits {
     int64_t max_connections = 256;                   // --max-connections: connections with calls in progress
     // --test-die-at SESSION:EPOCH:POSITION (tests only): SIGKILL itself about to run that step
     std::set<std::tuple<std::string, uint64_t, int64_t>> die_at;
+    // --test-evict-at SESSION:EPOCH:POSITION (tests only): about to run that step, drop the session's engine
+    // cache (close and reopen it in the engine), so the step answers CACHE_MISS exactly there
+    std::set<std::tuple<std::string, uint64_t, int64_t>> evict_at;
+    // --test-break-origin-link-at SESSION:EPOCH:POSITION (tests only): about to run that step, fail this
+    // worker's link to the session's origin (what a stream that breaks under it does)
+    std::set<std::tuple<std::string, uint64_t, int64_t>> break_origin_link_at;
 };
 
 // What the engine's stage info does not know: where the stage comes from (dgr.wire.state.StageIdentity).
@@ -123,6 +129,8 @@ class Link {
     void close();   // cancel the stream and join its threads
     // the send deadline: a write waiting longer than `timeout_ns` fails the link (its sessions are told)
     void check_stall(int64_t now_ns, int64_t timeout_ns);
+    // fail the link now, as a broken stream does (its sessions are told); --test-break-origin-link-at
+    void fail(const std::string & why);
     const std::string address, label;
 
   private:
@@ -245,6 +253,8 @@ class StageWorker final : public dgr::v1::Stage::Service {
     void engine_loop();
     void run_batch(std::vector<Work> & batch);
     void die_if_asked(size_t n, const std::function<const dgr::v1::Frame &(size_t)> & frame);
+    // --test-evict-at, --test-break-origin-link-at: about to run this step (engine_mu_ held)
+    void test_faults(const dgr::v1::Frame & frame, const SessionPtr & sess);
     void emit_boundary(Work & w, const SessionPtr & sess, const float * boundary, dgr::v1::HopTiming timing);
     void emit_last(Work & w, const SessionPtr & sess, const float * logits, int32_t rows, dgr::v1::HopTiming timing);
     void send(const std::string & address, uint32_t hop_index, dgr::v1::Frame frame, const SessionPtr & sess);

@@ -1,6 +1,6 @@
 """Routes on loopback for the demo and the tests: worker processes (one `dgr worker serve` per stage and
-replica, which tests can kill, stop, resume and restart in place), or fake-model workers served from
-this process."""
+replica, which tests can kill, stop, resume and restart in place), or fake-model dgr-worker processes
+(`FakeRoute`: started directly, milliseconds each)."""
 
 from __future__ import annotations
 
@@ -64,6 +64,8 @@ class LocalRoute:
     context manager. `stage_args[i]`: arguments of stage i's workers; `extra`: arguments for every
     worker, or a function (stage, replica) -> arguments (TLS files, --session-ttl, ...)."""
 
+    worker_class = _Worker
+
     def __init__(self, stage_args: list[list[str]], *, timeout: float = 120.0, log_dir: Path | None = None,
                  env: dict[str, str] | None = None, replicas: int | list[int] = 1,
                  extra: list[str] | Callable[[int, int], list[str]] | None = None):
@@ -74,7 +76,7 @@ class LocalRoute:
             row = []
             for k in range(counts[i]):
                 more = extra(i, k) if callable(extra) else list(extra or [])
-                row.append(_Worker(i, k, [*args, *more], env))
+                row.append(self.worker_class(i, k, [*args, *more], env))
             self.workers.append(row)
         try:
             for w in self.all:
@@ -171,46 +173,77 @@ class LocalRoute:
         out.flush()
 
 
-class InProcessRoute:
-    """Workers of a fake model served from this process (real gRPC over loopback, milliseconds to start).
-    `workers[i]` gives tests access to a stage's worker and engine (e.g. to evict a session's cache)."""
+class _FakeWorker(_Worker):
+    """One `dgr-worker --fake-engine` process, started directly (no Python front end: it serves in
+    milliseconds rather than the ~0.4 s of `dgr worker serve`)."""
+
+    def start(self, listen: str = "127.0.0.1:0") -> None:
+        from dgr.commands.worker import worker_binary
+        from dgr.testing import fake_engine
+
+        env = {**os.environ, **(self.env or {}), fake_engine.LIB_ENV: str(fake_engine.library_path())}
+        cmd = [str(worker_binary()), "--listen", listen, *self.args]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+
+
+# dgr.wire.state.Limits field -> the dgr-worker flag that sets it
+_LIMIT_FLAGS = {
+    "max_batch_tokens": "--max-batch-tokens", "max_batch_sessions": "--max-batch-sessions",
+    "hold_batch": "--hold-batch", "die_at": "--test-die-at", "max_queued_steps": "--max-queued-steps",
+    "max_session_steps": "--max-session-steps", "session_ttl_s": "--session-ttl", "rpc_timeout_s": "--rpc-timeout",
+    "drain_timeout_s": "--drain-timeout", "link_keepalive_timeout_s": "--link-keepalive-timeout",
+}
+
+
+def limit_flags(limits) -> list[str]:
+    """A `dgr.wire.state.Limits` as dgr-worker flags (the fields that differ from the defaults); a field that
+    has no flag is refused, never dropped."""
+    import dataclasses
+
+    from dgr.wire.state import Limits
+
+    out: list[str] = []
+    if limits is None:
+        return out
+    default = Limits()
+    for f in dataclasses.fields(limits):
+        value = getattr(limits, f.name)
+        if value == getattr(default, f.name):
+            continue
+        flag = _LIMIT_FLAGS.get(f.name)
+        if flag is None:
+            raise ValueError(f"Limits.{f.name} has no dgr-worker flag: a fake route cannot set it")
+        if f.name == "die_at":
+            for sid, epoch, pos in value:
+                out += [flag, f"{sid}:{epoch}:{pos}"]
+        else:
+            out += [flag, repr(value) if isinstance(value, float) else str(value)]
+    return out
+
+
+class FakeRoute(LocalRoute):
+    """A route of fake-model dgr-worker processes on loopback (`dgr-worker --fake-engine SPEC --stage N`, one
+    per entry of `specs`, in order; a few milliseconds each to start). Tests kill, stop and restart them as
+    any `LocalRoute`'s; `limits` (dgr.wire.state.Limits) becomes dgr-worker flags, and `extra` is more of
+    them, for every worker or per (stage, replica) as `LocalRoute`'s."""
+
+    worker_class = _FakeWorker
 
     def __init__(self, specs: list[tuple[str, int]], *, max_message_bytes: int | None = None,
-                 wire_dtype: str = "f32", limits=None):
-        from dgr.app import stages
-        from dgr.wire import codec
-        from dgr.wire.worker import serve
-
-        self.servers, self.workers, self.addresses = [], [], []
-        for spec, stage in specs:
-            engine, ident = stages.fake_stage(spec, stage, wire_dtype)
-            server, worker, address = serve(engine, ident, "127.0.0.1:0", max_message_bytes=max_message_bytes
-                                            or codec.DEFAULT_MAX_MESSAGE_BYTES, threads=32, limits=limits)
-            self.servers.append(server)
-            self.workers.append(worker)
-            self.addresses.append(address)
+                 wire_dtype: str = "f32", limits=None,
+                 extra: list[str] | Callable[[int, int], list[str]] | None = None, timeout: float = 60.0):
+        flags = ["--wire-dtype", wire_dtype, *limit_flags(limits)]
+        if max_message_bytes is not None:
+            flags += ["--max-message-bytes", str(max_message_bytes)]
+        super().__init__([["--fake-engine", spec, "--stage", str(stage), *flags] for spec, stage in specs],
+                         timeout=timeout, extra=extra)
 
     @classmethod
-    def of(cls, spec: str, **kw) -> InProcessRoute:
+    def of(cls, spec: str, **kw) -> FakeRoute:
         """Every stage of one fake model, in order."""
         from dgr.testing.fake_engine import FakeModel
 
         return cls([(spec, i) for i in range(len(FakeModel.from_spec(spec).ranges))], **kw)
-
-    @property
-    def route(self) -> str:
-        return ",".join(self.addresses)
-
-    def stop(self) -> None:
-        for worker, server in zip(self.workers, self.servers):
-            worker.stop()
-            server.stop(0)
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.stop()
 
 
 def engine_library(lib: str | Path | None = None) -> Path:

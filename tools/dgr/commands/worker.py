@@ -50,6 +50,12 @@ def register(sub) -> None:
                         "here, when fewer are): makes sharing certain (default 0: off)")
     s.add_argument("--test-die-at", action="append", default=[], metavar="SESSION:EPOCH:POSITION",
                    help=argparse.SUPPRESS)   # tests: SIGKILL itself about to run that step (Limits.die_at)
+    # tests, dgr-worker only (docs/worker.md "Phase 4"): about to run that step, drop the session's engine cache
+    # (the step answers CACHE_MISS there), or fail the link to the session's origin
+    s.add_argument("--test-evict-at", action="append", default=[], metavar="SESSION:EPOCH:POSITION",
+                   help=argparse.SUPPRESS)
+    s.add_argument("--test-break-origin-link-at", action="append", default=[], metavar="SESSION:EPOCH:POSITION",
+                   help=argparse.SUPPRESS)
     s.add_argument("--n-ctx", type=int, default=DEFAULT_N_CTX, help="positions per session (real engine)")
     s.add_argument("--max-sessions", type=int, default=DEFAULT_MAX_SESSIONS,
                    help="concurrent sessions (real engine)")
@@ -99,11 +105,11 @@ def register(sub) -> None:
     d.set_defaults(func=_describe)
 
 
-def _die_at(text: str) -> tuple[str, int, int]:
+def _die_at(text: str, flag: str = "--test-die-at") -> tuple[str, int, int]:
     sid, _, rest = text.partition(":")
     epoch, _, pos = rest.partition(":")
     if not sid or not epoch.isdigit() or not pos.isdigit():
-        raise WireError(f"--test-die-at {text!r}: give SESSION:EPOCH:POSITION")
+        raise WireError(f"{flag} {text!r}: give SESSION:EPOCH:POSITION")
     return sid, int(epoch), int(pos)
 
 
@@ -129,8 +135,14 @@ def _serve(args) -> int:
                     link_keepalive_timeout_s=args.link_keepalive_timeout,
                     max_batch_sessions=args.max_batch_sessions, hold_batch=max(0, args.hold_batch),
                     die_at=tuple(_die_at(x) for x in args.test_die_at))
+    for flag in ("test_evict_at", "test_break_origin_link_at"):
+        for x in getattr(args, flag):
+            _die_at(x, "--" + flag.replace("_", "-"))
     if args.data_plane == "grpc" and not args.python_worker:
         _exec_worker(args)
+    if args.test_evict_at or args.test_break_origin_link_at:
+        raise WireError("--test-evict-at and --test-break-origin-link-at are dgr-worker's: the Python worker has "
+                        "neither")
     if args.fake_engine:
         engine, ident = stages.fake_stage(args.fake_engine, args.stage, args.wire_dtype or DEFAULT_WIRE_DTYPE)
     else:
