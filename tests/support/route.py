@@ -8,8 +8,7 @@ import sys
 import time
 from pathlib import Path
 
-from dgr.app.local import LocalRoute
-from dgr.testing.fake_engine import FakeModel
+from dgr.app.local import FakeRoute, LocalRoute
 from dgr.wire.client import RouteClient
 
 SPEC = "layers=6,embd=16,cuts=2:4,hash_layers=3,seed=8"
@@ -19,10 +18,8 @@ SAMPLED = dict(temperature=0.9, top_k=40, top_p=0.95, seed=11)
 
 
 def fake_route(replicas: int | list[int] = 1, spec: str = SPEC, extra=None, env=None) -> LocalRoute:
-    """One `dgr worker serve --fake-engine` process per stage and replica."""
-    n = len(FakeModel.from_spec(spec).ranges)
-    return LocalRoute([["--fake-engine", spec, "--stage", str(i)] for i in range(n)], replicas=replicas,
-                      extra=extra, env=env)
+    """One `dgr-worker --fake-engine` process per stage and replica."""
+    return FakeRoute.of(spec, replicas=replicas, extra=extra, env=env)
 
 
 def run_with_fault(client: RouteClient, fault, at_token: int, prompt=PROMPT, **kw):

@@ -10,18 +10,15 @@ from pathlib import Path
 
 import grpc
 
-from dgr.app.local import LocalRoute
-from dgr.testing.fake_engine import FakeModel
+from dgr.app.local import FakeRoute, LocalRoute
 from dgr.wire import tls as wtls
 from dgr.wire.gen import stage_pb2 as pb
 from dgr.wire.gen import stage_pb2_grpc as pb_grpc
 
 
 def fake_route(spec: str, *extra: str, per_stage: dict[int, list[str]] | None = None) -> LocalRoute:
-    """One `dgr worker serve --fake-engine spec` process per stage, each with `extra` flags."""
-    n = len(FakeModel.from_spec(spec).ranges)
-    return LocalRoute([["--fake-engine", spec, "--stage", str(i), *extra, *(per_stage or {}).get(i, [])]
-                       for i in range(n)])
+    """One `dgr-worker --fake-engine spec` process per stage, each with `extra` flags."""
+    return FakeRoute.of(spec, extra=lambda stage, _replica: [*extra, *(per_stage or {}).get(stage, [])])
 
 
 def stub(address: str, tls: wtls.TlsConfig | None = None) -> tuple[grpc.Channel, pb_grpc.StageStub]:

@@ -231,12 +231,13 @@ class FakeRoute(LocalRoute):
 
     def __init__(self, specs: list[tuple[str, int]], *, max_message_bytes: int | None = None,
                  wire_dtype: str = "f32", limits=None,
-                 extra: list[str] | Callable[[int, int], list[str]] | None = None, timeout: float = 60.0):
+                 extra: list[str] | Callable[[int, int], list[str]] | None = None, timeout: float = 60.0,
+                 replicas: int | list[int] = 1, env: dict[str, str] | None = None):
         flags = ["--wire-dtype", wire_dtype, *limit_flags(limits)]
         if max_message_bytes is not None:
             flags += ["--max-message-bytes", str(max_message_bytes)]
         super().__init__([["--fake-engine", spec, "--stage", str(stage), *flags] for spec, stage in specs],
-                         timeout=timeout, extra=extra)
+                         timeout=timeout, extra=extra, replicas=replicas, env=env)
 
     @classmethod
     def of(cls, spec: str, **kw) -> FakeRoute:

@@ -1,11 +1,11 @@
 """`dgr worker serve` (one stage of a bundle, or of the fake model, served over gRPC until SIGTERM) and
 `dgr worker describe` (what a worker advertises: its descriptor).
 
-`dgr worker serve --bundle` is the typed front end of `dgr-worker`, the C++ worker (docs/worker.md): it
-checks what Python checks best (the flags, the listen address, the bundle's hashes with the workspace's
-resumable verify state), then replaces itself with `dgr-worker` and the same flags. The Python worker
-(`dgr.wire.worker`) still serves the fake model, the native data plane, and `--python-worker` (a
-hidden flag for tests that compare the two), until it retires.
+`dgr worker serve` is the typed front end of `dgr-worker`, the C++ worker (docs/worker.md): it checks what
+Python checks best (the flags, the listen address, the bundle's hashes with the workspace's resumable verify
+state, a fake model's spec), then replaces itself with `dgr-worker` and the same flags. The Python worker
+(`dgr.wire.worker`) serves only `--data-plane native` and `--python-worker` (a hidden flag for the tests
+that compare the two), until it retires.
 """
 
 from __future__ import annotations
