@@ -68,8 +68,12 @@ def test_certificate_names_the_exact_identity_the_host_the_contract_and_every_fi
     assert rc == 0, out
     cert = load_certificate(path)
     p = pin.load_pin()
+    from dgr.commands.worker import worker_binary
+
+    # the worker binary the stages ran (`dgr worker serve` execs dgr-worker), hashed here by Python
     assert cert.identity == Identity(model="tiny-llama", bundle_id=bundle.id, lane="cpu", upstream_commit=p.commit,
                                      patch_series=pin.patch_series(p), engine_blake3=file_blake3(engine_lib),
+                                     worker_blake3=file_blake3(worker_binary()),
                                      contract_blake3=file_blake3(contract))
     assert cert.contract.blake3 == contract_hash(contract) and cert.contract.name == "test"
     assert Path(cert.contract.path) == contract.resolve()
@@ -128,6 +132,20 @@ def test_a_certificate_for_another_identity_is_rejected(certified, root, bundle)
         assert why is not None and field in why
     why = check(cert, idn.model_copy(update={"contract_blake3": "0" * 64}))
     assert why is not None and "contract" in why
+    # another worker binary (another build of dgr-worker): the reason names both
+    assert check(cert, idn.model_copy(update={"worker_blake3": "0" * 64})) == (
+        f"certificate is for worker {idn.worker_blake3[:12]}, this worker is {'0' * 12}: re-certify")
+
+
+def test_a_certificate_made_before_it_named_the_worker_binary_is_refused(certified, root):
+    cert = load_certificate(certified[2])
+    raw = json.loads(certified[2].read_text())
+    del raw["identity"]["worker_blake3"]
+    old = root / "old-cert.json"
+    old.write_text(json.dumps(raw))
+    why = check(load_certificate(old), _worker_identity(cert))
+    assert why == ("certificate names no worker binary (it was made before certificates recorded worker_blake3): "
+                   "re-certify")
 
 
 def test_a_failing_speed_row_fails_the_run_and_the_certificate_is_not_valid(root, bundle, engine_lib, capsys,

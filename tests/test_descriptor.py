@@ -5,18 +5,30 @@ exactly its identity under the contract file's current hash (`dgr worker serve -
 from __future__ import annotations
 
 import json
+import os
 
 import pydantic
 import pytest
 
 from dgr.app.local import LocalRoute
 from dgr.descriptor import SCHEMA_PATH, CompatIdentity, Descriptor, schema_json
+from dgr.hashing import file_blake3
 from dgr.wire.client import RouteClient
 from support.metrics import cert_identity, describe_cli, descriptor, write_certificate
 from support.route import PROMPT, SPEC, fake_route
 from support.worker import describe
 
 N_NEW = 10
+
+
+def running_binary_blake3(route: LocalRoute, i: int = 0) -> str:
+    """Python's blake3 of the executable worker process `i` of `route` is running (/proc/PID/exe)."""
+    return file_blake3(os.readlink(f"/proc/{route.procs[i].pid}/exe"), threads=False)
+
+
+def _ident(me: Descriptor, **override) -> dict:
+    """cert_identity with the worker binary's blake3 too (what a certificate names now)."""
+    return cert_identity(me, **{"worker_blake3": me.identity.worker_blake3, **override})
 
 
 def test_committed_schema_matches_the_model(repo_root):
@@ -46,6 +58,7 @@ def test_describe_prints_the_descriptor_of_each_stage():
             gen = c.run(PROMPT, max_new_tokens=N_NEW, stop_token_ids=[])
         descs = [descriptor(a) for a in r.addresses]          # `dgr worker describe --json`, validated
         raw = [describe(a) for a in r.addresses]               # the Describe RPC carries the same JSON
+        binaries = [running_binary_blake3(r, i) for i in range(len(r.addresses))]
         summary = describe_cli(r.addresses[1])
         cli_json = describe_cli(r.addresses[2], "--json").stdout
     schema = json.loads(schema_json())
@@ -59,6 +72,8 @@ def test_describe_prints_the_descriptor_of_each_stage():
                                                       pi.layer_begin, pi.layer_end, pi.n_layer, pi.lane, pi.arch)
         assert (idn.layer_begin, idn.layer_end) == [(0, 2), (2, 4), (4, 6)][i]
         assert d.address == r.addresses[i] and idn.engine == "fake" and len(idn.engine_blake3) == 64
+        # the worker binary's own bytes: what the process is running, hashed by Python here
+        assert idn.worker_blake3 == binaries[i] and len(idn.worker_blake3) == 64
         assert d.capacity.session_ttl_s == 60.0 and d.capacity.max_sessions == msg.max_sessions
         assert d.capacity.decode.steps == N_NEW - 1 and d.capacity.prefill.steps >= 1
         assert d.capacity.decode.compute_ms_p90 >= d.capacity.decode.compute_ms_median > 0
@@ -105,12 +120,13 @@ def test_only_certificates_for_exactly_this_identity_are_advertised(tmp_path):
     certs = tmp_path / "certs"
     certs.mkdir()
     span = [(1, me.identity.layer_begin, me.identity.layer_end)]
-    good = write_certificate(certs / "good.json", cert_identity(me), span, contract)
+    good = write_certificate(certs / "good.json", _ident(me), span, contract)
     for name, override in (("other-bundle", {"bundle_id": "fake-0000000000000000"}), ("other-lane", {"lane": "cuda"}),
-                           ("other-engine", {"engine_blake3": "0" * 64}), ("other-model", {"model": "fake:x"})):
-        write_certificate(certs / f"{name}.json", cert_identity(me, **override), span, contract)
-    write_certificate(certs / "failed.json", cert_identity(me), span, contract, passed=False)
-    write_certificate(certs / "other-stage.json", cert_identity(me), [(0, 0, 2)], contract)
+                           ("other-engine", {"engine_blake3": "0" * 64}), ("other-model", {"model": "fake:x"}),
+                           ("other-worker", {"worker_blake3": "0" * 64}), ("old", {"worker_blake3": ""})):
+        write_certificate(certs / f"{name}.json", _ident(me, **override), span, contract)
+    write_certificate(certs / "failed.json", _ident(me), span, contract, passed=False)
+    write_certificate(certs / "other-stage.json", _ident(me), [(0, 0, 2)], contract)
     (certs / "junk.json").write_text("{not json")
     with _one_worker(stage1, "--certs", str(certs)) as r:
         d = descriptor(r.addresses[0])
@@ -122,7 +138,10 @@ def test_only_certificates_for_exactly_this_identity_are_advertised(tmp_path):
     assert f"certificates: {good}" in summary
     assert "1 certificate(s) advertised" in log
     for name, why in (("other-bundle", "bundle_id"), ("other-lane", "lane"), ("other-engine", "engine_blake3"),
-                      ("other-model", "model"), ("failed", "failed gate"), ("other-stage", "not stage 1")):
+                      ("other-model", "model"), ("failed", "failed gate"), ("other-stage", "not stage 1"),
+                      ("other-worker", f"for worker {'0' * 12}, this worker is {me.identity.worker_blake3[:12]}: "
+                                       "re-certify"),
+                      ("old", "names no worker binary")):
         line = next((x for x in log.splitlines() if f"ignoring certificate {name}.json" in x), "")
         assert why in line, (name, log)
     assert "ignoring junk.json" in log
@@ -147,14 +166,16 @@ def test_only_certificates_for_exactly_this_identity_are_advertised(tmp_path):
 @pytest.mark.engine
 def test_real_engine_descriptor_and_certificate(tmp_path, engine_lib):
     from dgr.app.stages import patch_series
-    from dgr.hashing import file_blake3
     from support.engine import make_bundle, synth_model
 
     bundle = make_bundle(synth_model(tmp_path, "llama"), [(0, 3), (3, 6)], tmp_path)
     commit, series = patch_series()
     lib_hash = file_blake3(engine_lib.resolve())
+    from dgr.commands.worker import worker_binary
+
+    worker_hash = file_blake3(worker_binary(), threads=False)   # what `dgr worker serve --bundle` execs
     ident = dict(model=bundle.manifest.recipe.name, bundle_id=bundle.id, lane="cpu", upstream_commit=commit,
-                 patch_series=series, engine_blake3=lib_hash)
+                 patch_series=series, engine_blake3=lib_hash, worker_blake3=worker_hash)
     contract = tmp_path / "alpha.toml"
     contract.write_text("[speed]\n")
     certs = tmp_path / "certs"
@@ -165,7 +186,9 @@ def test_real_engine_descriptor_and_certificate(tmp_path, engine_lib):
     with _one_worker(args, "--certs", str(certs), env={"DGR_ENGINE_LIB": str(engine_lib)}, timeout=300) as r:
         d = descriptor(r.addresses[0])
         log = _log(r)
+        running = running_binary_blake3(r)
     i = d.identity
+    assert i.worker_blake3 == running == worker_hash
     assert (i.model, i.bundle_id, i.upstream_commit, i.patch_series, i.engine_blake3, i.lane) == \
         (ident["model"], bundle.id, commit, series, lib_hash, "cpu")
     assert (i.engine, i.arch, i.layer_begin, i.layer_end, i.n_layer) == ("llama.cpp", "llama", 0, 3, 6)

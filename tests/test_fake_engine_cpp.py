@@ -5,19 +5,21 @@ processes (`dgr-worker --fake-engine SPEC --stage N`).
 In process: split == whole bit for bit, batching and chunking change no bit, a truncate is bit for bit the
 cache of the shorter history, and every refusal is typed (cache miss, schema, sideband, context, sessions,
 recurrent). Across processes: a route of dgr-workers generates the tokens and logits of the in-process
-whole model, and a dgr-worker's Describe is the Python worker's for the same fake stage. The library's
-ggml wire-dtype converters are the real engine library's bit for bit, so dgr-worker serves the lossy wire
-dtypes on it as the Python worker does (with numpy: dgr.wire.codec).
+whole model (greedy, and sampled with the library's own sampler, dgr_sample), and a dgr-worker's Describe is
+what the fake stage and the flags say. The library's ggml wire-dtype converters are the real engine
+library's bit for bit, so a route of dgr-workers on a lossy wire dtype generates what the in-process stages
+do with the seams converted by numpy (dgr.wire.codec).
 """
 
 from __future__ import annotations
 
 import ctypes as C
+import json
 import os
 import platform
 import subprocess
-import sys
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -29,7 +31,8 @@ from dgr.testing.fake_engine import EOS, FakeEngine, FakeModel
 from dgr.wire import codec
 from dgr.wire.client import RouteClient
 from dgr.wire.gen import stage_pb2 as pb
-from test_worker_cpp import Proc, fields, worker_bin  # noqa: F401  (worker_bin: the fixture)
+from support.engine import b3
+from test_worker_cpp import Proc, worker_bin  # noqa: F401  (worker_bin: the fixture)
 
 SPEC = "layers=7,embd=8,streams=2,cuts=2:5,hash_layers=3,seed=3"
 TEXT = "a fake model, now in C++"
@@ -301,34 +304,72 @@ def test_a_route_of_dgr_workers_generates_what_the_whole_model_does(cpp_route):
     assert np.array_equal(np.stack([gen.logits[p] for p in sorted(gen.logits)]), rows)
 
 
-def test_sampled_generation_equals_the_python_workers(cpp_route):
-    from dgr.app.local import LocalRoute
+def _whole_model_sampled(ids: list[int], n: int, lib: str, temperature: float, top_k: int, top_p: float,
+                         seed: int) -> tuple[list[int], list[np.ndarray]]:
+    """The whole model in this process, each token drawn from its row by the library's dgr_sample (the sampler
+    dgr-worker calls), keyed by the row's position as the last stage keys it. Tokens and rows."""
+    sampler = C.CDLL(lib).dgr_sample
+    sampler.argtypes = [C.POINTER(C.c_float), C.c_int32, C.c_double, C.c_int32, C.c_double, C.c_uint64, C.c_int64]
+    sampler.restype = C.c_int32
+    e = FakeEngine(SPEC)
+    e.open_session("ref", 1)
+    r = e.forward([Step("ref", 1, np.arange(len(ids)), np.array(ids), want_logits="last")])[0]
+    out, rows, pos = [], [], len(ids) - 1
+    while True:
+        row = np.ascontiguousarray(r.logits[-1], dtype=np.float32).copy()
+        rows.append(row)
+        tok = sampler(row.ctypes.data_as(C.POINTER(C.c_float)), row.size, temperature, top_k, top_p, seed, pos)
+        assert tok >= 0
+        out.append(int(tok))
+        if len(out) == n:
+            return out, rows
+        pos += 1
+        r = e.forward([Step("ref", 1, np.array([pos]), np.array([tok]), want_logits="last")])[0]
 
-    kw = dict(max_new_tokens=20, temperature=0.9, top_k=40, top_p=0.95, seed=7, stop_token_ids=[], logits="last")
+
+def test_sampled_generation_equals_the_whole_model_sampled_alike(cpp_route, fake_lib):
+    sampling = dict(temperature=0.9, top_k=40, top_p=0.95, seed=7)
+    kw = dict(max_new_tokens=20, stop_token_ids=[], logits="last", **sampling)
     with RouteClient(cpp_route) as c:
         a = c.run(TEXT, **kw)
-    n = len(FakeModel.from_spec(SPEC).ranges)
-    with LocalRoute([["--python-worker", "--fake-engine", SPEC, "--stage", str(i)] for i in range(n)]) as r, \
-            RouteClient(r.addresses) as c:
-        b = c.run(TEXT, **kw)
-    assert a.token_ids == b.token_ids and a.text == b.text
-    assert sorted(a.logits) == sorted(b.logits) and all(np.array_equal(a.logits[p], b.logits[p]) for p in a.logits)
+        greedy = c.run(TEXT, max_new_tokens=20, stop_token_ids=[])
+    tokens, rows = _whole_model_sampled(a.prompt_ids, 20, fake_lib, **sampling)
+    assert a.token_ids == tokens and a.text == FakeEngine(SPEC).detokenize(tokens)
+    n = len(a.prompt_ids)
+    assert sorted(a.logits) == list(range(n - 1, n + 19))
+    assert all(np.array_equal(a.logits[n - 1 + k], row) for k, row in enumerate(rows))
+    assert a.token_ids != greedy.token_ids                       # sampled, not greedy
+    assert greedy.token_ids == _whole_model(greedy.prompt_ids, 20)[0]
 
 
-def test_describe_equals_the_python_worker(worker_bin, fake_lib):
-    a = cpp_fake(worker_bin, SPEC, 1)
-    b = Proc([sys.executable, "-m", "dgr", "worker", "serve", "--python-worker", "--fake-engine", SPEC, "--stage", "1",
-              "--listen", "127.0.0.1:0"])
+def test_describe_is_the_fake_stage_and_the_flags(worker_bin, fake_lib):
+    a = cpp_fake(worker_bin, SPEC, 1, "--session-ttl", "123", "--max-queued-steps", "77")
     try:
-        da, db = (p.stub.Describe(pb.DescribeRequest(), timeout=10) for p in (a, b))
+        d = a.stub.Describe(pb.DescribeRequest(), timeout=10)
         model = FakeModel.from_spec(SPEC)
-        assert da.identity.bundle_id == model.bundle_id and da.identity.model == f"fake:{model.to_spec()}"
-        assert da.engine == "fake" and da.identity.lane == "cpu" and (da.identity.layer_begin, da.identity.layer_end) == (2, 5)
-        assert da.schema_in.token_ids and list(da.eos_token_ids) == [EOS]
-        assert fields(da) == fields(db)
+        info = FakeEngine(model, 1).describe()
+        c = info.contract
+        begin, end = model.ranges[1]
+        assert (begin, end) == (c.layer_begin, c.layer_end) == (2, 5)
+        ident = pb.Identity(model=f"fake:{model.to_spec()}", bundle_id=model.bundle_id, stage_index=1,
+                                 stage_count=len(model.ranges), layer_begin=begin, layer_end=end, n_layer=model.layers,
+                                 lane="cpu", arch=info.arch)
+        schema = dict(n_streams=c.n_streams, n_embd=c.n_embd, dtype=pb.F32, bundle_id=model.bundle_id)
+        schema_out = pb.BoundarySchema(**schema, token_ids=True, layer=end)     # token ids always travel on
+        want = dict(identity=ident, schema_in=pb.BoundarySchema(**schema, token_ids=c.token_ids_in, layer=begin),
+                    schema_out=schema_out, has_vocab=info.has_vocab, n_vocab=info.n_vocab, n_ctx=info.n_ctx,
+                    max_sessions=info.max_sessions, max_message_bytes=codec.DEFAULT_MAX_MESSAGE_BYTES,
+                    seam_bytes_per_token=codec.seam_bytes_per_token(schema_out), engine="fake", eos_token_ids=[EOS],
+                    session_ttl_s=123.0, max_queued_steps=77, can_roll_back=info.can_truncate,
+                    batch_invariant=info.batch_invariant)
+        assert c.token_ids_in and info.n_vocab == model.vocab
+        got = {f.name: v for f, v in d.ListFields() if f.name != "descriptor_json"}
+        assert got == want, {k: (got.get(k), want.get(k)) for k in got.keys() | want.keys() if got.get(k) != want.get(k)}
+        j = json.loads(d.descriptor_json)
+        assert j["address"] == a.address and j["identity"]["engine"] == "fake" and j["identity"]["wire_dtype"] == "f32"
+        assert j["identity"]["engine_blake3"] == b3(Path(fake_lib))
     finally:
-        for p in (a, b):
-            p.stop()
+        a.stop()
 
 
 def test_dgr_worker_refuses_a_bad_fake_spec_or_stage(worker_bin, fake_lib):
@@ -456,7 +497,8 @@ def test_the_fake_librarys_converters_are_the_real_engine_librarys(engine_lib, f
             assert bad.size == 0, (lib, name, bad[:10], got[name][bad[:10]], w[bad[:10]])
 
 
-# --- lossy wire dtypes: dgr-worker (the fake's converters) and the Python worker (numpy) serve the same route
+# --- lossy wire dtypes: a route of dgr-workers (the fake's converters, ggml's) generates what the stages in
+# process do with each seam's boundary converted by numpy (dgr.wire.codec)
 
 SPEC_32 = "layers=7,embd=16,streams=2,cuts=2:5,hash_layers=3,seed=3"      # 32 values a token: q8_0 fits
 
@@ -477,35 +519,55 @@ def _route(cmds: list[list[str]]) -> list[Proc]:
     return procs
 
 
+def _stages_over_the_wire(ids: list[int], n: int, spec: str, dtype: int) -> tuple[list[int], np.ndarray]:
+    """Greedy generation on the model's stages in this process, each boundary encoded in `dtype` and decoded
+    (dgr.wire.codec) at every seam: tokens, and the rows of every position."""
+    model = FakeModel.from_spec(spec)
+    stages = [FakeEngine(model, i) for i in range(len(model.ranges))]
+    for e in stages:
+        e.open_session("wire", 1)
+
+    def forward(lo: int, tids: list[int]):
+        pos, b = np.arange(lo, lo + len(tids)), None
+        for e in stages:
+            r = e.forward([Step("wire", 1, pos, np.array(tids), boundary=b, want_logits="all")])[0]
+            b = None if r.boundary is None else codec.decode(codec.encode(r.boundary, dtype))
+        return r
+
+    r = forward(0, ids)
+    rows, out = [r.logits], []
+    while True:
+        out.append(int(np.argmax(r.logits[-1])))
+        if len(out) == n:
+            return out, np.concatenate(rows)
+        r = forward(len(ids) + len(out) - 1, [out[-1]])
+        rows.append(r.logits)
+
+
 @pytest.mark.parametrize("dtype", ["f16", "bf16", "q8_0"])
-def test_dgr_worker_serves_lossy_wire_dtypes_as_the_python_worker(worker_bin, fake_lib, dtype):
+def test_dgr_worker_serves_lossy_wire_dtypes_as_numpy_converts_them(worker_bin, fake_lib, dtype):
     n = len(FakeModel.from_spec(SPEC_32).ranges)
     listen = ["--listen", "127.0.0.1:0", "--wire-dtype", dtype]
-    procs = _route([[str(worker_bin), "--fake-engine", SPEC_32, "--stage", str(i), *listen] for i in range(n)] +
-                   [[sys.executable, "-m", "dgr", "worker", "serve", "--python-worker", "--fake-engine", SPEC_32,
-                     "--stage", str(i), *listen] for i in range(n)])
-    cpp, py = procs[:n], procs[n:]
+    procs = _route([[str(worker_bin), "--fake-engine", SPEC_32, "--stage", str(i), *listen] for i in range(n)])
     try:
         code = codec.DTYPES[dtype]
-        for i, p in enumerate(cpp + py):
+        for i, p in enumerate(procs):
             d = p.stub.Describe(pb.DescribeRequest(), timeout=10)
-            assert (d.schema_out if i % n < n - 1 else d.schema_in).dtype == code
-        kw = dict(max_new_tokens=12, logits="all", stop_token_ids=[])
-        runs = {}
-        for name, route in (("cpp", cpp), ("python", py), ("mixed", [cpp[0], py[1], cpp[2]]),
-                            ("mixed2", [py[0], cpp[1], py[2]])):
-            with RouteClient([p.address for p in route], chunk_tokens=5) as c:
-                runs[name] = c.run(TEXT, **kw)
-        ref = runs["python"]
-        assert len(ref.token_ids) == 12
-        for name, gen in runs.items():
-            assert gen.token_ids == ref.token_ids and gen.text == ref.text, name
-            assert sorted(gen.logits) == sorted(ref.logits), name
-            assert all(np.array_equal(gen.logits[p], ref.logits[p]) for p in ref.logits), name
+            if i < n - 1:
+                assert d.schema_out.dtype == code
+            if i:
+                assert d.schema_in.dtype == code
+        with RouteClient([p.address for p in procs], chunk_tokens=5) as c:
+            gen = c.run(TEXT, max_new_tokens=12, logits="all", stop_token_ids=[])
+        assert len(gen.token_ids) == 12
+        tokens, rows = _stages_over_the_wire(gen.prompt_ids, 12, SPEC_32, code)
+        assert gen.token_ids == tokens and gen.text == FakeEngine(SPEC_32).detokenize(tokens)
+        assert sorted(gen.logits) == list(range(len(rows)))
+        got = np.stack([gen.logits[p] for p in sorted(gen.logits)])
+        assert np.array_equal(got, rows), np.max(np.abs(got - rows))
         # lossy: not the f32 route's logits (the dtype did cross the seams)
-        _, f32_rows = _whole_model(ref.prompt_ids, 12, SPEC_32)
-        assert not np.array_equal(np.stack([ref.logits[p] for p in sorted(ref.logits)]), f32_rows)
+        _, f32_rows = _whole_model(gen.prompt_ids, 12, SPEC_32)
+        assert not np.array_equal(got, f32_rows)
     finally:
         for p in procs:
             print(p.stop()[-2000:])
-

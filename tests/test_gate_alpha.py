@@ -177,10 +177,15 @@ def test_gate_alpha_certifies_every_target_and_prints_its_table(tmp_path, engine
     assert rc == (0 if every else 1), out
     assert lines[-2] == f"{ok}/{len(rows)} rows pass: {'PASSED' if every else 'FAILED'}"
     assert lines[-1] == f"certificates: {tmp_path}"
-    # one certificate per target, against the committed contract (its path and the hash of its bytes);
-    # valid exactly when every one of its rows passed
+    # one certificate per target, against the committed contract (its path and the hash of its bytes), naming
+    # the dgr-worker binary its stages ran; valid exactly when every one of its rows passed
+    from dgr.commands.worker import worker_binary
+    from dgr.hashing import file_blake3
+
+    worker = file_blake3(worker_binary(), threads=False)
     for t in TARGETS:
         cert = load_certificate(tmp_path / f"{t}.json")
+        assert cert.identity.worker_blake3 == worker, t
         assert cert.contract.path == "certification/alpha.toml"
         assert cert.contract.blake3 == cert.identity.contract_blake3 == lc.blake3
         assert cert.passed == all(f.passed for f in cert.figures)

@@ -1,10 +1,14 @@
-"""dgr-worker (worker/server, the C++ stage worker; docs/worker.md), its phase 1 RPCs, against the Python worker.
+"""dgr-worker (worker/server, the C++ stage worker; docs/worker.md), its phase 1 RPCs, against independent
+references.
 
-Both serve the same stage of the same bundle as real processes on loopback; the Python client talks to
-both. Describe must agree field by field (the fields naming the process aside), the descriptor JSON too
-(address and uptime aside); health, Tokenize/Detokenize, OpenSession/CloseSession and their typed errors
-must agree. The binary is $DGR_WORKER_BIN (Bazel), else dgr-worker beside the engine library; a missing
-binary fails with how to build it.
+dgr-worker serves stages of a real bundle as a real process on loopback; the Python client talks to it. What it
+answers is held against what it must be, not against another worker: Describe field by field, and its
+descriptor JSON (address and uptime aside; valid for dgr.descriptor.Descriptor, the model of
+docs/schemas/descriptor.schema.json), against the bundle (manifest.json and its blake3, the stage file's
+header), the pin, the engine library's bytes and the same stage opened in-process through dgr.engine.Engine
+(vocabulary, stop ids, memory); Tokenize/Detokenize against that engine; OpenSession/CloseSession and Frames
+refusals against their typed errors, each message written out here (the contract). The binary is
+$DGR_WORKER_BIN (Bazel), else dgr-worker beside the engine library; a missing binary fails with how to build it.
 """
 
 from __future__ import annotations
@@ -19,11 +23,20 @@ import sys
 import time
 from pathlib import Path
 
+import blake3
+import gguf
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from dgr import descriptor as dd
+from dgr.bundle import load_bundle
+from dgr.buildinfo import build_info
+from dgr.constants import DEFAULT_MAX_SESSIONS, DEFAULT_N_CTX
+from dgr.contract import WIRE_DTYPES
 from dgr.descriptor import Descriptor
+from dgr.engine import Engine
+from dgr.ggufmodel import read_header
 from dgr.paths import env_path
 from dgr.wire.gen import stage_pb2 as pb
 from dgr.wire.gen import stage_pb2_grpc as pb_grpc
@@ -32,6 +45,9 @@ from support.engine import make_bundle, synth_model
 READY = re.compile(r"serving on (\S+)")
 # Describe fields that name the process, not the stage: a member's certificate, a native plane
 PROCESS_FIELDS = {"member", "native_address", "native_steps", "native_forwards", "descriptor_json"}
+# dgr-worker's defaults (`dgr worker serve`'s flags; docs/wire.md): what Describe and the descriptor advertise
+MAX_MESSAGE_BYTES = 4 * 1024 * 1024 - 64 * 1024      # under gRPC's 4 MiB default with a margin
+MAX_QUEUED_STEPS, MAX_SESSION_STEPS, MAX_BATCH_TOKENS, SESSION_TTL_S = 512, 128, 512, 300.0
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +62,7 @@ def worker_bin(engine_lib) -> Path:
 
 
 class Proc:
-    """A worker process (C++ or Python) serving one stage; its address once it says so."""
+    """A worker process serving one stage; its address once it says so."""
 
     def __init__(self, cmd: list[str]):
         self.cmd = cmd
@@ -91,12 +107,6 @@ def cpp(worker_bin: Path, bundle: Path, stage: int, *extra: str) -> Proc:
     return Proc([str(worker_bin), "--bundle", str(bundle), "--stage", str(stage), "--listen", "127.0.0.1:0", *extra])
 
 
-def py(bundle: Path, stage: int, *extra: str) -> Proc:
-    """The Python worker (`--python-worker`: `dgr worker serve --bundle` itself runs dgr-worker)."""
-    return Proc([sys.executable, "-m", "dgr", "worker", "serve", "--python-worker", "--bundle", str(bundle),
-                 "--stage", str(stage), "--listen", "127.0.0.1:0", *extra])
-
-
 def fields(d: pb.StageDescription) -> dict:
     return {f.name: v for f, v in d.ListFields() if f.name not in PROCESS_FIELDS}
 
@@ -109,12 +119,89 @@ def descriptor(d: pb.StageDescription) -> dict:
     return j
 
 
-def normalized(msg, *procs: Proc) -> str:
-    """A message or reply as text with each worker's own address replaced (they differ by port only)."""
-    text = str(msg)
-    for i, p in enumerate(procs):
-        text = text.replace(p.address, f"<worker {i}>")
-    return text
+# ---------------------------------------------------------------------------------------------- references
+def reference_engine(bundle: Path, stage: int, *, n_ctx: int = DEFAULT_N_CTX,
+                     max_sessions: int = DEFAULT_MAX_SESSIONS, n_threads: int = 0) -> Engine:
+    """The stage file opened in this process as the worker opens it (the same n_ctx, sessions, threads)."""
+    return Engine.open(load_bundle(bundle).stage_path(stage), n_ctx=n_ctx, max_sessions=max_sessions,
+                       n_threads=n_threads)
+
+
+def expected_description(bundle: Path, stage: int, engine: Engine, *, n_ctx: int = DEFAULT_N_CTX,
+                         max_sessions: int = DEFAULT_MAX_SESSIONS) -> pb.StageDescription:
+    """What a fresh dgr-worker serving `stage` of `bundle` (default flags but these) must describe: the
+    bundle's manifest (its blake3 is the bundle id), the pin, the stage file's header (chat template, trained
+    context), and `engine`'s own vocabulary facts."""
+    b = load_bundle(bundle)
+    m, entry = b.manifest, b.manifest.stages[stage]
+    bid = blake3.blake3((Path(bundle) / "manifest.json").read_bytes()).hexdigest()
+    assert bid == b.id
+    info, wire = engine.describe(), m.boundary_dtype
+    header = read_header(b.stage_path(stage))
+    template = header.get(gguf.Keys.Tokenizer.CHAT_TEMPLATE)
+    # a session holds n_ctx positions, never more than the model was trained for
+    n_ctx = min(n_ctx, int(header.get(gguf.Keys.LLM.CONTEXT_LENGTH.format(arch=m.model.arch)) or n_ctx))
+    assert n_ctx == info.n_ctx
+    pin = build_info()
+    d = pb.StageDescription(
+        identity=pb.Identity(model=m.recipe.name, bundle_id=bid, stage_index=stage, stage_count=len(m.stages),
+                             layer_begin=entry.layer_begin, layer_end=entry.layer_end, n_layer=m.model.n_layer,
+                             upstream_commit=pin.commit, patch_series=pin.patch_series, lane=engine.lane,
+                             arch=m.model.arch),
+        is_first=stage == 0, is_last=stage == len(m.stages) - 1, has_vocab=True, n_vocab=info.n_vocab,
+        n_ctx=n_ctx, max_sessions=max_sessions, max_message_bytes=MAX_MESSAGE_BYTES, engine="llama.cpp",
+        eos_token_ids=list(engine.vocab().stop_ids), session_ttl_s=SESSION_TTL_S, max_queued_steps=MAX_QUEUED_STEPS,
+        chat_template=template if isinstance(template, str) else "", can_roll_back=info.can_truncate,
+        batch_invariant=info.batch_invariant)
+    dtype = pb.Dtype.Value(wire.upper())
+    if (s := entry.boundary_in) is not None:
+        d.schema_in.CopyFrom(pb.BoundarySchema(n_streams=s.n_streams, n_embd=s.n_embd, dtype=dtype,
+                                               token_ids=s.token_ids, bundle_id=bid, layer=entry.layer_begin))
+    if (s := entry.boundary_out) is not None:    # the token-id sideband always travels with what a stage sends
+        d.schema_out.CopyFrom(pb.BoundarySchema(n_streams=s.n_streams, n_embd=s.n_embd, dtype=dtype, token_ids=True,
+                                                bundle_id=bid, layer=entry.layer_end))
+        d.seam_bytes_per_token = WIRE_DTYPES[wire].nbytes(s.n_streams * s.n_embd)
+    return d
+
+
+def file_blake3(path: Path) -> str:
+    return blake3.blake3(Path(path).resolve().read_bytes()).hexdigest()
+
+
+def expected_descriptor(bundle: Path, stage: int, engine: Engine, engine_lib: Path, worker_bin: Path, **kw) -> dict:
+    """The descriptor (address and uptime aside) of a fresh dgr-worker: the same references, the blake3 of
+    the engine library and of the worker binary, `engine`'s memory report, nothing measured, no errors,
+    plaintext, no certificates."""
+    d = expected_description(bundle, stage, engine, **kw)
+    i, mem, wire = d.identity, engine.memory(), load_bundle(bundle).manifest.boundary_dtype
+    entry = load_bundle(bundle).manifest.stages[stage]
+    idle = dd.StepTimes(steps=0, compute_ms_median=0.0, compute_ms_p90=0.0, queue_ms_median=0.0, queue_ms_p90=0.0)
+    seam_in = None if entry.boundary_in is None else dd.Seam.of(
+        entry.boundary_in.model_copy(update={"dtype": wire}), entry.layer_begin)
+    seam_out = None if entry.boundary_out is None else dd.Seam.of(
+        entry.boundary_out.model_copy(update={"dtype": wire, "token_ids": True}), entry.layer_end)
+    j = json.loads(dd.Descriptor(
+        address="-",
+        identity=dd.CompatIdentity(
+            model=i.model, bundle_id=i.bundle_id, stage_index=i.stage_index, stage_count=i.stage_count,
+            layer_begin=i.layer_begin, layer_end=i.layer_end, n_layer=i.n_layer, upstream_commit=i.upstream_commit,
+            patch_series=i.patch_series, lane=i.lane, arch=i.arch, engine="llama.cpp",
+            engine_blake3=file_blake3(engine_lib), worker_blake3=file_blake3(worker_bin), wire_dtype=wire),
+        capacity=dd.Capacity(
+            max_sessions=d.max_sessions, n_ctx=d.n_ctx, max_queued_steps=MAX_QUEUED_STEPS,
+            max_session_steps=MAX_SESSION_STEPS, max_batch_tokens=MAX_BATCH_TOKENS,
+            max_message_bytes=MAX_MESSAGE_BYTES, session_ttl_s=SESSION_TTL_S,
+            memory=dd.Memory(weights_bytes=mem.weights_bytes, kv_bytes=mem.kv_bytes, compute_bytes=mem.compute_bytes,
+                             device_weights_bytes=mem.device_weights_bytes, device=mem.device),
+            decode=idle, prefill=idle),
+        load=dd.Load(open_sessions=0, queued_steps=0, cached_positions=0),
+        seam=dd.SeamCost(seam_in=seam_in, seam_out=seam_out),
+        health=dd.Health(serving=True, uptime_s=0.0, errors={}, reaped_sessions=0, overloaded=0, restarts=0),
+        security=dd.Security(tls=False, mutual_tls=False, member=""),
+        certificates=(), metrics="").model_dump_json())
+    j.pop("address")
+    j["health"].pop("uptime_s")
+    return j
 
 
 @pytest.fixture(scope="module")
@@ -125,29 +212,36 @@ def tiny(tmp_path_factory, engine_lib):
 
 @pytest.fixture(scope="module")
 def pair(tiny, worker_bin):
-    """Stage 0 and stage 1 of the tiny bundle, each served by dgr-worker and by `dgr worker serve`."""
+    """Stage 0 and stage 1 of the tiny bundle, each served by dgr-worker (2 sessions each)."""
     procs = {}
     try:
-        for kind, start in (("cpp", lambda s: cpp(worker_bin, tiny, s, "--max-sessions", "2")),
-                            ("py", lambda s: py(tiny, s, "--max-sessions", "2"))):
-            for stage in (0, 1):
-                procs[kind, stage] = start(stage)
+        for stage in (0, 1):
+            procs[stage] = cpp(worker_bin, tiny, stage, "--max-sessions", "2")
         yield procs
     finally:
         for p in procs.values():
             p.stop()
 
 
-def test_describe_equals_the_python_worker(pair):
+@pytest.fixture(scope="module")
+def engines(tiny, engine_lib):
+    """The tiny bundle's two stages opened in this process as the pair opens them."""
+    es = {stage: reference_engine(tiny, stage, max_sessions=2) for stage in (0, 1)}
+    yield es
+    for e in es.values():
+        e.close()
+
+
+def test_describe_is_the_bundle_the_pin_and_the_engine(pair, tiny, engines, engine_lib, worker_bin):
     for stage in (0, 1):
-        c, p = pair["cpp", stage], pair["py", stage]
+        c = pair[stage]
         dc = c.stub.Describe(pb.DescribeRequest(), timeout=10)
-        dp = p.stub.Describe(pb.DescribeRequest(), timeout=10)
-        assert fields(dc) == fields(dp), f"stage {stage}"
-        assert descriptor(dc) == descriptor(dp), f"stage {stage}"
+        assert fields(dc) == fields(expected_description(tiny, stage, engines[stage], max_sessions=2)), f"stage {stage}"
+        assert descriptor(dc) == expected_descriptor(tiny, stage, engines[stage], engine_lib, worker_bin,
+                                                   max_sessions=2), \
+            f"stage {stage}"
         assert json.loads(dc.descriptor_json)["address"] == c.address
-        assert dc.identity.bundle_id and dc.identity.patch_series and json.loads(dc.descriptor_json)[
-            "identity"]["engine_blake3"]
+        assert dc.identity.bundle_id and dc.identity.patch_series and dc.eos_token_ids
 
 
 def test_health_serving(pair):
@@ -161,17 +255,21 @@ def test_health_serving(pair):
 TEXTS = ["hello world", "", "The quick brown fox, 42 times!", "ünïcödé ✓ 日本語", "  spaces\tand\nlines  "]
 
 
-def test_tokenize_detokenize_equal(pair):
+def check_tokenizer(proc: Proc, engine: Engine, texts: list[str], tail=lambda ids: ids[1:2]) -> None:
+    """Tokenize/Detokenize answer what the stage's engine in this process does, text by text."""
+    for text in texts:
+        for special in (True, False):
+            ids = list(proc.stub.Tokenize(pb.TokenizeRequest(text=text, add_special=special), timeout=10).token_ids)
+            assert ids == engine.tokenize(text, special), (text, special)
+            for cut in (ids, ids[:-1], tail(ids)):
+                got = proc.stub.Detokenize(pb.DetokenizeRequest(token_ids=cut), timeout=10).text
+                assert got == engine.detokenize(cut), (text, cut)
+
+
+def test_tokenize_detokenize_are_the_engines(pair, engines):
     for stage in (0, 1):                         # every stage keeps the vocabulary
-        c, p = pair["cpp", stage], pair["py", stage]
-        for text in TEXTS:
-            for special in (True, False):
-                req = pb.TokenizeRequest(text=text, add_special=special)
-                ids = c.stub.Tokenize(req, timeout=10).token_ids
-                assert ids == p.stub.Tokenize(req, timeout=10).token_ids, (text, special)
-                for cut in (list(ids), list(ids)[:-1], list(ids)[1:2]):
-                    back = pb.DetokenizeRequest(token_ids=cut)
-                    assert c.stub.Detokenize(back, timeout=10).text == p.stub.Detokenize(back, timeout=10).text
+        check_tokenizer(pair[stage], engines[stage], TEXTS)
+    assert any(engines[0].tokenize(t, False) for t in TEXTS)          # not an empty vocabulary
 
 
 def route(procs: list[Proc], descs: list[pb.StageDescription]) -> list[pb.Hop]:
@@ -183,72 +281,92 @@ def open_reply(head: Proc, hops: list[pb.Hop], sid: str, epoch: int, **kw) -> pb
     return head.stub.OpenSession(pb.OpenSessionRequest(session_id=sid, epoch=epoch, route=hops, **kw), timeout=30)
 
 
-def test_open_close_and_their_errors_equal(pair):
-    results = {}
-    for kind in ("cpp", "py"):
-        s0, s1 = pair[kind, 0], pair[kind, 1]
-        descs = [s.stub.Describe(pb.DescribeRequest(), timeout=10) for s in (s0, s1)]
-        good = route([s0, s1], descs)
-        out = []
-        ok = open_reply(s0, good, "a", 1)
-        assert not ok.HasField("error"), ok.error
-        out.append([fields(h) for h in ok.hops])
-        assert s0.stub.Describe(pb.DescribeRequest()).open_sessions == 1
-        assert s1.stub.Describe(pb.DescribeRequest()).open_sessions == 1
-        out.append(open_reply(s0, good, "a", 1).error)                    # STALE_EPOCH: already open
-        out.append(open_reply(s0, good, "b", 1).error.code)              # a second session fits
-        e = open_reply(s0, good, "c", 1).error                            # OVERLOADED: max_sessions 2
-        assert 250_000 < e.retry_after_ms <= 300_000       # the oldest idle session's reaping (--session-ttl 300)
-        e.retry_after_ms = 1                                # (a clock reading: not compared)
-        out.append(e)
-        out.append(open_reply(s0, good, "a", 2).error)                    # a newer epoch replaces the old
-        out.append(open_reply(s0, good, "a", 1).error)                    # STALE_EPOCH: older than the latest
-        wrong = [pb.Hop(**{**{f.name: v for f, v in h.ListFields()}}) for h in good]
-        wrong[0].stage_index = 1
-        out.append(open_reply(s0, wrong, "w", 1).error)                   # WRONG_STAGE
-        wrong = route([s0, s1], descs)
-        wrong[0].layer_end = 3
-        out.append(open_reply(s0, wrong, "r", 1).error)                   # WRONG_RANGE
-        out.append(open_reply(s0, good, "h", 1, hop_index=5).error)       # BAD_FRAME: outside the route
-        out.append(open_reply(s0, good[:1], "f", 1).error)                # WRONG_STAGE: stage 0 as the last hop
-        bad_up = pb.StageDescription()
-        bad_up.CopyFrom(descs[0])
-        bad_up.schema_out.n_embd = 32
-        out.append(open_reply(s1, good, "s", 1, hop_index=1, upstream=bad_up).error)   # SCHEMA_MISMATCH
-        bad_up.CopyFrom(descs[0])
-        bad_up.schema_out.layer = 3
-        out.append(open_reply(s1, good, "l", 1, hop_index=1, upstream=bad_up).error)   # WRONG_RANGE at the seam
-        out.append(s0.stub.CloseSession(pb.CloseSessionRequest(session_id="b", epoch=1, chain=True), timeout=10))
-        with socket.socket() as sk:                                      # a port nobody serves
-            sk.bind(("127.0.0.1", 0))
-            dead = f"127.0.0.1:{sk.getsockname()[1]}"
-        gone = route([s0, s1], descs)
-        gone[1].address = dead
-        e = open_reply(s0, gone, "u", 1).error                            # HOP_UNREACHABLE
-        out.append(normalized(e, s0, s1).replace(dead, "<dead>"))
-        assert s0.stub.Describe(pb.DescribeRequest()).open_sessions == 1   # a (u was closed again)
-        out.append(s0.stub.CloseSession(pb.CloseSessionRequest(session_id="a", epoch=2, chain=True), timeout=10))
-        out.append([s.stub.Describe(pb.DescribeRequest()).open_sessions for s in (s0, s1)])
-        out.append(json.loads(s0.stub.Describe(pb.DescribeRequest()).descriptor_json)["health"]["errors"])
-        results[kind] = [normalized(x, s0, s1) for x in out]
-    for k, (a, b) in enumerate(zip(results["cpp"], results["py"])):
-        assert a == b, f"step {k}:\ndgr-worker: {a}\npython:     {b}"
-    assert "STALE_EPOCH" in results["cpp"][1] and "OVERLOADED" in results["cpp"][3]
-    assert "SCHEMA_MISMATCH" in results["cpp"][10] and "HOP_UNREACHABLE" in results["cpp"][13]
-    assert results["cpp"][-2] == "[0, 0]"
+def wire_error(code: int, stage: int, address: str, message: str, **kw) -> pb.WireError:
+    """A typed error as a worker answers it: the hop that answers, named in the message too."""
+    hop = f"stage {stage} ({address})"
+    return pb.WireError(code=code, hop=hop, message=f"{hop}: {message}", **kw)
 
 
-def test_frames_refusals_equal_the_python_worker(pair):
-    """Frames is served (phase 2: tests/test_worker_cpp_frames.py); its typed refusals match the Python worker's."""
+def test_open_close_and_their_typed_errors(pair, tiny, engines):
+    s0, s1 = pair[0], pair[1]
+    a0, a1 = s0.address, s1.address
+    descs = [s.stub.Describe(pb.DescribeRequest(), timeout=10) for s in (s0, s1)]
+    bid = descs[0].identity.bundle_id
+    good = route([s0, s1], descs)
+    ok = open_reply(s0, good, "a", 1)
+    assert not ok.HasField("error"), ok.error
+    # the hops' descriptions, as each stood before it opened the session
+    assert [fields(h) for h in ok.hops] == [fields(expected_description(tiny, s, engines[s], max_sessions=2))
+                                            for s in (0, 1)]
+    assert s0.stub.Describe(pb.DescribeRequest()).open_sessions == 1
+    assert s1.stub.Describe(pb.DescribeRequest()).open_sessions == 1
+    assert open_reply(s0, good, "a", 1).error == wire_error(                           # already open
+        pb.STALE_EPOCH, 0, a0, "session a is already at epoch 1; open a newer epoch")
+    assert not open_reply(s0, good, "b", 1).HasField("error")                        # a second session fits
+    e = open_reply(s0, good, "c", 1).error                                           # max_sessions 2
+    assert 250_000 < e.retry_after_ms <= 300_000       # the oldest idle session's reaping (--session-ttl 300)
+    assert e == wire_error(pb.OVERLOADED, 0, a0, "all 2 sessions are in use: retry later or use another route",
+                           retry_after_ms=e.retry_after_ms)
+    assert not open_reply(s0, good, "a", 2).HasField("error")                        # a newer epoch replaces the old
+    assert open_reply(s0, good, "a", 1).error == wire_error(                           # older than the latest
+        pb.STALE_EPOCH, 0, a0, "session a is already at epoch 2; open a newer epoch")
+    wrong = route([s0, s1], descs)
+    wrong[0].stage_index = 1
+    assert open_reply(s0, wrong, "w", 1).error == wire_error(
+        pb.WRONG_STAGE, 0, a0, f"the route expects stage 1 [0, 2) of bundle {bid} at {a0} but this worker serves "
+                               f"stage 0 [0, 2) of bundle {bid}: fix the route or start the right worker")
+    wrong = route([s0, s1], descs)
+    wrong[0].layer_end = 3
+    assert open_reply(s0, wrong, "r", 1).error == wire_error(
+        pb.WRONG_RANGE, 0, a0, f"the route expects stage 0 [0, 3) of bundle {bid} but this worker serves "
+                               f"stage 0 [0, 2) of bundle {bid}")
+    assert open_reply(s0, good, "h", 1, hop_index=5).error == wire_error(
+        pb.BAD_FRAME, 0, a0, "hop_index is outside the route")
+    assert open_reply(s0, good[:1], "f", 1).error == wire_error(                      # stage 0 as the last hop
+        pb.WRONG_STAGE, 0, a0, f"this worker serves stage 0 [0, 2) of bundle {bid} (first=True, last=False) but "
+                               "is hop 0 of a 1-hop route: the route must cover every layer in order")
+    bad_up = pb.StageDescription()
+    bad_up.CopyFrom(descs[0])
+    bad_up.schema_out.n_embd = 32
+    n_embd, dtype = descs[1].schema_in.n_embd, load_bundle(tiny).manifest.boundary_dtype
+    assert open_reply(s1, good, "s", 1, hop_index=1, upstream=bad_up).error == wire_error(
+        pb.SCHEMA_MISMATCH, 1, a1, f"stage 0 ({a0}) sends [n, 1, 32] {dtype} at layer 2 +token ids of bundle {bid} "
+                                   f"but this stage takes [n, 1, {n_embd}] {dtype} at layer 2 of bundle {bid} "
+                                   "(differs in n_embd): both hops must serve stages of the same bundle")
+    bad_up.CopyFrom(descs[0])
+    bad_up.schema_out.layer = 3
+    assert open_reply(s1, good, "l", 1, hop_index=1, upstream=bad_up).error == wire_error(   # at the seam
+        pb.WRONG_RANGE, 1, a1, f"stage 0 ({a0}) hands over at layer 3 but this stage begins at layer 2")
+    assert s0.stub.CloseSession(pb.CloseSessionRequest(session_id="b", epoch=1, chain=True),
+                                timeout=10) == pb.CloseSessionReply()
+    with socket.socket() as sk:                                      # a port nobody serves
+        sk.bind(("127.0.0.1", 0))
+        dead = f"127.0.0.1:{sk.getsockname()[1]}"
+    gone = route([s0, s1], descs)
+    gone[1].address = dead
+    e = open_reply(s0, gone, "u", 1).error
+    assert (e.code, e.hop) == (pb.HOP_UNREACHABLE, f"stage 1 ({dead})"), e
+    assert re.fullmatch(rf"stage 1 \({dead}\) is unreachable: stage 0 \({a0}\) could not open the session there "
+                        r"\(UNAVAILABLE: .+\): is that worker running\?", e.message, re.S), e.message
+    assert s0.stub.Describe(pb.DescribeRequest()).open_sessions == 1   # a (u was closed again)
+    assert s0.stub.CloseSession(pb.CloseSessionRequest(session_id="a", epoch=2, chain=True),
+                                timeout=10) == pb.CloseSessionReply()
+    assert [s.stub.Describe(pb.DescribeRequest()).open_sessions for s in (s0, s1)] == [0, 0]
+    # every typed error answered is counted, where it was answered
+    assert [json.loads(s.stub.Describe(pb.DescribeRequest()).descriptor_json)["health"]["errors"] for s in (s0, s1)] \
+        == [{"STALE_EPOCH": 2, "OVERLOADED": 1, "WRONG_STAGE": 2, "WRONG_RANGE": 1, "BAD_FRAME": 1,
+             "HOP_UNREACHABLE": 1}, {"SCHEMA_MISMATCH": 1, "WRONG_RANGE": 1}]
+    assert s0.stub.Describe(pb.DescribeRequest()).overloaded == 1
+
+
+def test_frames_refusals_are_typed_errors(pair):
+    """Frames is served (phase 2: tests/test_worker_cpp_frames.py); a frame of no open session is refused, typed."""
+    p = pair[0]
     frames = [pb.Frame(session_id="x", epoch=1),
               pb.Frame(session_id="x", epoch=1, step=pb.Step(positions=[0], token_ids=[1]))]
-    results = {}
-    for kind in ("cpp", "py"):
-        p = pair[kind, 0]
-        results[kind] = [(r.error.code, normalized(r.error.message, p))
-                         for r in p.stub.Frames(iter(frames), timeout=10)]
-    assert results["cpp"] == results["py"]
-    assert [c for c, _ in results["cpp"]] == [pb.UNKNOWN_SESSION, pb.UNKNOWN_SESSION]
+    want = wire_error(pb.UNKNOWN_SESSION, 0, p.address, "no open session x epoch 1: open it (OpenSession) first")
+    got = [r.error for r in p.stub.Frames(iter(frames), timeout=10)]
+    assert got == [want, want]
 
 
 def one_line_error(cmd: list[str]) -> tuple[int, str]:
@@ -330,29 +448,22 @@ def test_dgr_worker_serve_runs_dgr_worker_with_its_flags(worker_bin, tiny, tmp_p
     assert bad.returncode != 0 and "not an executable file" in bad.stderr
 
 
-def test_smollm2_stage0_equal_and_measured(smollm2_gguf, engine_lib, worker_bin, tmp_path):
-    """A real model: SmolLM2's stage 0 (chat template, eog ids, its tokenizer) served by both; start-to-
-    SERVING and RSS of both are printed (measured, not asserted: no speed thresholds here)."""
+def test_smollm2_stage0_is_its_bundle_and_engine_and_measured(smollm2_gguf, engine_lib, worker_bin, tmp_path):
+    """A real model: SmolLM2's stage 0 (chat template, eog ids, its tokenizer) against the bundle, the pin and
+    the stage opened in this process; dgr-worker's start-to-SERVING and RSS are printed (measured, not
+    asserted: no speed thresholds here)."""
     bundle = make_bundle(smollm2_gguf, [(0, 15), (15, 30)], tmp_path / "store", name="smollm2").root
     c = cpp(worker_bin, bundle, 0, "--threads", "1")
     try:
-        p = py(bundle, 0, "--threads", "1")
+        engine = reference_engine(bundle, 0, n_threads=1)
         try:
-            dc, dp = (x.stub.Describe(pb.DescribeRequest(), timeout=30) for x in (c, p))
-            assert fields(dc) == fields(dp)
-            assert descriptor(dc) == descriptor(dp)
+            dc = c.stub.Describe(pb.DescribeRequest(), timeout=30)
+            assert fields(dc) == fields(expected_description(bundle, 0, engine))
+            assert descriptor(dc) == expected_descriptor(bundle, 0, engine, engine_lib, worker_bin)
             assert "im_start" in dc.chat_template and len(dc.eos_token_ids) >= 1
-            for text in TEXTS + ["<|im_start|>user\nHi!<|im_end|>\n"]:
-                for special in (True, False):
-                    req = pb.TokenizeRequest(text=text, add_special=special)
-                    ids = c.stub.Tokenize(req, timeout=10).token_ids
-                    assert ids == p.stub.Tokenize(req, timeout=10).token_ids
-                    for cut in (list(ids), list(ids)[:-1], list(ids)[-1:]):
-                        back = pb.DetokenizeRequest(token_ids=cut)
-                        assert c.stub.Detokenize(back).text == p.stub.Detokenize(back).text
-            print(f"\nSmolLM2 stage 0: start to serving dgr-worker {c.ready_s:.2f} s, python {p.ready_s:.2f} s; "
-                  f"RSS dgr-worker {c.rss_kib() / 1024:.0f} MiB, python {p.rss_kib() / 1024:.0f} MiB")
+            check_tokenizer(c, engine, TEXTS + ["<|im_start|>user\nHi!<|im_end|>\n"], tail=lambda ids: ids[-1:])
         finally:
-            p.stop()
+            engine.close()
+        print(f"\nSmolLM2 stage 0: dgr-worker start to serving {c.ready_s:.2f} s, RSS {c.rss_kib() / 1024:.0f} MiB")
     finally:
         c.stop()

@@ -1,7 +1,10 @@
-"""dgr-worker's --certs/--contract (issue 21 phase 5, docs/worker.md) against the Python worker's: the same
-directory of real certificate files (a matching one, one whose contract changed, one with a failed figure,
-one for another bundle, one for another stage, one that is not a certificate) gives the same certificates in
-the descriptor, and the same reasons logged for each one ignored, from real worker processes."""
+"""dgr-worker's --certs/--contract (issue 21 phase 5, docs/worker.md), from real worker processes: a directory
+of real certificate files (a matching one, one whose contract changed, one with a failed figure, one for
+another bundle, one for another stage, one that is not a certificate, one for another worker binary, one made
+before certificates named the worker binary) gives exactly the matching certificate in the descriptor (as
+dgr.descriptor.HeldCertificate from the certificate file: its digest, contract, lane, date, summary), and each
+one ignored is logged with its reason, every line written out here (dgr.certificate.check's words). A
+certificate names the worker binary (worker_blake3: dgr-worker's executable)."""
 
 from __future__ import annotations
 
@@ -11,9 +14,12 @@ import subprocess
 
 import pytest
 
-from dgr.certificate import Certificate, ContractRef, Figure, Hardware, Identity, StageRange, contract_hash
+from dgr.certificate import (Certificate, ContractRef, Figure, Hardware, Identity, StageRange, contract_hash,
+                             load_certificate)
+from dgr.descriptor import HeldCertificate
+from dgr.hashing import file_blake3
 from support.certify import write_contract
-from test_worker_cpp import cpp, py, tiny, worker_bin  # noqa: F401  (fixtures)
+from test_worker_cpp import cpp, tiny, worker_bin  # noqa: F401  (fixtures)
 
 LOGGED = re.compile(r"(ignoring .*|advertising certificate .*)$")
 
@@ -28,7 +34,8 @@ def _identity(tiny, worker_bin) -> dict:
 
 
 def _cert(idn: dict, contract, blake3: str, *, passed=True, stage=(0, 0, 2), **change) -> Certificate:
-    ident = {k: idn[k] for k in ("model", "bundle_id", "lane", "upstream_commit", "patch_series", "engine_blake3")}
+    ident = {k: idn[k] for k in ("model", "bundle_id", "lane", "upstream_commit", "patch_series", "engine_blake3",
+                                 "worker_blake3")}
     return Certificate(
         identity=Identity(**{**ident, **change}, contract_blake3=blake3),
         contract=ContractRef(path=str(contract), blake3=blake3, name="test"),
@@ -39,23 +46,41 @@ def _cert(idn: dict, contract, blake3: str, *, passed=True, stage=(0, 0, 2), **c
         passed=passed, created_at="2026-01-02T03:04:05Z", dgr_version="0.test")
 
 
+OTHER_WORKER = "0123456789ab" * 5 + "cdef"       # another build of dgr-worker
+ANOTHER_WORKER = "fedcba987654" * 5 + "3210"     # and another
+
+
 @pytest.fixture(scope="module")
 def certs(tmp_path_factory, tiny, worker_bin):
+    """({"cpp": DIR, "other": DIR}, contract, {kind: (its worker_blake3, a-good's digest, DIR)}): the same
+    certificates, written for this dgr-worker's binary and for another build's."""
     d = tmp_path_factory.mktemp("cpp-certs")
     idn = _identity(tiny, worker_bin)
+    # the descriptor names the binary that is running: Python's blake3 of the file says the same
+    assert idn["worker_blake3"] == file_blake3(worker_bin, threads=False)
     contract = write_contract(d / "contract.toml")
     now = contract_hash(contract)
     old = write_contract(d / "old.toml", decode=0.5)
     then = contract_hash(old)
     old.write_text(old.read_text() + "# edited after certifying\n")
-    out = d / "certs"
-    _cert(idn, contract, now).save(out / "a-good.json")
-    _cert(idn, old, then).save(out / "b-stale.json")
-    _cert(idn, contract, now, passed=False).save(out / "c-failed.json")
-    _cert(idn, contract, now, bundle_id="f" * 64).save(out / "d-foreign.json")
-    _cert(idn, contract, now, stage=(1, 2, 4)).save(out / "e-other-stage.json")
-    (out / "f-not-one.json").write_text('{"schema": "something/v0"}\n')
-    return out, contract
+    dirs, mine = {}, {}
+    for kind, worker in (("cpp", idn["worker_blake3"]), ("other", ANOTHER_WORKER)):
+        me = {**idn, "worker_blake3": worker}
+        out = dirs[kind] = d / kind
+        good = _cert(me, contract, now)
+        good.save(out / "a-good.json")
+        _cert(me, old, then).save(out / "b-stale.json")
+        _cert(me, contract, now, passed=False).save(out / "c-failed.json")
+        _cert(me, contract, now, bundle_id="f" * 64).save(out / "d-foreign.json")
+        _cert(me, contract, now, stage=(1, 2, 4)).save(out / "e-other-stage.json")
+        (out / "f-not-one.json").write_text('{"schema": "something/v0"}\n')
+        _cert(me, contract, now, worker_blake3=OTHER_WORKER).save(out / "g-other-worker.json")
+        # made before certificates named the worker binary: no worker_blake3 at all
+        raw = json.loads(good.canonical_json())
+        del raw["identity"]["worker_blake3"]
+        (out / "h-old.json").write_text(json.dumps(raw, indent=2) + "\n")
+        mine[kind] = worker, good.digest, str(out)
+    return dirs, contract, mine
 
 
 def _served(proc) -> tuple[list, list[str]]:
@@ -67,27 +92,68 @@ def _served(proc) -> tuple[list, list[str]]:
     return d["certificates"], [m.group(1) for line in log.splitlines() if (m := LOGGED.search(line))]
 
 
+def _short(h: str) -> str:
+    return h[:16]                                  # how check() names a hash (dgr.certificate._short)
+
+
 @pytest.mark.parametrize("with_contract", [False, True])
-def test_the_same_certificates_are_advertised_and_the_same_reasons_logged(certs, tiny, worker_bin, with_contract):
-    out, contract = certs
+def test_the_matching_certificate_is_advertised_and_each_other_one_logged_with_its_reason(certs, tiny, worker_bin,
+                                                                                        with_contract):
+    dirs, contract, mine = certs
+    out = dirs["cpp"]
     flags = ["--certs", str(out), *(["--contract", str(contract)] if with_contract else [])]
-    c_certs, c_log = _served(cpp(worker_bin, tiny, 0, *flags))
-    p_certs, p_log = _served(py(tiny, 0, *flags))
-    assert c_certs == p_certs and len(c_certs) == 1, (c_certs, p_certs)
-    assert c_certs[0]["summary"] == "2/2 checks passed on Test CPU \u00e9 + Test GPU"
-    assert c_log == p_log, "\n".join(["dgr-worker:", *c_log, "dgr worker serve:", *p_log])
-    assert len(c_log) == 6 and c_log[0].startswith("advertising certificate a-good.json")
-    why = {line.split()[2 if line.startswith("ignoring certificate") else 1]: line for line in c_log[1:]}
-    stale = "measured against contract" if with_contract else "changed since the certificate was made"
-    assert stale in why["b-stale.json"] and "failed gate (decode ratio)" in why["c-failed.json"]
-    assert "bundle_id" in why["d-foreign.json"] and "not stage 0 [0, 2)" in why["e-other-stage.json"]
-    assert "not a dgr.certificate/v1 certificate" in why["f-not-one.json:"]
+    held, log = _served(cpp(worker_bin, tiny, 0, *flags))
+    # the references: the certificate files themselves and the contract files as they are now
+    good, stale = load_certificate(out / "a-good.json"), load_certificate(out / "b-stale.json")
+    assert good.digest == mine["cpp"][1]
+    lane, bid, worker = good.identity.lane, good.identity.bundle_id, mine["cpp"][0]
+    now, then = contract_hash(contract), stale.contract.blake3
+    assert held == [json.loads(HeldCertificate(
+        id=good.digest, contract="test", contract_blake3=now, lane=lane, issued_at="2026-01-02T03:04:05Z",
+        summary="2/2 checks passed on Test CPU \u00e9 + Test GPU").model_dump_json())]
+    if with_contract:     # the worker's contract is the one to match
+        why_stale = f"certificate was measured against contract {_short(then)}, this worker expects {_short(now)}"
+    else:                 # the contract file each certificate names, as it is now
+        why_stale = (f"contract file {stale.contract.path} changed since the certificate was made (blake3 "
+                     f"{_short(contract_hash(stale.contract.path))}, certified against {_short(then)}): recertify")
+    assert log == [
+        f"advertising certificate a-good.json ({good.digest[:16]}, lane {lane})",
+        f"ignoring certificate b-stale.json (lane {lane}): {why_stale}",
+        f"ignoring certificate c-failed.json (lane {lane}): certificate records a failed gate (decode ratio)",
+        f"ignoring certificate d-foreign.json (lane {lane}): certificate is for bundle_id {'f' * 16}, this worker "
+        f"has {_short(bid)}",
+        f"ignoring certificate e-other-stage.json (lane {lane}): certificate covers stages [(1, 2, 4)], not stage 0 "
+        "[0, 2)",
+        f"ignoring f-not-one.json: {out / 'f-not-one.json'}: not a dgr.certificate/v1 certificate (schema "
+        "'something/v0')",
+        # another worker binary: not advertised, the reason names both binaries
+        f"ignoring certificate g-other-worker.json (lane {lane}): certificate is for worker {OTHER_WORKER[:12]}, "
+        f"this worker is {worker[:12]}: re-certify",
+        # a certificate made before certificates named the worker binary: refused, not crashed on
+        f"ignoring certificate h-old.json (lane {lane}): certificate names no worker binary (it was made before "
+        "certificates recorded worker_blake3): re-certify",
+    ], "\n".join(log)
 
 
-def test_a_missing_certs_directory_or_contract_is_refused_as_by_the_python_worker(certs, tiny, worker_bin, tmp_path):
-    out, contract = certs
-    for flags, why in ((["--certs", str(tmp_path / "none")], "no such directory"),
-                       (["--certs", str(out), "--contract", str(tmp_path / "gone.toml")], "no such file")):
+def test_a_certificate_for_another_worker_binary_is_not_advertised(certs, tiny, worker_bin):
+    """dgr-worker given the certificates written for another build's binary: none is advertised, and each one
+    whose identity and stage match says the worker binary differs."""
+    dirs, contract, mine = certs
+    held, log = _served(cpp(worker_bin, tiny, 0, "--certs", str(dirs["other"])))
+    assert held == []
+    line = next(x for x in log if "a-good.json" in x)
+    assert line == (f"ignoring certificate a-good.json (lane cpu): certificate is for worker {mine['other'][0][:12]}, "
+                    f"this worker is {mine['cpp'][0][:12]}: re-certify")
+
+
+def test_a_missing_certs_directory_or_contract_is_refused_in_one_line(certs, tiny, worker_bin, tmp_path):
+    dirs, contract, _ = certs
+    out = dirs["cpp"]
+    for flags, why in ((["--certs", str(tmp_path / "none")],
+                        f"--certs {tmp_path / 'none'}: no such directory (put the certificates `dgr certify` wrote "
+                        "there)"),
+                       (["--certs", str(out), "--contract", str(tmp_path / "gone.toml")],
+                        f"--contract {tmp_path / 'gone.toml'}: no such file")):
         r = subprocess.run([str(worker_bin), "--bundle", str(tiny), "--stage", "0", "--listen", "127.0.0.1:0", *flags],
                            capture_output=True, text=True, timeout=120)
-        assert r.returncode == 1 and why in r.stderr, r.stderr
+        assert r.returncode == 1 and r.stderr.splitlines() == [f"dgr-worker: error: {why}"], r.stderr

@@ -3,7 +3,7 @@
 Pure data and hashing (pydantic + blake3 through dgr.hashing, no toolchain, no engine): the worker
 (dgr.wire) imports it to decide which certificates it may advertise. A certificate is valid for a worker
 only when its `identity` equals the worker's exactly (model, bundle id, lane, upstream commit, patch
-series, engine library hash) and the contract file it was measured against still has the hash it
+series, engine library hash, and the worker binary's hash: dgr-worker's own bytes) and the contract file it was measured against still has the hash it
 records: editing `certification/alpha.toml` invalidates every certificate made before the edit.
 """
 
@@ -36,6 +36,8 @@ class Identity(_Frozen):
     upstream_commit: str
     patch_series: str
     engine_blake3: str           # blake3 of the engine library file the stages ran on
+    worker_blake3: str = ""      # blake3 of the worker binary (dgr-worker) that served them; "" in a certificate
+                                 # made before certificates recorded it (never valid: re-certify)
     contract_blake3: str = ""    # blake3 of the contract file; "" in a worker's own identity (not compared)
 
 
@@ -151,6 +153,11 @@ def check(cert: Certificate, identity: Identity, contract_path: str | Path | Non
         a, b = getattr(mine, f), getattr(theirs, f)
         if a != b:
             return f"certificate is for {f} {_short(a)}, this worker has {_short(b)}"
+    if not mine.worker_blake3:
+        return "certificate names no worker binary (it was made before certificates recorded worker_blake3): re-certify"
+    if mine.worker_blake3 != theirs.worker_blake3:
+        return (f"certificate is for worker {mine.worker_blake3[:12]}, this worker is {theirs.worker_blake3[:12]}: "
+                "re-certify")
     if theirs.contract_blake3 and theirs.contract_blake3 != mine.contract_blake3:
         return (f"certificate was measured against contract {_short(mine.contract_blake3)}, this worker "
                 f"expects {_short(theirs.contract_blake3)}")

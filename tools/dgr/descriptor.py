@@ -27,7 +27,8 @@ SCHEMA_PATH = Path("docs") / "schemas" / "descriptor.schema.json"   # relative t
 
 class CompatIdentity(BaseModel):
     """What must be equal for stages to be combined and for a certificate to apply: the model, the exact
-    bundle and stage, the patched upstream it runs on, the lane and the engine library's bytes."""
+    bundle and stage, the patched upstream it runs on, the lane, the engine library's bytes and the worker
+    binary's."""
 
     model_config = STRICT
     model: str = Field(description="source model name (the recipe's name)")
@@ -44,6 +45,9 @@ class CompatIdentity(BaseModel):
     engine: str = Field(description="'llama.cpp' or 'fake' (tests)")
     engine_blake3: str = Field(description="blake3 of the loaded engine library file (fake: of the fake "
                                            "engine's source)")
+    worker_blake3: str = Field("", description="blake3 of the running dgr-worker executable (it hashes "
+                                               "/proc/self/exe at start): a certificate names it; '' from the "
+                                               "Python worker (tests only)")
     wire_dtype: str = Field(description="the dtype this worker's boundaries travel in")
 
     @model_validator(mode="after")
@@ -195,8 +199,8 @@ class Descriptor(BaseModel):
         return "\n".join([
             f"{self.address}: stage {i.stage_index}/{i.stage_count} [{i.layer_begin}, {i.layer_end}) of "
             f"{i.n_layer} layers, model {i.model} ({i.arch}), bundle {i.bundle_id[:16]}",
-            f"  engine {i.engine} on the {i.lane} lane, library blake3 {i.engine_blake3[:16]}, upstream "
-            f"{i.upstream_commit[:12] or '-'}, patches {i.patch_series[:16] or '-'}",
+            f"  engine {i.engine} on the {i.lane} lane, library blake3 {i.engine_blake3[:16]}, worker blake3 "
+            f"{i.worker_blake3[:16] or '-'}, upstream {i.upstream_commit[:12] or '-'}, patches {i.patch_series[:16] or '-'}",
             f"  capacity: {c.max_sessions} sessions x {c.n_ctx} positions, queue {c.max_queued_steps} steps; memory "
             f"weights {mem.weights_bytes} B, kv {mem.kv_bytes} B, compute {mem.compute_bytes} B",
             f"  step compute: decode median {c.decode.compute_ms_median:.2f} ms p90 {c.decode.compute_ms_p90:.2f} ms "

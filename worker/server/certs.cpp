@@ -121,7 +121,8 @@ J load(const std::string & path) {
                               {"passed", BOOL, &B_FALSE}, {"created_at", STR, &S_EMPTY}, {"dgr_version", STR, &S_EMPTY}}, "");
         c["identity"] = validated(c["identity"], {{"model", STR, nullptr}, {"bundle_id", STR, nullptr}, {"lane", STR, nullptr},
                                                   {"upstream_commit", STR, nullptr}, {"patch_series", STR, nullptr},
-                                                  {"engine_blake3", STR, nullptr}, {"contract_blake3", STR, &S_EMPTY}}, "identity");
+                                                  {"engine_blake3", STR, nullptr}, {"worker_blake3", STR, &S_EMPTY},
+                                                  {"contract_blake3", STR, &S_EMPTY}}, "identity");
         c["contract"] = validated(c["contract"], {{"path", STR, nullptr}, {"blake3", STR, nullptr}, {"name", STR, &S_EMPTY}}, "contract");
         c["hardware"] = validated(c["hardware"], {{"cpu_model", STR, nullptr}, {"cores", INT, nullptr}, {"memory_bytes", INT, nullptr},
                                                   {"os", STR, nullptr}, {"machine", STR, &S_EMPTY}, {"gpu", STR, &S_EMPTY}}, "hardware");
@@ -148,6 +149,10 @@ std::string check(const J & c, const CertIdentity & me, const std::string & mine
         const std::string a = id[f];
         if (a != *mine) return std::string("certificate is for ") + f + " " + short_(a) + ", this worker has " + short_(*mine);
     }
+    const std::string worker = id["worker_blake3"];
+    if (worker.empty()) return "certificate names no worker binary (it was made before certificates recorded worker_blake3): re-certify";
+    if (worker != me.worker_blake3)
+        return "certificate is for worker " + worker.substr(0, 12) + ", this worker is " + me.worker_blake3.substr(0, 12) + ": re-certify";
     const std::string theirs = id["contract_blake3"];
     if (!mine_contract_blake3.empty() && mine_contract_blake3 != theirs)
         return "certificate was measured against contract " + short_(theirs) + ", this worker expects " + short_(mine_contract_blake3);

@@ -9,9 +9,10 @@
 
 namespace dgr {
 
-// What a worker compares a certificate's identity with (dgr.certificate.IDENTITY_FIELDS).
+// What a worker compares a certificate's identity with (dgr.certificate.IDENTITY_FIELDS, then worker_blake3).
 struct CertIdentity {
     std::string model, bundle_id, lane, upstream_commit, patch_series, engine_blake3;
+    std::string worker_blake3;   // this dgr-worker executable's blake3: a certificate names the binary it measured
     int stage_index = 0, layer_begin = 0, layer_end = 0;
 };
 

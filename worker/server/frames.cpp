@@ -2,8 +2,8 @@
 // one engine thread, the ring relay over one outgoing stream per peer, sampling on the last stage and
 // generation control at the origin.
 //
-// It is the Python worker's behaviour, part for part, so that a route of dgr-workers, of Python workers,
-// or of both generates the same tokens and bit-identical logits (tests/test_worker_cpp_frames.py):
+// It took over the Python worker's behaviour part for part (a route of dgr-workers generates the tokens and
+// bit-identical logits of the whole model: tests/test_worker_cpp_frames.py); where each part came from:
 //   tools/dgr/wire/servicer.py  Frames, _on_frame, _check_step          -> Frames, on_frame, check_step
 //   tools/dgr/wire/scheduler.py _enqueue, _take_batch, _run_batch       -> enqueue, take_batch, run_batch
 //   tools/dgr/wire/links.py     Link, _emit_boundary, _emit_last, _send -> Link, emit_boundary, emit_last, send

@@ -596,6 +596,8 @@ int run(int argc, char ** argv) {
     } closer{s};
     if (o.fake_engine.empty()) open_stage(o, s);
     else open_fake_stage(o, s);
+    // this program's own bytes (docs/certification.md): a certificate names the worker binary it measured
+    s.id.worker_blake3 = dgr::blake3_file("/proc/self/exe");
 
     grpc::EnableDefaultHealthCheckService(true);
     grpc::ServerBuilder b;
@@ -632,7 +634,7 @@ int run(int argc, char ** argv) {
     if (!o.certs.empty()) {                          // dgr.app.stages.held_certificates
         const dgr_stage_info & si = worker->info();
         dgr::CertIdentity me{s.id.model, s.id.bundle_id, s.id.lane, s.id.upstream_commit, s.id.patch_series,
-                             s.id.engine_blake3, s.id.stage_index, si.layer_begin, si.layer_end};
+                             s.id.engine_blake3, s.id.worker_blake3, s.id.stage_index, si.layer_begin, si.layer_end};
         auto held = dgr::held_certificates(o.certs, me, o.contract);
         std::printf("dgr worker: %zu certificate(s) advertised from %s\n", held.size(), o.certs.c_str());
         worker->set_certificates(std::move(held));

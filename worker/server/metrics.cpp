@@ -76,17 +76,29 @@ std::string prom_escape(const std::string & v) {
     return o;
 }
 
+// A sample value or bucket bound as prometheus_client writes it (Python's repr: the shortest text that reads
+// back exactly, "0.1", "100.0", "1e-05"), so a dashboard selecting le="0.1" finds it.
 static std::string num(double v) {
+    if (std::isnan(v)) return "NaN";
     if (std::isinf(v)) return v > 0 ? "+Inf" : "-Inf";
     char b[64];
-    std::snprintf(b, sizeof b, "%.17g", v);
+    int p = 1;
+    for (; p < 17; ++p) {
+        std::snprintf(b, sizeof b, "%.*g", p, v);
+        if (std::strtod(b, nullptr) == v) break;
+    }
+    const int e = v == 0 ? 0 : int(std::floor(std::log10(std::fabs(v))));
+    std::snprintf(b, sizeof b, "%.*g", (e >= 0 && e < 16) ? std::max(p, e + 1) : p, v);   // repr: fixed below 1e16
     std::string s = b;
     if (s.find_first_of(".eEn") == std::string::npos) s += ".0";
     return s;
 }
 
+// A counter's family is named with its _total suffix in the text format (prometheus_client's
+// generate_latest), else a parser types its samples as unknown.
 void prom_family(std::string & out, const std::string & name, const char * type, const std::string & help) {
-    out += "# HELP " + name + " " + help + "\n# TYPE " + name + " " + type + "\n";
+    const std::string family = std::string(type) == "counter" ? name + "_total" : name;
+    out += "# HELP " + family + " " + help + "\n# TYPE " + family + " " + type + "\n";
 }
 
 void prom_sample(std::string & out, const std::string & name, const std::string & labels, double v) {

@@ -67,6 +67,7 @@ struct StageIdentity {
     std::vector<int32_t> eos_token_ids;
     std::string chat_template;
     std::string engine_blake3;
+    std::string worker_blake3;   // blake3 of this dgr-worker executable (/proc/self/exe), read once at start
 };
 
 // A wire dtype (dgr.contract.WIRE_DTYPES): `block_bytes` bytes for every `block` values.

@@ -107,12 +107,23 @@ def bundle_stage(path: str | Path, stage: int, *, lane: str | None = None, wire_
     return engine, ident
 
 
+def python_worker_blake3() -> str:
+    """The Python worker's (`--python-worker`, tests only) stand-in for a worker binary's blake3: its source
+    (dgr.wire.worker), as the fake engine's "library" is its source. A certificate `dgr certify` makes names
+    dgr-worker's executable, so this worker advertises only certificates written for it (tests)."""
+    from dgr.wire import worker
+
+    return file_blake3(worker.__file__, threads=False)
+
+
 def held_certificates(directory: str | Path, ident: StageIdentity, layers: tuple[int, int],
-                      contract: str | Path | None = None) -> tuple[HeldCertificate, ...]:
+                      contract: str | Path | None = None, worker_blake3: str | None = None
+                      ) -> tuple[HeldCertificate, ...]:
     """The certificates among DIR/*.json a worker of `ident` serving `layers` may advertise: those whose
-    identity equals its own exactly (dgr.certificate.check), that cover its stage, and whose contract
-    file (`contract`, else the path each records) still has the hash they were measured against. Every
-    other one is logged with the reason and ignored."""
+    identity equals its own exactly (dgr.certificate.check: the worker binary's blake3 too, `worker_blake3`,
+    default the Python worker's, python_worker_blake3), that cover its stage, and whose contract file
+    (`contract`, else the path each records) still has the hash they were measured against. Every other one
+    is logged with the reason and ignored."""
     from dgr import certificate as cm
 
     d = Path(directory)
@@ -123,6 +134,7 @@ def held_certificates(directory: str | Path, ident: StageIdentity, layers: tuple
     mine = cm.Identity(model=ident.model, bundle_id=ident.bundle_id, lane=ident.lane,
                        upstream_commit=ident.upstream_commit, patch_series=ident.patch_series,
                        engine_blake3=ident.engine_blake3,
+                       worker_blake3=python_worker_blake3() if worker_blake3 is None else worker_blake3,
                        contract_blake3=cm.contract_hash(contract) if contract is not None else "")
     held = []
     for path in sorted(d.glob("*.json")):

@@ -15,6 +15,7 @@ result is a dgr.certificate.Certificate, whose `passed` is every figure's.
 from __future__ import annotations
 
 import datetime as dt
+import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -154,8 +155,14 @@ def _identity(bundle, descs, lane: str, lib: Path, chash: str) -> Identity:
         want = (bundle.id, i, lane, bundle.manifest.recipe.name, first.upstream_commit, first.patch_series)
         if got != want:
             raise CertifyError(f"worker of stage {i} advertises {got}, expected {want}")
+    # the worker binary each stage ran (its descriptor's worker_blake3: dgr-worker hashes its own executable)
+    workers = [json.loads(d.descriptor_json or "{}").get("identity", {}).get("worker_blake3", "") for d in descs]
+    if not workers[0] or len(set(workers)) != 1:
+        raise CertifyError(f"the stages' workers name the worker binaries {workers} (descriptor identity "
+                           "worker_blake3): certify needs every stage served by one and the same dgr-worker")
     return Identity(model=first.model, bundle_id=bundle.id, lane=lane, upstream_commit=first.upstream_commit,
-                    patch_series=first.patch_series, engine_blake3=file_blake3(lib), contract_blake3=chash)
+                    patch_series=first.patch_series, engine_blake3=file_blake3(lib), worker_blake3=workers[0],
+                    contract_blake3=chash)
 
 
 def _processes(route, n_stages: int) -> Figure:
