@@ -47,12 +47,13 @@ def inputs(tmp: Path) -> argparse.Namespace:
     (tmp / "tools/dgr/__init__.py").write_text('__version__ = "9.8.7"\n')
     (tmp / "tools/dgr/cli.py").write_text("def main():\n    return 0\n")
     (tmp / "libdgr_engine.so").write_bytes(b"\x7fELF" + bytes(range(256)) * 4)
+    (tmp / "dgr-worker").write_bytes(b"\x7fELF" + bytes(range(255, -1, -1)) * 4)
     (tmp / "up.json").write_text(json.dumps({"commit": "c" * 40, "tree_hash": "t" * 64, "patches": []}))
     wheel = tiny_wheel(tmp)
     (tmp / "lock.json").write_text(json.dumps({"format": 1, "python": "cp311", "wheels": [
         {"name": "tinydep", "version": "1.0", "file": wheel.name, "sha256": "0" * 64}]}))
     return argparse.Namespace(
-        lane="cpu", engine=str(tmp / "libdgr_engine.so"), upstream=str(tmp / "up.json"),
+        lane="cpu", engine=str(tmp / "libdgr_engine.so"), worker=str(tmp / "dgr-worker"), upstream=str(tmp / "up.json"),
         python_root=str(tmp / "tools"), lock=str(tmp / "lock.json"), wheel=[str(wheel)],
         python=[str(tmp / "tools/dgr/__init__.py"), str(tmp / "tools/dgr/cli.py")],
     )
@@ -92,9 +93,12 @@ def test_same_inputs_give_the_same_bytes_and_the_manifest_hashes_every_file(tmp_
     assert (manifest["lane"], manifest["version"], manifest["python"]) == ("cpu", "9.8.7", "cp311")
     with tarfile.open(path) as tar:
         release = json.loads(tar.extractfile("dgr-cpu/release.json").read())
-        launcher = tar.extractfile("dgr-cpu/bin/dgr-worker").read().decode()
+        worker = tar.extractfile("dgr-cpu/bin/dgr-worker")
+        assert worker.read() == (tmp_path / "dgr-worker").read_bytes()       # the C++ worker itself
+        assert tar.getmember("dgr-cpu/bin/dgr-worker").mode == 0o755
+        launcher = tar.extractfile("dgr-cpu/bin/dgr").read().decode()
     assert release["wheels"] == ["tinydep==1.0"] and release["version"] == "9.8.7"
-    assert '-S -m dgr worker "$@"' in launcher and 'PYTHONPATH="$here/python"' in launcher
+    assert '-S -m dgr "$@"' in launcher and 'PYTHONPATH="$here/python"' in launcher
     assert main(["release", "verify", str(path)]) == 0
 
 

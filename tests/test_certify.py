@@ -68,7 +68,7 @@ def test_certificate_names_the_exact_identity_the_host_the_contract_and_every_fi
     assert rc == 0, out
     cert = load_certificate(path)
     p = pin.load_pin()
-    from dgr.commands.worker import worker_binary
+    from dgr.app.workerbin import worker_binary
 
     # the worker binary the stages ran (`dgr worker serve` execs dgr-worker), hashed here by Python
     assert cert.identity == Identity(model="tiny-llama", bundle_id=bundle.id, lane="cpu", upstream_commit=p.commit,

@@ -171,7 +171,7 @@ def test_real_engine_descriptor_and_certificate(tmp_path, engine_lib):
     bundle = make_bundle(synth_model(tmp_path, "llama"), [(0, 3), (3, 6)], tmp_path)
     commit, series = patch_series()
     lib_hash = file_blake3(engine_lib.resolve())
-    from dgr.commands.worker import worker_binary
+    from dgr.app.workerbin import worker_binary
 
     worker_hash = file_blake3(worker_binary(), threads=False)   # what `dgr worker serve --bundle` execs
     ident = dict(model=bundle.manifest.recipe.name, bundle_id=bundle.id, lane="cpu", upstream_commit=commit,

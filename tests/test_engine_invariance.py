@@ -4,7 +4,7 @@ Not on which other sessions share its forwards (at other positions, prefilling o
 how its own tokens are cut: one prefill, chunks of any size, token by token (what a re-prefill after a
 route change, a decode and a speculative verification step each are). Sharing and chunking are forced
 here, forward by forward, through the engine itself: nothing depends on timing. The worker-level tests
-(test_native_plane.py, test_wire_recovery.py) force them through real workers.
+(test_wire_engine.py, test_wire_recovery.py) force them through real workers.
 """
 
 from __future__ import annotations

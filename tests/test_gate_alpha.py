@@ -179,7 +179,7 @@ def test_gate_alpha_certifies_every_target_and_prints_its_table(tmp_path, engine
     assert lines[-1] == f"certificates: {tmp_path}"
     # one certificate per target, against the committed contract (its path and the hash of its bytes), naming
     # the dgr-worker binary its stages ran; valid exactly when every one of its rows passed
-    from dgr.commands.worker import worker_binary
+    from dgr.app.workerbin import worker_binary
     from dgr.hashing import file_blake3
 
     worker = file_blake3(worker_binary(), threads=False)

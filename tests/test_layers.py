@@ -52,9 +52,9 @@ def test_a_runtime_module_importing_the_toolchain_is_refused(tmp_path):
     assert "dgr.engine -> dgr.enginebuild" in proc.stdout, proc.stdout
 
 
-def test_the_client_importing_the_worker_is_refused(tmp_path):
+def test_the_client_running_an_engine_is_refused(tmp_path):
     root = _copy(tmp_path)
-    _add_import(root / "tools" / "dgr" / "wire" / "client.py", "import dgr.wire.worker  # deliberately wrong")
+    _add_import(root / "tools" / "dgr" / "wire" / "client.py", "import dgr.engine  # deliberately wrong")
     proc = lint_imports(root)
     assert proc.returncode != 0
-    assert "dgr.wire.client -> dgr.wire.worker" in proc.stdout, proc.stdout
+    assert "dgr.wire.client -> dgr.engine" in proc.stdout, proc.stdout

@@ -8,7 +8,6 @@ import pytest
 from dgr.errors import WireError
 from dgr.wire import codec, protogen
 from dgr.wire.gen import stage_pb2 as pb
-from dgr.wire.sampling import sample
 
 
 def test_committed_stubs_match_the_proto():
@@ -62,6 +61,14 @@ def test_tokens_per_frame_respects_the_limit():
 
 
 def test_sampling_greedy_topk_topp_and_seed():
+    """The one sampler (the engine library's dgr_sample, which dgr-worker's last stage draws with; the fake
+    engine library carries the same file)."""
+    from functools import partial
+
+    from dgr.engine import sample as engine_sample
+    from dgr.testing.fake_engine import library_path
+
+    sample = partial(engine_sample, lib=library_path())
     logits = np.array([0.0, 3.0, 2.9, -1.0, 1.0])
     assert sample(logits) == 1
     draws = [sample(logits, temperature=1.0, seed=7, position=p) for p in range(200)]

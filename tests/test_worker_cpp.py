@@ -43,8 +43,8 @@ from dgr.wire.gen import stage_pb2_grpc as pb_grpc
 from support.engine import make_bundle, synth_model
 
 READY = re.compile(r"serving on (\S+)")
-# Describe fields that name the process, not the stage: a member's certificate, a native plane
-PROCESS_FIELDS = {"member", "native_address", "native_steps", "native_forwards", "descriptor_json"}
+# Describe fields that name the process, not the stage: a member's certificate
+PROCESS_FIELDS = {"member", "descriptor_json"}
 # dgr-worker's defaults (`dgr worker serve`'s flags; docs/wire.md): what Describe and the descriptor advertise
 MAX_MESSAGE_BYTES = 4 * 1024 * 1024 - 64 * 1024      # under gRPC's 4 MiB default with a margin
 MAX_QUEUED_STEPS, MAX_SESSION_STEPS, MAX_BATCH_TOKENS, SESSION_TTL_S = 512, 128, 512, 300.0

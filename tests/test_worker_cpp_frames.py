@@ -6,7 +6,7 @@ in this process with every boundary through the codec's numpy conversion (dgr.wi
 Real processes on loopback, the real engine. A tiny synthetic bundle (3 stages) carries most cases; SmolLM2
 split 3 ways is the real model. The references are independent of dgr-worker: dgr.engine.Engine in this
 process (the whole model, or its stages chained here), greedy by numpy's argmax, sampled by
-dgr.wire.sampling.sample (the Python twin of the engine's dgr_sample, tests/test_native_plane.py).
+dgr.engine.sample (the engine library's own dgr_sample, the one sampler dgr-worker draws with).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from dgr.wire.client import RouteClient
 from dgr.wire.errors import RemoteEngineError
 from dgr.wire.gen import stage_pb2 as pb
 from dgr.wire.gen import stage_pb2_grpc as pb_grpc
-from dgr.wire.sampling import sample
+from dgr.engine import sample
 from dgr.wire.stats import summarize
 from support.engine import make_bundle, synth_model
 from support.worker import prefill_frame, route_hops
@@ -106,7 +106,7 @@ def reference(engines: list[Engine], ids: list[int], max_new: int, *, logits: st
     """Generation by `engines` in this process (one engine: the whole model; several: its stages chained
     here, each boundary through `transform` when given): the prompt in chunks of `chunk_tokens` (0: one
     step), then one token per step, each drawn from its row greedily (the first maximum) or by
-    dgr.wire.sampling.sample keyed by (seed, the row's position). `logits` "all" keeps the prompt's rows too."""
+    dgr.engine.sample keyed by (seed, the row's position). `logits` "all" keeps the prompt's rows too."""
     sid = f"ref{next(_SIDS)}"
     for e in engines:
         e.open_session(sid, 1)
@@ -234,6 +234,34 @@ def test_concurrent_sessions_equal_sequential_and_whole_model(routes, whole):
     for a, b in zip(alone, together):
         _same_runs(a, b)
         same(a, reference([whole], a.prompt_ids, MAX_NEW))
+
+
+def test_sessions_sharing_forwards_equal_each_alone_and_the_whole_model(tiny, worker_bin, whole):
+    """Exact under load: with --hold-batch 4 every stage runs a forward only when steps of 4 sessions wait
+    (or of every open one, when fewer are open), so the sessions' steps share forwards, at different
+    positions; each session's tokens and every logits row are still the whole model's, bit for bit. The
+    workers' own counters say the forwards were shared."""
+    import re
+    import urllib.request
+
+    prompts = ["The capital of France is", "Once upon a time, in a land far away,", "def f(n):", "1, 2, 3,"]
+    n_new = 200                                      # long enough that all four are open together
+    procs = _start(tiny[1], 3, worker_bin, "--hold-batch", "4", "--metrics-listen", "127.0.0.1:0")
+    try:
+        addresses = [p.address for p in procs]
+        with ThreadPoolExecutor(len(prompts)) as ex:
+            together = list(ex.map(lambda q: _run(addresses, q, logits="all", max_new_tokens=n_new), prompts))
+        for gen in together:
+            same(gen, reference([whole], gen.prompt_ids, n_new, logits="all"))
+        for p in procs:
+            url = re.search(r"metrics on (\S+)", "".join(p.log)).group(1)
+            with urllib.request.urlopen(url, timeout=10) as r:
+                text = r.read().decode()
+            shared = float(re.search(r'dgr_worker_forwards_total\{sessions="shared"\} (\S+)', text).group(1))
+            assert shared > 0, text
+    finally:
+        for p in procs:
+            p.stop()
 
 
 def test_bad_frames_answer_typed_errors(routes):

@@ -43,6 +43,7 @@ FAMILIES = {
     "dgr_worker_steps": ("counter", ("kind",)),
     "dgr_worker_tokens": ("counter", ("kind",)),
     "dgr_worker_tokens_sampled": ("counter", ()),
+    "dgr_worker_forwards": ("counter", ("sessions",)),
     "dgr_worker_sessions_opened": ("counter", ()),
     "dgr_worker_step_queue_seconds": ("histogram", ()),
     "dgr_worker_step_compute_seconds": ("histogram", ()),
@@ -58,7 +59,7 @@ FAMILIES = {
     "dgr_worker_overloaded": ("counter", ()),
     "dgr_worker_info": ("gauge", ("model", "bundle_id", "stage", "stage_count", "layers", "lane", "engine")),
 }
-LABEL_VALUES = {"kind": ("decode", "prefill"), "frame": ("step", "token"),
+LABEL_VALUES = {"kind": ("decode", "prefill"), "frame": ("step", "token"), "sessions": ("one", "shared"),
                 "code": tuple(n for n in pb.ErrorCode.keys() if n != "ERROR_UNSPECIFIED")}
 BUCKETS = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
@@ -173,6 +174,9 @@ def test_counters_move_with_a_generation_by_what_it_did(tiny, worker_bin):
             want |= {(f"dgr_worker_{k}", ()): 0.0 for k in ("sessions_open", "queued_steps", "cached_positions",
                                                           "sessions_reaped_total", "overloaded_total")}
             want[("dgr_worker_sessions_opened_total", ())] = 1.0
+            # one session alone: every step ran in a forward of its own
+            want[("dgr_worker_forwards_total", (("sessions", "one"),))] = float(sum(steps.values()))
+            want[("dgr_worker_forwards_total", (("sessions", "shared"),))] = 0.0
             want[("dgr_worker_tokens_sampled_total", ())] = float(N_NEW if i == 2 else 0)
             if i:
                 want[("dgr_worker_seam_bytes_total", (("direction", "received"), ("layer", str(RANGES[i][0]))))] = \

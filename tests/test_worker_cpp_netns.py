@@ -145,7 +145,7 @@ class Worker:
     namespace, in a UTS namespace of its own named as that host."""
 
     def __init__(self, net: Net, stage: int, host: str, extra: list[str]):
-        from dgr.commands.worker import worker_binary
+        from dgr.app.workerbin import worker_binary
         from dgr.testing import fake_engine
 
         self.stage, self.host, self.log, self.address = stage, host, [], ""

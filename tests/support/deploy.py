@@ -56,7 +56,7 @@ store = "{tmp_path / 'store'}"
 def not_a_library(tmp_path: Path) -> dict:
     """DGR_ENGINE_LIB at a file that exists but does not load: every worker (dgr-worker) dies at start, the
     same way."""
-    from dgr.commands.worker import worker_binary
+    from dgr.app.workerbin import worker_binary
 
     return {"DGR_ENGINE_LIB": str(write(tmp_path / "not-an-engine.so", "not an ELF file\n")),
             "DGR_WORKER_BIN": str(worker_binary())}
@@ -75,7 +75,7 @@ def tiny(tmp_path_factory):
 def private_engine(engine_lib: Path, folder: Path) -> dict[str, str]:
     """Copies of the engine library and dgr-worker in `folder` (another build in the shared workspace may
     rewrite the originals mid-test), as the environment that makes a dgr use them."""
-    from dgr.commands.worker import worker_binary
+    from dgr.app.workerbin import worker_binary
 
     folder.mkdir(parents=True, exist_ok=True)
     shutil.copy2(engine_lib, folder / "libdgr_engine.so")

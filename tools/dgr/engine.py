@@ -127,12 +127,30 @@ def load_library(lib: str | Path | None = None) -> C.CDLL:
             h.dgr_session_truncate.restype = C.c_int32
             h.dgr_engine_can_truncate.argtypes = [C.c_void_p]
             h.dgr_engine_can_truncate.restype = C.c_int32
-        for name in ("dgr_engine_open", "dgr_engine_describe", "dgr_engine_memory", "dgr_session_open",
+        h.dgr_sample.argtypes = [C.POINTER(C.c_float), C.c_int32, C.c_double, C.c_int32, C.c_double, C.c_uint64,
+                                 C.c_int64]
+        for name in ("dgr_sample", "dgr_engine_open", "dgr_engine_describe", "dgr_engine_memory", "dgr_session_open",
                      "dgr_session_close", "dgr_session_n_cached", "dgr_forward", "dgr_tokenize", "dgr_detokenize",
                      "dgr_vocab_read", "dgr_engine_vocab"):
             getattr(h, name).restype = C.c_int32
         _libs[str(path)] = h
         return h
+
+
+def sample(logits, *, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
+           position: int = 0, lib: str | Path | C.CDLL | None = None) -> int:
+    """The token dgr-worker's last stage draws from one row of logits: the engine library's own sampler
+    (`dgr_sample`, worker/engine/dgr_sample.cpp), keyed by (seed, position); greedy at temperature 0. `lib`:
+    a loaded library (the fake engine's carries the same sampler) or where to load one."""
+    h = lib if isinstance(lib, C.CDLL) else load_library(lib)
+    row = np.ascontiguousarray(logits, dtype=np.float32)
+    if row.ndim != 1 or row.size == 0:
+        raise EngineError(f"sample: one non-empty row of logits, not shape {row.shape}")
+    tok = h.dgr_sample(row.ctypes.data_as(C.POINTER(C.c_float)), row.size, float(temperature), int(top_k),
+                       float(top_p), int(seed) & (2**64 - 1), int(position))
+    if tok < 0:
+        raise EngineError(f"dgr_sample refused a row of {row.size} logits")
+    return int(tok)
 
 
 def _raise(h: C.CDLL, status: int) -> None:

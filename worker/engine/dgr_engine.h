@@ -144,6 +144,19 @@ DGR_API int32_t dgr_detokenize(dgr_engine * eng, const int32_t * ids, int32_t n,
 // IQ3_XXS) get a uniform one. For test models of every weight type; n_threads 0: all cores.
 DGR_API int32_t dgr_quantize(const char * src, const char * dst, int32_t ftype, int32_t n_threads);
 
+// The one sampler (dgr_sample.cpp): the last stage's draw from one logits row. dgr-worker's last stage draws
+// every token with it (worker/server/frames.cpp), the fake engine library carries the same code, and tests
+// draw with it to compare. Greedy when temperature <= 0, else temperature, top_k (0: off), top_p (0 or 1:
+// off), the uniform keyed by (seed, position). Returns the token id, -1 on bad arguments. No fused
+// multiply-add: each product and sum is rounded on its own, so a token does not depend on the compiler.
+// (Exported within ABI 2; declared in dgr_dataplane.h until the native data plane was retired in issue 21.)
+DGR_API int32_t dgr_sample(const float * logits, int32_t n_vocab, double temperature, int32_t top_k, double top_p,
+                           uint64_t seed, int64_t position);
+// Its parts, for cross-checks: e^d for d <= 0 (a fixed polynomial in exact IEEE steps), and the uniform
+// in [0, 1) keyed by (seed, position).
+DGR_API double  dgr_exp_fixed(double d);
+DGR_API double  dgr_uniform(uint64_t seed, int64_t position);
+
 #ifdef __cplusplus
 }
 #endif

@@ -1,14 +1,18 @@
-// The last stage's sampling in C++: the algorithm of tools/dgr/wire/sampling.py, operation for
-// operation, so a token does not depend on the data plane that drew it (its docstring says why each
-// step is what it is). No fused multiply-add here: each product and sum is rounded on its own, as numpy
-// rounds them.
+// The last stage's sampling (dgr_engine.h: dgr_sample), the one sampler: dgr-worker draws every token
+// with it and the fake engine library compiles the same file. The draw for position p is keyed by
+// (seed, p), not a running stream, so re-prefilling at a new epoch after a cache miss reproduces the text
+// the first epoch would have produced. Every step is one IEEE 754 rounds the same way everywhere:
+// float64 division, subtraction, multiplication and addition one at a time (no fused multiply-add), a
+// stable sort, a sequential cumulative sum, e^x as a fixed polynomial (libm's exp may differ in the last
+// bit), and an integer hash for the uniform draw. So a sampled token depends on the logits, the
+// parameters and the position only, never on the compiler's flags.
 #if defined(__clang__)
 #pragma clang fp contract(off)
 #elif defined(__GNUC__)
 #pragma GCC optimize("fp-contract=off")
 #endif
 
-#include "dgr_dataplane.h"
+#include "dgr_engine.h"
 
 #include <algorithm>
 #include <cmath>

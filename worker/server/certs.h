@@ -22,8 +22,8 @@ struct HeldCertificate {
 };
 
 // DIR/*.json in name order; `contract` "" means the path each certificate records (relative: from the
-// current directory, where the Python worker uses its checkout). Throws on a missing DIR or contract file;
-// logs each ignored or advertised certificate to stderr in the Python worker's words.
+// current directory; give `contract` when it differs). Throws on a missing DIR or contract file;
+// logs each ignored or advertised certificate to stderr in dgr.certificate.check's words.
 std::vector<HeldCertificate> held_certificates(const std::string & dir, const CertIdentity & mine,
                                                const std::string & contract);
 

@@ -2,18 +2,16 @@
 // one engine thread, the ring relay over one outgoing stream per peer, sampling on the last stage and
 // generation control at the origin.
 //
-// It took over the Python worker's behaviour part for part (a route of dgr-workers generates the tokens and
-// bit-identical logits of the whole model: tests/test_worker_cpp_frames.py); where each part came from:
-//   tools/dgr/wire/servicer.py  Frames, _on_frame, _check_step          -> Frames, on_frame, check_step
-//   tools/dgr/wire/scheduler.py _enqueue, _take_batch, _run_batch       -> enqueue, take_batch, run_batch
-//   tools/dgr/wire/links.py     Link, _emit_boundary, _emit_last, _send -> Link, emit_boundary, emit_last, send
-//   tools/dgr/wire/origin.py    _deliver_to_client, _next_step, _send_token -> deliver_to_client, next_step, send_token
-//   tools/dgr/wire/servicer.py  _start_speculation; links.py _verify    -> start_speculation; emit_last
-//   tools/dgr/wire/drafts.py    NgramDrafts                             -> drafts.cpp (the one place drafting lives)
-// The draw is the engine library's dgr_sample (worker/engine/dgr_sample.cpp, the C++ sampler the native
-// plane uses, equal to tools/dgr/wire/sampling.py); wire dtypes use ggml's own converters from the same
-// library. Speculation (phase 4): the origin drafts, every stage runs the k+1 positions and drops rejected
-// drafts on the next step (rollback, dgr_session_truncate), the last stage verifies (tests/test_worker_cpp_speculate.py).
+// It took over the retired Python worker's behaviour part for part (a route of dgr-workers generates the
+// tokens and bit-identical logits of the whole model: tests/test_worker_cpp_frames.py). The parts: Frames,
+// on_frame and check_step (a frame in); enqueue, take_batch and run_batch (the step queue and the engine
+// thread); Link, emit_boundary, emit_last and send (the ring relay); deliver_to_client, next_step and
+// send_token (the origin); start_speculation and the drafts (drafts.cpp; the client's dgr.wire.drafts is
+// its twin for a client's own drafts).
+// The draw is the engine library's dgr_sample (worker/engine/dgr_sample.cpp, the one sampler); wire dtypes
+// use ggml's own converters from the same library. Speculation (phase 4): the origin drafts, every stage
+// runs the k+1 positions and drops rejected drafts on the next step (rollback, dgr_session_truncate), the
+// last stage verifies (tests/test_worker_cpp_speculate.py).
 //
 // Threads: gRPC's sync server gives each incoming Frames call a thread, which writes its reply queue;
 // a reader thread per call checks and queues the frames it reads. One engine thread runs every forward
@@ -37,7 +35,7 @@ using Clock = std::chrono::steady_clock;
 
 namespace {
 
-constexpr int LINK_KEEPALIVE_MS = 1000;   // dgr.wire.links.LINK_KEEPALIVE_MS
+constexpr int LINK_KEEPALIVE_MS = 1000;   // each link pings its peer every second (docs/wire.md "Liveness of links")
 constexpr uint64_t PER_TOKEN_IDS = 10;    // dgr.wire.codec.PER_TOKEN_IDS
 
 int64_t mono_ns() {
@@ -48,7 +46,7 @@ int64_t wall_ns() {
     return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::system_clock::now().time_since_epoch()).count();
 }
 
-// dgr.wire.origin.context_full
+// The context error's text, word for word (tests/test_worker_cpp_frames.py writes it out too)
 std::string context_full(int64_t position, int64_t n_ctx) {
     return "the session reached the context limit: position " + std::to_string(position) + " is beyond the " +
            std::to_string(n_ctx) + " positions (0.." + std::to_string(n_ctx - 1) +
@@ -156,7 +154,7 @@ FrameQueue::Pop FrameQueue::pop(pb::Frame * out) {
 
 Link::Link(StageWorker * w, std::string address_, std::string label_, uint64_t max_message_bytes)
     : address(std::move(address_)), label(std::move(label_)), w_(w) {
-    grpc::ChannelArguments args;                     // dgr.wire.links.link_options
+    grpc::ChannelArguments args;                     // keepalive: docs/wire.md "Liveness of links"
     int limit = int(max_message_bytes + FRAME_OVERHEAD);
     args.SetMaxSendMessageSize(limit);
     args.SetMaxReceiveMessageSize(limit);
@@ -465,7 +463,7 @@ grpc::Status StageWorker::Frames(grpc::ServerContext * ctx, grpc::ServerReaderWr
     return status;
 }
 
-// mTLS (dgr.wire.servicer._check_sender): a session's frames come only from the peer that opened it here;
+// mTLS (docs/worker.md "Peer checks under mutual TLS"): a session's frames come only from the peer that opened it here;
 // tokens back into the origin only from its last hop, errors from a hop of its route
 void StageWorker::check_sender(const char * kind, const SessionPtr & sess, const std::optional<std::string> * peer,
                                const std::string & sid) {
@@ -598,7 +596,7 @@ void StageWorker::on_frame(pb::Frame frame, const ReplyPtr & reply, const std::o
     enqueue(std::move(w), sess, false);
 }
 
-// dgr.wire.servicer._check_step: malformed frames never reach the engine queue; *x gets the boundary
+// A step frame's checks: malformed frames never reach the engine queue; *x gets the boundary
 void StageWorker::check_step(const pb::Step & step, std::vector<float> * x) {
     const int64_t n = step.positions_size();
     if (n == 0) throw Fault{pb::BAD_FRAME, "a step needs at least one position"};
@@ -725,7 +723,7 @@ void StageWorker::enqueue(Work w, const SessionPtr & sess, bool own) {
     reply_error(w.reply, w.frame, err(pb::OVERLOADED, why + ": retry later", retry));
 }
 
-bool StageWorker::held_back() {   // mu_ held; dgr.wire.scheduler._held (tests: force sharing)
+bool StageWorker::held_back() {   // mu_ held; --hold-batch (tests: force sharing)
     const int64_t hold = limits_.hold_batch;
     const int64_t need = int64_t(opened_total_) < hold ? hold : std::min<int64_t>(hold, int64_t(sessions_.size()));
     return hold > 0 && int64_t(pending_.size()) < need;
@@ -798,7 +796,7 @@ void StageWorker::engine_loop() {
     }
 }
 
-// --test-die-at (tests: a kill -9 at an exact step, dgr.wire.scheduler._die_if_asked): about to run a step
+// --test-die-at (tests: a kill -9 at an exact step): about to run a step
 // that holds a listed (session, epoch, position), the worker SIGKILLs itself, nothing flushed or closed.
 void StageWorker::die_if_asked(size_t n, const std::function<const pb::Frame &(size_t)> & frame) {
     for (size_t k = 0; k < n; ++k) {
@@ -873,7 +871,7 @@ void StageWorker::run_batch(std::vector<Work> & batch) {
                 floor = sess->spec_floor;
             }
             // a step flagged rollback drops the drafts the last stage rejected, never below the first draft
-            // of the session's last speculative step here (dgr.wire.scheduler._may_roll_back)
+            // of the session's last speculative step here
             if (uint64_t(held) > expect && s.rollback() && floor >= 0 && int64_t(expect) >= floor) {
                 st = lib_.truncate(eng_, key.first.c_str(), int64_t(key.second), int32_t(expect));
                 if (st != DGR_OK) {
@@ -939,6 +937,7 @@ void StageWorker::run_batch(std::vector<Work> & batch) {
         std::vector<dgr_step_out> outs(ready.size());
         for (size_t k = 0; k < ready.size(); ++k) outs[k] = ready[k].o;
         int32_t st = lib_.forward(eng_, int32_t(steps.size()), steps.data(), outs.data());
+        metrics_.forward(steps.size());
         if (st == DGR_OK) {
             for (size_t k = 0; k < ready.size(); ++k) {
                 ready[k].o = outs[k];
@@ -1061,7 +1060,7 @@ void StageWorker::emit_last(Work & w, const SessionPtr & sess, const float * log
     const int64_t n = s.positions_size();
     const int64_t n_vocab = info_.n_vocab;
     std::vector<pb::Frame> frames;
-    // The draws of a sampled step (dgr.wire.links._verify): at each of its last drafts+1 positions the token a
+    // The draws of a sampled step: at each of its last drafts+1 positions the token a
     // plain decode would draw there (greedy argmax, or the (seed, position)-keyed draw), while they match the
     // drafts; the first mismatch (or the position after the last draft) gives the next token.
     const int64_t k = s.drafts();
@@ -1317,7 +1316,7 @@ void StageWorker::deliver_to_client(pb::Frame frame) {
         w.t_recv = mono_ns();
         enqueue(std::move(w), sess, true);
     }
-    // What the client gets for the ring (dgr.wire.origin._client_frames): a Token per draw (accepted drafts
+    // What the client gets for the ring: a Token per draw (accepted drafts
     // marked speculated), the ring's own frame (timings, ring time) last; LOGITS_LAST rows split among them.
     std::vector<pb::Frame> out;
     const size_t width = tok->accepted_size() && !tok->logits().empty() ? tok->logits().size() / size_t(tok->accepted_size() + 1) : 0;
@@ -1348,7 +1347,7 @@ void StageWorker::deliver_to_client(pb::Frame frame) {
     wake_.notify_all();
 }
 
-// dgr.wire.origin._next_step: the last token at `pos`, plus what the session's draft source proposes (k+1
+// The origin's next step: the last token at `pos`, plus what the session's draft source proposes (k+1
 // positions, verified by the last stage in the same ring). `after_drafts`: the step answered was
 // speculative, so stages may hold rejected positions >= pos to drop. mu_ held.
 pb::Frame StageWorker::next_step(Session & s, const std::string & sid, uint64_t epoch, int64_t pos, int32_t token, bool after_drafts) {
@@ -1376,7 +1375,7 @@ pb::Frame StageWorker::next_step(Session & s, const std::string & sid, uint64_t 
     return f;
 }
 
-// dgr.wire.servicer._start_speculation: a Generate that asks for drafts gets its session's draft source, if
+// Starting speculation: a Generate that asks for drafts gets its session's draft source, if
 // every hop of the route can roll back rejected drafts.
 void StageWorker::start_speculation(const SessionPtr & sess, const pb::Generate & g) {
     if (g.draft_source().empty()) return;
@@ -1499,7 +1498,7 @@ void StageWorker::set_metrics_url(const std::string & url) {
     metrics_url_ = url;
 }
 
-// dgr.wire.state.WorkerMetrics and _StateCollector, name for name
+// Every metric family, name for name (docs/wire.md "Metrics and the descriptor"; tests/test_worker_cpp_metrics.py)
 std::string StageWorker::metrics_text() {
     std::string o;
     const char * kinds[2] = {"decode", "prefill"};
@@ -1509,6 +1508,10 @@ std::string StageWorker::metrics_text() {
         for (int k = 0; k < 2; ++k) prom_sample(o, "dgr_worker_steps_total", std::string("kind=\"") + kinds[k] + "\"", double(metrics_.steps[k]));
         prom_family(o, "dgr_worker_tokens", "counter", "positions run through the engine");
         for (int k = 0; k < 2; ++k) prom_sample(o, "dgr_worker_tokens_total", std::string("kind=\"") + kinds[k] + "\"", double(metrics_.tokens[k]));
+        prom_family(o, "dgr_worker_forwards", "counter", "engine forwards run, by how many sessions' steps each "
+                    "carried (shared: more than one; --max-batch-sessions, docs/batching.md)");
+        prom_sample(o, "dgr_worker_forwards_total", "sessions=\"one\"", double(metrics_.forwards[0]));
+        prom_sample(o, "dgr_worker_forwards_total", "sessions=\"shared\"", double(metrics_.forwards[1]));
         prom_family(o, "dgr_worker_tokens_sampled", "counter", "tokens sampled (last stage)");
         prom_sample(o, "dgr_worker_tokens_sampled_total", "", double(metrics_.sampled));
         prom_histogram(o, "dgr_worker_step_queue_seconds", "a step's wait for the engine thread", "", {{"", &metrics_.queue}});

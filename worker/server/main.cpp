@@ -62,7 +62,6 @@ struct Options {
     uint64_t max_message_bytes = dgr::DEFAULT_MAX_MESSAGE_BYTES;
     int64_t n_ctx = 4096, max_sessions = 8, threads = 0;
     dgr::Limits limits;
-    std::string data_plane = "grpc";
     std::string tls_cert, tls_key, tls_ca, metrics_listen, certs, contract, advertise;
     int64_t max_rpc_threads = 256;
 };
@@ -72,7 +71,7 @@ const char * USAGE =
     "                  [--n-ctx N] [--max-sessions N] [--threads N] [--max-message-bytes N] [--max-batch-tokens N]\n"
     "                  [--max-batch-sessions N] [--hold-batch N] [--session-ttl S] [--max-queued-steps N]\n"
     "                  [--max-session-steps N] [--rpc-timeout S] [--link-keepalive-timeout S] [--drain-timeout S]\n"
-    "                  [--data-plane grpc] [--tls-cert PEM --tls-key PEM [--tls-ca PEM]] [--insecure]\n"
+    "                  [--tls-cert PEM --tls-key PEM [--tls-ca PEM]] [--insecure]\n"
     "                  [--advertise HOST[:PORT]] [--max-connections N] [--max-rpc-threads N] [--send-timeout S]\n"
     "                  [--max-send-queue-bytes N] [--metrics-listen HOST:PORT] [--certs DIR [--contract FILE]]\n"
     "Serves one stage of a bundle (dgr.v1.Stage over gRPC, grpc.health.v1) as `dgr worker serve` does.\n"
@@ -157,9 +156,6 @@ Options parse(int argc, char ** argv) {
         {"--rpc-timeout", [&](auto & v) { o.limits.rpc_timeout_s = to_float("--rpc-timeout", v); }},
         {"--link-keepalive-timeout", [&](auto & v) { o.limits.link_keepalive_timeout_s = to_float("--link-keepalive-timeout", v); }},
         {"--drain-timeout", [&](auto & v) { o.limits.drain_timeout_s = to_float("--drain-timeout", v); }},
-        {"--data-plane", [&](auto & v) {
-             if (v != "grpc" && v != "native") throw UsageError("argument --data-plane: invalid choice: '" + v + "' (choose from 'grpc', 'native')");
-             o.data_plane = v; }},
         {"--tls-cert", [&](auto & v) { o.tls_cert = v; }},
         {"--tls-key", [&](auto & v) { o.tls_key = v; }},
         {"--tls-ca", [&](auto & v) { o.tls_ca = v; }},
@@ -545,7 +541,7 @@ int run(int argc, char ** argv) {
     if (o.n_ctx < 0) throw std::runtime_error("--n-ctx must not be negative");
     // what dgr-worker does not do yet is refused, never silently ignored (docs/worker.md)
     const dgr::Trust trust = dgr::tls_trust(dgr::TlsFiles{o.tls_cert, o.tls_key, o.tls_ca});
-    std::string mhost, mport;                        // --metrics-listen HOST:PORT (dgr.wire.worker.serve's rules)
+    std::string mhost, mport;                        // --metrics-listen HOST:PORT (the gRPC port's rules)
     if (!o.metrics_listen.empty()) {
         auto c = o.metrics_listen.rfind(':');
         mhost = c == std::string::npos ? "" : o.metrics_listen.substr(0, c);
@@ -559,7 +555,6 @@ int run(int argc, char ** argv) {
                                      "certs` makes them), or --insecure to accept plaintext on a network you trust");
         }
     }
-    if (o.data_plane != "grpc") throw std::runtime_error("--data-plane native: dgr-worker has one data path, gRPC (docs/worker.md)");
     auto colon = o.listen.rfind(':');
     std::string host = colon == std::string::npos ? "" : o.listen.substr(0, colon);
     std::string port = colon == std::string::npos ? "" : o.listen.substr(colon + 1);
@@ -650,7 +645,7 @@ int run(int argc, char ** argv) {
     std::unique_ptr<dgr::MetricsServer> metrics;
     if (!mhost.empty()) {
         try {
-            // HTTPS under TLS, client certificates from the CA under mutual TLS (dgr.wire.worker.start_metrics)
+            // HTTPS under TLS, client certificates from the CA under mutual TLS
             metrics = std::make_unique<dgr::MetricsServer>(mhost, mport, [w = worker.get()] { return w->metrics_text(); },
                                                            o.tls_cert, o.tls_key, o.tls_ca);
         } catch (const std::exception & e) {
@@ -701,7 +696,7 @@ int run(int argc, char ** argv) {
     });
     int sig = 0;
     sigwait(&sigs, &sig);
-    // --drain-timeout bounds the whole drain (dgr.wire.worker.drain and its watchdog): a second signal, or the
+    // --drain-timeout bounds the whole drain (a watchdog): a second signal, or the
     // bound passing while anything still hangs (an engine step, a peer that does not read), leaves at once
     const double bound_s = std::max(0.0, o.limits.drain_timeout_s);
     const auto end = std::chrono::steady_clock::now() + std::chrono::milliseconds(int64_t(bound_s * 1000));

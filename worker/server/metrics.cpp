@@ -36,7 +36,7 @@ void Histogram::observe(double s) {
 
 void Metrics::step(int64_t n_tokens, int64_t queue_ns, int64_t compute_ns) {
     std::lock_guard<std::mutex> g(mu);
-    const int kind = n_tokens == 1 ? 0 : 1;          // dgr.wire.state.WorkerMetrics.step: decode is one position
+    const int kind = n_tokens == 1 ? 0 : 1;          // a decode step is one position
     ++steps[kind];
     tokens[kind] += uint64_t(n_tokens);
     queue.observe(double(queue_ns) / 1e9);

@@ -1,5 +1,5 @@
-// TLS and mutual TLS for dgr-worker (issue 21 phase 3, docs/worker.md): the same flags and rules as the
-// Python worker's dgr.wire.tls (`--tls-cert --tls-key [--tls-ca]`), on the listener and every outgoing link.
+// TLS and mutual TLS for dgr-worker (issue 21 phase 3, docs/worker.md): `--tls-cert --tls-key [--tls-ca]`,
+// the rules the client's dgr.wire.tls follows too, on the listener and every outgoing link.
 #pragma once
 
 #include <grpcpp/grpcpp.h>
@@ -30,7 +30,7 @@ struct Trust {
 // the PEM files read, the credentials made. Plaintext when none is given.
 Trust tls_trust(const TlsFiles & f);
 
-// The common name(s) of a PEM certificate's subject, sorted and joined by "," (dgr.wire.state.member_name);
+// The common name(s) of a PEM certificate's subject, sorted and joined by ",";
 // "" when it has none or cannot be read.
 std::string cert_common_name(const std::string & pem);
 

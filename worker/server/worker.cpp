@@ -659,7 +659,7 @@ void StageWorker::stop() {
         for (auto & kv : sessions_) open.emplace_back(kv.first, kv.second);
         streams = streams_;
     }
-    // tell the clients (through the origin) first, as the Python worker's drain does
+    // tell the clients (through the origin) first, so they re-route (docs/worker.md, phase 4)
     const std::string bye = hop() + " is shutting down (SIGTERM): the session is closed; use another replica";
     for (auto & [k, sess] : open) {
         try {

@@ -4,8 +4,8 @@
 // OpenSession/CloseSession (the session table, chained along the route), the standard health service.
 // Phase 2 (frames.cpp): the Frames data path, the ring relay over one outgoing stream per next hop
 // (Link), the engine thread batching steps across sessions, sampling and generation control at the
-// origin. Behaviour, errors and messages are those of the Python worker (tools/dgr/wire/servicer.py,
-// scheduler.py, links.py, origin.py, state.py); tests/test_worker_cpp*.py run both and compare them.
+// origin. Behaviour, errors and messages are those the retired Python worker had (docs/worker.md);
+// tests/test_worker_cpp*.py hold them against the bundle, the engine and the messages they write out.
 #pragma once
 
 #include <chrono>
@@ -34,7 +34,8 @@
 
 namespace dgr {
 
-// What a worker bounds and how long it waits: `dgr worker serve`'s flags (dgr.wire.state.Limits).
+// What a worker bounds and how long it waits: `dgr worker serve`'s flags (its front end passes
+// dgr.wire.limits.Limits' defaults explicitly; these are dgr-worker's own).
 struct Limits {
     int64_t max_batch_tokens = 512;
     int64_t max_batch_sessions = 64;
@@ -59,7 +60,7 @@ struct Limits {
     std::set<std::tuple<std::string, uint64_t, int64_t>> break_origin_link_at;
 };
 
-// What the engine's stage info does not know: where the stage comes from (dgr.wire.state.StageIdentity).
+// What the engine's stage info does not know: where the stage comes from.
 struct StageIdentity {
     std::string model, bundle_id;
     int stage_index = 0, stage_count = 0;
@@ -83,7 +84,7 @@ const WireDtype * find_dtype(const std::string & name);
 constexpr uint64_t FRAME_OVERHEAD = 4096;
 constexpr uint64_t DEFAULT_MAX_MESSAGE_BYTES = 4 * 1024 * 1024 - 64 * 1024;
 
-// Shared by worker.cpp and frames.cpp (the texts are the Python worker's: dgr.wire.codec).
+// Shared by worker.cpp and frames.cpp (the dtypes and their sizes are dgr.wire.codec's).
 const WireDtype * dtype_of(dgr::v1::Dtype code);
 uint64_t nbytes(const WireDtype & d, uint64_t n_values);
 std::string status_name(grpc::StatusCode c);
@@ -178,7 +179,7 @@ class StageWorker final : public dgr::v1::Stage::Service {
     void stop();
     ~StageWorker() override;
     std::string descriptor_json();
-    // --metrics-listen: Prometheus text (the Python worker's names: dgr.wire.state.WorkerMetrics) and the URL
+    // --metrics-listen: Prometheus text (the names in docs/wire.md "Metrics and the descriptor") and the URL
     // Describe's descriptor reports
     std::string metrics_text();
     void set_metrics_url(const std::string & url);
@@ -201,11 +202,11 @@ class StageWorker final : public dgr::v1::Stage::Service {
         std::string text;                            // their text as the client has it
         bool done = false, failed = false;
         bool told_origin = false;                    // the last stage: its stream back to the origin broke (once)
-        // mutual TLS (dgr.wire.servicer._check_sender): who may send its frames here
+        // mutual TLS (check_sender): who may send its frames here
         std::optional<std::string> opener;           // the member that opened it at this stage
         std::string returner;                        // the route's last hop (tokens into the origin)
         std::set<std::string> route_members;         // every hop of the route (errors into the origin)
-        // speculation (dgr.wire.state.Session). At the origin: the draft source and its k, the tokens the
+        // speculation. At the origin: the draft source and its k, the tokens the
         // session has run (prompt + generated: where drafts are looked up), whether every hop can roll back,
         // the positions a step may carry unsplit. On every stage: the first draft position of its last
         // speculative step, below which a rollback never drops positions (-1: none).
@@ -243,7 +244,7 @@ class StageWorker final : public dgr::v1::Stage::Service {
     std::string refuse_owner(const std::string & sid, uint64_t epoch, const grpc::ServerContext * ctx);
     void check_step(const dgr::v1::Step & step, std::vector<float> * x);
     // OpenSession's reply hops (this stage's and those after it): can the route roll back, and how many
-    // positions fit one frame (dgr.wire.servicer.OpenSession); mu_ held
+    // positions fit one frame; mu_ held
     void note_route(Session & s, const google::protobuf::RepeatedPtrField<dgr::v1::StageDescription> & hops);
     void start_speculation(const SessionPtr & sess, const dgr::v1::Generate & g);
     dgr::v1::Frame next_step(Session & s, const std::string & sid, uint64_t epoch, int64_t pos, int32_t token, bool after_drafts);

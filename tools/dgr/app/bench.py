@@ -46,7 +46,6 @@ class Setup:
     label: str                           # what the report calls the model
     synthetic: bool = False              # random weights, no tokenizer: prompts are random token ids
     wire_dtype: str | None = None        # None: the bundle's
-    data_plane: str = "grpc"             # the workers' `--data-plane`: grpc (dgr-worker) or native
     workdir: Path | None = None          # a temporary folder this setup made (synthetic bundles)
 
     @property
@@ -56,7 +55,7 @@ class Setup:
 
 def prepare(*, stages: int | None = None, bundle: str | None = None, source: str | None = None,
             synth: str | None = None, lib: str | None = None, threads: int = 1,
-            wire_dtype: str | None = None, data_plane: str = "grpc") -> Setup:
+            wire_dtype: str | None = None) -> Setup:
     """Resolve what `dgr bench` runs: `bundle` (a folder), `synth` (a fresh tiny model of that
     architecture split into `stages`), or the embedded SmolLM2 of `stages` (default 3)."""
     from dgr.app.local import engine_library
@@ -81,7 +80,7 @@ def prepare(*, stages: int | None = None, bundle: str | None = None, source: str
         raise DgrError(f"dgr bench: the bundle {b.root} has {len(b.manifest.stages)} stages, not --stages {stages}; "
                        "drop --stages or give a bundle of that many stages")
     return Setup(bundle=b, source=_source_of(b, source), lib=lib_path, threads=max(1, threads), label=label,
-                 synthetic=bool(synth), wire_dtype=wire_dtype, workdir=workdir, data_plane=data_plane)
+                 synthetic=bool(synth), wire_dtype=wire_dtype, workdir=workdir)
 
 
 def _source_of(b, source: str | None) -> Path:
@@ -250,7 +249,7 @@ def run_bench(setup: Setup, *, tokens: int = 64, prompt_lengths=PROMPT_LENGTHS, 
     need = max(lengths) + tokens + 8
     n_ctx = max(need, 512 if setup.synthetic else DEFAULT_N_CTX)
     args = [["--bundle", str(setup.bundle.root), "--stage", str(i), "--threads", str(setup.threads),
-             "--n-ctx", str(n_ctx), "--data-plane", setup.data_plane,
+             "--n-ctx", str(n_ctx),
              *(["--wire-dtype", setup.wire_dtype] if setup.wire_dtype else [])]
             for i in range(S)]
     acc = _Acc()
@@ -283,10 +282,8 @@ def run_bench(setup: Setup, *, tokens: int = 64, prompt_lengths=PROMPT_LENGTHS, 
             log.info("bench: warming up both sides")
             c.run(decode_ids, max_new_tokens=4, stop_token_ids=[])
             whole_model_run(whole, decode_ids, 4, chunk_tokens=chunk)
-            # per stage (stage order), the ports it serves: gRPC, and its native plane's
-            ports = [[int(a.rpartition(":")[2])] + ([int(d.native_address.rpartition(":")[2])]
-                                                     if d.native_address else [])
-                     for a, d in zip(route.addresses, hops)]
+            # per stage (stage order), the ports it serves
+            ports = [[int(a.rpartition(":")[2])] for a in route.addresses]
             wire = _wire_bytes(c, decode_ids, tokens, ports)
             for r in range(rounds):
                 toks = {}
@@ -375,7 +372,7 @@ def _report(setup: Setup, acc: _Acc, lengths, tokens, rounds, sessions, chunk, w
                   "arch": setup.bundle.manifest.model.arch, "stages": S, "threads": setup.threads,
                   "engine_lib": str(setup.lib), "tokens": tokens, "prompt_lengths": list(lengths),
                   "rounds": rounds, "chunk_tokens": chunk, "cpus": os.cpu_count(), "seconds": round(seconds, 1),
-                  "data_plane": setup.data_plane,
+                  "worker": "dgr-worker",
                   "wire_dtype": DTYPE_NAMES.get(dtype.dtype) if dtype is not None else None},
         "whole": {"decode_tok_s": wd, "prefill_tok_s": whole_pf[top], "prefill_tok_s_by_len": whole_pf,
                   "decode_ms_per_token": 1e3 / wd if wd else 0.0},

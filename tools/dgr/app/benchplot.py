@@ -11,7 +11,7 @@ def table(rep: dict) -> str:
     """The report as the lines a person reads: whole vs pipeline, the hops, the stages, bytes, sessions."""
     b, w, p, r, s = rep["bench"], rep["whole"], rep["pipeline"], rep["ratios"], rep["sessions"]
     lines = [f"dgr bench: {b['model']} ({b['arch']}), {b['stages']} stages, {b['threads']} thread(s) per process, "
-             f"{b['chunk_tokens']}-token prefill chunks, {b['wire_dtype']} boundary, {b.get('data_plane', 'grpc')} data plane, "
+             f"{b['chunk_tokens']}-token prefill chunks, {b['wire_dtype']} boundary, {b.get('worker', 'dgr-worker')}, "
              f"{b['rounds']} round(s), "
              f"{b['cpus']} CPU(s), {b['seconds']:.0f} s",
              f"  {'':28}{'whole':>10}{'pipeline':>10}{'ratio':>8}"]
@@ -65,7 +65,7 @@ def plot(rep: dict, path: str | Path) -> Path:
     b, w, p, s = rep["bench"], rep["whole"], rep["pipeline"], rep["sessions"]
     fig, ax = plt.subplots(2, 2, figsize=(13, 8.5))
     fig.suptitle(f"dgr bench: {b['model']}, {b['stages']} stages, {b['threads']} thread(s) per process, "
-                 f"{b.get('data_plane', 'grpc')} data plane, {b['cpus']} CPU(s)")
+                 f"{b.get('worker', 'dgr-worker')}, {b['cpus']} CPU(s)")
 
     a = ax[0][0]
     labels = [f"prefill {n}" for n in w["prefill_tok_s_by_len"]] + ["decode"]

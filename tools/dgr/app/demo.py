@@ -103,7 +103,7 @@ def long_prompt(tokenize, n: int) -> list[int]:
 
 
 def run_demo(*, stages: int = 3, max_tokens: int = 32, prompt: str = "The capital of France is",
-             prefill_tokens: int = 256, threads: int = 0, data_plane: str = "grpc") -> int:
+             prefill_tokens: int = 256, threads: int = 0) -> int:
     from dgr.engine import Engine
     from dgr.enginebuild import ensure_engine
     from dgr.wire.client import RouteClient
@@ -115,9 +115,9 @@ def run_demo(*, stages: int = 3, max_tokens: int = 32, prompt: str = "The capita
     bundle, recipe = ensure_bundle(stages)
     # ggml's CPU threads spin while they wait: workers sharing a machine split its cores between them
     threads = threads or max(1, (os.cpu_count() or 1) // stages)
-    log.info("demo: bundle %s (%d stages), engine %s, %d compute thread(s) per process, %s data plane",
-             bundle.root.name, stages, lib, threads, data_plane)
-    args = [["--bundle", str(bundle.root), "--stage", str(i), "--threads", str(threads), "--data-plane", data_plane]
+    log.info("demo: bundle %s (%d stages), engine %s, %d compute thread(s) per dgr-worker",
+             bundle.root.name, stages, lib, threads)
+    args = [["--bundle", str(bundle.root), "--stage", str(i), "--threads", str(threads)]
             for i in range(stages)]
     with LocalRoute(args, env={"DGR_ENGINE_LIB": str(lib)}) as route, RouteClient(route.addresses) as client:
         log.info("demo: %d workers on %s", stages, route.route)

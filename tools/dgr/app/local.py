@@ -178,7 +178,7 @@ class _FakeWorker(_Worker):
     milliseconds rather than the ~0.4 s of `dgr worker serve`)."""
 
     def start(self, listen: str = "127.0.0.1:0") -> None:
-        from dgr.commands.worker import worker_binary
+        from dgr.app.workerbin import worker_binary
         from dgr.testing import fake_engine
 
         env = {**os.environ, **(self.env or {}), fake_engine.LIB_ENV: str(fake_engine.library_path())}
@@ -186,7 +186,7 @@ class _FakeWorker(_Worker):
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
 
 
-# dgr.wire.state.Limits field -> the dgr-worker flag that sets it
+# dgr.wire.limits.Limits field -> the dgr-worker flag that sets it
 _LIMIT_FLAGS = {
     "max_batch_tokens": "--max-batch-tokens", "max_batch_sessions": "--max-batch-sessions",
     "hold_batch": "--hold-batch", "die_at": "--test-die-at", "max_queued_steps": "--max-queued-steps",
@@ -196,11 +196,11 @@ _LIMIT_FLAGS = {
 
 
 def limit_flags(limits) -> list[str]:
-    """A `dgr.wire.state.Limits` as dgr-worker flags (the fields that differ from the defaults); a field that
+    """A `dgr.wire.limits.Limits` as dgr-worker flags (the fields that differ from the defaults); a field that
     has no flag is refused, never dropped."""
     import dataclasses
 
-    from dgr.wire.state import Limits
+    from dgr.wire.limits import Limits
 
     out: list[str] = []
     if limits is None:
@@ -224,7 +224,7 @@ def limit_flags(limits) -> list[str]:
 class FakeRoute(LocalRoute):
     """A route of fake-model dgr-worker processes on loopback (`dgr-worker --fake-engine SPEC --stage N`, one
     per entry of `specs`, in order; a few milliseconds each to start). Tests kill, stop and restart them as
-    any `LocalRoute`'s; `limits` (dgr.wire.state.Limits) becomes dgr-worker flags, and `extra` is more of
+    any `LocalRoute`'s; `limits` (dgr.wire.limits.Limits) becomes dgr-worker flags, and `extra` is more of
     them, for every worker or per (stage, replica) as `LocalRoute`'s."""
 
     worker_class = _FakeWorker

@@ -143,8 +143,7 @@ def _main(args) -> int:
     stages, bundle = args.stages or 3, args.bundle
     if not args.no_main:
         setup = prepare(stages=args.stages, bundle=args.bundle, source=args.source, synth=args.synth,
-                        lib=args.lib, threads=args.threads, wire_dtype=args.wire_dtype,
-                        data_plane=args.data_plane)
+                        lib=args.lib, threads=args.threads, wire_dtype=args.wire_dtype)
         rep = run_bench(setup, tokens=args.tokens, prompt_lengths=lengths, sessions=args.sessions,
                         rounds=args.rounds)
         stages, bundle = setup.stages, setup.bundle if (args.bundle or args.synth) else None
@@ -180,9 +179,6 @@ def register(sub) -> None:
     bench.add_argument("--threads", type=int, default=1,
                        help="compute threads of every worker process and of the whole model (default 1)")
     bench.add_argument("--wire-dtype", help="boundary dtype of the workers (default: the bundle's)")
-    bench.add_argument("--data-plane", choices=("grpc", "native"), default="grpc",
-                       help="the workers' data plane (default grpc: every step over gRPC in dgr-worker, the C++ "
-                            "worker; native: the Python worker with decode steps in C++ over TCP, until it retires)")
     bench.add_argument("--tokens", type=int, default=64, help="decode tokens per generation (default 64)")
     bench.add_argument("--prompt-lengths", default="32,128,256", help="prefill prompt lengths (default 32,128,256)")
     bench.add_argument("--sessions", type=int, default=4, help="concurrent sessions against one (default 4)")

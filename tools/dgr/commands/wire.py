@@ -69,9 +69,6 @@ def register(sub) -> None:
     d.add_argument("--threads", type=int, default=0,
                    help="compute threads per worker (0: the CPU count divided by the stages)")
     d.add_argument("--prefill-tokens", type=int, default=256, help="also time prefill of a prompt this long (0: skip)")
-    d.add_argument("--data-plane", choices=("grpc", "native"), default="grpc",
-                   help="the workers' data plane (default grpc: dgr-worker, the C++ worker; native: the Python "
-                        "worker with decode steps in C++ over TCP, until it retires; docs/worker.md)")
     d.set_defaults(func=_demo)
 
     p = sub.add_parser("wire", help="wire protocol maintenance")
@@ -117,7 +114,7 @@ def _demo(args) -> int:
     from dgr.app.demo import run_demo
 
     return run_demo(stages=args.stages, max_tokens=args.max_tokens, prompt=args.prompt,
-                    prefill_tokens=args.prefill_tokens, threads=args.threads, data_plane=args.data_plane)
+                    prefill_tokens=args.prefill_tokens, threads=args.threads)
 
 
 def _protoc(args) -> int:

@@ -1,21 +1,16 @@
-"""`dgr worker serve` (one stage of a bundle, or of the fake model, served over gRPC until SIGTERM) and
+"""`dgr worker serve` (one stage of a bundle, or of the fake model, served by dgr-worker until SIGTERM) and
 `dgr worker describe` (what a worker advertises: its descriptor).
 
 `dgr worker serve` is the typed front end of `dgr-worker`, the C++ worker (docs/worker.md): it checks what
 Python checks best (the flags, the listen address, the bundle's hashes with the workspace's resumable verify
-state, a fake model's spec), then replaces itself with `dgr-worker` and the same flags. The Python worker
-(`dgr.wire.worker`) serves only `--data-plane native` and `--python-worker` (a hidden flag for the tests
-that compare the two), until it retires.
+state, a fake model's spec), then replaces itself with `dgr-worker` and the same flags.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import signal
 import sys
-import threading
-from pathlib import Path
 
 from dgr.constants import DEFAULT_MAX_SESSIONS, DEFAULT_N_CTX
 from dgr.errors import WireError
@@ -24,7 +19,7 @@ from dgr.errors import WireError
 def register(sub) -> None:
     """Add `dgr worker ...` to the `dgr` parser."""
     from dgr.wire.codec import DEFAULT_MAX_MESSAGE_BYTES
-    from dgr.wire.state import Limits
+    from dgr.wire.limits import Limits
 
     d = Limits()
     w = sub.add_parser("worker", help="run a shard worker")
@@ -32,7 +27,7 @@ def register(sub) -> None:
     s = wsub.add_parser("serve", help="serve one stage of a bundle over gRPC (dgr.v1.Stage)")
     s.add_argument("--bundle", help="bundle folder (manifest.json and stage files)")
     s.add_argument("--fake-engine", metavar="SPEC",
-                   help="serve a stage of the numpy fake model SPEC instead (tests), e.g. 'layers=6,cuts=2:4'")
+                   help="serve a stage of the fake model SPEC instead (tests; worker/fake), e.g. 'layers=6,cuts=2:4'")
     s.add_argument("--stage", type=int, required=True, help="stage index in the bundle")
     s.add_argument("--listen", default="127.0.0.1:0", help="HOST:PORT (port 0 picks a free one); a non-loopback "
                    "address needs --tls-cert/--tls-key or --insecure")
@@ -76,10 +71,6 @@ def register(sub) -> None:
     s.add_argument("--drain-timeout", type=float, default=d.drain_timeout_s, metavar="S",
                    help=f"SIGTERM: exit within S seconds whatever the sessions and streams do "
                         f"(default {d.drain_timeout_s:g})")
-    s.add_argument("--data-plane", choices=("grpc", "native"), default="grpc",
-                   help="native: run decode steps round the ring in C++ over plain TCP (the engine "
-                        "library's data plane, proto/dgr/v1/native.md), next to gRPC; every stage of a route "
-                        "needs it for a session to use it (default grpc: every step over gRPC)")
     s.add_argument("--tls-cert", metavar="F", help="this worker's certificate (PEM; `dgr certs issue`)")
     s.add_argument("--tls-key", metavar="F", help="its private key (PEM)")
     s.add_argument("--tls-ca", metavar="F", help="the operator's CA (PEM): peers must present a certificate it "
@@ -92,7 +83,6 @@ def register(sub) -> None:
                    "logged and ignored")
     s.add_argument("--contract", metavar="FILE", help="the contract file certificates must still match "
                    "(default: the path each certificate records, from the checkout)")
-    s.add_argument("--python-worker", action="store_true", help=argparse.SUPPRESS)   # tests: the Python worker
     s.set_defaults(func=_serve, _parser=s)
 
     d = wsub.add_parser("describe", help="print what a worker advertises (its descriptor)")
@@ -114,11 +104,7 @@ def _die_at(text: str, flag: str = "--test-die-at") -> tuple[str, int, int]:
 
 
 def _serve(args) -> int:
-    from dgr.app import stages
-    from dgr.contract import DEFAULT_WIRE_DTYPE
-    from dgr.wire.state import Limits
     from dgr.wire.tls import TlsConfig, check_listen
-    from dgr.wire.worker import drain, hard_exit, serve
 
     if bool(args.bundle) == bool(args.fake_engine):
         raise WireError("give exactly one of --bundle BUNDLE or --fake-engine SPEC")
@@ -127,104 +113,17 @@ def _serve(args) -> int:
             raise WireError(f"--{flag.replace('_', '-')} must be at least 1")
     tls = TlsConfig.from_args(args.tls_cert, args.tls_key, args.tls_ca)
     host, _, port = args.listen.rpartition(":")
-    if host and port.isdigit():                         # (a malformed address is refused by serve)
-        check_listen(args.listen, tls, args.insecure)   # before the engine loads: refuse fast
-    limits = Limits(max_batch_tokens=args.max_batch_tokens, max_queued_steps=args.max_queued_steps,
-                    max_session_steps=args.max_session_steps, session_ttl_s=max(0.0, args.session_ttl),
-                    rpc_timeout_s=args.rpc_timeout, drain_timeout_s=args.drain_timeout,
-                    link_keepalive_timeout_s=args.link_keepalive_timeout,
-                    max_batch_sessions=args.max_batch_sessions, hold_batch=max(0, args.hold_batch),
-                    die_at=tuple(_die_at(x) for x in args.test_die_at))
-    for flag in ("test_evict_at", "test_break_origin_link_at"):
+    if host and port.isdigit():                         # (dgr-worker names a malformed address)
+        check_listen(args.listen, tls, args.insecure)   # before the bundle is read: refuse fast
+    for flag in ("test_die_at", "test_evict_at", "test_break_origin_link_at"):
         for x in getattr(args, flag):
             _die_at(x, "--" + flag.replace("_", "-"))
-    if args.data_plane == "grpc" and not args.python_worker:
-        _exec_worker(args)
-    if args.test_evict_at or args.test_break_origin_link_at:
-        raise WireError("--test-evict-at and --test-break-origin-link-at are dgr-worker's: the Python worker has "
-                        "neither")
-    if args.fake_engine:
-        engine, ident = stages.fake_stage(args.fake_engine, args.stage, args.wire_dtype or DEFAULT_WIRE_DTYPE)
-    else:
-        engine, ident = stages.bundle_stage(args.bundle, args.stage, lane=args.lane, wire_dtype=args.wire_dtype,
-                                            n_ctx=args.n_ctx, max_sessions=args.max_sessions,
-                                            n_threads=args.threads)
-    try:
-        info = engine.describe()
-        certs = () if not args.certs else stages.held_certificates(
-            args.certs, ident, (info.layer_begin, info.layer_end), args.contract)
-        server, worker, address = serve(engine, ident, args.listen, max_message_bytes=args.max_message_bytes,
-                                        limits=limits, tls=tls, insecure=args.insecure,
-                                        metrics_listen=args.metrics_listen, certificates=certs,
-                                        data_plane=args.data_plane)
-    except BaseException:
-        engine.close()
-        raise
-    if worker.metrics_url:
-        print(f"dgr worker: metrics on {worker.metrics_url}", flush=True)
-    if args.certs:
-        print(f"dgr worker: {len(certs)} certificate(s) advertised from {args.certs}", flush=True)
-    info = worker.info
-    where = f", {ident.lane} lane, weights on {engine.memory().device or 'the host'}"
-    sec = "mutual TLS" if worker.mutual_tls else "TLS" if tls else "plaintext"
-    if worker.native is not None:
-        print(f"dgr worker: native data plane on {worker.native.address}", flush=True)
-    print(f"dgr worker: stage {ident.stage_index} [{info.layer_begin}, {info.layer_end}) of bundle "
-          f"{ident.bundle_id}{where}, {sec} serving on {address}", flush=True)
-    done = threading.Event()
-
-    def on_signal(*_):
-        if done.is_set():                               # a second signal: leave now
-            hard_exit(1, "second signal while draining")
-        done.set()
-
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, on_signal)
-    done.wait()
-    # the last resort: whatever hangs, the process is gone one second after the drain's bound
-    watchdog = threading.Timer(limits.drain_timeout_s + 1.0, hard_exit,
-                               args=(1, f"draining took longer than --drain-timeout {limits.drain_timeout_s:g} s"))
-    watchdog.daemon = True
-    watchdog.start()
-    drain(worker, limits.drain_timeout_s)
-    print(f"dgr worker: stage {ident.stage_index} on {address} drained and stopped", flush=True)
-    # The engine is closed and the server stopped: leave now rather than wait at interpreter exit for a
-    # gRPC handler thread that is still blocked on a dead peer (the bound is the point of a drain).
-    hard_exit(0, "")
-    return 0
+    _exec_worker(args)
+    return 0                                            # (never: the process is dgr-worker now)
 
 
-WORKER_BIN_ENV = "DGR_WORKER_BIN"
 # flags of `dgr worker serve` that are Python's own: never passed to dgr-worker
-_FRONT_END_ONLY = {"python_worker", "func", "_parser", "command", "worker_command"}
-
-
-def worker_binary() -> Path:
-    """`dgr-worker`: $DGR_WORKER_BIN, else the one beside the engine library (a CMake build folder, a
-    release's lib/ has it in ../bin); WireError saying how to get one otherwise."""
-    from dgr.engine import library_path
-    from dgr.paths import env_path
-
-    env = os.environ.get(WORKER_BIN_ENV)
-    if env:
-        path = env_path(env).resolve()
-        if not (path.is_file() and os.access(path, os.X_OK)):
-            raise WireError(f"${WORKER_BIN_ENV} is {env}, which is not an executable file: unset it, or point it "
-                            "at a built dgr-worker")
-        return path
-    lib = library_path()
-    for path in (lib.parent / "dgr-worker", lib.parent.parent / "bin" / "dgr-worker"):
-        if path.is_file() and os.access(path, os.X_OK) and _is_program(path):
-            return path
-    raise WireError(f"no dgr-worker beside the engine library {lib}: run `dgr build-engine --lane cpu` (it needs "
-                    "gRPC C++: `apt-get install libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev "
-                    f"protobuf-compiler nlohmann-json3-dev`), or set ${WORKER_BIN_ENV} to a built dgr-worker")
-
-
-def _is_program(path: Path) -> bool:
-    """An ELF executable: never a release's launcher script that runs dgr itself."""
-    with open(path, "rb") as f:
-        return f.read(4) == b"\x7fELF"
+_FRONT_END_ONLY = {"func", "_parser", "command", "worker_command"}
 
 
 def worker_argv(args) -> list[str]:
@@ -250,6 +149,7 @@ def _exec_worker(args) -> None:
     fake model's spec and stage), then become dgr-worker with the same flags and the engine library this dgr
     would load (the fake one for --fake-engine, built on demand)."""
     from dgr.app.stages import checked_bundle
+    from dgr.app.workerbin import worker_binary
     from dgr.engine import LIB_ENV, library_path
 
     env = dict(os.environ)

@@ -51,7 +51,7 @@ LIB_ENV = "DGR_FAKE_ENGINE_LIB"
 LIBRARY = "libdgr_fake_engine.so"
 # what the library is compiled from (repository paths); a change to any of them rebuilds it on demand
 SOURCES = ("worker/fake/dgr_fake_engine.cpp", "worker/fake/dgr_fake_engine.h", "worker/engine/dgr_sample.cpp",
-           "worker/engine/dgr_dataplane.h", "worker/engine/dgr_engine.h", "worker/engine/dgr_contract.h",
+           "worker/engine/dgr_engine.h", "worker/engine/dgr_contract.h",
            "worker/engine/dgr_keys.h")
 # no -march, no -ffast-math: fp-contract off keeps every product and sum rounded on its own (the same
 # flags as worker/CMakeLists.txt and worker/fake/BUILD.bazel give it)

@@ -106,7 +106,7 @@ class DescribeRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StageDescription(_message.Message):
-    __slots__ = ("identity", "schema_in", "schema_out", "is_first", "is_last", "has_vocab", "n_vocab", "n_ctx", "max_sessions", "open_sessions", "queued_steps", "max_message_bytes", "max_frame_bytes_sent", "seam_bytes_per_token", "engine", "eos_token_ids", "reaped_sessions", "session_ttl_s", "max_queued_steps", "overloaded", "tls", "mutual_tls", "cached_positions", "member", "chat_template", "descriptor_json", "can_roll_back", "native_address", "native_steps", "native_forwards", "batch_invariant")
+    __slots__ = ("identity", "schema_in", "schema_out", "is_first", "is_last", "has_vocab", "n_vocab", "n_ctx", "max_sessions", "open_sessions", "queued_steps", "max_message_bytes", "max_frame_bytes_sent", "seam_bytes_per_token", "engine", "eos_token_ids", "reaped_sessions", "session_ttl_s", "max_queued_steps", "overloaded", "tls", "mutual_tls", "cached_positions", "member", "chat_template", "descriptor_json", "can_roll_back", "batch_invariant")
     IDENTITY_FIELD_NUMBER: _ClassVar[int]
     SCHEMA_IN_FIELD_NUMBER: _ClassVar[int]
     SCHEMA_OUT_FIELD_NUMBER: _ClassVar[int]
@@ -134,9 +134,6 @@ class StageDescription(_message.Message):
     CHAT_TEMPLATE_FIELD_NUMBER: _ClassVar[int]
     DESCRIPTOR_JSON_FIELD_NUMBER: _ClassVar[int]
     CAN_ROLL_BACK_FIELD_NUMBER: _ClassVar[int]
-    NATIVE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
-    NATIVE_STEPS_FIELD_NUMBER: _ClassVar[int]
-    NATIVE_FORWARDS_FIELD_NUMBER: _ClassVar[int]
     BATCH_INVARIANT_FIELD_NUMBER: _ClassVar[int]
     identity: Identity
     schema_in: BoundarySchema
@@ -165,11 +162,8 @@ class StageDescription(_message.Message):
     chat_template: str
     descriptor_json: str
     can_roll_back: bool
-    native_address: str
-    native_steps: int
-    native_forwards: int
     batch_invariant: bool
-    def __init__(self, identity: _Optional[_Union[Identity, _Mapping]] = ..., schema_in: _Optional[_Union[BoundarySchema, _Mapping]] = ..., schema_out: _Optional[_Union[BoundarySchema, _Mapping]] = ..., is_first: _Optional[bool] = ..., is_last: _Optional[bool] = ..., has_vocab: _Optional[bool] = ..., n_vocab: _Optional[int] = ..., n_ctx: _Optional[int] = ..., max_sessions: _Optional[int] = ..., open_sessions: _Optional[int] = ..., queued_steps: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., max_frame_bytes_sent: _Optional[int] = ..., seam_bytes_per_token: _Optional[int] = ..., engine: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., reaped_sessions: _Optional[int] = ..., session_ttl_s: _Optional[float] = ..., max_queued_steps: _Optional[int] = ..., overloaded: _Optional[int] = ..., tls: _Optional[bool] = ..., mutual_tls: _Optional[bool] = ..., cached_positions: _Optional[int] = ..., member: _Optional[str] = ..., chat_template: _Optional[str] = ..., descriptor_json: _Optional[str] = ..., can_roll_back: _Optional[bool] = ..., native_address: _Optional[str] = ..., native_steps: _Optional[int] = ..., native_forwards: _Optional[int] = ..., batch_invariant: _Optional[bool] = ...) -> None: ...
+    def __init__(self, identity: _Optional[_Union[Identity, _Mapping]] = ..., schema_in: _Optional[_Union[BoundarySchema, _Mapping]] = ..., schema_out: _Optional[_Union[BoundarySchema, _Mapping]] = ..., is_first: _Optional[bool] = ..., is_last: _Optional[bool] = ..., has_vocab: _Optional[bool] = ..., n_vocab: _Optional[int] = ..., n_ctx: _Optional[int] = ..., max_sessions: _Optional[int] = ..., open_sessions: _Optional[int] = ..., queued_steps: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., max_frame_bytes_sent: _Optional[int] = ..., seam_bytes_per_token: _Optional[int] = ..., engine: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., reaped_sessions: _Optional[int] = ..., session_ttl_s: _Optional[float] = ..., max_queued_steps: _Optional[int] = ..., overloaded: _Optional[int] = ..., tls: _Optional[bool] = ..., mutual_tls: _Optional[bool] = ..., cached_positions: _Optional[int] = ..., member: _Optional[str] = ..., chat_template: _Optional[str] = ..., descriptor_json: _Optional[str] = ..., can_roll_back: _Optional[bool] = ..., batch_invariant: _Optional[bool] = ...) -> None: ...
 
 class TokenizeRequest(_message.Message):
     __slots__ = ("text", "add_special")
