@@ -31,7 +31,7 @@ from dgr.testing.fake_engine import EOS, FakeEngine, FakeModel
 from dgr.wire import codec
 from dgr.wire.client import RouteClient
 from dgr.wire.gen import stage_pb2 as pb
-from support.engine import b3
+from support.engine import b3, fake_split
 from test_worker_cpp import Proc, worker_bin  # noqa: F401  (worker_bin: the fixture)
 
 SPEC = "layers=7,embd=8,streams=2,cuts=2:5,hash_layers=3,seed=3"
@@ -46,20 +46,6 @@ def _prefill(e: FakeEngine, sid: str, ids: list[int], chunks: list[tuple[int, in
     return np.concatenate(rows)
 
 
-def _split(model: FakeModel, ids: list[int], chunks: list[tuple[int, int]]) -> np.ndarray:
-    stages = [FakeEngine(model, i) for i in range(len(model.ranges))]
-    for e in stages:
-        e.open_session("s", 1)
-    rows = []
-    for lo, hi in chunks:
-        pos, tid, b = np.arange(lo, hi), np.array(ids[lo:hi]), None
-        for e in stages:
-            r = e.forward([Step("s", 1, pos, tid, boundary=b, want_logits="all")])[0]
-            b = r.boundary
-        rows.append(r.logits)
-    return np.concatenate(rows)
-
-
 @pytest.mark.parametrize("spec", [SPEC, "layers=5,embd=16,cuts=1:2:4,seed=9", "layers=3,embd=4,cuts=,seed=2"])
 def test_stages_compose_to_the_whole_model_bit_for_bit(spec):
     model = FakeModel.from_spec(spec)
@@ -69,7 +55,7 @@ def test_stages_compose_to_the_whole_model_bit_for_bit(spec):
     ref = _prefill(whole, "s", ids, [(0, len(ids))])
     assert ref.shape == (len(ids), model.vocab) and ref.dtype == np.float32 and np.isfinite(ref).all()
     for chunks in ([(0, len(ids))], [(0, 1), (1, 7), (7, len(ids))], [(i, i + 1) for i in range(len(ids))]):
-        assert np.array_equal(_split(model, ids, chunks), ref)
+        assert np.array_equal(fake_split(model, ids, chunks), ref)
 
 
 def test_batching_and_chunking_change_no_bit():

@@ -9,22 +9,9 @@ import pytest
 from dgr.engine_api import Step
 from dgr.errors import CacheMiss, EngineError, SchemaMismatch
 from dgr.testing.fake_engine import FakeEngine, FakeModel
+from support.engine import fake_split
 
 SPEC = "layers=7,embd=8,streams=2,cuts=2:5,hash_layers=3,seed=3"
-
-
-def _run_split(model, ids, chunks):
-    stages = [FakeEngine(model, i) for i in range(len(model.ranges))]
-    for e in stages:
-        e.open_session("s", 1)
-    rows = []
-    for lo, hi in chunks:
-        pos, tid, b = np.arange(lo, hi), np.array(ids[lo:hi]), None
-        for e in stages:
-            r = e.forward([Step("s", 1, pos, tid, boundary=b, want_logits="all")])[0]
-            b = r.boundary
-        rows.append(r.logits)
-    return np.concatenate(rows)
 
 
 def test_split_equals_whole_bit_for_bit_for_any_chunking():
@@ -33,8 +20,8 @@ def test_split_equals_whole_bit_for_bit_for_any_chunking():
     whole = FakeEngine(model)
     whole.open_session("s", 1)
     ref = whole.forward([Step("s", 1, np.arange(len(ids)), np.array(ids), want_logits="all")])[0].logits
-    assert np.array_equal(_run_split(model, ids, [(0, len(ids))]), ref)
-    assert np.array_equal(_run_split(model, ids, [(0, 3), (3, 4), (4, len(ids))]), ref)
+    assert np.array_equal(fake_split(model, ids, [(0, len(ids))]), ref)
+    assert np.array_equal(fake_split(model, ids, [(0, 3), (3, 4), (4, len(ids))]), ref)
 
 
 def test_output_depends_on_history():

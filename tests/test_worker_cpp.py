@@ -107,6 +107,20 @@ def cpp(worker_bin: Path, bundle: Path, stage: int, *extra: str) -> Proc:
     return Proc([str(worker_bin), "--bundle", str(bundle), "--stage", str(stage), "--listen", "127.0.0.1:0", *extra])
 
 
+def cpp_stages(worker_bin: Path, bundle: Path, n: int, *extra: str, per_stage=lambda i: ()) -> list[Proc]:
+    """Stages 0..n-1 of `bundle` as dgr-workers, each with `extra` and `per_stage(i)` flags; the ones
+    started are stopped again when one fails to serve."""
+    procs: list[Proc] = []
+    try:
+        for i in range(n):
+            procs.append(cpp(worker_bin, bundle, i, *extra, *per_stage(i)))
+    except BaseException:
+        for p in procs:
+            p.stop()
+        raise
+    return procs
+
+
 def fields(d: pb.StageDescription) -> dict:
     return {f.name: v for f, v in d.ListFields() if f.name not in PROCESS_FIELDS}
 

@@ -31,7 +31,7 @@ from dgr.engine import sample
 from dgr.wire.stats import summarize
 from support.engine import make_bundle, synth_model
 from support.worker import prefill_frame, route_hops
-from test_worker_cpp import cpp, worker_bin  # noqa: F401  (worker_bin: the fixture)
+from test_worker_cpp import cpp_stages, worker_bin  # noqa: F401  (worker_bin: the fixture)
 
 PROMPT = "The three primary colors are"
 MAX_NEW = 12
@@ -49,15 +49,7 @@ def context_full(position: int, n_ctx: int) -> str:
 
 
 def _start(bundle, n, worker_bin, *extra):
-    procs = []
-    try:
-        for i in range(n):
-            procs.append(cpp(worker_bin, bundle, i, *FLAGS, *extra))
-    except BaseException:
-        for p in procs:
-            p.stop()
-        raise
-    return procs
+    return cpp_stages(worker_bin, bundle, n, *FLAGS, *extra)
 
 
 @pytest.fixture(scope="module")

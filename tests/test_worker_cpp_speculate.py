@@ -24,7 +24,7 @@ from dgr.wire.gen import stage_pb2 as pb
 from dgr.wire.stats import draft_stats, rings, tokens_per_ring
 from support.engine import make_bundle, synth_model
 from support.worker import prefill_frame, route_hops
-from test_worker_cpp import cpp, worker_bin  # noqa: F401  (worker_bin: the fixture)
+from test_worker_cpp import cpp_stages, worker_bin  # noqa: F401  (worker_bin: the fixture)
 
 # a prompt that restates itself: prompt lookup finds what follows, and the tiny model's greedy loop too
 PROMPT = [1] + [20, 21, 22, 23, 24, 25] * 6
@@ -44,15 +44,7 @@ def tiny(tmp_path_factory, engine_lib):
 
 
 def _start(bundle, n, worker_bin):
-    procs = []
-    try:
-        for i in range(n):
-            procs.append(cpp(worker_bin, bundle, i, *FLAGS))
-    except BaseException:
-        for p in procs:
-            p.stop()
-        raise
-    return procs
+    return cpp_stages(worker_bin, bundle, n, *FLAGS)
 
 
 @pytest.fixture(scope="module")

@@ -201,3 +201,21 @@ def batching_differences(path, lib, *, fast_kernels: bool = False, n_vocab: int 
 
 __all__ = ["Engine", "b3", "synth_model", "make_bundle", "rewrite_gguf", "long_prompts", "baseline_and_split",
            "assert_split_bundle_exact", "alone_and_shared", "cut", "logits_by_cuts", "batching_differences"]
+
+
+def fake_split(model, ids: list[int], chunks: list[tuple[int, int]]):
+    """The logits rows of every position of `ids` from the fake `model`'s stages chained in this process
+    (dgr.testing.fake_engine.FakeEngine per stage), the prompt run in `chunks` ((lo, hi) position ranges)."""
+    from dgr.testing.fake_engine import FakeEngine
+
+    stages = [FakeEngine(model, i) for i in range(len(model.ranges))]
+    for e in stages:
+        e.open_session("s", 1)
+    rows = []
+    for lo, hi in chunks:
+        pos, tid, b = np.arange(lo, hi), np.array(ids[lo:hi]), None
+        for e in stages:
+            r = e.forward([Step("s", 1, pos, tid, boundary=b, want_logits="all")])[0]
+            b = r.boundary
+        rows.append(r.logits)
+    return np.concatenate(rows)
