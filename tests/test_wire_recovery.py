@@ -109,7 +109,8 @@ def test_a_stopped_middle_stage_is_routed_around_within_the_deadline():
 
 
 def test_route_source_supplies_a_replacement():
-    with fake_route([1, 2, 1]) as r:
+    fault = die_at("victim", fake_prompt_len(), 5)        # stage 1's first replica dies after token 5
+    with fake_route([1, 2, 1], extra=lambda i, k: fault if (i, k) == (1, 0) else []) as r:
         b1, b2 = r.replicas[1]
         asked = []
 
@@ -119,7 +120,7 @@ def test_route_source_supplies_a_replacement():
 
         want = reference(r)
         with RouteClient([r.replicas[0], [b1], r.replicas[2]], route_source=source) as c:
-            gen, _ = run_with_fault(c, lambda: r.kill(1, 0), 5)
+            gen = c.run(PROMPT, max_new_tokens=MAX_NEW, stop_token_ids=[], session_id="victim")
         assert gen.text == want.text
         assert asked == [(1, [b1])] and gen.routes[-1].split(",")[1] == b2
 

@@ -19,7 +19,7 @@ from dgr.wire.errors import RemoteEngineError
 from dgr.wire.gen import stage_pb2 as pb
 from dgr.wire.stats import draft_stats, tokens_per_ring
 
-from support.route import SAMPLED, fake_route, run_with_fault
+from support.route import SAMPLED, die_at, fake_prompt_len, fake_route
 from support.wire import RawStream
 
 SPEC = "layers=6,embd=16,cuts=2:4,hash_layers=3,seed=8"
@@ -116,10 +116,15 @@ def test_worker_processes_and_the_cli_give_the_plain_text():
 
 
 def test_a_killed_stage_mid_speculation_recovers_to_the_same_text():
-    with fake_route(replicas=[1, 2, 1]) as r, RouteClient(r.replicas) as c:
+    # stage 1's first replica kills itself about to run the step holding the 30th token's position: mid-
+    # generation by construction (a speculative step holding that position counts too)
+    fault = die_at("victim", fake_prompt_len(PROMPT), 30)
+    with fake_route(replicas=[1, 2, 1], extra=lambda i, k: fault if (i, k) == (1, 0) else []) as r, \
+            RouteClient(r.replicas) as c:
         want = c.run(PROMPT, max_new_tokens=120, stop_token_ids=[]).token_ids
-        gen, _ = run_with_fault(c, lambda: r.kill(1), 30, prompt=PROMPT, max_new_tokens=120, speculate="ngram")
-    assert gen.token_ids == want and gen.epochs == 2
+        gen = c.run(PROMPT, max_new_tokens=120, stop_token_ids=[], speculate="ngram", session_id="victim")
+        assert r.workers[1][0].proc.wait(30) == -9          # it killed itself, not someone else
+    assert gen.token_ids == want and gen.epochs == 2 and gen.failures[0].stage == 1
 
 
 def test_rollback_only_drops_rejected_drafts():

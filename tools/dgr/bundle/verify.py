@@ -4,12 +4,16 @@ It names the first bad file and chunk.
 
 Progress is recorded in the workspace after each chunk, so an interrupted run resumes where it
 stopped; a file whose size or mtime changed since is checked again from its start.
+
+Tests: $DGR_TEST_VERIFY_STOP_AFTER=N makes the verifying process stop itself (SIGSTOP) right after the N-th
+chunk it read is recorded, so a test can kill it at an exact point rather than at whatever point it reached.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -66,6 +70,7 @@ def verify_bundle(path: str | Path, *, resume: bool = True, max_chunks: int | No
     spath = _state_path(b, "verify")
     state = _load_state(spath, resume)
     rep = VerifyReport(bundle_id=b.id, chunks_total=sum(len(s.chunks) for s in m.stages))
+    stop_after = int(os.environ.get("DGR_TEST_VERIFY_STOP_AFTER") or 0)
     bar = tqdm(total=rep.chunks_total, unit="chunk", desc="verify", disable=not progress)
     try:
         for s in m.stages:
@@ -97,6 +102,8 @@ def verify_bundle(path: str | Path, *, resume: bool = True, max_chunks: int | No
                     state[s.file] = {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "chunks_ok": k + 1}
                     _save_state(spath, state)
                     bar.update(1)
+                    if stop_after and rep.chunks_read == stop_after:
+                        os.kill(os.getpid(), signal.SIGSTOP)    # tests: frozen at an exact chunk, to be killed
     finally:
         bar.close()
     rep.complete = True
