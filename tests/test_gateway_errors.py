@@ -183,10 +183,12 @@ def test_a_client_that_times_out_frees_its_session(gw, route):
 
 
 def test_a_dead_route_answers_503_and_a_stream_that_breaks_ends_in_an_error_event(tmp_path):
-    with fake_route(spec=SPEC) as r, gateway(r.route, attempts=1, hop_deadline=1.0) as g:
+    # a generation far longer than the kill takes to land (the stage dies while it streams); probes of the
+    # live stages get 3 s to answer on a loaded machine
+    with fake_route(spec=SPEC) as r, gateway(r.route, attempts=1, hop_deadline=3.0) as g:
         c = g.client()
         model = _model(g)
-        s = c.completions.create(model=model, prompt="x", max_tokens=200, temperature=0, stream=True,
+        s = c.completions.create(model=model, prompt="x", max_tokens=2000, temperature=0, stream=True,
                                  extra_body={"ignore_eos": True})
         chunks = iter(s)
         next(chunks)
