@@ -152,4 +152,4 @@ def test_a_worker_refuses_to_advertise_another_lane(tiny, tmp_path):
     out = dgr("worker", "serve", "--bundle", str(bundle.root), "--stage", "0", "--lane", "cuda",
               env=NO_DEVICE, check=False)
     assert out.returncode != 0
-    assert "built for the vulkan lane" in out.stderr and "worker_cuda" in out.stderr, out.stderr
+    assert "built for the vulkan lane" in out.stderr and "start it with the cuda lane's engine" in out.stderr, out.stderr

@@ -667,9 +667,11 @@ int run(int argc, char ** argv) {
     health->SetServingStatus("dgr.v1.Stage", true);
     const dgr_stage_info & i = worker->info();
     const char * mode = trust.mutual ? "mutual TLS" : trust.tls ? "TLS" : "plaintext";
+    dgr_memory mem{};                                // where the weights are: the lane's device, or the host
+    const bool on_device = s.lib.memory(s.eng, &mem) == DGR_OK && mem.device[0] != '\0';
     std::printf("dgr worker: stage %d [%d, %d) of bundle %s, %s lane, weights on %s, %s serving on %s\n",
-                s.id.stage_index, i.layer_begin, i.layer_end, s.id.bundle_id.c_str(), s.id.lane.c_str(), "the host",
-                mode, address.c_str());
+                s.id.stage_index, i.layer_begin, i.layer_end, s.id.bundle_id.c_str(), s.id.lane.c_str(),
+                on_device ? mem.device : "the host", mode, address.c_str());
     std::fflush(stdout);
 
     // SIGTERM/SIGINT (blocked in every thread: main() blocked them before gRPC started any) end the wait
