@@ -40,6 +40,15 @@ def llama_src() -> Path:
 # engine: the ShardEngine library over the patched llama.cpp, built once (cached in the workspace) by
 # the toolchain, never by the runtime; $DGR_ENGINE_LIB points at another build (Bazel sets it).
 @pytest.fixture(scope="session")
+def worker_bin(engine_lib) -> Path:
+    """dgr-worker: $DGR_WORKER_BIN (Bazel: a runfiles path), else the one `dgr build-engine` put beside the
+    engine library; how to get one otherwise (dgr.app.workerbin, as `dgr worker serve` finds it)."""
+    from dgr.app.workerbin import worker_binary
+
+    return worker_binary()
+
+
+@pytest.fixture(scope="session")
 def engine_lib() -> Path:
     env = os.environ.get("DGR_ENGINE_LIB")
     if env:

@@ -32,7 +32,7 @@ from dgr.wire import codec
 from dgr.wire.client import RouteClient
 from dgr.wire.gen import stage_pb2 as pb
 from support.engine import b3, fake_split
-from test_worker_cpp import Proc, worker_bin  # noqa: F401  (worker_bin: the fixture)
+from test_worker_cpp import Proc
 
 SPEC = "layers=7,embd=8,streams=2,cuts=2:5,hash_layers=3,seed=3"
 TEXT = "a fake model, now in C++"

@@ -37,7 +37,8 @@ from dgr.contract import WIRE_DTYPES
 from dgr.descriptor import Descriptor
 from dgr.engine import Engine
 from dgr.ggufmodel import read_header
-from dgr.paths import env_path
+from dgr.wire.codec import DEFAULT_MAX_MESSAGE_BYTES
+from dgr.wire.limits import Limits
 from dgr.wire.gen import stage_pb2 as pb
 from dgr.wire.gen import stage_pb2_grpc as pb_grpc
 from support.engine import make_bundle, synth_model
@@ -46,19 +47,10 @@ READY = re.compile(r"serving on (\S+)")
 # Describe fields that name the process, not the stage: a member's certificate
 PROCESS_FIELDS = {"member", "descriptor_json"}
 # dgr-worker's defaults (`dgr worker serve`'s flags; docs/wire.md): what Describe and the descriptor advertise
-MAX_MESSAGE_BYTES = 4 * 1024 * 1024 - 64 * 1024      # under gRPC's 4 MiB default with a margin
-MAX_QUEUED_STEPS, MAX_SESSION_STEPS, MAX_BATCH_TOKENS, SESSION_TTL_S = 512, 128, 512, 300.0
-
-
-@pytest.fixture(scope="module")
-def worker_bin(engine_lib) -> Path:
-    env = os.environ.get("DGR_WORKER_BIN")
-    path = env_path(env).resolve() if env else Path(engine_lib).parent / "dgr-worker"   # Bazel: a runfiles path
-    assert path.is_file() and os.access(path, os.X_OK), (
-        f"no dgr-worker at {path}: build it with `dgr build-engine --lane cpu` (CMake puts it beside "
-        f"libdgr_engine.so; it needs `apt-get install libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev "
-        f"protobuf-compiler`), or `bazel build //worker/server:dgr-worker` and set DGR_WORKER_BIN")
-    return path
+# dgr-worker's own, held equal to the front end's (`dgr worker serve` passes these explicitly)
+MAX_MESSAGE_BYTES = DEFAULT_MAX_MESSAGE_BYTES
+MAX_QUEUED_STEPS, MAX_SESSION_STEPS, MAX_BATCH_TOKENS, SESSION_TTL_S = (
+    Limits().max_queued_steps, Limits().max_session_steps, Limits().max_batch_tokens, Limits().session_ttl_s)
 
 
 class Proc:

@@ -19,7 +19,7 @@ from dgr.certificate import (Certificate, ContractRef, Figure, Hardware, Identit
 from dgr.descriptor import HeldCertificate
 from dgr.hashing import file_blake3
 from support.certify import write_contract
-from test_worker_cpp import cpp, tiny, worker_bin  # noqa: F401  (fixtures)
+from test_worker_cpp import cpp, tiny  # noqa: F401  (fixtures)
 
 LOGGED = re.compile(r"(ignoring .*|advertising certificate .*)$")
 

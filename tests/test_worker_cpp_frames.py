@@ -31,7 +31,7 @@ from dgr.engine import sample
 from dgr.wire.stats import summarize
 from support.engine import make_bundle, synth_model
 from support.worker import prefill_frame, route_hops
-from test_worker_cpp import cpp_stages, worker_bin  # noqa: F401  (worker_bin: the fixture)
+from test_worker_cpp import cpp_stages
 
 PROMPT = "The three primary colors are"
 MAX_NEW = 12

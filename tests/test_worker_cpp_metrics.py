@@ -26,7 +26,7 @@ from dgr.wire.gen import stage_pb2_grpc as pb_grpc
 from support.engine import make_bundle, synth_model
 from support.metrics import scrape, value
 from support.worker import make_ca, tls_flags, wait_for
-from test_worker_cpp import cpp, worker_bin  # noqa: F401  (worker_bin: the fixture)
+from test_worker_cpp import cpp
 
 FLAGS = ("--threads", "1", "--n-ctx", "256")
 METRICS = ("--metrics-listen", "127.0.0.1:0")

@@ -21,7 +21,7 @@ from dgr.wire.gen import stage_pb2 as pb
 from dgr.wire.gen import stage_pb2_grpc as pb_grpc
 from support.wire import RawStream
 from support.worker import open_route, route_hops
-from test_worker_cpp import cpp, worker_bin  # noqa: F401  (worker_bin: the fixture)
+from test_worker_cpp import cpp
 from test_worker_cpp_frames import FLAGS, SAMPLED, tiny  # noqa: F401  (tiny: the fixture)
 
 PROMPT_IDS = list(range(5, 25))

@@ -24,7 +24,7 @@ from dgr.wire.gen import stage_pb2 as pb
 from dgr.wire.stats import draft_stats, rings, tokens_per_ring
 from support.engine import make_bundle, synth_model
 from support.worker import prefill_frame, route_hops
-from test_worker_cpp import cpp_stages, worker_bin  # noqa: F401  (worker_bin: the fixture)
+from test_worker_cpp import cpp_stages
 
 # a prompt that restates itself: prompt lookup finds what follows, and the tiny model's greedy loop too
 PROMPT = [1] + [20, 21, 22, 23, 24, 25] * 6

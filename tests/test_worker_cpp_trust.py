@@ -25,7 +25,7 @@ from dgr.wire.gen import stage_pb2 as pb
 from dgr.wire.gen import stage_pb2_grpc as pb_grpc
 from support.engine import make_bundle, synth_model
 from support.worker import make_ca, prefill_frame, route_hops, tls_flags, wait_for
-from test_worker_cpp import cpp_stages, cpp, worker_bin  # noqa: F401  (worker_bin: the fixture)
+from test_worker_cpp import cpp_stages, cpp
 
 FLAGS = ("--threads", "1", "--n-ctx", "512")
 PROMPT_IDS = [5, 9, 2, 7, 11, 3, 8]

@@ -20,21 +20,10 @@ import pytest
 
 from dgr.bundle import build, load_bundle, verify_bundle
 from dgr.errors import BundleError
-from dgr.paths import env_path
 from support.engine import b3, synth_model
 
 CHUNK = 4096
 READY = re.compile(r"serving on (\S+)")
-
-
-@pytest.fixture(scope="module")
-def worker_bin(engine_lib) -> Path:
-    env = os.environ.get("DGR_WORKER_BIN")
-    path = env_path(env).resolve() if env else Path(engine_lib).parent / "dgr-worker"   # Bazel: a runfiles path
-    assert path.is_file() and os.access(path, os.X_OK), (
-        f"no dgr-worker at {path}: build it with `dgr build-engine --lane cpu`, or `bazel build "
-        f"//worker/server:dgr-worker` and set DGR_WORKER_BIN")
-    return path
 
 
 @pytest.fixture(scope="module")
