@@ -83,3 +83,12 @@ def test_bazel_and_nix_read_the_one_pin_file():
     assert "builtins.fromJSON (builtins.readFile ./toolchains/llama.cpp.pin.json)" in flake
     src = (REPO / "nix/llama-cpp-src.nix").read_text()
     assert "pin.patches" in src and "pin.tree_hash" in src and "tools/dgr/treehash.py" in src
+
+
+def test_cmake_and_bazel_compile_the_same_files_of_llama_cpps_common():
+    """The engine's grammar support compiles a few files of llama.cpp's common/; both builds name the same ones."""
+    cmake = (REPO / "worker/CMakeLists.txt").read_text()
+    bazel = (REPO / "toolchains/bazel/llama.cpp.BUILD.bazel").read_text()
+    in_cmake = re.search(r"set\(DGR_COMMON_FILES ([^)]*)\)", cmake).group(1).split()
+    in_bazel = re.findall(r'"([\w-]+\.cpp)"', bazel[bazel.index("DGR_COMMON_FILES = ["):].split("]")[0])
+    assert in_cmake and sorted(in_cmake) == sorted(in_bazel)

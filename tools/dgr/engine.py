@@ -129,6 +129,20 @@ def load_library(lib: str | Path | None = None) -> C.CDLL:
             h.dgr_engine_can_truncate.restype = C.c_int32
         h.dgr_sample.argtypes = [C.POINTER(C.c_float), C.c_int32, C.c_double, C.c_int32, C.c_double, C.c_uint64,
                                  C.c_int64]
+        # log-probabilities and grammar sampling, added within ABI 4 (issue 23)
+        if hasattr(h, "dgr_logprobs"):
+            h.dgr_logprobs.argtypes = [C.POINTER(C.c_float), C.c_int32, C.c_int32, C.POINTER(C.c_float), C.c_int32,
+                                       C.POINTER(C.c_int32), C.POINTER(C.c_float)]
+            h.dgr_logprobs.restype = C.c_int32
+        if hasattr(h, "dgr_grammar_open"):
+            h.dgr_grammar_open.argtypes = [C.c_void_p, C.c_char_p, C.c_char_p, C.POINTER(C.c_void_p)]
+            h.dgr_grammar_close.argtypes = [C.c_void_p]
+            h.dgr_grammar_close.restype = None
+            h.dgr_grammar_apply.argtypes = [C.c_void_p, C.POINTER(C.c_float), C.c_int32]
+            h.dgr_grammar_accept.argtypes = [C.c_void_p, C.c_int32]
+            h.dgr_json_schema_to_grammar.argtypes = [C.c_char_p, C.c_char_p, C.c_int32]
+            for name in ("dgr_grammar_open", "dgr_grammar_apply", "dgr_grammar_accept", "dgr_json_schema_to_grammar"):
+                getattr(h, name).restype = C.c_int32
         for name in ("dgr_sample", "dgr_engine_open", "dgr_engine_describe", "dgr_engine_memory", "dgr_session_open",
                      "dgr_session_close", "dgr_session_n_cached", "dgr_forward", "dgr_tokenize", "dgr_detokenize",
                      "dgr_vocab_read", "dgr_engine_vocab"):
@@ -151,6 +165,73 @@ def sample(logits, *, temperature: float = 0.0, top_k: int = 0, top_p: float = 1
     if tok < 0:
         raise EngineError(f"dgr_sample refused a row of {row.size} logits")
     return int(tok)
+
+
+def logprobs(logits, *, chosen: int = -1, top: int = 0,
+             lib: str | Path | C.CDLL | None = None) -> tuple[float | None, list[tuple[int, float]]]:
+    """The log-probabilities dgr-worker's last stage reports for one row (`dgr_logprobs`): the model's
+    distribution (log-softmax of the raw row). Returns (chosen's logprob or None, [(id, logprob)] of the
+    `top` most likely, most likely first, ties by lower id)."""
+    h = lib if isinstance(lib, C.CDLL) else load_library(lib)
+    row = np.ascontiguousarray(logits, dtype=np.float32)
+    if not hasattr(h, "dgr_logprobs"):
+        raise EngineError("this engine library has no dgr_logprobs; rebuild it (`dgr build-engine`)")
+    chosen_lp = C.c_float()
+    ids = (C.c_int32 * max(1, top))()
+    lps = (C.c_float * max(1, top))()
+    n = h.dgr_logprobs(row.ctypes.data_as(C.POINTER(C.c_float)), row.size, int(chosen), C.byref(chosen_lp),
+                       int(top), ids, lps)
+    if n < 0:
+        raise EngineError(f"dgr_logprobs refused a row of {row.size} logits (chosen {chosen}, top {top})")
+    return (float(chosen_lp.value) if chosen >= 0 else None), [(int(ids[i]), float(lps[i])) for i in range(n)]
+
+
+def json_schema_to_grammar(schema: str | dict, *, lib: str | Path | C.CDLL | None = None) -> str:
+    """The GBNF the pinned llama.cpp's json_schema_to_grammar makes of a JSON Schema (what the last stage
+    constrains a `json_schema` session with). Raises EngineError saying why a schema is refused."""
+    import json
+
+    h = lib if isinstance(lib, C.CDLL) else load_library(lib)
+    if not hasattr(h, "dgr_json_schema_to_grammar"):
+        raise EngineError("this engine library has no grammar support; rebuild it (`dgr build-engine`)")
+    raw = (schema if isinstance(schema, str) else json.dumps(schema)).encode()
+    cap = 4096
+    while True:
+        buf = C.create_string_buffer(cap)
+        n = h.dgr_json_schema_to_grammar(raw, buf, cap)
+        if n < 0:
+            _raise(h, E_ENGINE)
+        if n <= cap:
+            return buf.raw[:n].decode()
+        cap = n
+
+
+class Grammar:
+    """llama.cpp's grammar sampler over an open engine's vocabulary (`Engine.grammar`): `apply` masks a
+    logits row (forbidden tokens become -inf), `accept` advances it over the token drawn."""
+
+    def __init__(self, lib: C.CDLL, handle: C.c_void_p):
+        self._lib, self._h = lib, handle
+
+    def apply(self, logits) -> np.ndarray:
+        row = np.array(logits, dtype=np.float32, copy=True)
+        status = self._lib.dgr_grammar_apply(self._h, row.ctypes.data_as(C.POINTER(C.c_float)), row.size)
+        if status:
+            _raise(self._lib, status)
+        return row
+
+    def accept(self, token: int) -> None:
+        status = self._lib.dgr_grammar_accept(self._h, int(token))
+        if status:
+            _raise(self._lib, status)
+
+    def close(self) -> None:
+        if self._h:
+            self._lib.dgr_grammar_close(self._h)
+            self._h = None
+
+    def __del__(self):
+        self.close()
 
 
 def _raise(h: C.CDLL, status: int) -> None:
@@ -400,6 +481,15 @@ class Engine:
             if n <= cap:
                 return buf.raw[:n].decode(errors="replace")
             cap = n
+
+    def grammar(self, gbnf: str = "", json_schema: str = "") -> Grammar:
+        """A grammar sampler for this engine's vocabulary: GBNF (root rule "root") or a JSON Schema."""
+        if not hasattr(self._lib, "dgr_grammar_open"):
+            raise EngineError("this engine library has no grammar support; rebuild it (`dgr build-engine`)")
+        out = C.c_void_p()
+        self._check(self._lib.dgr_grammar_open(self._handle(), gbnf.encode() or None, json_schema.encode() or None,
+                                               C.byref(out)))
+        return Grammar(self._lib, out)
 
     def vocab(self) -> VocabInfo:
         """This engine's special tokens (see `read_vocab`): what a stage's identity advertises as stop ids."""

@@ -8,6 +8,7 @@
 // llama_hparams, which llama-model.h includes, gains the range), and the report only reads: nothing
 // computed depends on it.
 #include "dgr_engine.h"
+#include "dgr_engine_internal.h"
 #include "dgr_contract.h"
 #if DGR_WITH_HOOKS
 #include "dgr_hooks.h"
@@ -45,10 +46,7 @@ thread_local int64_t     g_miss_expected = 0;
 std::mutex  g_log_mutex;
 std::string g_log_errors;
 
-struct dgr_exc : std::runtime_error {
-    int32_t code;
-    dgr_exc(int32_t code, const std::string & msg) : std::runtime_error(msg), code(code) {}
-};
+using dgr_exc = dgr_engine_error;
 
 std::string fmt(const char * f, ...) {
     va_list ap;
@@ -906,3 +904,13 @@ extern "C" int32_t dgr_engine_memory(dgr_engine * eng, dgr_memory * out) {
         *out = m;
     });
 }
+
+// ------------------------------------------------------------------ shared with the engine's other files
+
+int32_t dgr_engine_guarded(const std::function<void()> & f) { return guarded(f); }
+
+const llama_vocab * dgr_engine_llama_vocab(dgr_engine * eng) {
+    return eng && eng->info.has_vocab ? eng->vocab : nullptr;
+}
+
+std::string dgr_engine_take_log_errors() { return take_log_errors(); }

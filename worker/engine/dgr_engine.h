@@ -152,10 +152,30 @@ DGR_API int32_t dgr_quantize(const char * src, const char * dst, int32_t ftype, 
 // (Exported within ABI 2; declared in dgr_dataplane.h until the native data plane was retired in issue 21.)
 DGR_API int32_t dgr_sample(const float * logits, int32_t n_vocab, double temperature, int32_t top_k, double top_p,
                            uint64_t seed, int64_t position);
+// Log-probabilities of one logits row (the model's distribution: log-softmax of the raw row, in double):
+// *chosen_lp gets token `chosen`'s (chosen < 0: skipped), and the `top` most likely tokens (most likely
+// first, ties: lower id first) go to top_ids/top_lps. Returns how many were written (min(top, n_vocab)),
+// -1 on bad arguments. A -INFINITY logit (masked) has log-probability -INFINITY. (Added within ABI 4.)
+DGR_API int32_t dgr_logprobs(const float * logits, int32_t n_vocab, int32_t chosen, float * chosen_lp, int32_t top,
+                             int32_t * top_ids, float * top_lps);
 // Its parts, for cross-checks: e^d for d <= 0 (a fixed polynomial in exact IEEE steps), and the uniform
 // in [0, 1) keyed by (seed, position).
 DGR_API double  dgr_exp_fixed(double d);
 DGR_API double  dgr_uniform(uint64_t seed, int64_t position);
+
+// Grammar-constrained sampling (dgr_grammar.cpp; added within ABI 4, callers look the symbols up): the
+// pinned llama.cpp's grammar sampler over an open engine's vocabulary. Exactly one of `gbnf` (GBNF, root
+// rule "root") and `json_schema` (a JSON Schema, turned into GBNF by llama.cpp's json_schema_to_grammar).
+// apply sets every logit the grammar forbids next to -INFINITY (DGR_E_ENGINE when it forbids all of them);
+// accept advances the grammar over a token, refusing (and changing nothing) when the grammar forbids it.
+typedef struct dgr_grammar dgr_grammar;
+DGR_API int32_t dgr_grammar_open  (dgr_engine * eng, const char * gbnf, const char * json_schema, dgr_grammar ** out);
+DGR_API void    dgr_grammar_close (dgr_grammar * g);
+DGR_API int32_t dgr_grammar_apply (dgr_grammar * g, float * logits, int32_t n_vocab);
+DGR_API int32_t dgr_grammar_accept(dgr_grammar * g, int32_t token);
+// The GBNF llama.cpp's json_schema_to_grammar makes of a JSON Schema: returns its length in bytes (written
+// up to cap; call again with a larger buffer when it is more), -1 on error (dgr_last_error says why).
+DGR_API int32_t dgr_json_schema_to_grammar(const char * json_schema, char * out, int32_t cap);
 
 #ifdef __cplusplus
 }

@@ -39,6 +39,7 @@ uint64_t splitmix(uint64_t x) {
 extern "C" {
 
 double dgr_exp_fixed(double d) {
+    if (std::isinf(d) && d < 0) return 0.0;        // a logit the grammar masked: never drawn
     d = std::max(d, EXP_MIN);
     const double k = std::floor(d * INV_LN2 + 0.5);
     const double r = (d - k * LN2_HI) - k * LN2_LO;
@@ -84,6 +85,35 @@ int32_t dgr_sample(const float * logits, int32_t n_vocab, double temperature, in
     const double target = dgr_uniform(seed, position) * c[keep - 1];
     const size_t i = (size_t) (std::upper_bound(c.begin(), c.begin() + (long) keep, target) - c.begin());
     return order[std::min(keep - 1, i)];
+}
+
+int32_t dgr_logprobs(const float * logits, int32_t n_vocab, int32_t chosen, float * chosen_lp, int32_t top,
+                     int32_t * top_ids, float * top_lps) {
+    if (!logits || n_vocab <= 0 || chosen >= n_vocab || top < 0 || (top > 0 && (!top_ids || !top_lps)) ||
+        (chosen >= 0 && !chosen_lp)) {
+        return -1;
+    }
+    double m = -INFINITY;
+    for (int32_t i = 0; i < n_vocab; ++i) m = std::max(m, (double) logits[i]);
+    if (std::isinf(m)) return -1;                    // nothing finite to normalise
+    double s = 0.0;
+    for (int32_t i = 0; i < n_vocab; ++i) s += std::exp((double) logits[i] - m);
+    const double norm = m + std::log(s);
+    auto lp = [&](int32_t i) { return (float) ((double) logits[i] - norm); };
+    if (chosen >= 0) *chosen_lp = lp(chosen);
+    const int32_t n = std::min(top, n_vocab);
+    if (n > 0) {
+        std::vector<int32_t> order((size_t) n_vocab);
+        std::iota(order.begin(), order.end(), 0);
+        std::partial_sort(order.begin(), order.begin() + n, order.end(), [&](int32_t a, int32_t b) {
+            return logits[a] > logits[b] || (logits[a] == logits[b] && a < b);
+        });
+        for (int32_t j = 0; j < n; ++j) {
+            top_ids[j] = order[(size_t) j];
+            top_lps[j] = lp(order[(size_t) j]);
+        }
+    }
+    return n;
 }
 
 } // extern "C"

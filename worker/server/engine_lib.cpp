@@ -73,6 +73,14 @@ EngineLib load(const std::string & self_dir, const char * env_name, const char *
     opt(lib.quantize_q8_0, "quantize_row_q8_0_ref");
     opt(lib.dequantize_q8_0, "dequantize_row_q8_0");
     opt(lib.fake_spec, "dgr_fake_spec");
+    opt(lib.logprobs, "dgr_logprobs");
+    opt(lib.grammar_open, "dgr_grammar_open");
+    opt(lib.grammar_close, "dgr_grammar_close");
+    opt(lib.grammar_apply, "dgr_grammar_apply");
+    opt(lib.grammar_accept, "dgr_grammar_accept");
+    if (!lib.grammar_open || !lib.grammar_close || !lib.grammar_apply || !lib.grammar_accept) {
+        lib.grammar_open = nullptr;                  // all of it or none
+    }
     return lib;
 }
 

@@ -1072,9 +1072,20 @@ void StageWorker::emit_last(Work & w, const SessionPtr & sess, const float * log
         const int64_t base = s.positions(int(n - k - 1));
         const pb::Sampling & sp = sess->sampling;
         for (int64_t j = 0; j <= k; ++j) {
-            const int32_t token = lib_.sample(vrows + j * n_vocab, int32_t(n_vocab), double(sp.temperature()), int32_t(sp.top_k()),
+            const float * row = vrows + j * n_vocab;
+            if (sess->grammar) {                     // never with drafts (start_speculation refuses it): k == 0
+                masked_.assign(row, row + n_vocab);
+                const int32_t st = lib_.grammar_apply(sess->grammar.get(), masked_.data(), int32_t(n_vocab));
+                if (st != DGR_OK) throw std::runtime_error(lib_.error(st));
+                row = masked_.data();
+            }
+            const int32_t token = lib_.sample(row, int32_t(n_vocab), double(sp.temperature()), int32_t(sp.top_k()),
                                               double(sp.top_p()), sp.seed(), base + j);
             if (token < 0) throw std::runtime_error("dgr_sample refused the logits row");
+            if (sess->grammar) {
+                const int32_t st = lib_.grammar_accept(sess->grammar.get(), token);
+                if (st != DGR_OK) throw std::runtime_error(lib_.error(st));
+            }
             draws.push_back(token);
             if (j == k || token != s.token_ids(int(s.token_ids_size() - k + j))) break;
         }
@@ -1111,6 +1122,25 @@ void StageWorker::emit_last(Work & w, const SessionPtr & sess, const float * log
         t->set_drafted(uint32_t(k));
         if (sess->logits == pb::LOGITS_LAST) {
             t->set_logits(reinterpret_cast<const char *>(vrows), draws.size() * size_t(n_vocab) * 4);
+        }
+        const pb::Sampling & sp = sess->sampling;
+        if (sp.logprobs() || sp.top_logprobs()) {   // the model's distribution: the raw rows, not the masked ones
+            const int32_t top = int32_t(sp.top_logprobs());
+            std::vector<int32_t> ids(size_t(std::max(top, 1)));
+            std::vector<float> lps(ids.size());
+            for (size_t j = 0; j < draws.size(); ++j) {
+                float chosen = 0.0f;
+                const int32_t n_top = lib_.logprobs(vrows + int64_t(j) * n_vocab, int32_t(n_vocab), draws[j], &chosen, top,
+                                                    ids.data(), lps.data());
+                if (n_top < 0) throw std::runtime_error("dgr_logprobs refused the logits row");
+                pb::DrawLogprobs * d = t->add_logprobs();
+                d->set_logprob(chosen);
+                for (int32_t i = 0; i < n_top; ++i) {
+                    pb::TokenLogprob * e = d->add_top();
+                    e->set_token_id(ids[size_t(i)]);
+                    e->set_logprob(lps[size_t(i)]);
+                }
+            }
         }
         f.set_origin_sent_ns(w.frame.origin_sent_ns());
         *f.mutable_timings() = w.frame.timings();
@@ -1329,12 +1359,18 @@ void StageWorker::deliver_to_client(pb::Frame frame) {
         t->set_position(int32_t(first + int64_t(i)));
         t->set_speculated(true);
         if (width) t->set_logits(tok->logits().substr(i * width, width));
+        if (int(i) < tok->logprobs_size()) *t->add_logprobs() = tok->logprobs(int(i));
         out.push_back(std::move(f));
     }
     tok->set_token_id(draws[used - 1]);
     tok->set_position(int32_t(first + int64_t(used) - 1));
     while (size_t(tok->accepted_size()) > used - 1) tok->mutable_accepted()->RemoveLast();
     if (width) tok->set_logits(tok->logits().substr((used - 1) * width, width));
+    if (tok->logprobs_size() > 1 && int(used - 1) < tok->logprobs_size()) {   // this Token's own draw only
+        pb::DrawLogprobs mine = tok->logprobs(int(used - 1));
+        tok->clear_logprobs();
+        *tok->add_logprobs() = std::move(mine);
+    }
     out.push_back(std::move(frame));
     // detokenize on the engine thread once the next step's forward has started: text never delays the
     // ring, and the engine is never called from two threads
@@ -1388,6 +1424,10 @@ void StageWorker::start_speculation(const SessionPtr & sess, const pb::Generate 
         throw Fault{pb::BAD_FRAME, e.what()};
     }
     std::lock_guard<std::mutex> l(mu_);
+    if (!sess->sampling.grammar().empty() || !sess->sampling.json_schema().empty()) {
+        throw Fault{pb::ENGINE, "speculative decoding with a grammar (sampling.grammar or sampling.json_schema) is not "
+                                "supported: generate without --speculate, or without the grammar"};
+    }
     if (!sess->can_roll_back) {
         throw Fault{pb::ENGINE, "speculative decoding needs every stage to drop rejected drafts from its cache, and " +
                                     (sess->no_roll_back.empty() ? std::string("a hop of the route") : sess->no_roll_back) +

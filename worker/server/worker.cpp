@@ -456,6 +456,44 @@ grpc::Status StageWorker::OpenSession(grpc::ServerContext * ctx, const pb::OpenS
                                                        std::to_string(max_message_bytes_) + "-byte message limit");
             }
         }
+        // what the last stage does with each draw (issue 23): log-probabilities, a grammar
+        const pb::Sampling & sp = req->sampling();
+        if (sp.top_logprobs() > MAX_TOP_LOGPROBS) {
+            return fail(pb::ENGINE, "sampling.top_logprobs is " + std::to_string(sp.top_logprobs()) + ", at most " +
+                                        std::to_string(MAX_TOP_LOGPROBS));
+        }
+        if (!sp.grammar().empty() && !sp.json_schema().empty()) {
+            return fail(pb::ENGINE, "sampling.grammar and sampling.json_schema are both set: give one of them");
+        }
+        std::shared_ptr<dgr_grammar> grammar;
+        if (info_.is_last) {
+            if ((sp.logprobs() || sp.top_logprobs()) && !lib_.logprobs) {
+                return fail(pb::ENGINE, "sampling.logprobs: " + lib_.path + " reports no log-probabilities (built before "
+                                        "them): rebuild it (`dgr build-engine`)");
+            }
+            if (!sp.grammar().empty() || !sp.json_schema().empty()) {
+                const char * field = sp.grammar().empty() ? "sampling.json_schema" : "sampling.grammar";
+                if (!lib_.grammar_open) {
+                    return fail(pb::ENGINE, std::string(field) + ": " + lib_.path + " has no grammar sampler (the fake "
+                                            "engine has no vocabulary; an engine built before grammars): serve a real "
+                                            "model, or rebuild the engine (`dgr build-engine`)");
+                }
+                dgr_grammar * g = nullptr;
+                std::string refused;
+                {
+                    std::lock_guard<std::mutex> eg(engine_mu_);
+                    int32_t st = lib_.grammar_open(eng_, sp.grammar().empty() ? nullptr : sp.grammar().c_str(),
+                                                   sp.json_schema().empty() ? nullptr : sp.json_schema().c_str(), &g);
+                    if (st != DGR_OK) refused = lib_.error(st);
+                    if (g) grammar.reset(g, lib_.grammar_close);
+                    for (int i = 0; refused.empty() && i < sp.grammar_accepted_size(); ++i) {
+                        st = lib_.grammar_accept(g, sp.grammar_accepted(i));
+                        if (st != DGR_OK) refused = "sampling.grammar_accepted[" + std::to_string(i) + "]: " + lib_.error(st);
+                    }
+                }
+                if (!refused.empty()) return fail(pb::ENGINE, refused);
+            }
+        }
         const Key key{req->session_id(), req->epoch()};
         std::vector<Key> old;
         {
@@ -493,6 +531,8 @@ grpc::Status StageWorker::OpenSession(grpc::ServerContext * ctx, const pb::OpenS
             s->hop_index = req->hop_index();
             s->last_used = Clock::now();
             s->sampling = req->sampling();
+            s->sampling.clear_grammar_accepted();    // used above; not kept
+            s->grammar = std::move(grammar);
             s->logits = int(req->logits());
             if (trust_.mutual) s->opener = peer_identity(ctx);
             sessions_[key] = std::move(s);

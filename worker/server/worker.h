@@ -187,12 +187,17 @@ class StageWorker final : public dgr::v1::Stage::Service {
     void set_certificates(std::vector<HeldCertificate> c) { certificates_ = std::move(c); }
 
   private:
+    // Sampling.top_logprobs: the most alternatives a draw reports (OpenAI's bound; dgr.wire.limits.MAX_TOP_LOGPROBS)
+    static constexpr uint32_t MAX_TOP_LOGPROBS = 20;
     struct Session {
         std::vector<dgr::v1::Hop> route;
         uint32_t hop_index = 0;
         std::chrono::steady_clock::time_point last_used;
         dgr::v1::Sampling sampling;
         int logits = 0;                              // dgr::v1::LogitsMode
+        // the last stage, Sampling.grammar / json_schema: llama.cpp's grammar sampler, advanced over every
+        // token drawn (used on the engine thread only; closed with the session)
+        std::shared_ptr<dgr_grammar> grammar;
         uint64_t held = 0;                           // positions cached after its last step here
         // origin (stage 0) only: the client's reply stream and generation control
         ReplyPtr client;
@@ -228,6 +233,7 @@ class StageWorker final : public dgr::v1::Stage::Service {
         std::vector<float> x;
         uint64_t transit_ns = 0;
     };
+    std::vector<float> masked_;                      // engine thread: a logits row after the grammar's mask
     struct Fault {                                   // a frame refused: becomes a WireError to its sender
         dgr::v1::ErrorCode code;
         std::string message;

@@ -29,6 +29,7 @@ from dgr.wire.drafts import DEFAULT_DRAFT_K, check_k, make_source
 from dgr.wire.errors import (RECOVERABLE, HopUnreachable, Overloaded, RemoteSchemaMismatch, StageError,
                              WrongRange, WrongStage, from_proto, gave_up)
 from dgr.wire.gen import stage_pb2 as pb
+from dgr.wire.limits import MAX_TOP_LOGPROBS
 from dgr.wire.gen import stage_pb2_grpc as pb_grpc
 from dgr.wire.stats import Failure, Generation, TokenEvent
 
@@ -394,19 +395,31 @@ class RouteClient:
                  top_k: int = 0, top_p: float = 0.0, seed: int = 0, logits: str = "none",
                  stop_token_ids: list[int] | None = None, attempts: int | None = None,
                  session_id: str | None = None, speculate: str | None = None,
-                 draft_k: int = DEFAULT_DRAFT_K) -> Iterator[TokenEvent]:
+                 draft_k: int = DEFAULT_DRAFT_K, grammar: str = "", json_schema: str = "",
+                 logprobs: bool = False, top_logprobs: int = 0) -> Iterator[TokenEvent]:
         """Yield tokens as they arrive. `logits`: none | last | all (rows go to `self.last.logits`).
         `speculate`: a draft source at the origin ("ngram"; dgr.wire.drafts) whose up to `draft_k` drafts
         per ring the last stage verifies: the same tokens, fewer rings on text that repeats its context.
+        `grammar` (GBNF) or `json_schema`: the last stage draws only what the grammar allows (llama.cpp's
+        grammar sampler). `logprobs` / `top_logprobs`: each event carries its token's log-probability and the
+        `top_logprobs` most likely tokens' (at most MAX_TOP_LOGPROBS).
         Recovers from up to `attempts` (default: the client's) failed attempts, then raises."""
         ids = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
         if not ids:
             raise WireError("the prompt is empty")
+        if grammar and json_schema:
+            raise WireError("give a grammar or a json_schema, not both")
+        if not 0 <= top_logprobs <= MAX_TOP_LOGPROBS:
+            raise WireError(f"top_logprobs is {top_logprobs}: it must be in [0, {MAX_TOP_LOGPROBS}]")
+        if speculate and (grammar or json_schema):
+            raise WireError("speculative decoding with a grammar is not supported: drop speculate or the grammar")
         if speculate:
             self._check_speculation(speculate, draft_k)
         if stop_token_ids is None:
             stop_token_ids = list(self.hops[-1].eos_token_ids)
-        sampling = pb.Sampling(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+        sampling = pb.Sampling(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, grammar=grammar,
+                               json_schema=json_schema, logprobs=logprobs or top_logprobs > 0,
+                               top_logprobs=top_logprobs)
         _ = self.hops                                   # describe before the clock starts
         budget = attempts if attempts is not None else self.attempts
         gen = self.last = Generation(prompt_ids=ids, t_start=time.perf_counter(), chunk_tokens=self.chunk_tokens)
@@ -418,6 +431,9 @@ class RouteClient:
             failed, origin = False, self.route[0]
             gen.routes.append(",".join(self.route))
             try:
+                if grammar or json_schema:              # a re-prefill continues the structure it began
+                    sampling.ClearField("grammar_accepted")
+                    sampling.grammar_accepted.extend(gen.token_ids)
                 self.open(sid, epoch, sampling, LOGITS[logits])   # describes a replaced hop first
                 yield from self._run_epoch(gen, sid, epoch, max_new_tokens, stop_token_ids,
                                            pb.Generate(draft_source=speculate or "", draft_k=draft_k if speculate else 0))
@@ -523,6 +539,9 @@ class RouteClient:
                                 [(h.stage_index, h.transit_ns, h.queue_ns, h.compute_ns, h.wire_ns)
                                  for h in t.timings], t.return_ns, speculated=t.speculated,
                                 drafted=t.drafted, accepted=len(t.accepted))
+                if t.logprobs:
+                    ev.logprob = t.logprobs[0].logprob
+                    ev.top_logprobs = [(e.token_id, e.logprob) for e in t.logprobs[0].top]
                 gen.token_ids.append(t.token_id)
                 gen.text += t.text
                 gen.events.append(ev)

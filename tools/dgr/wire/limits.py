@@ -7,6 +7,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
+# Sampling.top_logprobs: the most alternatives a draw reports (OpenAI's bound). dgr-worker refuses more
+# (StageWorker::MAX_TOP_LOGPROBS, worker/server/worker.h; tests/test_wire_grammar.py holds the two equal).
+MAX_TOP_LOGPROBS = 20
+
+
 @dataclass(frozen=True)
 class Limits:
     """What a worker bounds, and how long it waits (`dgr worker serve` flags; docs/wire.md)."""

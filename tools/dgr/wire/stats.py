@@ -26,6 +26,10 @@ class TokenEvent:
     speculated: bool = False
     drafted: int = 0
     accepted: int = 0
+    # generate(logprobs=True / top_logprobs=n): the model's log-probability of this token, and the n most
+    # likely tokens at its position as (token id, logprob), most likely first
+    logprob: float | None = None
+    top_logprobs: list[tuple[int, float]] = field(default_factory=list)
 
 
 @dataclass

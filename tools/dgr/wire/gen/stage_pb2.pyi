@@ -206,16 +206,42 @@ class Hop(_message.Message):
     def __init__(self, address: _Optional[str] = ..., bundle_id: _Optional[str] = ..., stage_index: _Optional[int] = ..., layer_begin: _Optional[int] = ..., layer_end: _Optional[int] = ...) -> None: ...
 
 class Sampling(_message.Message):
-    __slots__ = ("temperature", "top_k", "top_p", "seed")
+    __slots__ = ("temperature", "top_k", "top_p", "seed", "grammar", "json_schema", "grammar_accepted", "logprobs", "top_logprobs")
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
+    GRAMMAR_FIELD_NUMBER: _ClassVar[int]
+    JSON_SCHEMA_FIELD_NUMBER: _ClassVar[int]
+    GRAMMAR_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     temperature: float
     top_k: int
     top_p: float
     seed: int
-    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
+    grammar: str
+    json_schema: str
+    grammar_accepted: _containers.RepeatedScalarFieldContainer[int]
+    logprobs: bool
+    top_logprobs: int
+    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., grammar: _Optional[str] = ..., json_schema: _Optional[str] = ..., grammar_accepted: _Optional[_Iterable[int]] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ...) -> None: ...
+
+class TokenLogprob(_message.Message):
+    __slots__ = ("token_id", "logprob")
+    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    token_id: int
+    logprob: float
+    def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ...) -> None: ...
+
+class DrawLogprobs(_message.Message):
+    __slots__ = ("logprob", "top")
+    LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    TOP_FIELD_NUMBER: _ClassVar[int]
+    logprob: float
+    top: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
+    def __init__(self, logprob: _Optional[float] = ..., top: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class OpenSessionRequest(_message.Message):
     __slots__ = ("session_id", "epoch", "route", "hop_index", "sampling", "logits", "upstream")
@@ -320,7 +346,7 @@ class HopTiming(_message.Message):
     def __init__(self, stage_index: _Optional[int] = ..., queue_ns: _Optional[int] = ..., compute_ns: _Optional[int] = ..., wire_ns: _Optional[int] = ..., transit_ns: _Optional[int] = ...) -> None: ...
 
 class Token(_message.Message):
-    __slots__ = ("token_id", "position", "logits", "text", "done", "timings", "origin_sent_ns", "ring_ns", "return_ns", "accepted", "drafted", "speculated")
+    __slots__ = ("token_id", "position", "logits", "text", "done", "timings", "origin_sent_ns", "ring_ns", "return_ns", "accepted", "drafted", "speculated", "logprobs")
     TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     POSITION_FIELD_NUMBER: _ClassVar[int]
     LOGITS_FIELD_NUMBER: _ClassVar[int]
@@ -333,6 +359,7 @@ class Token(_message.Message):
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     DRAFTED_FIELD_NUMBER: _ClassVar[int]
     SPECULATED_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     token_id: int
     position: int
     logits: bytes
@@ -345,7 +372,8 @@ class Token(_message.Message):
     accepted: _containers.RepeatedScalarFieldContainer[int]
     drafted: int
     speculated: bool
-    def __init__(self, token_id: _Optional[int] = ..., position: _Optional[int] = ..., logits: _Optional[bytes] = ..., text: _Optional[str] = ..., done: _Optional[bool] = ..., timings: _Optional[_Iterable[_Union[HopTiming, _Mapping]]] = ..., origin_sent_ns: _Optional[int] = ..., ring_ns: _Optional[int] = ..., return_ns: _Optional[int] = ..., accepted: _Optional[_Iterable[int]] = ..., drafted: _Optional[int] = ..., speculated: _Optional[bool] = ...) -> None: ...
+    logprobs: _containers.RepeatedCompositeFieldContainer[DrawLogprobs]
+    def __init__(self, token_id: _Optional[int] = ..., position: _Optional[int] = ..., logits: _Optional[bytes] = ..., text: _Optional[str] = ..., done: _Optional[bool] = ..., timings: _Optional[_Iterable[_Union[HopTiming, _Mapping]]] = ..., origin_sent_ns: _Optional[int] = ..., ring_ns: _Optional[int] = ..., return_ns: _Optional[int] = ..., accepted: _Optional[_Iterable[int]] = ..., drafted: _Optional[int] = ..., speculated: _Optional[bool] = ..., logprobs: _Optional[_Iterable[_Union[DrawLogprobs, _Mapping]]] = ...) -> None: ...
 
 class Logits(_message.Message):
     __slots__ = ("positions", "values")
