@@ -11,6 +11,7 @@ import openai
 import pytest
 import requests
 
+from dgr.gateway.limits import MAX_CHOICES
 from dgr.wire.client import RouteClient
 from support.gateway import gateway, metric, open_sessions, wait_no_sessions
 from support.route import fake_route, make_ca, tls_args
@@ -62,7 +63,7 @@ def test_bad_json_and_bad_fields_answer_400_in_openai_shape(gw):
         c.chat.completions.create(model=_model(gw), messages=[])
     assert e.value.body["param"] == "messages"
     with pytest.raises(openai.BadRequestError) as e:
-        c.completions.create(model=_model(gw), prompt="hi", n=2)
+        c.completions.create(model=_model(gw), prompt="hi", n=MAX_CHOICES + 1)
     assert e.value.body["param"] == "n"
     with pytest.raises(openai.BadRequestError) as e:
         c.completions.create(model=_model(gw), prompt="hi", temperature=5)

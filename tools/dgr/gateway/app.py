@@ -1,13 +1,20 @@
-"""The OpenAI-compatible HTTP app over one route (FastAPI): models, completions, chat completions, metrics.
+"""The OpenAI-compatible HTTP app over one route (FastAPI): models, completions, chat completions, the
+Responses API (text), metrics.
 
 Every error answers OpenAI's shape `{"error": {"message", "type", "param", "code"}}`: 400 for a bad
 request (bad JSON, bad field, over-long prompt, n_ctx exceeded, a chat template that refuses the
 messages), 404 for an unknown model or URL, 502/503 for a route that fails (the typed WireError's
-message). A failure after a stream started arrives as one `data: {"error": ...}` event.
+message). A failure after a stream started arrives as one `data: {"error": ...}` event (on a Responses
+stream: an `error` event, then response.failed).
 
 A client that goes away (closes, times out, resets) stops its generation, streaming or not: every
 request's connection is checked every DISCONNECT_POLL_S on a timer of its own, whatever the tokens do,
 and a gone client's job is cancelled, which closes its session along the route (docs/gateway.md).
+`POST /v1/responses/{id}/cancel` does the same for a streamed response that is still running, and answers
+once every stage has let go.
+
+A request for `n` choices runs n generations at once, each its own session along the route, with seeds
+`seed`+i (dgr.gateway.route.choice_seeds).
 """
 
 from __future__ import annotations
@@ -25,9 +32,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from dgr import __version__
 from dgr.errors import DgrError, WireError
 from dgr.gateway import chat, schemas
-from dgr.gateway.limits import DEFAULT_CHAT_MAX_TOKENS, DEFAULT_COMPLETION_TOKENS, DISCONNECT_POLL_S
+from dgr.gateway.limits import CANCEL_WAIT_S, DEFAULT_CHAT_MAX_TOKENS, DEFAULT_COMPLETION_TOKENS, DISCONNECT_POLL_S
 from dgr.gateway.metrics import GatewayMetrics, MetricsMiddleware
-from dgr.gateway.route import Job, ModelInfo, Params, RouteBackend
+from dgr.gateway.responses import InputRefused, ResponseShape, ResponsesRequest, sse, status_of
+from dgr.gateway.route import ModelInfo, Params, RouteBackend, Run, choice_seeds
 from dgr.log import get_logger
 from dgr.wire.errors import HopUnreachable, Overloaded, StageError
 
@@ -67,18 +75,18 @@ def _sse(obj) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
-async def _cancel_when_gone(request: Request, job: Job) -> None:
-    """Cancel `job` once its client has gone: checked on a timer, not when a token arrives, so a fast
+async def _cancel_when_gone(request: Request, run: Run) -> None:
+    """Cancel `run` once its client has gone: checked on a timer, not when a token arrives, so a fast
     route never hides the disconnect and a slow one never delays seeing it."""
-    while not job.finished.is_set():
+    while not run.finished:
         await asyncio.sleep(DISCONNECT_POLL_S)
-        if job.finished.is_set():
+        if run.finished:
             return
         if await request.is_disconnected():
-            if not job.cancelled:
+            if not run.cancelled:
                 log.info("gateway: the client of %s went away after %d token(s); stopping its generation",
-                         request.url.path, job.completion_tokens)
-            job.cancel()
+                         request.url.path, run.completion_tokens)
+            run.cancel()
             return
 
 
@@ -161,27 +169,34 @@ def create_app(backend: RouteBackend, metrics: GatewayMetrics | None = None, *,
         except ValidationError as err:
             e = err.errors()[0]
             param = ".".join(str(x) for x in e["loc"]) or None
+            if e["type"] == "extra_forbidden":
+                raise GatewayError(400, f"Unknown parameter: '{param}'.", param=param,
+                                   code="unknown_parameter") from None
             code = "missing_required_parameter" if e["type"] == "missing" else "invalid_value"
             raise GatewayError(400, f"Invalid value for '{param}': {e['msg']}" if param else e["msg"],
                                param=param, code=code) from None
         _check_model(req.model)
+        refused = req.refused()
+        if refused:
+            raise GatewayError(400, refused[1], param=refused[0], code="unsupported_parameter")
         return req
 
-    def _budget(req, n_prompt: int, param: str, default: int | None) -> int:
+    def _budget(max_tokens: int | None, n_prompt: int, param: str, default: int | None,
+                max_param: str = "max_tokens") -> int:
         room = info.n_ctx - n_prompt
         if room <= 0:
             raise GatewayError(400, f"This model's maximum context length is {info.n_ctx} tokens; your prompt is "
                                     f"{n_prompt} tokens. Shorten the prompt.", param=param,
                                code="context_length_exceeded")
-        if req.max_tokens is None:
+        if max_tokens is None:
             return room if default is None else min(default, room)
-        if n_prompt + req.max_tokens > info.n_ctx:
+        if n_prompt + max_tokens > info.n_ctx:
             raise GatewayError(400, f"This model's maximum context length is {info.n_ctx} tokens. However, you "
-                                    f"requested {n_prompt + req.max_tokens} tokens ({n_prompt} in the {param}, "
-                                    f"{req.max_tokens} in the completion). Reduce the length of the {param} or "
-                                    "of the completion (max_tokens).", param="max_tokens",
+                                    f"requested {n_prompt + max_tokens} tokens ({n_prompt} in the {param}, "
+                                    f"{max_tokens} in the completion). Reduce the length of the {param} or "
+                                    f"of the completion ({max_param}).", param=max_param,
                                code="context_length_exceeded")
-        return req.max_tokens
+        return max_tokens
 
     def _completion_ids(req: schemas.CompletionRequest) -> list[int]:
         p = req.prompt
@@ -194,77 +209,84 @@ def create_app(backend: RouteBackend, metrics: GatewayMetrics | None = None, *,
             raise GatewayError(400, "the prompt is empty", param="prompt")
         return ids
 
-    def _chat_ids(req: schemas.ChatRequest) -> tuple[str, list[int]]:
+    def _chat_ids(messages: list[dict], param: str, add_generation_prompt: bool = True) -> list[int]:
+        """The token ids of `messages` rendered by the model's chat template."""
         if not info.chat_template:
             raise GatewayError(400, f"the model `{info.name}` has no chat template (tokenizer.chat_template): "
                                     "use /v1/completions, or start `dgr serve` with --chat-template FILE",
-                               param="messages", code="chat_template_missing")
+                               param=param, code="chat_template_missing")
         try:
-            messages = [msg.for_template() for msg in req.messages]
-            text = chat.render(info.chat_template, messages, add_generation_prompt=req.add_generation_prompt,
+            text = chat.render(info.chat_template, messages, add_generation_prompt=add_generation_prompt,
                                special_tokens={"bos_token": info.bos_token, "eos_token": info.eos_token})
         except (chat.TemplateRefused, ValueError) as err:
-            raise GatewayError(400, str(err), param="messages", code="invalid_messages") from None
+            raise GatewayError(400, str(err), param=param, code="invalid_messages") from None
         except chat.TemplateBroken as err:
             raise GatewayError(500, str(err), "server_error", code="chat_template_broken") from None
         # a template that writes the BOS itself: do not add a second one
         add_special = not (info.bos_token and text.startswith(info.bos_token))
-        return text, backend.tokenize(text, add_special=add_special)
+        return backend.tokenize(text, add_special=add_special)
+
+    def _start(request: Request, req, ids: list[int], max_tokens: int, t0: float, n: int = 1) -> Run:
+        """n generations of `ids` (one per choice, seeds `seed`+i), watched for a client that goes away."""
+        seeds = choice_seeds(req.seed, n, req.temperature > 0 and req.top_p > 0)
+        stops = tuple(getattr(req, "stops", ()))
+        params = [Params(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
+                         seed=seed, stops=stops, ignore_eos=req.ignore_eos) for seed in seeds]
+        run = Run(backend, ids, params, m, t0)
+        # runs until the generations end, whoever serves the response (this coroutine or the stream)
+        run.watch = asyncio.create_task(_cancel_when_gone(request, run))
+        return run
 
     async def _generate(request: Request, kind: str, req, ids: list[int], max_tokens: int, t0: float):
-        params = Params(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
-                        seed=req.seed, stops=tuple(req.stops), ignore_eos=req.ignore_eos)
+        run = _start(request, req, ids, max_tokens, t0, req.n)
         shapes = schemas.Shapes(kind, info.name, fingerprint)
-        job = Job(backend, ids, params, m, t0)
-        # runs until the job ends, whoever serves the response (this coroutine or the stream)
-        job.watch = asyncio.create_task(_cancel_when_gone(request, job))
         # Wait for the first piece before answering: a route that fails at once gets its HTTP status.
-        events = job.events()
-        parts: list[str] = []
+        events = run.events()
+        finishes: list = [None] * req.n
         streaming = False
         try:
-            async for what, payload in events:
+            async for index, what, payload in events:
                 if what == "error":
                     raise route_error(payload)
-                if job.cancelled:
+                if run.cancelled:
                     return Response(status_code=499)    # nobody reads it: the client has gone
                 if req.stream:
                     streaming = True
-                    return StreamingResponse(_stream(job, shapes, req, len(ids), (what, payload), events),
+                    return StreamingResponse(_stream(run, shapes, req, len(ids), (index, what, payload), events),
                                              media_type="text/event-stream",
                                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-                if what == "text":
-                    parts.append(payload)
-                else:
-                    return shapes.full("".join(parts), payload, len(ids), job.completion_tokens)
+                if what == "done":
+                    finishes[index] = payload
+            return shapes.full([(j.text, f) for j, f in zip(run.jobs, finishes)], len(ids), run.completion_tokens)
         finally:
             if not streaming:
-                job.cancel()
+                run.cancel()
 
-    async def _stream(job: Job, shapes: schemas.Shapes, req, n_prompt: int, first, events):
+    async def _stream(run: Run, shapes: schemas.Shapes, req, n_prompt: int, first, events):
         m.open_streams.inc()
         try:
             if shapes.kind == "chat":
-                yield _sse(shapes.chunk(None, role=True))
-            item = first
+                for i in range(len(run.jobs)):
+                    yield _sse(shapes.chunk(None, role=True, index=i))
+            item, failed = first, False
             while item is not None:
-                what, payload = item
+                index, what, payload = item
                 if what == "text":
-                    yield _sse(shapes.chunk(payload))
+                    yield _sse(shapes.chunk(payload, index=index))
                 elif what == "error":
                     err = route_error(payload)
                     m.error(err.code or err.type)
                     yield _sse(err.body())
+                    failed = True
                     break
                 elif what == "done":
-                    yield _sse(shapes.chunk(None, payload))
-                    if req.include_usage:
-                        yield _sse(shapes.usage_chunk(n_prompt, job.completion_tokens))
-                    break
+                    yield _sse(shapes.chunk(None, payload, index=index))
                 item = await anext(events, None)
+            if not failed and req.include_usage:
+                yield _sse(shapes.usage_chunk(n_prompt, run.completion_tokens))
             yield "data: [DONE]\n\n"
         finally:
-            job.cancel()                        # a client that went away: its session closes along the route
+            run.cancel()                        # a client that went away: its sessions close along the route
             m.open_streams.dec()
             await events.aclose()
 
@@ -272,18 +294,108 @@ def create_app(backend: RouteBackend, metrics: GatewayMetrics | None = None, *,
     async def completions(request: Request):
         t0 = time.perf_counter()
         req = await _parse(request, schemas.CompletionRequest)
-        if req.echo:
-            raise GatewayError(400, "echo is not supported", param="echo", code="unsupported_parameter")
         ids = await run_in_threadpool(_completion_ids, req)
-        return await _generate(request, "completion", req, ids, _budget(req, len(ids), "prompt",
-                                                                         DEFAULT_COMPLETION_TOKENS), t0)
+        return await _generate(request, "completion", req, ids,
+                               _budget(req.max_tokens, len(ids), "prompt", DEFAULT_COMPLETION_TOKENS), t0)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         t0 = time.perf_counter()
         req = await _parse(request, schemas.ChatRequest)
-        _, ids = await run_in_threadpool(_chat_ids, req)
+        try:
+            messages = [msg.for_template() for msg in req.messages]
+        except ValueError as err:
+            raise GatewayError(400, str(err), param="messages", code="invalid_messages") from None
+        ids = await run_in_threadpool(_chat_ids, messages, "messages", req.add_generation_prompt)
         return await _generate(request, "chat", req, ids,
-                               _budget(req, len(ids), "messages", max_tokens_default or None), t0)
+                               _budget(req.max_tokens, len(ids), "messages", max_tokens_default or None), t0)
+
+    # ------------------------------------------------------------------ the Responses API
+    live: dict[str, tuple[Run, ResponseShape]] = {}     # streamed responses still running, by id
+    app.state.live_responses = live
+
+    @app.post("/v1/responses")
+    async def responses(request: Request):
+        t0 = time.perf_counter()
+        req = await _parse(request, ResponsesRequest)
+        try:
+            messages = req.messages()
+        except InputRefused as err:
+            raise GatewayError(400, str(err), param=err.param, code="invalid_value") from None
+        ids = await run_in_threadpool(_chat_ids, messages, "input")
+        budget = _budget(req.max_output_tokens, len(ids), "input", max_tokens_default or None, "max_output_tokens")
+        run = _start(request, req, ids, budget, t0)
+        shape = ResponseShape(info.name, req)
+        events = run.events()
+        finish = None
+        streaming = False
+        try:
+            async for _, what, payload in events:
+                if what == "error":
+                    raise route_error(payload)
+                if run.cancelled:
+                    return Response(status_code=499)    # nobody reads it: the client has gone
+                if req.stream:
+                    streaming = True
+                    return StreamingResponse(_stream_response(run, shape, len(ids), (what, payload), events),
+                                             media_type="text/event-stream",
+                                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+                if what == "done":
+                    finish = payload
+            job = run.jobs[0]
+            return shape.body(status_of(finish, False), job.text, finish, (len(ids), job.completion_tokens))
+        finally:
+            if not streaming:
+                run.cancel()
+
+    async def _stream_response(run: Run, shape: ResponseShape, n_prompt: int, first, events):
+        job = run.jobs[0]
+        live[shape.id] = (run, shape)
+        m.open_streams.inc()
+        try:
+            for ev in shape.opening():
+                yield sse(ev)
+            item = first
+            while item is not None:
+                what, payload = item
+                if what == "text":
+                    yield sse(shape.delta(payload))
+                elif what == "error":
+                    err = route_error(payload)
+                    m.error(err.code or err.type)
+                    for ev in shape.failure(err.body()["error"], job.text, (n_prompt, job.completion_tokens)):
+                        yield sse(ev)
+                    return
+                elif what == "done":
+                    status = status_of(payload, job.cancelled_by_request)
+                    for ev in shape.closing(job.text, status, payload, (n_prompt, job.completion_tokens)):
+                        yield sse(ev)
+                    return
+                nxt = await anext(events, None)
+                item = nxt[1:] if nxt else None
+        finally:
+            live.pop(shape.id, None)
+            run.cancel()                        # a client that went away: its session closes along the route
+            m.open_streams.dec()
+            await events.aclose()
+
+    @app.post("/v1/responses/{response_id}/cancel")
+    async def cancel_response(response_id: str):
+        """Stop a streamed response that is still running: its generation stops at the next token and its
+        session closes on every stage before this answers (the response, `status: cancelled`)."""
+        found = live.get(response_id)
+        if found is None:
+            raise GatewayError(404, f"No response with id '{response_id}' is in progress here: only a streamed "
+                                    "response that is still running can be cancelled (responses are not stored)",
+                               param="response_id", code="response_not_found")
+        run, shape = found
+        run.cancel("cancelled")
+        if not await asyncio.to_thread(run.wait, CANCEL_WAIT_S):
+            raise GatewayError(504, f"response '{response_id}' was cancelled but its generation did not stop "
+                                    f"within {CANCEL_WAIT_S:g} s", "server_error", code="cancel_timeout")
+        job = run.jobs[0]
+        # a response that ended on its own before the cancel landed says how it ended
+        return shape.body(status_of(job.finish, job.cancelled_by_request), job.text, job.finish,
+                          (len(job.prompt_ids), job.completion_tokens))
 
     return app

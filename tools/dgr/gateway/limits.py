@@ -9,3 +9,9 @@ DEFAULT_CHAT_MAX_TOKENS = 2048
 # How often a running request's connection is checked for a client that went away (closed, timed out,
 # reset): the check runs on a timer of its own, whatever the tokens do.
 DISCONNECT_POLL_S = 0.25
+# `n`: at most this many choices per request. Each choice is its own generation (a session on every stage
+# of the route, run concurrently), so n multiplies what one request holds; OpenAI's own bound is 128.
+MAX_CHOICES = 4
+# `POST /v1/responses/{id}/cancel` waits this long for the response's generation to stop and its session
+# to close on every stage (one decode step and one CloseSession along the route, normally) before it answers.
+CANCEL_WAIT_S = 30.0

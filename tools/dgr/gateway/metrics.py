@@ -5,7 +5,8 @@ requests_total{endpoint,status}, prompt_tokens_total, generated_tokens_total,
 time_to_first_token_seconds, token_latency_seconds (between tokens of one generation),
 request_duration_seconds{endpoint}, open_streams (SSE responses open), active_generations,
 errors_total{code} (the OpenAI error code, or the route's ErrorCode name), client_gone_total
-(generations stopped early because their client went away).
+(generations stopped early because their client went away), cancelled_total (generations stopped by
+`POST /v1/responses/{id}/cancel`).
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ import time
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 # endpoints counted by path; anything else is "other" (no label per unknown path)
-ENDPOINTS = ("/v1/models", "/v1/completions", "/v1/chat/completions", "/metrics", "/health")
+ENDPOINTS = ("/v1/models", "/v1/completions", "/v1/chat/completions", "/v1/responses", "/metrics", "/health")
+CANCEL = "/v1/responses/{id}/cancel"
 _TTFT = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 _TOKEN = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 0.25, 0.5, 1, 2.5)
 _REQ = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
@@ -41,6 +43,8 @@ class GatewayMetrics:
         self.active = Gauge(p + "active_generations", "generations running on the route", registry=r)
         self.client_gone = Counter(p + "client_gone", "generations stopped early because their client went away",
                                    registry=r)
+        self.cancelled = Counter(p + "cancelled", "generations stopped by POST /v1/responses/{id}/cancel",
+                                 registry=r)
         self.errors = Counter(p + "errors", "error responses (and errors inside streams) by code", ["code"], registry=r)
         info = Gauge(p + "info", "what this gateway serves", ["model"], registry=r)
         info.labels(model=model).set(1)
@@ -53,7 +57,11 @@ class GatewayMetrics:
 
 
 def endpoint_of(path: str) -> str:
-    return path if path in ENDPOINTS else "other"
+    if path in ENDPOINTS:
+        return path
+    if path.startswith("/v1/responses/") and path.endswith("/cancel"):
+        return CANCEL
+    return "other"
 
 
 class MetricsMiddleware:

@@ -3,8 +3,10 @@ generation per request run in its own thread, its text delivered to the event lo
 
 `RouteClient.generate` is a blocking iterator, so every request's generation runs in a thread of its
 own (concurrent requests are concurrent sessions along the route) and hands its pieces to the
-request's asyncio queue. Cancelling a job (the HTTP client went away) stops the iteration at the next
-token and closes the generator, whose `finally` closes the session along the route (chain=True).
+request's asyncio queue. A request for n choices is a `Run` of n jobs, each its own generation and
+session, their pieces merged on one queue. Cancelling a job (the HTTP client went away, or
+`POST /v1/responses/{id}/cancel`) stops the iteration at the next token and closes the generator, whose
+`finally` closes the session along the route (chain=True) before the job says it has finished.
 """
 
 from __future__ import annotations
@@ -143,58 +145,83 @@ class RouteBackend:
             return [d.open_sessions for d in c.describe()]
 
 
+SEED_SPACE = 2 ** 64                     # the wire's Sampling.seed is a uint64
+
+
+def choice_seeds(seed: int | None, n: int, sampled: bool) -> list[int]:
+    """The seed of each of n choices: `seed`+i (so a request with a seed is reproducible, and its choice 0
+    is what n=1 gives), from a random base when none is given and the request samples; greedy: 0."""
+    if seed is None:
+        seed = secrets.randbits(63) if sampled else 0
+    return [(seed + i) % SEED_SPACE for i in range(n)]
+
+
 class Job:
-    """One generation, run in its own thread. `events()` yields ("text", str) pieces, then one
-    ("done", finish_reason) or ("error", exception). `completion_tokens` counts tokens sampled."""
+    """One generation, run in its own thread. It puts (index, "text", str) pieces on `queue`, then one
+    (index, "done", finish_reason) or (index, "error", exception). `completion_tokens` counts tokens
+    sampled; `text` is what it printed so far."""
 
     def __init__(self, backend: RouteBackend, prompt_ids: list[int], params: Params, metrics: GatewayMetrics,
-                 t_request: float):
+                 t_request: float, queue: asyncio.Queue, index: int = 0):
         self.backend, self.prompt_ids, self.params, self.metrics = backend, prompt_ids, params, metrics
-        self.t_request = t_request
+        self.t_request, self.index = t_request, index
         self.completion_tokens = 0
         self.t_first = 0.0
+        self.pieces: list[str] = []
+        self.finish: str | None = None          # "stop" or "length" once done
+        self.why = ""                           # why it was cancelled: "client_gone" or "cancelled"
+        self.cut_short = False                  # a cancel stopped the generation (not its own end)
         self._cancel = threading.Event()
         self.finished = threading.Event()       # the generation thread is done (its session closed)
-        self.watch: asyncio.Task | None = None  # the app's check for a client that went away
         self._loop = asyncio.get_running_loop()
-        self._queue: asyncio.Queue = asyncio.Queue()
+        self._queue = queue
         self._thread = threading.Thread(target=self._run, daemon=True, name="gateway-generation")
         self._thread.start()
 
-    def cancel(self) -> None:
+    def cancel(self, why: str = "client_gone") -> None:
+        if not self._cancel.is_set():
+            self.why = why
         self._cancel.set()
 
     @property
     def cancelled(self) -> bool:
         return self._cancel.is_set()
 
-    async def events(self):
-        """The job's events, ending with the first that is not text."""
-        while True:
-            item = await self._queue.get()
-            yield item
-            if item[0] != "text":
-                return
+    @property
+    def cancelled_by_request(self) -> bool:
+        """`POST /v1/responses/{id}/cancel` stopped it before it ended on its own."""
+        return self.cut_short and self.why == "cancelled"
 
-    def _put(self, item) -> None:
+    @property
+    def text(self) -> str:
+        return "".join(self.pieces)
+
+    def _put(self, what: str, payload) -> None:
+        if what == "text":
+            self.pieces.append(payload)
         try:
-            self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, (self.index, what, payload))
         except RuntimeError:                            # the event loop is gone (shutting down)
             self._cancel.set()
+
+    def _stopped(self) -> None:
+        self.cut_short = True
+        m = self.metrics
+        (m.cancelled if self.why == "cancelled" else m.client_gone).inc()
 
     def _run(self) -> None:
         p, m = self.params, self.metrics
         eos = set(self.backend.info.eos_ids)
         stop_ids = [] if p.ignore_eos else sorted(eos)
         scanner = StopScanner(list(p.stops))
-        seed = p.seed if p.seed is not None else (secrets.randbits(63) if p.temperature > 0 else 0)
+        seed = choice_seeds(p.seed, 1, p.temperature > 0)[0]
         temperature = 0.0 if p.top_p == 0 else p.temperature       # top_p 0: only the most likely token
         top_p = p.top_p if 0 < p.top_p < 1 else 0.0                 # dgr: 0 is off
         finish = "length"
         m.active.inc()
         m.prompt_tokens.inc(len(self.prompt_ids))
         try:
-            if self._cancel.is_set():                       # the client went away before it started
+            if self._cancel.is_set():                       # cancelled before it started
                 raise _Gone()
             with self.backend.client() as c:
                 it = c.generate(self.prompt_ids, max_new_tokens=p.max_tokens, temperature=temperature,
@@ -216,32 +243,76 @@ class Job:
                             break
                         text = scanner.feed(ev.text)
                         if text:
-                            self._put(("text", text))
+                            self._put("text", text)
                         if scanner.stopped:
                             finish = "stop"
                             break
                         if self._cancel.is_set():
-                            log.info("gateway: client gone after %d token(s); closing its session along the "
-                                     "route", self.completion_tokens)
-                            m.client_gone.inc()
+                            log.info("gateway: %s after %d token(s); closing its session along the route",
+                                     "cancelled" if self.why == "cancelled" else "client gone",
+                                     self.completion_tokens)
+                            self._stopped()
                             break
                 finally:
                     it.close()                              # closes the session along the route
             tail = scanner.flush()
             if tail:
-                self._put(("text", tail))
-            self._put(("done", finish))
+                self._put("text", tail)
+            self.finish = finish
+            self._put("done", finish)
         except _Gone:
-            m.client_gone.inc()
-            self._put(("done", finish))
+            self._stopped()
+            self.finish = finish
+            self._put("done", finish)
         except WireError as err:
-            self._put(("error", err))
+            self._put("error", err)
         except Exception as err:                            # never leave a request waiting
             log.exception("gateway: generation failed")
-            self._put(("error", err))
+            self._put("error", err)
         finally:
             m.active.dec()
             self.finished.set()
+
+
+class Run:
+    """One request's generations: a job per choice (`params[i]` for choice i), each its own session along
+    the route, started together. `events()` merges their pieces in arrival order as (index, kind,
+    payload), ending once every job has sent its last (done or error)."""
+
+    def __init__(self, backend: RouteBackend, prompt_ids: list[int], params: Sequence[Params],
+                 metrics: GatewayMetrics, t_request: float):
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self.jobs = [Job(backend, prompt_ids, p, metrics, t_request, self._queue, i) for i, p in enumerate(params)]
+        self.watch: asyncio.Task | None = None  # the app's check for a client that went away
+
+    def cancel(self, why: str = "client_gone") -> None:
+        for j in self.jobs:
+            j.cancel(why)
+
+    @property
+    def cancelled(self) -> bool:
+        return any(j.cancelled for j in self.jobs)
+
+    @property
+    def finished(self) -> bool:
+        return all(j.finished.is_set() for j in self.jobs)
+
+    def wait(self, timeout: float) -> bool:
+        """Block until every job has finished (its session closed along the route), at most `timeout` s."""
+        deadline = time.monotonic() + timeout
+        return all(j.finished.wait(max(0.0, deadline - time.monotonic())) for j in self.jobs)
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(j.completion_tokens for j in self.jobs)
+
+    async def events(self):
+        left = len(self.jobs)
+        while left:
+            item = await self._queue.get()
+            yield item
+            if item[1] != "text":
+                left -= 1
 
 
 class _Gone(Exception):

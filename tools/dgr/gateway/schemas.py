@@ -1,22 +1,53 @@
 """The OpenAI wire shapes the gateway reads and writes: request models (pydantic) and response bodies.
 
-Requests accept OpenAI's fields (unknown ones are ignored, as OpenAI-compatible servers do) plus two
-common extensions: `top_k` and `ignore_eos`. Responses are plain dicts in the shapes the official
-`openai` client parses: completions, chat completions, their stream chunks, usage and errors.
+Requests accept OpenAI's fields plus two common extensions, `top_k` and `ignore_eos`. Nothing is silently
+ignored: an OpenAI field dgr does not do yet is accepted only at its neutral value (a penalty of 0, no
+logit bias, ...) and otherwise answers 400 `unsupported_parameter` naming it (`refused()`), and a field
+OpenAI does not have answers 400 `unknown_parameter` naming it. Fields that are only hints to OpenAI's
+own service (`user`, `metadata`, `service_tier`, ...) are accepted. Responses are plain dicts in the shapes
+the official `openai` client parses: completions, chat completions, their stream chunks, usage and errors
+(the Responses API's shapes are in dgr.gateway.responses).
 """
 
 from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from dgr.gateway.limits import MAX_CHOICES
 
-class _Request(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+# "not asked for": the values of an unsupported field that are accepted
+_UNSET: tuple = (None,)
+_OFF: tuple = (None, 0, False, "", [], {})
 
+
+class StrictRequest(BaseModel):
+    """A request body: unknown fields are refused (`extra_forbidden`, answered as `unknown_parameter`);
+    `UNSUPPORTED` maps an OpenAI field dgr does not do to (the values accepted, why not)."""
+
+    model_config = ConfigDict(extra="forbid")
+    UNSUPPORTED: ClassVar[dict[str, tuple[tuple, str]]] = {}
+
+    def refused(self) -> tuple[str, str] | None:
+        """(param, message) of the first unsupported field the request asks for, else None."""
+        for name, (accepted, why) in self.UNSUPPORTED.items():
+            if getattr(self, name) not in accepted:
+                return name, f"Unsupported parameter: '{name}': {why}"
+        return None
+
+
+_PENALTY = "dgr's route samples with temperature, top_p and top_k only (no repetition penalties); give 0 or omit it"
+_COMMON_UNSUPPORTED = {
+    "frequency_penalty": (_OFF, _PENALTY),
+    "presence_penalty": (_OFF, _PENALTY),
+    "logit_bias": (_OFF, "dgr's route does not bias logits; omit it"),
+}
+
+
+class _Request(StrictRequest):
     model: str
     max_tokens: int | None = Field(None, ge=1)
     temperature: float = Field(1.0, ge=0.0, le=2.0)
@@ -26,9 +57,26 @@ class _Request(BaseModel):
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: dict[str, Any] | None = None
-    n: int = Field(1, ge=1, le=1)
+    n: int = Field(1, ge=1)
     ignore_eos: bool = False
+    # hints to OpenAI's own service: accepted, no effect on what the route computes
     user: str | None = None
+    metadata: dict[str, Any] | None = None
+    service_tier: str | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+    # OpenAI fields dgr does not do (UNSUPPORTED)
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    logit_bias: dict[str, Any] | None = None
+
+    @field_validator("n")
+    @classmethod
+    def _n(cls, v):
+        if v > MAX_CHOICES:
+            raise ValueError(f"at most {MAX_CHOICES} choices per request (each choice is its own generation "
+                             f"along the route), got {v}")
+        return v
 
     @field_validator("stop")
     @classmethod
@@ -48,8 +96,18 @@ class _Request(BaseModel):
 
 
 class CompletionRequest(_Request):
+    UNSUPPORTED = {
+        **_COMMON_UNSUPPORTED,
+        "echo": ((None, False), "the prompt is not echoed back; omit it"),
+        "suffix": ((None, ""), "dgr does not insert text between a prompt and a suffix; omit it"),
+        "best_of": ((None, 1), "dgr does not rank candidates server-side; use n for several choices"),
+    }
+
     prompt: str | list[str] | list[int] | list[list[int]]
-    echo: bool = False
+    echo: bool | None = None
+    suffix: str | None = None
+    best_of: int | None = None
+    logprobs: Any = None                # being added to the route (issue 23): accepted, not yet computed
 
 
 class ChatMessage(BaseModel):
@@ -76,9 +134,39 @@ class ChatMessage(BaseModel):
 
 
 class ChatRequest(_Request):
+    UNSUPPORTED = {
+        **_COMMON_UNSUPPORTED,
+        "functions": (_OFF, "the legacy functions API is not supported"),
+        "function_call": (_OFF, "the legacy functions API is not supported"),
+        "audio": (_UNSET, "this gateway serves text only"),
+        "modalities": ((None, ["text"]), "this gateway serves text only: give [\"text\"] or omit it"),
+        "prediction": (_UNSET, "predicted outputs are not supported"),
+        "web_search_options": (_UNSET, "dgr does not search the web"),
+        "reasoning_effort": (_UNSET, "the model is not a reasoning model with an effort setting"),
+        "verbosity": (_UNSET, "the model has no verbosity setting"),
+        "store": ((None, False), "this gateway stores nothing"),
+    }
+
     messages: list[ChatMessage] = Field(min_length=1)
     add_generation_prompt: bool = True
     max_completion_tokens: int | None = Field(None, ge=1)     # OpenAI's newer name for max_tokens in chat
+    # being added to the route (issue 23): accepted as they always were, not yet acted on here
+    logprobs: Any = None
+    top_logprobs: Any = None
+    response_format: Any = None
+    tools: Any = None
+    tool_choice: Any = None
+    parallel_tool_calls: Any = None
+    # UNSUPPORTED
+    functions: Any = None
+    function_call: Any = None
+    audio: Any = None
+    modalities: list[str] | None = None
+    prediction: Any = None
+    web_search_options: Any = None
+    reasoning_effort: str | None = None
+    verbosity: str | None = None
+    store: bool | None = None
 
     @model_validator(mode="after")
     def _max_completion_tokens(self):
@@ -120,22 +208,24 @@ class Shapes:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
                 "system_fingerprint": self.fingerprint}
 
-    def full(self, text: str, finish: FinishReason, prompt_tokens: int, completion_tokens: int) -> dict:
+    def full(self, choices: list[tuple[str, FinishReason]], prompt_tokens: int, completion_tokens: int) -> dict:
+        """`choices`: (text, finish_reason) of each choice, in index order."""
         if self.kind == "chat":
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                      "finish_reason": finish}
+            out = [{"index": i, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                    "finish_reason": finish} for i, (text, finish) in enumerate(choices)]
             body = self._head("chat.completion")
         else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+            out = [{"index": i, "text": text, "logprobs": None, "finish_reason": finish}
+                   for i, (text, finish) in enumerate(choices)]
             body = self._head("text_completion")
-        return {**body, "choices": [choice], "usage": usage(prompt_tokens, completion_tokens)}
+        return {**body, "choices": out, "usage": usage(prompt_tokens, completion_tokens)}
 
-    def chunk(self, text: str | None, finish: FinishReason = None, *, role: bool = False) -> dict:
+    def chunk(self, text: str | None, finish: FinishReason = None, *, role: bool = False, index: int = 0) -> dict:
         if self.kind == "chat":
             delta: dict = {"role": "assistant", "content": ""} if role else ({} if text is None else {"content": text})
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+            choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
             return {**self._head("chat.completion.chunk"), "choices": [choice]}
-        choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+        choice = {"index": index, "text": text or "", "logprobs": None, "finish_reason": finish}
         return {**self._head("text_completion"), "choices": [choice]}
 
     def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> dict:
