@@ -563,6 +563,56 @@ int32_t dgr_session_truncate(dgr_engine * eng, const char * sid, int64_t epoch, 
     });
 }
 
+int32_t dgr_session_state_get(dgr_engine * eng, const char * sid, int64_t epoch, void * buf, uint64_t cap,
+                              uint64_t * size, int32_t * n_positions) {
+    return guarded([&] {
+        if (!eng || !sid || !size || !n_positions) throw dgr_exc(DGR_E_ENGINE, "session_state_get: null argument");
+        std::lock_guard<std::mutex> lock(eng->mu);
+        auto it = eng->sessions.find(std::make_pair(std::string(sid), epoch));
+        if (it == eng->sessions.end()) {
+            throw dgr_exc(DGR_E_ENGINE, fmt("session '%s' epoch %lld is not open", sid, (long long) epoch));
+        }
+        *n_positions = it->second.n_cached;
+        *size = llama_state_seq_get_size(eng->ctx, it->second.seq);
+        if (buf && cap >= *size) {
+            const size_t n = llama_state_seq_get_data(eng->ctx, static_cast<uint8_t *>(buf), (size_t) cap, it->second.seq);
+            if (n != *size) throw dgr_exc(DGR_E_ENGINE, fmt("llama.cpp wrote %zu bytes of a %llu-byte session state", n,
+                                                            (unsigned long long) *size));
+        }
+    });
+}
+
+int32_t dgr_session_state_set(dgr_engine * eng, const char * sid, int64_t epoch, const void * buf, uint64_t size,
+                              int32_t n_positions, int32_t n_keep) {
+    return guarded([&] {
+        if (!eng || !sid || !buf) throw dgr_exc(DGR_E_ENGINE, "session_state_set: null argument");
+        std::lock_guard<std::mutex> lock(eng->mu);
+        auto it = eng->sessions.find(std::make_pair(std::string(sid), epoch));
+        if (it == eng->sessions.end()) {
+            throw dgr_exc(DGR_E_ENGINE, fmt("session '%s' epoch %lld is not open", sid, (long long) epoch));
+        }
+        session & s = it->second;
+        if (s.n_cached != 0) throw dgr_exc(DGR_E_ENGINE, fmt("session '%s' already holds %d positions", sid, s.n_cached));
+        if (n_keep < 0 || n_keep > n_positions) {
+            throw dgr_exc(DGR_E_ENGINE, fmt("cannot keep %d positions of a state of %d", n_keep, n_positions));
+        }
+        if (!can_truncate(eng)) {
+            throw dgr_exc(DGR_E_UNSUPPORTED, fmt("%s is a recurrent or hybrid model: a prefix of its state cannot be kept",
+                                                 eng->info.arch));
+        }
+        llama_memory_t mem = llama_get_memory(eng->ctx);
+        if (llama_state_seq_set_data(eng->ctx, static_cast<const uint8_t *>(buf), (size_t) size, s.seq) == 0) {
+            llama_memory_seq_rm(mem, s.seq, -1, -1);
+            throw dgr_exc(DGR_E_ENGINE, "llama.cpp could not load the saved session state (another engine's, or no room)");
+        }
+        if (n_keep < n_positions && !llama_memory_seq_rm(mem, s.seq, n_keep, -1)) {
+            llama_memory_seq_rm(mem, s.seq, -1, -1);
+            throw dgr_exc(DGR_E_UNSUPPORTED, fmt("llama.cpp refused to drop positions [%d, %d)", n_keep, n_positions));
+        }
+        s.n_cached = n_keep;
+    });
+}
+
 int32_t dgr_forward(dgr_engine * eng, int32_t n_steps, const dgr_step * steps, dgr_step_out * outs) {
     return guarded([&] {
         if (!eng || n_steps <= 0 || !steps || !outs) throw dgr_exc(DGR_E_ENGINE, "forward: needs at least one step");

@@ -121,6 +121,16 @@ DGR_API int32_t dgr_session_truncate(dgr_engine * eng, const char * session_id, 
 // 1 when dgr_session_truncate can drop a partial range for this model, 0 when it cannot (recurrent, hybrid).
 DGR_API int32_t dgr_engine_can_truncate(dgr_engine * eng);
 
+// The prefix cache (issue 23, docs/worker.md "Prefix cache"): a session's cached positions on this stage's
+// layers as bytes (llama_state_seq_get_data), and back into an open, empty session of the same engine
+// (llama_state_seq_set_data), keeping only its first n_keep positions (a prefix of what was saved; the rest
+// is dropped as dgr_session_truncate does, so only where dgr_engine_can_truncate). get: *size gets the
+// bytes needed; the state is written when cap >= that. (Added within ABI 4: callers look the symbols up.)
+DGR_API int32_t dgr_session_state_get(dgr_engine * eng, const char * session_id, int64_t epoch, void * buf,
+                                      uint64_t cap, uint64_t * size, int32_t * n_positions);
+DGR_API int32_t dgr_session_state_set(dgr_engine * eng, const char * session_id, int64_t epoch, const void * buf,
+                                      uint64_t size, int32_t n_positions, int32_t n_keep);
+
 // One llama_decode for all steps (distinct sessions). Either every step runs or none does.
 DGR_API int32_t dgr_forward(dgr_engine * eng, int32_t n_steps, const dgr_step * steps, dgr_step_out * outs);
 

@@ -74,6 +74,8 @@ EngineLib load(const std::string & self_dir, const char * env_name, const char *
     opt(lib.dequantize_q8_0, "dequantize_row_q8_0");
     opt(lib.fake_spec, "dgr_fake_spec");
     opt(lib.logprobs, "dgr_logprobs");
+    opt(lib.state_get, "dgr_session_state_get");
+    opt(lib.state_set, "dgr_session_state_set");
     opt(lib.grammar_open, "dgr_grammar_open");
     opt(lib.grammar_close, "dgr_grammar_close");
     opt(lib.grammar_apply, "dgr_grammar_apply");

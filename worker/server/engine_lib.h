@@ -48,6 +48,8 @@ struct EngineLib {
     void    (*grammar_close)(dgr_grammar *);
     int32_t (*grammar_apply)(dgr_grammar *, float *, int32_t);
     int32_t (*grammar_accept)(dgr_grammar *, int32_t);
+    int32_t (*state_get)(dgr_engine *, const char *, int64_t, void *, uint64_t, uint64_t *, int32_t *);
+    int32_t (*state_set)(dgr_engine *, const char *, int64_t, const void *, uint64_t, int32_t, int32_t);
     // the fake engine's canonical spec (worker/fake/dgr_fake_engine.h: dgr_fake_spec); null in a real engine
     int32_t (*fake_spec)(const char *, char *, int32_t, int32_t *);
 

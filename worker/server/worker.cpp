@@ -112,6 +112,11 @@ StageWorker::StageWorker(const EngineLib & lib, dgr_engine * eng, StageIdentity 
     st = lib_.memory(eng_, &memory_);
     if (st != DGR_OK) throw std::runtime_error(lib_.error(st));
     can_truncate_ = lib_.can_truncate(eng_) != 0;
+    if (limits_.prefix_cache_mib <= 0) prefix_off_ = "--prefix-cache-mib 0";
+    else if (!lib_.state_get || !lib_.state_set) prefix_off_ = "the engine library predates it";
+    else if (!can_truncate_) prefix_off_ = std::string(info_.arch) + " keeps one running state per session (recurrent or hybrid)";
+    else if (!info_.batch_invariant) prefix_off_ = "the engine's results depend on the batch (fast kernels)";
+    if (prefix_off_.empty()) prefix_ = std::make_unique<PrefixCache>(uint64_t(limits_.prefix_cache_mib) << 20);
     dtype_ = find_dtype(id_.wire_dtype);
     if (!dtype_) throw std::runtime_error("unknown wire dtype '" + id_.wire_dtype + "'");
     const bool lossy_ok = lib_.fp16_to_fp32 && lib_.fp32_to_fp16 && lib_.bf16_to_fp32 && lib_.fp32_to_bf16 &&
@@ -191,6 +196,14 @@ void StageWorker::describe_msg(pb::StageDescription * d) {
     d->set_max_queued_steps(uint32_t(limits_.max_queued_steps));
     d->set_can_roll_back(can_truncate_);
     d->set_batch_invariant(i.batch_invariant);
+    if (prefix_) {
+        const PrefixCache::Stats ps = prefix_->stats();
+        d->set_prefix_cache_capacity_bytes(ps.capacity);
+        d->set_prefix_cache_bytes(ps.bytes);
+        d->set_prefix_cache_entries(ps.entries);
+        d->set_prefix_cache_hits(ps.hits);
+        d->set_prefix_cache_lookups(ps.lookups);
+    }
     d->set_tls(trust_.tls);
     d->set_mutual_tls(trust_.mutual);
     d->set_member(trust_.member);
@@ -524,6 +537,24 @@ grpc::Status StageWorker::OpenSession(grpc::ServerContext * ctx, const pb::OpenS
                 return fail(pb::ENGINE, msg);
             }
         }
+        // the prefix cache: the longest kept prefix of the blocks the previous hop matched
+        int32_t restored = 0;
+        size_t matched = 0;
+        if (prefix_ && req->prefix_blocks_size() > 0 && req->prefix_block_tokens() > 0) {
+            PrefixCache::Hit hit = prefix_->find(prefix_seed(req->upstream()), prefix_blocks(req->prefix_blocks()),
+                                                 req->prefix_block_tokens());
+            if (hit.n_keep > 0) {
+                std::lock_guard<std::mutex> eg(engine_mu_);
+                int32_t st = lib_.state_set(eng_, req->session_id().c_str(), int64_t(req->epoch()), hit.state->data(),
+                                            hit.state->size(), hit.n_positions, hit.n_keep);
+                if (st == DGR_OK) {
+                    restored = hit.n_keep;
+                    matched = hit.blocks;
+                } else {                             // an ordinary miss: prefill it all
+                    fprintf(stderr, "dgr-worker: the prefix cache's state did not load: %s\n", lib_.error(st).c_str());
+                }
+            }
+        }
         {
             std::lock_guard<std::mutex> g(mu_);
             auto s = std::make_shared<Session>();
@@ -534,6 +565,8 @@ grpc::Status StageWorker::OpenSession(grpc::ServerContext * ctx, const pb::OpenS
             s->sampling.clear_grammar_accepted();    // used above; not kept
             s->grammar = std::move(grammar);
             s->logits = int(req->logits());
+            s->held = uint64_t(restored);
+            s->prefix_seed = prefix_seed(req->upstream());
             if (trust_.mutual) s->opener = peer_identity(ctx);
             sessions_[key] = std::move(s);
             ++opened_total_;
@@ -545,6 +578,7 @@ grpc::Status StageWorker::OpenSession(grpc::ServerContext * ctx, const pb::OpenS
             pb::OpenSessionRequest fwd = *req;
             fwd.set_hop_index(req->hop_index() + 1);
             *fwd.mutable_upstream() = me;
+            while (size_t(fwd.prefix_blocks_size()) > matched) fwd.mutable_prefix_blocks()->RemoveLast();
             pb::OpenSessionReply theirs;
             grpc::ClientContext cc;
             cc.set_deadline(chain_deadline(size_t(req->route_size()) - 1 - req->hop_index(), ctx));
@@ -566,7 +600,18 @@ grpc::Status StageWorker::OpenSession(grpc::ServerContext * ctx, const pb::OpenS
                 return grpc::Status::OK;
             }
             for (auto & h : theirs.hops()) *reply->add_hops() = h;
+            if (int32_t(theirs.cached_tokens()) < restored) {   // a later hop kept less: hold what every hop holds
+                std::lock_guard<std::mutex> eg(engine_mu_);
+                int32_t st = lib_.truncate(eng_, req->session_id().c_str(), int64_t(req->epoch()), int32_t(theirs.cached_tokens()));
+                if (st != DGR_OK) return fail(pb::ENGINE, lib_.error(st));
+                restored = int32_t(theirs.cached_tokens());
+                std::lock_guard<std::mutex> g(mu_);
+                auto it = sessions_.find(key);
+                if (it != sessions_.end()) it->second->held = uint64_t(restored);
+            }
         }
+        reply->set_cached_tokens(uint32_t(restored));
+        if (prefix_ && restored > 0) prefix_->note_hit(restored);
         {
             // the origin takes tokens back only from the last hop, errors from any hop of the route (mTLS)
             std::lock_guard<std::mutex> g(mu_);
@@ -602,8 +647,44 @@ void StageWorker::close_local(const std::string & sid, uint64_t epoch) {
     }
 }
 
+std::vector<std::string> StageWorker::prefix_blocks(const google::protobuf::RepeatedPtrField<std::string> & b) const {
+    return std::vector<std::string>(b.begin(), b.end());
+}
+
+// What a stage's state depends on besides the tokens: the boundary dtype the previous hop sent (a lossy
+// wire dtype gives other values), and which upstream layer it came from
+std::string StageWorker::prefix_seed(const pb::StageDescription & upstream) const {
+    return std::to_string(int(upstream.schema_out().dtype())) + "/" + std::to_string(upstream.schema_out().layer());
+}
+
+void StageWorker::keep_prefix(const std::string & sid, uint64_t epoch, const pb::CloseSessionRequest & req) {
+    if (!prefix_ || req.prefix_block_tokens() == 0) return;
+    SessionPtr sess = session(Key{sid, epoch});
+    if (!sess) return;
+    {
+        std::lock_guard<std::mutex> g(mu_);
+        if (sess->failed || pending_.count(Key{sid, epoch})) return;   // failed or mid-step: keep nothing
+    }
+    uint64_t size = 0;
+    int32_t n = 0;
+    std::string state;
+    {
+        std::lock_guard<std::mutex> eg(engine_mu_);
+        int32_t st = lib_.state_get(eng_, sid.c_str(), int64_t(epoch), nullptr, 0, &size, &n);
+        if (st != DGR_OK || n < int32_t(req.prefix_block_tokens())) return;
+        state.resize(size);
+        st = lib_.state_get(eng_, sid.c_str(), int64_t(epoch), state.data(), size, &size, &n);
+        if (st != DGR_OK) {
+            fprintf(stderr, "dgr-worker: keeping session %s's prefix: %s\n", sid.c_str(), lib_.error(st).c_str());
+            return;
+        }
+    }
+    prefix_->put(sess->prefix_seed, prefix_blocks(req.prefix_blocks()), req.prefix_block_tokens(),
+                 std::move(state), n);
+}
+
 void StageWorker::close_chained(const std::string & sid, uint64_t epoch, const grpc::ServerContext * ctx,
-                                pb::CloseSessionReply * reply) {
+                                pb::CloseSessionReply * reply, const pb::CloseSessionRequest * keep) {
     std::vector<pb::Hop> route;
     uint32_t hop_index = 0;
     bool had;
@@ -623,6 +704,10 @@ void StageWorker::close_chained(const std::string & sid, uint64_t epoch, const g
         req.set_session_id(sid);
         req.set_epoch(epoch);
         req.set_chain(true);
+        if (keep) {
+            *req.mutable_prefix_blocks() = keep->prefix_blocks();
+            req.set_prefix_block_tokens(keep->prefix_block_tokens());
+        }
         pb::CloseSessionReply theirs;
         grpc::ClientContext cc;
         cc.set_deadline(chain_deadline(route.size() - 1 - hop_index, ctx));
@@ -641,7 +726,8 @@ grpc::Status StageWorker::CloseSession(grpc::ServerContext * ctx, const pb::Clos
             *reply->mutable_error() = err(pb::WRONG_STAGE, why);
             return grpc::Status::OK;
         }
-        if (req->chain()) close_chained(req->session_id(), req->epoch(), ctx, reply);
+        if (req->prefix_blocks_size() > 0) keep_prefix(req->session_id(), req->epoch(), *req);
+        if (req->chain()) close_chained(req->session_id(), req->epoch(), ctx, reply, req);
         else close_local(req->session_id(), req->epoch());
         return grpc::Status::OK;
     });

@@ -29,6 +29,7 @@
 #include "certs.h"
 #include "drafts.h"
 #include "engine_lib.h"
+#include "prefix_cache.h"
 #include "metrics.h"
 #include "tls.h"
 
@@ -50,6 +51,7 @@ struct Limits {
     double  send_timeout_s = 10.0;                   // --send-timeout: one write may wait this long
     int64_t max_send_queue_bytes = 64 << 20;         // --max-send-queue-bytes: per reply stream and per link
     int64_t max_connections = 256;                   // --max-connections: connections with calls in progress
+    int64_t prefix_cache_mib = 256;                  // --prefix-cache-mib: what closed sessions leave (0: off)
     // --test-die-at SESSION:EPOCH:POSITION (tests only): SIGKILL itself about to run that step
     std::set<std::tuple<std::string, uint64_t, int64_t>> die_at;
     // --test-evict-at SESSION:EPOCH:POSITION (tests only): about to run that step, drop the session's engine
@@ -198,6 +200,7 @@ class StageWorker final : public dgr::v1::Stage::Service {
         // the last stage, Sampling.grammar / json_schema: llama.cpp's grammar sampler, advanced over every
         // token drawn (used on the engine thread only; closed with the session)
         std::shared_ptr<dgr_grammar> grammar;
+        std::string prefix_seed;                     // the prefix cache: what its state depends on (prefix_seed())
         uint64_t held = 0;                           // positions cached after its last step here
         // origin (stage 0) only: the client's reply stream and generation control
         ReplyPtr client;
@@ -273,7 +276,8 @@ class StageWorker final : public dgr::v1::Stage::Service {
     void on_link_reply(dgr::v1::Frame frame);
     void on_link_broken(Link * link, const std::string & why, const std::set<Key> & lost);
     void client_gone(const ReplyPtr & out);
-    void close_chained(const std::string & sid, uint64_t epoch, const grpc::ServerContext * ctx, dgr::v1::CloseSessionReply * reply);
+    void close_chained(const std::string & sid, uint64_t epoch, const grpc::ServerContext * ctx, dgr::v1::CloseSessionReply * reply,
+                       const dgr::v1::CloseSessionRequest * keep = nullptr);
     SessionPtr session(const Key & key);
     std::shared_ptr<Link> out_link(const std::string & address, uint32_t hop_index);
     void encode(const float * x, int64_t n_tokens, dgr::v1::Boundary * b) const;
@@ -304,6 +308,13 @@ class StageWorker final : public dgr::v1::Stage::Service {
     dgr_stage_info info_{};
     dgr_memory memory_{};
     bool can_truncate_ = false;
+    // the prefix cache (prefix_cache.h); null where off (--prefix-cache-mib 0, or an engine that cannot keep a
+    // prefix of a session: no truncation, results that depend on the batch, an engine built before it)
+    std::unique_ptr<PrefixCache> prefix_;
+    std::string prefix_off_;                         // why it is off ("" when on)
+    std::vector<std::string> prefix_blocks(const google::protobuf::RepeatedPtrField<std::string> & b) const;
+    std::string prefix_seed(const dgr::v1::StageDescription & upstream) const;
+    void keep_prefix(const std::string & sid, uint64_t epoch, const dgr::v1::CloseSessionRequest & req);
     const WireDtype * dtype_;
     dgr::v1::BoundarySchema schema_in_, schema_out_;   // what this stage takes and sends (describe_msg's)
     uint64_t seam_bytes_per_token_ = 0;

@@ -71,6 +71,9 @@ def register(sub) -> None:
     s.add_argument("--drain-timeout", type=float, default=d.drain_timeout_s, metavar="S",
                    help=f"SIGTERM: exit within S seconds whatever the sessions and streams do "
                         f"(default {d.drain_timeout_s:g})")
+    s.add_argument("--prefix-cache-mib", type=int, default=d.prefix_cache_mib, metavar="N",
+                   help="keep what closed sessions' KV held, for later sessions that begin with the same tokens, "
+                        "up to N MiB, least recently used out (docs/worker.md \"Prefix cache\"; 0: off)")
     s.add_argument("--tls-cert", metavar="F", help="this worker's certificate (PEM; `dgr certs issue`)")
     s.add_argument("--tls-key", metavar="F", help="its private key (PEM)")
     s.add_argument("--tls-ca", metavar="F", help="the operator's CA (PEM): peers must present a certificate it "

@@ -30,6 +30,7 @@ from dgr.wire.errors import (RECOVERABLE, HopUnreachable, Overloaded, RemoteSche
                              WrongRange, WrongStage, from_proto, gave_up)
 from dgr.wire.gen import stage_pb2 as pb
 from dgr.wire.limits import MAX_TOP_LOGPROBS
+from dgr.wire.prefix import PREFIX_BLOCK_TOKENS, block_hashes, prompt_blocks
 from dgr.wire.gen import stage_pb2_grpc as pb_grpc
 from dgr.wire.stats import Failure, Generation, TokenEvent
 
@@ -135,6 +136,7 @@ class RouteClient:
         self._channels: dict[str, grpc.Channel] = {}
         self._stubs: dict[str, pb_grpc.StageStub] = {}
         self.max_frame_bytes_sent = 0
+        self.cached_tokens = 0                          # the last open's: positions restored from prefix caches
         self._hops: list[pb.StageDescription | None] | None = None
         self._ident: list[tuple | None] = [None] * len(reps)   # what each stage must serve (first seen)
 
@@ -288,13 +290,17 @@ class RouteClient:
     def detokenize(self, ids: list[int]) -> str:
         return self._vocab_stub().Detokenize(pb.DetokenizeRequest(token_ids=ids), timeout=30).text
 
-    def open(self, session_id: str, epoch: int, sampling: pb.Sampling, logits: int) -> list[pb.StageDescription]:
+    def open(self, session_id: str, epoch: int, sampling: pb.Sampling, logits: int,
+             prefix: Sequence[bytes] = ()) -> list[pb.StageDescription]:
+        """Open an epoch along the route. `prefix`: the prompt's block hashes (dgr.wire.prefix.prompt_blocks);
+        `self.cached_tokens` then says how many positions every hop restored from its prefix cache."""
         hops = self.hops
         route = [pb.Hop(address=a, bundle_id=d.identity.bundle_id, stage_index=d.identity.stage_index,
                         layer_begin=d.identity.layer_begin, layer_end=d.identity.layer_end)
                  for a, d in zip(self.route, hops)]
         req = pb.OpenSessionRequest(session_id=session_id, epoch=epoch, route=route, hop_index=0,
-                                    sampling=sampling, logits=logits)
+                                    sampling=sampling, logits=logits, prefix_blocks=list(prefix),
+                                    prefix_block_tokens=PREFIX_BLOCK_TOKENS if prefix else 0)
         fut = self._stub(self.route[0]).OpenSession.future(req, timeout=self.timeout)
         try:
             reply = self._watch(lambda t: _result(fut, t), "no answer to OpenSession", fut.cancel)
@@ -302,13 +308,18 @@ class RouteClient:
             raise self._unreachable(0, "cannot open a session", err) from None
         if reply.HasField("error"):
             raise from_proto(reply.error)
+        self.cached_tokens = reply.cached_tokens
         return list(reply.hops)
 
-    def close_session(self, session_id: str, epoch: int, timeout: float = 10.0, origin: str | None = None) -> None:
-        """Close an epoch along the route from `origin` (default: the current stage 0)."""
+    def close_session(self, session_id: str, epoch: int, timeout: float = 10.0, origin: str | None = None,
+                      keep: Sequence[int] = ()) -> None:
+        """Close an epoch along the route from `origin` (default: the current stage 0). `keep`: every token the
+        session ran; each hop keeps what its cache holds for them in its prefix cache (docs/worker.md)."""
+        blocks = block_hashes(keep) if keep else []
         try:
             self._stub(origin or self.route[0]).CloseSession(
-                pb.CloseSessionRequest(session_id=session_id, epoch=epoch, chain=True), timeout=timeout)
+                pb.CloseSessionRequest(session_id=session_id, epoch=epoch, chain=True, prefix_blocks=blocks,
+                                       prefix_block_tokens=PREFIX_BLOCK_TOKENS if blocks else 0), timeout=timeout)
         except (grpc.RpcError, ValueError):             # ValueError: the client was closed meanwhile
             pass                                        # best effort: workers free it on their own
 
@@ -396,13 +407,16 @@ class RouteClient:
                  stop_token_ids: list[int] | None = None, attempts: int | None = None,
                  session_id: str | None = None, speculate: str | None = None,
                  draft_k: int = DEFAULT_DRAFT_K, grammar: str = "", json_schema: str = "",
-                 logprobs: bool = False, top_logprobs: int = 0) -> Iterator[TokenEvent]:
+                 logprobs: bool = False, top_logprobs: int = 0, prefix_cache: bool = True) -> Iterator[TokenEvent]:
         """Yield tokens as they arrive. `logits`: none | last | all (rows go to `self.last.logits`).
         `speculate`: a draft source at the origin ("ngram"; dgr.wire.drafts) whose up to `draft_k` drafts
         per ring the last stage verifies: the same tokens, fewer rings on text that repeats its context.
         `grammar` (GBNF) or `json_schema`: the last stage draws only what the grammar allows (llama.cpp's
         grammar sampler). `logprobs` / `top_logprobs`: each event carries its token's log-probability and the
-        `top_logprobs` most likely tokens' (at most MAX_TOP_LOGPROBS).
+        `top_logprobs` most likely tokens' (at most MAX_TOP_LOGPROBS). `prefix_cache`: start from the longest
+        prefix of the prompt every hop kept from earlier sessions (`self.last.cached_tokens`), and leave this
+        session's tokens to the hops' caches when it ends (docs/worker.md "Prefix cache"; never with
+        logits="all", which needs every row).
         Recovers from up to `attempts` (default: the client's) failed attempts, then raises."""
         ids = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
         if not ids:
@@ -425,6 +439,7 @@ class RouteClient:
         gen = self.last = Generation(prompt_ids=ids, t_start=time.perf_counter(), chunk_tokens=self.chunk_tokens)
         sid = session_id or uuid.uuid4().hex
         epoch = 0
+        use_prefix = prefix_cache and logits != "all"
         while len(gen.token_ids) < max_new_tokens:
             epoch += 1
             gen.epochs = epoch
@@ -434,9 +449,15 @@ class RouteClient:
                 if grammar or json_schema:              # a re-prefill continues the structure it began
                     sampling.ClearField("grammar_accepted")
                     sampling.grammar_accepted.extend(gen.token_ids)
-                self.open(sid, epoch, sampling, LOGITS[logits])   # describes a replaced hop first
+                history = gen.prompt_ids + gen.token_ids
+                self.open(sid, epoch, sampling, LOGITS[logits],   # describes a replaced hop first
+                          prompt_blocks(history) if use_prefix else ())
+                cached = self.cached_tokens if use_prefix else 0
+                if epoch == 1:
+                    gen.cached_tokens = cached
                 yield from self._run_epoch(gen, sid, epoch, max_new_tokens, stop_token_ids,
-                                           pb.Generate(draft_source=speculate or "", draft_k=draft_k if speculate else 0))
+                                           pb.Generate(draft_source=speculate or "", draft_k=draft_k if speculate else 0),
+                                           start=cached)
                 break
             except StageError as err:
                 failed = True
@@ -446,7 +467,7 @@ class RouteClient:
                     threading.Thread(target=self.close_session, args=(sid, epoch, self.hop_deadline, origin),
                                      daemon=True).start()
                 else:
-                    self.close_session(sid, epoch)
+                    self.close_session(sid, epoch, keep=gen.prompt_ids + gen.token_ids if use_prefix else ())
 
     def run(self, prompt: str | list[int], **kw) -> Generation:
         for _ in self.generate(prompt, **kw):
@@ -465,14 +486,14 @@ class RouteClient:
                             "predates speculation): generate without --speculate")
 
     def _frames(self, gen: Generation, sid: str, epoch: int, max_new: int, stop_ids: list[int],
-                spec: pb.Generate | None = None):
+                spec: pb.Generate | None = None, start: int = 0):
         history = gen.prompt_ids + gen.token_ids
         g = pb.Generate(max_new_tokens=max_new - len(gen.token_ids), stop_token_ids=stop_ids,
                         context_ids=gen.token_ids, context_text=gen.text)
         if spec is not None:
             g.draft_source, g.draft_k = spec.draft_source, spec.draft_k
         yield pb.Frame(session_id=sid, epoch=epoch, generate=g)
-        starts = list(range(0, len(history), self.chunk_tokens))
+        starts = list(range(start, len(history), self.chunk_tokens))   # start: what every hop restored
         if gen.token_ids and not all(h.batch_invariant for h in self.hops):
             # a hop whose results depend on the batch (docs/batching.md): replay the history the way it
             # was first computed, the prompt in the same chunks and each generated token as its own step
@@ -489,10 +510,10 @@ class RouteClient:
             yield f
 
     def _run_epoch(self, gen: Generation, sid: str, epoch: int, max_new: int, stop_ids: list[int],
-                   spec: pb.Generate | None = None):
+                   spec: pb.Generate | None = None, start: int = 0):
         q: queue.Queue = queue.Queue()
         outgoing: queue.Queue = queue.Queue()
-        for f in self._frames(gen, sid, epoch, max_new, stop_ids, spec):
+        for f in self._frames(gen, sid, epoch, max_new, stop_ids, spec, start):
             outgoing.put(f)
         if epoch == 1:
             gen.t_start = time.perf_counter()           # prefill time starts with the first chunk sent

@@ -32,3 +32,6 @@ class Limits:
     # a link gives up on a peer this long after an unanswered keepalive ping; a ping waits behind the
     # boundary bytes queued ahead of it, so a thin link carrying a long prefill needs more (docs/wan.md)
     link_keepalive_timeout_s: float = 2.0
+    # the prefix cache: what closed sessions' KV held, kept for later sessions that begin with the same tokens
+    # (docs/worker.md "Prefix cache"; 0: off)
+    prefix_cache_mib: int = 256

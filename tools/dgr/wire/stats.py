@@ -54,6 +54,7 @@ class Generation:
     events: list[TokenEvent] = field(default_factory=list)
     epochs: int = 0
     chunk_tokens: int = 0                # prefill tokens per step, the same at every stage
+    cached_tokens: int = 0               # prompt positions every hop restored from its prefix cache (not prefilled)
     failures: list[Failure] = field(default_factory=list)         # recovered from (or the last: gave up)
     routes: list[str] = field(default_factory=list)               # the route of every epoch, in order
     t_start: float = 0.0

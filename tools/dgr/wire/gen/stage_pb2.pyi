@@ -106,7 +106,7 @@ class DescribeRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StageDescription(_message.Message):
-    __slots__ = ("identity", "schema_in", "schema_out", "is_first", "is_last", "has_vocab", "n_vocab", "n_ctx", "max_sessions", "open_sessions", "queued_steps", "max_message_bytes", "max_frame_bytes_sent", "seam_bytes_per_token", "engine", "eos_token_ids", "reaped_sessions", "session_ttl_s", "max_queued_steps", "overloaded", "tls", "mutual_tls", "cached_positions", "member", "chat_template", "descriptor_json", "can_roll_back", "batch_invariant")
+    __slots__ = ("identity", "schema_in", "schema_out", "is_first", "is_last", "has_vocab", "n_vocab", "n_ctx", "max_sessions", "open_sessions", "queued_steps", "max_message_bytes", "max_frame_bytes_sent", "seam_bytes_per_token", "engine", "eos_token_ids", "reaped_sessions", "session_ttl_s", "max_queued_steps", "overloaded", "tls", "mutual_tls", "cached_positions", "member", "chat_template", "descriptor_json", "can_roll_back", "batch_invariant", "prefix_cache_capacity_bytes", "prefix_cache_bytes", "prefix_cache_entries", "prefix_cache_hits", "prefix_cache_lookups")
     IDENTITY_FIELD_NUMBER: _ClassVar[int]
     SCHEMA_IN_FIELD_NUMBER: _ClassVar[int]
     SCHEMA_OUT_FIELD_NUMBER: _ClassVar[int]
@@ -135,6 +135,11 @@ class StageDescription(_message.Message):
     DESCRIPTOR_JSON_FIELD_NUMBER: _ClassVar[int]
     CAN_ROLL_BACK_FIELD_NUMBER: _ClassVar[int]
     BATCH_INVARIANT_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_HITS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_LOOKUPS_FIELD_NUMBER: _ClassVar[int]
     identity: Identity
     schema_in: BoundarySchema
     schema_out: BoundarySchema
@@ -163,7 +168,12 @@ class StageDescription(_message.Message):
     descriptor_json: str
     can_roll_back: bool
     batch_invariant: bool
-    def __init__(self, identity: _Optional[_Union[Identity, _Mapping]] = ..., schema_in: _Optional[_Union[BoundarySchema, _Mapping]] = ..., schema_out: _Optional[_Union[BoundarySchema, _Mapping]] = ..., is_first: _Optional[bool] = ..., is_last: _Optional[bool] = ..., has_vocab: _Optional[bool] = ..., n_vocab: _Optional[int] = ..., n_ctx: _Optional[int] = ..., max_sessions: _Optional[int] = ..., open_sessions: _Optional[int] = ..., queued_steps: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., max_frame_bytes_sent: _Optional[int] = ..., seam_bytes_per_token: _Optional[int] = ..., engine: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., reaped_sessions: _Optional[int] = ..., session_ttl_s: _Optional[float] = ..., max_queued_steps: _Optional[int] = ..., overloaded: _Optional[int] = ..., tls: _Optional[bool] = ..., mutual_tls: _Optional[bool] = ..., cached_positions: _Optional[int] = ..., member: _Optional[str] = ..., chat_template: _Optional[str] = ..., descriptor_json: _Optional[str] = ..., can_roll_back: _Optional[bool] = ..., batch_invariant: _Optional[bool] = ...) -> None: ...
+    prefix_cache_capacity_bytes: int
+    prefix_cache_bytes: int
+    prefix_cache_entries: int
+    prefix_cache_hits: int
+    prefix_cache_lookups: int
+    def __init__(self, identity: _Optional[_Union[Identity, _Mapping]] = ..., schema_in: _Optional[_Union[BoundarySchema, _Mapping]] = ..., schema_out: _Optional[_Union[BoundarySchema, _Mapping]] = ..., is_first: _Optional[bool] = ..., is_last: _Optional[bool] = ..., has_vocab: _Optional[bool] = ..., n_vocab: _Optional[int] = ..., n_ctx: _Optional[int] = ..., max_sessions: _Optional[int] = ..., open_sessions: _Optional[int] = ..., queued_steps: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., max_frame_bytes_sent: _Optional[int] = ..., seam_bytes_per_token: _Optional[int] = ..., engine: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., reaped_sessions: _Optional[int] = ..., session_ttl_s: _Optional[float] = ..., max_queued_steps: _Optional[int] = ..., overloaded: _Optional[int] = ..., tls: _Optional[bool] = ..., mutual_tls: _Optional[bool] = ..., cached_positions: _Optional[int] = ..., member: _Optional[str] = ..., chat_template: _Optional[str] = ..., descriptor_json: _Optional[str] = ..., can_roll_back: _Optional[bool] = ..., batch_invariant: _Optional[bool] = ..., prefix_cache_capacity_bytes: _Optional[int] = ..., prefix_cache_bytes: _Optional[int] = ..., prefix_cache_entries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., prefix_cache_lookups: _Optional[int] = ...) -> None: ...
 
 class TokenizeRequest(_message.Message):
     __slots__ = ("text", "add_special")
@@ -244,7 +254,7 @@ class DrawLogprobs(_message.Message):
     def __init__(self, logprob: _Optional[float] = ..., top: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class OpenSessionRequest(_message.Message):
-    __slots__ = ("session_id", "epoch", "route", "hop_index", "sampling", "logits", "upstream")
+    __slots__ = ("session_id", "epoch", "route", "hop_index", "sampling", "logits", "upstream", "prefix_blocks", "prefix_block_tokens")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     ROUTE_FIELD_NUMBER: _ClassVar[int]
@@ -252,6 +262,8 @@ class OpenSessionRequest(_message.Message):
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     LOGITS_FIELD_NUMBER: _ClassVar[int]
     UPSTREAM_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_BLOCK_TOKENS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     epoch: int
     route: _containers.RepeatedCompositeFieldContainer[Hop]
@@ -259,25 +271,33 @@ class OpenSessionRequest(_message.Message):
     sampling: Sampling
     logits: LogitsMode
     upstream: StageDescription
-    def __init__(self, session_id: _Optional[str] = ..., epoch: _Optional[int] = ..., route: _Optional[_Iterable[_Union[Hop, _Mapping]]] = ..., hop_index: _Optional[int] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., logits: _Optional[_Union[LogitsMode, str]] = ..., upstream: _Optional[_Union[StageDescription, _Mapping]] = ...) -> None: ...
+    prefix_blocks: _containers.RepeatedScalarFieldContainer[bytes]
+    prefix_block_tokens: int
+    def __init__(self, session_id: _Optional[str] = ..., epoch: _Optional[int] = ..., route: _Optional[_Iterable[_Union[Hop, _Mapping]]] = ..., hop_index: _Optional[int] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., logits: _Optional[_Union[LogitsMode, str]] = ..., upstream: _Optional[_Union[StageDescription, _Mapping]] = ..., prefix_blocks: _Optional[_Iterable[bytes]] = ..., prefix_block_tokens: _Optional[int] = ...) -> None: ...
 
 class OpenSessionReply(_message.Message):
-    __slots__ = ("error", "hops")
+    __slots__ = ("error", "hops", "cached_tokens")
     ERROR_FIELD_NUMBER: _ClassVar[int]
     HOPS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     error: WireError
     hops: _containers.RepeatedCompositeFieldContainer[StageDescription]
-    def __init__(self, error: _Optional[_Union[WireError, _Mapping]] = ..., hops: _Optional[_Iterable[_Union[StageDescription, _Mapping]]] = ...) -> None: ...
+    cached_tokens: int
+    def __init__(self, error: _Optional[_Union[WireError, _Mapping]] = ..., hops: _Optional[_Iterable[_Union[StageDescription, _Mapping]]] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class CloseSessionRequest(_message.Message):
-    __slots__ = ("session_id", "epoch", "chain")
+    __slots__ = ("session_id", "epoch", "chain", "prefix_blocks", "prefix_block_tokens")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     CHAIN_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_BLOCK_TOKENS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     epoch: int
     chain: bool
-    def __init__(self, session_id: _Optional[str] = ..., epoch: _Optional[int] = ..., chain: _Optional[bool] = ...) -> None: ...
+    prefix_blocks: _containers.RepeatedScalarFieldContainer[bytes]
+    prefix_block_tokens: int
+    def __init__(self, session_id: _Optional[str] = ..., epoch: _Optional[int] = ..., chain: _Optional[bool] = ..., prefix_blocks: _Optional[_Iterable[bytes]] = ..., prefix_block_tokens: _Optional[int] = ...) -> None: ...
 
 class CloseSessionReply(_message.Message):
     __slots__ = ("error",)

@@ -1,0 +1,94 @@
+#include "prefix_cache.h"
+
+#include <algorithm>
+
+namespace dgr {
+
+std::string PrefixCache::key(const std::string & seed, uint32_t block_tokens, const std::string & block) {
+    return seed + '\0' + std::to_string(block_tokens) + '\0' + block;
+}
+
+PrefixCache::Hit PrefixCache::find(const std::string & seed, const std::vector<std::string> & blocks, uint32_t block_tokens) {
+    std::lock_guard<std::mutex> g(mu_);
+    ++stats_.lookups;
+    Hit hit;
+    if (!capacity_ || !block_tokens) return hit;
+    for (size_t j = blocks.size(); j-- > 0;) {      // the longest prefix first
+        auto it = index_.find(key(seed, block_tokens, blocks[j]));
+        if (it == index_.end()) continue;
+        Entry & e = entries_.at(it->second.entry);
+        lru_.splice(lru_.begin(), lru_, e.lru);
+        hit.state = e.state;
+        hit.n_positions = e.n_positions;
+        hit.n_keep = it->second.n_keep;
+        hit.blocks = j + 1;
+        ++stats_.hits;
+        break;
+    }
+    return hit;
+}
+
+void PrefixCache::note_hit(int32_t tokens) {
+    std::lock_guard<std::mutex> g(mu_);
+    stats_.hit_tokens += uint64_t(std::max(0, tokens));
+}
+
+void PrefixCache::evict_one() {
+    const uint64_t id = lru_.back();
+    lru_.pop_back();
+    Entry & e = entries_.at(id);
+    for (auto & k : e.keys) {
+        auto it = index_.find(k);
+        if (it != index_.end() && it->second.entry == id) index_.erase(it);
+    }
+    bytes_ -= e.state->size();
+    entries_.erase(id);
+    ++stats_.evicted;
+}
+
+size_t PrefixCache::put(const std::string & seed, const std::vector<std::string> & blocks, uint32_t block_tokens,
+                        std::string state, int32_t n_positions) {
+    if (!block_tokens || n_positions <= 0) return 0;
+    const size_t n = std::min(blocks.size(), size_t(n_positions) / block_tokens);
+    if (n == 0) return 0;
+    std::lock_guard<std::mutex> g(mu_);
+    if (state.size() > capacity_) return 0;
+    while (bytes_ + state.size() > capacity_ && !lru_.empty()) evict_one();
+    const uint64_t id = next_++;
+    Entry & e = entries_[id];
+    e.state = std::make_shared<const std::string>(std::move(state));
+    e.n_positions = n_positions;
+    lru_.push_front(id);
+    e.lru = lru_.begin();
+    bytes_ += e.state->size();
+    for (size_t j = 0; j < n; ++j) {                // every block it covers now points here (the newest state)
+        std::string k = key(seed, block_tokens, blocks[j]);
+        index_[k] = Slot{id, int32_t((j + 1) * block_tokens)};
+        e.keys.push_back(std::move(k));
+    }
+    // an older entry none of whose blocks point to it any more is dead weight
+    for (auto it = entries_.begin(); it != entries_.end();) {
+        bool live = false;
+        for (auto & k : it->second.keys) {
+            auto s = index_.find(k);
+            if (s != index_.end() && s->second.entry == it->first) { live = true; break; }
+        }
+        if (live) { ++it; continue; }
+        lru_.erase(it->second.lru);
+        bytes_ -= it->second.state->size();
+        it = entries_.erase(it);
+    }
+    ++stats_.kept;
+    return n;
+}
+
+PrefixCache::Stats PrefixCache::stats() {
+    std::lock_guard<std::mutex> g(mu_);
+    Stats s = stats_;
+    s.capacity = capacity_;
+    s.bytes = bytes_;
+    s.entries = entries_.size();
+    return s;
+}
+
+}  // namespace dgr

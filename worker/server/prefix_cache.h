@@ -1,0 +1,68 @@
+// The prefix cache (issue 23, docs/worker.md "Prefix cache"): what this stage's layers held for a token
+// sequence when its session closed, kept to start a later session that begins with the same tokens.
+//
+// Addressed by content: the client sends a chain of hashes over blocks of token ids (block j's hash covers
+// positions [0, (j+1) * block_tokens)); a seed names what else the state depends on (the boundary dtype
+// that arrived from the previous stage). One saved state (llama.cpp's session bytes for n positions) serves
+// every block it covers: a later session restores it whole and keeps the first (j+1) * block_tokens
+// positions. Bounded by bytes (--prefix-cache-mib), least recently used first out. Thread-safe.
+#pragma once
+
+#include <cstdint>
+#include <list>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+namespace dgr {
+
+class PrefixCache {
+  public:
+    explicit PrefixCache(uint64_t capacity_bytes) : capacity_(capacity_bytes) {}
+
+    struct Hit {
+        std::shared_ptr<const std::string> state;   // llama.cpp's bytes for n_positions positions
+        int32_t n_positions = 0;
+        int32_t n_keep = 0;                          // the prefix the blocks matched: (j+1) * block_tokens
+        size_t blocks = 0;                           // j+1
+    };
+    // The longest prefix of `blocks` (block_tokens each) that a kept state covers; n_keep 0 when none.
+    Hit find(const std::string & seed, const std::vector<std::string> & blocks, uint32_t block_tokens);
+    // Keep `state` (n_positions positions) for the blocks it covers (at most n_positions / block_tokens of
+    // them). A state larger than the whole capacity is not kept. Returns the blocks indexed.
+    size_t put(const std::string & seed, const std::vector<std::string> & blocks, uint32_t block_tokens,
+               std::string state, int32_t n_positions);
+
+    struct Stats {
+        uint64_t capacity = 0, bytes = 0, entries = 0;
+        uint64_t lookups = 0, hits = 0, hit_tokens = 0, evicted = 0, kept = 0;
+    };
+    Stats stats();
+    void note_hit(int32_t tokens);                  // a hit the route really used (after the min over stages)
+
+  private:
+    struct Entry {
+        std::shared_ptr<const std::string> state;
+        int32_t n_positions = 0;
+        std::vector<std::string> keys;
+        std::list<uint64_t>::iterator lru;
+    };
+    struct Slot {
+        uint64_t entry;
+        int32_t n_keep;
+    };
+    static std::string key(const std::string & seed, uint32_t block_tokens, const std::string & block);
+    void evict_one();                                // mu_ held
+
+    std::mutex mu_;
+    uint64_t capacity_;
+    uint64_t bytes_ = 0, next_ = 1;
+    std::map<uint64_t, Entry> entries_;
+    std::map<std::string, Slot> index_;
+    std::list<uint64_t> lru_;                        // front: most recently used
+    Stats stats_;
+};
+
+}  // namespace dgr
