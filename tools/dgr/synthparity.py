@@ -160,6 +160,20 @@ NOT_BATCH_INVARIANT = {
 }
 
 
+# What a stage keeps in its prefix cache, per architecture (issue 23; docs/worker.md "Prefix cache")
+PREFIX_CACHE_NOTE = (
+    "\n## Prefix cache\n\n"
+    "A stage keeps what a closed session's layers held, for later sessions that begin with the same tokens\n"
+    "(docs/worker.md \"Prefix cache\"), where its engine keeps one cell per position and is batch invariant:\n"
+    "every architecture above except those whose features include `recurrent` or `hybrid`, and the two that\n"
+    "are not batch invariant. A recurrent or hybrid stage keeps one running state per session, which stands\n"
+    "for exactly the positions it was saved at and cannot be cut back to a shorter prefix (the same reason it\n"
+    "cannot roll back speculative drafts): it keeps nothing, says `prefix_cache_capacity_bytes: 0` in\n"
+    "`Describe`, and every session on a route through it prefills its whole prompt (a hop that keeps nothing\n"
+    "bounds what the whole route restores). A state at block boundaries would serve such a stage; it is not\n"
+    "kept yet.\n")
+
+
 def write_table(path: Path, by_arch: dict[str, list[SynthParity]], seconds: float) -> Path:
     rows = "".join(table_row(a, by_arch[a]) for a in sorted(by_arch))
     text = ("# Architectures: split equals whole\n\n"
@@ -175,7 +189,7 @@ def write_table(path: Path, by_arch: dict[str, list[SynthParity]], seconds: floa
             "its tokens are batched (docs/batching.md), except these; their workers say so in `Describe`\n"
             "(`batch_invariant: false`), and a client recovering on such a route replays the history the way it\n"
             "was first computed (the prompt in the same chunks, then each generated token as its own step).\n\n"
-            + "".join(f"- {a}: {why}\n" for a, why in sorted(NOT_BATCH_INVARIANT.items())))
+            + "".join(f"- {a}: {why}\n" for a, why in sorted(NOT_BATCH_INVARIANT.items())) + PREFIX_CACHE_NOTE)
     Path(path).write_text(text)
     return Path(path)
 

@@ -1571,6 +1571,21 @@ std::string StageWorker::metrics_text() {
             }
         }
     }
+    if (prefix_) {                                   // docs/worker.md "Prefix cache"
+        const PrefixCache::Stats ps = prefix_->stats();
+        prom_family(o, "dgr_worker_prefix_cache_bytes", "gauge", "session state kept for later sessions (--prefix-cache-mib)");
+        prom_sample(o, "dgr_worker_prefix_cache_bytes", "", double(ps.bytes));
+        prom_family(o, "dgr_worker_prefix_cache_entries", "gauge", "session states kept");
+        prom_sample(o, "dgr_worker_prefix_cache_entries", "", double(ps.entries));
+        prom_family(o, "dgr_worker_prefix_cache_lookups", "counter", "sessions opened with a prompt's prefix blocks");
+        prom_sample(o, "dgr_worker_prefix_cache_lookups_total", "", double(ps.lookups));
+        prom_family(o, "dgr_worker_prefix_cache_hits", "counter", "of those, sessions that restored a kept prefix");
+        prom_sample(o, "dgr_worker_prefix_cache_hits_total", "", double(ps.hits));
+        prom_family(o, "dgr_worker_prefix_cache_hit_tokens", "counter", "positions restored and used (what the whole route held)");
+        prom_sample(o, "dgr_worker_prefix_cache_hit_tokens_total", "", double(ps.hit_tokens));
+        prom_family(o, "dgr_worker_prefix_cache_evicted", "counter", "states dropped for room, least recently used first");
+        prom_sample(o, "dgr_worker_prefix_cache_evicted_total", "", double(ps.evicted));
+    }
     std::lock_guard<std::mutex> g(mu_);
     prom_family(o, "dgr_worker_sessions_opened", "counter", "sessions opened here");
     prom_sample(o, "dgr_worker_sessions_opened_total", "", double(opened_total_));

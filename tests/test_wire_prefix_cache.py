@@ -1,0 +1,131 @@
+"""The prefix cache on every stage (issue 23, docs/worker.md "Prefix cache"), across real dgr-worker processes
+serving SmolLM2 split in three.
+
+A session whose prompt begins with tokens an earlier session ran starts from what every stage kept and
+prefills only the rest; its tokens and every logits row are bit-identical to a cold prefill of the same
+prompt (the same route with the cache unused). A stage that kept less (or nothing) makes the route start
+from what every stage holds; a cache too small for a state keeps older ones and evicts least recently used.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from dgr.app.local import LocalRoute
+from dgr.wire.client import RouteClient
+from dgr.wire.gen import stage_pb2 as pb
+from dgr.wire.limits import Limits
+from dgr.wire.prefix import PREFIX_BLOCK_TOKENS, block_hashes, prompt_blocks
+
+pytestmark = [pytest.mark.engine, pytest.mark.slow]
+
+SYSTEM = ("<|im_start|>system\nYou are a careful assistant. You answer briefly and plainly, in English, and you "
+          "say so when you do not know something. Never invent facts.<|im_end|>\n")
+MAX_NEW = 12
+
+
+def _route(engine_lib, flags=lambda stage: []):
+    from dgr.app.demo import ensure_bundle
+
+    b = ensure_bundle(3, progress=False)[0]
+    return LocalRoute([["--bundle", str(b.root), "--stage", str(i), "--threads", "1", "--n-ctx", "1024",
+                        *flags(i)] for i in range(3)], env={"DGR_ENGINE_LIB": str(engine_lib)}, timeout=300)
+
+
+def _turn(text: str) -> str:
+    return f"<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n"
+
+
+def _same(a, b):
+    assert a.token_ids == b.token_ids and a.text == b.text
+    assert sorted(a.logits) == sorted(b.logits)
+    for p in a.logits:
+        assert np.array_equal(a.logits[p].view(np.uint32), b.logits[p].view(np.uint32)), f"position {p}"
+
+
+def _describe(c: RouteClient, address: str) -> pb.StageDescription:
+    return c._stub(address).Describe(pb.DescribeRequest(), timeout=10)
+
+
+def _run(c, ids, **kw):
+    kw.setdefault("max_new_tokens", MAX_NEW)
+    return c.run(ids, logits="last", stop_token_ids=[], **kw)
+
+
+def test_blocks_are_a_chain_over_whole_blocks_and_the_prompts_last_token_is_never_cached():
+    ids = list(range(100, 100 + 3 * PREFIX_BLOCK_TOKENS + 5))
+    hs = block_hashes(ids)
+    assert len(hs) == 3 and len(set(hs)) == 3
+    assert block_hashes(ids[: 2 * PREFIX_BLOCK_TOKENS]) == hs[:2]          # a shared prefix shares its hashes
+    other = list(ids)
+    other[5] += 1
+    assert not set(block_hashes(other)) & set(hs)                          # one token changes every later block
+    assert len(prompt_blocks(ids[: 2 * PREFIX_BLOCK_TOKENS])) == 1         # the last token stays to be computed
+    assert len(prompt_blocks(ids[: 2 * PREFIX_BLOCK_TOKENS + 1])) == 2
+
+
+def test_a_conversation_restores_its_history_on_every_stage_and_equals_a_cold_prefill(engine_lib):
+    with _route(engine_lib) as r, RouteClient(r.addresses) as c:
+        prompt = c.tokenize(SYSTEM + _turn("Name three rivers in Europe."))
+        first = _run(c, prompt)
+        assert first.cached_tokens == 0
+        again = _run(c, prompt)                       # the same prompt: its whole blocks, all but the last token
+        assert again.cached_tokens == (len(prompt) - 1) // PREFIX_BLOCK_TOKENS * PREFIX_BLOCK_TOKENS > 0
+        _same(again, first)
+        # turn 2 resends turn 1 and its answer: the cache holds the blocks turn 1's session ran
+        turn2 = prompt + first.token_ids + c.tokenize(_turn("Which is the longest?"), False)
+        warm = _run(c, turn2)
+        ran = len(prompt) + len(first.token_ids) - 1
+        assert warm.cached_tokens == min(ran, len(turn2) - 1) // PREFIX_BLOCK_TOKENS * PREFIX_BLOCK_TOKENS
+        cold = _run(c, turn2, prefix_cache=False)
+        assert cold.cached_tokens == 0
+        _same(warm, cold)
+        d = [_describe(c, a) for a in r.addresses]
+        assert all(x.prefix_cache_capacity_bytes == Limits().prefix_cache_mib << 20 for x in d)   # the default
+        assert all(x.prefix_cache_entries >= 1 and 0 < x.prefix_cache_bytes <= x.prefix_cache_capacity_bytes
+                   for x in d)
+        assert [x.prefix_cache_hits for x in d] == [2, 2, 2]
+
+
+def test_a_stage_that_kept_less_bounds_what_the_route_restores(engine_lib):
+    """Stage 2's cache holds about 100 positions, the others much more: stage 0 and 1 restore their long prefix,
+    then drop back to what stage 2 holds; the text is still the cold one."""
+    with _route(engine_lib, lambda stage: ["--prefix-cache-mib", "1" if stage == 2 else "64"]) as r, \
+            RouteClient(r.addresses) as c:
+        short = c.tokenize(SYSTEM + _turn("Say hi."))
+        assert PREFIX_BLOCK_TOKENS < len(short) < 3 * PREFIX_BLOCK_TOKENS
+        _run(c, short, max_new_tokens=4)               # every stage keeps it (about 1 MiB covers ~130 positions)
+        long = short + c.tokenize("Now tell me, in detail, about the history of the printing press. " * 6, False)
+        _run(c, long, max_new_tokens=4)                # stage 2 cannot keep this one: too large for 1 MiB
+        assert _describe(c, r.addresses[2]).prefix_cache_entries == 1
+        warm = _run(c, long)
+        assert warm.cached_tokens == (len(short) + 4 - 1) // PREFIX_BLOCK_TOKENS * PREFIX_BLOCK_TOKENS
+        _same(warm, _run(c, long, prefix_cache=False))
+
+
+def test_a_stage_without_a_cache_means_a_cold_prefill_everywhere(engine_lib):
+    with _route(engine_lib, lambda stage: ["--prefix-cache-mib", "0"] if stage == 1 else []) as r, \
+            RouteClient(r.addresses) as c:
+        prompt = c.tokenize(SYSTEM + _turn("Count to five."))
+        first = _run(c, prompt)
+        again = _run(c, prompt)
+        assert again.cached_tokens == 0               # stage 0 restored, then dropped it: stage 1 had nothing
+        _same(again, first)
+        assert _describe(c, r.addresses[1]).prefix_cache_capacity_bytes == 0
+        assert _describe(c, r.addresses[0]).prefix_cache_hits == 1
+
+
+def test_least_recently_used_states_leave_first(engine_lib):
+    with _route(engine_lib, lambda stage: ["--prefix-cache-mib", "2"]) as r, RouteClient(r.addresses) as c:
+        # different from their first block on (no shared system prompt): nothing of one serves another
+        prompts = [c.tokenize(_turn(f"Question number {k}: what is {k} times {k}? " * 4)) for k in range(4)]
+        firsts = [_run(c, p) for p in prompts]
+        d = _describe(c, r.addresses[0])
+        assert 1 <= d.prefix_cache_entries < 4 and d.prefix_cache_bytes <= 2 << 20   # not all of them fit
+        newest = _run(c, prompts[-1])
+        assert newest.cached_tokens > 0
+        _same(newest, firsts[-1])
+        oldest = _run(c, prompts[0])                  # evicted: an ordinary miss, the same text
+        assert oldest.cached_tokens == 0
+        _same(oldest, firsts[0])
