@@ -205,7 +205,7 @@ def _concurrent(addresses: list[str], prompts: list[list[int]], tokens: int) -> 
     token they generated over the wall time from a common start to the last one done."""
     from dgr.wire.client import RouteClient
 
-    clients = [RouteClient(addresses) for _ in prompts]
+    clients = [RouteClient(addresses, prefix_cache=False) for _ in prompts]
     try:
         for c in clients:
             _ = c.hops                                  # described before the clock starts
@@ -260,7 +260,7 @@ def run_bench(setup: Setup, *, tokens: int = 64, prompt_lengths=PROMPT_LENGTHS, 
     unbatched = LocalRoute([[*a, "--max-batch-sessions", "1"] for a in args],
                            env={"DGR_ENGINE_LIB": str(setup.lib)}, timeout=300) if sessions > 1 else None
     with LocalRoute(args, env={"DGR_ENGINE_LIB": str(setup.lib)}, timeout=300) as route, \
-            RouteClient(route.addresses) as c, (unbatched or contextlib.nullcontext()):
+            RouteClient(route.addresses, prefix_cache=False) as c, (unbatched or contextlib.nullcontext()):
         hops = c.hops
         chunk = c.chunk_tokens
         n_vocab = max(d.n_vocab for d in hops)

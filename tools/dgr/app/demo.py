@@ -119,7 +119,7 @@ def run_demo(*, stages: int = 3, max_tokens: int = 32, prompt: str = "The capita
              bundle.root.name, stages, lib, threads)
     args = [["--bundle", str(bundle.root), "--stage", str(i), "--threads", str(threads)]
             for i in range(stages)]
-    with LocalRoute(args, env={"DGR_ENGINE_LIB": str(lib)}) as route, RouteClient(route.addresses) as client:
+    with LocalRoute(args, env={"DGR_ENGINE_LIB": str(lib)}) as route, RouteClient(route.addresses, prefix_cache=False) as client:
         log.info("demo: %d workers on %s", stages, route.route)
         print(f"\n{prompt}", end="", flush=True)
         for ev in client.generate(prompt, max_new_tokens=max_tokens, logits="last"):

@@ -64,7 +64,7 @@ def measure_speculation(*, stages: int = 3, bundle=None, threads: int = 1, k: in
     args = [["--bundle", str(root), "--stage", str(i), "--threads", str(threads)] for i in range(stages)]
     runs: dict[str, dict[str, list]] = {w: {"plain": [], "spec": []} for w in WORKLOADS}
     texts: dict[str, dict[str, set]] = {w: {"plain": set(), "spec": set()} for w in WORKLOADS}
-    with LocalRoute(args, env={"DGR_ENGINE_LIB": lib}) as route, RouteClient(route.addresses) as client:
+    with LocalRoute(args, env={"DGR_ENGINE_LIB": lib}) as route, RouteClient(route.addresses, prefix_cache=False) as client:
         client.run(PLAIN, max_new_tokens=4)                              # warm every worker first
         for r in range(rounds):
             for name, prompt in WORKLOADS.items():

@@ -76,7 +76,8 @@ def measure(*, stages: int = 3, tokens: int = 48, rounds: int = 3, threads: int 
     rates: dict[str, list[float]] = {"plain": [], "tls": []}
     texts: dict[str, set[str]] = {"plain": set(), "tls": set()}
     with LocalRoute(args, env=env) as plain, LocalRoute(args, env=env, extra=tls_args) as secure, \
-            RouteClient(plain.addresses) as pc, RouteClient(secure.addresses, tls=client_tls) as tc:
+            RouteClient(plain.addresses, prefix_cache=False) as pc, \
+                RouteClient(secure.addresses, tls=client_tls, prefix_cache=False) as tc:
         for kind, c in (("plain", pc), ("tls", tc)):
             c.run(PROMPT, max_new_tokens=4)                     # warm both before measuring
         for r in range(rounds):

@@ -167,8 +167,9 @@ def measure_wan(*, stages: int = 4, bundle=None, rtt_ms: float = 20.0, mbit: flo
         # `mbit` (relaying plus serialization: the per-hop cost the ideal ring adds); "wan": the delay too
         shapes = {"zero": (0.0, None), **({"link": (0.0, mbit)} if mbit else {}), "wan": (one_way, mbit)}
         links = {k: stack.enter_context(WanLinks(route.addresses, ow, bw)) for k, (ow, bw) in shapes.items()}
-        clients = {"direct": stack.enter_context(RouteClient(route.addresses, chunk_tokens=chunk_tokens))}
-        clients.update({k: stack.enter_context(RouteClient(w.addresses, timeout=300, chunk_tokens=chunk_tokens))
+        cold = {"chunk_tokens": chunk_tokens, "prefix_cache": False}     # every prompt prefilled in full
+        clients = {"direct": stack.enter_context(RouteClient(route.addresses, **cold))}
+        clients.update({k: stack.enter_context(RouteClient(w.addresses, timeout=300, **cold))
                         for k, w in links.items()})
         wan, far, direct = links["wan"], clients["wan"], clients["direct"]
         for c in clients.values():
@@ -190,7 +191,8 @@ def measure_wan(*, stages: int = 4, bundle=None, rtt_ms: float = 20.0, mbit: flo
         long_ids = long_prompt(direct.tokenize, prefill_tokens)
         # the same prompt in one chunk: each stage waits for the whole prompt from the one before, so
         # nothing overlaps and each stage computes alone (the serial baseline, measured)
-        whole = stack.enter_context(RouteClient(wan.addresses, timeout=300, chunk_tokens=len(long_ids)))
+        whole = stack.enter_context(RouteClient(wan.addresses, timeout=300, chunk_tokens=len(long_ids),
+                                                prefix_cache=False))
         pre: dict[str, list[dict]] = {"wan": [], "serial": [], "loop": []}
         for c in (far, whole, direct):
             c.run(long_ids, max_new_tokens=1)           # warm the long-prompt path once

@@ -239,7 +239,7 @@ def certify(bundle_path: str | Path, *, contract: LoadedContract | str | Path | 
         args = [["--bundle", str(b.root), "--stage", str(i), "--threads", str(threads), "--n-ctx", str(n_ctx)]
                 for i in range(n_stages)]
         with LocalRoute(args, env={"DGR_ENGINE_LIB": str(lib)}, timeout=300, log_dir=log_dir) as route, \
-                RouteClient(route.addresses, chunk_tokens=chunk) as client:
+                RouteClient(route.addresses, chunk_tokens=chunk, prefix_cache=False) as client:
             identity = _identity(b, client.describe(), lane, lib, lc.blake3)
             if client.chunk_tokens not in baseline:  # the message limit made the route's chunks smaller
                 baseline[client.chunk_tokens] = [whole_model_run(eng, ids, c.parity.max_new_tokens,

@@ -113,7 +113,7 @@ class RouteClient:
                  max_message_bytes: int = codec.DEFAULT_MAX_MESSAGE_BYTES, timeout: float = 120.0,
                  chunk_tokens: int = 64, tls: wtls.TlsConfig | None = None,
                  hop_deadline: float = DEFAULT_HOP_DEADLINE, attempts: int = DEFAULT_ATTEMPTS,
-                 route_source: RouteSource | None = None, connect_wait: float = 0.0):
+                 route_source: RouteSource | None = None, connect_wait: float = 0.0, prefix_cache: bool = True):
         reps = parse_route(route) if isinstance(route, str) else \
             [[r] if isinstance(r, str) else list(dict.fromkeys(r)) for r in route]
         if not reps or not all(reps):
@@ -125,6 +125,7 @@ class RouteClient:
         self.hop_deadline = hop_deadline
         self.attempts = attempts
         self.connect_wait = connect_wait
+        self.prefix_cache = prefix_cache                # generate()'s default (measurements turn it off: cold prefill)
         self.route_source = route_source
         self.tls = tls
         self.chunk_tokens = max(1, min(chunk_tokens, codec.tokens_per_frame(max_message_bytes, 0)))
@@ -407,13 +408,14 @@ class RouteClient:
                  stop_token_ids: list[int] | None = None, attempts: int | None = None,
                  session_id: str | None = None, speculate: str | None = None,
                  draft_k: int = DEFAULT_DRAFT_K, grammar: str = "", json_schema: str = "",
-                 logprobs: bool = False, top_logprobs: int = 0, prefix_cache: bool = True) -> Iterator[TokenEvent]:
+                 logprobs: bool = False, top_logprobs: int = 0,
+                 prefix_cache: bool | None = None) -> Iterator[TokenEvent]:
         """Yield tokens as they arrive. `logits`: none | last | all (rows go to `self.last.logits`).
         `speculate`: a draft source at the origin ("ngram"; dgr.wire.drafts) whose up to `draft_k` drafts
         per ring the last stage verifies: the same tokens, fewer rings on text that repeats its context.
         `grammar` (GBNF) or `json_schema`: the last stage draws only what the grammar allows (llama.cpp's
         grammar sampler). `logprobs` / `top_logprobs`: each event carries its token's log-probability and the
-        `top_logprobs` most likely tokens' (at most MAX_TOP_LOGPROBS). `prefix_cache`: start from the longest
+        `top_logprobs` most likely tokens' (at most MAX_TOP_LOGPROBS). `prefix_cache` (default: the client's): start from the longest
         prefix of the prompt every hop kept from earlier sessions (`self.last.cached_tokens`), and leave this
         session's tokens to the hops' caches when it ends (docs/worker.md "Prefix cache"; never with
         logits="all", which needs every row).
@@ -439,7 +441,7 @@ class RouteClient:
         gen = self.last = Generation(prompt_ids=ids, t_start=time.perf_counter(), chunk_tokens=self.chunk_tokens)
         sid = session_id or uuid.uuid4().hex
         epoch = 0
-        use_prefix = prefix_cache and logits != "all"
+        use_prefix = (self.prefix_cache if prefix_cache is None else prefix_cache) and logits != "all"
         while len(gen.token_ids) < max_new_tokens:
             epoch += 1
             gen.epochs = epoch
