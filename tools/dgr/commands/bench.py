@@ -1,6 +1,7 @@
 """`dgr bench`: the whole model against the pipeline side by side (the bare command), plus the sections of
 issue 15 (`--wan-rtt-ms`, `--dtypes`, `--speculate`); subcommands `soak` (concurrent sessions for
-minutes, errors and RSS) and `tls` (what mutual TLS costs per hop against plaintext)."""
+minutes, errors and RSS), `tls` (what mutual TLS costs per hop against plaintext) and `conversation` (what
+the prefix cache buys a chat, issue 23)."""
 
 from __future__ import annotations
 
@@ -36,6 +37,19 @@ def _tls(args) -> int:
         with open(args.json, "w") as f:
             json.dump(rep.as_dict(), f, indent=2)
     return 0 if rep.same_text else 1
+
+
+def _conversation(args) -> int:
+    from dgr.app.conversation import measure_conversation
+
+    rep = measure_conversation(stages=args.stages, turns=args.turns, rtt_ms=args.wan_rtt_ms, max_tokens=args.max_tokens,
+                               conversations=args.conversations, threads=args.threads)
+    print(rep.table())
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump(rep.as_dict(), f, indent=2)
+    return 0 if rep.as_dict()["same_text"] else 1
 
 
 # ---------------------------------------------------------------------------------------- the sections
@@ -220,3 +234,15 @@ def register(sub) -> None:
     t.add_argument("--threads", type=int, default=1, help="engine threads per worker (default 1)")
     t.add_argument("--json", metavar="FILE", help="also write the figures as JSON")
     t.set_defaults(func=_tls)
+
+    c = bsub.add_parser("conversation", help="a chat through the gateway with and without the prefix cache: time "
+                                             "to first token per turn on loopback and an emulated WAN, cache memory "
+                                             "per 1,000 tokens, hit rate of interleaved conversations")
+    c.add_argument("--stages", type=int, default=4, help="stages of the embedded SmolLM2 (default 4)")
+    c.add_argument("--turns", type=int, default=10, help="turns of the conversation (default 10)")
+    c.add_argument("--wan-rtt-ms", type=float, default=20.0, help="round trip per hop of the WAN links (default 20)")
+    c.add_argument("--max-tokens", type=int, default=16, help="tokens per answer (default 16)")
+    c.add_argument("--conversations", type=int, default=8, help="interleaved conversations (default 8)")
+    c.add_argument("--threads", type=int, default=1, help="engine threads per worker (default 1)")
+    c.add_argument("--json", metavar="FILE", help="also write the figures as JSON")
+    c.set_defaults(func=_conversation)
