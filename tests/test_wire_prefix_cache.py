@@ -129,3 +129,33 @@ def test_least_recently_used_states_leave_first(engine_lib):
         oldest = _run(c, prompts[0])                  # evicted: an ordinary miss, the same text
         assert oldest.cached_tokens == 0
         _same(oldest, firsts[0])
+
+
+def test_a_conversation_lands_again_on_the_replicas_that_kept_its_history(engine_lib):
+    """Stages 1 and 2 have two replicas each. A conversation ran on the second ones; a client that shares the
+    gateway's memory of where prefixes were left (PrefixRoutes) continues it there and restores it, while a
+    client without it goes to the first replicas, which hold nothing of it."""
+    from dgr.app.demo import ensure_bundle
+    from dgr.wire.client import PrefixRoutes
+
+    b = ensure_bundle(3, progress=False)[0]
+    with LocalRoute([["--bundle", str(b.root), "--stage", str(i), "--threads", "1", "--n-ctx", "1024"]
+                     for i in range(3)], env={"DGR_ENGINE_LIB": str(engine_lib)}, timeout=300,
+                    replicas=[1, 2, 2]) as r:
+        firsts = [row[0] for row in r.replicas]
+        seconds = [[row[-1], row[0]] for row in r.replicas]        # the other replica first
+        where = PrefixRoutes()
+        with RouteClient(seconds, prefix_routes=where) as c:
+            prompt = c.tokenize(SYSTEM + _turn("Name three rivers in Europe."))
+            first = _run(c, prompt)
+            left_on = list(c.route)
+        assert left_on == [row[-1] for row in r.replicas]
+        turn2 = prompt + first.token_ids + RouteClient(firsts).tokenize(_turn("Which is longest?"), False)
+        with RouteClient([[a] + [x for x in row if x != a] for a, row in zip(firsts, r.replicas)],
+                         prefix_routes=where) as c:
+            warm = _run(c, turn2)
+            assert c.route == left_on and warm.cached_tokens > 0
+        with RouteClient([[a] + [x for x in row if x != a] for a, row in zip(firsts, r.replicas)]) as c:
+            elsewhere = _run(c, turn2)
+            assert c.route == firsts and elsewhere.cached_tokens == 0
+        _same(warm, elsewhere)

@@ -16,6 +16,7 @@ import queue
 import threading
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 
 import grpc
@@ -98,6 +99,35 @@ def _result(fut: grpc.Future, t: float):
         raise queue.Empty from None
 
 
+class PrefixRoutes:
+    """Where conversations' prefixes were left: for each block hash (dgr.wire.prefix) the route of the last
+    session that ran it and closed. RouteClients that share one (a gateway's pool) open a session whose prompt
+    begins with a remembered prefix on that route, where every hop kept it. Thread-safe; at most `capacity`
+    blocks, least recently remembered first out."""
+
+    def __init__(self, capacity: int = 1 << 16):
+        self.capacity = capacity
+        self._routes: OrderedDict[bytes, tuple[str, ...]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def remember(self, blocks: Sequence[bytes], route: Sequence[str]) -> None:
+        r = tuple(route)
+        with self._lock:
+            for b in blocks:
+                self._routes[b] = r
+                self._routes.move_to_end(b)
+            while len(self._routes) > self.capacity:
+                self._routes.popitem(last=False)
+
+    def lookup(self, blocks: Sequence[bytes]) -> tuple[str, ...] | None:
+        """The route that kept the longest of these prefixes, or None."""
+        with self._lock:
+            for b in reversed(blocks):
+                if b in self._routes:
+                    return self._routes[b]
+        return None
+
+
 class RouteClient:
     """`route`: HOST:PORT per stage, or a list of replicas per stage (preference order), or route text
     (`parse_route`). `timeout`: the longest wait for one token of a route that answers probes;
@@ -113,7 +143,8 @@ class RouteClient:
                  max_message_bytes: int = codec.DEFAULT_MAX_MESSAGE_BYTES, timeout: float = 120.0,
                  chunk_tokens: int = 64, tls: wtls.TlsConfig | None = None,
                  hop_deadline: float = DEFAULT_HOP_DEADLINE, attempts: int = DEFAULT_ATTEMPTS,
-                 route_source: RouteSource | None = None, connect_wait: float = 0.0, prefix_cache: bool = True):
+                 route_source: RouteSource | None = None, connect_wait: float = 0.0, prefix_cache: bool = True,
+                 prefix_routes: PrefixRoutes | None = None):
         reps = parse_route(route) if isinstance(route, str) else \
             [[r] if isinstance(r, str) else list(dict.fromkeys(r)) for r in route]
         if not reps or not all(reps):
@@ -126,6 +157,7 @@ class RouteClient:
         self.attempts = attempts
         self.connect_wait = connect_wait
         self.prefix_cache = prefix_cache                # generate()'s default (measurements turn it off: cold prefill)
+        self.prefix_routes = prefix_routes              # shared: which replicas kept which prefixes
         self.route_source = route_source
         self.tls = tls
         self.chunk_tokens = max(1, min(chunk_tokens, codec.tokens_per_frame(max_message_bytes, 0)))
@@ -402,6 +434,17 @@ class RouteClient:
         if self._hops is not None:
             self._hops[stage] = None                    # described again before the next open
 
+    def _prefer(self, route: Sequence[str] | None) -> None:
+        """Use the replicas of `route` (where a prefix was left) for the stages that list them."""
+        if not route or len(route) != len(self.route):
+            return
+        for i, a in enumerate(route):
+            if a != self.route[i] and a in self.replicas[i]:
+                log.debug("stage %d: %s kept this prompt's prefix: using it", i, a)
+                self.route[i] = a
+                if self._hops is not None:
+                    self._hops[i] = None                # described before the open
+
     # ------------------------------------------------------------------ generation
     def generate(self, prompt: str | list[int], *, max_new_tokens: int = 32, temperature: float = 0.0,
                  top_k: int = 0, top_p: float = 0.0, seed: int = 0, logits: str = "none",
@@ -442,6 +485,8 @@ class RouteClient:
         sid = session_id or uuid.uuid4().hex
         epoch = 0
         use_prefix = (self.prefix_cache if prefix_cache is None else prefix_cache) and logits != "all"
+        if use_prefix and self.prefix_routes is not None:
+            self._prefer(self.prefix_routes.lookup(prompt_blocks(ids)))
         while len(gen.token_ids) < max_new_tokens:
             epoch += 1
             gen.epochs = epoch
@@ -469,7 +514,10 @@ class RouteClient:
                     threading.Thread(target=self.close_session, args=(sid, epoch, self.hop_deadline, origin),
                                      daemon=True).start()
                 else:
-                    self.close_session(sid, epoch, keep=gen.prompt_ids + gen.token_ids if use_prefix else ())
+                    ran = gen.prompt_ids + gen.token_ids if use_prefix else []
+                    self.close_session(sid, epoch, keep=ran)
+                    if ran and self.prefix_routes is not None:
+                        self.prefix_routes.remember(block_hashes(ran), self.route)
 
     def run(self, prompt: str | list[int], **kw) -> Generation:
         for _ in self.generate(prompt, **kw):
