@@ -139,6 +139,42 @@ def test_chat_template_is_sandboxed_and_its_exceptions_are_400(gw, bare, route):
         '[{"role": "user", "content": "é"}]'
 
 
+# a template that renders tools and calls itself (as Hugging Face tool templates do)
+TOOLS_TEMPLATE = ("{% if tools %}<tools>{{ tools|tojson }}\n{% endif %}{% for m in messages %}<{{ m['role'] }}>"
+                  "{% for c in m.tool_calls or [] %}<call>{{ c.function.name }} {{ c.function.arguments|tojson }}"
+                  "{% endfor %}{{ m['content'] }}\n{% endfor %}<assistant>")
+TOOL = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
+                                         "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
+ARGS = {"city": "Paris"}
+TOOL_HISTORY = [{"role": "user", "content": "Weather in Paris?"},
+                {"role": "assistant", "content": None, "tool_calls": [
+                    {"id": "call_1", "type": "function",
+                     "function": {"name": "get_weather", "arguments": json.dumps(ARGS)}}]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+                {"role": "user", "content": "And tomorrow?"}]
+
+
+def test_tools_and_a_tool_history_render_in_the_template_or_as_text(gw, route):
+    """The fake engine's tokenizer is one token per byte (plus the BOS), so `prompt_tokens` is the rendered
+    prompt's length: a template that renders tools gets them and the calls (arguments as objects); one that
+    does not gets the calls as JSON text and the results as a user message."""
+    with gateway(route.route, chat_template=TOOLS_TEMPLATE) as g:
+        out = g.client().chat.completions.create(model=_model(g), messages=TOOL_HISTORY, tools=[TOOL], max_tokens=2,
+                                                 temperature=0)
+    want = (f"<tools>{json.dumps([TOOL])}\n<user>Weather in Paris?\n<assistant><call>get_weather {json.dumps(ARGS)}\n"
+            "<tool>sunny\n<user>And tomorrow?\n<assistant>")
+    assert out.usage.prompt_tokens == len(want) + 1
+    out = gw.client().chat.completions.create(model=_model(gw), messages=TOOL_HISTORY, max_tokens=2, temperature=0)
+    call = json.dumps({"name": "get_weather", "arguments": ARGS})
+    want = (f"<user>Weather in Paris?\n<assistant>{call}\n"
+            "<user>Result of get_weather (call call_1):\nsunny\n\nAnd tomorrow?\n<assistant>")
+    assert out.usage.prompt_tokens == len(want) + 1
+    # with tools in play, a system message first lists them (TEMPLATE refuses a system message elsewhere)
+    with_tools = gw.client().chat.completions.create(model=_model(gw), messages=TOOL_HISTORY, tools=[TOOL],
+                                                     max_tokens=2, temperature=0)
+    assert with_tools.usage.prompt_tokens > out.usage.prompt_tokens + len(json.dumps(TOOL["function"]["parameters"]))
+
+
 def test_concurrent_requests_are_concurrent_sessions_and_closed_streams_free_them(gw, route):
     c = gw.client()
     prompts = ["one", "two two", "three three three", "four"]

@@ -15,6 +15,11 @@ once every stage has let go.
 
 A request for `n` choices runs n generations at once, each its own session along the route, with seeds
 `seed`+i (dgr.gateway.route.choice_seeds).
+
+`response_format`, `tools`/`tool_choice` (chat) and `text.format` (Responses) constrain the output with a
+JSON Schema the last stage's grammar sampler enforces, and tool calls are parsed back (dgr.gateway.structured);
+`logprobs`/`top_logprobs` report each token's log-probability; `usage` says how many prompt tokens the stages
+restored from their prefix caches (`cached_tokens`).
 """
 
 from __future__ import annotations
@@ -31,11 +36,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from dgr import __version__
 from dgr.errors import DgrError, WireError
-from dgr.gateway import chat, schemas
+from dgr.gateway import chat, schemas, structured
 from dgr.gateway.limits import CANCEL_WAIT_S, DEFAULT_CHAT_MAX_TOKENS, DEFAULT_COMPLETION_TOKENS, DISCONNECT_POLL_S
 from dgr.gateway.metrics import GatewayMetrics, MetricsMiddleware
 from dgr.gateway.responses import InputRefused, ResponseShape, ResponsesRequest, sse, status_of
 from dgr.gateway.route import ModelInfo, Params, RouteBackend, Run, choice_seeds
+from dgr.gateway.schemas import Answer
 from dgr.log import get_logger
 from dgr.wire.errors import HopUnreachable, Overloaded, StageError
 
@@ -69,6 +75,16 @@ def route_error(err: Exception) -> GatewayError:
     if isinstance(err, WireError):
         return GatewayError(502, str(err), "server_error", code="route_error")
     return GatewayError(500, f"the gateway failed: {type(err).__name__}: {err}", "server_error", code="internal_error")
+
+
+def schema_error(err: Exception, param: str) -> GatewayError | None:
+    """The last stage refusing the request's schema (llama.cpp's json_schema_to_grammar could not make a
+    grammar of it) as the request's fault: a 400 naming the field the schema came from."""
+    why = structured.schema_refused(err, param)
+    if why is None:
+        return None
+    return GatewayError(400, f"Invalid schema for '{param}': the route cannot constrain output with it: {why}",
+                        param=param, code="invalid_schema")
 
 
 def _sse(obj) -> str:
@@ -178,7 +194,8 @@ def create_app(backend: RouteBackend, metrics: GatewayMetrics | None = None, *,
         _check_model(req.model)
         refused = req.refused()
         if refused:
-            raise GatewayError(400, refused[1], param=refused[0], code="unsupported_parameter")
+            code = refused[2] if len(refused) > 2 else "unsupported_parameter"
+            raise GatewayError(400, refused[1], param=refused[0], code=code)
         return req
 
     def _budget(max_tokens: int | None, n_prompt: int, param: str, default: int | None,
@@ -209,15 +226,18 @@ def create_app(backend: RouteBackend, metrics: GatewayMetrics | None = None, *,
             raise GatewayError(400, "the prompt is empty", param="prompt")
         return ids
 
-    def _chat_ids(messages: list[dict], param: str, add_generation_prompt: bool = True) -> list[int]:
-        """The token ids of `messages` rendered by the model's chat template."""
+    def _chat_ids(messages: list[dict], param: str, add_generation_prompt: bool = True,
+                  tools: list[dict] | None = None) -> list[int]:
+        """The token ids of `messages` rendered by the model's chat template (`tools`: given to it as OpenAI
+        sends them, for a template that renders them)."""
         if not info.chat_template:
             raise GatewayError(400, f"the model `{info.name}` has no chat template (tokenizer.chat_template): "
                                     "use /v1/completions, or start `dgr serve` with --chat-template FILE",
                                param=param, code="chat_template_missing")
         try:
             text = chat.render(info.chat_template, messages, add_generation_prompt=add_generation_prompt,
-                               special_tokens={"bos_token": info.bos_token, "eos_token": info.eos_token})
+                               special_tokens={"bos_token": info.bos_token, "eos_token": info.eos_token},
+                               tools=tools)
         except (chat.TemplateRefused, ValueError) as err:
             raise GatewayError(400, str(err), param=param, code="invalid_messages") from None
         except chat.TemplateBroken as err:
@@ -226,20 +246,33 @@ def create_app(backend: RouteBackend, metrics: GatewayMetrics | None = None, *,
         add_special = not (info.bos_token and text.startswith(info.bos_token))
         return backend.tokenize(text, add_special=add_special)
 
-    def _start(request: Request, req, ids: list[int], max_tokens: int, t0: float, n: int = 1) -> Run:
-        """n generations of `ids` (one per choice, seeds `seed`+i), watched for a client that goes away."""
+    def _start(request: Request, req, ids: list[int], max_tokens: int, t0: float, n: int = 1, *,
+               json_schema: str = "", top_logprobs: int | None = None) -> Run:
+        """n generations of `ids` (one per choice, seeds `seed`+i), watched for a client that goes away.
+        `top_logprobs`: None, no logprobs; n >= 0, each token's and the n most likely tokens'."""
         seeds = choice_seeds(req.seed, n, req.temperature > 0 and req.top_p > 0)
         stops = tuple(getattr(req, "stops", ()))
         params = [Params(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
-                         seed=seed, stops=stops, ignore_eos=req.ignore_eos) for seed in seeds]
+                         seed=seed, stops=stops, ignore_eos=req.ignore_eos, json_schema=json_schema,
+                         logprobs=top_logprobs is not None, top_logprobs=top_logprobs or 0) for seed in seeds]
         run = Run(backend, ids, params, m, t0)
         # runs until the generations end, whoever serves the response (this coroutine or the stream)
         run.watch = asyncio.create_task(_cancel_when_gone(request, run))
         return run
 
-    async def _generate(request: Request, kind: str, req, ids: list[int], max_tokens: int, t0: float):
-        run = _start(request, req, ids, max_tokens, t0, req.n)
-        shapes = schemas.Shapes(kind, info.name, fingerprint)
+    def _answer(job, finish, plan: structured.Plan | None, logprobs: bool) -> Answer:
+        """A finished choice: its text, or the tool call its text is (tools in play)."""
+        toks = list(job.toks) if logprobs else None
+        if plan is not None and plan.mode != "none":
+            call = structured.parse_call(job.text, plan.names)
+            if call is not None:
+                return Answer(None, "tool_calls", toks, [call])
+        return Answer(job.text, finish, toks)
+
+    async def _generate(request: Request, shapes: schemas.Shapes, req, ids: list[int], max_tokens: int, t0: float,
+                        *, plan: structured.Plan | None = None, top_logprobs: int | None = None):
+        run = _start(request, req, ids, max_tokens, t0, req.n, json_schema=plan.json_schema if plan else "",
+                     top_logprobs=top_logprobs)
         # Wait for the first piece before answering: a route that fails at once gets its HTTP status.
         events = run.events()
         finishes: list = [None] * req.n
@@ -247,32 +280,40 @@ def create_app(backend: RouteBackend, metrics: GatewayMetrics | None = None, *,
         try:
             async for index, what, payload in events:
                 if what == "error":
-                    raise route_error(payload)
+                    raise (schema_error(payload, plan.param) if plan else None) or route_error(payload)
                 if run.cancelled:
                     return Response(status_code=499)    # nobody reads it: the client has gone
                 if req.stream:
                     streaming = True
-                    return StreamingResponse(_stream(run, shapes, req, len(ids), (index, what, payload), events),
+                    return StreamingResponse(_stream(run, shapes, req, len(ids), (index, what, payload), events,
+                                                     plan, top_logprobs is not None),
                                              media_type="text/event-stream",
                                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
                 if what == "done":
                     finishes[index] = payload
-            return shapes.full([(j.text, f) for j, f in zip(run.jobs, finishes)], len(ids), run.completion_tokens)
+            answers = [_answer(j, f, plan, top_logprobs is not None) for j, f in zip(run.jobs, finishes)]
+            return shapes.full(answers, len(ids), run.completion_tokens, run.jobs[0].cached_tokens)
         finally:
             if not streaming:
                 run.cancel()
 
-    async def _stream(run: Run, shapes: schemas.Shapes, req, n_prompt: int, first, events):
+    async def _stream(run: Run, shapes: schemas.Shapes, req, n_prompt: int, first, events,
+                      plan: structured.Plan | None, logprobs: bool):
         m.open_streams.inc()
+        holds = [structured.CallHold(plan) if plan is not None else None for _ in run.jobs]
         try:
             if shapes.kind == "chat":
+                role = "call" if plan is not None and plan.mode in ("required", "named") else True
                 for i in range(len(run.jobs)):
-                    yield _sse(shapes.chunk(None, role=True, index=i))
+                    yield _sse(shapes.chunk(None, role=role, index=i))
             item, failed = first, False
             while item is not None:
                 index, what, payload = item
                 if what == "text":
-                    yield _sse(shapes.chunk(payload, index=index))
+                    hold = holds[index]
+                    out = hold.feed(payload.text, list(payload.toks)) if hold else (payload.text, list(payload.toks))
+                    if out is not None:
+                        yield _sse(shapes.chunk(out[0], index=index, toks=out[1] if logprobs else None))
                 elif what == "error":
                     err = route_error(payload)
                     m.error(err.code or err.type)
@@ -280,10 +321,19 @@ def create_app(backend: RouteBackend, metrics: GatewayMetrics | None = None, *,
                     failed = True
                     break
                 elif what == "done":
-                    yield _sse(shapes.chunk(None, payload, index=index))
+                    finish = payload
+                    if holds[index] is not None:
+                        call, text, toks = holds[index].end()
+                        if call is not None:
+                            finish = "tool_calls"
+                            yield _sse(shapes.chunk(None, index=index, tool_calls=[call],
+                                                    toks=toks if logprobs else None))
+                        elif text or toks:
+                            yield _sse(shapes.chunk(text, index=index, toks=toks if logprobs else None))
+                    yield _sse(shapes.chunk(None, finish, index=index))
                 item = await anext(events, None)
             if not failed and req.include_usage:
-                yield _sse(shapes.usage_chunk(n_prompt, run.completion_tokens))
+                yield _sse(shapes.usage_chunk(n_prompt, run.completion_tokens, run.jobs[0].cached_tokens))
             yield "data: [DONE]\n\n"
         finally:
             run.cancel()                        # a client that went away: its sessions close along the route
@@ -295,20 +345,37 @@ def create_app(backend: RouteBackend, metrics: GatewayMetrics | None = None, *,
         t0 = time.perf_counter()
         req = await _parse(request, schemas.CompletionRequest)
         ids = await run_in_threadpool(_completion_ids, req)
-        return await _generate(request, "completion", req, ids,
-                               _budget(req.max_tokens, len(ids), "prompt", DEFAULT_COMPLETION_TOKENS), t0)
+        base = 0
+        if req.logprobs is not None:            # text_offset counts from the start of the prompt, as OpenAI's
+            p = req.prompt[0] if isinstance(req.prompt, list) and len(req.prompt) == 1 else req.prompt
+            base = len(p) if isinstance(p, str) else len(await run_in_threadpool(backend.detokenize, ids))
+        shapes = schemas.Shapes("completion", info.name, fingerprint, text_base=base)
+        return await _generate(request, shapes, req, ids,
+                               _budget(req.max_tokens, len(ids), "prompt", DEFAULT_COMPLETION_TOKENS), t0,
+                               top_logprobs=req.logprobs)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         t0 = time.perf_counter()
         req = await _parse(request, schemas.ChatRequest)
+        plan = structured.plan(req)
         try:
             messages = [msg.for_template() for msg in req.messages]
         except ValueError as err:
             raise GatewayError(400, str(err), param="messages", code="invalid_messages") from None
-        ids = await run_in_threadpool(_chat_ids, messages, "messages", req.add_generation_prompt)
-        return await _generate(request, "chat", req, ids,
-                               _budget(req.max_tokens, len(ids), "messages", max_tokens_default or None), t0)
+        native = bool(info.chat_template) and chat.uses_tools(info.chat_template)
+        messages = structured.for_template(messages, native=native)
+        tools = None
+        if plan.tools:
+            if native:
+                tools = [t.model_dump(exclude_none=True) for t in plan.tools]
+            else:
+                messages = structured.with_tools_text(messages, structured.tools_text(plan.tools, plan.mode))
+        ids = await run_in_threadpool(_chat_ids, messages, "messages", req.add_generation_prompt, tools)
+        shapes = schemas.Shapes("chat", info.name, fingerprint)
+        return await _generate(request, shapes, req, ids,
+                               _budget(req.max_tokens, len(ids), "messages", max_tokens_default or None), t0,
+                               plan=plan, top_logprobs=(req.top_logprobs or 0) if req.logprobs else None)
 
     # ------------------------------------------------------------------ the Responses API
     live: dict[str, tuple[Run, ResponseShape]] = {}     # streamed responses still running, by id
@@ -324,7 +391,9 @@ def create_app(backend: RouteBackend, metrics: GatewayMetrics | None = None, *,
             raise GatewayError(400, str(err), param=err.param, code="invalid_value") from None
         ids = await run_in_threadpool(_chat_ids, messages, "input")
         budget = _budget(req.max_output_tokens, len(ids), "input", max_tokens_default or None, "max_output_tokens")
-        run = _start(request, req, ids, budget, t0)
+        schema = req.json_schema
+        run = _start(request, req, ids, budget, t0, json_schema=json.dumps(schema) if schema is not None else "",
+                     top_logprobs=(req.top_logprobs or 0) if req.logprobs else None)
         shape = ResponseShape(info.name, req)
         events = run.events()
         finish = None
@@ -332,23 +401,27 @@ def create_app(backend: RouteBackend, metrics: GatewayMetrics | None = None, *,
         try:
             async for _, what, payload in events:
                 if what == "error":
-                    raise route_error(payload)
+                    raise (schema_error(payload, "text.format") if schema is not None else None) or route_error(payload)
                 if run.cancelled:
                     return Response(status_code=499)    # nobody reads it: the client has gone
                 if req.stream:
                     streaming = True
-                    return StreamingResponse(_stream_response(run, shape, len(ids), (what, payload), events),
+                    return StreamingResponse(_stream_response(run, shape, (what, payload), events),
                                              media_type="text/event-stream",
                                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
                 if what == "done":
                     finish = payload
             job = run.jobs[0]
-            return shape.body(status_of(finish, False), job.text, finish, (len(ids), job.completion_tokens))
+            return shape.body(status_of(finish, False), job.text, finish, _tokens(job), toks=job.toks)
         finally:
             if not streaming:
                 run.cancel()
 
-    async def _stream_response(run: Run, shape: ResponseShape, n_prompt: int, first, events):
+    def _tokens(job) -> tuple[int, int, int]:
+        """(input, output, cached input) tokens of a response's generation, for its usage."""
+        return len(job.prompt_ids), job.completion_tokens, job.cached_tokens
+
+    async def _stream_response(run: Run, shape: ResponseShape, first, events):
         job = run.jobs[0]
         live[shape.id] = (run, shape)
         m.open_streams.inc()
@@ -359,16 +432,16 @@ def create_app(backend: RouteBackend, metrics: GatewayMetrics | None = None, *,
             while item is not None:
                 what, payload = item
                 if what == "text":
-                    yield sse(shape.delta(payload))
+                    yield sse(shape.delta(payload.text, payload.toks))
                 elif what == "error":
                     err = route_error(payload)
                     m.error(err.code or err.type)
-                    for ev in shape.failure(err.body()["error"], job.text, (n_prompt, job.completion_tokens)):
+                    for ev in shape.failure(err.body()["error"], job.text, _tokens(job)):
                         yield sse(ev)
                     return
                 elif what == "done":
                     status = status_of(payload, job.cancelled_by_request)
-                    for ev in shape.closing(job.text, status, payload, (n_prompt, job.completion_tokens)):
+                    for ev in shape.closing(job.text, status, payload, _tokens(job), job.toks):
                         yield sse(ev)
                     return
                 nxt = await anext(events, None)
@@ -395,7 +468,7 @@ def create_app(backend: RouteBackend, metrics: GatewayMetrics | None = None, *,
                                     f"within {CANCEL_WAIT_S:g} s", "server_error", code="cancel_timeout")
         job = run.jobs[0]
         # a response that ended on its own before the cancel landed says how it ended
-        return shape.body(status_of(job.finish, job.cancelled_by_request), job.text, job.finish,
-                          (len(job.prompt_ids), job.completion_tokens))
+        return shape.body(status_of(job.finish, job.cancelled_by_request), job.text, job.finish, _tokens(job),
+                          toks=job.toks)
 
     return app

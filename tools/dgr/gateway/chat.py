@@ -81,3 +81,19 @@ def render(source: str, messages: list[dict], *, add_generation_prompt: bool = T
         raise TemplateRefused(f"the chat template refused these messages: {err}") from None
     except (TypeError, ValueError, KeyError, IndexError, AttributeError) as err:
         raise TemplateRefused(f"the chat template failed on these messages: {type(err).__name__}: {err}") from None
+
+
+_PROBE_TOOL = {"type": "function", "function": {"name": "dgr_probe_tool", "description": "probe",
+                                                 "parameters": {"type": "object", "properties": {}}}}
+
+
+@lru_cache(maxsize=8)
+def uses_tools(source: str) -> bool:
+    """Whether the template renders `tools` (its text for one user message changes when a tool is given).
+    A template that does not (SmolLM2's, plain ChatML) gets the tools, the calls and their results as text
+    from the gateway (dgr.gateway.structured)."""
+    probe = [{"role": "user", "content": "hi"}]
+    try:
+        return render(source, probe, tools=[_PROBE_TOOL]) != render(source, probe)
+    except (TemplateRefused, TemplateBroken):
+        return False

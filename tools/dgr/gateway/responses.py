@@ -9,20 +9,26 @@ response.content_part.done, response.output_item.done, then one of response.comp
 stopped), response.incomplete (max_output_tokens ran out: `incomplete_details.reason`; or the response
 was cancelled: `status: cancelled`) or, after an `error` event, response.failed.
 
+`text.format` `json_schema` / `json_object` constrains the output as chat's response_format does, and
+`include: ["message.output_text.logprobs"]` (or `top_logprobs` > 0) reports every token's logprob on the
+output_text part and on each delta.
+
 Responses are not stored: `previous_response_id`, `conversation`, `store: true` and `background: true`
-answer 400 naming the field, as do tools, reasoning, non-text formats and `truncation: auto`.
+answer 400 naming the field, as do tools, reasoning, other `include` items and `truncation: auto`.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from dgr.gateway.schemas import StrictRequest
+from dgr.gateway.schemas import NAME_PATTERN, StrictRequest, content_logprobs
+from dgr.wire.limits import MAX_TOP_LOGPROBS
 
 Status = Literal["completed", "incomplete", "cancelled", "failed", "in_progress"]
 
@@ -35,6 +41,41 @@ class InputRefused(ValueError):
         self.param = param
 
 
+LOGPROBS_INCLUDE = "message.output_text.logprobs"
+
+
+class TextFormat(BaseModel):
+    """`text.format`: {"type": "text"}, {"type": "json_object"}, or {"type": "json_schema", "name", "schema",
+    "description", "strict"} (the chat API's json_schema, flattened)."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    type: Literal["text", "json_object", "json_schema"]
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+    @model_validator(mode="after")
+    def _fields(self):
+        if self.type == "json_schema":
+            if self.schema_ is None or not re.match(NAME_PATTERN, self.name or ""):
+                raise ValueError("type json_schema needs `name` (letters, digits, _ and -, at most 64) and `schema`")
+        elif self.name is not None or self.schema_ is not None:
+            raise ValueError(f"`name` and `schema` go with type json_schema, not {self.type}")
+        return self
+
+    @property
+    def json_schema(self) -> dict | None:
+        return None if self.type == "text" else ({"type": "object"} if self.type == "json_object" else self.schema_)
+
+
+class TextConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    format: TextFormat | None = None
+
+
 class ResponsesRequest(StrictRequest):
     UNSUPPORTED = {
         "tools": ((None, []), "this gateway does not call tools on /v1/responses yet; omit it"),
@@ -43,12 +84,8 @@ class ResponsesRequest(StrictRequest):
         "conversation": ((None,), "responses are not stored: send the conversation in `input`"),
         "store": ((None, False), "responses are not stored (the answer says store: false); omit it"),
         "background": ((None, False), "responses run while their request is open; stream to follow one"),
-        "include": ((None, []), "no extra output data (logprobs, reasoning, ...) is produced; omit it"),
         "reasoning": ((None, {}), "the model is not a reasoning model with an effort setting"),
-        "text": ((None, {}, {"format": {"type": "text"}}), "only plain text output ({\"format\": {\"type\": "
-                 "\"text\"}}) is produced on /v1/responses"),
         "truncation": ((None, "disabled"), "input is never truncated (a prompt over the context is a 400)"),
-        "top_logprobs": ((None, 0), "no logprobs are produced on /v1/responses; omit it"),
         "prompt": ((None,), "stored prompt templates are not supported: send `input`"),
     }
 
@@ -79,12 +116,42 @@ class ResponsesRequest(StrictRequest):
     conversation: Any = None
     store: bool | None = None
     background: bool | None = None
-    include: list[Any] | None = None
     reasoning: Any = None
-    text: Any = None
     truncation: str | None = None
-    top_logprobs: int | None = None
     prompt: Any = None
+    # structured output and logprobs
+    text: TextConfig | None = None
+    include: list[str] | None = None
+    top_logprobs: int | None = Field(None, ge=0)
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top(cls, v):
+        if v is not None and v > MAX_TOP_LOGPROBS:
+            raise ValueError(f"at most {MAX_TOP_LOGPROBS} most likely tokens per position (the route's bound), got {v}")
+        return v
+
+    def refused(self) -> tuple[str, ...] | None:
+        found = super().refused()
+        if found:
+            return found
+        other = [x for x in self.include or [] if x != LOGPROBS_INCLUDE]
+        if other:
+            return "include", (f"Unsupported parameter: 'include': only {LOGPROBS_INCLUDE!r} is produced here, not "
+                               f"{', '.join(map(repr, other))}")
+        if self.ignore_eos and self.json_schema:
+            return "ignore_eos", ("ignore_eos cannot go with a JSON text.format: the grammar ends the answer with "
+                                  "the model's end-of-generation token")
+        return None
+
+    @property
+    def json_schema(self) -> dict | None:
+        """The schema `text.format` asks for (None: plain text)."""
+        return self.text.format.json_schema if self.text and self.text.format else None
+
+    @property
+    def logprobs(self) -> bool:
+        return LOGPROBS_INCLUDE in (self.include or []) or bool(self.top_logprobs)
 
     def messages(self) -> list[dict]:
         """The chat messages the input is: `instructions` as a system message first, a string input as
@@ -140,18 +207,19 @@ class ResponseShape:
         self.created = int(time.time())
         self.seq = 0
 
-    def message(self, text: str, status: str) -> dict:
+    def message(self, text: str, status: str, toks=()) -> dict:
         return {"type": "message", "id": self.msg_id, "status": status, "role": "assistant",
-                "content": [self.part(text)] if status != "in_progress" else []}
+                "content": [self.part(text, toks)] if status != "in_progress" else []}
 
     @staticmethod
-    def part(text: str) -> dict:
-        return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+    def part(text: str, toks=()) -> dict:
+        return {"type": "output_text", "text": text, "annotations": [], "logprobs": content_logprobs(toks)}
 
     def body(self, status: Status, text: str | None = None, finish: str | None = None,
-             tokens: tuple[int, int] | None = None, error: dict | None = None) -> dict:
+             tokens: tuple[int, ...] | None = None, error: dict | None = None, toks=()) -> dict:
         """The response object. `text`: the message so far (None: no output yet); `finish`: the route's
-        finish reason ("length": incomplete for max_output_tokens); `tokens`: (input, output) for usage."""
+        finish reason ("length": incomplete for max_output_tokens); `tokens`: (input, output[, cached
+        input]) for usage; `toks`: the text's tokens, for its logprobs (when asked)."""
         r = self.req
         item_status = "completed" if status == "completed" else "incomplete"
         return {
@@ -161,15 +229,20 @@ class ResponseShape:
             else None,
             "instructions": r.instructions, "max_output_tokens": r.max_output_tokens, "max_tool_calls": None,
             "model": self.model,
-            "output": [] if text is None else [self.message(text, item_status)],
+            "output": [] if text is None else [self.message(text, item_status, toks)],
             "parallel_tool_calls": r.parallel_tool_calls if r.parallel_tool_calls is not None else True,
             "previous_response_id": None, "reasoning": {"effort": None, "summary": None},
             "service_tier": "default", "store": False, "temperature": r.temperature,
-            "text": {"format": {"type": "text"}}, "tool_choice": "auto", "tools": [], "top_logprobs": 0,
+            "text": {"format": self._format()}, "tool_choice": "auto", "tools": [],
+            "top_logprobs": r.top_logprobs or 0,
             "top_p": r.top_p, "truncation": "disabled",
             "usage": None if tokens is None else usage(*tokens),
             "user": r.user, "metadata": r.metadata or {},
         }
+
+    def _format(self) -> dict:
+        f = self.req.text.format if self.req.text and self.req.text.format else None
+        return f.model_dump(by_alias=True, exclude_none=True) if f else {"type": "text"}
 
     def event(self, type_: str, **fields) -> dict:
         ev = {"type": type_, "sequence_number": self.seq, **fields}
@@ -184,18 +257,18 @@ class ResponseShape:
                 self.event("response.output_item.added", output_index=0, item=self.message("", "in_progress")),
                 self.event("response.content_part.added", **head, part=self.part(""))]
 
-    def delta(self, text: str) -> dict:
+    def delta(self, text: str, toks=()) -> dict:
         return self.event("response.output_text.delta", output_index=0, item_id=self.msg_id, content_index=0,
-                          delta=text, logprobs=[])
+                          delta=text, logprobs=content_logprobs(toks))
 
-    def closing(self, text: str, status: Status, finish: str | None, tokens: tuple[int, int]) -> list[dict]:
+    def closing(self, text: str, status: Status, finish: str | None, tokens: tuple[int, ...], toks=()) -> list[dict]:
         head = dict(output_index=0, item_id=self.msg_id, content_index=0)
         item_status = "completed" if status == "completed" else "incomplete"
         terminal = "response.completed" if status == "completed" else "response.incomplete"
-        return [self.event("response.output_text.done", **head, text=text, logprobs=[]),
-                self.event("response.content_part.done", **head, part=self.part(text)),
-                self.event("response.output_item.done", output_index=0, item=self.message(text, item_status)),
-                self.event(terminal, response=self.body(status, text, finish, tokens))]
+        return [self.event("response.output_text.done", **head, text=text, logprobs=content_logprobs(toks)),
+                self.event("response.content_part.done", **head, part=self.part(text, toks)),
+                self.event("response.output_item.done", output_index=0, item=self.message(text, item_status, toks)),
+                self.event(terminal, response=self.body(status, text, finish, tokens, toks=toks))]
 
     def failure(self, err: dict, text: str, tokens: tuple[int, int]) -> list[dict]:
         """A route that failed mid-stream: an `error` event, then response.failed."""
@@ -204,8 +277,9 @@ class ResponseShape:
                     "failed", text, None, tokens, error={"code": "server_error", "message": err["message"]}))]
 
 
-def usage(input_tokens: int, output_tokens: int) -> dict:
-    return {"input_tokens": input_tokens, "input_tokens_details": {"cached_tokens": 0},
+def usage(input_tokens: int, output_tokens: int, cached_tokens: int = 0) -> dict:
+    """`cached_tokens`: input positions every stage restored from its prefix cache instead of prefilling."""
+    return {"input_tokens": input_tokens, "input_tokens_details": {"cached_tokens": cached_tokens},
             "output_tokens": output_tokens, "output_tokens_details": {"reasoning_tokens": 0},
             "total_tokens": input_tokens + output_tokens}
 

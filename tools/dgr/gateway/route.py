@@ -7,6 +7,10 @@ request's asyncio queue. A request for n choices is a `Run` of n jobs, each its 
 session, their pieces merged on one queue. Cancelling a job (the HTTP client went away, or
 `POST /v1/responses/{id}/cancel`) stops the iteration at the next token and closes the generator, whose
 `finally` closes the session along the route (chain=True) before the job says it has finished.
+
+A job asked for logprobs hands each piece of text over with the tokens whose text it begins (`Tok`: the
+token's own text, its logprob and the most likely tokens'); a token whose text a stop string swallowed
+whole, and a token-level stop, are not reported.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from dgr.gateway.metrics import GatewayMetrics
 from dgr.gateway.stops import StopScanner
 from dgr.log import get_logger
 from dgr.wire import tls as wtls
-from dgr.wire.client import RouteClient, parse_route
+from dgr.wire.client import PrefixRoutes, RouteClient, parse_route
 
 log = get_logger(__name__)
 
@@ -62,11 +66,35 @@ class Params:
     seed: int | None = None
     stops: tuple[str, ...] = ()
     ignore_eos: bool = False
+    json_schema: str = ""        # the last stage draws only what this JSON Schema allows ("" : anything)
+    logprobs: bool = False
+    top_logprobs: int = 0
+
+
+@dataclass(frozen=True)
+class Tok:
+    """A generated token as the gateway reports it (dgr.gateway.schemas formats it)."""
+
+    id: int
+    text: str                                # its own text: the id detokenized alone
+    logprob: float
+    top: tuple[tuple[str, float], ...]       # (text, logprob) of the most likely tokens, most likely first
+    offset: int                              # where its text starts in the choice's printed text
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Text a job printed, and (logprobs asked) the tokens whose text starts in it."""
+
+    text: str
+    toks: tuple[Tok, ...] = ()
 
 
 class RouteBackend:
     """The route (text or replicas per stage) and a pool of `RouteClient`s over it: each request takes a
-    client of its own (its recovery state is its own) and gives it back when done; channels are reused."""
+    client of its own (its recovery state is its own) and gives it back when done; channels are reused.
+    The pool shares one `PrefixRoutes`, so a request whose prompt begins with an earlier one's opens on the
+    replicas that kept that prefix (`usage.prompt_tokens_details.cached_tokens` says how much was restored)."""
 
     def __init__(self, route: str | Sequence[Sequence[str]], *, tls: wtls.TlsConfig | None = None,
                  timeout: float = 120.0, hop_deadline: float | None = None, attempts: int | None = None,
@@ -80,10 +108,13 @@ class RouteBackend:
             self._kw["attempts"] = attempts
         self._idle: list[RouteClient] = []
         self._lock = threading.Lock()
+        self._texts: dict[int, str] = {}     # token id -> its own text (the vocabulary does not change)
+        # shared by the pool: a conversation's next turn opens on the replicas that kept its history
+        self.prefix_routes = PrefixRoutes()
         self.info = self._describe(model_name, chat_template, chat_template_source)
 
     def _new_client(self) -> RouteClient:
-        return RouteClient(copy.deepcopy(self.replicas), **self._kw)
+        return RouteClient(copy.deepcopy(self.replicas), prefix_routes=self.prefix_routes, **self._kw)
 
     @contextmanager
     def client(self) -> Iterator[RouteClient]:
@@ -139,6 +170,18 @@ class RouteBackend:
         with self.client() as c:
             return c.tokenize(text, add_special=add_special)
 
+    def token_texts(self, c: RouteClient, ids) -> list[str]:
+        """Each id's own text (detokenized alone, one Detokenize each the first time, then remembered).
+        A token that is part of a multi-byte character reads as U+FFFD."""
+        missing = [i for i in dict.fromkeys(ids) if i not in self._texts]
+        for i in missing:
+            self._texts[i] = c.detokenize([i])
+        return [self._texts[i] for i in ids]
+
+    def detokenize(self, ids: list[int]) -> str:
+        with self.client() as c:
+            return c.detokenize(ids)
+
     def open_sessions(self) -> list[int]:
         """Every stage's open sessions now (Describe of the current replicas)."""
         with self.client() as c:
@@ -157,9 +200,10 @@ def choice_seeds(seed: int | None, n: int, sampled: bool) -> list[int]:
 
 
 class Job:
-    """One generation, run in its own thread. It puts (index, "text", str) pieces on `queue`, then one
+    """One generation, run in its own thread. It puts (index, "text", Piece) on `queue`, then one
     (index, "done", finish_reason) or (index, "error", exception). `completion_tokens` counts tokens
-    sampled; `text` is what it printed so far."""
+    sampled; `text` is what it printed so far, `toks` the tokens reported so far (logprobs asked);
+    `cached_tokens`, once it has started, the prompt positions the stages restored from their prefix caches."""
 
     def __init__(self, backend: RouteBackend, prompt_ids: list[int], params: Params, metrics: GatewayMetrics,
                  t_request: float, queue: asyncio.Queue, index: int = 0):
@@ -168,6 +212,8 @@ class Job:
         self.completion_tokens = 0
         self.t_first = 0.0
         self.pieces: list[str] = []
+        self.toks: list[Tok] = []
+        self.cached_tokens = 0
         self.finish: str | None = None          # "stop" or "length" once done
         self.why = ""                           # why it was cancelled: "client_gone" or "cancelled"
         self.cut_short = False                  # a cancel stopped the generation (not its own end)
@@ -198,7 +244,8 @@ class Job:
 
     def _put(self, what: str, payload) -> None:
         if what == "text":
-            self.pieces.append(payload)
+            self.pieces.append(payload.text)
+            self.toks.extend(payload.toks)
         try:
             self._loop.call_soon_threadsafe(self._queue.put_nowait, (self.index, what, payload))
         except RuntimeError:                            # the event loop is gone (shutting down)
@@ -218,6 +265,19 @@ class Job:
         temperature = 0.0 if p.top_p == 0 else p.temperature       # top_p 0: only the most likely token
         top_p = p.top_p if 0 < p.top_p < 1 else 0.0                 # dgr: 0 is off
         finish = "length"
+        want_lp = p.logprobs or p.top_logprobs > 0
+        fed = printed = 0                   # characters given to the stop scanner / printed
+        pending: list[Tok] = []             # reported tokens whose text is not printed yet
+
+        def release(text: str, everything: bool = False) -> None:
+            nonlocal printed, pending
+            printed += len(text)
+            k = len(pending) if everything else next((j for j, t in enumerate(pending) if t.offset >= printed),
+                                                      len(pending))
+            out, pending = pending[:k], pending[k:]
+            if text or out:
+                self._put("text", Piece(text, tuple(out)))
+
         m.active.inc()
         m.prompt_tokens.inc(len(self.prompt_ids))
         try:
@@ -225,13 +285,15 @@ class Job:
                 raise _Gone()
             with self.backend.client() as c:
                 it = c.generate(self.prompt_ids, max_new_tokens=p.max_tokens, temperature=temperature,
-                                top_k=p.top_k, top_p=top_p, seed=seed, stop_token_ids=stop_ids)
+                                top_k=p.top_k, top_p=top_p, seed=seed, stop_token_ids=stop_ids,
+                                json_schema=p.json_schema, logprobs=p.logprobs, top_logprobs=p.top_logprobs)
                 last = 0.0
                 try:
                     for ev in it:
                         now = time.perf_counter()
                         if not self.completion_tokens:
                             self.t_first = now
+                            self.cached_tokens = c.last.cached_tokens
                             m.ttft.observe(now - self.t_request)
                         else:
                             m.token_latency.observe(now - last)
@@ -241,9 +303,12 @@ class Job:
                         if ev.token_id in stop_ids:         # a token-level stop: its text is never printed
                             finish = "stop"
                             break
-                        text = scanner.feed(ev.text)
-                        if text:
-                            self._put("text", text)
+                        if want_lp:
+                            own = self.backend.token_texts(c, [ev.token_id, *(t for t, _ in ev.top_logprobs)])
+                            pending.append(Tok(ev.token_id, own[0], ev.logprob,
+                                               tuple(zip(own[1:], (lp for _, lp in ev.top_logprobs))), fed))
+                        fed += len(ev.text)
+                        release(scanner.feed(ev.text))
                         if scanner.stopped:
                             finish = "stop"
                             break
@@ -255,9 +320,7 @@ class Job:
                             break
                 finally:
                     it.close()                              # closes the session along the route
-            tail = scanner.flush()
-            if tail:
-                self._put("text", tail)
+            release(scanner.flush(), everything=not scanner.stopped and not self.cut_short)
             self.finish = finish
             self._put("done", finish)
         except _Gone:
