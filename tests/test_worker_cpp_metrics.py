@@ -58,6 +58,13 @@ FAMILIES = {
     "dgr_worker_sessions_reaped": ("counter", ()),
     "dgr_worker_overloaded": ("counter", ()),
     "dgr_worker_info": ("gauge", ("model", "bundle_id", "stage", "stage_count", "layers", "lane", "engine")),
+    # the prefix cache (docs/worker.md "Prefix cache"): served where it is on, as here (a dense llama)
+    "dgr_worker_prefix_cache_bytes": ("gauge", ()),
+    "dgr_worker_prefix_cache_entries": ("gauge", ()),
+    "dgr_worker_prefix_cache_lookups": ("counter", ()),
+    "dgr_worker_prefix_cache_hits": ("counter", ()),
+    "dgr_worker_prefix_cache_hit_tokens": ("counter", ()),
+    "dgr_worker_prefix_cache_evicted": ("counter", ()),
 }
 LABEL_VALUES = {"kind": ("decode", "prefill"), "frame": ("step", "token"), "sessions": ("one", "shared"),
                 "code": tuple(n for n in pb.ErrorCode.keys() if n != "ERROR_UNSPECIFIED")}
@@ -174,6 +181,9 @@ def test_counters_move_with_a_generation_by_what_it_did(tiny, worker_bin):
             want |= {(f"dgr_worker_{k}", ()): 0.0 for k in ("sessions_open", "queued_steps", "cached_positions",
                                                           "sessions_reaped_total", "overloaded_total")}
             want[("dgr_worker_sessions_opened_total", ())] = 1.0
+            # the prefix cache: 31 positions ran, less than one block (32): nothing looked up, nothing kept
+            want |= {(f"dgr_worker_prefix_cache_{k}", ()): 0.0 for k in (
+                "bytes", "entries", "lookups_total", "hits_total", "hit_tokens_total", "evicted_total")}
             # one session alone: every step ran in a forward of its own
             want[("dgr_worker_forwards_total", (("sessions", "one"),))] = float(sum(steps.values()))
             want[("dgr_worker_forwards_total", (("sessions", "shared"),))] = 0.0
