@@ -167,129 +167,84 @@ Link::Link(StageWorker * w, std::string address_, std::string label_, uint64_t m
     args.SetInt(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
     args.SetInt(GRPC_ARG_HTTP2_MAX_PINGS_WITHOUT_DATA, 0);
     stub_ = pb::Stage::NewStub(grpc::CreateCustomChannel(address, w->channel_credentials(), args));
-    thread_ = std::thread([this] { run(); });
+    stub_->async()->Frames(&ctx_, this);
+    StartRead(&in_);
+    StartCall();
 }
 
 Link::~Link() { close(); }
 
 bool Link::send(pb::Frame & f) {
     const int64_t size = int64_t(f.ByteSizeLong());
-    std::lock_guard<std::mutex> g(mu_);
-    if (broken_ || closing_) return false;
-    const int64_t cap = w_->limits_.max_send_queue_bytes;
-    if (cap > 0 && bytes_ + size > cap && !q_.empty()) {
-        // the peer stopped reading: fail the link (its sessions hear HOP_UNREACHABLE), never block the engine
-        failed_ = "it fell " + std::to_string(bytes_ + size) + " bytes behind (--max-send-queue-bytes " + std::to_string(cap) + ")";
-        broken_ = true;
-        if (ctx_) ctx_->TryCancel();
-        cv_.notify_all();
-        return false;
+    {
+        std::lock_guard<std::mutex> g(mu_);
+        if (broken_ || closing_) return false;
+        const int64_t cap = w_->limits_.max_send_queue_bytes;
+        if (cap > 0 && bytes_ + size > cap && in_flight_) {
+            // the peer stopped reading: fail the link (its sessions hear HOP_UNREACHABLE), never block the engine
+            cancel_locked("it fell " + std::to_string(bytes_ + size) + " bytes behind (--max-send-queue-bytes " +
+                          std::to_string(cap) + ")");
+            return false;
+        }
+        sessions_.emplace(f.session_id(), f.epoch());
+        if (in_flight_) {                            // behind the write in flight: OnWriteDone starts it
+            bytes_ += size;
+            q_.push_back(std::move(f));
+            return true;
+        }
+        in_flight_ = true;
+        writing_ = std::move(f);
+        writing_since_ = mono_ns();
     }
-    sessions_.emplace(f.session_id(), f.epoch());
-    bytes_ += size;
-    q_.push_back(std::move(f));
-    cv_.notify_all();
+    StartWrite(&writing_);                           // this thread starts it: no writer thread to wake
     return true;
 }
 
-void Link::check_stall(int64_t now_ns, int64_t timeout_ns) {
-    std::lock_guard<std::mutex> g(mu_);
-    if (broken_ || closing_ || !writing_since_ || now_ns - writing_since_ <= timeout_ns) return;
-    failed_ = "it did not take a frame for " + std::to_string(timeout_ns / 1000000) + " ms (--send-timeout)";
-    broken_ = true;
-    if (ctx_) ctx_->TryCancel();
-    cv_.notify_all();
-}
-
-void Link::fail(const std::string & why) {
-    std::lock_guard<std::mutex> g(mu_);
-    if (broken_ || closing_) return;
-    failed_ = why;
-    broken_ = true;
-    if (ctx_) ctx_->TryCancel();
-    cv_.notify_all();
-}
-
-void Link::close() {
+void Link::OnWriteDone(bool ok) {
     {
         std::lock_guard<std::mutex> g(mu_);
-        closing_ = true;
-        if (ctx_) ctx_->TryCancel();
-        cv_.notify_all();
+        writing_since_ = 0;
+        if (!ok || broken_ || closing_ || q_.empty()) {
+            in_flight_ = false;
+            if (!ok) broken_ = true;                 // the stream is over: OnDone says why
+            return;
+        }
+        writing_ = std::move(q_.front());
+        q_.pop_front();
+        bytes_ = q_.empty() ? 0 : std::max<int64_t>(0, bytes_ - int64_t(writing_.ByteSizeLong()));
+        writing_since_ = mono_ns();
     }
-    if (thread_.joinable() && thread_.get_id() != std::this_thread::get_id()) thread_.join();
+    StartWrite(&writing_);
 }
 
-void Link::run() {
-    std::string why = "closed the stream";
-    std::thread reader;
-    try {
-        {
-            std::lock_guard<std::mutex> g(mu_);
-            if (closing_) return;
-            ctx_ = std::make_unique<grpc::ClientContext>();
-        }
-        auto stream = stub_->Frames(ctx_.get());
-        reader = std::thread([&] {
-            try {
-                pb::Frame r;
-                while (stream->Read(&r)) {           // the peer's answers: errors about frames sent
-                    w_->on_link_reply(std::move(r));
-                    r.Clear();
-                }
-            } catch (const std::exception & e) {
-                fprintf(stderr, "dgr-worker: link to %s: %s\n", address.c_str(), e.what());
-            } catch (...) {
-            }
-            std::lock_guard<std::mutex> g(mu_);
-            broken_ = true;
-            cv_.notify_all();
-        });
-        while (true) {
-            pb::Frame f;
-            {
-                std::unique_lock<std::mutex> l(mu_);
-                cv_.wait(l, [&] { return broken_ || closing_ || !q_.empty(); });
-                if (broken_ || closing_) break;
-                f = std::move(q_.front());
-                q_.pop_front();
-                bytes_ = q_.empty() ? 0 : std::max<int64_t>(0, bytes_ - int64_t(f.ByteSizeLong()));
-                writing_since_ = mono_ns();
-            }
-            bool ok = stream->Write(f);
-            {
-                std::lock_guard<std::mutex> g(mu_);
-                writing_since_ = 0;
-            }
-            if (!ok) break;
-        }
-        {
-            std::lock_guard<std::mutex> g(mu_);
-            broken_ = true;
-            if (closing_) ctx_->TryCancel();
-        }
-        reader.join();
-        grpc::Status st = stream->Finish();
-        if (!st.ok()) why = status_name(st.error_code()) + ": " + st.error_message();
+void Link::OnReadDone(bool ok) {
+    if (!ok) {                                       // the peer ended the stream: OnDone follows
         std::lock_guard<std::mutex> g(mu_);
-        if (!failed_.empty()) why = "this worker failed the link: " + failed_;
+        broken_ = true;
+        return;
+    }
+    try {
+        w_->on_link_reply(std::move(in_));           // the peer's answers: errors about frames sent
     } catch (const std::exception & e) {
-        why = e.what();
+        fprintf(stderr, "dgr-worker: link to %s: %s\n", address.c_str(), e.what());
     } catch (...) {
-        why = "unknown failure";
     }
-    if (reader.joinable()) {
-        if (ctx_) ctx_->TryCancel();
-        reader.join();
-    }
+    in_.Clear();
+    StartRead(&in_);
+}
+
+void Link::OnDone(const grpc::Status & st) {
+    std::string why = st.ok() ? "closed the stream" : status_name(st.error_code()) + ": " + st.error_message();
     std::set<std::pair<std::string, uint64_t>> lost;
     bool closing;
     {
         std::lock_guard<std::mutex> g(mu_);
         broken_ = true;
+        if (!failed_.empty()) why = "this worker failed the link: " + failed_;
         lost.swap(sessions_);
         closing = closing_;
         q_.clear();
+        bytes_ = 0;
     }
     if (!closing) {
         try {
@@ -299,6 +254,36 @@ void Link::run() {
         } catch (...) {
         }
     }
+    std::lock_guard<std::mutex> g(mu_);              // last: close() may destroy this link once it sees done_
+    done_ = true;
+    done_cv_.notify_all();
+}
+
+void Link::cancel_locked(const std::string & why) {
+    if (failed_.empty()) failed_ = why;
+    broken_ = true;
+    ctx_.TryCancel();
+}
+
+void Link::check_stall(int64_t now_ns, int64_t timeout_ns) {
+    std::lock_guard<std::mutex> g(mu_);
+    if (broken_ || closing_ || !writing_since_ || now_ns - writing_since_ <= timeout_ns) return;
+    cancel_locked("it did not take a frame for " + std::to_string(timeout_ns / 1000000) + " ms (--send-timeout)");
+}
+
+void Link::fail(const std::string & why) {
+    std::lock_guard<std::mutex> g(mu_);
+    if (broken_ || closing_) return;
+    cancel_locked(why);
+}
+
+void Link::close() {
+    std::unique_lock<std::mutex> l(mu_);
+    if (!closing_) {
+        closing_ = true;
+        ctx_.TryCancel();
+    }
+    done_cv_.wait(l, [&] { return done_; });
 }
 
 // ------------------------------------------------------------------------------------ incoming frames

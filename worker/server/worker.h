@@ -121,35 +121,43 @@ using ReplyPtr = std::shared_ptr<FrameQueue>;
 class StageWorker;
 
 // An outgoing Frames stream to one peer (the next hop, or the origin), shared by every session going
-// there: a writer thread opens the stream and writes the queue, a reader thread hands the peer's
-// answers (typed errors about frames sent) to the worker. A broken stream is never reused: its sessions
-// hear HOP_UNREACHABLE and the next frame to that address opens a new link (a new channel).
-class Link {
+// there. gRPC's callback API (a ClientBidiReactor): the thread that sends a frame (the engine thread, for a
+// boundary or a token) starts its write itself when no write is in flight, and the write that completes
+// starts the next queued one, so no thread of its own is woken per frame; the peer's answers (typed errors
+// about frames sent) are read by gRPC's callbacks and handed to the worker. A broken stream is never
+// reused: its sessions hear HOP_UNREACHABLE and the next frame to that address opens a new link.
+class Link final : public grpc::ClientBidiReactor<dgr::v1::Frame, dgr::v1::Frame> {
   public:
     Link(StageWorker * w, std::string address, std::string label, uint64_t max_message_bytes);
-    ~Link();
+    ~Link() override;
     // false: the link is broken or closing (the caller opens a new one)
     bool send(dgr::v1::Frame & f);   // moves f only when it returns true
-    void close();   // cancel the stream and join its threads
+    void close();   // cancel the stream and wait until gRPC is done with it
     // the send deadline: a write waiting longer than `timeout_ns` fails the link (its sessions are told)
     void check_stall(int64_t now_ns, int64_t timeout_ns);
     // fail the link now, as a broken stream does (its sessions are told); --test-break-origin-link-at
     void fail(const std::string & why);
     const std::string address, label;
 
+    void OnWriteDone(bool ok) override;
+    void OnReadDone(bool ok) override;
+    void OnDone(const grpc::Status & status) override;
+
   private:
-    void run();
+    void cancel_locked(const std::string & why);     // mu_ held
     StageWorker * w_;
     std::unique_ptr<dgr::v1::Stage::Stub> stub_;
+    grpc::ClientContext ctx_;
     std::mutex mu_;
-    std::condition_variable cv_;
-    std::deque<dgr::v1::Frame> q_;
+    std::condition_variable done_cv_;
+    std::deque<dgr::v1::Frame> q_;                   // waiting behind the write in flight
+    dgr::v1::Frame writing_;                         // the write in flight (gRPC reads it until OnWriteDone)
+    dgr::v1::Frame in_;                              // the read in flight
+    bool in_flight_ = false;
     std::set<std::pair<std::string, uint64_t>> sessions_;
-    bool broken_ = false, closing_ = false;
+    bool broken_ = false, closing_ = false, done_ = false;
     int64_t bytes_ = 0, writing_since_ = 0;
     std::string failed_;                             // why this side failed the link (a bound), else ""
-    std::unique_ptr<grpc::ClientContext> ctx_;
-    std::thread thread_;
 };
 
 class StageWorker final : public dgr::v1::Stage::Service {
