@@ -203,12 +203,12 @@ def test_context_limit_is_the_clear_error(routes, whole):
             c.run(ids, max_new_tokens=20, stop_token_ids=[], logits="last", attempts=0)
         got = c.last
     assert str(e.value) == f"{codec.hop_name(0, routes[0])}: {context_full(N_CTX, N_CTX)}"
-    # What fit is the whole model's. The draw from the last row (255) may not reach the client: the origin
-    # sends the error at once and a token after detokenizing it (frames.cpp deliver_to_client), so the
-    # error can overtake it; every earlier token comes first.
+    # What fit is the whole model's, every draw of it: the draw from the last row (255) too. The origin sends
+    # the error after the ring's tokens (frames.cpp deliver_to_client: errors queue behind the tokens being
+    # detokenized), so it never overtakes one.
     ref = reference([whole], ids, N_CTX - len(ids) + 1)
     k = len(got.token_ids)
-    assert k >= N_CTX - len(ids)
+    assert k == N_CTX - len(ids) + 1
     same(got, Ref(ref.token_ids[:k], {p: r for p, r in ref.logits.items() if p < len(ids) - 1 + k}))
     chunk = got.chunk_tokens
     ids = list(range(10, 10 + 300))                  # a prompt past n_ctx is refused at its chunk

@@ -1266,11 +1266,12 @@ void StageWorker::deliver_to_client(pb::Frame frame) {
     }
     if (!client) return;
     if (frame.has_error()) {
-        {
-            std::lock_guard<std::mutex> g(mu_);
-            sess->failed = true;
-        }
-        client->put(std::move(frame));
+        // behind the tokens still being detokenized (jobs_, in order): an error never overtakes a token
+        auto shared = std::make_shared<pb::Frame>(std::move(frame));
+        std::lock_guard<std::mutex> g(mu_);
+        sess->failed = true;
+        jobs_.push_back([client, shared] { client->put(std::move(*shared)); });
+        wake_.notify_all();
         return;
     }
     if (frame.has_logits()) {
@@ -1317,12 +1318,12 @@ void StageWorker::deliver_to_client(pb::Frame frame) {
         }
         n_ids = sess->context_ids.size();
     }
-    if (full) {
-        pb::Frame e;
-        e.set_session_id(frame.session_id());
-        e.set_epoch(frame.epoch());
-        *e.mutable_error() = err(pb::ENGINE, context_full(pos, info_.n_ctx));
-        client->put(std::move(e));
+    std::shared_ptr<pb::Frame> full_error;
+    if (full) {                                      // sent after this ring's tokens (below)
+        full_error = std::make_shared<pb::Frame>();
+        full_error->set_session_id(frame.session_id());
+        full_error->set_epoch(frame.epoch());
+        *full_error->mutable_error() = err(pb::ENGINE, context_full(pos, info_.n_ctx));
     } else if (next) {
         // queue the next decode step first: the ring goes on while this token is detokenized and sent
         Work w;
@@ -1362,8 +1363,9 @@ void StageWorker::deliver_to_client(pb::Frame frame) {
     const size_t n0 = n_ids - out.size();
     auto shared = std::make_shared<std::vector<pb::Frame>>(std::move(out));
     std::lock_guard<std::mutex> g(mu_);
-    jobs_.push_back([this, sess, shared, n0] {
+    jobs_.push_back([this, sess, shared, n0, client, full_error] {
         for (size_t i = 0; i < shared->size(); ++i) send_token(sess, std::move((*shared)[i]), n0 + i + 1);
+        if (full_error) client->put(std::move(*full_error));   // the context is full: after its last token
     });
     wake_.notify_all();
 }
