@@ -10,6 +10,7 @@ import logging
 import os
 import statistics
 import subprocess
+import sys
 
 import pytest
 
@@ -157,3 +158,21 @@ def test_device_check_is_valid_bash_and_its_dry_run_stops_before_the_gpu(repo_ro
                  "bench --stages 3"):
         assert step in plan, plan
     assert (tmp_path / "device-check.log").exists()
+
+
+@pytest.mark.slow
+def test_bench_conversation_reports_every_turn_on_both_networks_with_the_same_text(tmp_path, engine_lib):
+    """`dgr bench conversation` (issue 23), small: every figure it promises is there, from one run, and the
+    answers with and without the prefix cache are the same (its exit status says so too)."""
+    out = tmp_path / "conv.json"
+    p = subprocess.run([sys.executable, "-m", "dgr", "bench", "conversation", "--stages", "2", "--turns", "3",
+                        "--conversations", "2", "--max-tokens", "4", "--json", str(out)],
+                       capture_output=True, text=True, timeout=900, env={**os.environ, "DGR_ENGINE_LIB": str(engine_lib)})
+    assert p.returncode == 0, p.stdout + p.stderr
+    r = json.loads(out.read_text())
+    assert r["same_text"] and [t["turn"] for t in r["loopback"]] == [1, 2, 3] == [t["turn"] for t in r["wan"]]
+    assert all(t["ttft_cache_ms"] > 0 and t["ttft_none_ms"] > 0 for t in r["loopback"] + r["wan"])
+    assert len(r["cache_bytes_per_1000_tokens_per_stage"]) == 2 and min(r["cache_bytes_per_1000_tokens_per_stage"]) > 0
+    inter = r["interleaved"]
+    assert inter["lookups"] == 2 * 4 and 0 <= inter["hits"] <= inter["lookups"]   # 2 conversations x 4 turns
+    assert "turn 3:" in p.stdout and "interleaved conversations" in p.stdout
