@@ -159,3 +159,24 @@ def test_a_conversation_lands_again_on_the_replicas_that_kept_its_history(engine
             elsewhere = _run(c, turn2)
             assert c.route == firsts and elsewhere.cached_tokens == 0
         _same(warm, elsewhere)
+
+
+@pytest.mark.parametrize("arch", ["mamba", "jamba"])
+def test_recurrent_and_hybrid_stages_keep_nothing_and_the_route_prefills_in_full(arch, engine_lib, tmp_path):
+    """docs/families.md, "Prefix cache": a stage whose state is one running state per session keeps nothing
+    (Describe says capacity 0), so a repeated prompt is prefilled again, with the same text."""
+    from dgr.synth import layer_kinds
+    from dgr.synthparity import choose_ranges, model_layers, synth_model
+    from support.engine import long_prompts, make_bundle
+
+    layers = model_layers(arch)
+    whole = synth_model(arch, tmp_path / f"{arch}.gguf", layers=layers)
+    bundle = make_bundle(whole, choose_ranges(layer_kinds(arch, layers), 2), tmp_path)
+    args = [["--bundle", str(bundle.root), "--stage", str(i), "--threads", "1", "--n-ctx", "256"] for i in range(2)]
+    with LocalRoute(args, env={"DGR_ENGINE_LIB": str(engine_lib)}, timeout=300) as r, \
+            RouteClient(r.addresses, chunk_tokens=16) as c:
+        assert [d.prefix_cache_capacity_bytes for d in c.describe()] == [0, 0]
+        ids = long_prompts(c.hops[0].n_vocab, lengths=(70,))[0]
+        first, again = _run(c, ids, max_new_tokens=4), _run(c, ids, max_new_tokens=4)
+    assert first.cached_tokens == again.cached_tokens == 0
+    _same(again, first)
