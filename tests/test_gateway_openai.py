@@ -13,8 +13,8 @@ import pytest
 import requests
 
 from dgr.gateway import chat
-from dgr.wire.client import RouteClient
-from support.gateway import gateway, metric, open_sessions, serve_process, smollm2_route, wait_no_sessions
+from support.gateway import metric, open_sessions, serve_process, smollm2_route, wait_no_sessions
+from support.gateway import gw, rc  # noqa: F401  (gw, rc: module fixtures over `route`)
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
@@ -27,18 +27,6 @@ MAX = 24
 def route(engine_lib):
     with smollm2_route(engine_lib, 3) as r:
         yield r
-
-
-@pytest.fixture(scope="module")
-def gw(route):
-    with gateway(route.route) as g:
-        yield g
-
-
-@pytest.fixture(scope="module")
-def rc(route):
-    with RouteClient(route.addresses) as c:
-        yield c
 
 
 def _printed(gen, eos) -> str:

@@ -11,10 +11,9 @@ import openai
 import pytest
 import requests
 
-from dgr.gateway import chat
 from dgr.gateway.limits import MAX_CHOICES
-from dgr.wire.client import RouteClient
 from support.gateway import gateway, metric, open_sessions, smollm2_route, wait_no_sessions
+from support.gateway import gw, rc, rendered  # noqa: F401  (gw, rc: module fixtures over `route`)
 from support.route import fake_route
 
 pytestmark = [pytest.mark.engine]
@@ -33,27 +32,10 @@ def route(engine_lib):
         yield r
 
 
-@pytest.fixture(scope="module")
-def gw(route):
-    with gateway(route.route) as g:
-        yield g
-
-
-@pytest.fixture(scope="module")
-def rc(route):
-    with RouteClient(route.addresses) as c:
-        yield c
-
-
-def _rendered(gw, messages) -> str:
-    info = gw.backend.info
-    return chat.render(info.chat_template, messages, special_tokens={"eos_token": info.eos_token})
-
-
 def _ref(gw, rc, messages, **kw):
     """The route's own run of the rendered messages: (printed text, generation, ended at a stop token)."""
     kw.setdefault("max_new_tokens", MAX)
-    gen = rc.run(_rendered(gw, messages), **kw)
+    gen = rc.run(rendered(gw, messages), **kw)
     eos = set(rc.hops[-1].eos_token_ids)
     return "".join(e.text for e in gen.events if e.token_id not in eos), gen, gen.token_ids[-1] in eos
 
@@ -174,7 +156,7 @@ def test_n_choices_at_temperature_0_are_identical(gw, rc):
     assert [ch.index for ch in out.choices] == [0, 1, 2]
     assert [ch.message.content for ch in out.choices] == [text] * 3
     assert out.usage.prompt_tokens == len(ref.prompt_ids) and out.usage.completion_tokens == 3 * len(ref.token_ids)
-    chunks = list(c.completions.create(model=model, prompt=_rendered(gw, _chat_messages()), n=2, max_tokens=8,
+    chunks = list(c.completions.create(model=model, prompt=rendered(gw, _chat_messages()), n=2, max_tokens=8,
                                        temperature=0, stream=True))
     by_index = {i: "".join(ch.choices[0].text for ch in chunks if ch.choices[0].index == i) for i in (0, 1)}
     assert by_index == {0: text, 1: text}

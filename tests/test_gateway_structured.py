@@ -16,11 +16,10 @@ import jsonschema
 import openai
 import pytest
 
-from dgr.gateway import chat
-from dgr.wire.client import RouteClient
 from dgr.wire.limits import MAX_TOP_LOGPROBS
 from dgr.wire.prefix import PREFIX_BLOCK_TOKENS
-from support.gateway import gateway, smollm2_route, wait_no_sessions
+from support.gateway import smollm2_route, wait_no_sessions
+from support.gateway import gw, rc, rendered  # noqa: F401  (gw, rc: module fixtures over `route`)
 
 pytestmark = [pytest.mark.engine]
 
@@ -55,23 +54,6 @@ def route(engine_lib):
         yield r
 
 
-@pytest.fixture(scope="module")
-def gw(route):
-    with gateway(route.route) as g:
-        yield g
-
-
-@pytest.fixture(scope="module")
-def rc(route):
-    with RouteClient(route.addresses) as c:
-        yield c
-
-
-def _rendered(gw, messages) -> str:
-    info = gw.backend.info
-    return chat.render(info.chat_template, messages, special_tokens={"eos_token": info.eos_token})
-
-
 def _create(gw, **kw):
     return gw.client().chat.completions.create(model=gw.backend.info.name, temperature=0, **kw)
 
@@ -95,7 +77,7 @@ def test_json_schema_answers_follow_the_schema(gw, rc, stream):
     jsonschema.validate(json.loads(text), PERSON)
     assert finish == "stop"
     # the route's own run under the same schema draws the same tokens
-    ref = rc.run(_rendered(gw, msgs), max_new_tokens=48, json_schema=json.dumps(PERSON))
+    ref = rc.run(rendered(gw, msgs), max_new_tokens=48, json_schema=json.dumps(PERSON))
     eos = set(rc.hops[-1].eos_token_ids)
     assert text == "".join(e.text for e in ref.events if e.token_id not in eos)
 
@@ -194,7 +176,7 @@ def _check_order(entries):
 def test_chat_logprobs_are_the_routes(gw, rc, stream):
     msgs = [{"role": "user", "content": "Name a color."}]
     n, max_tokens = 5, 6
-    want = _route_logprobs(rc, _rendered(gw, msgs), n, max_tokens)
+    want = _route_logprobs(rc, rendered(gw, msgs), n, max_tokens)
     if stream:
         chunks = _chunks(gw, messages=msgs, max_tokens=max_tokens, logprobs=True, top_logprobs=n)
         content = [e for ch in chunks if ch.choices[0].logprobs for e in ch.choices[0].logprobs.content]

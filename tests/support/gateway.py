@@ -13,8 +13,10 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 import openai
+import pytest
 
 from dgr.app.local import LocalRoute
+from dgr.gateway import chat
 from dgr.gateway.app import create_app
 from dgr.gateway.route import RouteBackend
 from dgr.gateway.server import GatewayServer
@@ -111,3 +113,23 @@ def metric(text: str, name: str, **labels) -> float:
         if key == (f"{name}{{{want}}}" if want else name):
             return float(value)
     return 0.0
+
+
+# Module fixtures of the gateway tests: a gateway and a route client over the module's own `route` fixture
+# (import them into a test module beside its `route`).
+@pytest.fixture(scope="module")
+def gw(route):
+    with gateway(route.route) as g:
+        yield g
+
+
+@pytest.fixture(scope="module")
+def rc(route):
+    with RouteClient(route.addresses) as c:
+        yield c
+
+
+def rendered(gw, messages) -> str:
+    """The prompt text the gateway renders for `messages` (the model's chat template, its eos token)."""
+    info = gw.backend.info
+    return chat.render(info.chat_template, messages, special_tokens={"eos_token": info.eos_token})
