@@ -204,6 +204,9 @@ def test_smollm2_over_three_worker_processes_speculative_equals_plain(engine_lib
     # 1.47 with Bazel's -march=x86-64-v3 one on 2026-12-01)
     assert draft_stats(runs["repetitive"][1])[1] > 0
     assert tokens_per_ring(runs["repetitive"][1]) > tokens_per_ring(runs["plain"][1])
+    # the speculative run restored the plain run's prompt from the prefix caches: its drafts still look up the
+    # restored positions (Generate.cached_ids), which no step carried
+    assert runs["repetitive"][1].cached_tokens > 0, [fast.cached_tokens for _, fast in runs.values()]
 
 
 @pytest.mark.engine

@@ -542,6 +542,8 @@ class RouteClient:
                         context_ids=gen.token_ids, context_text=gen.text)
         if spec is not None:
             g.draft_source, g.draft_k = spec.draft_source, spec.draft_k
+            if spec.draft_source and start:             # restored positions no step carries: drafts look there too
+                g.cached_ids.extend(history[:start])
         yield pb.Frame(session_id=sid, epoch=epoch, generate=g)
         starts = list(range(start, len(history), self.chunk_tokens))   # start: what every hop restored
         if gen.token_ids and not all(h.batch_invariant for h in self.hops):

@@ -336,20 +336,22 @@ class Step(_message.Message):
     def __init__(self, positions: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., boundary: _Optional[_Union[Boundary, _Mapping]] = ..., schema: _Optional[_Union[BoundarySchema, _Mapping]] = ..., cache_expect: _Optional[int] = ..., sample: _Optional[bool] = ..., drafts: _Optional[int] = ..., rollback: _Optional[bool] = ...) -> None: ...
 
 class Generate(_message.Message):
-    __slots__ = ("max_new_tokens", "stop_token_ids", "context_ids", "context_text", "draft_source", "draft_k")
+    __slots__ = ("max_new_tokens", "stop_token_ids", "context_ids", "context_text", "draft_source", "draft_k", "cached_ids")
     MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_IDS_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_TEXT_FIELD_NUMBER: _ClassVar[int]
     DRAFT_SOURCE_FIELD_NUMBER: _ClassVar[int]
     DRAFT_K_FIELD_NUMBER: _ClassVar[int]
+    CACHED_IDS_FIELD_NUMBER: _ClassVar[int]
     max_new_tokens: int
     stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
     context_ids: _containers.RepeatedScalarFieldContainer[int]
     context_text: str
     draft_source: str
     draft_k: int
-    def __init__(self, max_new_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., context_ids: _Optional[_Iterable[int]] = ..., context_text: _Optional[str] = ..., draft_source: _Optional[str] = ..., draft_k: _Optional[int] = ...) -> None: ...
+    cached_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, max_new_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., context_ids: _Optional[_Iterable[int]] = ..., context_text: _Optional[str] = ..., draft_source: _Optional[str] = ..., draft_k: _Optional[int] = ..., cached_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class HopTiming(_message.Message):
     __slots__ = ("stage_index", "queue_ns", "compute_ns", "wire_ns", "transit_ns")
