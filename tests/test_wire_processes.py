@@ -115,3 +115,39 @@ def test_a_dead_hop_at_session_open_is_named():
             with pytest.raises(HopUnreachable) as err:
                 c.run("hi", max_new_tokens=2)
     assert err.value.hop == f"stage 2 ({r.addresses[2]})" and "could not open the session" in str(err.value)
+
+
+def test_a_generation_stopped_early_is_closed_on_every_stage_when_its_close_returns():
+    """A client that stops reading mid-generation cancels its stream, then sends CloseSession. The origin
+    sees the stream end (and starts closing the session along the route) and the CloseSession, in either
+    order: the close answers only once every stage has let go, whichever of the two got there first (the
+    gateway's cancel and its client-gone path answer on that). Stage 1 is stopped (SIGSTOP) while the client
+    closes, so no close can go past it until it is continued: the client's close must not return before."""
+    import signal
+    import time
+
+    from support.gateway import open_sessions
+    from support.route import fake_route
+
+    with fake_route() as r, RouteClient(r.addresses) as c:
+        for k in range(3):
+            gen = c.generate([1, 2, 3, 4, 5], max_new_tokens=100_000, stop_token_ids=[])
+            next(gen)
+            stage1 = r.procs[1]
+            stage1.send_signal(signal.SIGSTOP)
+            continued = []
+
+            def cont():
+                time.sleep(1.0)
+                continued.append(time.monotonic())
+                stage1.send_signal(signal.SIGCONT)
+
+            t = threading.Thread(target=cont)
+            t.start()
+            try:
+                gen.close()                              # stream cancelled, then CloseSession (client.py)
+                returned = time.monotonic()
+            finally:
+                t.join()
+            assert continued and returned > continued[0], f"round {k}: the close returned before stage 1 could close"
+            assert open_sessions(r.addresses) == [0] * len(r.addresses), k

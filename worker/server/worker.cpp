@@ -3,6 +3,7 @@
 #include <grpcpp/grpcpp.h>
 
 #include <algorithm>
+#include <future>
 #include <stdexcept>
 
 #include "nlohmann/json.hpp"
@@ -688,17 +689,42 @@ void StageWorker::close_chained(const std::string & sid, uint64_t epoch, const g
     std::vector<pb::Hop> route;
     uint32_t hop_index = 0;
     bool had;
+    const Key key{sid, epoch};
+    std::shared_ptr<std::promise<void>> mine;        // this call closes it along the route
+    std::shared_future<void> theirs;                 // another call is closing it along the route now
     {
         std::lock_guard<std::mutex> g(mu_);
-        auto it = sessions_.find(Key{sid, epoch});
+        auto it = sessions_.find(key);
         had = it != sessions_.end();
         if (had) {
             route = it->second->route;
             hop_index = it->second->hop_index;
+            mine = std::make_shared<std::promise<void>>();
+            closing_[key] = mine->get_future().share();
+        } else if (auto c = closing_.find(key); c != closing_.end()) {
+            theirs = c->second;
         }
     }
+    if (!had) {
+        // e.g. the client's stream ended (client_gone) just before its CloseSession came: answer once that
+        // close has gone along the route, never while later hops still hold the session
+        if (theirs.valid()) theirs.wait_for(std::chrono::duration<double>(limits_.rpc_timeout_s * double(id_.stage_count + 1)));
+        return;
+    }
+    struct Done {                                    // however this returns: waiters go on, the entry goes
+        StageWorker * w;
+        Key key;
+        std::shared_ptr<std::promise<void>> p;
+        ~Done() {
+            {
+                std::lock_guard<std::mutex> g(w->mu_);
+                w->closing_.erase(key);
+            }
+            p->set_value();
+        }
+    } done{this, key, mine};
     close_local(sid, epoch);
-    if (had && !info_.is_last && hop_index + 1 < route.size()) {
+    if (!info_.is_last && hop_index + 1 < route.size()) {
         const pb::Hop & nxt = route[hop_index + 1];
         pb::CloseSessionRequest req;
         req.set_session_id(sid);

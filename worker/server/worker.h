@@ -24,6 +24,7 @@
 #include <vector>
 
 #include <functional>
+#include <future>
 
 #include "dgr/v1/stage.grpc.pb.h"
 #include "certs.h"
@@ -342,6 +343,7 @@ class StageWorker final : public dgr::v1::Stage::Service {
     // the data path (mu_)
     std::map<std::string, std::shared_ptr<Link>> out_links_;   // one Frames stream per peer address
     std::vector<std::shared_ptr<Link>> dead_links_;             // broken ones, joined at stop
+    std::map<Key, std::shared_future<void>> closing_;           // sessions being closed along the route now
     std::set<ReplyPtr> streams_;                     // reply queues of the incoming Frames calls
     std::map<Key, std::deque<Work>> pending_;        // queued steps per session
     std::deque<Key> order_;                          // sessions with queued steps, round robin
