@@ -52,7 +52,11 @@ def inputs(tmp: Path) -> argparse.Namespace:
     wheel = tiny_wheel(tmp)
     (tmp / "lock.json").write_text(json.dumps({"format": 1, "python": "cp311", "wheels": [
         {"name": "tinydep", "version": "1.0", "file": wheel.name, "sha256": "0" * 64}]}))
+    from dgr.app.workerbin import worker_binary
+
     return argparse.Namespace(
+        # the digests come from a real dgr-worker's --blake3 (release.py is stdlib only); the packed one is a stand-in
+        b3sum=str(worker_binary()),
         lane="cpu", engine=str(tmp / "libdgr_engine.so"), worker=str(tmp / "dgr-worker"), upstream=str(tmp / "up.json"),
         python_root=str(tmp / "tools"), lock=str(tmp / "lock.json"), wheel=[str(wheel)],
         python=[str(tmp / "tools/dgr/__init__.py"), str(tmp / "tools/dgr/cli.py")],

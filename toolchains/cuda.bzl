@@ -20,6 +20,7 @@ When the pin moves, compare with the pinned ggml/src/ggml-cuda/CMakeLists.txt an
 the globs; new defines and flags are not).
 """
 
+load("//toolchains:checkout_python.bzl", "checkout_python")
 load("@rules_cc//cc:defs.bzl", "cc_binary", "cc_library")
 
 # Hopper (H100/H200): the GPUs a CUDA host of this project has. One architecture, to keep the build
@@ -94,7 +95,7 @@ def _find_cublas(ctx, cuda_root, major):
         roots.append(("CUBLAS_ROOT", env_root))
     else:
         roots.append(("the CUDA toolkit", cuda_root))
-        python = ctx.which("python3")
+        python = checkout_python(ctx)
         if python:
             res = ctx.execute([python, "-c", _FIND_WHEEL, major], quiet = True)
             for line in res.stdout.strip().split("\n"):

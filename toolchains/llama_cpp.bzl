@@ -23,6 +23,8 @@ The result is cached by Bazel until the pin, a patch, this file, the BUILD templ
 `DGR_WORKSPACE` changes (`bazel sync --only=llama_cpp` forces a refetch).
 """
 
+load("//toolchains:checkout_python.bzl", "checkout_python")
+
 # The model sources compiled together per translation unit. Upstream's CMake uses the same unity
 # batch size for src/models (UNITY_BUILD_BATCH_SIZE 16): 156 files become 10 compiles, ~3 min not 7.
 UNITY_BATCH = 16
@@ -181,7 +183,7 @@ def _llama_cpp_repository_impl(ctx):
     tree_hash = pin.get("tree_hash")
     if not tree_hash:
         _fail("%s has no tree_hash yet; `dgr upstream` fills it (docs/upstream.md)" % pin_path)
-    python = ctx.which("python3")
+    python = checkout_python(ctx)
     if not python:
         _fail("python3 (with the blake3 package) is needed to check the tree hash; run scripts/setup")
     ws = _workspace_dir(ctx, root)

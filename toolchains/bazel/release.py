@@ -18,7 +18,10 @@ The archive holds, under `dgr-<lane>/`:
     MANIFEST.json            size and blake3 of every other file (also written beside the archive)
 
 Same inputs, same bytes: entries sorted, mtime 0, owner root, modes 0644/0755, gzip without a name
-or time. Called by the `release_<lane>` targets (toolchains/lanes.bzl); stdlib + blake3.
+or time. Called by the `release_<lane>` targets (toolchains/lanes.bzl). Standard library only, so any
+python3 runs it (Bazel's actions get no PATH of the shell's, .bazelrc): the BLAKE3 of each file comes from
+the dgr-worker it packs (`dgr-worker --blake3 FILE ...`: the official C implementation, pinned by
+worker/third_party/blake3.json), not from a Python module.
 """
 
 from __future__ import annotations
@@ -33,7 +36,8 @@ import sys
 import tarfile
 import zipfile
 
-import blake3
+import subprocess
+import tempfile
 
 # Both launchers run the host's python3 on the release's own folders only: -S leaves the host's
 # site-packages out, PYTHONPATH is the release's python/ (not the caller's), the engine is the release's.
@@ -115,16 +119,15 @@ def build(args: argparse.Namespace) -> tuple[bytes, bytes]:
     files["release.json"] = ((json.dumps(release, indent=2, sort_keys=True) + "\n").encode(), 0o644)
 
     upstream = json.loads(files["upstream.json"][0])
+    entries = sorted(files.items())
+    digests = _blake3(getattr(args, "b3sum", None) or args.worker, [data for _, (data, _) in entries])
     manifest = {
         "format": 1,
         "lane": args.lane,
         "version": release["version"],
         "python": tag,
         "upstream": {k: upstream[k] for k in ("commit", "tree_hash", "patches")},
-        "files": {
-            path: {"size": len(data), "blake3": blake3.blake3(data).hexdigest()}
-            for path, (data, _) in sorted(files.items())
-        },
+        "files": {path: {"size": len(data), "blake3": digest} for (path, (data, _)), digest in zip(entries, digests)},
     }
     manifest_bytes = (json.dumps(manifest, indent=2, sort_keys=True) + "\n").encode()
     files["MANIFEST.json"] = (manifest_bytes, 0o644)
@@ -155,6 +158,24 @@ def _normalize(info: tarfile.TarInfo) -> None:
     info.uname = info.gname = "root"
 
 
+def _blake3(worker: str, blobs: list[bytes]) -> list[str]:
+    """The BLAKE3 (hex) of each blob, by `worker --blake3` over temporary files, in order."""
+    with tempfile.TemporaryDirectory() as tmp:
+        names = []
+        for i, data in enumerate(blobs):
+            names.append(os.path.join(tmp, str(i)))
+            with open(names[-1], "wb") as f:
+                f.write(data)
+        argv = [worker]
+        for n in names:
+            argv += ["--blake3", n]
+        out = subprocess.run(argv, capture_output=True, text=True)
+        if out.returncode != 0:
+            raise SystemExit(f"release.py: {worker} --blake3 failed ({out.returncode}): {out.stderr.strip()}")
+        digests = {path: digest for digest, path in (line.split("  ", 1) for line in out.stdout.splitlines())}
+        return [digests[n] for n in names]
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="release.py")
     p.add_argument("--lane", required=True)
@@ -162,6 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--manifest", required=True)
     p.add_argument("--engine", required=True)
     p.add_argument("--worker", required=True, help="dgr-worker (//worker/server:dgr-worker)")
+    p.add_argument("--b3sum", help="what prints the files' BLAKE3 as `dgr-worker --blake3 FILE` does (default: --worker)")
     p.add_argument("--upstream", required=True)
     p.add_argument("--lock", required=True, help="toolchains/python-runtime.lock.json")
     p.add_argument("--wheel", action="extend", nargs="+", default=[], help="the locked wheels")
