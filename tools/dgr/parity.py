@@ -360,3 +360,16 @@ def compare(base: RunResult, run: RunResult) -> Comparison:
     if first is not None and worst == 0.0:
         worst = float("nan")  # differing bits with no numeric difference: NaN placement or -0.0
     return Comparison(max_abs_diff=worst, first_diverging=first, greedy_agree=greedy, n_values=n)
+
+
+def split_compare(model, sched: Schedule, base, ranges, *, lib=None, n_threads: int = 0):
+    """`model` split at `ranges` (one engine per range, in this process) run through `sched`, compared with
+    the whole model's run `base` (run_baseline of the same schedule)."""
+    engines = open_stages([model] * len(ranges), n_ubatch=sched.n_ubatch, n_ctx=ctx_for(sched.prompts, sched.steps),
+                          max_sessions=len(sched.prompts), ranges=ranges, lib=lib, n_threads=n_threads)
+    try:
+        run = run_pipeline(engines, sched)
+    finally:
+        for e in engines:
+            e.close()
+    return compare(base, run)

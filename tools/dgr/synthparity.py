@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from dgr.errors import DgrError
-from dgr.parity import Schedule, compare, ctx_for, open_stages, run_baseline, run_pipeline
+from dgr.parity import Schedule, run_baseline, split_compare
 
 STAGE_COUNTS = (2, 3, 4)      # what the family suite tries for every architecture
 PROMPT_LENGTHS = (41, 29)     # two sessions sharing each batch, both longer than one ubatch
@@ -116,14 +116,7 @@ def run_synth_parity(arch: str, n_stages: int, workdir: Path, *, lib: str | Path
                      n_ubatch=n_ubatch)
     base = run_baseline(model, sched, lib, n_threads)
     sched.forced = [g[: sched.steps] for g in base.generated]
-    engines = open_stages([model] * n_stages, n_ubatch=sched.n_ubatch, n_ctx=ctx_for(sched.prompts, sched.steps),
-                          max_sessions=len(sched.prompts), ranges=ranges, lib=lib, n_threads=n_threads)
-    try:
-        run = run_pipeline(engines, sched)
-    finally:
-        for e in engines:
-            e.close()
-    c = compare(base, run)
+    c = split_compare(model, sched, base, ranges, lib=lib, n_threads=n_threads)
     return SynthParity(arch=arch, stages=n_stages, layers=layers, kinds=kinds, ranges=ranges, exact=c.exact,
                        max_abs_diff=float(c.max_abs_diff), first_diverging=c.diverging_text(),
                        greedy_agree=bool(c.greedy_agree), n_values=int(c.n_values),

@@ -296,7 +296,7 @@ def v4_splits(workdir: Path, lib: str | Path, n_threads: int = 1) -> list[dict]:
     the 128-token compression, greedy steps; range overrides of the one file (dgr.parity)."""
     import numpy as np
 
-    from dgr.parity import Schedule, compare, ctx_for, open_stages, run_baseline, run_pipeline
+    from dgr.parity import Schedule, run_baseline, split_compare
     from dgr.synth_deepseek4 import synth_deepseek4
 
     model = synth_deepseek4(Path(workdir) / "v4.gguf", layers=6, hash_layers=3)
@@ -307,14 +307,7 @@ def v4_splits(workdir: Path, lib: str | Path, n_threads: int = 1) -> list[dict]:
     out = []
     for name, ranges in V4_SPLITS.items():
         t0 = time.perf_counter()
-        engines = open_stages([model] * len(ranges), n_ubatch=sched.n_ubatch, n_ctx=ctx_for(sched.prompts, sched.steps),
-                              max_sessions=len(sched.prompts), ranges=ranges, lib=lib, n_threads=n_threads)
-        try:
-            run = run_pipeline(engines, sched)
-        finally:
-            for e in engines:
-                e.close()
-        c = compare(base, run)
+        c = split_compare(model, sched, base, ranges, lib=lib, n_threads=n_threads)
         cuts = " ".join(f"[{a},{b})" for a, b in ranges)
         verdict = "EXACT" if c.exact else f"DIFFERS (max |diff| {c.max_abs_diff:g}, first {c.diverging_text()})"
         out.append({"split": name, "ranges": ranges, "exact": bool(c.exact), "max_abs_diff": float(c.max_abs_diff),
