@@ -6,7 +6,6 @@ import json
 import os
 import shutil
 import subprocess
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -15,6 +14,7 @@ from dgr.errors import UpstreamError
 from dgr.locks import locked
 from dgr.log import get_logger
 from dgr.pin import PATCH_DIR_REL, Pin, load_pin
+from dgr.upstream.fetchtree import staged_dir
 from dgr.upstream.layout import Layout, layout
 from dgr.upstream.patchlist import check_patch_list
 from dgr.upstream.pristine import fetch, verify
@@ -67,16 +67,20 @@ def _regen_hint(pin: Pin, patch: str) -> str:
             f"`dgr upstream pin-patches` (docs/upstream.md, 'Regenerating a patch')")
 
 
+def init_pristine_repo(pristine: Path, dest: Path, message: str, tag: str) -> None:
+    """`dest` (empty or new) becomes a git repository whose one commit, tagged `tag`, is `pristine`."""
+    shutil.copytree(pristine, dest, dirs_exist_ok=True, symlinks=True)
+    git(dest, "init", "-q")
+    git(dest, "config", "core.autocrlf", "false")
+    git(dest, "add", "-A")
+    git(dest, "commit", "-q", "--no-verify", "-m", message)
+    git(dest, "tag", tag)
+
+
 def apply_patches(pin: Pin, pristine: Path, dest: Path) -> None:
     """Make `dest` a git repository holding pristine + each pinned patch as one commit."""
-    tmp = Path(tempfile.mkdtemp(dir=dest.parent, prefix=".llama.cpp-"))
-    try:
-        shutil.copytree(pristine, tmp, dirs_exist_ok=True, symlinks=True)
-        git(tmp, "init", "-q")
-        git(tmp, "config", "core.autocrlf", "false")
-        git(tmp, "add", "-A")
-        git(tmp, "commit", "-q", "--no-verify", "-m", f"llama.cpp {pin.commit} (pristine, dgr pin)")
-        git(tmp, "tag", "dgr-pristine")
+    with staged_dir(dest, ".llama.cpp-") as tmp:
+        init_pristine_repo(pristine, tmp, f"llama.cpp {pin.commit} (pristine, dgr pin)", "dgr-pristine")
         for p in pin.patches:
             path = pin.root / p.file
             check = git(tmp, "apply", "--check", "--whitespace=nowarn", str(path), check=False)
@@ -96,12 +100,6 @@ def apply_patches(pin: Pin, pristine: Path, dest: Path) -> None:
         _carry_mtimes(tmp, dest)
         git(tmp, "update-index", "-q", "--refresh", check=False)
         (tmp / ".git" / "dgr-head").write_text(git(tmp, "rev-parse", "HEAD").stdout)
-        if dest.exists():
-            shutil.rmtree(dest)
-        os.replace(tmp, dest)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp)
 
 
 def _carry_mtimes(new: Path, old: Path) -> None:

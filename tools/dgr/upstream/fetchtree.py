@@ -11,9 +11,10 @@ import os
 import shutil
 import tempfile
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 from dgr.errors import UpstreamError
 from dgr.log import get_logger
@@ -70,3 +71,18 @@ def fetch_tree(sources: Sequence[PypiSdist | Archive], download_name: str, downl
                 shutil.rmtree(tmp)
         return Fetched(src, archive, n, round(time.monotonic() - t0, 1), checked)
     raise UpstreamError(f"could not fetch {what} from any source in {pin_path}:\n  " + "\n  ".join(failures))
+
+
+@contextmanager
+def staged_dir(dest: Path, prefix: str) -> Iterator[Path]:
+    """A fresh temporary folder beside `dest` to fill; when the block ends without an exception it replaces
+    `dest` whole (os.replace: never half a tree), and it is removed in any case."""
+    tmp = Path(tempfile.mkdtemp(dir=dest.parent, prefix=prefix))
+    try:
+        yield tmp
+        if dest.exists():
+            shutil.rmtree(dest)
+        os.replace(tmp, dest)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp)

@@ -36,6 +36,7 @@ from dgr.log import get_logger
 from dgr.pin import Pin, PypiSdist
 from dgr.upstream.apply import GIT_ENV
 from dgr.upstream.extract import extract
+from dgr.upstream.fetchtree import staged_dir
 from dgr.upstream.layout import layout
 from dgr.upstream.sources import _sdist_url
 
@@ -400,15 +401,8 @@ def _stage_tree(scratch_ws: Path, commit: str, fill) -> Path:
     up = scratch_ws / "upstream"
     up.mkdir(parents=True, exist_ok=True)
     dest = up / f"src-{commit}"
-    tmp = Path(tempfile.mkdtemp(dir=up, prefix=".src-"))
-    try:
+    with staged_dir(dest, ".src-") as tmp:
         fill(tmp)
-        if dest.exists():
-            shutil.rmtree(dest)
-        os.replace(tmp, dest)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp)
     return dest
 
 

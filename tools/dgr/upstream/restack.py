@@ -26,7 +26,7 @@ from pathlib import Path
 from dgr.errors import UpstreamError
 from dgr.log import get_logger
 from dgr.pin import Pin
-from dgr.upstream.apply import GIT_ENV
+from dgr.upstream.apply import GIT_ENV, init_pristine_repo
 from dgr.upstream.newsource import git
 
 log = get_logger(__name__)
@@ -188,12 +188,7 @@ def _commit_as(work: Path, patch: Path, note: str) -> None:
 
 
 def _build_old_side(work: Path, old_pin: Pin, old_pristine: Path) -> None:
-    shutil.copytree(old_pristine, work, symlinks=True)
-    git(work, "init", "-q")
-    git(work, "config", "core.autocrlf", "false")
-    git(work, "add", "-A")
-    git(work, "commit", "-q", "--no-verify", "-m", f"llama.cpp {old_pin.commit} (pristine, the current pin)")
-    git(work, "tag", "dgr-old-pristine")
+    init_pristine_repo(old_pristine, work, f"llama.cpp {old_pin.commit} (pristine, the current pin)", "dgr-old-pristine")
     for p in old_pin.patches:
         if not _apply_plain(work, old_pin.root / p.file):
             raise UpstreamError(f"{p.file} does not apply to the current pin {old_pin.commit[:12]} itself; fix the "
