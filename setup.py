@@ -1,8 +1,8 @@
 """setuptools hook (everything else is in pyproject.toml): a built dgr carries the pin's facts.
 
 An installed wheel has no checkout to read toolchains/llama.cpp.pin.json from, so the build writes
-dgr/_build.json (the llama.cpp commit and the ordered patch series, taken from the one pin file) into
-the package; dgr.buildinfo reads it there and `dgr --version` reports it.
+dgr/toolchain/_build.json (the llama.cpp commit and the ordered patch series, taken from the one pin file) into
+the package; dgr.toolchain.buildinfo reads it there and `dgr --version` reports it.
 """
 
 import json
@@ -20,7 +20,7 @@ class BuildPyWithPin(build_py):
         pin = json.loads(PIN.read_text())
         facts = {"commit": pin["commit"], "release": pin.get("release", ""),
                  "patches": [{"file": p["file"], "blake3": p["blake3"]} for p in pin["patches"]]}
-        out = Path(self.build_lib) / "dgr" / "_build.json"
+        out = Path(self.build_lib) / "dgr" / "toolchain" / "_build.json"
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(facts, indent=2, sort_keys=True) + "\n")
 

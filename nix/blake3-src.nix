@@ -1,7 +1,7 @@
 # The official BLAKE3 C implementation dgr-worker compiles in (-DDGR_BLAKE3_SRC): the PyPI sdist that
 # worker/third_party/blake3.json names (by its sha256), its strip_prefix (c_impl/vendor) taken, and only
 # the pin's files kept, each checked against the pin's blake3 first, as `dgr build-engine` does
-# (tools/dgr/upstream/vendored.py). Everything comes from the pin; nothing here repeats it.
+# (tools/dgr/toolchain/upstream/vendored.py). Everything comes from the pin; nothing here repeats it.
 {
   stdenv,
   fetchPypi,

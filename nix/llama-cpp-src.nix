@@ -1,5 +1,5 @@
 # llama.cpp at the pin: the PyPI sdist the pin names (by its sha256), its tree hash checked with
-# tools/dgr/treehash.py, then patches/llama.cpp/ applied in the pin's order, each patch's blake3
+# tools/dgr/toolchain/treehash.py, then patches/llama.cpp/ applied in the pin's order, each patch's blake3
 # checked first. Everything comes from toolchains/llama.cpp.pin.json; nothing here repeats it.
 {
   stdenv,

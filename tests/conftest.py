@@ -23,7 +23,7 @@ SMOLLM2_BLAKE3 = "5f4fa13bfc6dd4a91fd00e22974a9c4e9ed628fd7d7f307398ddf30260d6b2
 
 @pytest.fixture(scope="session")
 def smollm2_gguf() -> Path:
-    from dgr.source import resolve
+    from dgr.toolchain.source import resolve
 
     return resolve(SMOLLM2_URI, SMOLLM2_BLAKE3, progress=False)
 
@@ -32,7 +32,7 @@ def smollm2_gguf() -> Path:
 # (.dgr/ or $DGR_WORKSPACE) once; later sessions find it done in milliseconds.
 @pytest.fixture(scope="session")
 def llama_src() -> Path:
-    from dgr.upstream import ensure_patched
+    from dgr.toolchain.upstream import ensure_patched
 
     return ensure_patched()
 
@@ -53,7 +53,7 @@ def engine_lib() -> Path:
     env = os.environ.get("DGR_ENGINE_LIB")
     if env:
         return Path(env)
-    from dgr.enginebuild import ensure_engine
+    from dgr.toolchain.enginebuild import ensure_engine
 
     lib = ensure_engine("cpu")
     os.environ["DGR_ENGINE_LIB"] = str(lib)  # engines and worker processes opened later find the same one

@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from dgr.commands import bench
+from dgr.cli.commands import bench
 
 REQUIRED = ("whole.decode_tok_s", "whole.prefill_tok_s", "pipeline.decode_tok_s", "pipeline.prefill_tok_s",
             "pipeline.per_hop_ms", "ratios.decode", "ratios.prefill", "sessions.aggregate_over_single")
@@ -114,7 +114,7 @@ def test_a_section_not_built_yet_says_so(tmp_path, capsys):
 
 
 def test_nothing_to_run_is_refused():
-    from dgr.errors import DgrError
+    from dgr.core.errors import DgrError
 
     p = argparse.ArgumentParser(prog="dgr")
     bench.register(p.add_subparsers())
@@ -127,7 +127,7 @@ def test_hop_figures_add_up_to_the_ring():
     """Boundaries (sender's send + transit + receiver's queue; the last: send + return + stage 0's queue) plus
     the origin's remainder are exactly ring minus compute, token by token."""
     from dgr.app.bench import hop_figures
-    from dgr.wire.stats import Generation, TokenEvent
+    from dgr.runtime.wire.stats import Generation, TokenEvent
 
     ms = 1_000_000
     evs = [TokenEvent(0, "", 0, 1, 0, 0)]                          # the prefill's token: not a decode token

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from dgr.commands import bench
+from dgr.cli.commands import bench
 
 FIELDS = {"engine", "stages", "sessions", "minutes", "seconds", "generations", "tokens", "tokens_per_s", "errors",
           "error_count", "recovered", "mismatched", "processes"}

@@ -30,8 +30,7 @@ pytestmark = pytest.mark.skipif(NVCC is None, reason="no CUDA toolkit (nvcc) on 
 @pytest.fixture(scope="module")
 def pristine() -> Path:
     """The verified upstream tree that @llama_cpp copies (fetched and verified if missing)."""
-    from dgr import upstream
-
+    from dgr.toolchain import upstream
     tree = upstream.layout(upstream.load_pin()).pristine
     if not tree.is_dir():
         upstream.ensure_patched()

@@ -15,12 +15,12 @@ from pathlib import Path
 
 import pytest
 
-from dgr import upstream
+from dgr.toolchain import upstream
 
 REPO = Path(__file__).resolve().parents[1]
 
 # What the repository rule and the @llama_cpp BUILD file read (loading only, nothing is compiled).
-RULE_INPUTS = ["WORKSPACE", ".bazelignore", "toolchains", "patches/llama.cpp", "tools/dgr/treehash.py",
+RULE_INPUTS = ["WORKSPACE", ".bazelignore", "toolchains", "patches/llama.cpp", "tools/dgr/toolchain/treehash.py",
                "tools/dgr/BUILD.bazel"]
 
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import blake3
 import pytest
 
-from dgr.paths import workspace
+from dgr.core.paths import workspace
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -109,8 +109,8 @@ def test_release_serves_where_no_python3_exists_and_its_dgr_runs_on_a_bare_pytho
 
     from dgr.app.demo import ensure_bundle
     from dgr.app.local import LocalRoute
-    from dgr.buildinfo import build_info
-    from dgr.wire.client import RouteClient
+    from dgr.runtime.wire.client import RouteClient
+    from dgr.toolchain.buildinfo import build_info
 
     proc = subprocess.run([bazel(), "build", "//:release_cpu"], cwd=REPO, capture_output=True, text=True,
                           timeout=3600)

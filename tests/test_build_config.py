@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from dgr.constants import LANES
+from dgr.core.constants import LANES
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -25,7 +25,7 @@ def _lanes_table() -> dict[str, str]:
 
 def test_every_lane_has_a_bazel_entry_a_config_and_a_nix_package():
     table = _lanes_table()
-    assert sorted(table) == sorted(LANES), "toolchains/lanes.bzl LANES must list dgr.constants.LANES"
+    assert sorted(table) == sorted(LANES), "toolchains/lanes.bzl LANES must list dgr.core.constants.LANES"
     bazelrc = (REPO / ".bazelrc").read_text()
     scope = (REPO / "nix/scope.nix").read_text()
     for lane in LANES:
@@ -82,7 +82,7 @@ def test_bazel_and_nix_read_the_one_pin_file():
     flake = (REPO / "flake.nix").read_text()
     assert "builtins.fromJSON (builtins.readFile ./toolchains/llama.cpp.pin.json)" in flake
     src = (REPO / "nix/llama-cpp-src.nix").read_text()
-    assert "pin.patches" in src and "pin.tree_hash" in src and "tools/dgr/treehash.py" in src
+    assert "pin.patches" in src and "pin.tree_hash" in src and "tools/dgr/toolchain/treehash.py" in src
 
 
 def test_cmake_and_bazel_compile_the_same_files_of_llama_cpps_common():

@@ -21,8 +21,8 @@ from pathlib import Path
 
 import pytest
 
-from dgr import upstream
-from dgr.constants import LANES
+from dgr.core.constants import LANES
+from dgr.toolchain import upstream
 
 REPO = Path(__file__).resolve().parents[1]
 SYSTEM = "x86_64-linux"

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from dgr.cli import main
-from dgr.release import verify_release
-from dgr.errors import ReleaseError
+from dgr.cli.main import main
+from dgr.core.errors import ReleaseError
+from dgr.toolchain.release import verify_release
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -43,9 +43,9 @@ def tiny_wheel(tmp: Path) -> Path:
 
 
 def inputs(tmp: Path) -> argparse.Namespace:
-    (tmp / "tools/dgr").mkdir(parents=True)
+    (tmp / "tools/dgr/cli").mkdir(parents=True)
     (tmp / "tools/dgr/__init__.py").write_text('__version__ = "9.8.7"\n')
-    (tmp / "tools/dgr/cli.py").write_text("def main():\n    return 0\n")
+    (tmp / "tools/dgr/cli/main.py").write_text("def main():\n    return 0\n")
     (tmp / "libdgr_engine.so").write_bytes(b"\x7fELF" + bytes(range(256)) * 4)
     (tmp / "dgr-worker").write_bytes(b"\x7fELF" + bytes(range(255, -1, -1)) * 4)
     (tmp / "up.json").write_text(json.dumps({"commit": "c" * 40, "tree_hash": "t" * 64, "patches": []}))
@@ -59,7 +59,7 @@ def inputs(tmp: Path) -> argparse.Namespace:
         b3sum=str(worker_binary()),
         lane="cpu", engine=str(tmp / "libdgr_engine.so"), worker=str(tmp / "dgr-worker"), upstream=str(tmp / "up.json"),
         python_root=str(tmp / "tools"), lock=str(tmp / "lock.json"), wheel=[str(wheel)],
-        python=[str(tmp / "tools/dgr/__init__.py"), str(tmp / "tools/dgr/cli.py")],
+        python=[str(tmp / "tools/dgr/__init__.py"), str(tmp / "tools/dgr/cli/main.py")],
     )
 
 
@@ -83,13 +83,13 @@ def test_same_inputs_give_the_same_bytes_and_the_manifest_hashes_every_file(tmp_
     rel = release_writer()
     args = inputs(tmp_path)
     a1, m1 = rel.build(args)
-    (tmp_path / "tools/dgr/cli.py").touch()  # a new mtime changes nothing
+    (tmp_path / "tools/dgr/cli/main.py").touch()  # a new mtime changes nothing
     a2, m2 = rel.build(args)
     assert a1 == a2 and m1 == m2
     files = json.loads(m1)["files"]
     # the wheel's importable files are unpacked into python/ (its scripts are not: a worker needs none)
     assert set(files) == {"lib/libdgr_engine.so", "bin/dgr-worker", "bin/dgr", "upstream.json", "release.json",
-                          "python/dgr/__init__.py", "python/dgr/cli.py", "python/tinydep/__init__.py",
+                          "python/dgr/__init__.py", "python/dgr/cli/main.py", "python/tinydep/__init__.py",
                           "python/tinydep_extra.py", "python/tinydep-1.0.dist-info/METADATA"}
     path = tmp_path / "r.tar.gz"
     path.write_bytes(a1)

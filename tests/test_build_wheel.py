@@ -11,7 +11,7 @@ import sysconfig
 import zipfile
 from pathlib import Path
 
-from dgr.buildinfo import build_info
+from dgr.toolchain.buildinfo import build_info
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -30,7 +30,7 @@ def test_wheel_builds_installs_and_reports_the_pin(tmp_path):
     names = zipfile.ZipFile(wheel).namelist()
     package = sorted(str(p.relative_to(REPO / "tools")) for p in (REPO / "tools" / "dgr").rglob("*.py"))
     assert [n for n in package if n not in names] == [], "modules missing from the wheel"
-    assert "dgr/_build.json" in names
+    assert "dgr/toolchain/_build.json" in names
 
     target = tmp_path / "site"
     subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "--no-index", "--target", str(target),
@@ -53,8 +53,8 @@ def test_wheel_builds_installs_and_reports_the_pin(tmp_path):
 
 
 def test_version_names_the_pin_and_its_patches(capsys):
-    from dgr.cli import main
-    from dgr.pin import load_pin, patch_series
+    from dgr.cli.main import main
+    from dgr.toolchain.pin import load_pin, patch_series
 
     try:
         main(["--version"])

@@ -11,12 +11,12 @@ import gguf
 import numpy as np
 import pytest
 
-from dgr.bundle import build, load_bundle
-from dgr.cli import main
-from dgr.constants import FORMAT_VERSION, MANIFEST_NAME, Keys
-from dgr.ggufmodel import read_header
-from dgr.hashing import file_blake3
-from dgr.synth import synth
+from dgr.cli.main import main
+from dgr.core.constants import FORMAT_VERSION, MANIFEST_NAME, Keys
+from dgr.core.hashing import file_blake3
+from dgr.gguf.model import read_header
+from dgr.toolchain.bundle import build, load_bundle
+from dgr.toolchain.synth.generic import synth
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -204,10 +204,10 @@ def test_recipe_new_scaffolds_a_buildable_recipe(tmp_path, capsys):
 
 def test_recipe_template_offers_dgrs_own_choices():
     """The template's menus are dgr's tables (cookiecutter.json cannot import them), not second copies."""
-    from dgr.constants import LANES
-    from dgr.contract import DEFAULT_WIRE_DTYPE, WIRE_DTYPES
+    from dgr.core.constants import LANES
+    from dgr.core.contract import DEFAULT_WIRE_DTYPE, WIRE_DTYPES
 
-    ctx = json.loads((REPO / "tools/dgr/templates/recipe/cookiecutter.json").read_text())
+    ctx = json.loads((REPO / "tools/dgr/toolchain/templates/recipe/cookiecutter.json").read_text())
     assert ctx["boundary_dtype"] == list(WIRE_DTYPES) and ctx["boundary_dtype"][0] == DEFAULT_WIRE_DTYPE
     assert ctx["lane"] == list(LANES)
 
@@ -221,7 +221,7 @@ def test_load_bundle_rejects_edited_manifest(tmp_path):
     shutil.copytree(b.root, other)
     raw = json.loads((other / MANIFEST_NAME).read_text())
     (other / MANIFEST_NAME).write_text(json.dumps(raw, indent=1))
-    from dgr.errors import BundleError
+    from dgr.core.errors import BundleError
 
     with pytest.raises(BundleError, match="canonical"):
         load_bundle(other)
@@ -244,7 +244,7 @@ def test_build_fails_naming_a_tensor_that_fits_no_stage(tmp_path, capsys):
 
 
 def test_deepseek4_bundle_carries_mhc_schema_sideband_and_excludes_mtp(tmp_path):
-    from dgr.synth_deepseek4 import synth_deepseek4
+    from dgr.toolchain.synth.deepseek4 import synth_deepseek4
 
     model = synth_deepseek4(tmp_path / "v4.gguf", layers=4, embd=128, seed=0, hash_layers=3, mtp=True)
     b = build(write_recipe(tmp_path, model, "stages = [[0, 1], [1, 3], [3, 4]]"), tmp_path / "store")
@@ -278,8 +278,8 @@ def test_build_memory_stays_bounded(tmp_path):
     r = write_recipe(tmp_path, model, "stages = [[0, 3], [3, 8]]", chunk=8 * 2**20)
     code = f"""
 import resource
-from dgr.bundle import build
-from dgr.hashing import file_blake3
+from dgr.toolchain.bundle import build
+from dgr.core.hashing import file_blake3
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 build({str(r)!r}, {str(tmp_path / 'store')!r})
 print(before, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)

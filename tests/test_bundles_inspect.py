@@ -10,8 +10,8 @@ import gguf
 import numpy as np
 import pytest
 
-from dgr.cli import main
-from dgr.ggufmodel import model_info
+from dgr.cli.main import main
+from dgr.gguf.model import model_info
 
 
 def test_inspect_smollm2(smollm2_gguf, capsys):
@@ -68,9 +68,9 @@ def test_inspect_reports_unknown_tensors(tmp_path, capsys):
 
 
 def test_inspect_a_bundle_stage(tmp_path, capsys):
-    from dgr.bundle import build
-    from dgr.hashing import file_blake3
-    from dgr.synth import synth
+    from dgr.core.hashing import file_blake3
+    from dgr.toolchain.bundle import build
+    from dgr.toolchain.synth.generic import synth
 
     model = synth("llama", 4, 32, 0, tmp_path / "m.gguf", tied=True)
     r = tmp_path / "r.toml"
@@ -107,9 +107,10 @@ def test_inspect_shows_the_chat_template_and_the_special_tokens(smollm2_gguf, en
 
 @pytest.mark.engine
 def test_inspect_names_an_end_of_turn_that_is_not_the_eos(engine_lib, tmp_path, capsys, monkeypatch):
-    from support.engine import rewrite_gguf
+    from dgr.toolchain.synth.generic import synth
+    from dgr.toolchain.synth.tokenizer import tokenizer_vocab
 
-    from dgr.synth import synth, tokenizer_vocab
+    from support.engine import rewrite_gguf
 
     model = rewrite_gguf(synth("llama", 2, 32, 0, tmp_path / "m.gguf"), tmp_path / "eot.gguf",
                          set_kv={gguf.Keys.Tokenizer.EOT_ID: 65})

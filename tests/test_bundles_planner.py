@@ -8,8 +8,8 @@ import random
 
 import pytest
 
-from dgr.errors import RecipeError
-from dgr.planner import WorkerSpec, balanced, plan, stage_bytes, stage_work
+from dgr.core.errors import RecipeError
+from dgr.toolchain.planner import WorkerSpec, balanced, plan, stage_bytes, stage_work
 
 
 def brute_force(layer_bytes, workers, inp, out, shared):

@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from dgr.errors import SourceError
-from dgr.ggufmodel import model_info
-from dgr.hashing import file_blake3
-from dgr.source import resolve
-from dgr.synth import synth
+from dgr.core.errors import SourceError
+from dgr.core.hashing import file_blake3
+from dgr.gguf.model import model_info
+from dgr.toolchain.source import resolve
+from dgr.toolchain.synth.generic import synth
 
 
 class _RangeServer:

@@ -6,10 +6,11 @@ import gguf
 import numpy as np
 import pytest
 
-from dgr.cli import main
-from dgr.ggufmodel import INPUT, OUTPUT, model_info
-from dgr.synth import ARCHS, SPECIALS, byte_symbols, layer_dims, synth, tokenizer_vocab
-from dgr.synthspec import WEIGHT
+from dgr.cli.main import main
+from dgr.gguf.model import INPUT, OUTPUT, model_info
+from dgr.toolchain.synth.generic import ARCHS, layer_dims, synth
+from dgr.toolchain.synth.spec import WEIGHT
+from dgr.toolchain.synth.tokenizer import SPECIALS, byte_symbols, tokenizer_vocab
 
 
 @pytest.mark.parametrize("arch", sorted(ARCHS))

@@ -13,13 +13,13 @@ from pathlib import Path
 
 import pytest
 
-from dgr.bundle import build, load_bundle, provision, verify_bundle
-from dgr.bundle.verify import _state_path
-from dgr.cli import main
-from dgr.constants import MANIFEST_NAME
-from dgr.errors import BundleError, StoreError
-from dgr.hashing import file_blake3
-from dgr.synth import synth
+from dgr.cli.main import main
+from dgr.core.constants import MANIFEST_NAME
+from dgr.core.errors import BundleError, StoreError
+from dgr.core.hashing import file_blake3
+from dgr.toolchain.bundle import build, load_bundle, provision, verify_bundle
+from dgr.toolchain.bundle.verify import _state_path
+from dgr.toolchain.synth.generic import synth
 
 
 def make_bundle(root: Path, *, layers: int = 4, embd: int = 64, chunk: int = 4096, name: str = "v"):

@@ -13,13 +13,14 @@ from pathlib import Path
 
 import pytest
 
-from dgr import pin
-from dgr.bundle import load_bundle
-from dgr.bundle.manifest import manifest_bytes
-from dgr.certificate import (IDENTITY_FIELDS, Certificate, CertificateError, Identity, check, contract_hash,
-                             load_certificate)
-from dgr.certify import CertifyError, mtp_off
-from dgr.hashing import file_blake3
+from dgr.app.certify import CertifyError, mtp_off
+from dgr.core.certificate import (IDENTITY_FIELDS, Certificate, CertificateError, Identity, check, contract_hash,
+                                  load_certificate)
+from dgr.core.hashing import file_blake3
+from dgr.toolchain import pin
+from dgr.toolchain.bundle import load_bundle
+from dgr.toolchain.bundle.manifest import manifest_bytes
+
 from support.certify import dgr, tiny_llama_bundle, write_contract
 
 pytestmark = pytest.mark.engine       # ~15 s on 2 shared cores
@@ -152,7 +153,7 @@ def test_a_failing_speed_row_fails_the_run_and_the_certificate_is_not_valid(root
                                                                             monkeypatch):
     """Parity runs for real; the speed numbers are given (decode at a quarter of the whole model's), so the
     decode row fails against the contract's 0.5 whatever this machine's load."""
-    from dgr.certify import SpeedRuns, runner
+    from dgr.app.certify import SpeedRuns, runner
 
     given = SpeedRuns(prefill_tokens=48, threads=1, pipeline_decode=(10.0,), whole_decode=(40.0,),
                       pipeline_prefill=(200.0,), whole_prefill=(100.0,))

@@ -19,12 +19,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from support.route import PROMPT, fake_route
 
-from dgr.cli import build_parser
+from dgr.cli.main import build_parser
+from dgr.runtime.wire.client import RouteClient
+from dgr.runtime.wire.errors import HopUnreachable
 from dgr.testing.fake_engine import EOS
-from dgr.wire.client import RouteClient
-from dgr.wire.errors import HopUnreachable
+
+from support.route import PROMPT, fake_route
 
 REPO = Path(__file__).resolve().parents[1]
 DGR = [sys.executable, "-m", "dgr"]
@@ -99,7 +100,7 @@ class _Notes(logging.Handler):
 
 def test_the_library_fails_at_once_unless_asked_to_wait():
     """The gateway, bench and tests keep failing fast on a dead hop: waiting is `connect_wait`'s opt-in."""
-    notes, logger = _Notes(), logging.getLogger("dgr.wire.client")
+    notes, logger = _Notes(), logging.getLogger("dgr.runtime.wire.client")
     logger.addHandler(notes)
     try:
         _fails_at_once_unless_asked(notes)

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from dgr.cli import build_parser
+from dgr.cli.main import build_parser
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -9,10 +9,11 @@ from __future__ import annotations
 import json
 
 import pytest
-from support.deploy import REPO, dgr, errors, tiny_bundle, write
 
-from dgr.deploy.plan import make_plan
-from dgr.deploy.spec import DeployError, load_deployment
+from dgr.app.deploy.plan import make_plan
+from dgr.app.deploy.spec import DeployError, load_deployment
+
+from support.deploy import REPO, dgr, errors, tiny_bundle, write
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +33,7 @@ def test_the_committed_local_file_plans_three_stages_with_a_middle_replica(smoll
     assert [(w["name"], w["stage"], w["layers"]) for w in p["workers"]] == [
         ("s0-r0", 0, [0, 10]), ("s1-r0", 1, [10, 20]), ("s1-r1", 1, [10, 20]), ("s2-r0", 2, [20, 30])]
     assert all(w["local"] for w in p["workers"]) and p["problems"] == []
-    from dgr.paths import workspace
+    from dgr.core.paths import workspace
 
     assert {w["store"] for w in p["workers"]} == {str((workspace() / "store").resolve())}, "{workspace}/store"
     assert p["routes"] == ["127.0.0.1:7100,127.0.0.1:7110|127.0.0.1:7111,127.0.0.1:7120"]
@@ -144,8 +145,8 @@ def test_without_stages_the_planner_places_them_by_the_hosts_memory(smollm2_gguf
     f = write(tmp_path / "planned.toml", f'name = "planned"\n[bundle]\nrecipe = "{recipe}"\n\n{hosts}')
     plan = make_plan(f)
     assert plan.problems == [], plan.problems
-    from dgr.bundle import make_plan as recipe_plan
-    from dgr.recipe import load_recipe
+    from dgr.toolchain.bundle import make_plan as recipe_plan
+    from dgr.toolchain.recipe import load_recipe
 
     want = [(sp.begin, sp.end) for sp in recipe_plan(load_recipe(recipe / "recipe.toml")).stages]
     got = [(w.host.name, w.layers) for w in plan.workers]

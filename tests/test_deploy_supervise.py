@@ -14,10 +14,11 @@ import signal
 import time
 
 import pytest
-from support.deploy import lib_env, tiny, dgr, not_a_library, tiny_deployment  # noqa: F401 (fixtures)
 
-from dgr.deploy import runstate
-from dgr.deploy.control import health
+from dgr.app.deploy import runstate
+from dgr.app.deploy.control import health
+
+from support.deploy import dgr, lib_env, not_a_library, tiny, tiny_deployment  # noqa: F401 (fixtures)
 
 
 def test_free_ports_are_kept_across_a_restart_and_the_bundle_is_provisioned(tiny, lib_env, tmp_path):

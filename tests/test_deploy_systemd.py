@@ -11,9 +11,10 @@ import sys
 import time
 
 import pytest
-from support.deploy import dgr, tiny_bundle, write
 
-from dgr.deploy.control import health
+from dgr.app.deploy.control import health
+
+from support.deploy import dgr, tiny_bundle, write
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +47,7 @@ session_ttl = 120
 def _prefix(tmp_path):
     """A stand-in for an extracted release: bin/dgr-worker runs this checkout's worker."""
     p = tmp_path / "opt" / "dgr"
-    write(p / "bin" / "dgr-worker", f'#!/bin/sh\nexec {sys.executable} -m dgr.cli worker "$@"\n').chmod(0o755)
+    write(p / "bin" / "dgr-worker", f'#!/bin/sh\nexec {sys.executable} -m dgr.cli.main worker "$@"\n').chmod(0o755)
     return p
 
 
@@ -88,8 +89,7 @@ def test_units_per_worker_pass_systemd_analyze_verify(tiny, tmp_path):
 
 
 def test_tls_material_reaches_the_dynamic_user_as_credentials(tiny, tmp_path):
-    from dgr import certs
-
+    from dgr.app import certs
     certs.init(tmp_path / "ca")
     for name in ("s0-r0", "s1-r0", "s1-r1", "s2-r0"):
         certs.issue(tmp_path / "ca", name, ["127.0.0.1"])

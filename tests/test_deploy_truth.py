@@ -21,10 +21,11 @@ import time
 from pathlib import Path
 
 import pytest
-from support.deploy import lib_env, tiny, REPO, dgr, not_a_library, tiny_deployment  # noqa: F401 (fixtures)
 
-from dgr.deploy import runstate
-from dgr.deploy.spec import Supervise
+from dgr.app.deploy import runstate
+from dgr.app.deploy.spec import Supervise
+
+from support.deploy import REPO, dgr, lib_env, not_a_library, tiny, tiny_deployment  # noqa: F401 (fixtures)
 
 READY_S = 300        # the ready timeout in these files: a `dgr up` that waited it out would fail BOUND_S
 BOUND_S = 120.0      # how long a test waits for something to happen before it fails
@@ -49,7 +50,7 @@ class _Up:
         self.lines: dict[str, list[str]] = {"out": [], "err": []}
         # SIGINT as a terminal delivers it: a test runner started as a background job ignores SIGINT, and
         # its children would inherit that
-        self.proc = subprocess.Popen([sys.executable, "-m", "dgr.cli", "up", *args], cwd=REPO, text=True,
+        self.proc = subprocess.Popen([sys.executable, "-m", "dgr.cli.main", "up", *args], cwd=REPO, text=True,
                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, **env},
                                      preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
         self.readers = [threading.Thread(target=self._read, args=(f, k), daemon=True)

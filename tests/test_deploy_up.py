@@ -14,11 +14,12 @@ import signal
 import time
 
 import pytest
-from support.deploy import dgr, private_engine
 
-from dgr.deploy import runstate
-from dgr.deploy.control import health
-from dgr.deploy.local import port_free
+from dgr.app.deploy import runstate
+from dgr.app.deploy.control import health
+from dgr.app.deploy.local import port_free
+
+from support.deploy import dgr, private_engine
 
 pytestmark = [pytest.mark.slow]
 

@@ -1,4 +1,4 @@
-"""The descriptor a worker advertises (dgr.descriptor): the committed JSON schema, `dgr worker describe`
+"""The descriptor a worker advertises (dgr.core.descriptor): the committed JSON schema, `dgr worker describe`
 against real worker processes (fake and real engine), and the certificates a worker holds: only those for
 exactly its identity under the contract file's current hash (`dgr worker serve --certs DIR`)."""
 
@@ -11,9 +11,10 @@ import pydantic
 import pytest
 
 from dgr.app.local import LocalRoute
-from dgr.descriptor import SCHEMA_PATH, CompatIdentity, Descriptor, schema_json
-from dgr.hashing import file_blake3
-from dgr.wire.client import RouteClient
+from dgr.core.descriptor import SCHEMA_PATH, CompatIdentity, Descriptor, schema_json
+from dgr.core.hashing import file_blake3
+from dgr.runtime.wire.client import RouteClient
+
 from support.metrics import cert_identity, describe_cli, descriptor, write_certificate
 from support.route import PROMPT, SPEC, fake_route
 from support.worker import describe
@@ -33,9 +34,9 @@ def _ident(me: Descriptor, **override) -> dict:
 
 def test_committed_schema_matches_the_model(repo_root):
     path = repo_root / SCHEMA_PATH
-    assert path.is_file(), f"{SCHEMA_PATH} is missing: run `.venv/bin/python -m dgr.descriptor` and commit it"
+    assert path.is_file(), f"{SCHEMA_PATH} is missing: run `.venv/bin/python -m dgr.core.descriptor` and commit it"
     assert path.read_text() == schema_json(), (
-        f"{SCHEMA_PATH} is out of date with dgr.descriptor.Descriptor: run `.venv/bin/python -m dgr.descriptor` "
+        f"{SCHEMA_PATH} is out of date with dgr.core.descriptor.Descriptor: run `.venv/bin/python -m dgr.core.descriptor` "
         "to rewrite it and commit the file (and bump SCHEMA_VERSION if a field changed meaning or went away)")
 
 
@@ -166,6 +167,7 @@ def test_only_certificates_for_exactly_this_identity_are_advertised(tmp_path):
 @pytest.mark.engine
 def test_real_engine_descriptor_and_certificate(tmp_path, engine_lib):
     from dgr.app.stages import patch_series
+
     from support.engine import make_bundle, synth_model
 
     bundle = make_bundle(synth_model(tmp_path, "llama"), [(0, 3), (3, 6)], tmp_path)

@@ -6,15 +6,9 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from support.docpaths import expand
+
 REPO = Path(__file__).resolve().parents[1]
-
-
-def _expand(pattern: str) -> list[str]:
-    """`a/{b,c}.py` -> ['a/b.py', 'a/c.py'] (one brace group, as the table writes them)."""
-    m = re.search(r"\{([^}]*)\}", pattern)
-    if not m:
-        return [pattern]
-    return [pattern[: m.start()] + alt + pattern[m.end():] for alt in m.group(1).split(",")]
 
 
 def named_paths() -> list[str]:
@@ -25,7 +19,7 @@ def named_paths() -> list[str]:
             for tick in re.findall(r"`([^`]+)`", cell):
                 path = tick.split(" ")[0]
                 if "/" in path or path.startswith("."):
-                    out += _expand(path)
+                    out += expand(path)
     return out
 
 

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from dgr.app.dtypes import DTYPES, STEPS, parse_markdown, read_table, run_dtype_table
-from dgr.recipe import POOR_AGREEMENT, WIRE_DTYPE_TABLE, boundary_dtype_warning
+from dgr.toolchain.recipe import POOR_AGREEMENT, WIRE_DTYPE_TABLE, boundary_dtype_warning
+
 from support.engine import b3, synth_model
 
 DOC = WIRE_DTYPE_TABLE.with_suffix(".md")
@@ -90,7 +91,7 @@ def test_recipe_plan_warns_of_a_lossy_dtype_measured_poor_for_its_architecture(t
                         "--store", str(tmp_path / "store"), "-q"], capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr
     assert f"boundary dtype q8_0 loses too much on architecture {arch}" in p.stderr
-    from dgr.bundle import load_bundle
+    from dgr.toolchain.bundle import load_bundle
     assert load_bundle(next((tmp_path / "store").glob("t-*"))).manifest.boundary_dtype == "q8_0"
 
 

@@ -6,8 +6,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from dgr.cli import main
-from dgr.engine import Engine
+from dgr.cli.main import main
+from dgr.runtime.engine import Engine
+
 from support.engine import make_bundle, synth_model
 
 pytestmark = pytest.mark.engine

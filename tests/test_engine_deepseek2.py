@@ -10,7 +10,8 @@ from __future__ import annotations
 import gguf
 import pytest
 
-from dgr.parity import Schedule
+from dgr.toolchain.parity import Schedule
+
 from support.engine import assert_split_bundle_exact, baseline_and_split, long_prompts, make_bundle, synth_model
 
 pytestmark = pytest.mark.engine
@@ -62,7 +63,8 @@ def test_deepseek2_perturbed_boundary_fails_parity(model, engine_lib, tmp_path):
 
 
 def test_dgr_recipe_build_makes_a_deepseek2_bundle(model, tmp_path):
-    from dgr.cli import main
+    from dgr.cli.main import main
+
     from support.engine import b3
 
     r = tmp_path / "r" / "recipe.toml"

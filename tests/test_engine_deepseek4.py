@@ -7,10 +7,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from dgr.engine import Engine
-from dgr.engine_api import Step
-from dgr.errors import SchemaMismatch
-from dgr.parity import Schedule
+from dgr.core.errors import SchemaMismatch
+from dgr.runtime.engine import Engine
+from dgr.runtime.engine_api import Step
+from dgr.toolchain.parity import Schedule
+
 from support.engine import baseline_and_split, make_bundle
 
 pytestmark = pytest.mark.engine
@@ -25,7 +26,7 @@ SPLITS = {
 
 @pytest.fixture(scope="module")
 def v4(tmp_path_factory):
-    from dgr.synth_deepseek4 import synth_deepseek4
+    from dgr.toolchain.synth.deepseek4 import synth_deepseek4
 
     return synth_deepseek4(tmp_path_factory.mktemp("v4") / "v4.gguf", layers=6, hash_layers=3)
 
@@ -97,9 +98,9 @@ def test_deepseek4_whole_file_with_range_overrides(v4, engine_lib):
 
 
 def test_engine_and_python_apply_one_sideband_rule(v4, engine_lib):
-    """worker/engine/dgr_contract.h's rule (range overrides of a whole file) is dgr.contract's, at every
+    """worker/engine/dgr_contract.h's rule (range overrides of a whole file) is dgr.core.contract's, at every
     start: inside the hash layers (1, 2), at their end (3) and past it, and never on the first stage."""
-    from dgr.contract import needs_token_ids
+    from dgr.core.contract import needs_token_ids
 
     for begin in range(6):
         with Engine.open(v4, layer_range=(begin, 6), n_ctx=64, max_sessions=1, lib=engine_lib) as e:

@@ -15,13 +15,14 @@ import gguf
 import numpy as np
 import pytest
 
-from dgr import engine as engine_mod
+from dgr.app.gateway import chat
 from dgr.app.local import LocalRoute
-from dgr.engine import Engine, read_vocab
-from dgr.engine_api import Step
-from dgr.errors import EngineError
-from dgr.gateway import chat
-from dgr.wire.client import RouteClient
+from dgr.core.errors import EngineError
+from dgr.runtime import engine as engine_mod
+from dgr.runtime.engine import Engine, read_vocab
+from dgr.runtime.engine_api import Step
+from dgr.runtime.wire.client import RouteClient
+
 from support.engine import make_bundle, synth_model
 from support.gateway import gateway
 
@@ -115,7 +116,9 @@ def test_read_vocab_of_a_file_that_is_not_a_model_says_which(engine_lib, tmp_pat
 def test_the_c_abi_version_is_one_number(engine_lib):
     header = (Path(__file__).resolve().parents[1] / "worker/engine/dgr_engine.h").read_text()
     [v] = re.findall(r"#define DGR_ABI_VERSION (\d+)", header)
-    assert int(v) == engine_mod.ABI_VERSION == engine_mod.load_library(engine_lib).dgr_abi_version()
+    from dgr.runtime.engine_abi import ABI_VERSION
+
+    assert int(v) == ABI_VERSION == engine_mod.load_library(engine_lib).dgr_abi_version()
 
 
 def test_a_route_and_its_gateway_stop_at_the_end_of_turn(eot_model, engine_lib, tmp_path):

@@ -5,9 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from dgr.engine import Engine
-from dgr.engine_api import Step
-from dgr.errors import CacheMiss, EngineError, SchemaMismatch
+from dgr.core.errors import CacheMiss, EngineError, SchemaMismatch
+from dgr.runtime.engine import Engine
+from dgr.runtime.engine_api import Step
+
 from support.engine import make_bundle, rewrite_gguf, synth_model
 
 pytestmark = pytest.mark.engine

@@ -12,10 +12,10 @@ from __future__ import annotations
 import gguf
 import pytest
 
-from dgr.engine import QUANT_FTYPES, Engine, quantize
-from dgr.synth import known_archs, synth
-from dgr.synthparity import NOT_BATCH_INVARIANT
-from dgr.synthparity import synth_model as synth_parity_model
+from dgr.runtime.engine import QUANT_FTYPES, Engine, quantize
+from dgr.toolchain.synth.generic import known_archs, synth
+from dgr.toolchain.synth.parity import NOT_BATCH_INVARIANT, synth_model as synth_parity_model
+
 from support.engine import batching_differences
 
 pytestmark = pytest.mark.engine

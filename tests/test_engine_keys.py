@@ -1,11 +1,11 @@
-"""worker/engine/dgr_keys.h mirrors dgr.constants.Keys (the C++ engine reads the same GGUF keys), and
-worker/engine/dgr_contract.h the defaults of dgr.constants it repeats."""
+"""worker/engine/dgr_keys.h mirrors dgr.core.constants.Keys (the C++ engine reads the same GGUF keys), and
+worker/engine/dgr_contract.h the defaults of dgr.core.constants it repeats."""
 
 from __future__ import annotations
 
 import re
 
-from dgr.constants import DEFAULT_N_CTX, Keys
+from dgr.core.constants import DEFAULT_N_CTX, Keys
 
 
 def test_cpp_keys_mirror_python_constants(repo_root):

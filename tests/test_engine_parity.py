@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import pytest
 
-from dgr.parity import Schedule
-from support.engine import (alone_and_shared, assert_split_bundle_exact, baseline_and_split, long_prompts,
-                            make_bundle, synth_model)
+from dgr.toolchain.parity import Schedule
+
+from support.engine import (alone_and_shared, assert_split_bundle_exact, baseline_and_split, long_prompts, make_bundle,
+                            synth_model)
 
 pytestmark = pytest.mark.engine
 
@@ -60,8 +61,9 @@ def test_range_overrides_on_a_whole_gguf_match_too(models, engine_lib):
 def _replay(engines, batches, streams):
     """Run `batches` (lists of (session, n_tokens)) through the stage chain; each session reads its
     next tokens from `streams`. Returns every logits row of the last stage, per batch."""
-    from dgr.engine_api import Step
     import numpy as np
+
+    from dgr.runtime.engine_api import Step
 
     at = {s: 0 for s in streams}
     for e in engines:
@@ -89,8 +91,9 @@ def _replay(engines, batches, streams):
 def test_continuous_batching_sessions_at_different_phases(arch, models, engine_lib):
     """Sessions join, prefill in chunks and decode in the same batches as others, in a ragged
     schedule; the split chain gives the same bits as the whole model under the same schedule."""
-    from dgr.parity import open_stages
     import numpy as np
+
+    from dgr.toolchain.parity import open_stages
 
     whole = models[arch]
     rng = np.random.default_rng(11)

@@ -9,11 +9,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from dgr.engine import Engine
-from dgr.errors import EngineError
-from dgr.parity import Schedule, open_stages, run_pipeline
-from dgr.synth import known_archs
-from dgr.synthparity import synth_model as synth_parity_model
+from dgr.core.errors import EngineError
+from dgr.runtime.engine import Engine
+from dgr.toolchain.parity import Schedule, open_stages, run_pipeline
+from dgr.toolchain.synth.generic import known_archs
+from dgr.toolchain.synth.parity import synth_model as synth_parity_model
+
 from support.engine import long_prompts, synth_model
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
@@ -21,7 +22,7 @@ pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
 @pytest.fixture(scope="session")
 def pristine_lib():
-    from dgr.enginebuild import ensure_engine
+    from dgr.toolchain.enginebuild import ensure_engine
 
     return ensure_engine("cpu", pristine=True, defines={"DGR_WITH_HOOKS": "OFF"})
 
@@ -40,7 +41,7 @@ def _run(path, lib, sched):
 def test_patched_whole_model_is_byte_identical_to_unpatched(arch, engine_lib, pristine_lib, tmp_path):
     """Every ported architecture (`dgr synth --list`): the patch stack is the identity on a whole model."""
     if arch == "deepseek4":
-        from dgr.synth_deepseek4 import synth_deepseek4
+        from dgr.toolchain.synth.deepseek4 import synth_deepseek4
 
         model = synth_deepseek4(tmp_path / "v4.gguf", layers=4)
         sched = Schedule(prompts=long_prompts(256, lengths=(150, 133)), steps=3, n_ubatch=64)

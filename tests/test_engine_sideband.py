@@ -7,10 +7,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from dgr.engine import Engine
-from dgr.engine_api import Step
-from dgr.errors import SchemaMismatch
-from dgr.parity import Schedule
+from dgr.core.errors import SchemaMismatch
+from dgr.runtime.engine import Engine
+from dgr.runtime.engine_api import Step
+from dgr.toolchain.parity import Schedule
+
 from support.engine import baseline_and_split, long_prompts, make_bundle, rewrite_gguf, synth_model
 
 pytestmark = pytest.mark.engine

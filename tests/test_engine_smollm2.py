@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from dgr.engine import Engine
-from dgr.parity import Schedule
+from dgr.runtime.engine import Engine
+from dgr.toolchain.parity import Schedule
+
 from support.engine import alone_and_shared, baseline_and_split, make_bundle
 
 pytestmark = pytest.mark.engine

@@ -1,5 +1,5 @@
 """The fake engine as a C++ library behind the real engine's C ABI (worker/fake; issue 21): through
-dgr.engine's ctypes in this process (dgr.testing.fake_engine.FakeEngine) and inside real dgr-worker
+dgr.runtime.engine's ctypes in this process (dgr.testing.fake_engine.FakeEngine) and inside real dgr-worker
 processes (`dgr-worker --fake-engine SPEC --stage N`).
 
 In process: split == whole bit for bit, batching and chunking change no bit, a truncate is bit for bit the
@@ -8,7 +8,7 @@ recurrent). Across processes: a route of dgr-workers generates the tokens and lo
 whole model (greedy, and sampled with the library's own sampler, dgr_sample), and a dgr-worker's Describe is
 what the fake stage and the flags say. The library's ggml wire-dtype converters are the real engine
 library's bit for bit, so a route of dgr-workers on a lossy wire dtype generates what the in-process stages
-do with the seams converted by numpy (dgr.wire.codec).
+do with the seams converted by numpy (dgr.runtime.wire.codec).
 """
 
 from __future__ import annotations
@@ -23,16 +23,17 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from test_worker_cpp import Proc
 
-from dgr.engine_api import Step
-from dgr.errors import CacheMiss, EngineError, SchemaMismatch
+from dgr.core.errors import CacheMiss, EngineError, SchemaMismatch
+from dgr.runtime.engine_api import Step
+from dgr.runtime.wire import codec
+from dgr.runtime.wire.client import RouteClient
+from dgr.runtime.wire.gen import stage_pb2 as pb
 from dgr.testing import fake_engine
 from dgr.testing.fake_engine import EOS, FakeEngine, FakeModel
-from dgr.wire import codec
-from dgr.wire.client import RouteClient
-from dgr.wire.gen import stage_pb2 as pb
+
 from support.engine import b3, fake_split
-from test_worker_cpp import Proc
 
 SPEC = "layers=7,embd=8,streams=2,cuts=2:5,hash_layers=3,seed=3"
 TEXT = "a fake model, now in C++"
@@ -221,9 +222,9 @@ def test_the_library_writes_the_python_canonical_spec():
 
 def test_every_build_of_the_library_gives_the_same_bits(monkeypatch):
     """The library found (beside the engine: CMake's -O3, or Bazel's) and the one built on demand (-O2)."""
-    from dgr.paths import REPO_ROOT
+    from dgr.core.paths import REPO_ROOT
 
-    if not all((REPO_ROOT / s).is_file() for s in fake_engine.SOURCES):
+    if not all((REPO_ROOT / s).is_file() for s in fake_engine.sources(REPO_ROOT)):
         pytest.skip("the fake engine's sources are not in this tree (an installed dgr)")
     rows = []
     for lib in {fake_engine.library_path(), fake_engine.build_library()}:
@@ -462,7 +463,7 @@ def _q8_0_cases(rng) -> np.ndarray:
 def test_the_fake_librarys_converters_are_the_real_engine_librarys(engine_lib, fake_lib):
     """The six ggml converters dgr-worker resolves for the lossy wire dtypes: the fake library's (plain C++) give
     the real engine library's (ggml's) bits on corner cases and on every 16-bit pattern."""
-    from dgr.paths import REPO_ROOT
+    from dgr.core.paths import REPO_ROOT
 
     rng = np.random.default_rng(11)
     f32 = _f32_cases(rng)
@@ -474,7 +475,7 @@ def test_the_fake_librarys_converters_are_the_real_engine_librarys(engine_lib, f
     raw[:32, 2:] = 0                                                # 0 * inf, 0 * NaN
     want = _Converters(engine_lib).run(f32, u16, q8_in, raw.ravel())
     libs = {fake_lib}
-    if all((REPO_ROOT / s).is_file() for s in fake_engine.SOURCES):
+    if all((REPO_ROOT / s).is_file() for s in fake_engine.sources(REPO_ROOT)):
         libs.add(str(fake_engine.build_library()))       # the -O2 build on demand too
     for lib in libs:
         got = _Converters(lib).run(f32, u16, q8_in, raw.ravel())
@@ -484,7 +485,7 @@ def test_the_fake_librarys_converters_are_the_real_engine_librarys(engine_lib, f
 
 
 # --- lossy wire dtypes: a route of dgr-workers (the fake's converters, ggml's) generates what the stages in
-# process do with each seam's boundary converted by numpy (dgr.wire.codec)
+# process do with each seam's boundary converted by numpy (dgr.runtime.wire.codec)
 
 SPEC_32 = "layers=7,embd=16,streams=2,cuts=2:5,hash_layers=3,seed=3"      # 32 values a token: q8_0 fits
 
@@ -507,7 +508,7 @@ def _route(cmds: list[list[str]]) -> list[Proc]:
 
 def _stages_over_the_wire(ids: list[int], n: int, spec: str, dtype: int) -> tuple[list[int], np.ndarray]:
     """Greedy generation on the model's stages in this process, each boundary encoded in `dtype` and decoded
-    (dgr.wire.codec) at every seam: tokens, and the rows of every position."""
+    (dgr.runtime.wire.codec) at every seam: tokens, and the rows of every position."""
     model = FakeModel.from_spec(spec)
     stages = [FakeEngine(model, i) for i in range(len(model.ranges))]
     for e in stages:

@@ -1,14 +1,14 @@
 """Every architecture `dgr synth --list` names: a fresh tiny model, split across its special layers into
-2, 3 and 4 stages (dgr.synthparity's cuts), equals the whole model bit for bit (prefill and decode, two
+2, 3 and 4 stages (dgr.toolchain.synth.parity's cuts), equals the whole model bit for bit (prefill and decode, two
 sessions sharing each batch); docs/families.md says the same as this suite."""
 
 from __future__ import annotations
 
 import pytest
 
-from dgr.cli import main
-from dgr.synth import known_archs
-from dgr.synthparity import STAGE_COUNTS, choose_ranges, features, model_layers, read_table, run_synth_parity
+from dgr.cli.main import main
+from dgr.toolchain.synth.generic import known_archs
+from dgr.toolchain.synth.parity import STAGE_COUNTS, choose_ranges, features, model_layers, read_table, run_synth_parity
 
 ARCHS = known_archs()
 
@@ -51,7 +51,7 @@ def test_docs_table_and_suite_agree(repo_root):
     """docs/families.md (written by `dgr parity --synth all --stages 2,3,4 --table ...`) has one row per
     architecture of the suite, with its features, the stage counts the suite tries, the 3-stage cuts it
     takes and an exact result; regenerate the table when this fails."""
-    from dgr.synth import layer_kinds
+    from dgr.toolchain.synth.generic import layer_kinds
 
     table = read_table(repo_root / "docs" / "families.md")
     assert sorted(table) == ARCHS, "docs/families.md lists other architectures than `dgr synth --list`"

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from dgr.synth import known_archs
+from dgr.toolchain.synth.generic import known_archs
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
@@ -15,10 +15,11 @@ pytestmark = [pytest.mark.engine, pytest.mark.slow]
 def test_three_worker_processes_equal_the_whole_model(arch, engine_lib, tmp_path):
     from dgr.app.demo import whole_model_run
     from dgr.app.local import LocalRoute
-    from dgr.engine import Engine
-    from dgr.synth import layer_kinds
-    from dgr.synthparity import choose_ranges, model_layers, synth_model
-    from dgr.wire.client import RouteClient
+    from dgr.runtime.engine import Engine
+    from dgr.runtime.wire.client import RouteClient
+    from dgr.toolchain.synth.generic import layer_kinds
+    from dgr.toolchain.synth.parity import choose_ranges, model_layers, synth_model
+
     from support.engine import long_prompts, make_bundle
 
     layers = model_layers(arch)

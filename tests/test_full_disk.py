@@ -9,11 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from dgr.bundle import build, load_bundle, provision, verify_bundle
-from dgr.constants import MANIFEST_NAME
-from dgr.errors import StoreError
-from dgr.hashing import file_blake3
-from dgr.synth import synth
+from dgr.core.constants import MANIFEST_NAME
+from dgr.core.errors import StoreError
+from dgr.core.hashing import file_blake3
+from dgr.toolchain.bundle import build, load_bundle, provision, verify_bundle
+from dgr.toolchain.synth.generic import synth
+
 from support.fuzz import Tmpfs
 
 PAGE = 4096

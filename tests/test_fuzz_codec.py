@@ -7,15 +7,15 @@ import math
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, given, settings, strategies as st
 from hypothesis.extra import numpy as hnp
 
 from dgr.app.local import FakeRoute
-from dgr.errors import WireError
-from dgr.wire import codec
-from dgr.wire.client import RouteClient
-from dgr.wire.gen import stage_pb2 as pb
+from dgr.core.errors import WireError
+from dgr.runtime.wire import codec
+from dgr.runtime.wire.client import RouteClient
+from dgr.runtime.wire.gen import stage_pb2 as pb
+
 from support.wire import open_on
 
 SPEC = "layers=6,embd=16,cuts=2:4,hash_layers=3,seed=8"
@@ -135,7 +135,7 @@ def stage1():
     """Stage 1 of a fake route of dgr-workers, with session ("prop", 1) open on it as stage 0 would open it."""
     import grpc
 
-    from dgr.wire.gen import stage_pb2_grpc as pb_grpc
+    from dgr.runtime.wire.gen import stage_pb2_grpc as pb_grpc
 
     with FakeRoute.of(SPEC) as r:
         descs = RouteClient(r.addresses).describe()

@@ -16,11 +16,11 @@ import grpc
 import pytest
 
 from dgr.app.local import LocalRoute
+from dgr.runtime.wire import codec
+from dgr.runtime.wire.client import RouteClient
+from dgr.runtime.wire.gen import stage_pb2 as pb, stage_pb2_grpc as pb_grpc
 from dgr.testing.fake_engine import FakeModel
-from dgr.wire import codec
-from dgr.wire.client import RouteClient
-from dgr.wire.gen import stage_pb2 as pb
-from dgr.wire.gen import stage_pb2_grpc as pb_grpc
+
 from support.fuzz import frame_mutations, whole_model
 from support.wire import open_on
 

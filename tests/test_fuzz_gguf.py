@@ -1,5 +1,5 @@
 """Corrupt and truncated GGUF headers: `dgr inspect`'s reader, `dgr bundle verify` and the engine's stage-file
-checks answer typed errors (dgr.errors), never crash, hang or allocate what a bogus length claims."""
+checks answer typed errors (dgr.core.errors), never crash, hang or allocate what a bogus length claims."""
 
 from __future__ import annotations
 
@@ -12,12 +12,13 @@ from pathlib import Path
 
 import pytest
 
-from dgr.bundle import build, verify_bundle
-from dgr.errors import BundleError, EngineError, GGUFError
-from dgr.ggufmodel import model_info, read_header
-from dgr.hashing import file_blake3
-from dgr.modelreport import format_report, inspect_model
-from dgr.synth import synth
+from dgr.core.errors import BundleError, EngineError, GGUFError
+from dgr.core.hashing import file_blake3
+from dgr.gguf.model import model_info, read_header
+from dgr.toolchain.bundle import build, verify_bundle
+from dgr.toolchain.modelreport import format_report, inspect_model
+from dgr.toolchain.synth.generic import synth
+
 from support.fuzz import engine_open_outcomes, header_fields, mutate_gguf
 
 N_HEADERS = 10_000
@@ -155,7 +156,7 @@ def test_engine_refuses_a_repeated_vocabulary_token_instead_of_aborting(engine_l
     out = engine_open_outcomes([p])
     assert not out[str(p)].startswith("CRASH"), out
     assert out[str(p)] == "EngineError", out
-    from dgr.engine import Engine
+    from dgr.runtime.engine import Engine
 
     with pytest.raises(EngineError, match="repeats the token"):
         Engine.open(p, lib=engine_lib)

@@ -15,8 +15,9 @@ import re
 
 import pytest
 
-from dgr.certificate import Figure, check, load_certificate
-from dgr.certify import DEFAULT_CONTRACT, GateResult, Row, SpeedRuns, load_contract, speed_figures
+from dgr.app.certify import DEFAULT_CONTRACT, GateResult, Row, SpeedRuns, load_contract, speed_figures
+from dgr.core.certificate import Figure, check, load_certificate
+
 from support.certify import dgr
 
 TARGETS = ["smollm2-135m-3stage", "deepseek4-tiny-2stage", "deepseek4-tiny-3stage", "deepseek4-tiny-4stage",
@@ -90,7 +91,7 @@ def test_a_failing_row_fails_the_gate_its_table_and_its_exit_code(monkeypatch, c
                               (_runs((33.0, 60.0), (420.0, 310.0)), 0, "3/3 rows pass: PASSED")):
         res = GateResult(contract=lc, rows=[exact] + [Row("t", f) for f in speed_figures(runs, lc.contract.speed)])
         assert res.passed == (rc == 0)
-        monkeypatch.setattr("dgr.certify.run_gate", lambda *a, res=res, **k: res)
+        monkeypatch.setattr("dgr.app.certify.run_gate", lambda *a, res=res, **k: res)
         assert dgr(["gate", "alpha"]) == rc
         out = capsys.readouterr().out
         assert out == res.table() + "\n"
@@ -109,7 +110,7 @@ def test_a_failing_row_fails_the_gate_its_table_and_its_exit_code(monkeypatch, c
 @pytest.fixture
 def judged_speed(monkeypatch) -> list[tuple[SpeedRuns, object, list[Figure]]]:
     """Every call of the speed rows' judgement during a test: (measured, the contract's [speed], rows)."""
-    from dgr.certify import runner
+    from dgr.app.certify import runner
 
     calls, real = [], runner.speed_figures
 
@@ -180,7 +181,7 @@ def test_gate_alpha_certifies_every_target_and_prints_its_table(tmp_path, engine
     # one certificate per target, against the committed contract (its path and the hash of its bytes), naming
     # the dgr-worker binary its stages ran; valid exactly when every one of its rows passed
     from dgr.app.workerbin import worker_binary
-    from dgr.hashing import file_blake3
+    from dgr.core.hashing import file_blake3
 
     worker = file_blake3(worker_binary(), threads=False)
     for t in TARGETS:
@@ -230,7 +231,7 @@ stages = [[0, 2], [2, 4]]
 def test_a_gate_with_a_failing_row_exits_1_and_says_which(tmp_path, engine_lib, capsys, monkeypatch):
     """Parity runs for real; the speed numbers are given (a pipeline at half the whole model's prefill
     speed), so the prefill row fails whatever this machine's load."""
-    from dgr.certify import runner
+    from dgr.app.certify import runner
 
     given = SpeedRuns(prefill_tokens=24, threads=1, pipeline_decode=(40.0,), whole_decode=(50.0,),
                       pipeline_prefill=(150.0,), whole_prefill=(300.0,))

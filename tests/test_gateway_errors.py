@@ -11,8 +11,9 @@ import openai
 import pytest
 import requests
 
-from dgr.gateway.limits import MAX_CHOICES
-from dgr.wire.client import RouteClient
+from dgr.app.gateway.limits import MAX_CHOICES
+from dgr.runtime.wire.client import RouteClient
+
 from support.gateway import gateway, metric, open_sessions, wait_no_sessions
 from support.route import fake_route, make_ca, tls_args
 
@@ -128,7 +129,7 @@ def test_chat_template_is_sandboxed_and_its_exceptions_are_400(gw, bare, route):
     with pytest.raises(openai.BadRequestError) as e:
         bare.client().chat.completions.create(model=_model(bare), messages=[{"role": "user", "content": "hi"}])
     assert e.value.body["code"] == "chat_template_missing"
-    from dgr.gateway import chat
+    from dgr.app.gateway import chat
 
     evil = "{{ ''.__class__.__mro__[1].__subclasses__() }}"
     with pytest.raises(chat.TemplateRefused, match="unsafe|access"):
@@ -248,8 +249,8 @@ def test_a_dead_route_answers_503_and_a_stream_that_breaks_ends_in_an_error_even
 
 
 def test_a_mutual_tls_route_is_served_with_the_gateways_certificate(tmp_path):
-    from dgr.errors import WireError
-    from dgr.wire.tls import TlsConfig
+    from dgr.core.errors import WireError
+    from dgr.runtime.wire.tls import TlsConfig
 
     ops = make_ca(tmp_path, "ops", ["w0", "w1", "w2", "gateway"])
     ca = tmp_path / "ops" / "ca.pem"

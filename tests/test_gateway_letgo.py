@@ -21,7 +21,8 @@ import openai
 import pytest
 import requests
 
-from dgr.gateway.limits import DEFAULT_CHAT_MAX_TOKENS
+from dgr.app.gateway.limits import DEFAULT_CHAT_MAX_TOKENS
+
 from support.gateway import gateway, metric, open_sessions, serve_process, wait_no_sessions
 from support.route import fake_route
 

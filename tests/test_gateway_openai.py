@@ -12,9 +12,10 @@ import openai
 import pytest
 import requests
 
-from dgr.gateway import chat
-from support.gateway import metric, open_sessions, serve_process, smollm2_route, wait_no_sessions
-from support.gateway import gw, rc  # noqa: F401  (gw, rc: module fixtures over `route`)
+from dgr.app.gateway import chat
+
+from support.gateway import (gw, metric, open_sessions, rc,  # noqa: F401  (gw, rc: module fixtures over `route`)
+                             serve_process, smollm2_route, wait_no_sessions)
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 

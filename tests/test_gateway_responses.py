@@ -11,9 +11,10 @@ import openai
 import pytest
 import requests
 
-from dgr.gateway.limits import MAX_CHOICES
-from support.gateway import gateway, metric, open_sessions, smollm2_route, wait_no_sessions
-from support.gateway import gw, rc, rendered  # noqa: F401  (gw, rc: module fixtures over `route`)
+from dgr.app.gateway.limits import MAX_CHOICES
+
+from support.gateway import (gateway, gw, metric, open_sessions,  # noqa: F401  (gw, rc: module fixtures over `route`)
+                             rc, rendered, smollm2_route, wait_no_sessions)
 from support.route import fake_route
 
 pytestmark = [pytest.mark.engine]

@@ -16,10 +16,11 @@ import jsonschema
 import openai
 import pytest
 
-from dgr.wire.limits import MAX_TOP_LOGPROBS
-from dgr.wire.prefix import PREFIX_BLOCK_TOKENS
-from support.gateway import smollm2_route, wait_no_sessions
-from support.gateway import gw, rc, rendered  # noqa: F401  (gw, rc: module fixtures over `route`)
+from dgr.runtime.wire.limits import MAX_TOP_LOGPROBS
+from dgr.runtime.wire.prefix import PREFIX_BLOCK_TOKENS
+
+from support.gateway import (gw, rc, rendered, smollm2_route,  # noqa: F401  (gw, rc: module fixtures over `route`)
+                             wait_no_sessions)
 
 pytestmark = [pytest.mark.engine]
 

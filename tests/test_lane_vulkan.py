@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pytest
 
-from dgr.engine import LIB_ENV
+from dgr.runtime.engine import LIB_ENV
 
 # Skipped only outside its Bazel target: CI's `bazel test //...` (scripts/test) runs
 # //tests:test_lane_vulkan, which sets $DGR_ENGINE_LIB to the Vulkan lane's engine, on the software
@@ -120,10 +120,11 @@ def test_real_workers_on_vulkan_generate_what_cpu_workers_generate(tiny, tmp_pat
     over loopback. On Vulkan each worker advertises the vulkan lane (its engine's own) and holds its
     weights on the device; the route generates the CPU workers' greedy tokens, logits within tolerance."""
     import numpy as np
-    from support.engine import make_bundle
 
-    from dgr.wire.client import RouteClient
     from dgr.app.local import LocalRoute
+    from dgr.runtime.wire.client import RouteClient
+
+    from support.engine import make_bundle
 
     model, _ = tiny
     bundle = make_bundle(model, [(0, 2), (2, LAYERS)], tmp_path / "store", name="tiny-vk")

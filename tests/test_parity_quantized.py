@@ -3,7 +3,7 @@
 A recipe that quantizes (a Q8_0 rule) builds a bundle whose weights are not the source's, so the source
 cannot be its baseline: `dgr parity BUNDLE` reported "parity FAILED (max abs 0.0028)" and `dgr certify`
 failed its parity rows. The baseline of such a bundle is the same recipe built as one stage
-(dgr.bundle.baseline_model), built once into the workspace and reused; an unquantized bundle is still
+(dgr.toolchain.bundle.baseline_model), built once into the workspace and reused; an unquantized bundle is still
 compared with its source. Tiny random-weight models (`dgr synth`), bundles built by the real builder, the
 real `dgr` command line in a child process for parity and in this process for certify (as
 tests/test_certify.py does); DGR_WORKSPACE points every run at this module's own workspace.
@@ -20,11 +20,12 @@ from pathlib import Path
 import gguf
 import pytest
 
-from dgr.bundle import build, load_bundle
-from dgr.certificate import load_certificate
-from dgr.errors import BundleError
-from dgr.ggufmodel import read_header
-from dgr.hashing import file_blake3
+from dgr.core.certificate import load_certificate
+from dgr.core.errors import BundleError
+from dgr.core.hashing import file_blake3
+from dgr.gguf.model import read_header
+from dgr.toolchain.bundle import build, load_bundle
+
 from support.certify import dgr, write_contract
 
 pytestmark = pytest.mark.engine
@@ -62,7 +63,7 @@ def workspace(root):
 
 @pytest.fixture(scope="module")
 def source(root):
-    from dgr.synth import synth
+    from dgr.toolchain.synth.generic import synth
 
     return synth("llama", 4, 256, 11, root / "llama-4L.gguf")
 
@@ -170,9 +171,9 @@ def test_a_quantized_bundle_of_a_model_with_mtp_is_refused_naming_the_reason(roo
     """llama.cpp cannot load a one-stage bundle of a model with an MTP block (the bundle leaves the block
     out: `blk.N.attn_norm.weight not found`), so such a bundle has no whole-model baseline yet: parity and
     certify refuse it, saying why, before building anything."""
-    from dgr.bundle import baseline_model
-    from dgr.engine import Engine
-    from dgr.synth_deepseek4 import synth_deepseek4
+    from dgr.runtime.engine import Engine
+    from dgr.toolchain.bundle import baseline_model
+    from dgr.toolchain.synth.deepseek4 import synth_deepseek4
 
     monkeypatch.setenv("DGR_WORKSPACE", str(workspace))
     src = synth_deepseek4(root / "v4.gguf", layers=4, hash_layers=2)

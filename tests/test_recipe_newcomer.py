@@ -19,14 +19,14 @@ from pathlib import Path
 import gguf
 import pytest
 
-from dgr.bundle import build, load_bundle, never_quantized, weights
-from dgr.bundle.quantize import _NEVER_NAMES, _NEVER_PARTS, _NEVER_PARTS_OF_ARCH, n_dims
-from dgr.cli import main
-from dgr.ggufmodel import model_info, read_header
-from dgr.hashing import file_blake3
-from dgr.planner import balanced
-from dgr.synth import synth
-from dgr.templates import template_variables
+from dgr.cli.main import main
+from dgr.core.hashing import file_blake3
+from dgr.gguf.model import model_info, read_header
+from dgr.toolchain.bundle import build, load_bundle, never_quantized, weights
+from dgr.toolchain.bundle.quantize import _NEVER_NAMES, _NEVER_PARTS, _NEVER_PARTS_OF_ARCH, n_dims
+from dgr.toolchain.planner import balanced
+from dgr.toolchain.synth.generic import synth
+from dgr.toolchain.templates import template_variables
 
 REPO = Path(__file__).resolve().parents[1]
 Q = gguf.GGMLQuantizationType

@@ -7,10 +7,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from dgr.app.certify import load_contract
+from dgr.app.certify.fixtures import synth_source, synthetic_bundle
 from dgr.app.local import LocalRoute
-from dgr.certify import load_contract
-from dgr.certify.fixtures import synth_source, synthetic_bundle
-from dgr.wire.client import RouteClient
+from dgr.runtime.wire.client import RouteClient
 
 pytestmark = pytest.mark.engine       # ~15 s on 2 shared cores
 
@@ -27,7 +27,7 @@ def spec():
 
 def test_twelve_worker_processes_equal_the_whole_v4_shaped_model(spec, tmp_path, engine_lib):
     from dgr.app.demo import whole_model_run
-    from dgr.engine import Engine
+    from dgr.runtime.engine import Engine
 
     b = synthetic_bundle(spec, tmp_path)
     m = b.manifest

@@ -10,10 +10,11 @@ import shutil
 import uuid
 
 import pytest
-from support.upstream import format_patch, http_dir, tiny  # noqa: F401  (fixtures)
 
-from dgr import enginebuild, upstream
-from dgr.errors import EngineError
+from dgr.core.errors import EngineError
+from dgr.toolchain import enginebuild, upstream
+
+from support.upstream import format_patch, http_dir, tiny  # noqa: F401  (fixtures)
 
 STANDIN_CMAKE = """cmake_minimum_required(VERSION 3.16)
 project(standin CXX)

@@ -13,14 +13,15 @@ import shutil
 import subprocess
 
 import pytest
-from support.upstream import FAKE_COMMIT, format_patch, git, http_dir, make_tarball, make_tree, write_pin  # noqa: F401
 
-from dgr import treehash, upstream
-from dgr.cli import main
-from dgr.errors import UpstreamError
-from dgr.hashing import file_sha256
-from dgr.upstream import bump, newsource, restack
-from dgr.upstream.bumpchecks import Step
+from dgr.cli.main import main
+from dgr.core.errors import UpstreamError
+from dgr.core.hashing import file_sha256
+from dgr.toolchain import treehash, upstream
+from dgr.toolchain.upstream import bump, newsource, restack
+from dgr.toolchain.upstream.bumpchecks import Step
+
+from support.upstream import FAKE_COMMIT, format_patch, git, http_dir, make_tarball, make_tree, write_pin  # noqa: F401
 
 # A small upstream whose src/llama.cpp is long enough for a three-way merge to matter.
 BODY = [f"int f{i}(void) {{ return {i}; }}" for i in range(12)]
@@ -122,7 +123,7 @@ def test_a_no_op_bump_passes_its_source_and_patch_checks(repo):
     assert res.passed and [p.how for p in res.patches] == ["clean", "clean"]
     assert "a no-op bump" in res.step("source").summary
     # the scratch pin: the same commit, tree hash and patch hashes; its workspace's tree was patched by
-    # dgr.upstream.apply as the checkout's would be
+    # dgr.toolchain.upstream.apply as the checkout's would be
     spin = upstream.load_pin(res.scratch / "repo" / "toolchains" / "llama.cpp.pin.json")
     pin = upstream.load_pin(repo["pin"])
     assert (spin.commit, spin.tree_hash, spin.patches) == (pin.commit, pin.tree_hash, pin.patches)
@@ -291,7 +292,7 @@ def test_the_build_is_the_scratch_ones_over_the_new_tree(repo):
     (worker / "CMakeLists.txt").write_text(STANDIN_CMAKE)
     (worker / "engine.cpp").write_text('#include "llama.h"\nextern "C" int v(void) { return TINY_LLAMA_VALUE; }\n')
     (worker / "worker.cpp").write_text('#include <cstdio>\nint main() { std::puts(PIN_COMMIT); }\n')
-    from dgr.upstream.bumpchecks import check_build
+    from dgr.toolchain.upstream.bumpchecks import check_build
 
     new = _new_tree(repo, "new", {"ggml/src/ggml.c": "int ggml_tiny(void) { return 2; }\n"})
     res = _bump(repo, new, commit=NEW_COMMIT, checks=[("build", check_build)])

@@ -5,19 +5,13 @@ from __future__ import annotations
 import json
 
 import pytest
-from support.upstream import (  # noqa: F401  (fixtures)
-    BUILD_FILES,
-    RangeHandler,
-    http_dir,
-    make_tarball,
-    make_tree,
-    tiny,
-    write_pin,
-)
 
-from dgr import treehash, upstream
-from dgr.errors import UpstreamError
-from dgr.hashing import file_sha256
+from dgr.core.errors import UpstreamError
+from dgr.core.hashing import file_sha256
+from dgr.toolchain import treehash, upstream
+
+from support.upstream import (BUILD_FILES, RangeHandler, http_dir, make_tarball, make_tree,  # noqa: F401  (fixtures)
+                              tiny, write_pin)
 
 
 def test_fetch_extracts_only_the_verified_files(tiny):

@@ -7,10 +7,11 @@ import subprocess
 import sys
 
 import pytest
-from support.upstream import RangeHandler, git, format_patch, http_dir, tiny  # noqa: F401  (fixtures)
 
-from dgr import upstream
-from dgr.errors import UpstreamError
+from dgr.core.errors import UpstreamError
+from dgr.toolchain import upstream
+
+from support.upstream import RangeHandler, format_patch, git, http_dir, tiny  # noqa: F401  (fixtures)
 
 FIRST = ("Add a tiny hook", {"include/llama.h": "#pragma once\n#define TINY_LLAMA_VALUE 42\n"})
 SECOND = ("Use the hook", {"src/llama.cpp": "#include \"llama.h\"\nint tiny_llama(void) { return TINY_LLAMA_VALUE + 1; }\n"})
@@ -141,7 +142,7 @@ def test_pin_patch_list_must_equal_the_folder(tiny):
 
 def test_concurrent_processes_share_one_fetch_and_one_patched_tree(tiny):
     _pinned(tiny, [FIRST])
-    code = ("import sys, pathlib; from dgr import upstream; "
+    code = ("import sys, pathlib; from dgr.toolchain import upstream; "
             "print(upstream.ensure_patched(upstream.load_pin(sys.argv[1]), pathlib.Path(sys.argv[2])))")
     procs = [subprocess.Popen([sys.executable, "-c", code, str(tiny["pin"]), str(tiny["ws"])],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(3)]

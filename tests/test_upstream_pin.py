@@ -10,10 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from dgr import pin as pins
-from dgr import upstream
-from dgr.constants import LANES
-from dgr.errors import UpstreamError
+from dgr.core.constants import LANES
+from dgr.core.errors import UpstreamError
+from dgr.toolchain import pin as pins, upstream
 
 REPO = Path(__file__).resolve().parents[1]
 PIN_REL = "toolchains/llama.cpp.pin.json"
@@ -99,8 +98,8 @@ def test_cli_checks_the_patch_list_and_prints_status():
 
 def test_the_runtime_reads_the_pin_without_the_toolchain():
     # A worker names its engine (commit + patch series) from the pin; that must not import fetch/patch/build code.
-    code = ("import sys; from dgr.pin import load_pin, patch_series; p = load_pin(); print(patch_series(p)); "
-            "print(sorted(m for m in sys.modules if m.startswith(('dgr.upstream', 'dgr.treehash', 'dgr.enginebuild'))))")
+    code = ("import sys; from dgr.toolchain.pin import load_pin, patch_series; p = load_pin(); print(patch_series(p)); "
+            "print(sorted(m for m in sys.modules if m.startswith(('dgr.toolchain.upstream', 'dgr.toolchain.treehash', 'dgr.toolchain.enginebuild'))))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split("\n")
     assert out[1] == "[]"
     import blake3

@@ -10,10 +10,11 @@ import subprocess
 import sys
 
 import pytest
-from support.upstream import TREEHASH_SCRIPT
 
-from dgr import treehash, upstream
-from dgr.hashing import file_sha256
+from dgr.core.hashing import file_sha256
+from dgr.toolchain import treehash, upstream
+
+from support.upstream import TREEHASH_SCRIPT
 
 pytestmark = pytest.mark.slow
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from support.upstream import BUILD_FILES, TREEHASH_SCRIPT, make_tree
+from dgr.toolchain import treehash
 
-from dgr import treehash
+from support.upstream import BUILD_FILES, TREEHASH_SCRIPT, make_tree
 
 
 def _hash_and_listing(tree):
@@ -110,17 +110,18 @@ def test_script_does_not_trust_a_listing_of_another_tree(tmp_path):
 
 
 def _source_tree_copy(tmp_path):
-    """tools/dgr's hashing scripts and what they import, copied into a bare tree, with a dgr.hashing that
+    """tools/dgr's hashing scripts and what they import, copied into a bare tree, with a dgr.core.hashing that
     says where it was imported from: the scripts must take it from beside them, not an installed dgr."""
     from support.upstream import REPO
 
     root = tmp_path / "src"
-    (root / "tools" / "dgr").mkdir(parents=True)
-    (root / "toolchains" / "bazel").mkdir(parents=True)
-    for rel in ("tools/dgr/__init__.py", "tools/dgr/treehash.py", "toolchains/bazel/blake3sum.py"):
+    for folder in ("tools/dgr/core", "tools/dgr/toolchain", "toolchains/bazel"):
+        (root / folder).mkdir(parents=True)
+    for rel in ("tools/dgr/__init__.py", "tools/dgr/core/__init__.py", "tools/dgr/toolchain/treehash.py",
+                "toolchains/bazel/blake3sum.py"):
         (root / rel).write_bytes((REPO / rel).read_bytes())
-    hashing = (REPO / "tools/dgr/hashing.py").read_text()
-    (root / "tools/dgr/hashing.py").write_text(hashing + "\nimport sys\nprint('hashing:', __file__, file=sys.stderr)\n")
+    hashing = (REPO / "tools/dgr/core/hashing.py").read_text()
+    (root / "tools/dgr/core/hashing.py").write_text(hashing + "\nimport sys\nprint('hashing:', __file__, file=sys.stderr)\n")
     return root
 
 
@@ -128,22 +129,22 @@ def test_the_scripts_run_where_dgr_is_not_installed(tmp_path):
     # Bazel's repository rule and Nix run them from the source tree, outside any environment with dgr.
     import os
 
-    from dgr.hashing import file_blake3
+    from dgr.core.hashing import file_blake3
 
     root = _source_tree_copy(tmp_path)
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     run = lambda *a: subprocess.run([sys.executable, *a], capture_output=True, text=True, cwd=tmp_path, env=env)  # noqa: E731
-    helped = run(str(root / "tools/dgr/treehash.py"), "--help")
+    helped = run(str(root / "tools/dgr/toolchain/treehash.py"), "--help")
     assert helped.returncode == 0 and "--expect" in helped.stdout, helped.stderr
     tree = make_tree(tmp_path / "t")
-    hashed = run("-I", str(root / "tools/dgr/treehash.py"), str(tree))
+    hashed = run("-I", str(root / "tools/dgr/toolchain/treehash.py"), str(tree))
     assert hashed.stdout.strip() == treehash.tree_hash(tree), hashed.stderr
-    assert f"hashing: {root / 'tools/dgr/hashing.py'}" in hashed.stderr
+    assert f"hashing: {root / 'tools/dgr/core/hashing.py'}" in hashed.stderr
     target = tree / "src" / "llama.cpp"
     summed = run(str(root / "toolchains/bazel/blake3sum.py"), str(target))
     assert summed.returncode == 0, summed.stderr
     assert summed.stdout == f"{file_blake3(target)}  {target}\n"
-    assert f"hashing: {root / 'tools/dgr/hashing.py'}" in summed.stderr
+    assert f"hashing: {root / 'tools/dgr/core/hashing.py'}" in summed.stderr
 
 
 def test_tiny_upstream_hashes_alike_in_module_and_script(tmp_path):

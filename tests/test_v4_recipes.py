@@ -10,19 +10,18 @@ compressor and indexer tensors).
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import math
+from pathlib import Path
 
 import blake3
 import gguf
 import pytest
 
-from dgr.bundle import make_plan, target_type
-from dgr.ggufmodel import tensor_nbytes
-from dgr.planner import WorkerSpec, plan
-from dgr.recipe import LoadedRecipe, Source, load_recipe
-from dgr.synth_deepseek4 import DeepSeek4Shape, default_ratios, synth_deepseek4_v4shape, tensor_inventory
+from dgr.gguf.model import tensor_nbytes
+from dgr.toolchain.bundle import make_plan, target_type
+from dgr.toolchain.planner import WorkerSpec, plan
+from dgr.toolchain.recipe import LoadedRecipe, Source, load_recipe
+from dgr.toolchain.synth.deepseek4 import DeepSeek4Shape, default_ratios, synth_deepseek4_v4shape, tensor_inventory
 
 REPO = Path(__file__).resolve().parents[1]
 OFFICIAL_REPO = "deepseek-ai/DeepSeek-V4-Flash"

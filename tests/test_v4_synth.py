@@ -1,7 +1,7 @@
 """The synthetic DeepSeek V4 writer: deterministic bytes, and the inventory the pinned llama.cpp requires.
 
 The requirements checked here are the ones `src/models/deepseek4.cpp` of the pin enforces when it loads
-a file (see the module docstring of dgr.synth_deepseek4). Loading in llama.cpp itself is exercised by
+a file (see the module docstring of dgr.toolchain.synth.deepseek4). Loading in llama.cpp itself is exercised by
 the engine tests; `test_llama_runs_it` does it here too through llama.cpp's own generation path
 (`llama-simple`, built from the engine's CMake tree, or $DGR_LLAMA_BIN's).
 """
@@ -16,14 +16,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from gguf import GGUFReader, GGMLQuantizationType
+from gguf import GGMLQuantizationType, GGUFReader
 
-from dgr.errors import DgrError
-from dgr.ggufmodel import INPUT, OUTPUT, classify
-from dgr.synth_deepseek4 import (
-    COMPRESS_RATIOS, CSA_RATIO, GLOBAL_INPUT, GLOBAL_OUTPUT, HCA_RATIO, INDEXER_KEY_MULTIPLE, make_shape,
-    synth_deepseek4, synth_deepseek4_v4shape, tensor_inventory,
-)
+from dgr.core.errors import DgrError
+from dgr.gguf.model import INPUT, OUTPUT, classify
+from dgr.toolchain.synth.deepseek4 import (COMPRESS_RATIOS, CSA_RATIO, GLOBAL_INPUT, GLOBAL_OUTPUT, HCA_RATIO,
+                                           INDEXER_KEY_MULTIPLE, make_shape, synth_deepseek4, synth_deepseek4_v4shape,
+                                           tensor_inventory)
 
 A = "deepseek4."
 

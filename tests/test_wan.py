@@ -13,7 +13,8 @@ import pytest
 
 from dgr.app.local import FakeRoute, LocalRoute
 from dgr.app.wan import Link, WanLinks, measure_wan, raw_overhead, table
-from dgr.wire.client import RouteClient
+from dgr.runtime.wire.client import RouteClient
+
 from support.wan import connect, echo_server, recv_exactly, sink_server
 
 FAKE = "layers=6,embd=16,cuts=2:4,seed=3"      # 3 stages, 16 f32 per token at each seam
@@ -149,7 +150,7 @@ def test_a_thin_link_carrying_a_long_prompt_needs_a_longer_link_keepalive():
     links here hold everything for a set time instead, once 256 KiB of the prompt's boundaries came in:
     longer than a ping's 1 s + 2 s in the first route, shorter than the 60 s keepalive timeout of the second.
     (The client's own probes of silent hops wait 30 s here, so that the workers' keepalive is what notices.)"""
-    from dgr.wire.errors import StageError
+    from dgr.runtime.wire.errors import StageError
 
     spec = "layers=4,embd=576,cuts=2,seed=3,ctx=4096"
     prompt = [i % 200 + 3 for i in range(512)]          # 1.2 MB per seam

@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 
 from dgr.app.local import LocalRoute
-from dgr.wire import codec
-from dgr.wire.client import RouteClient
-from dgr.wire.gen import stage_pb2 as pb
-from dgr.wire.gen import stage_pb2_grpc as pb_grpc
+from dgr.runtime.wire import codec
+from dgr.runtime.wire.client import RouteClient
+from dgr.runtime.wire.gen import stage_pb2 as pb, stage_pb2_grpc as pb_grpc
+
 from support.engine import make_bundle
 from support.wire import RawStream, open_on
 
@@ -35,7 +35,7 @@ SPLITS = {
 
 @pytest.fixture(scope="module")
 def v4(tmp_path_factory):
-    from dgr.synth_deepseek4 import synth_deepseek4
+    from dgr.toolchain.synth.deepseek4 import synth_deepseek4
 
     return synth_deepseek4(tmp_path_factory.mktemp("v4w") / "v4.gguf", layers=6, hash_layers=3)
 
@@ -49,7 +49,7 @@ def prompt():
 def whole(v4, prompt, engine_lib):
     """The unsplit file on one engine, prefilled in the route's chunks (CHUNK), then greedy."""
     from dgr.app.demo import whole_model_run
-    from dgr.engine import Engine
+    from dgr.runtime.engine import Engine
 
     with Engine.open(v4, lib=engine_lib, n_threads=1, n_ctx=N_CTX) as eng:
         return whole_model_run(eng, prompt, MAX_NEW, chunk_tokens=CHUNK)

@@ -10,10 +10,10 @@ import sys
 import numpy as np
 import pytest
 
-from dgr.contract import WIRE_DTYPES, StageContract
-from dgr.errors import WireError
-from dgr.wire import codec
-from dgr.wire.gen import stage_pb2 as pb
+from dgr.core.contract import WIRE_DTYPES, StageContract
+from dgr.core.errors import WireError
+from dgr.runtime.wire import codec
+from dgr.runtime.wire.gen import stage_pb2 as pb
 
 
 def _ggml_q8_0(lib_path, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -104,7 +104,8 @@ def test_f32_stays_exact_and_f16_bf16_still_round_trip():
 def test_a_fake_worker_route_runs_in_q8_0():
     """Three `dgr worker serve --fake-engine ... --wire-dtype q8_0` processes: the route advertises and
     carries q8_0 at both seams and generates."""
-    from dgr.wire.client import RouteClient
+    from dgr.runtime.wire.client import RouteClient
+
     from support.route import fake_route
 
     with fake_route(spec="layers=6,embd=64,cuts=2:4,seed=8", extra=["--wire-dtype", "q8_0"]) as r, \
@@ -133,8 +134,8 @@ def test_smollm2_through_worker_processes_in_q8_0_is_the_codecs_q8_0(engine_lib,
     through the codec's q8_0 (what docs/wire-dtypes.md measures), which are not f32's."""
     from dgr.app.demo import ensure_bundle
     from dgr.app.local import LocalRoute
-    from dgr.parity import Schedule, ctx_for, open_stages, run_pipeline
-    from dgr.wire.client import RouteClient
+    from dgr.runtime.wire.client import RouteClient
+    from dgr.toolchain.parity import Schedule, ctx_for, open_stages, run_pipeline
 
     b = ensure_bundle(3, progress=False)[0]
     ranges = [(s.layer_begin, s.layer_end) for s in b.manifest.stages]

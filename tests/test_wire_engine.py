@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 
 from dgr.app.local import LocalRoute
-from dgr.wire.client import RouteClient
-from dgr.wire.errors import StageError
-from dgr.wire.stats import summarize
+from dgr.runtime.wire.client import RouteClient
+from dgr.runtime.wire.errors import StageError
+from dgr.runtime.wire.stats import summarize
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
@@ -20,7 +20,7 @@ MAX_NEW = 16
 def whole(engine_lib, smollm2_gguf):
     """Greedy tokens and logits of the unsplit GGUF on the same engine (the independent baseline)."""
     from dgr.app.demo import whole_model_run
-    from dgr.engine import Engine
+    from dgr.runtime.engine import Engine
 
     eng = Engine.open(smollm2_gguf, lib=engine_lib, n_threads=1)
     try:
@@ -91,7 +91,8 @@ def test_concurrent_sessions_share_batches_and_equal_sequential(engine_lib):
 def test_other_architectures_through_worker_processes(arch, engine_lib, tmp_path):
     """Tiny random-weight models (sliding-window attention; MoE) split 3 ways over the wire: exact."""
     from dgr.app.demo import whole_model_run
-    from dgr.engine import Engine
+    from dgr.runtime.engine import Engine
+
     from support.engine import long_prompts, make_bundle, synth_model
 
     whole_path = synth_model(tmp_path, arch)
@@ -114,7 +115,7 @@ def test_long_prompt_under_a_small_message_limit_is_exact(engine_lib, smollm2_gg
     per frame): several chunks, no frame over the limit, and the tokens and logits of the whole model
     prefilled in the same chunks. (Under 200 KiB a logits row itself would not fit: refused at open.)"""
     from dgr.app.demo import long_prompt, whole_model_run
-    from dgr.engine import Engine
+    from dgr.runtime.engine import Engine
 
     limit = 256 * 1024
     eng = Engine.open(smollm2_gguf, lib=engine_lib, n_threads=1)

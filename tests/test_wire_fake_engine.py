@@ -1,4 +1,4 @@
-"""The fake engine (the C library worker/fake, through dgr.engine's ctypes) is a faithful stand-in: split == whole
+"""The fake engine (the C library worker/fake, through dgr.runtime.engine's ctypes) is a faithful stand-in: split == whole
 bit for bit, its output depends on history, its spec. Its refusals and the rest: tests/test_fake_engine_cpp.py."""
 
 from __future__ import annotations
@@ -6,9 +6,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from dgr.engine_api import Step
-from dgr.errors import EngineError
+from dgr.core.errors import EngineError
+from dgr.runtime.engine_api import Step
 from dgr.testing.fake_engine import FakeEngine, FakeModel
+
 from support.engine import fake_split
 
 SPEC = "layers=7,embd=8,streams=2,cuts=2:5,hash_layers=3,seed=3"

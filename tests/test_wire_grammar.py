@@ -17,12 +17,13 @@ import numpy as np
 import pytest
 
 from dgr.app.local import LocalRoute
-from dgr.engine_api import Step
-from dgr.errors import WireError
-from dgr.wire.client import RouteClient
-from dgr.wire.errors import StageError
-from dgr.wire.gen import stage_pb2 as pb
-from dgr.wire.limits import MAX_TOP_LOGPROBS
+from dgr.core.errors import WireError
+from dgr.runtime.engine_api import Step
+from dgr.runtime.wire.client import RouteClient
+from dgr.runtime.wire.errors import StageError
+from dgr.runtime.wire.gen import stage_pb2 as pb
+from dgr.runtime.wire.limits import MAX_TOP_LOGPROBS
+
 from support.route import die_at
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
@@ -41,7 +42,7 @@ MAX_NEW = 64
 
 @pytest.fixture(scope="module")
 def whole(engine_lib, smollm2_gguf):
-    from dgr.engine import Engine
+    from dgr.runtime.engine import Engine
 
     eng = Engine.open(smollm2_gguf, lib=engine_lib, n_threads=1)
     try:
@@ -52,8 +53,7 @@ def whole(engine_lib, smollm2_gguf):
 
 def replay(eng, ids, *, json_schema="", grammar="", max_new=MAX_NEW, top=0, **sampling):
     """What the route must produce: the whole model, the grammar's mask, the one sampler at each position."""
-    from dgr import engine as E
-
+    from dgr.runtime import engine as E
     g = eng.grammar(gbnf=grammar, json_schema=json_schema) if (grammar or json_schema) else None
     stop = set(eng.vocab().eog)
     sid = f"replay-{id(ids)}-{len(ids)}"

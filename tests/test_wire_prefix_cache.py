@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 
 from dgr.app.local import LocalRoute
-from dgr.wire.client import RouteClient
-from dgr.wire.gen import stage_pb2 as pb
-from dgr.wire.limits import Limits
-from dgr.wire.prefix import PREFIX_BLOCK_TOKENS, block_hashes, prompt_blocks
+from dgr.runtime.wire.client import RouteClient
+from dgr.runtime.wire.gen import stage_pb2 as pb
+from dgr.runtime.wire.limits import Limits
+from dgr.runtime.wire.prefix import PREFIX_BLOCK_TOKENS, block_hashes, prompt_blocks
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
@@ -136,7 +136,7 @@ def test_a_conversation_lands_again_on_the_replicas_that_kept_its_history(engine
     gateway's memory of where prefixes were left (PrefixRoutes) continues it there and restores it, while a
     client without it goes to the first replicas, which hold nothing of it."""
     from dgr.app.demo import ensure_bundle
-    from dgr.wire.client import PrefixRoutes
+    from dgr.runtime.wire.client import PrefixRoutes
 
     b = ensure_bundle(3, progress=False)[0]
     with LocalRoute([["--bundle", str(b.root), "--stage", str(i), "--threads", "1", "--n-ctx", "1024"]
@@ -165,8 +165,9 @@ def test_a_conversation_lands_again_on_the_replicas_that_kept_its_history(engine
 def test_recurrent_and_hybrid_stages_keep_nothing_and_the_route_prefills_in_full(arch, engine_lib, tmp_path):
     """docs/families.md, "Prefix cache": a stage whose state is one running state per session keeps nothing
     (Describe says capacity 0), so a repeated prompt is prefilled again, with the same text."""
-    from dgr.synth import layer_kinds
-    from dgr.synthparity import choose_ranges, model_layers, synth_model
+    from dgr.toolchain.synth.generic import layer_kinds
+    from dgr.toolchain.synth.parity import choose_ranges, model_layers, synth_model
+
     from support.engine import long_prompts, make_bundle
 
     layers = model_layers(arch)

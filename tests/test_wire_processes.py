@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 from dgr.app.local import LocalRoute
+from dgr.runtime.wire.client import RouteClient
+from dgr.runtime.wire.errors import HopUnreachable
 from dgr.testing.fake_engine import FakeModel
-from dgr.wire.client import RouteClient
-from dgr.wire.errors import HopUnreachable
 
 SPEC = "layers=6,embd=16,cuts=2:4,hash_layers=3,seed=8"
 
@@ -75,8 +75,7 @@ def test_health_and_describe():
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    from dgr.wire.gen import stage_pb2 as pb
-    from dgr.wire.gen import stage_pb2_grpc as pb_grpc
+    from dgr.runtime.wire.gen import stage_pb2 as pb, stage_pb2_grpc as pb_grpc
 
     model = FakeModel.from_spec(SPEC)
     with _workers() as r:

@@ -5,9 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from dgr.errors import WireError
-from dgr.wire import codec, protogen
-from dgr.wire.gen import stage_pb2 as pb
+from dgr.core.errors import WireError
+from dgr.runtime.wire import codec
+from dgr.runtime.wire.gen import stage_pb2 as pb
+from dgr.toolchain import protogen
 
 
 def test_committed_stubs_match_the_proto():
@@ -65,7 +66,7 @@ def test_sampling_greedy_topk_topp_and_seed():
     engine library carries the same file)."""
     from functools import partial
 
-    from dgr.engine import sample as engine_sample
+    from dgr.runtime.engine import sample as engine_sample
     from dgr.testing.fake_engine import library_path
 
     sample = partial(engine_sample, lib=library_path())

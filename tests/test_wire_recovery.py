@@ -9,12 +9,11 @@ import sys
 
 import pytest
 
-from dgr.errors import WireError
-from dgr.wire.client import RouteClient, parse_route
-from dgr.wire.errors import HopUnreachable
+from dgr.core.errors import WireError
+from dgr.runtime.wire.client import RouteClient, parse_route
+from dgr.runtime.wire.errors import HopUnreachable
 
-from support.route import (MAX_NEW, PROMPT, SAMPLED, SPEC, die_at, fake_prompt_len, fake_route, reference,
-                           run_with_fault)
+from support.route import MAX_NEW, PROMPT, SAMPLED, SPEC, die_at, fake_prompt_len, fake_route, reference, run_with_fault
 
 
 def test_parse_route_replicas_and_errors():
@@ -224,8 +223,8 @@ def test_kill_9_on_k_and_i_quant_weights_resumes_to_the_same_tokens_and_logits(q
     first computed one decode step at a time. With weights in K- and I-quants (llama.cpp's own
     quantizer) both give the same logits bit for bit, so the text after the recovery point is the text
     of the uninterrupted run (before batch invariance, a Q4_K/Q6_K model's text changed here)."""
-    from dgr.engine import quantize
-    from dgr.synth import synth
+    from dgr.runtime.engine import quantize
+    from dgr.toolchain.synth.generic import synth
 
     from support.engine import make_bundle
 
@@ -246,7 +245,7 @@ def test_kill_9_on_a_route_that_is_not_batch_invariant_replays_the_history_as_fi
     re-prefill after a kill -9 replays prompt and generated tokens the way they were first computed
     (the prompt as one chunk, each generated token as its own step), so tokens and logits still equal
     the uninterrupted run's bit for bit."""
-    from dgr.synthparity import synth_model as synth_parity_model
+    from dgr.toolchain.synth.parity import synth_model as synth_parity_model
 
     from support.engine import make_bundle
 

@@ -10,13 +10,13 @@ import numpy as np
 import pytest
 
 from dgr.app.local import FakeRoute
-from dgr.engine_api import Step
+from dgr.runtime.engine_api import Step
+from dgr.runtime.wire import codec
+from dgr.runtime.wire.client import RouteClient
+from dgr.runtime.wire.errors import Overloaded, RemoteSchemaMismatch, WrongRange, WrongStage
+from dgr.runtime.wire.gen import stage_pb2 as pb, stage_pb2_grpc as pb_grpc
 from dgr.testing.fake_engine import FakeEngine, FakeModel
-from dgr.wire import codec
-from dgr.wire.client import RouteClient
-from dgr.wire.errors import Overloaded, RemoteSchemaMismatch, WrongRange, WrongStage
-from dgr.wire.gen import stage_pb2 as pb
-from dgr.wire.gen import stage_pb2_grpc as pb_grpc
+
 from support.wire import RawStream, open_on
 from support.worker import describe
 

@@ -10,9 +10,10 @@ import time
 import pytest
 
 from dgr.app.local import LocalRoute
-from dgr.wire.client import RouteClient
-from dgr.wire.errors import HopUnreachable, StageError
-from dgr.wire.gen import stage_pb2 as pb
+from dgr.runtime.wire.client import RouteClient
+from dgr.runtime.wire.errors import HopUnreachable, StageError
+from dgr.runtime.wire.gen import stage_pb2 as pb
+
 from support.wire import RawStream
 from support.worker import (describe, fake_route, open_route, prefill_frame, route_hops, sigcont, sigstop,
                             sigterm_and_time, stub, wait_for)

@@ -12,12 +12,12 @@ import numpy as np
 import pytest
 
 from dgr.app.local import FakeRoute, LocalRoute
-from dgr.errors import WireError
-from dgr.wire.client import RouteClient
-from dgr.wire.drafts import NgramDrafts, make_source
-from dgr.wire.errors import RemoteEngineError
-from dgr.wire.gen import stage_pb2 as pb
-from dgr.wire.stats import draft_stats, tokens_per_ring
+from dgr.core.errors import WireError
+from dgr.runtime.wire.client import RouteClient
+from dgr.runtime.wire.drafts import NgramDrafts, make_source
+from dgr.runtime.wire.errors import RemoteEngineError
+from dgr.runtime.wire.gen import stage_pb2 as pb
+from dgr.runtime.wire.stats import draft_stats, tokens_per_ring
 
 from support.route import SAMPLED, die_at, fake_prompt_len, fake_route
 from support.wire import RawStream
@@ -153,7 +153,7 @@ def test_rollback_only_drops_rejected_drafts():
         # stage 1 now holds 6 positions, none of them drafts: a rollback to 3 is refused there
         s = RawStream(route.addresses[1])
         try:
-            from dgr.wire import codec
+            from dgr.runtime.wire import codec
 
             d1 = hops[1]
             x = np.zeros((1, d1.schema_in.n_streams, d1.schema_in.n_embd), np.float32)
@@ -226,9 +226,9 @@ def test_tiny_llama_split_three_ways_speculative_equals_plain(engine_lib, tmp_pa
 
 @pytest.mark.engine
 def test_engine_truncate_drops_positions_and_recurrent_models_refuse(engine_lib, tmp_path):
-    from dgr.engine import Engine
-    from dgr.engine_api import Step
-    from dgr.errors import EngineError
+    from dgr.core.errors import EngineError
+    from dgr.runtime.engine import Engine
+    from dgr.runtime.engine_api import Step
 
     from support.engine import synth_model
 

@@ -9,9 +9,9 @@ import sys
 
 import pytest
 
-from dgr.wire.client import RouteClient
-from dgr.wire.errors import HopUnreachable
-from dgr.wire.tls import TlsConfig
+from dgr.runtime.wire.client import RouteClient
+from dgr.runtime.wire.errors import HopUnreachable
+from dgr.runtime.wire.tls import TlsConfig
 
 from support.route import PROMPT, SAMPLED, fake_route, make_ca, reference, tls_args
 

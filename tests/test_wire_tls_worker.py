@@ -1,4 +1,4 @@
-"""TLS on the worker (real worker processes, fake engine; raw channels through dgr.wire.tls): Describe
+"""TLS on the worker (real worker processes, fake engine; raw channels through dgr.runtime.wire.tls): Describe
 over TLS, mTLS refusing a peer without a certificate or from another CA, the plaintext-on-a-network
 refusal, and a session's frames accepted only from the peer that opened it at this stage."""
 
@@ -11,12 +11,10 @@ import grpc
 import numpy as np
 import pytest
 
-from dgr.wire import codec
-from dgr.wire import tls as wtls
-from dgr.wire.gen import stage_pb2 as pb
-from dgr.wire.gen import stage_pb2_grpc as pb_grpc
-from support.wire import open_on
-from support.wire import RawStream
+from dgr.runtime.wire import codec, tls as wtls
+from dgr.runtime.wire.gen import stage_pb2 as pb, stage_pb2_grpc as pb_grpc
+
+from support.wire import RawStream, open_on
 from support.worker import describe, fake_route, make_ca, prefill_frame, stub, tls_flags
 
 SPEC = "layers=4,embd=16,cuts=2,seed=11"

@@ -3,9 +3,9 @@ references.
 
 dgr-worker serves stages of a real bundle as a real process on loopback; the Python client talks to it. What it
 answers is held against what it must be, not against another worker: Describe field by field, and its
-descriptor JSON (address and uptime aside; valid for dgr.descriptor.Descriptor, the model of
+descriptor JSON (address and uptime aside; valid for dgr.core.descriptor.Descriptor, the model of
 docs/schemas/descriptor.schema.json), against the bundle (manifest.json and its blake3, the stage file's
-header), the pin, the engine library's bytes and the same stage opened in-process through dgr.engine.Engine
+header), the pin, the engine library's bytes and the same stage opened in-process through dgr.runtime.engine.Engine
 (vocabulary, stop ids, memory); Tokenize/Detokenize against that engine; OpenSession/CloseSession and Frames
 refusals against their typed errors, each message written out here (the contract). The binary is
 $DGR_WORKER_BIN (Bazel), else dgr-worker beside the engine library; a missing binary fails with how to build it.
@@ -29,18 +29,18 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from dgr import descriptor as dd
-from dgr.bundle import load_bundle
-from dgr.buildinfo import build_info
-from dgr.constants import DEFAULT_MAX_SESSIONS, DEFAULT_N_CTX
-from dgr.contract import WIRE_DTYPES
-from dgr.descriptor import Descriptor
-from dgr.engine import Engine
-from dgr.ggufmodel import read_header
-from dgr.wire.codec import DEFAULT_MAX_MESSAGE_BYTES
-from dgr.wire.limits import Limits
-from dgr.wire.gen import stage_pb2 as pb
-from dgr.wire.gen import stage_pb2_grpc as pb_grpc
+from dgr.core import descriptor as dd
+from dgr.core.constants import DEFAULT_MAX_SESSIONS, DEFAULT_N_CTX
+from dgr.core.contract import WIRE_DTYPES
+from dgr.core.descriptor import Descriptor
+from dgr.gguf.model import read_header
+from dgr.runtime.engine import Engine
+from dgr.runtime.wire.codec import DEFAULT_MAX_MESSAGE_BYTES
+from dgr.runtime.wire.gen import stage_pb2 as pb, stage_pb2_grpc as pb_grpc
+from dgr.runtime.wire.limits import Limits
+from dgr.toolchain.buildinfo import build_info
+from dgr.toolchain.bundle import load_bundle
+
 from support.engine import make_bundle, synth_model
 
 READY = re.compile(r"serving on (\S+)")

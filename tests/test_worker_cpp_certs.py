@@ -2,8 +2,8 @@
 of real certificate files (a matching one, one whose contract changed, one with a failed figure, one for
 another bundle, one for another stage, one that is not a certificate, one for another worker binary, one made
 before certificates named the worker binary) gives exactly the matching certificate in the descriptor (as
-dgr.descriptor.HeldCertificate from the certificate file: its digest, contract, lane, date, summary), and each
-one ignored is logged with its reason, every line written out here (dgr.certificate.check's words). A
+dgr.core.descriptor.HeldCertificate from the certificate file: its digest, contract, lane, date, summary), and each
+one ignored is logged with its reason, every line written out here (dgr.core.certificate.check's words). A
 certificate names the worker binary (worker_blake3: dgr-worker's executable)."""
 
 from __future__ import annotations
@@ -13,13 +13,14 @@ import re
 import subprocess
 
 import pytest
-
-from dgr.certificate import (Certificate, ContractRef, Figure, Hardware, Identity, StageRange, contract_hash,
-                             load_certificate)
-from dgr.descriptor import HeldCertificate
-from dgr.hashing import file_blake3
-from support.certify import write_contract
 from test_worker_cpp import cpp, tiny  # noqa: F401  (fixtures)
+
+from dgr.core.certificate import (Certificate, ContractRef, Figure, Hardware, Identity, StageRange, contract_hash,
+                                  load_certificate)
+from dgr.core.descriptor import HeldCertificate
+from dgr.core.hashing import file_blake3
+
+from support.certify import write_contract
 
 LOGGED = re.compile(r"(ignoring .*|advertising certificate .*)$")
 
@@ -27,7 +28,7 @@ LOGGED = re.compile(r"(ignoring .*|advertising certificate .*)$")
 def _identity(tiny, worker_bin) -> dict:
     p = cpp(worker_bin, tiny, 0)
     try:
-        from dgr.wire.gen import stage_pb2 as pb
+        from dgr.runtime.wire.gen import stage_pb2 as pb
         return json.loads(p.stub.Describe(pb.DescribeRequest()).descriptor_json)["identity"]
     finally:
         p.stop()
@@ -84,7 +85,7 @@ def certs(tmp_path_factory, tiny, worker_bin):
 
 
 def _served(proc) -> tuple[list, list[str]]:
-    from dgr.wire.gen import stage_pb2 as pb
+    from dgr.runtime.wire.gen import stage_pb2 as pb
     try:
         d = json.loads(proc.stub.Describe(pb.DescribeRequest()).descriptor_json)
     finally:
@@ -93,7 +94,7 @@ def _served(proc) -> tuple[list, list[str]]:
 
 
 def _short(h: str) -> str:
-    return h[:16]                                  # how check() names a hash (dgr.certificate._short)
+    return h[:16]                                  # how check() names a hash (dgr.core.certificate._short)
 
 
 @pytest.mark.parametrize("with_contract", [False, True])

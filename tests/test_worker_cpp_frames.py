@@ -1,12 +1,12 @@
 """dgr-worker's data path (issue 21 phase 2, docs/worker.md): routes of dgr-worker processes generate
 through the Python client exactly what the model run in this process does: the same tokens, bit-identical
 logits (f32 boundaries, CPU), the same draws when sampling, and, with a lossy wire dtype, what the stages do
-in this process with every boundary through the codec's numpy conversion (dgr.wire.codec).
+in this process with every boundary through the codec's numpy conversion (dgr.runtime.wire.codec).
 
 Real processes on loopback, the real engine. A tiny synthetic bundle (3 stages) carries most cases; SmolLM2
-split 3 ways is the real model. The references are independent of dgr-worker: dgr.engine.Engine in this
+split 3 ways is the real model. The references are independent of dgr-worker: dgr.runtime.engine.Engine in this
 process (the whole model, or its stages chained here), greedy by numpy's argmax, sampled by
-dgr.engine.sample (the engine library's own dgr_sample, the one sampler dgr-worker draws with).
+dgr.runtime.engine.sample (the engine library's own dgr_sample, the one sampler dgr-worker draws with).
 """
 
 from __future__ import annotations
@@ -19,19 +19,18 @@ from itertools import count
 import grpc
 import numpy as np
 import pytest
+from test_worker_cpp import cpp_stages
 
-from dgr.engine import Engine
-from dgr.engine_api import Step
-from dgr.wire import codec
-from dgr.wire.client import RouteClient
-from dgr.wire.errors import RemoteEngineError
-from dgr.wire.gen import stage_pb2 as pb
-from dgr.wire.gen import stage_pb2_grpc as pb_grpc
-from dgr.engine import sample
-from dgr.wire.stats import summarize
+from dgr.runtime.engine import Engine, sample
+from dgr.runtime.engine_api import Step
+from dgr.runtime.wire import codec
+from dgr.runtime.wire.client import RouteClient
+from dgr.runtime.wire.errors import RemoteEngineError
+from dgr.runtime.wire.gen import stage_pb2 as pb, stage_pb2_grpc as pb_grpc
+from dgr.runtime.wire.stats import summarize
+
 from support.engine import make_bundle, synth_model
 from support.worker import prefill_frame, route_hops
-from test_worker_cpp import cpp_stages
 
 PROMPT = "The three primary colors are"
 MAX_NEW = 12
@@ -98,7 +97,7 @@ def reference(engines: list[Engine], ids: list[int], max_new: int, *, logits: st
     """Generation by `engines` in this process (one engine: the whole model; several: its stages chained
     here, each boundary through `transform` when given): the prompt in chunks of `chunk_tokens` (0: one
     step), then one token per step, each drawn from its row greedily (the first maximum) or by
-    dgr.engine.sample keyed by (seed, the row's position). `logits` "all" keeps the prompt's rows too."""
+    dgr.runtime.engine.sample keyed by (seed, the row's position). `logits` "all" keeps the prompt's rows too."""
     sid = f"ref{next(_SIDS)}"
     for e in engines:
         e.open_session(sid, 1)
@@ -204,7 +203,7 @@ def test_context_limit_is_the_clear_error(routes, whole):
         got = c.last
     assert str(e.value) == f"{codec.hop_name(0, routes[0])}: {context_full(N_CTX, N_CTX)}"
     # What fit is the whole model's, every draw of it: the draw from the last row (255) too. The origin sends
-    # the error after the ring's tokens (frames.cpp deliver_to_client: errors queue behind the tokens being
+    # the error after the ring's tokens (origin.cpp deliver_to_client: errors queue behind the tokens being
     # detokenized), so it never overtakes one.
     ref = reference([whole], ids, N_CTX - len(ids) + 1)
     k = len(got.token_ids)
@@ -335,7 +334,7 @@ def test_smollm2_three_stages_equal_whole_model(smol_route, smollm2_gguf, engine
 @pytest.mark.parametrize("dtype", ["f16", "bf16", "q8_0"])
 def test_lossy_wire_dtypes_equal_the_codec_split(tiny, worker_bin, engine_lib, whole, dtype):
     """ggml's converters (the engine library's) in dgr-worker: a route in a lossy wire dtype generates what
-    the stages chained in this process do with every boundary through dgr.wire.codec's numpy conversion
+    the stages chained in this process do with every boundary through dgr.runtime.wire.codec's numpy conversion
     (equal to ggml's bit for bit), greedy and sampled; which is not what f32 boundaries give."""
     code = codec.DTYPES[dtype]
     lossy = lambda x: codec.decode(codec.encode(x, code))      # noqa: E731
@@ -363,7 +362,7 @@ def test_lossy_wire_dtypes_equal_the_codec_split(tiny, worker_bin, engine_lib, w
 def test_deepseek4_token_id_sideband_equals_whole_model(tmp_path, engine_lib, worker_bin):
     """V4's hash-routed layers past stage 0 need the token ids beside the boundary: a split inside the hash
     layers through dgr-workers equals the whole model (prefilled in the route's 64-token chunks)."""
-    from dgr.synth_deepseek4 import synth_deepseek4
+    from dgr.toolchain.synth.deepseek4 import synth_deepseek4
 
     v4 = synth_deepseek4(tmp_path / "v4.gguf", layers=6, hash_layers=3)
     bundle = make_bundle(v4, [(0, 1), (1, 2), (2, 6)], tmp_path / "store", name="v4").root

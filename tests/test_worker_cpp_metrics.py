@@ -1,6 +1,6 @@
 """dgr-worker's Prometheus metrics (`--metrics-listen`, issue 21 phase 4, docs/worker.md): the metric
 families, types and labels users' dashboards read (written out below: the names the Python worker,
-dgr.wire.state.WorkerMetrics, served), counters that move with a generation by what it did, bytes per seam
+dgr.runtime.wire.state.WorkerMetrics, served), counters that move with a generation by what it did, bytes per seam
 equal on both sides, the URL in the descriptor; scraped from real worker processes."""
 
 from __future__ import annotations
@@ -19,14 +19,14 @@ import grpc
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.utils import floatToGoString
+from test_worker_cpp import cpp
 
-from dgr.wire.client import RouteClient
-from dgr.wire.gen import stage_pb2 as pb
-from dgr.wire.gen import stage_pb2_grpc as pb_grpc
+from dgr.runtime.wire.client import RouteClient
+from dgr.runtime.wire.gen import stage_pb2 as pb, stage_pb2_grpc as pb_grpc
+
 from support.engine import make_bundle, synth_model
 from support.metrics import scrape, value
 from support.worker import make_ca, tls_flags, wait_for
-from test_worker_cpp import cpp
 
 FLAGS = ("--threads", "1", "--n-ctx", "256")
 METRICS = ("--metrics-listen", "127.0.0.1:0")

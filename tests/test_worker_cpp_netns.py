@@ -30,7 +30,7 @@ from pathlib import Path
 import pytest
 
 from dgr.app.local import FakeRoute
-from dgr.wire.client import RouteClient
+from dgr.runtime.wire.client import RouteClient
 
 SPEC = "layers=6,embd=16,cuts=2:4,seed=1"
 PROMPT = "The capital of France is"
@@ -189,8 +189,8 @@ class Worker:
 _PROBE = r"""
 import json, sys
 import grpc
-from dgr.wire.gen import stage_pb2 as pb, stage_pb2_grpc as pb_grpc
-from dgr.wire.client import RouteClient
+from dgr.runtime.wire.gen import stage_pb2 as pb, stage_pb2_grpc as pb_grpc
+from dgr.runtime.wire.client import RouteClient
 job = json.loads(sys.argv[1])
 out = {"described": []}
 for a in job["describe"]:

@@ -14,15 +14,15 @@ import time
 import grpc
 import numpy as np
 import pytest
-
-from dgr.wire.client import RouteClient
-from dgr.wire.errors import StageError
-from dgr.wire.gen import stage_pb2 as pb
-from dgr.wire.gen import stage_pb2_grpc as pb_grpc
-from support.wire import RawStream
-from support.worker import open_route, route_hops
 from test_worker_cpp import cpp
 from test_worker_cpp_frames import FLAGS, SAMPLED, tiny  # noqa: F401  (tiny: the fixture)
+
+from dgr.runtime.wire.client import RouteClient
+from dgr.runtime.wire.errors import StageError
+from dgr.runtime.wire.gen import stage_pb2 as pb, stage_pb2_grpc as pb_grpc
+
+from support.wire import RawStream
+from support.worker import open_route, route_hops
 
 PROMPT_IDS = list(range(5, 25))
 

@@ -1,9 +1,9 @@
 """dgr-worker's speculative decoding (issue 21 phase 4, docs/worker.md): n-gram drafts at the origin
-(worker/server/drafts.cpp, the port of dgr.wire.drafts), verified by the last stage in the same ring, rejected
+(worker/server/drafts.cpp, the port of dgr.runtime.wire.drafts), verified by the last stage in the same ring, rejected
 drafts rolled back on every stage. A route of dgr-workers with speculation generates exactly what it does
-without (tokens, text, bit-identical logits) and what the whole model does in process (dgr.engine.Engine:
+without (tokens, text, bit-identical logits) and what the whole model does in process (dgr.runtime.engine.Engine:
 greedy, or sampled with the engine library's own sampler, dgr_sample); a route cut differently speculates
-alike; and its rings are the ones dgr.wire.drafts.NgramDrafts predicts on the tokens generated (the same
+alike; and its rings are the ones dgr.runtime.wire.drafts.NgramDrafts predicts on the tokens generated (the same
 drafts, accepted at the same tokens).
 
 Real processes on loopback, the real engine, a tiny synthetic bundle (3 stages; the same model in 2 stages).
@@ -17,14 +17,15 @@ import sys
 
 import numpy as np
 import pytest
+from test_worker_cpp import cpp_stages
 
-from dgr.wire.client import RouteClient
-from dgr.wire.drafts import DEFAULT_DRAFT_K, NgramDrafts
-from dgr.wire.gen import stage_pb2 as pb
-from dgr.wire.stats import draft_stats, rings, tokens_per_ring
+from dgr.runtime.wire.client import RouteClient
+from dgr.runtime.wire.drafts import DEFAULT_DRAFT_K, NgramDrafts
+from dgr.runtime.wire.gen import stage_pb2 as pb
+from dgr.runtime.wire.stats import draft_stats, rings, tokens_per_ring
+
 from support.engine import make_bundle, synth_model
 from support.worker import prefill_frame, route_hops
-from test_worker_cpp import cpp_stages
 
 # a prompt that restates itself: prompt lookup finds what follows, and the tiny model's greedy loop too
 PROMPT = [1] + [20, 21, 22, 23, 24, 25] * 6
@@ -79,8 +80,8 @@ def _same(a, b):
 def _whole(gguf, engine_lib, ids, max_new, temperature=0.0, top_k=0, top_p=0.0, seed=0):
     """The whole model in this process: each token drawn from the last row by the engine library's dgr_sample
     (greedy: its first maximum), keyed by the row's position as the last stage keys it. Tokens and rows."""
-    from dgr.engine import Engine, load_library
-    from dgr.engine_api import Step
+    from dgr.runtime.engine import Engine, load_library
+    from dgr.runtime.engine_api import Step
 
     lib = load_library(engine_lib)
     lib.dgr_sample.argtypes = [C.POINTER(C.c_float), C.c_int32, C.c_double, C.c_int32, C.c_double, C.c_uint64,
@@ -121,8 +122,8 @@ def _rings(gen):
 
 
 def _predicted_rings(prompt, tokens, max_new, draft_k=DEFAULT_DRAFT_K):
-    """The rings the origin runs when the last stage's draws are `tokens` (dgr.wire.origin._next_step with
-    dgr.wire.drafts.NgramDrafts): per token (token, speculated, drafted, accepted); the ring's accepted drafts
+    """The rings the origin runs when the last stage's draws are `tokens` (dgr.runtime.wire.origin._next_step with
+    dgr.runtime.wire.drafts.NgramDrafts): per token (token, speculated, drafted, accepted); the ring's accepted drafts
     come back as speculated tokens, then the token that closes it carries how many it drafted and accepted."""
     src, history = NgramDrafts(), list(prompt) + tokens[:1]
     out, produced = [(tokens[0], False, 0, 0)], 1              # the prefill's ring: no drafts
@@ -208,7 +209,7 @@ def test_stop_token_and_max_tokens_inside_an_accepted_draft(routes):
 def test_bad_draft_requests_are_refused_by_name(routes, worker_bin):
     import grpc
 
-    from dgr.wire.gen import stage_pb2_grpc as pb_grpc
+    from dgr.runtime.wire.gen import stage_pb2_grpc as pb_grpc
 
     addresses = routes["cpp"]
     with RouteClient(addresses) as c:

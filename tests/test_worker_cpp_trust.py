@@ -16,16 +16,15 @@ import threading
 import grpc
 import numpy as np
 import pytest
+from test_worker_cpp import cpp, cpp_stages
 
-from dgr.wire import codec
-from dgr.wire import tls as wtls
-from dgr.wire.client import RouteClient
-from dgr.wire.errors import HopUnreachable
-from dgr.wire.gen import stage_pb2 as pb
-from dgr.wire.gen import stage_pb2_grpc as pb_grpc
+from dgr.runtime.wire import codec, tls as wtls
+from dgr.runtime.wire.client import RouteClient
+from dgr.runtime.wire.errors import HopUnreachable
+from dgr.runtime.wire.gen import stage_pb2 as pb, stage_pb2_grpc as pb_grpc
+
 from support.engine import make_bundle, synth_model
 from support.worker import make_ca, prefill_frame, route_hops, tls_flags, wait_for
-from test_worker_cpp import cpp_stages, cpp
 
 FLAGS = ("--threads", "1", "--n-ctx", "512")
 PROMPT_IDS = [5, 9, 2, 7, 11, 3, 8]

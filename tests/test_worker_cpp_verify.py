@@ -1,6 +1,6 @@
 """dgr-worker checks its stage file against the bundle manifest before loading it (docs/worker.md, "Stage file
 check"): chunk by chunk with the official BLAKE3 C implementation (pinned: worker/third_party/blake3.json), the
-first bad chunk named in the Python verifier's words (dgr.bundle.verify_bundle), before the engine library is
+first bad chunk named in the Python verifier's words (dgr.toolchain.bundle.verify_bundle), before the engine library is
 even loaded. Real files, a real dgr-worker process; the bundle is a tiny synthetic one built with 4 KiB chunks,
 so a stage file spans many chunks.
 """
@@ -18,8 +18,9 @@ import blake3
 import numpy as np
 import pytest
 
-from dgr.bundle import build, load_bundle, verify_bundle
-from dgr.errors import BundleError
+from dgr.core.errors import BundleError
+from dgr.toolchain.bundle import build, load_bundle, verify_bundle
+
 from support.engine import b3, synth_model
 
 CHUNK = 4096
@@ -171,11 +172,11 @@ def test_the_c_blake3_equals_the_python_package(worker_bin, tmp_path):
 
 
 def test_the_pinned_blake3_sources_are_checked_file_by_file(tmp_path):
-    """dgr.upstream.vendored: the archive the pin names (sha256), then each pinned file's blake3; a file that
+    """dgr.toolchain.upstream.vendored: the archive the pin names (sha256), then each pinned file's blake3; a file that
     differs is refused by name, and a changed file in the workspace is extracted again."""
-    from dgr.errors import UpstreamError
-    from dgr.paths import workspace
-    from dgr.upstream import fetch_vendored, load_vendored_pin
+    from dgr.core.errors import UpstreamError
+    from dgr.core.paths import workspace
+    from dgr.toolchain.upstream import fetch_vendored, load_vendored_pin
 
     pin = load_vendored_pin()
     archive = fetch_vendored(pin).parent.parent / "cache" / "downloads" / f"{pin.key}.tar.gz"

@@ -9,8 +9,9 @@ import sys
 
 import pytest
 
-from dgr.wire.client import RouteClient
-from dgr.wire.gen import stage_pb2 as pb
+from dgr.runtime.wire.client import RouteClient
+from dgr.runtime.wire.gen import stage_pb2 as pb
+
 from support.metrics import metrics_urls, scrape, value
 from support.route import PROMPT, fake_route
 from support.wire import RawStream, open_on
@@ -81,7 +82,7 @@ def test_a_bad_request_moves_the_error_counter_of_its_code():
             # an open session, then a step whose positions are not contiguous: BAD_FRAME, twice
             import grpc
 
-            from dgr.wire.gen import stage_pb2_grpc as pb_grpc
+            from dgr.runtime.wire.gen import stage_pb2_grpc as pb_grpc
             with grpc.insecure_channel(r.addresses[1]) as ch:
                 assert not open_on(pb_grpc.StageStub(ch), r.addresses, 1, descs, "s", 1).HasField("error")
             for _ in range(2):
@@ -119,6 +120,7 @@ def test_metrics_over_mutual_tls(tmp_path):
     import urllib.request
 
     from dgr.app.local import LocalRoute
+
     from support.worker import make_ca, tls_flags
 
     cfg = make_ca(tmp_path / "ca", ["w0", "scraper"])
@@ -137,6 +139,7 @@ def test_metrics_over_mutual_tls(tmp_path):
 @pytest.mark.engine
 def test_real_engine_counters_move(tmp_path, engine_lib):
     from dgr.app.local import LocalRoute
+
     from support.engine import make_bundle, synth_model
 
     bundle = make_bundle(synth_model(tmp_path, "llama"), [(0, 3), (3, 6)], tmp_path)

@@ -18,10 +18,11 @@ from pathlib import Path
 import gguf
 import openai
 import pytest
-from support.engine import b3, synth_model
-from support.deploy import private_engine
 
-from dgr.engine import quantize
+from dgr.runtime.engine import quantize
+
+from support.deploy import private_engine
+from support.engine import b3, synth_model
 
 pytestmark = [pytest.mark.slow]
 
@@ -47,7 +48,7 @@ def walk(tmp_path_factory, engine_lib):
     env = {**os.environ, **private_engine(engine_lib, root / "engine"), "DGR_WORKSPACE": str(root / "workspace")}
 
     def dgr(*args: str, cwd: Path = root, timeout: float = 300, ok: bool = True) -> subprocess.CompletedProcess:
-        p = subprocess.run([sys.executable, "-m", "dgr.cli", *args], cwd=cwd, env=env, capture_output=True,
+        p = subprocess.run([sys.executable, "-m", "dgr.cli.main", *args], cwd=cwd, env=env, capture_output=True,
                            text=True, timeout=timeout)
         if ok:
             assert p.returncode == 0, f"dgr {' '.join(args)}: rc {p.returncode}\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}"
@@ -135,7 +136,7 @@ threads = 1
             if template:
                 (root / "chatml.jinja").write_text(template)
                 args += ["--chat-template", str(root / "chatml.jinja")]
-            serve = subprocess.Popen([sys.executable, "-m", "dgr.cli", *args], cwd=root, env=walk["env"],
+            serve = subprocess.Popen([sys.executable, "-m", "dgr.cli.main", *args], cwd=root, env=walk["env"],
                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
             try:
                 client = openai.OpenAI(base_url=f"http://127.0.0.1:{ports[3]}/v1", api_key="none", max_retries=0)

@@ -1,6 +1,6 @@
 """The official BLAKE3 C implementation dgr-worker compiles in, pinned and verified, as `@blake3`.
 
-The Bazel side of `dgr.upstream.vendored` (tools/dgr/upstream/vendored.py): one repository rule for both
+The Bazel side of `dgr.toolchain.upstream.vendored` (tools/dgr/toolchain/upstream/vendored.py): one repository rule for both
 Bazel paths (WORKSPACE offline, MODULE.bazel through `use_repo_rule`). It reads the single pin file
 `worker/third_party/blake3.json` with `json.decode` (nothing here repeats the pin), then:
 
@@ -64,7 +64,7 @@ def _blake3_repository_impl(ctx):
     tried = []
     origin = None
     for src in pin["sources"]:
-        # the name dgr's download cache gives it (dgr.pin: a sdist's filename, an archive's <key>.tar.gz)
+        # the name dgr's download cache gives it (dgr.toolchain.pin: a sdist's filename, an archive's <key>.tar.gz)
         name = src.get("filename") or (key + ".tar.gz")
         cached = cache.get_child(name)
         url = src.get("url", "")

@@ -1,6 +1,6 @@
 """Backend lanes: one table and one macro per side, never a copy per backend.
 
-A lane is a backend build of llama.cpp + the ShardEngine (dgr.constants.LANES). Every lane has the
+A lane is a backend build of llama.cpp + the ShardEngine (dgr.core.constants.LANES). Every lane has the
 same targets, made by the macros below from the `LANES` table:
 
   @llama_cpp//:ggml_<lane>            ggml's backend registry with the lane's backend linked in

@@ -8,7 +8,7 @@ Bazel, through `use_repo_rule`). It reads the single pin file `toolchains/llama.
    (`$DGR_WORKSPACE/upstream/src-<commit>/`, default `<repo>/.dgr`), or else extracts an archive the
    pin names: from the workspace's download cache (`cache/downloads/<file>`) or from the pin's URL,
    checked against the pin's sha256 either way;
-2. checks the tree hash by running `tools/dgr/treehash.py --expect` (the one implementation, shared
+2. checks the tree hash by running `tools/dgr/toolchain/treehash.py --expect` (the one implementation, shared
    with dgr and Nix); with the pin's listing (`tree_listing`) it names the first changed file;
 3. checks that `patches/llama.cpp/` holds exactly the pin's patch list, and each patch's blake3;
    a patch that changed by one byte fails here, named. A lane's own patches
@@ -239,7 +239,7 @@ llama_cpp_repository = repository_rule(
     implementation = _llama_cpp_repository_impl,
     attrs = {
         "pin": attr.label(default = "//toolchains:llama.cpp.pin.json", allow_single_file = True),
-        "_treehash": attr.label(default = "//tools/dgr:treehash.py", allow_single_file = True),
+        "_treehash": attr.label(default = "//tools/dgr:toolchain/treehash.py", allow_single_file = True),
         "_blake3sum": attr.label(default = "//toolchains/bazel:blake3sum.py", allow_single_file = True),
         "_build_template": attr.label(default = "//toolchains/bazel:llama.cpp.BUILD.bazel", allow_single_file = True),
     },

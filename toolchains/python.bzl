@@ -15,7 +15,7 @@ def dgr_py_tests(srcs, lane = "cpu", data = [], slow = [], tags = [], cmake_engi
     flags on both sides), so they keep dgr's own CMake build rather than the Bazel one. A test file
     that collects no tests fails (the launcher keeps pytest's exit 5); helpers go in `data`."""
     engine = "//worker/engine:libdgr_engine_%s.so" % lane
-    # dgr-worker (docs/worker.md), as $DGR_WORKER_BIN (a runfiles path; dgr.paths.env_path resolves it)
+    # dgr-worker (docs/worker.md), as $DGR_WORKER_BIN (a runfiles path; dgr.core.paths.env_path resolves it)
     worker = "//worker/server:dgr-worker"
     # the fake engine (worker/fake), as $DGR_FAKE_ENGINE_LIB (a runfiles path; dgr.testing.fake_engine
     # resolves it): for the in-process fake and for dgr-worker --fake-engine

@@ -10,7 +10,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from dgr.paths import workspace
+from dgr.core.paths import workspace
 
 REPO = Path(__file__).resolve().parents[2]
 PROBE = "@llama_cpp//:ggml_cuda_backend_probe.so"

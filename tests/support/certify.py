@@ -8,7 +8,7 @@ from pathlib import Path
 # A contract for tests: the same shape as certification/alpha.toml, small prompts, speed rows on every
 # bundle (synthetic ones too) with thresholds of 0, which any measurement meets (a ratio >= 0 always
 # holds). No test judges this machine's speed: a test that needs a failing speed row gives the numbers
-# (monkeypatching dgr.certify.runner.measure_speed), and dgr.certify.speed_figures is tested with given ones.
+# (monkeypatching dgr.app.certify.runner.measure_speed), and dgr.app.certify.speed_figures is tested with given ones.
 TEST_CONTRACT = """\
 name = "test"
 lane = "cpu"
@@ -39,7 +39,7 @@ def write_contract(path: Path, decode: float = 0.0, prefill: float = 0.0) -> Pat
 
 
 def tiny_llama_bundle(root: Path, ranges=((0, 2), (2, 4), (4, 6))):
-    """A 6-layer random-weight llama (`dgr synth`) split at `ranges`, built by dgr.bundle.build."""
+    """A 6-layer random-weight llama (`dgr synth`) split at `ranges`, built by dgr.toolchain.bundle.build."""
     from support.engine import make_bundle, synth_model
 
     root.mkdir(parents=True, exist_ok=True)
@@ -49,6 +49,6 @@ def tiny_llama_bundle(root: Path, ranges=((0, 2), (2, 4), (4, 6))):
 
 def dgr(argv: list[str]) -> int:
     """`dgr ARGV` in this process; the exit code."""
-    from dgr import cli
+    from dgr.cli.main import main
 
-    return cli.main(argv)
+    return main(argv)

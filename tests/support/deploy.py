@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from support.engine import make_bundle, synth_model
 
 REPO = Path(__file__).resolve().parents[2]
@@ -29,7 +30,7 @@ def write(path: Path, text: str) -> Path:
 
 def dgr(*args: str, env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
     """`dgr ARGS` as a user runs it (a fresh process of this checkout's Python)."""
-    return subprocess.run([sys.executable, "-m", "dgr.cli", *args], cwd=REPO, capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "dgr.cli.main", *args], cwd=REPO, capture_output=True, text=True,
                           timeout=timeout, env={**os.environ, **(env or {})})
 
 

@@ -9,10 +9,10 @@ from pathlib import Path
 import gguf
 import numpy as np
 
-from dgr.engine import Engine
-from dgr.engine_api import Step
-from dgr.hashing import file_blake3
-from dgr.parity import Schedule, compare, open_stages, run_pipeline
+from dgr.core.hashing import file_blake3
+from dgr.runtime.engine import Engine
+from dgr.runtime.engine_api import Step
+from dgr.toolchain.parity import Schedule, compare, open_stages, run_pipeline
 
 
 def b3(path: Path) -> str:
@@ -21,14 +21,14 @@ def b3(path: Path) -> str:
 
 
 def synth_model(dirpath: Path, arch: str, layers: int = 6, embd: int = 64, seed: int = 7) -> Path:
-    from dgr.synth import synth
+    from dgr.toolchain.synth.generic import synth
 
     return synth(arch, layers, embd, seed, Path(dirpath) / f"{arch}-{layers}L.gguf")
 
 
 def make_bundle(src: Path, ranges: list[tuple[int, int]], store: Path, name: str = "t"):
-    """A bundle of `src` split at `ranges`, written by dgr.bundle.build from a recipe."""
-    from dgr.bundle import build
+    """A bundle of `src` split at `ranges`, written by dgr.toolchain.bundle.build from a recipe."""
+    from dgr.toolchain.bundle import build
 
     store.mkdir(parents=True, exist_ok=True)
     recipe = store / f"{name}.toml"

@@ -115,8 +115,8 @@ def mutate_gguf(data: bytes, fields: list[Field], header_end: int, rng: random.R
 # restarts it after a crash (the file being opened is the crash's reproducer).
 _OPENER = r"""
 import json, sys
-from dgr.engine import Engine
-from dgr.errors import DgrError
+from dgr.runtime.engine import Engine
+from dgr.core.errors import DgrError
 for line in sys.stdin:
     path = line.strip()
     print("@@" + json.dumps({"start": path}), flush=True)
@@ -259,7 +259,7 @@ def frame_mutations(pb, codec, good_schema, shape_tail: tuple[int, int], sid: st
 
 def whole_model(spec: str, ids: list[int], n: int) -> list[int]:
     """Greedy tokens from the unsplit fake model `spec` (no wire involved): the expected text's ids."""
-    from dgr.engine_api import Step
+    from dgr.runtime.engine_api import Step
     from dgr.testing.fake_engine import FakeEngine, FakeModel
 
     e = FakeEngine(FakeModel.from_spec(spec))

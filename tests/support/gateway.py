@@ -15,12 +15,12 @@ from dataclasses import dataclass
 import openai
 import pytest
 
+from dgr.app.gateway import chat
+from dgr.app.gateway.app import create_app
+from dgr.app.gateway.route import RouteBackend
+from dgr.app.gateway.server import GatewayServer
 from dgr.app.local import LocalRoute
-from dgr.gateway import chat
-from dgr.gateway.app import create_app
-from dgr.gateway.route import RouteBackend
-from dgr.gateway.server import GatewayServer
-from dgr.wire.client import RouteClient
+from dgr.runtime.wire.client import RouteClient
 
 
 @dataclass

@@ -21,8 +21,8 @@ def llama_simple() -> Path:
         if not exe.is_file():
             raise FileNotFoundError(f"${BIN_ENV}={env} has no {TARGET}; unset it to build one")
         return exe
-    from dgr.enginebuild import ensure_engine
-    from dgr.locks import locked
+    from dgr.core.locks import locked
+    from dgr.toolchain.enginebuild import ensure_engine
 
     bdir = ensure_engine("cpu").parent  # the configured CMake tree (built and cached like the engine)
     # the same lock as the engine build of this folder: one Ninja at a time in it

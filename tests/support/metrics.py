@@ -12,7 +12,7 @@ from pathlib import Path
 from prometheus_client.parser import text_string_to_metric_families
 
 from dgr.app.local import LocalRoute
-from dgr.descriptor import Descriptor
+from dgr.core.descriptor import Descriptor
 
 _METRICS = re.compile(r"metrics on (\S+)")
 
@@ -62,10 +62,9 @@ def cert_identity(desc: Descriptor, **override) -> dict:
 
 def write_certificate(path: Path, identity: dict, stages: list[tuple[int, int, int]], contract: Path, *,
                       passed: bool = True) -> str:
-    """A certificate of `identity` (the fields of dgr.certificate.Identity but the contract hash) for
+    """A certificate of `identity` (the fields of dgr.core.certificate.Identity but the contract hash) for
     `stages` [(stage, begin, end)], measured against `contract` as it is now; returns its id (digest)."""
-    from dgr import certificate as cm
-
+    from dgr.core import certificate as cm
     h = cm.contract_hash(contract)
     cert = cm.Certificate(
         identity=cm.Identity(**identity, contract_blake3=h),

@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 from dgr.app.local import FakeRoute, LocalRoute
-from dgr.wire.client import RouteClient
+from dgr.runtime.wire.client import RouteClient
 
 SPEC = "layers=6,embd=16,cuts=2:4,hash_layers=3,seed=8"
 PROMPT = "Once upon a time, the ring"

@@ -16,11 +16,11 @@ from pathlib import Path
 
 import pytest
 
-from dgr import treehash, upstream
-from dgr.hashing import file_sha256
+from dgr.core.hashing import file_sha256
+from dgr.toolchain import treehash, upstream
 
 REPO = Path(__file__).resolve().parents[2]
-TREEHASH_SCRIPT = REPO / "tools" / "dgr" / "treehash.py"
+TREEHASH_SCRIPT = REPO / "tools" / "dgr" / "toolchain" / "treehash.py"
 FAKE_COMMIT = "ab" * 20  # the tiny upstream's "commit" (any 40 hex)
 
 TINY_FILES = {

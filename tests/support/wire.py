@@ -8,8 +8,7 @@ import threading
 
 import grpc
 
-from dgr.wire.gen import stage_pb2 as pb
-from dgr.wire.gen import stage_pb2_grpc as pb_grpc
+from dgr.runtime.wire.gen import stage_pb2 as pb, stage_pb2_grpc as pb_grpc
 
 
 def open_on(stub, addresses, hop_index, descs, sid, epoch):
@@ -27,8 +26,8 @@ class RawStream:
     """Act as the previous hop: send hand-made frames, read the typed replies."""
 
     def __init__(self, address, tls=None):
-        """`tls`: a dgr.wire.tls.TlsConfig to present (a peer holding that certificate), or plaintext."""
-        from dgr.wire.tls import channel
+        """`tls`: a dgr.runtime.wire.tls.TlsConfig to present (a peer holding that certificate), or plaintext."""
+        from dgr.runtime.wire.tls import channel
 
         self.channel = channel(address, tls)
         self.q, self.replies = queue.Queue(), queue.Queue()

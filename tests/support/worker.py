@@ -11,9 +11,8 @@ from pathlib import Path
 import grpc
 
 from dgr.app.local import FakeRoute, LocalRoute
-from dgr.wire import tls as wtls
-from dgr.wire.gen import stage_pb2 as pb
-from dgr.wire.gen import stage_pb2_grpc as pb_grpc
+from dgr.runtime.wire import tls as wtls
+from dgr.runtime.wire.gen import stage_pb2 as pb, stage_pb2_grpc as pb_grpc
 
 
 def fake_route(spec: str, *extra: str, per_stage: dict[int, list[str]] | None = None) -> LocalRoute:
@@ -79,8 +78,7 @@ def sigcont(route: LocalRoute, stage: int) -> None:
 
 def make_ca(directory: Path, members: list[str], *, host: str = "127.0.0.1") -> dict[str, wtls.TlsConfig]:
     """A CA in `directory` and one certificate per member name (valid for `host`), as TlsConfigs with the CA."""
-    from dgr import certs
-
+    from dgr.app import certs
     certs.init(directory)
     ca = Path(directory) / certs.CA_CERT
     out = {}

@@ -2,7 +2,7 @@
 """Print the blake3 (hex) of each file given, one `<hash>  <path>` line each (like sha256sum).
 
 Used by toolchains/llama_cpp.bzl and nix/llama-cpp-src.nix to check every patch against the pin. It
-runs before anything is built, where dgr is not installed, so it imports `dgr.hashing` (stdlib +
+runs before anything is built, where dgr is not installed, so it imports `dgr.core.hashing` (stdlib +
 blake3) from the source tree: `tools/` of the repository this file is in.
 """
 
@@ -12,7 +12,7 @@ import sys
 _TOOLS = os.path.join(os.path.dirname(os.path.realpath(__file__)), os.pardir, os.pardir, "tools")
 sys.path.insert(0, os.path.normpath(_TOOLS))
 
-from dgr.hashing import file_blake3  # noqa: E402
+from dgr.core.hashing import file_blake3  # noqa: E402
 
 
 def main(paths: list[str]) -> int:

@@ -5,7 +5,7 @@
 (pytest options one argument each, the value joined: `-mnot slow`, `--durations=10`.)
 
 The engine is located with the `runfiles` library (PyPI `bazel-runfiles`; rules_python's under
-current Bazel) and handed to dgr as $DGR_ENGINE_LIB, the variable dgr.engine reads, so that tests and
+current Bazel) and handed to dgr as $DGR_ENGINE_LIB, the variable dgr.runtime.engine reads, so that tests and
 the worker use the Bazel-built engine of their lane and never build one themselves.
 
 A test module that collects no tests fails (pytest's exit 5 stays an error): a tests/test_*.py of
@@ -80,7 +80,7 @@ def main(argv: list[str]) -> int:
         tests = [locate(t) for t in argv[1:] if not t.startswith("-")]
         opts = [t for t in argv[1:] if t.startswith("-")]
         return run_pytest(tests, opts)
-    from dgr.cli import main as dgr_main
+    from dgr.cli.main import main as dgr_main
 
     return dgr_main(argv)
 

@@ -2,6 +2,6 @@
 
 import sys
 
-from dgr.cli import main
+from dgr.cli.main import main
 
 sys.exit(main())

@@ -1,5 +1,5 @@
-// The stage contract, once in C++: the rules tools/dgr/contract.py states for Python (StageContract,
-// needs_token_ids), used by the engine (dgr_engine.cpp) and the hooks inside llama (dgr_hooks.cpp).
+// The stage contract, once in C++: the rules tools/dgr/core/contract.py states for Python (StageContract,
+// needs_token_ids), used by the engine (dgr_engine*.cpp) and the hooks inside llama (dgr_hooks.cpp).
 // Change a rule here and in contract.py together; tests/test_engine_keys.py checks the mirrored values.
 //
 // A stage owns the half-open layer range [begin, end) of the model's n_layer trunk layers (MTP blocks
@@ -11,7 +11,7 @@
 
 #include <cstdint>
 
-// Positions a session may hold when the caller gives no n_ctx (dgr.constants.DEFAULT_N_CTX).
+// Positions a session may hold when the caller gives no n_ctx (dgr.core.constants.DEFAULT_N_CTX).
 #define DGR_DEFAULT_N_CTX 4096
 
 // [begin, end) is a non-empty part of [0, n_layer).

@@ -18,7 +18,12 @@ extern "C" {
 #  define DGR_API __attribute__((visibility("default")))
 #endif
 
-#define DGR_ABI_VERSION 4
+// The ABI's version. Every function declared here is part of it (none is optional): an engine library of
+// this version exports all of them, and its structs are those below, byte for byte (dgr_abi_struct_size).
+// A caller checks both when it loads a library and refuses one of another version or other struct sizes
+// (dgr-worker: worker/server/engine_lib.cpp). The fake engine (worker/fake), a test stand-in of the same
+// version, leaves out what its toy model has no use for: dgr_quantize, the session state, the grammar sampler.
+#define DGR_ABI_VERSION 5
 
 enum dgr_status {
     DGR_OK              = 0,
@@ -98,7 +103,13 @@ typedef struct dgr_memory {
     char     device[64];      // that buffer's type (e.g. "Vulkan0"), "" when all weights are on the host
 } dgr_memory;
 
+// Every struct this header shares, X(name) each (the opaque dgr_engine and dgr_grammar are the library's own).
+#define DGR_ABI_STRUCTS(X) \
+    X(dgr_open_params) X(dgr_stage_info) X(dgr_vocab_info) X(dgr_step) X(dgr_step_out) X(dgr_memory)
+
 DGR_API int32_t      dgr_abi_version(void);
+// sizeof(name) in this library for each struct of DGR_ABI_STRUCTS ("dgr_step", ...), -1 for any other name.
+DGR_API int32_t      dgr_abi_struct_size(const char * name);
 DGR_API int32_t      dgr_has_hooks(void);          // 1 when built over the patched tree
 DGR_API const char * dgr_engine_lane(void);        // the backend lane it was built for: "cpu", "vulkan", ...
 DGR_API const char * dgr_last_error(void);
@@ -116,7 +127,6 @@ DGR_API int32_t dgr_session_n_cached(dgr_engine * eng, const char * session_id, 
 // Speculative decoding: drop the session's cached positions >= n_keep (the drafted positions the last
 // stage rejected), so the next step may start at n_keep. n_keep must be in [0, n_cached]. A recurrent
 // or hybrid model keeps only its latest state and cannot drop a partial range: DGR_E_UNSUPPORTED.
-// (Added within ABI 2: callers look the symbol up and treat its absence as "cannot roll back".)
 DGR_API int32_t dgr_session_truncate(dgr_engine * eng, const char * session_id, int64_t epoch, int32_t n_keep);
 // 1 when dgr_session_truncate can drop a partial range for this model, 0 when it cannot (recurrent, hybrid).
 DGR_API int32_t dgr_engine_can_truncate(dgr_engine * eng);
@@ -125,7 +135,7 @@ DGR_API int32_t dgr_engine_can_truncate(dgr_engine * eng);
 // layers as bytes (llama_state_seq_get_data), and back into an open, empty session of the same engine
 // (llama_state_seq_set_data), keeping only its first n_keep positions (a prefix of what was saved; the rest
 // is dropped as dgr_session_truncate does, so only where dgr_engine_can_truncate). get: *size gets the
-// bytes needed; the state is written when cap >= that. (Added within ABI 4: callers look the symbols up.)
+// bytes needed; the state is written when cap >= that.
 DGR_API int32_t dgr_session_state_get(dgr_engine * eng, const char * session_id, int64_t epoch, void * buf,
                                       uint64_t cap, uint64_t * size, int32_t * n_positions);
 DGR_API int32_t dgr_session_state_set(dgr_engine * eng, const char * session_id, int64_t epoch, const void * buf,
@@ -139,7 +149,6 @@ DGR_API int32_t dgr_forward(dgr_engine * eng, int32_t n_steps, const dgr_step * 
 // ascending, written to `eog` up to `eog_cap` (out->n_eog says how many there are: call again with a larger
 // array when it is more). dgr_vocab_read loads only the vocabulary of the GGUF at `path` (a whole model or
 // any stage file: every stage keeps the tokenizer), no weights; dgr_engine_vocab reads an open engine's.
-// (Added in ABI 4.)
 DGR_API int32_t dgr_vocab_read  (const char * path, dgr_vocab_info * out, int32_t * eog, int32_t eog_cap);
 DGR_API int32_t dgr_engine_vocab(dgr_engine * eng, dgr_vocab_info * out, int32_t * eog, int32_t eog_cap);
 
@@ -155,17 +164,16 @@ DGR_API int32_t dgr_detokenize(dgr_engine * eng, const int32_t * ids, int32_t n,
 DGR_API int32_t dgr_quantize(const char * src, const char * dst, int32_t ftype, int32_t n_threads);
 
 // The one sampler (dgr_sample.cpp): the last stage's draw from one logits row. dgr-worker's last stage draws
-// every token with it (worker/server/frames.cpp), the fake engine library carries the same code, and tests
+// every token with it (worker/server/last_stage.cpp), the fake engine library carries the same code, and tests
 // draw with it to compare. Greedy when temperature <= 0, else temperature, top_k (0: off), top_p (0 or 1:
 // off), the uniform keyed by (seed, position). Returns the token id, -1 on bad arguments. No fused
 // multiply-add: each product and sum is rounded on its own, so a token does not depend on the compiler.
-// (Exported within ABI 2; declared in dgr_dataplane.h until the native data plane was retired in issue 21.)
 DGR_API int32_t dgr_sample(const float * logits, int32_t n_vocab, double temperature, int32_t top_k, double top_p,
                            uint64_t seed, int64_t position);
 // Log-probabilities of one logits row (the model's distribution: log-softmax of the raw row, in double):
 // *chosen_lp gets token `chosen`'s (chosen < 0: skipped), and the `top` most likely tokens (most likely
 // first, ties: lower id first) go to top_ids/top_lps. Returns how many were written (min(top, n_vocab)),
-// -1 on bad arguments. A -INFINITY logit (masked) has log-probability -INFINITY. (Added within ABI 4.)
+// -1 on bad arguments. A -INFINITY logit (masked) has log-probability -INFINITY.
 DGR_API int32_t dgr_logprobs(const float * logits, int32_t n_vocab, int32_t chosen, float * chosen_lp, int32_t top,
                              int32_t * top_ids, float * top_lps);
 // Its parts, for cross-checks: e^d for d <= 0 (a fixed polynomial in exact IEEE steps), and the uniform
@@ -173,9 +181,9 @@ DGR_API int32_t dgr_logprobs(const float * logits, int32_t n_vocab, int32_t chos
 DGR_API double  dgr_exp_fixed(double d);
 DGR_API double  dgr_uniform(uint64_t seed, int64_t position);
 
-// Grammar-constrained sampling (dgr_grammar.cpp; added within ABI 4, callers look the symbols up): the
-// pinned llama.cpp's grammar sampler over an open engine's vocabulary. Exactly one of `gbnf` (GBNF, root
-// rule "root") and `json_schema` (a JSON Schema, turned into GBNF by llama.cpp's json_schema_to_grammar).
+// Grammar-constrained sampling (dgr_grammar.cpp): the pinned llama.cpp's grammar sampler over an open
+// engine's vocabulary. Exactly one of `gbnf` (GBNF, root rule "root") and `json_schema` (a JSON Schema,
+// turned into GBNF by llama.cpp's json_schema_to_grammar).
 // apply sets every logit the grammar forbids next to -INFINITY (DGR_E_ENGINE when it forbids all of them);
 // accept advances the grammar over a token, refusing (and changing nothing) when the grammar forbids it.
 typedef struct dgr_grammar dgr_grammar;

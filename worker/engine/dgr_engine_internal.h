@@ -1,11 +1,25 @@
-// What the engine's own source files share beyond the C ABI (dgr_engine.cpp defines these; dgr_grammar.cpp
-// uses them). Not installed, not part of the ABI.
+// What the engine's own source files share beyond the C ABI. Not installed, not part of the ABI.
+// dgr_grammar.cpp uses the first part (dgr_engine.cpp defines it); the files of the ABI itself
+// (dgr_engine.cpp and dgr_engine_*.cpp, one job each) share the engine and its error state below.
 #pragma once
+
+#include "dgr_contract.h"
+#include "dgr_engine.h"
+
+#include "llama.h"
 
 #include <cstdint>
 #include <functional>
+#include <map>
+#include <mutex>
 #include <stdexcept>
 #include <string>
+#include <utility>
+#include <vector>
+
+#ifndef DGR_WITH_HOOKS
+#define DGR_WITH_HOOKS 1
+#endif
 
 struct dgr_engine;
 struct llama_vocab;
@@ -24,3 +38,66 @@ const llama_vocab * dgr_engine_llama_vocab(dgr_engine * eng);
 
 // llama.cpp's error lines logged since the last call (why a parser or loader refused), emptied.
 std::string dgr_engine_take_log_errors();
+
+// ------------------------------------------------------------------ the ABI's files (dgr_engine*.cpp)
+
+namespace dgr_engine_detail {
+
+using dgr_exc = dgr_engine_error;
+
+// this thread's last error (dgr_last_error) and last cache miss (dgr_last_cache_miss)
+extern thread_local std::string g_last_error;
+extern thread_local int64_t     g_miss_held;
+extern thread_local int64_t     g_miss_expected;
+
+// printf into a std::string (messages are short: 1 KiB at most)
+std::string fmt(const char * f, ...);
+
+// llama.cpp's error lines logged since the last call (why a load failed), emptied
+std::string take_log_errors();
+
+// llama.cpp's log callback and backend, set up once per process
+void init_backend_once();
+
+// Runs f; no exception escapes: DGR_OK, or the error's code with dgr_last_error() set.
+template <typename F>
+int32_t guarded(F && f) {
+    try {
+        f();
+        return DGR_OK;
+    } catch (const dgr_exc & e) {
+        g_last_error = e.what();
+        return e.code;
+    } catch (const std::exception & e) {
+        g_last_error = std::string("engine: ") + e.what();
+        return DGR_E_ENGINE;
+    } catch (...) {
+        g_last_error = "engine: unknown failure";
+        return DGR_E_ENGINE;
+    }
+}
+
+struct session {
+    int32_t seq = -1;
+    int32_t n_cached = 0;
+};
+
+}  // namespace dgr_engine_detail
+
+struct dgr_engine {
+    std::string path;
+    llama_model *   model = nullptr;
+    llama_context * ctx   = nullptr;
+    const llama_vocab * vocab = nullptr;
+    dgr_stage_info info {};
+    std::map<std::pair<std::string, int64_t>, dgr_engine_detail::session> sessions;
+    std::vector<int32_t> free_seqs;
+    std::mutex mu;
+
+    ~dgr_engine() {
+        if (ctx)   llama_free(ctx);
+        if (model) llama_model_free(model);
+    }
+
+    int32_t width() const { return (int32_t) dgr_boundary_width(info.n_streams, info.n_embd); }
+};

@@ -3,7 +3,7 @@
 // symbol of dgr_engine.h that a caller resolves (dgr_quantize aside) and ggml's six wire-dtype converters
 // (ggml_fp32_to_fp16_row ... dequantize_row_q8_0, in plain C++, bit for bit ggml's), so the real dgr-worker
 // (`dgr-worker --fake-engine SPEC --stage N`, any --wire-dtype) and Python (dgr.testing.fake_engine, through
-// dgr.engine's ctypes) run it as they run the real engine. docs/worker.md, "The fake engine".
+// dgr.runtime.engine's ctypes) run it as they run the real engine. docs/worker.md, "The fake engine".
 //
 // dgr_engine_open's `path` is a spec, "layers=6,embd=16,cuts=2:4,seed=3,stage=1" (the keys of
 // dgr.testing.fake_engine.FakeModel, plus stage=; no stage: the whole model); dgr_open_params is ignored

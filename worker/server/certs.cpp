@@ -1,4 +1,4 @@
-// dgr-worker's certificates (certs.h): dgr.certificate (load_certificate, check, Certificate.digest) and
+// dgr-worker's certificates (certs.h): dgr.core.certificate (load_certificate, check, Certificate.digest) and
 // dgr.app.stages.held_certificates in C++, message for message, so both workers log the same reasons.
 #include "certs.h"
 
@@ -43,7 +43,7 @@ std::string py_repr(const std::string & s) {
     return o + q;
 }
 
-// dgr.certificate._short: a long hex hash by its first 16 digits, anything else as repr()
+// dgr.core.certificate._short: a long hex hash by its first 16 digits, anything else as repr()
 std::string short_(const std::string & v) {
     bool hex = v.size() > 24 && std::all_of(v.begin(), v.end(), [](char c) { return std::strchr("0123456789abcdef", c) && c; });
     return hex ? v.substr(0, 16) : py_repr(v);
@@ -65,7 +65,7 @@ std::string path_str(const std::string & p) {
     return o.empty() ? "." : o;
 }
 
-// the model's fields, their JSON kinds, and the defaults pydantic fills in (dgr.certificate)
+// the model's fields, their JSON kinds, and the defaults pydantic fills in (dgr.core.certificate)
 enum Kind { STR, INT, BOOL, FIGURE, ARRAY, OBJECT };
 struct Field {
     const char * name;
@@ -139,7 +139,7 @@ J load(const std::string & path) {
     }
 }
 
-// dgr.certificate.check: "" when valid for this worker
+// dgr.core.certificate.check: "" when valid for this worker
 std::string check(const J & c, const CertIdentity & me, const std::string & mine_contract_blake3, const std::string & contract) {
     const J & id = c["identity"];
     const std::pair<const char *, const std::string *> fields[] = {

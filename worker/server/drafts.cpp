@@ -1,4 +1,4 @@
-// dgr.wire.drafts in C++ (drafts.h): the n-gram draft source and its back-off, line for line.
+// dgr.runtime.wire.drafts in C++ (drafts.h): the n-gram draft source and its back-off, line for line.
 #include "drafts.h"
 
 #include <algorithm>

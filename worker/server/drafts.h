@@ -1,4 +1,4 @@
-// Draft sources for speculative decoding at the origin (stage 0): the C++ port of dgr.wire.drafts, the one
+// Draft sources for speculative decoding at the origin (stage 0): the C++ port of dgr.runtime.wire.drafts, the one
 // place dgr-worker drafts. The origin asks its session's source for up to k tokens that may follow the
 // history (prompt + tokens so far), sends them with the last accepted token as one step of k+1 positions,
 // and tells the source how many the last stage accepted. Same proposals as the Python NgramDrafts for the
@@ -25,7 +25,7 @@ class DraftSource {
     virtual void observe(uint32_t drafted, uint32_t accepted) = 0;
 };
 
-// Prompt lookup (dgr.wire.drafts.NgramDrafts): match the history's last n tokens (n from n_max down to
+// Prompt lookup (dgr.runtime.wire.drafts.NgramDrafts): match the history's last n tokens (n from n_max down to
 // n_min, fewer after misses) against their latest earlier occurrence and propose what followed; back off
 // (longer matches, then pauses of 2, 4, 8 ... MAX_PAUSE plain steps) while drafts keep missing.
 class NgramDrafts final : public DraftSource {
@@ -42,7 +42,7 @@ class NgramDrafts final : public DraftSource {
     int64_t seen_ = 0, misses_ = 0, pause_ = 0;
 };
 
-// The source called `name` (one per session); throws std::invalid_argument with dgr.wire.drafts' message
+// The source called `name` (one per session); throws std::invalid_argument with dgr.runtime.wire.drafts' message
 // for an unknown or reserved name.
 std::unique_ptr<DraftSource> make_draft_source(const std::string & name);
 // A draft count a route accepts (1..MAX_DRAFT_K); throws std::invalid_argument saying so.

@@ -16,6 +16,30 @@ std::string EngineLib::error(int32_t status) const {
 
 namespace {
 
+// What a library of another build is refused with: both sides are compiled from one dgr_engine.h.
+const char * REBUILD = "rebuild the engine and dgr-worker from one checkout: scripts/setup (or `dgr build-engine`)";
+
+// The structs both sides compile from dgr_engine.h, byte for byte: a header changed on one side only (a field
+// added, the version left as it was) would pass misread structs across the ABI.
+void check_struct_sizes(const std::string & path, int32_t (*size_of)(const char *)) {
+    struct Want {
+        const char * name;
+        size_t size;
+    };
+#define DGR_WANT(s) Want{#s, sizeof(s)},
+    static const Want wants[] = {DGR_ABI_STRUCTS(DGR_WANT)};
+#undef DGR_WANT
+    std::string diff;
+    for (const Want & w : wants) {
+        const int32_t theirs = size_of(w.name);
+        if (theirs == int32_t(w.size)) continue;
+        diff += (diff.empty() ? "" : "; ") + std::string(w.name) +
+                (theirs < 0 ? " is unknown to " + path : " is " + std::to_string(theirs) + " bytes in " + path) + ", " +
+                std::to_string(w.size) + " in this dgr-worker";
+    }
+    if (!diff.empty()) throw std::runtime_error(diff + ": " + REBUILD);
+}
+
 // `env` names the library, else `file` beside this executable; `what` says which library in errors.
 EngineLib load(const std::string & self_dir, const char * env_name, const char * file, const char * what) {
     const char * env = getenv(env_name);
@@ -42,10 +66,12 @@ EngineLib load(const std::string & self_dir, const char * env_name, const char *
     };
     sym(lib.abi_version, "dgr_abi_version");
     if (lib.abi_version() != DGR_ABI_VERSION) {
-        throw std::runtime_error(lib.path + " speaks engine ABI " + std::to_string(lib.abi_version()) +
-                                 ", this dgr-worker ABI " + std::to_string(DGR_ABI_VERSION) +
-                                 ": build both from one checkout");
+        throw std::runtime_error(lib.path + " speaks engine C ABI " + std::to_string(lib.abi_version()) +
+                                 ", this dgr-worker C ABI " + std::to_string(DGR_ABI_VERSION) + ": " + REBUILD);
     }
+    int32_t (*struct_size)(const char *) = nullptr;
+    sym(struct_size, "dgr_abi_struct_size");
+    check_struct_sizes(lib.path, struct_size);
     sym(lib.lane, "dgr_engine_lane");
     sym(lib.last_error, "dgr_last_error");
     sym(lib.open, "dgr_engine_open");

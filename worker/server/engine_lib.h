@@ -41,8 +41,8 @@ struct EngineLib {
     void (*fp32_to_bf16)(const float *, uint16_t *, int64_t);
     void (*quantize_q8_0)(const float *, void *, int64_t);
     void (*dequantize_q8_0)(const void *, float *, int64_t);
-    // issue 23 (added within ABI 4; null in an engine built before, and in the fake engine, which has no
-    // vocabulary to constrain): log-probabilities of a row, llama.cpp's grammar sampler
+    // issue 23: log-probabilities of a row, llama.cpp's grammar sampler (null in the fake engine, which has no
+    // vocabulary to constrain), a session's state (the prefix cache; null in the fake engine)
     int32_t (*logprobs)(const float *, int32_t, int32_t, float *, int32_t, int32_t *, float *);
     int32_t (*grammar_open)(dgr_engine *, const char *, const char *, dgr_grammar **);
     void    (*grammar_close)(dgr_grammar *);

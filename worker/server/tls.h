@@ -1,5 +1,5 @@
 // TLS and mutual TLS for dgr-worker (issue 21 phase 3, docs/worker.md): `--tls-cert --tls-key [--tls-ca]`,
-// the rules the client's dgr.wire.tls follows too, on the listener and every outgoing link.
+// the rules the client's dgr.runtime.wire.tls follows too, on the listener and every outgoing link.
 #pragma once
 
 #include <grpcpp/grpcpp.h>
@@ -26,7 +26,7 @@ struct Trust {
     std::shared_ptr<grpc::ChannelCredentials> channel;
 };
 
-// The flags checked as dgr.wire.tls.TlsConfig.from_args checks them (std::runtime_error naming the fix),
+// The flags checked as dgr.runtime.wire.tls.TlsConfig.from_args checks them (std::runtime_error naming the fix),
 // the PEM files read, the credentials made. Plaintext when none is given.
 Trust tls_trust(const TlsFiles & f);
 
@@ -35,7 +35,7 @@ Trust tls_trust(const TlsFiles & f);
 std::string cert_common_name(const std::string & pem);
 
 // Who is on the other end of an RPC: the common name of its verified client certificate
-// (dgr.wire.tls.peer_identity), nullopt without one (plaintext, or TLS without client certificates).
+// (dgr.runtime.wire.tls.peer_identity), nullopt without one (plaintext, or TLS without client certificates).
 std::optional<std::string> peer_identity(const grpc::ServerContext * ctx);
 
 }  // namespace dgr

@@ -2,10 +2,11 @@
 //
 // Phase 1 of issue 21 (docs/worker.md): Describe (with the descriptor JSON), Tokenize/Detokenize,
 // OpenSession/CloseSession (the session table, chained along the route), the standard health service.
-// Phase 2 (frames.cpp): the Frames data path, the ring relay over one outgoing stream per next hop
-// (Link), the engine thread batching steps across sessions, sampling and generation control at the
-// origin. Behaviour, errors and messages are those the retired Python worker had (docs/worker.md);
-// tests/test_worker_cpp*.py hold them against the bundle, the engine and the messages they write out.
+// Phase 2 (frames.cpp and the files it lists): the Frames data path, the ring relay over one outgoing
+// stream per next hop (Link), the engine thread batching steps across sessions, sampling and generation
+// control at the origin. Behaviour, errors and messages are those the retired Python worker had
+// (docs/worker.md); tests/test_worker_cpp*.py hold them against the bundle, the engine and the messages
+// they write out.
 #pragma once
 
 #include <chrono>
@@ -37,7 +38,7 @@
 namespace dgr {
 
 // What a worker bounds and how long it waits: `dgr worker serve`'s flags (its front end passes
-// dgr.wire.limits.Limits' defaults explicitly; these are dgr-worker's own).
+// dgr.runtime.wire.limits.Limits' defaults explicitly; these are dgr-worker's own).
 struct Limits {
     int64_t max_batch_tokens = 512;
     int64_t max_batch_sessions = 64;
@@ -74,7 +75,7 @@ struct StageIdentity {
     std::string worker_blake3;   // blake3 of this dgr-worker executable (/proc/self/exe), read once at start
 };
 
-// A wire dtype (dgr.contract.WIRE_DTYPES): `block_bytes` bytes for every `block` values.
+// A wire dtype (dgr.core.contract.WIRE_DTYPES): `block_bytes` bytes for every `block` values.
 struct WireDtype {
     const char * name;
     int block, block_bytes;
@@ -83,11 +84,11 @@ struct WireDtype {
 const std::vector<WireDtype> & wire_dtypes();
 const WireDtype * find_dtype(const std::string & name);
 
-// Bytes of one message beyond a boundary's payload (dgr.wire.codec.FRAME_OVERHEAD).
+// Bytes of one message beyond a boundary's payload (dgr.runtime.wire.codec.FRAME_OVERHEAD).
 constexpr uint64_t FRAME_OVERHEAD = 4096;
 constexpr uint64_t DEFAULT_MAX_MESSAGE_BYTES = 4 * 1024 * 1024 - 64 * 1024;
 
-// Shared by worker.cpp and frames.cpp (the dtypes and their sizes are dgr.wire.codec's).
+// Shared by the handlers and the data path (wire_common.cpp; the dtypes and their sizes are dgr.runtime.wire.codec's).
 const WireDtype * dtype_of(dgr::v1::Dtype code);
 uint64_t nbytes(const WireDtype & d, uint64_t n_values);
 std::string status_name(grpc::StatusCode c);
@@ -198,7 +199,7 @@ class StageWorker final : public dgr::v1::Stage::Service {
     void set_certificates(std::vector<HeldCertificate> c) { certificates_ = std::move(c); }
 
   private:
-    // Sampling.top_logprobs: the most alternatives a draw reports (OpenAI's bound; dgr.wire.limits.MAX_TOP_LOGPROBS)
+    // Sampling.top_logprobs: the most alternatives a draw reports (OpenAI's bound; dgr.runtime.wire.limits.MAX_TOP_LOGPROBS)
     static constexpr uint32_t MAX_TOP_LOGPROBS = 20;
     struct Session {
         std::vector<dgr::v1::Hop> route;
@@ -253,7 +254,7 @@ class StageWorker final : public dgr::v1::Stage::Service {
         uint32_t retry_after_ms = 0;
     };
 
-    // frames.cpp: the data path
+    // the data path (frames.cpp lists its files)
     // peer: the sender's member name under mTLS (nullptr: this worker itself, never checked)
     void on_frame(dgr::v1::Frame frame, const ReplyPtr & reply, const std::optional<std::string> * peer);
     void check_sender(const char * kind, const SessionPtr & sess, const std::optional<std::string> * peer, const std::string & sid);

@@ -12,7 +12,6 @@ aggregate decode tok/s of M concurrent sessions against one. The report is a pla
 from __future__ import annotations
 
 import contextlib
-
 import os
 import statistics
 import subprocess
@@ -24,8 +23,8 @@ from pathlib import Path
 
 import numpy as np
 
-from dgr.errors import DgrError
-from dgr.log import get_logger
+from dgr.core.errors import DgrError
+from dgr.core.log import get_logger
 
 log = get_logger(__name__)
 
@@ -39,7 +38,7 @@ PROMPT_LENGTHS = (32, 128, 256)
 class Setup:
     """What one bench runs: the bundle's stages and its whole source model, on one engine library."""
 
-    bundle: object                       # dgr.bundle.Bundle
+    bundle: object                       # dgr.toolchain.bundle.Bundle
     source: Path                         # the unsplit GGUF (the whole-model side)
     lib: Path
     threads: int
@@ -59,7 +58,7 @@ def prepare(*, stages: int | None = None, bundle: str | None = None, source: str
     """Resolve what `dgr bench` runs: `bundle` (a folder), `synth` (a fresh tiny model of that
     architecture split into `stages`), or the embedded SmolLM2 of `stages` (default 3)."""
     from dgr.app.local import engine_library
-    from dgr.bundle import load_bundle
+    from dgr.toolchain.bundle import load_bundle
 
     if bundle and synth:
         raise DgrError("dgr bench: give --bundle or --synth, not both")
@@ -84,7 +83,7 @@ def prepare(*, stages: int | None = None, bundle: str | None = None, source: str
 
 
 def _source_of(b, source: str | None) -> Path:
-    from dgr.parity import bundle_source
+    from dgr.toolchain.parity import bundle_source
 
     try:
         return bundle_source(b, source or None)
@@ -93,12 +92,12 @@ def _source_of(b, source: str | None) -> Path:
 
 
 def synth_bundle(arch: str, stages: int):
-    """A fresh tiny `arch` model (dgr.synthparity's) split into `stages` across its special layers, as a
+    """A fresh tiny `arch` model (dgr.toolchain.synth.parity's) split into `stages` across its special layers, as a
     bundle in a temporary folder: (bundle, folder)."""
-    from dgr.bundle import build
-    from dgr.hashing import file_blake3
-    from dgr.synth import layer_kinds
-    from dgr.synthparity import EMBD, check_arch, choose_ranges, model_layers, synth_model
+    from dgr.core.hashing import file_blake3
+    from dgr.toolchain.bundle import build
+    from dgr.toolchain.synth.generic import layer_kinds
+    from dgr.toolchain.synth.parity import EMBD, check_arch, choose_ranges, model_layers, synth_model
 
     check_arch(arch)
     layers = max(model_layers(arch), stages)
@@ -130,7 +129,7 @@ def hop_figures(gens, n_stages: int) -> dict:
     sender's encode+send, the transit and stage j's queue; the ring's last boundary (last stage -> origin)
     takes the token's return and stage 0's queue for the next step; `origin` is what is left of ring minus
     compute (the origin's own handling between a token's arrival and the next step)."""
-    from dgr.wire.stats import decode_events
+    from dgr.runtime.wire.stats import decode_events
 
     evs = [e for g in gens for e in decode_events(g) if len(e.timings) == n_stages]
     names = [f"{k}->{k + 1}" for k in range(n_stages - 1)] + [f"{n_stages - 1}->origin"]
@@ -203,7 +202,7 @@ class _Acc:
 def _concurrent(addresses: list[str], prompts: list[list[int]], tokens: int) -> float:
     """Aggregate tok/s of len(prompts) sessions generating at once, each on its own client: every
     token they generated over the wall time from a common start to the last one done."""
-    from dgr.wire.client import RouteClient
+    from dgr.runtime.wire.client import RouteClient
 
     clients = [RouteClient(addresses, prefix_cache=False) for _ in prompts]
     try:
@@ -241,9 +240,9 @@ def run_bench(setup: Setup, *, tokens: int = 64, prompt_lengths=PROMPT_LENGTHS, 
     """Measure `setup` (see the module docstring); progress goes to the log (stderr)."""
     from dgr.app.demo import long_prompt, whole_model_run
     from dgr.app.local import LocalRoute
-    from dgr.constants import DEFAULT_N_CTX
-    from dgr.engine import Engine
-    from dgr.wire.client import RouteClient
+    from dgr.core.constants import DEFAULT_N_CTX
+    from dgr.runtime.engine import Engine
+    from dgr.runtime.wire.client import RouteClient
 
     S, lengths = setup.stages, sorted(set(int(n) for n in prompt_lengths))
     need = max(lengths) + tokens + 8
@@ -360,7 +359,7 @@ def rounded(obj, digits: int = 4):
 
 def _report(setup: Setup, acc: _Acc, lengths, tokens, rounds, sessions, chunk, wire, payload, dtype,
             seconds: float) -> dict:
-    from dgr.wire.codec import DTYPE_NAMES
+    from dgr.runtime.wire.codec import DTYPE_NAMES
 
     S = setup.stages
     hop = hop_figures(acc.gens, S)

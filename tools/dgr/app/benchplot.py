@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from dgr.errors import DgrError
+from dgr.core.errors import DgrError
 
 
 def table(rep: dict) -> str:

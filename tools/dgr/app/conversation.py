@@ -20,8 +20,8 @@ import statistics
 import time
 from dataclasses import dataclass, field
 
-from dgr.errors import WireError
-from dgr.log import get_logger
+from dgr.core.errors import WireError
+from dgr.core.log import get_logger
 
 log = get_logger(__name__)
 
@@ -131,8 +131,8 @@ def _conversation(gws: dict, turns: int, max_tokens: int, label: str) -> list[Tu
 
 
 def _prefix_stats(addresses: list[str]) -> list:
-    from dgr.wire.client import RouteClient
-    from dgr.wire.gen import stage_pb2 as pb
+    from dgr.runtime.wire.client import RouteClient
+    from dgr.runtime.wire.gen import stage_pb2 as pb
 
     with RouteClient(addresses) as c:
         return [c._stub(a).Describe(pb.DescribeRequest(), timeout=10) for a in addresses]
@@ -142,11 +142,11 @@ def measure_conversation(*, stages: int = 4, turns: int = 10, rtt_ms: float = 20
                          conversations: int = 8, interleaved_turns: int = 4, threads: int = 1,
                          bundle=None) -> Report:
     from dgr.app.demo import ensure_bundle
+    from dgr.app.gateway.app import create_app
+    from dgr.app.gateway.route import RouteBackend
+    from dgr.app.gateway.server import GatewayServer
     from dgr.app.wanlink import WanLinks
-    from dgr.gateway.app import create_app
-    from dgr.gateway.route import RouteBackend
-    from dgr.gateway.server import GatewayServer
-    from dgr.wire.client import RouteClient
+    from dgr.runtime.wire.client import RouteClient
 
     if turns < 2 or turns > len(QUESTIONS):
         raise WireError(f"--turns {turns}: give 2 to {len(QUESTIONS)}")
@@ -185,7 +185,7 @@ def measure_conversation(*, stages: int = 4, turns: int = 10, rtt_ms: float = 20
             RouteClient(small.addresses) as c:
         histories = [[{"role": "system", "content": SYSTEM}] for _ in range(conversations)]
         prompt_tokens = restored = 0
-        from dgr.gateway.chat import render
+        from dgr.app.gateway.chat import render
 
         template, stops = c.hops[-1].chat_template, set(c.hops[-1].eos_token_ids)
         for t in range(interleaved_turns):

@@ -1,9 +1,9 @@
 """What each wire dtype costs and loses, measured per architecture: docs/wire-dtypes.md and its JSON.
 
 For every architecture `dgr synth --list` names (a fresh tiny random-weight model, cut at its layer
-kinds as dgr.synthparity cuts it for 3 stages) and for SmolLM2-135M (the 3-stage recipe's cuts, four
-prompts), the split runs in one process, every boundary encoded and decoded by dgr.wire.codec in the
-dtype under test (dgr.parity.run_pipeline's `boundary_transform`), each prompt one session, every dtype
+kinds as dgr.toolchain.synth.parity cuts it for 3 stages) and for SmolLM2-135M (the 3-stage recipe's cuts, four
+prompts), the split runs in one process, every boundary encoded and decoded by dgr.runtime.wire.codec in the
+dtype under test (dgr.toolchain.parity.run_pipeline's `boundary_transform`), each prompt one session, every dtype
 in the same batches as f32's run:
 
 - *free run*: each session decodes `steps` greedy tokens of its own; `top1_agree` is the fraction of the
@@ -14,7 +14,7 @@ in the same batches as f32's run:
   KL(f32 || dtype) of the softmaxes, nats, mean over the positions.
 
 f32 is the reference (exact by construction: the codec's f32 round trip is bit for bit). `dgr bench
---dtypes` calls `run_dtype_table`; `dgr.recipe.boundary_dtype_warning` reads the JSON it writes.
+--dtypes` calls `run_dtype_table`; `dgr.toolchain.recipe.boundary_dtype_warning` reads the JSON it writes.
 """
 
 from __future__ import annotations
@@ -27,18 +27,18 @@ from pathlib import Path
 
 import numpy as np
 
-from dgr.contract import WIRE_DTYPES
-from dgr.errors import DgrError
-from dgr.log import get_logger
-from dgr.paths import REPO_ROOT
-from dgr.recipe import POOR_AGREEMENT, WIRE_DTYPE_TABLE
+from dgr.core.contract import WIRE_DTYPES
+from dgr.core.errors import DgrError
+from dgr.core.log import get_logger
+from dgr.core.paths import REPO_ROOT
+from dgr.toolchain.recipe import POOR_AGREEMENT, WIRE_DTYPE_TABLE
 
 log = get_logger(__name__)
 
 DTYPES = ("f32", "f16", "bf16", "q8_0")
 STEPS = 256                 # greedy tokens per dtype (issue 15: "over 256 greedy tokens")
 N_STAGES = 3                # cuts per model: 2 seams, every boundary through the codec twice per token
-PROMPT_LEN = 41             # random token ids for the tiny models (dgr.synthparity's first prompt)
+PROMPT_LEN = 41             # random token ids for the tiny models (dgr.toolchain.synth.parity's first prompt)
 SMOLLM2_RECIPE = "smollm2-135m-3stage"
 SMOLLM2_PROMPTS = (         # prose, a fact, an instruction, code: one session each
     "The quick brown fox jumps over the lazy dog. Once upon a time, in a land far away,",
@@ -72,7 +72,7 @@ class DtypeRow:
 def _codec_transform(code: int, nbytes: list[int]):
     """The boundary_transform: every boundary through wire dtype `code` (encode, then decode); the
     bytes one decode token took on the wire land in nbytes[0]."""
-    from dgr.wire import codec
+    from dgr.runtime.wire import codec
 
     def transform(stage: int, session: int, b: np.ndarray) -> np.ndarray:
         enc = codec.encode(b, code)
@@ -120,8 +120,8 @@ def measure_model(model: Path, ranges: list[tuple[int, int]], prompts: list[list
     token the codec is the only difference; sessions are never compared with each other inside one
     batch (an MoE kernel's result for a row depends on the batch's other rows). `floor`, a dict, gets
     the noise floor's numbers (`_nudge` in place of a codec, fed f32's tokens)."""
-    from dgr.parity import Schedule, ctx_for, open_stages, run_pipeline
-    from dgr.wire import codec
+    from dgr.runtime.wire import codec
+    from dgr.toolchain.parity import Schedule, ctx_for, open_stages, run_pipeline
 
     dtypes = list(dict.fromkeys(["f32", *dtypes]))     # f32 first: the reference
     n = len(prompts)
@@ -178,10 +178,10 @@ def measure_model(model: Path, ranges: list[tuple[int, int]], prompts: list[list
 
 
 def synth_case(arch: str, workdir: Path) -> tuple[Path, list[tuple[int, int]], list[list[int]], int]:
-    """(model, ranges, prompts, n_ubatch) of a fresh tiny `arch` model, cut as dgr.synthparity cuts it: one
+    """(model, ranges, prompts, n_ubatch) of a fresh tiny `arch` model, cut as dgr.toolchain.synth.parity cuts it: one
     prompt of random ids (more would share batches, where an MoE kernel lets sessions touch)."""
-    from dgr.synth import layer_kinds
-    from dgr.synthparity import _OWN_SCHEDULES, EMBD, SEED, choose_ranges, model_layers, synth_model
+    from dgr.toolchain.synth.generic import layer_kinds
+    from dgr.toolchain.synth.parity import _OWN_SCHEDULES, EMBD, SEED, choose_ranges, model_layers, synth_model
 
     layers = model_layers(arch)
     ranges = choose_ranges(layer_kinds(arch, layers, EMBD), N_STAGES)
@@ -194,8 +194,8 @@ def synth_case(arch: str, workdir: Path) -> tuple[Path, list[tuple[int, int]], l
 def smollm2_case(lib=None) -> tuple[Path, list[tuple[int, int]], list[list[int]], str]:
     """(model, ranges, prompts, arch) of SmolLM2-135M as the 3-stage recipe cuts it."""
     from dgr.app.demo import source_gguf
-    from dgr.engine import Engine
-    from dgr.recipe import load_recipe
+    from dgr.runtime.engine import Engine
+    from dgr.toolchain.recipe import load_recipe
 
     recipe = load_recipe(REPO_ROOT / "recipes" / SMOLLM2_RECIPE / "recipe.toml")
     model = source_gguf(recipe)
@@ -212,8 +212,8 @@ def run_dtype_table(archs=None, dtypes=DTYPES, steps: int = STEPS, lib=None, smo
                     n_threads: int = 1) -> list[dict]:
     """Measure every dtype on every architecture (default: all of `dgr synth --list`) and SmolLM2;
     write the markdown table to `out` and its data to `json_out` (default: beside `out`, .json)."""
-    from dgr.synth import known_archs
-    from dgr.synthparity import check_arch
+    from dgr.toolchain.synth.generic import known_archs
+    from dgr.toolchain.synth.parity import check_arch
 
     if steps < 1:
         raise DgrError(f"the dtype table needs at least one decode step, got {steps}")
@@ -299,13 +299,13 @@ def summary(rows: list[DtypeRow]) -> dict[str, dict]:
 
 
 def _default_text(s: dict[str, dict], floors: dict[str, dict]) -> str:
-    """Which recipe default the numbers support, and why (the default itself lives in dgr.contract)."""
-    from dgr.contract import DEFAULT_WIRE_DTYPE
+    """Which recipe default the numbers support, and why (the default itself lives in dgr.core.contract)."""
+    from dgr.core.contract import DEFAULT_WIRE_DTYPE
 
     lossy = [d for d in s if not WIRE_DTYPES[d].lossless]
     safe = [d for d in lossy if s[d]["synth_poor"] == 0
             and all(v["top1_agree"] >= POOR_AGREEMENT for v in s[d]["real"].values())]
-    lines = [f"The recipe default (`dgr.contract.DEFAULT_WIRE_DTYPE`) is **{DEFAULT_WIRE_DTYPE}**. "]
+    lines = [f"The recipe default (`dgr.core.contract.DEFAULT_WIRE_DTYPE`) is **{DEFAULT_WIRE_DTYPE}**. "]
     for d in lossy:
         real = "; ".join(f"{m}: {v['top1_agree']:.1%} of the greedy tokens, {v['texts_kept']} of {v['prompts']} "
                          f"texts whole{'' if v['first_divergence'] is None else ' (first change at token %d)' % v['first_divergence']}, "
@@ -317,7 +317,7 @@ def _default_text(s: dict[str, dict], floors: dict[str, dict]) -> str:
     if safe:
         best = min(safe, key=lambda d: s[d]["bytes_vs_f32"])
         lines.append(f"\n{best} kept the greedy tokens on every architecture measured: it could be the default "
-                     f"at {s[best]['bytes_vs_f32']:.3f} of the bytes (a change to dgr.contract, weighed against "
+                     f"at {s[best]['bytes_vs_f32']:.3f} of the bytes (a change to dgr.core.contract, weighed against "
                      f"exact parity).")
     else:
         real = {m for d in lossy for m in s[d]["real"]}
@@ -377,7 +377,7 @@ def render_markdown(rows: list[DtypeRow], seconds: float, json_name: str,
         "must be a multiple of 32 (a worker or recipe asking for q8_0 otherwise is refused).\n\n"
         "## How it is measured\n\n"
         f"Each model is split into {N_STAGES} stages in one process and every boundary is encoded and decoded by "
-        "`dgr.wire.codec` in the dtype of the run (dgr.parity's `boundary_transform`): the tiny random-weight model "
+        "`dgr.runtime.wire.codec` in the dtype of the run (dgr.toolchain.parity's `boundary_transform`): the tiny random-weight model "
         "of every architecture `dgr synth --list` names (cut at its layer kinds, as docs/families.md) and "
         f"{', '.join(real) or 'no real model'} (cut as recipes/{SMOLLM2_RECIPE}, {len(SMOLLM2_PROMPTS)} prompts: "
         "prose, a fact, an instruction, code); each prompt is one session, and every dtype runs the batches of "

@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from dgr.errors import WireError
+from dgr.core.errors import WireError
 
 _READY = re.compile(r"serving on (\S+)")
 
@@ -186,7 +186,7 @@ class _FakeWorker(_Worker):
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
 
 
-# dgr.wire.limits.Limits field -> the dgr-worker flag that sets it
+# dgr.runtime.wire.limits.Limits field -> the dgr-worker flag that sets it
 _LIMIT_FLAGS = {
     "max_batch_tokens": "--max-batch-tokens", "max_batch_sessions": "--max-batch-sessions",
     "hold_batch": "--hold-batch", "die_at": "--test-die-at", "max_queued_steps": "--max-queued-steps",
@@ -197,11 +197,11 @@ _LIMIT_FLAGS = {
 
 
 def limit_flags(limits) -> list[str]:
-    """A `dgr.wire.limits.Limits` as dgr-worker flags (the fields that differ from the defaults); a field that
+    """A `dgr.runtime.wire.limits.Limits` as dgr-worker flags (the fields that differ from the defaults); a field that
     has no flag is refused, never dropped."""
     import dataclasses
 
-    from dgr.wire.limits import Limits
+    from dgr.runtime.wire.limits import Limits
 
     out: list[str] = []
     if limits is None:
@@ -225,7 +225,7 @@ def limit_flags(limits) -> list[str]:
 class FakeRoute(LocalRoute):
     """A route of fake-model dgr-worker processes on loopback (`dgr-worker --fake-engine SPEC --stage N`, one
     per entry of `specs`, in order; a few milliseconds each to start). Tests kill, stop and restart them as
-    any `LocalRoute`'s; `limits` (dgr.wire.limits.Limits) becomes dgr-worker flags, and `extra` is more of
+    any `LocalRoute`'s; `limits` (dgr.runtime.wire.limits.Limits) becomes dgr-worker flags, and `extra` is more of
     them, for every worker or per (stage, replica) as `LocalRoute`'s."""
 
     worker_class = _FakeWorker
@@ -255,6 +255,6 @@ def engine_library(lib: str | Path | None = None) -> Path:
         return Path(lib)
     if os.environ.get("DGR_ENGINE_LIB"):
         return Path(os.environ["DGR_ENGINE_LIB"])
-    from dgr.enginebuild import ensure_engine
+    from dgr.toolchain.enginebuild import ensure_engine
 
     return ensure_engine("cpu")

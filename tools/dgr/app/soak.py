@@ -16,8 +16,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from dgr.errors import DgrError
-from dgr.log import get_logger
+from dgr.core.errors import DgrError
+from dgr.core.log import get_logger
 
 log = get_logger(__name__)
 
@@ -123,7 +123,7 @@ def run_soak(minutes: float, *, stages: int = 3, sessions: int = 4, fake: bool =
              threads: int = 0) -> SoakReport:
     """Generate with `sessions` concurrent clients over a fresh local route for `minutes`."""
     from dgr.app.local import LocalRoute
-    from dgr.wire.client import RouteClient
+    from dgr.runtime.wire.client import RouteClient
 
     args, env, engine = _stage_args(stages, fake, threads)
     rep = SoakReport(engine=engine, stages=stages, sessions=sessions, minutes=minutes)

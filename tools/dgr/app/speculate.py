@@ -15,7 +15,7 @@ import os
 import statistics
 from pathlib import Path
 
-from dgr.log import get_logger
+from dgr.core.log import get_logger
 
 log = get_logger(__name__)
 
@@ -54,8 +54,8 @@ def measure_speculation(*, stages: int = 3, bundle=None, threads: int = 1, k: in
     `stages` worker processes (`bundle`: a bundle or its directory; default the demo's SmolLM2 bundle).
     Returns the figures (tokens_per_ring, tpot_ratio_plain, the equal-text flags) and the raw numbers."""
     from dgr.app.local import LocalRoute, engine_library
-    from dgr.wire.client import RouteClient
-    from dgr.wire.stats import decode_events, draft_stats, rings, tokens_per_ring
+    from dgr.runtime.wire.client import RouteClient
+    from dgr.runtime.wire.stats import decode_events, draft_stats, rings, tokens_per_ring
 
     lib = str(engine_library())
     root = _bundle_root(bundle, stages)

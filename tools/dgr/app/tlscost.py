@@ -13,7 +13,7 @@ import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from dgr.log import get_logger
+from dgr.core.log import get_logger
 
 log = get_logger(__name__)
 
@@ -46,14 +46,14 @@ class TlsCost:
 
 
 def measure(*, stages: int = 3, tokens: int = 48, rounds: int = 3, threads: int = 1, bundle=None) -> TlsCost:
-    """`bundle` (a dgr.bundle.Bundle, or None: the embedded SmolLM2 of `stages`) served twice, plaintext and
+    """`bundle` (a dgr.toolchain.bundle.Bundle, or None: the embedded SmolLM2 of `stages`) served twice, plaintext and
     mutual TLS, generations alternating."""
+    from dgr.app.certs import init, issue
     from dgr.app.demo import ensure_bundle
     from dgr.app.local import LocalRoute, engine_library
-    from dgr.certs import init, issue
-    from dgr.wire.client import RouteClient
-    from dgr.wire.stats import hop_overhead_ms
-    from dgr.wire.tls import TlsConfig
+    from dgr.runtime.wire.client import RouteClient
+    from dgr.runtime.wire.stats import hop_overhead_ms
+    from dgr.runtime.wire.tls import TlsConfig
 
     lib = engine_library()
     if bundle is None:

@@ -34,8 +34,8 @@ import urllib.request
 from pathlib import Path
 
 from dgr.app.wanlink import Link, WanLinks, raw_overhead
-from dgr.errors import WireError
-from dgr.log import get_logger
+from dgr.core.errors import WireError
+from dgr.core.log import get_logger
 
 log = get_logger(__name__)
 
@@ -51,7 +51,7 @@ def timed_decode(client, prompt, tokens: int, stages: int) -> tuple[object, dict
     `tpot_mean_ms` is the mean), `compute_ms` the median engine time per decode token summed over the
     stages (the workers' own timings), `per_hop_ms` their difference per boundary, `ring_ms` the median
     trip round the ring as the origin timed it."""
-    from dgr.wire.stats import decode_events
+    from dgr.runtime.wire.stats import decode_events
 
     arrivals = [time.perf_counter() for _ in client.generate(prompt, max_new_tokens=tokens, stop_token_ids=[])]
     gen = client.last
@@ -99,7 +99,7 @@ def _engine_lib() -> Path:
 
 def _bundle(bundle, stages: int):
     from dgr.app.demo import ensure_bundle
-    from dgr.bundle import load_bundle
+    from dgr.toolchain.bundle import load_bundle
 
     if bundle is None:
         return ensure_bundle(stages)[0]
@@ -148,7 +148,7 @@ def measure_wan(*, stages: int = 4, bundle=None, rtt_ms: float = 20.0, mbit: flo
     the long prompt, sent in `chunk_tokens` chunks, `prefill_rounds` times (the fastest of each counts)."""
     from dgr.app.demo import long_prompt
     from dgr.app.local import LocalRoute
-    from dgr.wire.client import RouteClient
+    from dgr.runtime.wire.client import RouteClient
 
     if stages < 1 or tokens < 3 or rounds < 1 or prefill_rounds < 1:
         raise WireError("measure_wan needs stages >= 1, tokens >= 3, rounds >= 1 and prefill_rounds >= 1")

@@ -30,7 +30,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from dgr.log import get_logger
+from dgr.core.log import get_logger
 
 log = get_logger(__name__)
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from dgr.errors import WireError
+from dgr.core.errors import WireError
 
 WORKER_BIN_ENV = "DGR_WORKER_BIN"
 
@@ -14,8 +14,8 @@ WORKER_BIN_ENV = "DGR_WORKER_BIN"
 def worker_binary() -> Path:
     """`dgr-worker`: $DGR_WORKER_BIN, else the one beside the engine library (a CMake build folder, a
     release's lib/ has it in ../bin); WireError saying how to get one otherwise."""
-    from dgr.engine import library_path
-    from dgr.paths import env_path
+    from dgr.core.paths import env_path
+    from dgr.runtime.engine import library_path
 
     env = os.environ.get(WORKER_BIN_ENV)
     if env:

@@ -1,2 +1,2 @@
 """Test support for dgr (as numpy.testing is for numpy): doubles that tests and the docs' examples
-import, and that the runtime (dgr.engine, dgr.wire) never does."""
+import, and that the runtime (dgr.runtime.engine, dgr.runtime.wire) never does."""

@@ -1,6 +1,6 @@
 """The fake engine for protocol and client tests (milliseconds, no llama.cpp): a small C++ library behind
 the real engine's C ABI (worker/fake/dgr_fake_engine.cpp, `libdgr_fake_engine.so`), run here through
-dgr.engine's ctypes and by the real dgr-worker (`dgr-worker --fake-engine SPEC --stage N`).
+dgr.runtime.engine's ctypes and by the real dgr-worker (`dgr-worker --fake-engine SPEC --stage N`).
 
 A fake *model* (`FakeModel`, built from a spec string such as ``"layers=6,embd=16,cuts=2:4,seed=1"``)
 has token embeddings, `layers` residual layers and a head, all drawn from `seed`. A fake *bundle* cuts it
@@ -12,7 +12,7 @@ Each layer mixes the token with the running mean of everything the session has s
 outputs depend on history and a stage must hold a real per-session cache: a step whose positions do not
 continue the cache raises `CacheMiss`. The first `hash_layers` layers also mix in the token id (as
 DeepSeek V4's hash-routed layers do), so a later stage that owns one of them needs the token-id
-sideband (`dgr.contract.needs_token_ids`). `recurrent=1` behaves as a recurrent model: no partial
+sideband (`dgr.core.contract.needs_token_ids`). `recurrent=1` behaves as a recurrent model: no partial
 rollback (truncate refuses). The layer formula and the weights' generator are at the top of
 worker/fake/dgr_fake_engine.cpp.
 
@@ -38,11 +38,11 @@ from pathlib import Path
 
 import numpy as np
 
-from dgr.constants import DEFAULT_N_CTX
-from dgr.contract import StageContract
-from dgr.engine import OK, Engine, _raise, load_library
-from dgr.engine_api import MemoryReport, StageInfo, Step, StepResult
-from dgr.errors import EngineError
+from dgr.core.constants import DEFAULT_N_CTX
+from dgr.core.contract import StageContract
+from dgr.core.errors import EngineError
+from dgr.runtime.engine import OK, Engine, _raise, load_library
+from dgr.runtime.engine_api import MemoryReport, StageInfo, Step, StepResult
 
 BOS, EOS, BYTE0 = 1, 2, 3
 _SPEC_KEYS = ("layers", "embd", "streams", "vocab", "seed", "cuts", "hash_layers", "ctx", "sessions", "recurrent")
@@ -50,9 +50,16 @@ _SPEC_KEYS = ("layers", "embd", "streams", "vocab", "seed", "cuts", "hash_layers
 LIB_ENV = "DGR_FAKE_ENGINE_LIB"
 LIBRARY = "libdgr_fake_engine.so"
 # what the library is compiled from (repository paths); a change to any of them rebuilds it on demand
-SOURCES = ("worker/fake/dgr_fake_engine.cpp", "worker/fake/dgr_fake_engine.h", "worker/engine/dgr_sample.cpp",
-           "worker/engine/dgr_engine.h", "worker/engine/dgr_contract.h",
-           "worker/engine/dgr_keys.h")
+# What it is compiled from: every file of worker/fake (as CMake and Bazel glob them) and these of the engine.
+ENGINE_SOURCES = ("worker/engine/dgr_sample.cpp", "worker/engine/dgr_engine.h", "worker/engine/dgr_contract.h",
+                  "worker/engine/dgr_keys.h")
+
+
+def sources(root: Path) -> list[str]:
+    """The fake engine's sources under `root`, relative, sorted (worker/fake/*.cpp and *.h, ENGINE_SOURCES)."""
+    fake = sorted(p.relative_to(root).as_posix() for p in (root / "worker" / "fake").glob("*.[ch]*")
+                  if p.suffix in (".cpp", ".h"))
+    return [*fake, *ENGINE_SOURCES]
 # no -march, no -ffast-math: fp-contract off keeps every product and sum rounded on its own (the same
 # flags as worker/CMakeLists.txt and worker/fake/BUILD.bazel give it)
 CXXFLAGS = ("-std=c++17", "-O2", "-fPIC", "-shared", "-fvisibility=hidden", "-ffp-contract=off")
@@ -122,14 +129,14 @@ _find_lock = threading.Lock()
 
 
 def _repo_root() -> Path:
-    from dgr.paths import REPO_ROOT
+    from dgr.core.paths import REPO_ROOT
 
     return REPO_ROOT
 
 
 def _from_env(value: str) -> Path:
     """$DGR_FAKE_ENGINE_LIB: a path, or under Bazel a runfiles path."""
-    from dgr.paths import env_path
+    from dgr.core.paths import env_path
 
     path = env_path(value)
     if not path.is_file():
@@ -141,14 +148,14 @@ def _from_env(value: str) -> Path:
 def _beside_engine() -> Path | None:
     """libdgr_fake_engine.so beside the engine library ($DGR_ENGINE_LIB, else the workspace's CPU build),
     when it is at least as new as every source it is built from (a stale one is passed over)."""
-    from dgr.engine import LIB_ENV as ENGINE_ENV
-    from dgr.paths import default_engine_library
+    from dgr.core.paths import default_engine_library
+    from dgr.runtime.engine import LIB_ENV as ENGINE_ENV
 
     env = os.environ.get(ENGINE_ENV)
     for engine in ([Path(env)] if env else []) + [default_engine_library("cpu")]:
         lib = engine.parent / LIBRARY
         if lib.is_file():
-            srcs = [_repo_root() / s for s in SOURCES]
+            srcs = [_repo_root() / s for s in sources(_repo_root())]
             newest = max((s.stat().st_mtime for s in srcs if s.is_file()), default=0.0)
             if lib.stat().st_mtime >= newest:
                 return lib.resolve()
@@ -167,18 +174,19 @@ def _compiler() -> str:
 def build_library() -> Path:
     """Compile the fake engine with the system C++ compiler into the workspace (once per source hash,
     under a file lock); its path."""
-    from dgr.locks import locked
-    from dgr.paths import workspace
+    from dgr.core.locks import locked
+    from dgr.core.paths import workspace
 
     root = _repo_root()
-    srcs = [root / s for s in SOURCES]
+    rels = sources(root)
+    srcs = [root / s for s in rels]
     missing = [str(s) for s in srcs if not s.is_file()]
     if missing:
         raise EngineError(f"the fake engine's sources are not here ({', '.join(missing)}): set {LIB_ENV} to a "
                           f"built {LIBRARY}, or run from a checkout")
     cxx = _compiler()
     h = hashlib.sha256("\0".join((cxx, *CXXFLAGS)).encode())
-    for rel, src in zip(SOURCES, srcs):
+    for rel, src in zip(rels, srcs):
         h.update(f"\0{rel}\0".encode())
         h.update(src.read_bytes())
     folder = workspace() / "build" / "fake-engine"
@@ -191,7 +199,7 @@ def build_library() -> Path:
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = out.with_name(f".{LIBRARY}.{os.getpid()}.tmp")
         cmd = [cxx, *CXXFLAGS, f"-I{root / 'worker/engine'}", f"-I{root / 'worker/fake'}",
-               str(root / "worker/fake/dgr_fake_engine.cpp"), str(root / "worker/engine/dgr_sample.cpp"), "-o", str(tmp)]
+               *(str(s) for s in srcs if s.suffix == ".cpp"), "-o", str(tmp)]
         try:
             done = subprocess.run(cmd, capture_output=True, text=True)
         except OSError as err:
@@ -221,7 +229,7 @@ def library_path() -> Path:
 
 class FakeEngine(Engine):
     """One stage (or, with stage=None, the whole model) of a `FakeModel`, on the C fake engine through
-    dgr.engine's ctypes (implements dgr.engine_api.ShardEngine, as `dgr.engine.Engine` does)."""
+    dgr.runtime.engine's ctypes (implements dgr.runtime.engine_api.ShardEngine, as `dgr.runtime.engine.Engine` does)."""
 
     def __init__(self, model: FakeModel | str, stage: int | None = None):
         self.model = FakeModel.from_spec(model) if isinstance(model, str) else model

@@ -1,0 +1,127 @@
+"""The certification contract: the committed TOML file `dgr certify` reads its workload and thresholds from."""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from dgr.core.errors import DgrError, first_field_error
+from dgr.core.hashing import bytes_blake3
+from dgr.core.paths import REPO_ROOT
+
+DEFAULT_CONTRACT = REPO_ROOT / "certification" / "alpha.toml"
+
+_STRICT = ConfigDict(extra="forbid", frozen=True)
+
+
+class ContractError(DgrError):
+    """A contract file that cannot be read or does not say what a certification needs."""
+
+
+class Parity(BaseModel):
+    model_config = _STRICT
+    prompts: list[str] = []
+    random_prompts: list[int] = []          # lengths of seeded random-id prompts
+    seed: int = 11
+    max_new_tokens: int = Field(16, ge=1)
+    chunk_tokens: int = Field(64, ge=1)
+    n_ctx: int = Field(512, ge=16)
+    max_abs_logit_diff: float = Field(0.0, ge=0.0)
+
+
+class Speed(BaseModel):
+    model_config = _STRICT
+    applies_to: Literal["real-weights", "all", "none"] = "real-weights"
+    prompt: str = "The capital of France is"
+    decode_tokens: int = Field(32, ge=2)
+    prefill_tokens: int = Field(256, ge=1)
+    repeats: int = Field(3, ge=1)
+    decode_ratio_min: float = Field(ge=0.0)
+    prefill_ratio_min: float = Field(ge=0.0)
+
+
+class Synthetic(BaseModel):
+    """A random-weight model the gate writes itself (`dgr synth`) and splits at `stages`."""
+
+    model_config = _STRICT
+    name: str
+    arch: Literal["deepseek4", "llama"] = "deepseek4"
+    layers: int = Field(ge=1)
+    hash_layers: int = 3
+    embd: int = 128
+    mtp: bool = True
+    v4shape: bool = False                   # the real model's narrow-block options (synth_deepseek4_v4shape)
+    seed: int = 0
+    stages: list[tuple[int, int]]
+
+
+class MtpRefusal(BaseModel):
+    model_config = _STRICT
+    synthetic: str
+
+
+class Gate(BaseModel):
+    model_config = _STRICT
+    recipes: list[str] = []
+    synthetic: list[Synthetic] = []
+    mtp_refusal: MtpRefusal | None = None
+
+    @field_validator("synthetic")
+    @classmethod
+    def _unique(cls, v: list[Synthetic]) -> list[Synthetic]:
+        names = [s.name for s in v]
+        if len(set(names)) != len(names):
+            raise ValueError(f"gate.synthetic names must be unique, got {names}")
+        return v
+
+
+class Contract(BaseModel):
+    model_config = _STRICT
+    name: str
+    lane: str = "cpu"
+    threads_per_process: int = Field(0, ge=0)
+    parity: Parity
+    speed: Speed | None = None
+    gate: Gate = Gate()
+
+    def threads(self, stages: int, cores: int) -> int:
+        """Compute threads of each worker and of the whole model for a route of `stages` stages."""
+        return self.threads_per_process or max(1, cores // max(1, stages))
+
+
+class LoadedContract(BaseModel):
+    model_config = ConfigDict(frozen=True, arbitrary_types_allowed=True)
+    contract: Contract
+    path: Path
+    blake3: str
+
+    @property
+    def ref_path(self) -> str:
+        """The path a certificate records: repository-relative when the file is inside the checkout."""
+        try:
+            return str(self.path.resolve().relative_to(REPO_ROOT))
+        except ValueError:
+            return str(self.path.resolve())
+
+
+def load_contract(path: str | Path | None = None) -> LoadedContract:
+    """Read and validate a contract file (default: certification/alpha.toml) and hash its bytes."""
+    p = Path(path) if path is not None else DEFAULT_CONTRACT
+    try:
+        raw = p.read_bytes()
+        data = tomllib.loads(raw.decode("utf-8"))
+    except OSError as e:
+        raise ContractError(f"{p}: cannot read the certification contract ({e.strerror})") from e
+    except (UnicodeDecodeError, tomllib.TOMLDecodeError) as e:
+        raise ContractError(f"{p}: not valid TOML: {e}") from e
+    try:
+        c = Contract.model_validate(data)
+    except ValidationError as e:
+        raise ContractError(f"{p}: {first_field_error(e)}") from e
+    if not c.parity.prompts and not c.parity.random_prompts:
+        raise ContractError(f"{p}: [parity] needs prompts or random_prompts")
+    # the bytes validated are the bytes hashed (dgr.core.certificate.contract_hash of the file, while unchanged)
+    return LoadedContract(contract=c, path=p, blake3=bytes_blake3(raw))

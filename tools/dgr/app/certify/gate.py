@@ -1,0 +1,119 @@
+"""`dgr gate alpha`: certify every target of the contract's [gate] and print one table of every row.
+
+First the MTP refusal (an MTP-on recipe must be refused before anything runs), then each committed
+recipe (real weights: parity and the speed gate), then each synthetic target (parity and MTP off; the
+10+ stage scenario among them). Each certificate is written to the output folder; the gate passes only
+when every row of every target passes. A target that cannot be certified at all is one failed row.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from dgr.app.certify.contract import LoadedContract, load_contract
+from dgr.core.certificate import Certificate, Figure
+from dgr.core.errors import DgrError
+from dgr.core.log import get_logger
+
+log = get_logger(__name__)
+
+SCENARIO_MIN_STAGES = 10
+
+
+@dataclass
+class Row:
+    target: str
+    figure: Figure
+
+
+@dataclass
+class GateResult:
+    contract: LoadedContract
+    rows: list[Row] = field(default_factory=list)
+    certificates: dict[str, Path] = field(default_factory=dict)
+
+    @property
+    def passed(self) -> bool:
+        return bool(self.rows) and all(r.figure.passed for r in self.rows)
+
+    def table(self) -> str:
+        return format_table(self.rows, f"dgr gate {self.contract.contract.name} "
+                            f"(contract {self.contract.ref_path}, blake3 {self.contract.blake3[:16]})")
+
+
+def _fmt(v) -> str:
+    if isinstance(v, float):
+        return "0" if v == 0 else f"{v:.3g}"
+    return str(v)
+
+
+def format_table(rows: list[Row], title: str = "") -> str:
+    """One line per row: check (target: what), figure, threshold, pass."""
+    cells = [("check", "figure", "threshold", "pass")]
+    cells += [(f"{r.target}: {r.figure.check}", _fmt(r.figure.figure), r.figure.threshold,
+               "yes" if r.figure.passed else "NO") for r in rows]
+    widths = [max(len(c[i]) for c in cells) for i in range(4)]
+    lines = [title] if title else []
+    for k, c in enumerate(cells):
+        lines.append("  ".join(x.ljust(w) for x, w in zip(c, widths)).rstrip())
+        if k == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    ok = sum(r.figure.passed for r in rows)
+    lines.append(f"{ok}/{len(rows)} rows pass: {'PASSED' if rows and ok == len(rows) else 'FAILED'}")
+    return "\n".join(lines)
+
+
+def _add(res: GateResult, name: str, cert: Certificate, out_dir: Path) -> None:
+    for f in cert.figures:
+        res.rows.append(Row(name, f))
+    path = cert.save(out_dir / f"{name}.json")
+    res.certificates[name] = path
+
+
+def run_gate(contract: str | Path | None = None, *, out_dir: str | Path | None = None, lane: str | None = None,
+             lib: str | Path | None = None, root: Path | None = None) -> GateResult:
+    """Run the gate of `contract` (default certification/alpha.toml); certificates go to `out_dir`
+    (default: the workspace's certificates/<contract name>/)."""
+    from dgr.app.certify import fixtures
+    from dgr.app.certify.runner import certify, engine_library
+
+    lc = load_contract(contract)
+    c = lc.contract
+    lane = lane or c.lane
+    out = Path(out_dir) if out_dir else fixtures.certify_root().parent / "certificates" / c.name
+    res = GateResult(contract=lc)
+    by_name = {s.name: s for s in c.gate.synthetic}
+
+    # 1. The MTP refusal, before anything is built or run.
+    if c.gate.mtp_refusal is not None:
+        spec = by_name.get(c.gate.mtp_refusal.synthetic)
+        if spec is None:
+            raise DgrError(f"{lc.path}: gate.mtp_refusal names {c.gate.mtp_refusal.synthetic!r}, "
+                           f"not one of gate.synthetic {sorted(by_name)}")
+        res.rows.append(Row(spec.name, fixtures.mtp_refusal(spec, root)))
+    lib = engine_library(lane, lib)
+
+    # 2. Committed recipes (real weights), 3. synthetic targets.
+    targets = [(Path(r).parent.name if Path(r).name == "recipe.toml" else Path(r).stem,
+                lambda r=r: fixtures.bundle_for_recipe(r)) for r in c.gate.recipes]
+    targets += [(s.name, lambda s=s: fixtures.synthetic_bundle(s, root)) for s in c.gate.synthetic]
+    for name, make in targets:
+        log.info("gate: certifying %s", name)
+        try:
+            bundle = make()
+            cert = certify(bundle.root, contract=lc, lane=lane, lib=lib)
+        except DgrError as e:
+            res.rows.append(Row(name, Figure(check="certified", figure=f"error: {e}".splitlines()[0][:160],
+                                             threshold="runs", passed=False, detail=str(e))))
+            continue
+        _add(res, name, cert, out)
+        if len(cert.stages) >= SCENARIO_MIN_STAGES:
+            n = len(cert.stages)
+            procs = next((f.figure for f in cert.figures if f.check == "stages in worker processes"), 0)
+            res.rows.append(Row(name, Figure(
+                check=f"{SCENARIO_MIN_STAGES}+ stage scenario", figure=f"{n} stages, {procs} processes",
+                threshold=f">= {SCENARIO_MIN_STAGES} stages, exact", passed=cert.passed and procs == n,
+                detail=f"{bundle.manifest.model.n_layer} main layers + "
+                       f"{bundle.manifest.model.n_layer_all - bundle.manifest.model.n_layer} MTP (left out)")))
+    return res

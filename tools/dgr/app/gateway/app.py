@@ -1,0 +1,474 @@
+"""The OpenAI-compatible HTTP app over one route (FastAPI): models, completions, chat completions, the
+Responses API (text), metrics.
+
+Every error answers OpenAI's shape `{"error": {"message", "type", "param", "code"}}`: 400 for a bad
+request (bad JSON, bad field, over-long prompt, n_ctx exceeded, a chat template that refuses the
+messages), 404 for an unknown model or URL, 502/503 for a route that fails (the typed WireError's
+message). A failure after a stream started arrives as one `data: {"error": ...}` event (on a Responses
+stream: an `error` event, then response.failed).
+
+A client that goes away (closes, times out, resets) stops its generation, streaming or not: every
+request's connection is checked every DISCONNECT_POLL_S on a timer of its own, whatever the tokens do,
+and a gone client's job is cancelled, which closes its session along the route (docs/gateway.md).
+`POST /v1/responses/{id}/cancel` does the same for a streamed response that is still running, and answers
+once every stage has let go.
+
+A request for `n` choices runs n generations at once, each its own session along the route, with seeds
+`seed`+i (dgr.app.gateway.route.choice_seeds).
+
+`response_format`, `tools`/`tool_choice` (chat) and `text.format` (Responses) constrain the output with a
+JSON Schema the last stage's grammar sampler enforces, and tool calls are parsed back (dgr.app.gateway.structured);
+`logprobs`/`top_logprobs` report each token's log-probability; `usage` says how many prompt tokens the stages
+restored from their prefix caches (`cached_tokens`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import ValidationError
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from dgr import __version__
+from dgr.app.gateway import chat, schemas, structured
+from dgr.app.gateway.limits import CANCEL_WAIT_S, DEFAULT_CHAT_MAX_TOKENS, DEFAULT_COMPLETION_TOKENS, DISCONNECT_POLL_S
+from dgr.app.gateway.metrics import GatewayMetrics, MetricsMiddleware
+from dgr.app.gateway.responses import InputRefused, ResponseShape, ResponsesRequest, sse, status_of
+from dgr.app.gateway.route import ModelInfo, Params, RouteBackend, Run, choice_seeds
+from dgr.app.gateway.schemas import Answer
+from dgr.core.errors import DgrError, WireError
+from dgr.core.log import get_logger
+from dgr.runtime.wire.errors import HopUnreachable, Overloaded, StageError
+
+log = get_logger(__name__)
+
+
+class GatewayError(DgrError):
+    """An error the client sees: HTTP status and OpenAI's error fields."""
+
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None, headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+        self.headers = headers or {}
+
+    def body(self) -> dict:
+        return schemas.error_body(self.message, self.type, self.param, self.code)
+
+
+def route_error(err: Exception) -> GatewayError:
+    """A failure of the route (or of the gateway) as the client sees it."""
+    if isinstance(err, GatewayError):
+        return err
+    if isinstance(err, Overloaded):
+        after = max(1, round(err.retry_after_ms / 1000)) if err.retry_after_ms else 1
+        return GatewayError(503, str(err), "server_error", code="overloaded", headers={"Retry-After": str(after)})
+    if isinstance(err, HopUnreachable):
+        return GatewayError(503, str(err), "server_error", code="hop_unreachable")
+    if isinstance(err, StageError):
+        return GatewayError(502, str(err), "server_error", code=err.code.lower())
+    if isinstance(err, WireError):
+        return GatewayError(502, str(err), "server_error", code="route_error")
+    return GatewayError(500, f"the gateway failed: {type(err).__name__}: {err}", "server_error", code="internal_error")
+
+
+def schema_error(err: Exception, param: str) -> GatewayError | None:
+    """The last stage refusing the request's schema (llama.cpp's json_schema_to_grammar could not make a
+    grammar of it) as the request's fault: a 400 naming the field the schema came from."""
+    why = structured.schema_refused(err, param)
+    if why is None:
+        return None
+    return GatewayError(400, f"Invalid schema for '{param}': the route cannot constrain output with it: {why}",
+                        param=param, code="invalid_schema")
+
+
+def _sse(obj) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+async def _cancel_when_gone(request: Request, run: Run) -> None:
+    """Cancel `run` once its client has gone: checked on a timer, not when a token arrives, so a fast
+    route never hides the disconnect and a slow one never delays seeing it."""
+    while not run.finished:
+        await asyncio.sleep(DISCONNECT_POLL_S)
+        if run.finished:
+            return
+        if await request.is_disconnected():
+            if not run.cancelled:
+                log.info("gateway: the client of %s went away after %d token(s); stopping its generation",
+                         request.url.path, run.completion_tokens)
+            run.cancel()
+            return
+
+
+def create_app(backend: RouteBackend, metrics: GatewayMetrics | None = None, *,
+               max_tokens_default: int = DEFAULT_CHAT_MAX_TOKENS) -> FastAPI:
+    """`max_tokens_default`: the budget of a chat request that gives no max_tokens (0: up to n_ctx)."""
+    if max_tokens_default < 0:
+        raise ValueError(f"max_tokens_default must be >= 0 (0: up to the context), got {max_tokens_default}")
+    info: ModelInfo = backend.info
+    m = metrics or GatewayMetrics(info.name)
+    fingerprint = f"dgr-{info.bundle_id[:12]}"
+    app = FastAPI(title="dgr gateway", version=__version__, docs_url=None, redoc_url=None)
+    app.state.backend, app.state.metrics = backend, m
+    app.add_middleware(MetricsMiddleware, metrics=m)
+
+    def fail(err: GatewayError) -> JSONResponse:
+        m.error(err.code or err.type)
+        return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
+
+    @app.exception_handler(GatewayError)
+    async def _gateway_error(request: Request, err: GatewayError):
+        return fail(err)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, err: StarletteHTTPException):
+        if err.status_code == 404:
+            return fail(GatewayError(404, f"Unknown request URL: {request.method} {request.url.path}",
+                                     code="unknown_url"))
+        if err.status_code == 405:
+            return fail(GatewayError(405, f"Method {request.method} is not allowed on {request.url.path}",
+                                     code="method_not_allowed"))
+        return fail(GatewayError(err.status_code, str(err.detail)))
+
+    @app.exception_handler(WireError)
+    async def _route_failed(request: Request, err: WireError):
+        return fail(route_error(err))
+
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, err: Exception):
+        log.exception("gateway: %s %s failed", request.method, request.url.path)
+        return fail(route_error(err))
+
+    # ------------------------------------------------------------------ read-only
+    @app.get("/v1/models")
+    async def models():
+        return schemas.model_list(info.name, info.created)
+
+    @app.get("/v1/models/{model:path}")
+    async def model(model: str):
+        _check_model(model)
+        return schemas.model_list(info.name, info.created)["data"][0]
+
+    @app.get("/metrics")
+    async def metrics_text():
+        return Response(m.render(), media_type=m.content_type)
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok", "model": info.name, "stages": info.stages,
+                "chat_template": info.chat_template_source, "stop_token_ids": list(info.eos_ids),
+                "max_tokens_default": max_tokens_default or None}
+
+    # ------------------------------------------------------------------ generation
+    def _check_model(name: str) -> None:
+        if name not in (info.name, info.bundle_id):
+            raise GatewayError(404, f"The model `{name}` does not exist: this gateway serves `{info.name}`",
+                               param="model", code="model_not_found")
+
+    async def _parse(request: Request, cls):
+        raw = await request.body()
+        try:
+            data = json.loads(raw)
+        except (ValueError, UnicodeDecodeError) as err:
+            raise GatewayError(400, f"We could not parse the JSON body of your request ({err}). The body "
+                                    "must be a JSON object.", code="invalid_json") from None
+        if not isinstance(data, dict):
+            raise GatewayError(400, "The body of your request must be a JSON object.", code="invalid_json")
+        try:
+            req = cls.model_validate(data)
+        except ValidationError as err:
+            e = err.errors()[0]
+            param = ".".join(str(x) for x in e["loc"]) or None
+            if e["type"] == "extra_forbidden":
+                raise GatewayError(400, f"Unknown parameter: '{param}'.", param=param,
+                                   code="unknown_parameter") from None
+            code = "missing_required_parameter" if e["type"] == "missing" else "invalid_value"
+            raise GatewayError(400, f"Invalid value for '{param}': {e['msg']}" if param else e["msg"],
+                               param=param, code=code) from None
+        _check_model(req.model)
+        refused = req.refused()
+        if refused:
+            code = refused[2] if len(refused) > 2 else "unsupported_parameter"
+            raise GatewayError(400, refused[1], param=refused[0], code=code)
+        return req
+
+    def _budget(max_tokens: int | None, n_prompt: int, param: str, default: int | None,
+                max_param: str = "max_tokens") -> int:
+        room = info.n_ctx - n_prompt
+        if room <= 0:
+            raise GatewayError(400, f"This model's maximum context length is {info.n_ctx} tokens; your prompt is "
+                                    f"{n_prompt} tokens. Shorten the prompt.", param=param,
+                               code="context_length_exceeded")
+        if max_tokens is None:
+            return room if default is None else min(default, room)
+        if n_prompt + max_tokens > info.n_ctx:
+            raise GatewayError(400, f"This model's maximum context length is {info.n_ctx} tokens. However, you "
+                                    f"requested {n_prompt + max_tokens} tokens ({n_prompt} in the {param}, "
+                                    f"{max_tokens} in the completion). Reduce the length of the {param} or "
+                                    f"of the completion ({max_param}).", param=max_param,
+                               code="context_length_exceeded")
+        return max_tokens
+
+    def _completion_ids(req: schemas.CompletionRequest) -> list[int]:
+        p = req.prompt
+        if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
+            p = p[0]
+        if isinstance(p, list) and p and not all(isinstance(t, int) for t in p):
+            raise GatewayError(400, "one prompt per request: give a string or a list of token ids", param="prompt")
+        ids = backend.tokenize(p, add_special=True) if isinstance(p, str) else list(p)
+        if not ids:
+            raise GatewayError(400, "the prompt is empty", param="prompt")
+        return ids
+
+    def _chat_ids(messages: list[dict], param: str, add_generation_prompt: bool = True,
+                  tools: list[dict] | None = None) -> list[int]:
+        """The token ids of `messages` rendered by the model's chat template (`tools`: given to it as OpenAI
+        sends them, for a template that renders them)."""
+        if not info.chat_template:
+            raise GatewayError(400, f"the model `{info.name}` has no chat template (tokenizer.chat_template): "
+                                    "use /v1/completions, or start `dgr serve` with --chat-template FILE",
+                               param=param, code="chat_template_missing")
+        try:
+            text = chat.render(info.chat_template, messages, add_generation_prompt=add_generation_prompt,
+                               special_tokens={"bos_token": info.bos_token, "eos_token": info.eos_token},
+                               tools=tools)
+        except (chat.TemplateRefused, ValueError) as err:
+            raise GatewayError(400, str(err), param=param, code="invalid_messages") from None
+        except chat.TemplateBroken as err:
+            raise GatewayError(500, str(err), "server_error", code="chat_template_broken") from None
+        # a template that writes the BOS itself: do not add a second one
+        add_special = not (info.bos_token and text.startswith(info.bos_token))
+        return backend.tokenize(text, add_special=add_special)
+
+    def _start(request: Request, req, ids: list[int], max_tokens: int, t0: float, n: int = 1, *,
+               json_schema: str = "", top_logprobs: int | None = None) -> Run:
+        """n generations of `ids` (one per choice, seeds `seed`+i), watched for a client that goes away.
+        `top_logprobs`: None, no logprobs; n >= 0, each token's and the n most likely tokens'."""
+        seeds = choice_seeds(req.seed, n, req.temperature > 0 and req.top_p > 0)
+        stops = tuple(getattr(req, "stops", ()))
+        params = [Params(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
+                         seed=seed, stops=stops, ignore_eos=req.ignore_eos, json_schema=json_schema,
+                         logprobs=top_logprobs is not None, top_logprobs=top_logprobs or 0) for seed in seeds]
+        run = Run(backend, ids, params, m, t0)
+        # runs until the generations end, whoever serves the response (this coroutine or the stream)
+        run.watch = asyncio.create_task(_cancel_when_gone(request, run))
+        return run
+
+    def _answer(job, finish, plan: structured.Plan | None, logprobs: bool) -> Answer:
+        """A finished choice: its text, or the tool call its text is (tools in play)."""
+        toks = list(job.toks) if logprobs else None
+        if plan is not None and plan.mode != "none":
+            call = structured.parse_call(job.text, plan.names)
+            if call is not None:
+                return Answer(None, "tool_calls", toks, [call])
+        return Answer(job.text, finish, toks)
+
+    async def _generate(request: Request, shapes: schemas.Shapes, req, ids: list[int], max_tokens: int, t0: float,
+                        *, plan: structured.Plan | None = None, top_logprobs: int | None = None):
+        run = _start(request, req, ids, max_tokens, t0, req.n, json_schema=plan.json_schema if plan else "",
+                     top_logprobs=top_logprobs)
+        # Wait for the first piece before answering: a route that fails at once gets its HTTP status.
+        events = run.events()
+        finishes: list = [None] * req.n
+        streaming = False
+        try:
+            async for index, what, payload in events:
+                if what == "error":
+                    raise (schema_error(payload, plan.param) if plan else None) or route_error(payload)
+                if run.cancelled:
+                    return Response(status_code=499)    # nobody reads it: the client has gone
+                if req.stream:
+                    streaming = True
+                    return StreamingResponse(_stream(run, shapes, req, len(ids), (index, what, payload), events,
+                                                     plan, top_logprobs is not None),
+                                             media_type="text/event-stream",
+                                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+                if what == "done":
+                    finishes[index] = payload
+            answers = [_answer(j, f, plan, top_logprobs is not None) for j, f in zip(run.jobs, finishes)]
+            return shapes.full(answers, len(ids), run.completion_tokens, run.jobs[0].cached_tokens)
+        finally:
+            if not streaming:
+                run.cancel()
+
+    async def _stream(run: Run, shapes: schemas.Shapes, req, n_prompt: int, first, events,
+                      plan: structured.Plan | None, logprobs: bool):
+        m.open_streams.inc()
+        holds = [structured.CallHold(plan) if plan is not None else None for _ in run.jobs]
+        try:
+            if shapes.kind == "chat":
+                role = "call" if plan is not None and plan.mode in ("required", "named") else True
+                for i in range(len(run.jobs)):
+                    yield _sse(shapes.chunk(None, role=role, index=i))
+            item, failed = first, False
+            while item is not None:
+                index, what, payload = item
+                if what == "text":
+                    hold = holds[index]
+                    out = hold.feed(payload.text, list(payload.toks)) if hold else (payload.text, list(payload.toks))
+                    if out is not None:
+                        yield _sse(shapes.chunk(out[0], index=index, toks=out[1] if logprobs else None))
+                elif what == "error":
+                    err = route_error(payload)
+                    m.error(err.code or err.type)
+                    yield _sse(err.body())
+                    failed = True
+                    break
+                elif what == "done":
+                    finish = payload
+                    if holds[index] is not None:
+                        call, text, toks = holds[index].end()
+                        if call is not None:
+                            finish = "tool_calls"
+                            yield _sse(shapes.chunk(None, index=index, tool_calls=[call],
+                                                    toks=toks if logprobs else None))
+                        elif text or toks:
+                            yield _sse(shapes.chunk(text, index=index, toks=toks if logprobs else None))
+                    yield _sse(shapes.chunk(None, finish, index=index))
+                item = await anext(events, None)
+            if not failed and req.include_usage:
+                yield _sse(shapes.usage_chunk(n_prompt, run.completion_tokens, run.jobs[0].cached_tokens))
+            yield "data: [DONE]\n\n"
+        finally:
+            run.cancel()                        # a client that went away: its sessions close along the route
+            m.open_streams.dec()
+            await events.aclose()
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        t0 = time.perf_counter()
+        req = await _parse(request, schemas.CompletionRequest)
+        ids = await run_in_threadpool(_completion_ids, req)
+        base = 0
+        if req.logprobs is not None:            # text_offset counts from the start of the prompt, as OpenAI's
+            p = req.prompt[0] if isinstance(req.prompt, list) and len(req.prompt) == 1 else req.prompt
+            base = len(p) if isinstance(p, str) else len(await run_in_threadpool(backend.detokenize, ids))
+        shapes = schemas.Shapes("completion", info.name, fingerprint, text_base=base)
+        return await _generate(request, shapes, req, ids,
+                               _budget(req.max_tokens, len(ids), "prompt", DEFAULT_COMPLETION_TOKENS), t0,
+                               top_logprobs=req.logprobs)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        t0 = time.perf_counter()
+        req = await _parse(request, schemas.ChatRequest)
+        plan = structured.plan(req)
+        try:
+            messages = [msg.for_template() for msg in req.messages]
+        except ValueError as err:
+            raise GatewayError(400, str(err), param="messages", code="invalid_messages") from None
+        native = bool(info.chat_template) and chat.uses_tools(info.chat_template)
+        messages = structured.for_template(messages, native=native)
+        tools = None
+        if plan.tools:
+            if native:
+                tools = [t.model_dump(exclude_none=True) for t in plan.tools]
+            else:
+                messages = structured.with_tools_text(messages, structured.tools_text(plan.tools, plan.mode))
+        ids = await run_in_threadpool(_chat_ids, messages, "messages", req.add_generation_prompt, tools)
+        shapes = schemas.Shapes("chat", info.name, fingerprint)
+        return await _generate(request, shapes, req, ids,
+                               _budget(req.max_tokens, len(ids), "messages", max_tokens_default or None), t0,
+                               plan=plan, top_logprobs=(req.top_logprobs or 0) if req.logprobs else None)
+
+    # ------------------------------------------------------------------ the Responses API
+    live: dict[str, tuple[Run, ResponseShape]] = {}     # streamed responses still running, by id
+    app.state.live_responses = live
+
+    @app.post("/v1/responses")
+    async def responses(request: Request):
+        t0 = time.perf_counter()
+        req = await _parse(request, ResponsesRequest)
+        try:
+            messages = req.messages()
+        except InputRefused as err:
+            raise GatewayError(400, str(err), param=err.param, code="invalid_value") from None
+        ids = await run_in_threadpool(_chat_ids, messages, "input")
+        budget = _budget(req.max_output_tokens, len(ids), "input", max_tokens_default or None, "max_output_tokens")
+        schema = req.json_schema
+        run = _start(request, req, ids, budget, t0, json_schema=json.dumps(schema) if schema is not None else "",
+                     top_logprobs=(req.top_logprobs or 0) if req.logprobs else None)
+        shape = ResponseShape(info.name, req)
+        events = run.events()
+        finish = None
+        streaming = False
+        try:
+            async for _, what, payload in events:
+                if what == "error":
+                    raise (schema_error(payload, "text.format") if schema is not None else None) or route_error(payload)
+                if run.cancelled:
+                    return Response(status_code=499)    # nobody reads it: the client has gone
+                if req.stream:
+                    streaming = True
+                    return StreamingResponse(_stream_response(run, shape, (what, payload), events),
+                                             media_type="text/event-stream",
+                                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+                if what == "done":
+                    finish = payload
+            job = run.jobs[0]
+            return shape.body(status_of(finish, False), job.text, finish, _tokens(job), toks=job.toks)
+        finally:
+            if not streaming:
+                run.cancel()
+
+    def _tokens(job) -> tuple[int, int, int]:
+        """(input, output, cached input) tokens of a response's generation, for its usage."""
+        return len(job.prompt_ids), job.completion_tokens, job.cached_tokens
+
+    async def _stream_response(run: Run, shape: ResponseShape, first, events):
+        job = run.jobs[0]
+        live[shape.id] = (run, shape)
+        m.open_streams.inc()
+        try:
+            for ev in shape.opening():
+                yield sse(ev)
+            item = first
+            while item is not None:
+                what, payload = item
+                if what == "text":
+                    yield sse(shape.delta(payload.text, payload.toks))
+                elif what == "error":
+                    err = route_error(payload)
+                    m.error(err.code or err.type)
+                    for ev in shape.failure(err.body()["error"], job.text, _tokens(job)):
+                        yield sse(ev)
+                    return
+                elif what == "done":
+                    status = status_of(payload, job.cancelled_by_request)
+                    for ev in shape.closing(job.text, status, payload, _tokens(job), job.toks):
+                        yield sse(ev)
+                    return
+                nxt = await anext(events, None)
+                item = nxt[1:] if nxt else None
+        finally:
+            live.pop(shape.id, None)
+            run.cancel()                        # a client that went away: its session closes along the route
+            m.open_streams.dec()
+            await events.aclose()
+
+    @app.post("/v1/responses/{response_id}/cancel")
+    async def cancel_response(response_id: str):
+        """Stop a streamed response that is still running: its generation stops at the next token and its
+        session closes on every stage before this answers (the response, `status: cancelled`)."""
+        found = live.get(response_id)
+        if found is None:
+            raise GatewayError(404, f"No response with id '{response_id}' is in progress here: only a streamed "
+                                    "response that is still running can be cancelled (responses are not stored)",
+                               param="response_id", code="response_not_found")
+        run, shape = found
+        run.cancel("cancelled")
+        if not await asyncio.to_thread(run.wait, CANCEL_WAIT_S):
+            raise GatewayError(504, f"response '{response_id}' was cancelled but its generation did not stop "
+                                    f"within {CANCEL_WAIT_S:g} s", "server_error", code="cancel_timeout")
+        job = run.jobs[0]
+        # a response that ended on its own before the cancel landed says how it ended
+        return shape.body(status_of(job.finish, job.cancelled_by_request), job.text, job.finish, _tokens(job),
+                          toks=job.toks)
+
+    return app

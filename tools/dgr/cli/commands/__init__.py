@@ -1,0 +1,1 @@
+"""The `dgr` subcommands, one module per area (registered by dgr.cli.main)."""

@@ -1,0 +1,248 @@
+"""`dgr bench`: the whole model against the pipeline side by side (the bare command), plus the sections of
+issue 15 (`--wan-rtt-ms`, `--dtypes`, `--speculate`); subcommands `soak` (concurrent sessions for
+minutes, errors and RSS), `tls` (what mutual TLS costs per hop against plaintext) and `conversation` (what
+the prefix cache buys a chat, issue 23)."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import sys
+from pathlib import Path
+
+from dgr.core.errors import DgrError
+from dgr.core.log import get_logger
+
+log = get_logger(__name__)
+
+
+def _soak(args) -> int:
+    from dgr.app.soak import run_soak, write_json
+
+    rep = run_soak(args.minutes, stages=args.stages, sessions=args.sessions, fake=args.fake,
+                   max_tokens=args.max_tokens, threads=args.threads)
+    print(rep.table())
+    if args.json:
+        write_json(rep, args.json)
+    return 0 if not rep.errors else 1
+
+
+def _tls(args) -> int:
+    from dgr.app.tlscost import measure
+
+    rep = measure(stages=args.stages, tokens=args.max_tokens, rounds=args.rounds, threads=args.threads)
+    print(rep.table())
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rep.as_dict(), f, indent=2)
+    return 0 if rep.same_text else 1
+
+
+def _conversation(args) -> int:
+    from dgr.app.conversation import measure_conversation
+
+    rep = measure_conversation(stages=args.stages, turns=args.turns, rtt_ms=args.wan_rtt_ms, max_tokens=args.max_tokens,
+                               conversations=args.conversations, threads=args.threads)
+    print(rep.table())
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump(rep.as_dict(), f, indent=2)
+    return 0 if rep.as_dict()["same_text"] else 1
+
+
+# ---------------------------------------------------------------------------------------- the sections
+def _section(module: str, name: str, call):
+    """Run `module.name` through `call(fn)`; a module or function not built yet, or a section that fails
+    with a dgr error, is said so (the report carries {"error": ...} and the command fails) instead of a
+    traceback that would lose the other sections."""
+    try:
+        mod = importlib.import_module(module)
+    except ModuleNotFoundError as e:
+        if e.name != module:
+            raise
+        return {"error": f"{module} is not built yet (no such module): this section cannot run in this checkout"}
+    fn = getattr(mod, name, None)
+    if fn is None:
+        return {"error": f"{module}.{name} is not built yet: this section cannot run in this checkout"}
+    try:
+        return call(fn)
+    except DgrError as e:                   # the other sections and the main figures are still written
+        return {"error": str(e)}
+
+
+def _dtype_summary(rows) -> str:
+    if not rows:
+        return "dtypes: the table has no rows"
+    cols = list(rows[0])
+    fmt = lambda v: f"{v:.4g}" if isinstance(v, float) else str(v)   # noqa: E731
+    width = {c: max(len(c), *(len(fmt(r.get(c, ""))) for r in rows)) for c in cols}
+    lines = ["  " + "  ".join(c.ljust(width[c]) for c in cols)]
+    lines += ["  " + "  ".join(fmt(r.get(c, "")).ljust(width[c]) for c in cols) for r in rows]
+    return "\n".join(lines)
+
+
+def _extras(args, bundle, stages: int) -> dict:
+    """The sections the flags ask for, each under its JSON key."""
+    out: dict = {}
+    if args.wan_rtt_ms is not None:
+        log.info("bench: the emulated WAN, %g ms RTT%s", args.wan_rtt_ms,
+                 f", {args.wan_mbit:g} Mbit/s" if args.wan_mbit else "")
+        out["wan"] = _section("dgr.app.wan", "measure_wan", lambda f: f(
+            stages=stages, bundle=bundle, rtt_ms=args.wan_rtt_ms, mbit=args.wan_mbit, threads=args.threads))
+        w = out["wan"]
+        if "error" not in w:
+            print(f"wan: {args.wan_rtt_ms:g} ms RTT: TPOT {w.get('tpot_ms', 0):.2f} ms against an ideal ring of "
+                  f"{w.get('ideal_ring_ms', 0):.2f} ms ({w.get('tpot_over_ideal', 0):.3f}x)")
+    if args.dtypes:
+        log.info("bench: the wire dtype table")
+        kw = {"n_threads": args.threads, **({"lib": args.lib} if args.lib else {})}
+        if args.dtypes_out:
+            kw["out"] = Path(args.dtypes_out)
+        rows = _section("dgr.app.dtypes", "run_dtype_table", lambda f: f(**kw))
+        out["dtypes"] = rows if isinstance(rows, dict) else {"rows": rows}
+        if not isinstance(rows, dict):
+            print("dtypes:\n" + _dtype_summary(rows))
+    if args.speculate:
+        log.info("bench: speculation (%s drafts, k=%d)", args.speculate, args.draft_k)
+        out["spec"] = _section("dgr.app.speculate", "measure_speculation", lambda f: f(
+            stages=stages, bundle=bundle, threads=args.threads, k=args.draft_k))
+        s = out["spec"]
+        if "error" not in s:
+            print(f"spec: {s.get('tokens_per_ring', 0):.2f} tokens per ring on the repetitive workload; "
+                  f"TPOT with/without on the other {s.get('tpot_ratio_plain', 0):.3f}")
+    if args.tls:
+        log.info("bench: mutual TLS beside plaintext, %d rounds", args.rounds)
+        out["tls"] = _section("dgr.app.tlscost", "measure", lambda f: f(
+            stages=stages, bundle=_bundle_of(bundle), tokens=args.tokens, rounds=args.rounds,
+            threads=args.threads).as_dict())
+        t = out["tls"]
+        if "error" not in t:
+            print(f"tls: per-hop overhead {t['plaintext_per_hop_ms']:.3f} ms plaintext, {t['tls_per_hop_ms']:.3f} ms "
+                  f"mutual TLS ({t['tls_cost_per_hop_ms']:+.3f}); decode {t['plaintext_decode_tok_s']:.1f} and "
+                  f"{t['tls_decode_tok_s']:.1f} tok/s; same text: {'yes' if t['same_text'] else 'NO'}")
+    for key, v in out.items():
+        if isinstance(v, dict) and "error" in v:
+            print(f"{key}: {v['error']}", file=sys.stderr)
+    return out
+
+
+def _bundle_of(bundle):
+    """A Bundle from what the sections get (a folder, a Bundle, or None: the embedded SmolLM2)."""
+    if bundle is None or hasattr(bundle, "manifest"):
+        return bundle
+    from dgr.toolchain.bundle import load_bundle
+
+    return load_bundle(bundle)
+
+
+def _main(args) -> int:
+    from dgr.app.bench import prepare, rounded, run_bench, synth_bundle
+    from dgr.app.benchplot import plot, table
+
+    if args.lib:
+        os.environ["DGR_ENGINE_LIB"] = str(Path(args.lib).resolve())   # worker processes load the same one
+    try:
+        lengths = [int(x) for x in args.prompt_lengths.split(",") if x.strip()]
+    except ValueError:
+        raise DgrError(f"--prompt-lengths {args.prompt_lengths!r}: give token counts separated by commas, "
+                       "e.g. 32,128,256") from None
+    if not lengths or min(lengths) < 1 or args.tokens < 2 or args.rounds < 1 or args.sessions < 1:
+        raise DgrError("dgr bench: --prompt-lengths, --rounds and --sessions must be positive, --tokens at least 2")
+    extras = args.wan_rtt_ms is not None or args.dtypes or args.speculate or args.tls
+    if args.no_main and not extras:
+        raise DgrError("dgr bench --no-main: nothing left to run; add --wan-rtt-ms, --dtypes, --speculate or --tls")
+    rep: dict = {}
+    stages, bundle = args.stages or 3, args.bundle
+    if not args.no_main:
+        setup = prepare(stages=args.stages, bundle=args.bundle, source=args.source, synth=args.synth,
+                        lib=args.lib, threads=args.threads, wire_dtype=args.wire_dtype)
+        rep = run_bench(setup, tokens=args.tokens, prompt_lengths=lengths, sessions=args.sessions,
+                        rounds=args.rounds)
+        stages, bundle = setup.stages, setup.bundle if (args.bundle or args.synth) else None
+        print(table(rep))
+    elif args.synth:
+        bundle = synth_bundle(args.synth, stages)[0]
+    rep.update(_extras(args, bundle, stages))
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(rounded(rep), indent=2) + "\n")
+        log.info("bench: wrote %s", args.json)
+    if args.plot and "pipeline" in rep:
+        log.info("bench: drew %s", plot(rep, args.plot))
+    failed = [k for k, v in rep.items() if isinstance(v, dict) and "error" in v]
+    same = rep.get("pipeline", {}).get("same_tokens_as_whole", True)
+    return 0 if same and not failed else 1
+
+
+def register(sub) -> None:
+    """Add `dgr bench` to the `dgr` parser."""
+    bench = sub.add_parser("bench", help="the whole model vs the pipeline side by side; soak, tls",
+                           description="Without ACTION: the whole model (in this process) against the pipeline "
+                           "(one worker process per stage, loopback) on one bundle, side by side in one run. "
+                           "docs/bench.md says what every number means.")
+    bench.add_argument("--stages", type=int, default=None,
+                       help="stages of the embedded SmolLM2 (2, 3 or 4; default 3) or of --synth; a --bundle has its own")
+    bench.add_argument("--bundle", metavar="B", help="a bundle folder (default: the embedded SmolLM2, built if missing)")
+    bench.add_argument("--source", metavar="GGUF", help="the bundle's source model for the whole-model side "
+                       "(default: found from its manifest)")
+    bench.add_argument("--synth", metavar="ARCH", help="a fresh tiny random-weight ARCH model (`dgr synth --list`) "
+                       "split into --stages, instead of SmolLM2")
+    bench.add_argument("--lib", help="engine library (default: $DGR_ENGINE_LIB or the CPU build, built if missing)")
+    bench.add_argument("--threads", type=int, default=1,
+                       help="compute threads of every worker process and of the whole model (default 1)")
+    bench.add_argument("--wire-dtype", help="boundary dtype of the workers (default: the bundle's)")
+    bench.add_argument("--tokens", type=int, default=64, help="decode tokens per generation (default 64)")
+    bench.add_argument("--prompt-lengths", default="32,128,256", help="prefill prompt lengths (default 32,128,256)")
+    bench.add_argument("--sessions", type=int, default=4, help="concurrent sessions against one (default 4)")
+    bench.add_argument("--rounds", type=int, default=3,
+                       help="rounds alternating whole and pipeline; medians over them (default 3)")
+    bench.add_argument("--json", metavar="FILE", help="write the report as JSON")
+    bench.add_argument("--plot", metavar="FILE.png", help="draw tok/s bars and the per-hop breakdown (matplotlib)")
+    bench.add_argument("--wan-rtt-ms", type=float, metavar="R", help="also: the pipeline through emulated links "
+                       "of R ms round trip per hop (JSON key `wan`)")
+    bench.add_argument("--wan-mbit", type=float, metavar="B", help="with --wan-rtt-ms: each link's bandwidth")
+    bench.add_argument("--dtypes", action="store_true", help="also: the wire dtype table, loss against f32 for "
+                       "every ported architecture (writes docs/wire-dtypes.md; JSON key `dtypes`)")
+    bench.add_argument("--dtypes-out", metavar="FILE", help="with --dtypes: write the table here instead")
+    bench.add_argument("--speculate", choices=["ngram"], help="also: speculative decoding over the ring on two "
+                       "workloads, with and without (JSON key `spec`)")
+    bench.add_argument("--draft-k", type=int, default=4, help="with --speculate: drafted tokens per trip (default 4)")
+    bench.add_argument("--tls", action="store_true", help="also: the same bundle served with mutual TLS beside "
+                       "plaintext, generations alternating; per-hop overhead and decode of each (JSON key `tls`)")
+    bench.add_argument("--no-main", action="store_true", help="only the sections the flags above ask for")
+    bench.set_defaults(func=_main)
+    bsub = bench.add_subparsers(dest="bench_command", metavar="ACTION")
+    p = bsub.add_parser("soak", help="N concurrent sessions generating over a local route for M minutes; "
+                                     "errors by code and every process's RSS at start and end")
+    p.add_argument("--minutes", type=float, required=True)
+    p.add_argument("--stages", type=int, default=3, help="worker processes, one per stage (default 3)")
+    p.add_argument("--sessions", type=int, default=4, help="concurrent client sessions (default 4)")
+    p.add_argument("--fake", action="store_true",
+                   help="the fake engine (no build, fast) instead of the SmolLM2 bundle `dgr demo` builds")
+    p.add_argument("--max-tokens", type=int, default=48, help="tokens per generation (default 48)")
+    p.add_argument("--threads", type=int, default=0, help="engine threads per worker (0: cores / stages)")
+    p.add_argument("--json", metavar="FILE", help="also write the report as JSON")
+    p.set_defaults(func=_soak)
+
+    t = bsub.add_parser("tls", help="per-hop overhead of a mutual-TLS route against a plaintext one, the same "
+                                    "SmolLM2 bundle, generations alternating")
+    t.add_argument("--stages", type=int, default=3)
+    t.add_argument("--rounds", type=int, default=5, help="generations per route, alternating (default 5)")
+    t.add_argument("--max-tokens", type=int, default=48, help="tokens per generation (default 48)")
+    t.add_argument("--threads", type=int, default=1, help="engine threads per worker (default 1)")
+    t.add_argument("--json", metavar="FILE", help="also write the figures as JSON")
+    t.set_defaults(func=_tls)
+
+    c = bsub.add_parser("conversation", help="a chat through the gateway with and without the prefix cache: time "
+                                             "to first token per turn on loopback and an emulated WAN, cache memory "
+                                             "per 1,000 tokens, hit rate of interleaved conversations")
+    c.add_argument("--stages", type=int, default=4, help="stages of the embedded SmolLM2 (default 4)")
+    c.add_argument("--turns", type=int, default=10, help="turns of the conversation (default 10)")
+    c.add_argument("--wan-rtt-ms", type=float, default=20.0, help="round trip per hop of the WAN links (default 20)")
+    c.add_argument("--max-tokens", type=int, default=16, help="tokens per answer (default 16)")
+    c.add_argument("--conversations", type=int, default=8, help="interleaved conversations (default 8)")
+    c.add_argument("--threads", type=int, default=1, help="engine threads per worker (default 1)")
+    c.add_argument("--json", metavar="FILE", help="also write the figures as JSON")
+    c.set_defaults(func=_conversation)

@@ -1,0 +1,51 @@
+"""`dgr` subcommands of the build area: `dgr release verify|build` (the work is in dgr.toolchain.release)."""
+
+from __future__ import annotations
+
+
+def _verify(args) -> int:
+    from dgr.toolchain.release import verify_release
+
+    manifest = verify_release(args.archive)
+    up = manifest.get("upstream", {})
+    print(f"ok: {args.archive}: lane {manifest.get('lane')}, {len(manifest.get('files', {}))} files match "
+          f"the manifest; llama.cpp {up.get('commit', '?')[:12]} with {len(up.get('patches', []))} patches")
+    return 0
+
+
+def _build(args) -> int:
+    from dgr.toolchain.release import build_release
+
+    print(build_release(args.lane))
+    return 0
+
+
+def _python_deps(args) -> int:
+    from dgr.toolchain.pydeps import LOCK_PATH, fetch_locked, wheel_dir, write_lock
+
+    if args.lock:
+        lock = write_lock()
+        print(f"locked {len(lock['wheels'])} wheels ({lock['python']}) in {LOCK_PATH}")
+    paths = fetch_locked()
+    size = sum(p.stat().st_size for p in paths)
+    print(f"ok: {len(paths)} locked wheels in {wheel_dir()} ({size / 1e6:.1f} MB), each matching its sha256")
+    return 0
+
+
+def register(sub) -> None:
+    """Add this area's subcommands to the `dgr` parser."""
+    from dgr.core.constants import LANES
+
+    p = sub.add_parser("release", help="build or verify a release of the worker (Bazel, docs/build.md)")
+    rsub = p.add_subparsers(dest="release_command", metavar="SUBCOMMAND", required=True)
+    v = rsub.add_parser("verify", help="check a release archive against its MANIFEST.json")
+    v.add_argument("archive", help="release_<lane>.tar.gz")
+    v.set_defaults(func=_verify)
+    b = rsub.add_parser("build", help="bazel build //:release_<lane>, verify it, print its path")
+    b.add_argument("--lane", choices=LANES, default="cpu")
+    b.set_defaults(func=_build)
+    d = rsub.add_parser("python-deps", help="put the locked wheels a release carries into the workspace "
+                        "(sha256-checked; Bazel's @dgr_python_deps reads them)")
+    d.add_argument("--lock", action="store_true", help="first re-lock: the closure of pyproject's "
+                   "[tool.dgr.release] python-deps at this environment's installed versions")
+    d.set_defaults(func=_python_deps)

@@ -1,0 +1,69 @@
+"""`dgr certify` and `dgr gate alpha`: parse, call dgr.app.certify, print the table, exit 0 only if every row passes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def _certify(args) -> int:
+    from dgr.app.certify import certify, format_table, load_contract
+    from dgr.app.certify.fixtures import bundle_for_recipe
+    from dgr.app.certify.gate import Row
+
+    lc = load_contract(args.contract)         # the contract first: a bad one fails before anything runs
+    if args.recipe:
+        # read (and refuse an MTP-on recipe) before a store is made, a bundle built or a worker started
+        bundle = bundle_for_recipe(args.recipe, Path(args.store) if args.store else None, progress=True).root
+    else:
+        bundle = args.bundle
+    cert = certify(bundle, contract=lc, lane=args.lane, lib=args.engine_lib, source=args.source,
+                   threads=args.threads or None)
+    cert.save(args.out)
+    name = cert.identity.model
+    print(format_table([Row(name, f) for f in cert.figures],
+                       f"dgr certify: bundle {cert.identity.bundle_id[:16]} on {cert.hardware.cpu_model} "
+                       f"({cert.hardware.cores} cores), contract {lc.ref_path}"))
+    print(f"certificate: {args.out} ({'valid' if cert.passed else 'records a FAILED gate'}; digest "
+          f"{cert.digest[:16]})")
+    return 0 if cert.passed else 1
+
+
+def _gate(args) -> int:
+    from dgr.app.certify import run_gate
+
+    res = run_gate(args.contract or None, out_dir=args.out_dir, lane=args.lane, lib=args.engine_lib)
+    print(res.table())
+    where = sorted({str(p.parent) for p in res.certificates.values()})
+    if where:
+        print(f"certificates: {', '.join(where)}")
+    return 0 if res.passed else 1
+
+
+def register(sub) -> None:
+    """Add `dgr certify` and `dgr gate` to the `dgr` parser."""
+    p = sub.add_parser("certify", help="certify a bundle: exact against its whole model in worker processes, "
+                                       "and the speed gate of a committed contract; writes a certificate")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--bundle", help="the bundle folder (or its manifest.json)")
+    src.add_argument("--recipe", help="a recipe: read (an MTP-on recipe is refused), built into --store if "
+                                      "missing, then certified")
+    p.add_argument("--store", help="where --recipe's bundle is found or built (default $DGR_STORE or the "
+                                   "workspace store)")
+    p.add_argument("--lane", help="the lane certified (default: the contract's, cpu for alpha)")
+    p.add_argument("--out", required=True, help="the certificate JSON file to write")
+    p.add_argument("--contract", help="the contract TOML (default certification/alpha.toml)")
+    p.add_argument("--engine-lib", help="the engine library (default $DGR_ENGINE_LIB or the lane's build)")
+    p.add_argument("--source", help="the bundle's source GGUF, when its manifest's source URI does not resolve here")
+    p.add_argument("--threads", type=int, default=0,
+                   help="compute threads per process (default: the contract's rule)")
+    p.set_defaults(func=_certify)
+
+    g = sub.add_parser("gate", help="run a release gate (alpha): certify its targets, print one table")
+    gsub = g.add_subparsers(dest="gate_name", metavar="GATE", required=True)
+    a = gsub.add_parser("alpha", help="SmolLM2 in 3 stages, tiny DeepSeek V4 in 2, 3 and 4 stages, the 12-stage "
+                                      "scenario, MTP off: exit 0 only if every row passes")
+    a.add_argument("--contract", help="the contract TOML (default certification/alpha.toml)")
+    a.add_argument("--out-dir", help="where the certificates go (default: .dgr/certificates/alpha)")
+    a.add_argument("--lane", help="default: the contract's lane")
+    a.add_argument("--engine-lib", help="the engine library (default $DGR_ENGINE_LIB or the lane's build)")
+    a.set_defaults(func=_gate)

@@ -1,0 +1,196 @@
+"""`dgr worker serve` (one stage of a bundle, or of the fake model, served by dgr-worker until SIGTERM) and
+`dgr worker describe` (what a worker advertises: its descriptor).
+
+`dgr worker serve` is the typed front end of `dgr-worker`, the C++ worker (docs/worker.md): it checks what
+Python checks best (the flags, the listen address, the bundle's hashes with the workspace's resumable verify
+state, a fake model's spec), then replaces itself with `dgr-worker` and the same flags.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from dgr.core.constants import DEFAULT_MAX_SESSIONS, DEFAULT_N_CTX
+from dgr.core.errors import WireError
+
+
+def register(sub) -> None:
+    """Add `dgr worker ...` to the `dgr` parser."""
+    from dgr.runtime.wire.codec import DEFAULT_MAX_MESSAGE_BYTES
+    from dgr.runtime.wire.limits import Limits
+
+    d = Limits()
+    w = sub.add_parser("worker", help="run a shard worker")
+    wsub = w.add_subparsers(dest="worker_command", metavar="ACTION", required=True)
+    s = wsub.add_parser("serve", help="serve one stage of a bundle over gRPC (dgr.v1.Stage)")
+    s.add_argument("--bundle", help="bundle folder (manifest.json and stage files)")
+    s.add_argument("--fake-engine", metavar="SPEC",
+                   help="serve a stage of the fake model SPEC instead (tests; worker/fake), e.g. 'layers=6,cuts=2:4'")
+    s.add_argument("--stage", type=int, required=True, help="stage index in the bundle")
+    s.add_argument("--listen", default="127.0.0.1:0", help="HOST:PORT (port 0 picks a free one); a non-loopback "
+                   "address needs --tls-cert/--tls-key or --insecure")
+    s.add_argument("--lane", default=None, help="backend lane to advertise; must be the engine's own (default: "
+                   "the lane the engine library was built for)")
+    s.add_argument("--wire-dtype", default=None, help="f32 | f16 | bf16 | q8_0 (default: the bundle's; "
+                   "their measured loss: docs/wire-dtypes.md)")
+    s.add_argument("--max-message-bytes", type=int, default=DEFAULT_MAX_MESSAGE_BYTES)
+    s.add_argument("--max-batch-tokens", type=int, default=d.max_batch_tokens)
+    s.add_argument("--max-batch-sessions", type=int, default=d.max_batch_sessions, metavar="N",
+                   help=f"sessions whose steps may share one engine forward (default {d.max_batch_sessions}; "
+                        "1: no sharing). A session's results do not depend on it (docs/batching.md)")
+    s.add_argument("--hold-batch", type=int, default=0, metavar="N",
+                   help="tests: run a forward only when steps of N sessions wait (or of every session open "
+                        "here, when fewer are): makes sharing certain (default 0: off)")
+    s.add_argument("--test-die-at", action="append", default=[], metavar="SESSION:EPOCH:POSITION",
+                   help=argparse.SUPPRESS)   # tests: SIGKILL itself about to run that step (Limits.die_at)
+    # tests, dgr-worker only (docs/worker.md "Phase 4"): about to run that step, drop the session's engine cache
+    # (the step answers CACHE_MISS there), or fail the link to the session's origin
+    s.add_argument("--test-evict-at", action="append", default=[], metavar="SESSION:EPOCH:POSITION",
+                   help=argparse.SUPPRESS)
+    s.add_argument("--test-break-origin-link-at", action="append", default=[], metavar="SESSION:EPOCH:POSITION",
+                   help=argparse.SUPPRESS)
+    s.add_argument("--n-ctx", type=int, default=DEFAULT_N_CTX, help="positions per session (real engine)")
+    s.add_argument("--max-sessions", type=int, default=DEFAULT_MAX_SESSIONS,
+                   help="concurrent sessions (real engine)")
+    s.add_argument("--threads", type=int, default=0, help="engine compute threads (0: the engine's default)")
+    s.add_argument("--session-ttl", type=float, default=d.session_ttl_s, metavar="S",
+                   help=f"close sessions idle for S seconds, freeing their cache (default {d.session_ttl_s:g}; "
+                        "0: never); a session opened and never used counts as idle")
+    s.add_argument("--max-queued-steps", type=int, default=d.max_queued_steps, metavar="N",
+                   help=f"steps queued for the engine before OVERLOADED (default {d.max_queued_steps})")
+    s.add_argument("--max-session-steps", type=int, default=d.max_session_steps, metavar="N",
+                   help=f"steps one session may have queued before OVERLOADED (default {d.max_session_steps})")
+    s.add_argument("--rpc-timeout", type=float, default=d.rpc_timeout_s, metavar="S",
+                   help=f"deadline per hop of the RPCs this worker makes (default {d.rpc_timeout_s:g})")
+    s.add_argument("--link-keepalive-timeout", type=float, default=d.link_keepalive_timeout_s, metavar="S",
+                   help=f"give up on the next hop S seconds after an unanswered keepalive ping (default "
+                        f"{d.link_keepalive_timeout_s:g}; a ping waits behind the boundary bytes ahead of it, so "
+                        "thin links carrying long prompts need more)")
+    s.add_argument("--drain-timeout", type=float, default=d.drain_timeout_s, metavar="S",
+                   help=f"SIGTERM: exit within S seconds whatever the sessions and streams do "
+                        f"(default {d.drain_timeout_s:g})")
+    s.add_argument("--prefix-cache-mib", type=int, default=d.prefix_cache_mib, metavar="N",
+                   help="keep what closed sessions' KV held, for later sessions that begin with the same tokens, "
+                        "up to N MiB, least recently used out (docs/worker.md \"Prefix cache\"; 0: off)")
+    s.add_argument("--tls-cert", metavar="F", help="this worker's certificate (PEM; `dgr certs issue`)")
+    s.add_argument("--tls-key", metavar="F", help="its private key (PEM)")
+    s.add_argument("--tls-ca", metavar="F", help="the operator's CA (PEM): peers must present a certificate it "
+                   "signed (mutual TLS)")
+    s.add_argument("--insecure", action="store_true", help="allow a plaintext listener on a non-loopback address")
+    s.add_argument("--metrics-listen", metavar="HOST:PORT", help="also serve Prometheus metrics at "
+                   "http://HOST:PORT/metrics (https, and client certificates under --tls-ca, with TLS)")
+    s.add_argument("--certs", metavar="DIR", help="certificates (`dgr certify`, DIR/*.json) to advertise: only "
+                   "those for exactly this worker's identity and the contract's current hash; others are "
+                   "logged and ignored")
+    s.add_argument("--contract", metavar="FILE", help="the contract file certificates must still match "
+                   "(default: the path each certificate records, from the checkout)")
+    s.set_defaults(func=_serve, _parser=s)
+
+    d = wsub.add_parser("describe", help="print what a worker advertises (its descriptor)")
+    d.add_argument("address", metavar="HOST:PORT")
+    d.add_argument("--json", action="store_true", help="the descriptor as JSON (docs/schemas/descriptor.schema.json)")
+    d.add_argument("--timeout", type=float, default=10.0, metavar="S")
+    d.add_argument("--tls-cert", metavar="F", help="client certificate (a worker with mTLS)")
+    d.add_argument("--tls-key", metavar="F")
+    d.add_argument("--tls-ca", metavar="F", help="the CA the worker's certificate comes from")
+    d.set_defaults(func=_describe)
+
+
+def _die_at(text: str, flag: str = "--test-die-at") -> tuple[str, int, int]:
+    sid, _, rest = text.partition(":")
+    epoch, _, pos = rest.partition(":")
+    if not sid or not epoch.isdigit() or not pos.isdigit():
+        raise WireError(f"{flag} {text!r}: give SESSION:EPOCH:POSITION")
+    return sid, int(epoch), int(pos)
+
+
+def _serve(args) -> int:
+    from dgr.runtime.wire.tls import TlsConfig, check_listen
+
+    if bool(args.bundle) == bool(args.fake_engine):
+        raise WireError("give exactly one of --bundle BUNDLE or --fake-engine SPEC")
+    for flag in ("max_queued_steps", "max_session_steps", "max_batch_sessions"):
+        if getattr(args, flag) < 1:
+            raise WireError(f"--{flag.replace('_', '-')} must be at least 1")
+    tls = TlsConfig.from_args(args.tls_cert, args.tls_key, args.tls_ca)
+    host, _, port = args.listen.rpartition(":")
+    if host and port.isdigit():                         # (dgr-worker names a malformed address)
+        check_listen(args.listen, tls, args.insecure)   # before the bundle is read: refuse fast
+    for flag in ("test_die_at", "test_evict_at", "test_break_origin_link_at"):
+        for x in getattr(args, flag):
+            _die_at(x, "--" + flag.replace("_", "-"))
+    _exec_worker(args)
+    return 0                                            # (never: the process is dgr-worker now)
+
+
+# flags of `dgr worker serve` that are Python's own: never passed to dgr-worker
+_FRONT_END_ONLY = {"func", "_parser", "command", "worker_command"}
+
+
+def worker_argv(args) -> list[str]:
+    """`dgr worker serve`'s parsed flags as dgr-worker's arguments, every value explicit (Python's defaults
+    are the ones that apply)."""
+    out: list[str] = []
+    for action in args._parser._actions:
+        if not action.option_strings or action.dest in _FRONT_END_ONLY or action.dest == "help":
+            continue
+        flag, value = action.option_strings[0], getattr(args, action.dest, None)
+        if isinstance(action, argparse._StoreTrueAction):
+            out += [flag] if value else []
+        elif isinstance(action, argparse._AppendAction):
+            for v in value or ():
+                out += [flag, str(v)]
+        elif value is not None:
+            out += [flag, f"{value:g}" if isinstance(value, float) else str(value)]
+    return out
+
+
+def _exec_worker(args) -> None:
+    """Check what Python checks best (the bundle's hashes, with the workspace's resumable verify state; a
+    fake model's spec and stage), then become dgr-worker with the same flags and the engine library this dgr
+    would load (the fake one for --fake-engine, built on demand)."""
+    from dgr.app.stages import checked_bundle
+    from dgr.app.workerbin import worker_binary
+    from dgr.runtime.engine import LIB_ENV, library_path
+
+    env = dict(os.environ)
+    extra = []
+    if args.fake_engine:
+        from dgr.testing import fake_engine
+
+        n = len(fake_engine.FakeModel.from_spec(args.fake_engine).ranges)
+        if not 0 <= args.stage < n:
+            raise WireError(f"fake bundle has {n} stages; there is no stage {args.stage}")
+        env[fake_engine.LIB_ENV] = str(fake_engine.library_path())
+    else:
+        checked_bundle(args.bundle, args.stage)       # a tampered file is named before anything else
+        extra = ["--no-verify"]                         # hashed just now: not read twice
+    binary = worker_binary()
+    env[LIB_ENV] = str(library_path().resolve())
+    argv = [str(binary), *worker_argv(args), *extra]
+    sys.stdout.flush(), sys.stderr.flush()
+    os.execve(binary, argv, env)
+
+
+def _describe(args) -> int:
+    import grpc
+
+    from dgr.core.descriptor import Descriptor
+    from dgr.runtime.wire.gen import stage_pb2 as pb, stage_pb2_grpc as pb_grpc
+    from dgr.runtime.wire.tls import TlsConfig, channel
+
+    tls = TlsConfig.from_args(args.tls_cert, args.tls_key, args.tls_ca)
+    with channel(args.address, tls) as ch:
+        try:
+            d = pb_grpc.StageStub(ch).Describe(pb.DescribeRequest(), timeout=args.timeout)
+        except grpc.RpcError as err:
+            raise WireError(f"{args.address} did not answer Describe ({err.code().name}: {err.details()}): is a "
+                            "worker serving there (and TLS as it expects: --tls-cert/--tls-key/--tls-ca)?") from None
+    if not d.descriptor_json:
+        raise WireError(f"{args.address} sent no descriptor: it runs a dgr older than this one, or its "
+                        "descriptor failed (see its log)")
+    desc = Descriptor.model_validate_json(d.descriptor_json)
+    print(desc.model_dump_json(indent=2) if args.json else desc.summary())
+    return 0

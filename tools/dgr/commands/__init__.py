@@ -1,1 +1,0 @@
-"""The `dgr` subcommands, one module per area (registered by dgr.cli)."""

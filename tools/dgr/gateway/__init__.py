@@ -1,5 +1,0 @@
-"""The OpenAI-compatible gateway over a route of stage workers (`dgr serve`): FastAPI on uvicorn.
-
-`create_app(RouteBackend(route))` is the ASGI app; `serve(...)` runs it (dgr.gateway.server).
-The gateway is a client of the route (dgr.wire.client), never part of a worker.
-"""

@@ -1,0 +1,1 @@
+"""Generated protocol stubs (see dgr.toolchain.protogen)."""

@@ -1,0 +1,202 @@
+"""`dgr parity --synth ARCH`: a fresh tiny model of one architecture, split across its special layers, against the whole.
+
+The cuts cross the architecture's own seams: each layer has a kind (sliding-window or global
+attention, dense or MoE FFN, attention or recurrent mixer; dgr.toolchain.synth.spec's `kind`) and the cuts go where
+the kind changes first, spread over the model, then evenly. Two sessions share every batch, prompts
+span several ubatches, then greedy decode steps; the split must equal the whole model bit for bit.
+The family suite (tests/test_families.py) runs this for every architecture `dgr synth --list` names, and
+`--table` writes docs/families.md from such a run.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+from dgr.core.errors import DgrError
+from dgr.toolchain.parity import Schedule, run_baseline, split_compare
+
+STAGE_COUNTS = (2, 3, 4)      # what the family suite tries for every architecture
+PROMPT_LENGTHS = (41, 29)     # two sessions sharing each batch, both longer than one ubatch
+N_UBATCH = 16
+STEPS = 4
+SEED = 7
+EMBD = 64
+# deepseek4's compressed attention needs longer prompts to reach its 4x and 128x compressors
+_OWN_SCHEDULES = {"deepseek4": ((150, 133), 64)}
+
+
+@dataclass
+class SynthParity:
+    arch: str
+    stages: int
+    layers: int
+    kinds: list[str]
+    ranges: list[tuple[int, int]]
+    exact: bool
+    max_abs_diff: float
+    first_diverging: str
+    greedy_agree: bool
+    n_values: int
+    seconds: float
+
+    def line(self) -> str:
+        cuts = " ".join(f"[{a},{b})" for a, b in self.ranges)
+        verdict = "EXACT" if self.exact else f"DIFFERS (max |diff| {self.max_abs_diff:g}, first {self.first_diverging})"
+        return f"{self.arch}: {self.stages} stages {cuts} over kinds {','.join(self.kinds)}: {verdict} ({self.seconds:.1f} s)"
+
+
+def choose_ranges(kinds: list[str], n_stages: int) -> list[tuple[int, int]]:
+    """Stage ranges over len(kinds) layers: cuts at kind changes first (each change taken nearest an even
+    cut point), then the even points themselves (or the nearest free layer)."""
+    n = len(kinds)
+    if not 1 <= n_stages <= n:
+        raise DgrError(f"--stages {n_stages}: a {n}-layer model splits into 1..{n} stages")
+    changes = [i for i in range(1, n) if kinds[i] != kinds[i - 1]]
+    even = [round(n * k / n_stages) for k in range(1, n_stages)]
+    cuts: set[int] = set()
+    uncovered = []
+    for target in even:
+        free = [c for c in changes if c not in cuts]
+        if free:
+            cuts.add(min(free, key=lambda c: (abs(c - target), c)))
+        else:
+            uncovered.append(target)
+    for target in uncovered:
+        free = [c for c in range(1, n) if c not in cuts]
+        cuts.add(min(free, key=lambda c: (abs(c - target), c)))
+    edges = [0, *sorted(cuts), n]
+    return list(zip(edges[:-1], edges[1:]))
+
+
+def synth_model(arch: str, path: Path, *, layers: int | None = None, seed: int = SEED, embd: int = EMBD) -> Path:
+    """The model `dgr parity --synth` splits: the spec's parity layer count unless `layers` says."""
+    from dgr.toolchain.synth.generic import ARCHS, OWN_WRITERS, synth
+
+    check_arch(arch)
+    if arch in OWN_WRITERS:
+        from dgr.toolchain.synth.deepseek4 import synth_deepseek4
+
+        return synth_deepseek4(path, layers=layers or 6, seed=seed, hash_layers=3)
+    return synth(arch, layers or ARCHS[arch].parity_layers, embd, seed, path)
+
+
+def check_arch(arch: str) -> None:
+    from dgr.toolchain.synth.generic import known_archs
+
+    if arch not in known_archs():
+        raise DgrError(f"dgr parity --synth: unknown architecture {arch!r}; `dgr synth --list` names "
+                       f"{len(known_archs())}: {', '.join(known_archs())}")
+
+
+def model_layers(arch: str) -> int:
+    from dgr.toolchain.synth.generic import ARCHS
+
+    return ARCHS[arch].parity_layers if arch in ARCHS else 6
+
+
+def run_synth_parity(arch: str, n_stages: int, workdir: Path, *, lib: str | Path | None = None,
+                     n_threads: int = 1, seed: int = SEED) -> SynthParity:
+    """Write a fresh `arch` model in `workdir`, run it whole and split into `n_stages`, compare."""
+    from dgr.toolchain.synth.generic import layer_kinds
+
+    check_arch(arch)
+    t0 = time.perf_counter()
+    layers = model_layers(arch)
+    kinds = layer_kinds(arch, layers, EMBD)
+    ranges = choose_ranges(kinds, n_stages)
+    model = synth_model(arch, Path(workdir) / f"{arch}-{layers}L-s{seed}.gguf", layers=layers, seed=seed)
+    lengths, n_ubatch = _OWN_SCHEDULES.get(arch, (PROMPT_LENGTHS, N_UBATCH))
+    rng = np.random.default_rng(3)
+    sched = Schedule(prompts=[rng.integers(0, 256, size=n).tolist() for n in lengths], steps=STEPS,
+                     n_ubatch=n_ubatch)
+    base = run_baseline(model, sched, lib, n_threads)
+    sched.forced = [g[: sched.steps] for g in base.generated]
+    c = split_compare(model, sched, base, ranges, lib=lib, n_threads=n_threads)
+    return SynthParity(arch=arch, stages=n_stages, layers=layers, kinds=kinds, ranges=ranges, exact=c.exact,
+                       max_abs_diff=float(c.max_abs_diff), first_diverging=c.diverging_text(),
+                       greedy_agree=bool(c.greedy_agree), n_values=int(c.n_values),
+                       seconds=time.perf_counter() - t0)
+
+
+def features(arch: str) -> tuple[str, ...]:
+    from dgr.toolchain.synth.generic import ARCHS
+
+    if arch == "deepseek4":
+        return ("mhc-4-streams", "hash-routing", "token-id-sideband", "compressed-attention", "moe")
+    return ARCHS[arch].features
+
+
+# docs/families.md: written from a run, read back by the test that keeps it true.
+TABLE_HEAD = ("| architecture | features exercised | stages tried | cuts (3 stages) | result |\n"
+              "|---|---|---|---|---|\n")
+
+
+def table_row(arch: str, results: list[SynthParity]) -> str:
+    stages = ", ".join(str(r.stages) for r in results)
+    three = next((r for r in results if r.stages == 3), results[0])
+    cuts = " ".join(f"[{a},{b})" for a, b in three.ranges)
+    ok = all(r.exact for r in results)
+    return f"| {arch} | {', '.join(features(arch)) or '-'} | {stages} | {cuts} | {'exact' if ok else 'DIFFERS'} |\n"
+
+
+# Architectures whose results depend on the batch (docs/batching.md); the engine's own list is in
+# worker/engine/dgr_engine.cpp (`shared_kv`), and tests/test_engine_invariance.py checks both agree.
+NOT_BATCH_INVARIANT = {
+    "kimi-linear": "its graph cannot take one KV stream per session at the pin (llama.cpp aborts building it), "
+                   "so its sessions share one stream and its cells land wherever there is room",
+    "minimax-01": "the same (one shared KV stream); its own chunkings differ by up to 4e-7 on a tiny model",
+}
+
+
+# What a stage keeps in its prefix cache, per architecture (issue 23; docs/worker.md "Prefix cache")
+PREFIX_CACHE_NOTE = (
+    "\n## Prefix cache\n\n"
+    "A stage keeps what a closed session's layers held, for later sessions that begin with the same tokens\n"
+    "(docs/worker.md \"Prefix cache\"), where its engine keeps one cell per position and is batch invariant:\n"
+    "every architecture above except those whose features include `recurrent` or `hybrid`, and the two that\n"
+    "are not batch invariant. A recurrent or hybrid stage keeps one running state per session, which stands\n"
+    "for exactly the positions it was saved at and cannot be cut back to a shorter prefix (the same reason it\n"
+    "cannot roll back speculative drafts): it keeps nothing, says `prefix_cache_capacity_bytes: 0` in\n"
+    "`Describe`, and every session on a route through it prefills its whole prompt (a hop that keeps nothing\n"
+    "bounds what the whole route restores). A state at block boundaries would serve such a stage; it is not\n"
+    "kept yet.\n")
+
+
+def write_table(path: Path, by_arch: dict[str, list[SynthParity]], seconds: float) -> Path:
+    rows = "".join(table_row(a, by_arch[a]) for a in sorted(by_arch))
+    text = ("# Architectures: split equals whole\n\n"
+            "Generated by `dgr parity --synth all --stages 2,3,4 --table docs/families.md` (do not edit by hand;\n"
+            "`tests/test_families.py` fails when this table and the suite disagree). Each row: a fresh tiny\n"
+            "random-weight model of the architecture (`dgr synth`), split at the cuts shown (chosen across\n"
+            "the layer kinds), two sessions sharing each batch over several ubatches, then greedy decode;\n"
+            "`exact` = every logit bit-identical to the whole model.\n\n"
+            f"{len(by_arch)} architectures, {sum(len(v) for v in by_arch.values())} splits, "
+            f"{seconds:.0f} s on this run's machine.\n\n" + TABLE_HEAD + rows +
+            "\n## Not batch invariant\n\n"
+            "Every architecture above gives a session the same logits whatever shares its forwards and however\n"
+            "its tokens are batched (docs/batching.md), except these; their workers say so in `Describe`\n"
+            "(`batch_invariant: false`), and a client recovering on such a route replays the history the way it\n"
+            "was first computed (the prompt in the same chunks, then each generated token as its own step).\n\n"
+            + "".join(f"- {a}: {why}\n" for a, why in sorted(NOT_BATCH_INVARIANT.items())) + PREFIX_CACHE_NOTE)
+    Path(path).write_text(text)
+    return Path(path)
+
+
+def read_table(path: Path) -> dict[str, dict[str, str]]:
+    """arch -> {features, stages, cuts, result} from a table `write_table` wrote."""
+    out = {}
+    for line in Path(path).read_text().splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) != 5 or cells[0] in ("architecture", "---"):
+            continue
+        out[cells[0]] = dict(zip(("features", "stages", "cuts", "result"), cells[1:]))
+    return out
+
+
+def results_json(by_arch: dict[str, list[SynthParity]]) -> str:
+    return json.dumps({a: [asdict(r) for r in rs] for a, rs in sorted(by_arch.items())}, indent=2)

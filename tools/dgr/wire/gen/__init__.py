@@ -1,1 +1,0 @@
-"""Generated protocol stubs (see dgr.wire.protogen)."""

@@ -1,0 +1,244 @@
+// A frame in: who may send it (mutual TLS), where it goes (tokens and errors into the origin, steps to the
+// queue), and a step's checks, so that malformed frames never reach the engine.
+#include <grpcpp/grpcpp.h>
+
+#include <algorithm>
+#include <cstring>
+#include <optional>
+#include <set>
+#include <stdexcept>
+
+#include "frames_internal.h"
+#include "worker.h"
+
+namespace dgr {
+
+namespace pb = dgr::v1;
+using Clock = std::chrono::steady_clock;
+
+// mTLS (docs/worker.md "Peer checks under mutual TLS"): a session's frames come only from the peer that opened it here;
+// tokens back into the origin only from its last hop, errors from a hop of its route
+void StageWorker::check_sender(const char * kind, const SessionPtr & sess, const std::optional<std::string> * peer,
+                               const std::string & sid) {
+    if (!trust_.mutual || !peer || !sess) return;
+    std::set<std::string> want;
+    std::string what;
+    const std::string k = kind;
+    {
+        std::lock_guard<std::mutex> g(mu_);
+        if (k == "token" || k == "logits") {
+            if (!sess->returner.empty()) want.insert(sess->returner);
+            what = "the route's last hop";
+        } else if (k == "error") {
+            want = sess->route_members;
+            what = "a hop of the route";
+        } else {
+            if (sess->opener) want.insert(*sess->opener);
+            what = std::string("the peer that opened it at this stage (") +
+                   (info_.is_first ? "the client" : "stage " + std::to_string(id_.stage_index - 1)) + ")";
+        }
+    }
+    if (want.empty() || (peer->has_value() && want.count(**peer))) return;
+    std::string names;
+    for (auto & n : want) names += (names.empty() ? "" : " or ") + n;
+    throw Fault{pb::WRONG_STAGE, k + " frames of session " + sid + " are accepted here only from " +
+                                     what + ", member " + names + "; this stream comes from member " +
+                                     (peer->has_value() ? **peer : std::string("(no certificate name)"))};
+}
+
+std::string StageWorker::refuse_owner(const std::string & sid, uint64_t epoch, const grpc::ServerContext * ctx) {
+    if (!trust_.mutual || !ctx) return "";
+    const std::optional<std::string> peer = peer_identity(ctx);
+    std::lock_guard<std::mutex> g(mu_);
+    auto it = sessions_.find(Key{sid, epoch});
+    if (it == sessions_.end() || !it->second->opener || (peer && *peer == *it->second->opener)) return "";
+    return "session " + sid + " epoch " + std::to_string(epoch) + " was opened here by member " + *it->second->opener +
+           "; only it may close it, and this call comes from member " + (peer ? *peer : std::string("(no certificate name)"));
+}
+
+void StageWorker::on_frame(pb::Frame frame, const ReplyPtr & reply, const std::optional<std::string> * peer) {
+    const auto kind = frame.body_case();
+    const int64_t sent = int64_t(frame.sent_unix_ns());
+    const uint64_t transit = sent ? uint64_t(std::max<int64_t>(0, wall_ns() - sent)) : 0;
+    const Key key{frame.session_id(), frame.epoch()};
+    SessionPtr sess = session(key);
+    if (kind == pb::Frame::kToken || kind == pb::Frame::kLogits || kind == pb::Frame::kError) {
+        try {
+            check_sender(kind == pb::Frame::kToken ? "token" : kind == pb::Frame::kLogits ? "logits" : "error", sess, peer, frame.session_id());
+        } catch (Fault & f) {
+            fprintf(stderr, "dgr-worker: refused a frame: %s\n", f.message.c_str());
+            if (kind != pb::Frame::kError) reply_error(reply, frame, err(f.code, f.message));
+            return;
+        }
+        if (kind == pb::Frame::kToken) {
+            frame.mutable_token()->set_return_ns(transit);
+            if (transit) {
+                std::lock_guard<std::mutex> g(metrics_.mu);
+                metrics_.transit_token.observe(double(transit) / 1e9);
+            }
+        }
+        deliver_to_client(std::move(frame));         // returns into the origin
+        return;
+    }
+    std::vector<float> x;
+    try {
+        if (!sess) {
+            uint64_t latest = 0;
+            bool known;
+            {
+                std::lock_guard<std::mutex> g(mu_);
+                auto it = latest_epoch_.find(frame.session_id());
+                known = it != latest_epoch_.end();
+                if (known) latest = it->second;
+            }
+            if (known && latest > frame.epoch()) {
+                throw Fault{pb::STALE_EPOCH, "session " + frame.session_id() + " epoch " + std::to_string(frame.epoch()) +
+                                                 " was replaced by epoch " + std::to_string(latest)};
+            }
+            throw Fault{pb::UNKNOWN_SESSION, "no open session " + frame.session_id() + " epoch " +
+                                                 std::to_string(frame.epoch()) + ": open it (OpenSession) first"};
+        }
+        try {
+            check_sender(kind == pb::Frame::kGenerate ? "generate" : kind == pb::Frame::kStep ? "step" : "other", sess, peer, frame.session_id());
+        } catch (Fault & f) {
+            fprintf(stderr, "dgr-worker: refused a frame: %s\n", f.message.c_str());
+            throw;
+        }
+        if (kind == pb::Frame::kGenerate) {
+            if (!info_.is_first) throw Fault{pb::BAD_FRAME, "generate frames go to stage 0 only"};
+            const auto & g = frame.generate();
+            {
+                std::lock_guard<std::mutex> l(mu_);
+                sess->client = reply;
+                sess->max_new = g.max_new_tokens();
+                sess->stop_ids = std::set<int32_t>(g.stop_token_ids().begin(), g.stop_token_ids().end());
+                sess->context_ids.assign(g.context_ids().begin(), g.context_ids().end());
+                sess->history.assign(g.cached_ids().begin(), g.cached_ids().end());   // then the steps' tokens
+                sess->text = g.context_text();
+                sess->last_used = Clock::now();
+            }
+            start_speculation(sess, g);
+            return;
+        }
+        if (kind != pb::Frame::kStep) throw Fault{pb::BAD_FRAME, std::string("unexpected frame body ") + body_name(kind)};
+        check_step(frame.step(), &x);
+        std::lock_guard<std::mutex> g(metrics_.mu);
+        if (transit) metrics_.transit_step.observe(double(transit) / 1e9);
+        if (!x.empty()) metrics_.seam_in += frame.step().boundary().data().size();
+    } catch (const Fault & f) {
+        pb::WireError e = err(f.code, f.message, f.retry_after_ms);
+        e.set_held(f.held);
+        e.set_expected(f.expected);
+        reply_error(reply, frame, std::move(e));
+        return;
+    }
+    if (info_.is_first) {
+        {
+            std::lock_guard<std::mutex> g(mu_);
+            if (!sess->client) sess->client = reply;
+            const auto & ids = frame.step().token_ids();
+            sess->history.insert(sess->history.end(), ids.begin(), ids.end());   // what draft sources look up
+        }
+        frame.set_origin_sent_ns(uint64_t(mono_ns()));
+    }
+    Work w;
+    w.frame = std::move(frame);
+    w.reply = reply;
+    w.t_recv = mono_ns();
+    w.x = std::move(x);
+    w.transit_ns = transit;
+    enqueue(std::move(w), sess, false);
+}
+
+// A step frame's checks: malformed frames never reach the engine queue; *x gets the boundary
+void StageWorker::check_step(const pb::Step & step, std::vector<float> * x) {
+    const int64_t n = step.positions_size();
+    if (n == 0) throw Fault{pb::BAD_FRAME, "a step needs at least one position"};
+    const int64_t p0 = step.positions(0);
+    for (int64_t k = 0; k < n; ++k) {
+        if (int64_t(step.positions(int(k))) != p0 + k) throw Fault{pb::BAD_FRAME, "positions must be contiguous and increasing"};
+    }
+    if (int64_t(step.cache_expect()) != p0) {
+        throw Fault{pb::BAD_FRAME, "cache_expect " + std::to_string(step.cache_expect()) + " != first position " + std::to_string(p0)};
+    }
+    if (p0 + n > info_.n_ctx) throw Fault{pb::ENGINE, context_full(p0 + n - 1, info_.n_ctx)};
+    if (step.drafts() && (int64_t(step.drafts()) >= n || !step.sample())) {
+        throw Fault{pb::BAD_FRAME, "a speculative step carries its last token and then " + std::to_string(step.drafts()) +
+                                       " drafts (" + std::to_string(step.drafts() + 1) + " positions, sampled), got " +
+                                       std::to_string(n) + " positions"};
+    }
+    if (step.drafts() && step.token_ids_size() != n) {       // the last stage verifies the drafted ids
+        throw Fault{pb::BAD_FRAME, "a speculative step carries one token id per position (" + std::to_string(n) + "), got " +
+                                       std::to_string(step.token_ids_size())};
+    }
+    if (info_.is_first) {
+        if (step.drafts() || step.rollback()) {
+            throw Fault{pb::BAD_FRAME, "drafts and rollbacks are the origin's own steps: a client sends "
+                                       "Generate(draft_source=...) instead"};
+        }
+        if (step.token_ids_size() != n) {
+            throw Fault{pb::BAD_FRAME, "stage 0 needs one token id per position (" + std::to_string(n) + "), got " +
+                                           std::to_string(step.token_ids_size())};
+        }
+        if (step.has_boundary()) throw Fault{pb::SCHEMA_MISMATCH, "stage 0 takes token ids, not a boundary"};
+        return;
+    }
+    const pb::BoundarySchema & want = schema_in_;
+    if (!step.has_schema()) throw Fault{pb::SCHEMA_MISMATCH, "the frame names no schema; this stage takes " + schema_str(want)};
+    const auto & got = step.schema();
+    std::string diff;
+    auto differs = [&](bool d, const char * name) { if (d) diff += (diff.empty() ? "" : ", ") + std::string(name); };
+    differs(got.n_streams() != want.n_streams(), "n_streams");
+    differs(got.n_embd() != want.n_embd(), "n_embd");
+    differs(got.dtype() != want.dtype(), "dtype");
+    differs(got.bundle_id() != want.bundle_id(), "bundle_id");
+    if (!diff.empty()) {
+        throw Fault{pb::SCHEMA_MISMATCH, "frame schema " + schema_str(got) + " differs from this stage's " + schema_str(want) + " in " + diff};
+    }
+    if (got.layer() != want.layer()) {
+        throw Fault{pb::WRONG_RANGE, "the boundary is for layer " + std::to_string(got.layer()) + " but this stage owns [" +
+                                         std::to_string(info_.layer_begin) + ", " + std::to_string(info_.layer_end) + ")"};
+    }
+    if (info_.needs_token_ids && step.token_ids_size() != n) {
+        throw Fault{pb::SCHEMA_MISMATCH, "this stage owns token-id layers and needs the token-id sideband (" + std::to_string(n) +
+                                             " ids), got " + std::to_string(step.token_ids_size())};
+    }
+    const auto & b = step.boundary();
+    std::vector<int64_t> shape = {n, info_.n_streams, info_.n_embd};
+    std::vector<int64_t> got_shape(b.shape().begin(), b.shape().end());
+    if (got_shape != shape) {
+        throw Fault{pb::BAD_FRAME, "boundary shape " + list_str(got_shape) + " != " + list_str(shape) + " [n_tokens, n_streams, n_embd]"};
+    }
+    if (b.dtype() != want.dtype()) {
+        const WireDtype * d = dtype_of(b.dtype());
+        throw Fault{pb::SCHEMA_MISMATCH, "boundary dtype " + (d ? std::string(d->name) : std::to_string(int(b.dtype()))) +
+                                             " != schema dtype " + dtype_->name};
+    }
+    const uint64_t values = uint64_t(n) * uint64_t(info_.n_streams) * uint64_t(info_.n_embd);
+    const uint64_t need = nbytes(*dtype_, values);
+    if (b.data().size() != need) {
+        throw Fault{pb::BAD_FRAME, "boundary of shape " + list_str(got_shape) + " in " + dtype_->name + " needs " +
+                                       std::to_string(need) + " bytes, got " + std::to_string(b.data().size())};
+    }
+    x->resize(values);
+    const char * src = b.data().data();
+    switch (dtype_->code) {
+        case pb::F32: std::memcpy(x->data(), src, values * 4); break;
+        case pb::F16: {
+            std::vector<uint16_t> h(values);
+            std::memcpy(h.data(), src, values * 2);
+            lib_.fp16_to_fp32(h.data(), x->data(), int64_t(values));
+            break;
+        }
+        case pb::BF16: {
+            std::vector<uint16_t> h(values);
+            std::memcpy(h.data(), src, values * 2);
+            lib_.bf16_to_fp32(h.data(), x->data(), int64_t(values));
+            break;
+        }
+        case pb::Q8_0: lib_.dequantize_q8_0(src, x->data(), int64_t(values)); break;
+        default: throw Fault{pb::BAD_FRAME, "unknown boundary dtype"};
+    }
+}
+
+}  // namespace dgr

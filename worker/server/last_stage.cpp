@@ -1,0 +1,119 @@
+// The last stage's answer to a step: the draws (the one sampler, after the grammar's mask; a speculative
+// step verified at every position), their log-probabilities, logits rows, sent back to the origin.
+#include <grpcpp/grpcpp.h>
+
+#include <algorithm>
+#include <stdexcept>
+
+#include "frames_internal.h"
+#include "worker.h"
+
+namespace dgr {
+
+namespace pb = dgr::v1;
+using Clock = std::chrono::steady_clock;
+
+void StageWorker::emit_last(Work & w, const SessionPtr & sess, const float * logits, int32_t rows, pb::HopTiming timing) {
+    const int64_t t0 = mono_ns();
+    const pb::Step & s = w.frame.step();
+    const std::string origin = sess->route[0].address();
+    const int64_t n = s.positions_size();
+    const int64_t n_vocab = info_.n_vocab;
+    std::vector<pb::Frame> frames;
+    // The draws of a sampled step: at each of its last drafts+1 positions the token a
+    // plain decode would draw there (greedy argmax, or the (seed, position)-keyed draw), while they match the
+    // drafts; the first mismatch (or the position after the last draft) gives the next token.
+    const int64_t k = s.drafts();
+    std::vector<int32_t> draws;
+    const float * vrows = nullptr;                   // the rows the draws came from
+    if (s.sample()) {
+        if (!logits || rows < k + 1) throw std::runtime_error("the engine returned too few logits rows to sample from");
+        vrows = logits + int64_t(rows - (k + 1)) * n_vocab;
+        const int64_t base = s.positions(int(n - k - 1));
+        const pb::Sampling & sp = sess->sampling;
+        for (int64_t j = 0; j <= k; ++j) {
+            const float * row = vrows + j * n_vocab;
+            if (sess->grammar) {                     // never with drafts (start_speculation refuses it): k == 0
+                masked_.assign(row, row + n_vocab);
+                const int32_t st = lib_.grammar_apply(sess->grammar.get(), masked_.data(), int32_t(n_vocab));
+                if (st != DGR_OK) throw std::runtime_error(lib_.error(st));
+                row = masked_.data();
+            }
+            const int32_t token = lib_.sample(row, int32_t(n_vocab), double(sp.temperature()), int32_t(sp.top_k()),
+                                              double(sp.top_p()), sp.seed(), base + j);
+            if (token < 0) throw std::runtime_error("dgr_sample refused the logits row");
+            if (sess->grammar) {
+                const int32_t st = lib_.grammar_accept(sess->grammar.get(), token);
+                if (st != DGR_OK) throw std::runtime_error(lib_.error(st));
+            }
+            draws.push_back(token);
+            if (j == k || token != s.token_ids(int(s.token_ids_size() - k + j))) break;
+        }
+    }
+    if (!draws.empty()) {
+        std::lock_guard<std::mutex> g(metrics_.mu);
+        metrics_.sampled += draws.size();
+    }
+    if (sess->logits == pb::LOGITS_ALL && logits && rows > 0) {
+        const int64_t per = std::max<int64_t>(1, int64_t(max_message_bytes_ - FRAME_OVERHEAD) / (n_vocab * 4 + 8));
+        // positions computed from rejected drafts get no rows
+        const int64_t valid = std::min<int64_t>(n, rows) - (s.sample() ? k + 1 - int64_t(draws.size()) : 0);
+        for (int64_t lo = 0; lo < valid; lo += per) {
+            const int64_t hi = std::min(valid, lo + per);
+            pb::Frame f;
+            f.set_session_id(w.frame.session_id());
+            f.set_epoch(w.frame.epoch());
+            pb::Logits * l = f.mutable_logits();
+            for (int64_t k = lo; k < hi; ++k) l->add_positions(s.positions(int(k)));
+            l->set_values(reinterpret_cast<const char *>(logits + lo * n_vocab), size_t((hi - lo) * n_vocab) * 4);
+            frames.push_back(std::move(f));
+        }
+    }
+    if (s.sample()) {
+        const int32_t position = s.positions(int(n - k - 1)) + int32_t(draws.size()) - 1;
+        pb::Frame f;
+        f.set_session_id(w.frame.session_id());
+        f.set_epoch(w.frame.epoch());
+        pb::Token * t = f.mutable_token();
+        t->set_token_id(draws.back());
+        t->set_position(position);
+        t->set_origin_sent_ns(w.frame.origin_sent_ns());
+        for (size_t j = 0; j + 1 < draws.size(); ++j) t->add_accepted(draws[j]);
+        t->set_drafted(uint32_t(k));
+        if (sess->logits == pb::LOGITS_LAST) {
+            t->set_logits(reinterpret_cast<const char *>(vrows), draws.size() * size_t(n_vocab) * 4);
+        }
+        const pb::Sampling & sp = sess->sampling;
+        if (sp.logprobs() || sp.top_logprobs()) {   // the model's distribution: the raw rows, not the masked ones
+            const int32_t top = int32_t(sp.top_logprobs());
+            std::vector<int32_t> ids(size_t(std::max(top, 1)));
+            std::vector<float> lps(ids.size());
+            for (size_t j = 0; j < draws.size(); ++j) {
+                float chosen = 0.0f;
+                const int32_t n_top = lib_.logprobs(vrows + int64_t(j) * n_vocab, int32_t(n_vocab), draws[j], &chosen, top,
+                                                    ids.data(), lps.data());
+                if (n_top < 0) throw std::runtime_error("dgr_logprobs refused the logits row");
+                pb::DrawLogprobs * d = t->add_logprobs();
+                d->set_logprob(chosen);
+                for (int32_t i = 0; i < n_top; ++i) {
+                    pb::TokenLogprob * e = d->add_top();
+                    e->set_token_id(ids[size_t(i)]);
+                    e->set_logprob(lps[size_t(i)]);
+                }
+            }
+        }
+        f.set_origin_sent_ns(w.frame.origin_sent_ns());
+        *f.mutable_timings() = w.frame.timings();
+        frames.push_back(std::move(f));
+    }
+    timing.set_wire_ns(uint64_t(mono_ns() - t0));
+    for (auto & f : frames) {
+        if (f.has_token()) {
+            *f.add_timings() = timing;
+            *f.mutable_token()->mutable_timings() = f.timings();
+        }
+        send(origin, 0, std::move(f), sess);
+    }
+}
+
+}  // namespace dgr

@@ -1,0 +1,195 @@
+// Where the worker listens: the addresses checked before the engine loads (a taken port fails fast), then
+// the gRPC server with the worker, the metrics endpoint and health, and the line that says it serves.
+#include <arpa/inet.h>
+#include <netdb.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <grpcpp/grpcpp.h>
+#include <grpcpp/health_check_service_interface.h>
+
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+#include <memory>
+#include <stdexcept>
+#include <string>
+
+#include "serve.h"
+
+namespace dgr::serve {
+
+namespace {
+
+bool is_loopback(std::string host) {
+    if (host.size() >= 2 && host.front() == '[' && host.back() == ']') host = host.substr(1, host.size() - 2);
+    if (host == "localhost" || host == "ip6-localhost") return true;
+    in_addr a4;
+    in6_addr a6;
+    if (inet_pton(AF_INET, host.c_str(), &a4) == 1) return (ntohl(a4.s_addr) >> 24) == 127;
+    if (inet_pton(AF_INET6, host.c_str(), &a6) == 1) return IN6_IS_ADDR_LOOPBACK(&a6);
+    return false;
+}
+
+// Whether HOST:PORT can be bound now (as gRPC binds it, SO_REUSEADDR): checked before the engine loads, so
+// a taken port fails fast and with one line (gRPC's own bind failure logs a page first).
+std::string bind_error(const std::string & host, const std::string & port) {
+    std::string h = host;
+    if (h.size() >= 2 && h.front() == '[' && h.back() == ']') h = h.substr(1, h.size() - 2);
+    addrinfo hints{}, * res = nullptr;
+    hints.ai_socktype = SOCK_STREAM;
+    hints.ai_flags = AI_PASSIVE;
+    if (int rc = getaddrinfo(h.c_str(), port.c_str(), &hints, &res); rc != 0) return gai_strerror(rc);
+    std::string why;
+    for (addrinfo * a = res; a; a = a->ai_next) {
+        int fd = socket(a->ai_family, a->ai_socktype, a->ai_protocol);
+        if (fd < 0) { why = std::strerror(errno); continue; }
+        int one = 1;
+        setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
+        bool ok = bind(fd, a->ai_addr, a->ai_addrlen) == 0;
+        if (!ok) why = std::strerror(errno);
+        close(fd);
+        if (ok) { why.clear(); break; }
+    }
+    freeaddrinfo(res);
+    return why;
+}
+
+}  // namespace
+
+Listen check_listen(const Options & o, const Trust & trust) {
+    std::string mhost, mport;                        // --metrics-listen HOST:PORT (the gRPC port's rules)
+    if (!o.metrics_listen.empty()) {
+        auto c = o.metrics_listen.rfind(':');
+        mhost = c == std::string::npos ? "" : o.metrics_listen.substr(0, c);
+        mport = c == std::string::npos ? "" : o.metrics_listen.substr(c + 1);
+        if (mhost.empty() || mport.empty() || mport.find_first_not_of("0123456789") != std::string::npos) {
+            throw std::runtime_error("--metrics-listen '" + o.metrics_listen + "': give HOST:PORT (port 0 picks a free one)");
+        }
+        if (!trust.tls && !o.insecure && !is_loopback(mhost)) {
+            throw std::runtime_error("refusing to listen on " + o.metrics_listen + " without TLS: anyone who reaches it could "
+                                     "read and forge boundaries. Give --tls-cert/--tls-key (and --tls-ca for mutual TLS; `dgr "
+                                     "certs` makes them), or --insecure to accept plaintext on a network you trust");
+        }
+    }
+    auto colon = o.listen.rfind(':');
+    std::string host = colon == std::string::npos ? "" : o.listen.substr(0, colon);
+    std::string port = colon == std::string::npos ? "" : o.listen.substr(colon + 1);
+    if (host.empty() || port.empty() || port.find_first_not_of("0123456789") != std::string::npos) {
+        throw std::runtime_error("cannot listen on '" + o.listen + "': give HOST:PORT with a free port (port 0 picks one)");
+    }
+    if (!trust.tls && !o.insecure && !is_loopback(host)) {
+        throw std::runtime_error("refusing to listen on " + o.listen + " without TLS: anyone who reaches it could read and forge "
+                                 "boundaries. Give --tls-cert/--tls-key (and --tls-ca for mutual TLS; `dgr certs` makes "
+                                 "them), or --insecure to accept plaintext on a network you trust");
+    }
+    std::string adv_host, adv_port;                  // --advertise HOST[:PORT]: the address peers reach it at
+    if (!o.advertise.empty()) {
+        const std::string & a = o.advertise;
+        auto c = a.rfind(':');
+        const bool has_port = c != std::string::npos && a.find(']', c) == std::string::npos && (a.front() != '[' || a[c - 1] == ']');
+        adv_host = has_port ? a.substr(0, c) : a;
+        adv_port = has_port ? a.substr(c + 1) : "";
+        if (adv_host.empty() || adv_host == "0.0.0.0" || adv_host == "[::]" || adv_host == "::" ||
+            (has_port && (adv_port.empty() || adv_port.find_first_not_of("0123456789") != std::string::npos))) {
+            throw std::runtime_error("--advertise " + a + ": give the HOST[:PORT] other machines reach this worker at "
+                                     "(a name or an address, never a wildcard)");
+        }
+    }
+
+    if (std::string why = bind_error(host, port); !why.empty()) {
+        throw std::runtime_error("cannot listen on " + o.listen + ": " + why + ": give HOST:PORT with a free port (port 0 picks one)");
+    }
+    return Listen{host, port, mhost, mport, adv_host, adv_port};
+}
+
+Serving serve(const Options & o, const Trust & trust, const Listen & l, Stage & s) {
+    const std::string & host = l.host, & port = l.port, & mhost = l.mhost, & mport = l.mport;
+    const std::string & adv_host = l.adv_host, & adv_port = l.adv_port;
+    grpc::EnableDefaultHealthCheckService(true);
+    grpc::ServerBuilder b;
+    int bound = 0;
+    b.AddListeningPort(o.listen, trust.tls ? trust.server : grpc::InsecureServerCredentials(), &bound);
+    // bounds (docs/worker.md): gRPC's threads; calls per connection; connections with calls in progress are
+    // counted by the worker (--max-connections); idle connections are closed after 10 minutes
+    grpc::ResourceQuota quota("dgr-worker");
+    quota.SetMaxThreads(int(o.max_rpc_threads));
+    b.SetResourceQuota(quota);
+    b.AddChannelArgument(GRPC_ARG_MAX_CONCURRENT_STREAMS, 100);
+    b.AddChannelArgument(GRPC_ARG_MAX_CONNECTION_IDLE_MS, 600000);
+    int limit = int(o.max_message_bytes + dgr::FRAME_OVERHEAD);
+    b.SetMaxReceiveMessageSize(limit);
+    b.SetMaxSendMessageSize(limit);
+    // no SO_REUSEPORT: a second worker on a taken port must fail, not share its connections
+    b.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
+    b.AddChannelArgument(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
+    b.AddChannelArgument(GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS, 500);
+    b.AddChannelArgument(GRPC_ARG_HTTP2_MAX_PING_STRIKES, 0);
+    b.AddChannelArgument(GRPC_ARG_HTTP2_MAX_PINGS_WITHOUT_DATA, 0);
+    b.AddChannelArgument(GRPC_ARG_KEEPALIVE_TIME_MS, 10000);
+    b.AddChannelArgument(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, 5000);
+    // errors name this hop by its address; a wildcard listen address names no machine, the host name does
+    std::string name = adv_host.empty() ? host : adv_host;
+    if (adv_host.empty() && (host == "0.0.0.0" || host == "[::]")) {
+        char hn[256] = {0};
+        gethostname(hn, sizeof hn - 1);
+        name = hn;
+    }
+    Serving sv;                                      // after the builder: on a refusal it goes first
+    // the port is known only once bound (port 0): the worker is told its address right after
+    auto & worker = sv.worker;
+    worker = std::make_unique<dgr::StageWorker>(s.lib, s.eng, s.id, name + ":" + port, o.max_message_bytes, o.limits);
+    worker->set_trust(trust);
+    if (!o.certs.empty()) {                          // dgr.app.stages.held_certificates
+        const dgr_stage_info & si = worker->info();
+        dgr::CertIdentity me{s.id.model, s.id.bundle_id, s.id.lane, s.id.upstream_commit, s.id.patch_series,
+                             s.id.engine_blake3, s.id.worker_blake3, s.id.stage_index, si.layer_begin, si.layer_end};
+        auto held = dgr::held_certificates(o.certs, me, o.contract);
+        std::printf("dgr worker: %zu certificate(s) advertised from %s\n", held.size(), o.certs.c_str());
+        worker->set_certificates(std::move(held));
+    }
+    b.RegisterService(worker.get());
+    auto & server = sv.server;
+    server = b.BuildAndStart();
+    if (!server || bound == 0) {
+        throw std::runtime_error("cannot listen on " + o.listen + ": the address is taken or not this machine's; give "
+                                 "HOST:PORT with a free port (port 0 picks one)");
+    }
+    sv.address = name + ":" + (adv_port.empty() ? std::to_string(bound) : adv_port);
+    const std::string & address = sv.address;
+    worker->set_address(address);
+    auto & metrics = sv.metrics;
+    if (!mhost.empty()) {
+        try {
+            // HTTPS under TLS, client certificates from the CA under mutual TLS
+            metrics = std::make_unique<dgr::MetricsServer>(mhost, mport, [w = worker.get()] { return w->metrics_text(); },
+                                                           o.tls_cert, o.tls_key, o.tls_ca);
+        } catch (const std::exception & e) {
+            throw std::runtime_error("cannot serve metrics on " + o.metrics_listen + ": " + e.what() +
+                                     ": give a free HOST:PORT (port 0 picks one)");
+        }
+        std::string mname = mhost;
+        if (mhost == "0.0.0.0" || mhost == "[::]") {
+            char hn[256] = {0};
+            gethostname(hn, sizeof hn - 1);
+            mname = hn;
+        }
+        const std::string url = std::string(trust.tls ? "https" : "http") + "://" + mname + ":" + std::to_string(metrics->port()) + "/metrics";
+        worker->set_metrics_url(url);
+        std::printf("dgr worker: metrics on %s\n", url.c_str());
+    }
+    auto * health = server->GetHealthCheckService();
+    health->SetServingStatus("", true);
+    health->SetServingStatus("dgr.v1.Stage", true);
+    const dgr_stage_info & i = worker->info();
+    const char * mode = trust.mutual ? "mutual TLS" : trust.tls ? "TLS" : "plaintext";
+    dgr_memory mem{};                                // where the weights are: the lane's device, or the host
+    const bool on_device = s.lib.memory(s.eng, &mem) == DGR_OK && mem.device[0] != '\0';
+    std::printf("dgr worker: stage %d [%d, %d) of bundle %s, %s lane, weights on %s, %s serving on %s\n",
+                s.id.stage_index, i.layer_begin, i.layer_end, s.id.bundle_id.c_str(), s.id.lane.c_str(),
+                on_device ? mem.device : "the host", mode, address.c_str());
+    std::fflush(stdout);
+    return sv;
+}
+
+}  // namespace dgr::serve

@@ -1,0 +1,256 @@
+// The origin (stage 0): the ring's tokens counted against the generation's bounds and delivered to the
+// client with their text, the next step queued (with drafts when speculating), and a client gone.
+#include <grpcpp/grpcpp.h>
+
+#include <algorithm>
+#include <stdexcept>
+
+#include "frames_internal.h"
+#include "worker.h"
+
+namespace dgr {
+
+namespace pb = dgr::v1;
+using Clock = std::chrono::steady_clock;
+
+void StageWorker::deliver_to_client(pb::Frame frame) {
+    SessionPtr sess = session(Key{frame.session_id(), frame.epoch()});
+    if (!sess || !info_.is_first) return;
+    ReplyPtr client;
+    {
+        std::lock_guard<std::mutex> g(mu_);
+        client = sess->client;
+    }
+    if (!client) return;
+    if (frame.has_error()) {
+        // behind the tokens still being detokenized (jobs_, in order): an error never overtakes a token
+        auto shared = std::make_shared<pb::Frame>(std::move(frame));
+        std::lock_guard<std::mutex> g(mu_);
+        sess->failed = true;
+        jobs_.push_back([client, shared] { client->put(std::move(*shared)); });
+        wake_.notify_all();
+        return;
+    }
+    if (frame.has_logits()) {
+        client->put(std::move(frame));
+        return;
+    }
+    if (!frame.has_token()) return;
+    pb::Token * tok = frame.mutable_token();
+    if (tok->origin_sent_ns()) tok->set_ring_ns(uint64_t(mono_ns()) - tok->origin_sent_ns());
+    // A speculative ring returns several draws: the accepted drafts, then token_id. Count them one by one;
+    // a stop id or max_new_tokens among them ends the generation there (the rest are dropped).
+    std::vector<int32_t> draws(tok->accepted().begin(), tok->accepted().end());
+    draws.push_back(tok->token_id());
+    const int64_t first = int64_t(tok->position()) - tok->accepted_size();
+    bool next = false, full = false;
+    size_t used = 0, n_ids;
+    int64_t pos = 0;
+    pb::Frame step;
+    {
+        std::lock_guard<std::mutex> g(mu_);
+        if (sess->drafter && tok->drafted()) sess->drafter->observe(tok->drafted(), uint32_t(tok->accepted_size()));
+        bool done = false;
+        for (int32_t t : draws) {
+            ++used;
+            ++sess->produced;
+            sess->context_ids.push_back(t);
+            sess->history.push_back(t);
+            if (sess->stop_ids.count(t) || sess->produced >= sess->max_new) break;
+        }
+        const int32_t last = draws[used - 1];
+        done = sess->stop_ids.count(last) || sess->produced >= sess->max_new;
+        tok->set_done(done);
+        pos = first + int64_t(used);
+        if (!done && !sess->failed) {
+            if (pos >= info_.n_ctx) {
+                sess->failed = true;
+                full = true;
+            } else {
+                next = true;
+                step = next_step(*sess, frame.session_id(), frame.epoch(), pos, last, tok->drafted() > 0);
+            }
+        } else {
+            sess->done = true;
+        }
+        n_ids = sess->context_ids.size();
+    }
+    std::shared_ptr<pb::Frame> full_error;
+    if (full) {                                      // sent after this ring's tokens (below)
+        full_error = std::make_shared<pb::Frame>();
+        full_error->set_session_id(frame.session_id());
+        full_error->set_epoch(frame.epoch());
+        *full_error->mutable_error() = err(pb::ENGINE, context_full(pos, info_.n_ctx));
+    } else if (next) {
+        // queue the next decode step first: the ring goes on while this token is detokenized and sent
+        Work w;
+        w.frame = std::move(step);
+        w.reply = client;
+        w.t_recv = mono_ns();
+        enqueue(std::move(w), sess, true);
+    }
+    // What the client gets for the ring: a Token per draw (accepted drafts
+    // marked speculated), the ring's own frame (timings, ring time) last; LOGITS_LAST rows split among them.
+    std::vector<pb::Frame> out;
+    const size_t width = tok->accepted_size() && !tok->logits().empty() ? tok->logits().size() / size_t(tok->accepted_size() + 1) : 0;
+    for (size_t i = 0; i + 1 < used; ++i) {
+        pb::Frame f;
+        f.set_session_id(frame.session_id());
+        f.set_epoch(frame.epoch());
+        pb::Token * t = f.mutable_token();
+        t->set_token_id(draws[i]);
+        t->set_position(int32_t(first + int64_t(i)));
+        t->set_speculated(true);
+        if (width) t->set_logits(tok->logits().substr(i * width, width));
+        if (int(i) < tok->logprobs_size()) *t->add_logprobs() = tok->logprobs(int(i));
+        out.push_back(std::move(f));
+    }
+    tok->set_token_id(draws[used - 1]);
+    tok->set_position(int32_t(first + int64_t(used) - 1));
+    while (size_t(tok->accepted_size()) > used - 1) tok->mutable_accepted()->RemoveLast();
+    if (width) tok->set_logits(tok->logits().substr((used - 1) * width, width));
+    if (tok->logprobs_size() > 1 && int(used - 1) < tok->logprobs_size()) {   // this Token's own draw only
+        pb::DrawLogprobs mine = tok->logprobs(int(used - 1));
+        tok->clear_logprobs();
+        *tok->add_logprobs() = std::move(mine);
+    }
+    out.push_back(std::move(frame));
+    // detokenize on the engine thread once the next step's forward has started: text never delays the
+    // ring, and the engine is never called from two threads
+    const size_t n0 = n_ids - out.size();
+    auto shared = std::make_shared<std::vector<pb::Frame>>(std::move(out));
+    std::lock_guard<std::mutex> g(mu_);
+    jobs_.push_back([this, sess, shared, n0, client, full_error] {
+        for (size_t i = 0; i < shared->size(); ++i) send_token(sess, std::move((*shared)[i]), n0 + i + 1);
+        if (full_error) client->put(std::move(*full_error));   // the context is full: after its last token
+    });
+    wake_.notify_all();
+}
+
+// The origin's next step: the last token at `pos`, plus what the session's draft source proposes (k+1
+// positions, verified by the last stage in the same ring). `after_drafts`: the step answered was
+// speculative, so stages may hold rejected positions >= pos to drop. mu_ held.
+pb::Frame StageWorker::next_step(Session & s, const std::string & sid, uint64_t epoch, int64_t pos, int32_t token, bool after_drafts) {
+    std::vector<int32_t> drafts;
+    if (s.drafter) {
+        const int64_t k = std::min<int64_t>({int64_t(s.draft_k), int64_t(s.max_new) - int64_t(s.produced) - 1,
+                                             int64_t(info_.n_ctx) - 1 - pos});
+        if (k > 0) {
+            drafts = s.drafter->propose(s.history, k);
+            if (int64_t(drafts.size()) > k) drafts.resize(size_t(k));
+        }
+    }
+    pb::Frame f;
+    f.set_session_id(sid);
+    f.set_epoch(epoch);
+    f.set_origin_sent_ns(uint64_t(mono_ns()));
+    pb::Step * st = f.mutable_step();
+    for (int64_t p = pos; p < pos + 1 + int64_t(drafts.size()); ++p) st->add_positions(int32_t(p));
+    st->add_token_ids(token);
+    for (int32_t d : drafts) st->add_token_ids(d);
+    st->set_cache_expect(uint64_t(pos));
+    st->set_sample(true);
+    st->set_drafts(uint32_t(drafts.size()));
+    st->set_rollback(after_drafts);
+    return f;
+}
+
+// Starting speculation: a Generate that asks for drafts gets its session's draft source, if
+// every hop of the route can roll back rejected drafts.
+void StageWorker::start_speculation(const SessionPtr & sess, const pb::Generate & g) {
+    if (g.draft_source().empty()) return;
+    std::unique_ptr<DraftSource> drafter;
+    uint32_t k;
+    try {
+        k = check_draft_k(g.draft_k() ? g.draft_k() : DEFAULT_DRAFT_K);
+        drafter = make_draft_source(g.draft_source());
+    } catch (const std::invalid_argument & e) {
+        throw Fault{pb::BAD_FRAME, e.what()};
+    }
+    std::lock_guard<std::mutex> l(mu_);
+    if (!sess->sampling.grammar().empty() || !sess->sampling.json_schema().empty()) {
+        throw Fault{pb::ENGINE, "speculative decoding with a grammar (sampling.grammar or sampling.json_schema) is not "
+                                "supported: generate without --speculate, or without the grammar"};
+    }
+    if (!sess->can_roll_back) {
+        throw Fault{pb::ENGINE, "speculative decoding needs every stage to drop rejected drafts from its cache, and " +
+                                    (sess->no_roll_back.empty() ? std::string("a hop of the route") : sess->no_roll_back) +
+                                    " cannot (a recurrent or hybrid model keeps one running state, or the worker predates "
+                                    "speculation): generate without --speculate"};
+    }
+    sess->drafter = std::move(drafter);
+    sess->draft_k = uint32_t(std::min<uint64_t>(k, sess->spec_cap - 1));
+}
+
+void StageWorker::note_route(Session & s, const google::protobuf::RepeatedPtrField<pb::StageDescription> & hops) {
+    std::string no;
+    uint64_t cap = 0;
+    for (int i = 0; i < hops.size(); ++i) {
+        const pb::StageDescription & h = hops.Get(i);
+        const size_t at = size_t(s.hop_index) + size_t(i);
+        const std::string address = at < s.route.size() ? s.route[at].address() : std::string();
+        if (!h.can_roll_back()) no += (no.empty() ? "" : ", ") + hop_name(h.identity().stage_index(), address);
+        if (h.has_schema_out() && h.seam_bytes_per_token()) {
+            uint64_t t = tokens_per_frame(std::min<uint64_t>(h.max_message_bytes(), max_message_bytes_), h.seam_bytes_per_token());
+            cap = cap ? std::min(cap, t) : t;
+        }
+    }
+    s.can_roll_back = no.empty();
+    s.no_roll_back = no;
+    s.spec_cap = cap ? cap : MAX_DRAFT_K + 1;
+}
+
+void StageWorker::send_token(const SessionPtr & sess, pb::Frame frame, size_t n_ids) {
+    pb::Token * tok = frame.mutable_token();
+    std::string full;
+    if (info_.has_vocab) {
+        std::vector<int32_t> ids;
+        {
+            std::lock_guard<std::mutex> g(mu_);
+            ids.assign(sess->context_ids.begin(), sess->context_ids.begin() + long(std::min(n_ids, sess->context_ids.size())));
+        }
+        std::string buf(16 * ids.size() + 16, '\0');
+        int32_t n;
+        std::lock_guard<std::mutex> eg(engine_mu_);
+        const int32_t dummy = 0;
+        while (true) {
+            n = lib_.detokenize(eng_, ids.empty() ? &dummy : ids.data(), int32_t(ids.size()), &buf[0], int32_t(buf.size()));
+            if (n < 0) throw std::runtime_error("detokenize: " + lib_.error(DGR_E_ENGINE));
+            if (size_t(n) <= buf.size()) break;
+            buf.resize(size_t(n));
+        }
+        buf.resize(size_t(n));
+        full = utf8_replace(buf);
+    }
+    static const std::string REPL = "\xEF\xBF\xBD";
+    ReplyPtr client;
+    {
+        std::lock_guard<std::mutex> g(mu_);
+        const bool unfinished = full.size() >= 3 && full.compare(full.size() - 3, 3, REPL) == 0;
+        if (unfinished && !tok->done()) {
+            tok->set_text("");                       // an unfinished UTF-8 sequence: wait for more
+        } else {
+            tok->set_text(full.substr(byte_offset(full, code_points(sess->text))));
+            sess->text = full;
+        }
+        client = sess->client;
+    }
+    if (client) client->put(std::move(frame));
+}
+
+void StageWorker::client_gone(const ReplyPtr & out) {
+    // the client's stream ended: stop decoding for it and free its sessions along the route
+    std::vector<Key> orphans;
+    {
+        std::lock_guard<std::mutex> g(mu_);
+        for (auto & kv : sessions_) {
+            if (kv.second->client == out && !kv.second->done) {
+                kv.second->failed = true;
+                orphans.push_back(kv.first);
+            }
+        }
+    }
+    for (auto & k : orphans) close_chained(k.first, k.second, nullptr, nullptr);
+}
+
+}  // namespace dgr

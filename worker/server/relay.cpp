@@ -1,0 +1,196 @@
+// The ring relay: a step's boundary encoded in the wire dtype and sent to the next hop in frames that fit,
+// frames sent over the links (to the origin, too), and what a broken link tells its sessions.
+#include <grpcpp/grpcpp.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstring>
+#include <stdexcept>
+
+#include "frames_internal.h"
+#include "worker.h"
+
+namespace dgr {
+
+namespace pb = dgr::v1;
+using Clock = std::chrono::steady_clock;
+
+void StageWorker::encode(const float * x, int64_t n_tokens, pb::Boundary * b) const {
+    const int64_t values = n_tokens * int64_t(info_.n_streams) * info_.n_embd;
+    b->set_dtype(dtype_->code);
+    b->add_shape(uint32_t(n_tokens));
+    b->add_shape(uint32_t(info_.n_streams));
+    b->add_shape(uint32_t(info_.n_embd));
+    std::string * data = b->mutable_data();
+    data->resize(nbytes(*dtype_, uint64_t(values)));
+    switch (dtype_->code) {
+        case pb::F32: std::memcpy(&(*data)[0], x, size_t(values) * 4); break;
+        case pb::F16: {
+            std::vector<uint16_t> h(static_cast<size_t>(values));
+            lib_.fp32_to_fp16(x, h.data(), values);
+            std::memcpy(&(*data)[0], h.data(), size_t(values) * 2);
+            break;
+        }
+        case pb::BF16: {
+            std::vector<uint16_t> h(static_cast<size_t>(values));
+            lib_.fp32_to_bf16(x, h.data(), values);
+            std::memcpy(&(*data)[0], h.data(), size_t(values) * 2);
+            break;
+        }
+        case pb::Q8_0: lib_.quantize_q8_0(x, &(*data)[0], values); break;
+        default: throw std::runtime_error("cannot encode wire dtype " + std::string(dtype_->name));
+    }
+}
+
+void StageWorker::emit_boundary(Work & w, const SessionPtr & sess, const float * boundary, pb::HopTiming timing) {
+    const int64_t t0 = mono_ns();
+    const pb::Step & s = w.frame.step();
+    const pb::Hop & nxt = sess->route[sess->hop_index + 1];
+    const pb::BoundarySchema & schema = schema_out_;
+    const int64_t width = int64_t(info_.n_streams) * info_.n_embd;
+    const int64_t per = int64_t(tokens_per_frame(max_message_bytes_, seam_bytes_per_token_));
+    const int64_t n = s.positions_size();
+    std::vector<pb::Frame> frames;
+    for (int64_t lo = 0; lo < n; lo += per) {
+        const int64_t hi = std::min(n, lo + per);
+        pb::Frame f;
+        f.set_session_id(w.frame.session_id());
+        f.set_epoch(w.frame.epoch());
+        pb::Step * step = f.mutable_step();
+        for (int64_t k = lo; k < hi; ++k) step->add_positions(s.positions(int(k)));
+        for (int64_t k = lo; k < hi && k < s.token_ids_size(); ++k) step->add_token_ids(s.token_ids(int(k)));
+        encode(boundary + lo * width, hi - lo, step->mutable_boundary());
+        {
+            std::lock_guard<std::mutex> g(metrics_.mu);
+            metrics_.seam_out += step->boundary().data().size();
+        }
+        *step->mutable_schema() = schema;
+        step->set_cache_expect(uint64_t(s.positions(int(lo))));
+        step->set_sample(s.sample() && hi == n);
+        step->set_drafts(hi == n ? s.drafts() : 0);
+        step->set_rollback(s.rollback() && lo == 0);
+        f.set_origin_sent_ns(w.frame.origin_sent_ns());
+        *f.mutable_timings() = w.frame.timings();
+        frames.push_back(std::move(f));
+    }
+    timing.set_wire_ns(uint64_t(mono_ns() - t0));
+    for (auto & f : frames) {
+        *f.add_timings() = timing;
+        send(nxt.address(), sess->hop_index + 1, std::move(f), sess);
+    }
+}
+
+std::shared_ptr<Link> StageWorker::out_link(const std::string & address, uint32_t hop_index) {
+    std::lock_guard<std::mutex> g(mu_);
+    if (threads_stopped_) return nullptr;
+    auto & l = out_links_[address];
+    if (!l) l = std::make_shared<Link>(this, address, hop_name(hop_index, address), max_message_bytes_);
+    return l;
+}
+
+void StageWorker::send(const std::string & address, uint32_t hop_index, pb::Frame frame, const SessionPtr & sess) {
+    frame.set_sent_unix_ns(uint64_t(wall_ns()));
+    const uint64_t size = frame.ByteSizeLong();
+    if (size > max_message_bytes_) {                 // a bug if it happens: frames are sized below the limit
+        pb::Frame e;
+        e.set_session_id(frame.session_id());
+        e.set_epoch(frame.epoch());
+        *e.mutable_error() = err(pb::MESSAGE_TOO_LARGE, "a " + std::to_string(size) + "-byte frame would exceed the " +
+                                                            std::to_string(max_message_bytes_) + "-byte limit");
+        to_origin(sess, std::move(e));
+        return;
+    }
+    bool self;
+    {
+        std::lock_guard<std::mutex> g(mu_);
+        max_frame_bytes_sent_ = std::max(max_frame_bytes_sent_, size);
+    }
+    {
+        std::lock_guard<std::mutex> g(addr_mu_);
+        self = address == address_ && hop_index == 0 && info_.is_first;
+    }
+    if (self) {                                      // a one-stage route: the origin is this worker
+        on_frame(std::move(frame), nullptr, nullptr);
+        return;
+    }
+    for (int attempt = 0; attempt < 2; ++attempt) {
+        std::shared_ptr<Link> l = out_link(address, hop_index);
+        if (!l) return;                              // stopping
+        if (l->send(frame)) return;
+        // broken but not yet forgotten: forget it, the next try opens a new one
+        std::lock_guard<std::mutex> g(mu_);
+        auto it = out_links_.find(address);
+        if (it != out_links_.end() && it->second == l) {
+            dead_links_.push_back(l);
+            out_links_.erase(it);
+        }
+    }
+}
+
+void StageWorker::to_origin(const SessionPtr & sess, pb::Frame frame) {
+    if (info_.is_first) deliver_to_client(std::move(frame));
+    else send(sess->route[0].address(), 0, std::move(frame), sess);
+}
+
+void StageWorker::on_link_reply(pb::Frame frame) {
+    SessionPtr sess = session(Key{frame.session_id(), frame.epoch()});
+    if (sess) to_origin(sess, std::move(frame));
+}
+
+void StageWorker::on_link_broken(Link * link, const std::string & why, const std::set<Key> & lost) {
+    std::vector<std::pair<Key, SessionPtr>> sessions;
+    {
+        std::lock_guard<std::mutex> g(mu_);
+        auto it = out_links_.find(link->address);
+        if (it != out_links_.end() && it->second.get() == link) {   // never reused: the next frame opens a new one
+            dead_links_.push_back(it->second);
+            out_links_.erase(it);
+        }
+        for (auto & k : lost) {
+            auto s = sessions_.find(k);
+            if (s != sessions_.end()) sessions.emplace_back(k, s->second);
+        }
+    }
+    const int keepalive = LINK_KEEPALIVE_MS + int(limits_.link_keepalive_timeout_s * 1000);
+    for (auto & [key, sess] : sessions) {
+        int idx = -1;
+        for (size_t i = 0; i < sess->route.size(); ++i) {
+            if (sess->route[i].address() == link->address) { idx = int(i); break; }
+        }
+        const std::string name = idx >= 0 ? hop_name(uint32_t(idx), link->address) : link->address;
+        pb::Frame f;
+        f.set_session_id(key.first);
+        f.set_epoch(key.second);
+        pb::WireError * e = f.mutable_error();
+        e->set_code(pb::HOP_UNREACHABLE);
+        e->set_hop(name);
+        e->set_message(name + " is unreachable: " + hop() + " lost its stream to it (" + why + "); that worker died, stopped "
+                       "answering (keepalive " + std::to_string(keepalive) + " ms) or shut down (a thin link carrying a long "
+                       "prompt: raise --link-keepalive-timeout): use another replica or restart it");
+        if (link->address != sess->route[0].address()) {
+            count_error(pb::HOP_UNREACHABLE);
+            to_origin(sess, std::move(f));
+            continue;
+        }
+        bool tell;
+        {
+            std::lock_guard<std::mutex> g(mu_);
+            tell = !sess->told_origin;
+            sess->told_origin = true;
+        }
+        if (tell) {
+            // the ring's token may be lost and a live origin would wait for it: say so on a new stream (once)
+            count_error(pb::HOP_UNREACHABLE);
+            e->set_hop(hop());
+            e->set_message(hop() + " lost its stream back to the origin " + name + " (" + why +
+                           "): the ring's last token may be lost; the session goes on in a new epoch");
+            fprintf(stderr, "dgr-worker: stream to the origin broke for session %s: %s; telling the origin on a new stream\n",
+                    f.session_id().c_str(), why.c_str());
+            to_origin(sess, std::move(f));
+        } else {
+            fprintf(stderr, "dgr-worker: origin unreachable for session %s: %s\n", f.session_id().c_str(), e->message().c_str());
+        }
+    }
+}
+
+}  // namespace dgr

@@ -1,0 +1,155 @@
+// Closing sessions: CloseSession, here and along the route (once, however many callers), and idle ones
+// past --session-ttl (reap).
+#include "worker.h"
+#include "worker_internal.h"
+
+#include <grpcpp/grpcpp.h>
+
+#include <cstdio>
+#include <future>
+#include <string>
+#include <vector>
+
+namespace dgr {
+
+namespace pb = dgr::v1;
+using Clock = std::chrono::steady_clock;
+
+void StageWorker::close_local(const std::string & sid, uint64_t epoch) {
+    bool held;
+    {
+        std::lock_guard<std::mutex> g(mu_);
+        held = sessions_.erase(Key{sid, epoch}) > 0;
+        auto it = pending_.find(Key{sid, epoch});   // its queued steps are forgotten
+        if (it != pending_.end()) {
+            n_pending_ -= int64_t(it->second.size());
+            pending_.erase(it);
+        }
+    }
+    if (held) {
+        std::lock_guard<std::mutex> g(engine_mu_);
+        int32_t st = lib_.session_close(eng_, sid.c_str(), int64_t(epoch));
+        if (st != DGR_OK) fprintf(stderr, "dgr-worker: closing session %s epoch %llu: %s\n", sid.c_str(),
+                                  (unsigned long long) epoch, lib_.error(st).c_str());
+    }
+}
+
+void StageWorker::close_chained(const std::string & sid, uint64_t epoch, const grpc::ServerContext * ctx,
+                                pb::CloseSessionReply * reply, const pb::CloseSessionRequest * keep) {
+    std::vector<pb::Hop> route;
+    uint32_t hop_index = 0;
+    bool had;
+    const Key key{sid, epoch};
+    std::shared_ptr<std::promise<void>> mine;        // this call closes it along the route
+    std::shared_future<void> theirs;                 // another call is closing it along the route now
+    {
+        std::lock_guard<std::mutex> g(mu_);
+        auto it = sessions_.find(key);
+        had = it != sessions_.end();
+        if (had) {
+            route = it->second->route;
+            hop_index = it->second->hop_index;
+            mine = std::make_shared<std::promise<void>>();
+            closing_[key] = mine->get_future().share();
+        } else if (auto c = closing_.find(key); c != closing_.end()) {
+            theirs = c->second;
+        }
+    }
+    if (!had) {
+        // e.g. the client's stream ended (client_gone) just before its CloseSession came: answer once that
+        // close has gone along the route, never while later hops still hold the session
+        if (theirs.valid()) theirs.wait_for(std::chrono::duration<double>(limits_.rpc_timeout_s * double(id_.stage_count + 1)));
+        return;
+    }
+    struct Done {                                    // however this returns: waiters go on, the entry goes
+        StageWorker * w;
+        Key key;
+        std::shared_ptr<std::promise<void>> p;
+        ~Done() {
+            {
+                std::lock_guard<std::mutex> g(w->mu_);
+                w->closing_.erase(key);
+            }
+            p->set_value();
+        }
+    } done{this, key, mine};
+    close_local(sid, epoch);
+    if (!info_.is_last && hop_index + 1 < route.size()) {
+        const pb::Hop & nxt = route[hop_index + 1];
+        pb::CloseSessionRequest req;
+        req.set_session_id(sid);
+        req.set_epoch(epoch);
+        req.set_chain(true);
+        if (keep) {
+            *req.mutable_prefix_blocks() = keep->prefix_blocks();
+            req.set_prefix_block_tokens(keep->prefix_block_tokens());
+        }
+        pb::CloseSessionReply theirs;
+        grpc::ClientContext cc;
+        cc.set_deadline(chain_deadline(route.size() - 1 - hop_index, ctx));
+        grpc::Status st = link(nxt.address())->CloseSession(&cc, req, &theirs);
+        if (!st.ok() && reply) {
+            *reply->mutable_error() = err(pb::HOP_UNREACHABLE, "could not close on " + hop_name(hop_index + 1, nxt.address()) +
+                                                                   ": " + status_name(st.error_code()));
+        }
+    }
+}
+
+grpc::Status StageWorker::CloseSession(grpc::ServerContext * ctx, const pb::CloseSessionRequest * req, pb::CloseSessionReply * reply) {
+    return guarded("CloseSession", [&] {
+        if (std::string why = refuse_owner(req->session_id(), req->epoch(), ctx); !why.empty()) {
+            fprintf(stderr, "dgr-worker: refused a close: %s\n", why.c_str());
+            *reply->mutable_error() = err(pb::WRONG_STAGE, why);
+            return grpc::Status::OK;
+        }
+        if (req->prefix_blocks_size() > 0) keep_prefix(req->session_id(), req->epoch(), *req);
+        if (req->chain()) close_chained(req->session_id(), req->epoch(), ctx, reply, req);
+        else close_local(req->session_id(), req->epoch());
+        return grpc::Status::OK;
+    });
+}
+
+int StageWorker::reap() {
+    double ttl = limits_.session_ttl_s;
+    if (ttl <= 0) return 0;
+    std::vector<Key> idle;
+    std::vector<SessionPtr> told;
+    {
+        std::lock_guard<std::mutex> g(mu_);
+        auto now = Clock::now();
+        for (auto & kv : sessions_) {
+            if (std::chrono::duration<double>(now - kv.second->last_used).count() > ttl && !pending_.count(kv.first)) {
+                idle.push_back(kv.first);
+                told.push_back(kv.second);
+            }
+        }
+    }
+    for (size_t n = 0; n < idle.size(); ++n) {
+        const Key & k = idle[n];
+        SessionPtr sess = told[n];
+        ReplyPtr client;
+        {
+            std::lock_guard<std::mutex> g(mu_);
+            if (sess->client && !sess->done) {
+                sess->failed = true;
+                client = sess->client;
+            }
+        }
+        if (client) {
+            char ttl_s[32];
+            snprintf(ttl_s, sizeof ttl_s, "%g", ttl);
+            pb::Frame f;
+            f.set_session_id(k.first);
+            f.set_epoch(k.second);
+            *f.mutable_error() = err(pb::UNKNOWN_SESSION, "session " + k.first + " epoch " + std::to_string(k.second) +
+                                                              " was closed after " + ttl_s + " s idle (--session-ttl): open it again");
+            client->put(std::move(f));
+        }
+        close_local(k.first, k.second);
+        std::lock_guard<std::mutex> g(mu_);
+        ++reaped_;
+    }
+    return int(idle.size());
+}
+
+}  // namespace dgr

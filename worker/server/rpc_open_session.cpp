@@ -1,0 +1,252 @@
+// OpenSession: the route's hop checked against this stage, the session opened in the engine (from the prefix
+// cache where it can), then chained to the next hop; what the route can do (roll back, frame sizes) noted.
+#include "worker.h"
+#include "worker_internal.h"
+
+#include <grpcpp/grpcpp.h>
+
+#include <algorithm>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace dgr {
+
+namespace pb = dgr::v1;
+using Clock = std::chrono::steady_clock;
+
+static const char * py_bool(bool b) { return b ? "True" : "False"; }
+
+uint32_t StageWorker::session_retry_ms() {
+    // when a slot may free up: the next idle session's reaping, else a second (mu_ held)
+    double ttl = limits_.session_ttl_s;
+    if (ttl <= 0 || sessions_.empty()) return 1000;
+    double idle = 0;
+    auto now = Clock::now();
+    for (auto & kv : sessions_) idle = std::max(idle, std::chrono::duration<double>(now - kv.second->last_used).count());
+    return uint32_t(std::min(ttl, std::max(0.1, ttl - idle)) * 1000);
+}
+
+grpc::Status StageWorker::OpenSession(grpc::ServerContext * ctx, const pb::OpenSessionRequest * req, pb::OpenSessionReply * reply) {
+    return guarded("OpenSession", [&] {
+        auto fail = [&](pb::ErrorCode code, const std::string & msg, uint32_t retry = 0) {
+            *reply->mutable_error() = err(code, msg, retry);
+            return grpc::Status::OK;
+        };
+        bool stopping;
+        { std::lock_guard<std::mutex> g(mu_); stopping = stopping_; }
+        if (stopping) return fail(pb::HOP_UNREACHABLE, "this worker is shutting down: open the session on another replica");
+        pb::StageDescription me;
+        describe_msg(&me);
+        const auto & ident = me.identity();
+        if (req->hop_index() >= uint32_t(req->route_size())) return fail(pb::BAD_FRAME, "hop_index is outside the route");
+        const pb::Hop & at = req->route(int(req->hop_index()));
+        auto range = [](uint32_t s, uint32_t b, uint32_t e, const std::string & bundle) {
+            return "stage " + std::to_string(s) + " [" + std::to_string(b) + ", " + std::to_string(e) + ") of bundle " + bundle;
+        };
+        std::string mine = range(ident.stage_index(), ident.layer_begin(), ident.layer_end(), ident.bundle_id());
+        std::string want = range(at.stage_index(), at.layer_begin(), at.layer_end(), at.bundle_id());
+        if (at.bundle_id() != ident.bundle_id() || at.stage_index() != ident.stage_index()) {
+            return fail(pb::WRONG_STAGE, "the route expects " + want + " at " + at.address() + " but this worker serves " +
+                                             mine + ": fix the route or start the right worker");
+        }
+        if (at.layer_begin() != ident.layer_begin() || at.layer_end() != ident.layer_end()) {
+            return fail(pb::WRONG_RANGE, "the route expects " + want + " but this worker serves " + mine);
+        }
+        const bool last_hop = req->hop_index() == uint32_t(req->route_size() - 1);
+        if ((req->hop_index() == 0) != bool(info_.is_first) || last_hop != bool(info_.is_last)) {
+            return fail(pb::WRONG_STAGE, "this worker serves " + mine + " (first=" + py_bool(info_.is_first) + ", last=" +
+                                             py_bool(info_.is_last) + ") but is hop " + std::to_string(req->hop_index()) +
+                                             " of a " + std::to_string(req->route_size()) +
+                                             "-hop route: the route must cover every layer in order");
+        }
+        if (req->hop_index() > 0) {
+            const auto & up = req->upstream();
+            if (!up.has_schema_out()) return fail(pb::WRONG_STAGE, "the previous hop did not say what it sends (no schema_out)");
+            std::string theirs = hop_name(up.identity().stage_index(), req->route(int(req->hop_index()) - 1).address());
+            const auto & so = up.schema_out();
+            const auto & si = me.schema_in();
+            std::vector<std::string> diff;
+            if (so.n_streams() != si.n_streams()) diff.push_back("n_streams");
+            if (so.n_embd() != si.n_embd()) diff.push_back("n_embd");
+            if (so.dtype() != si.dtype()) diff.push_back("dtype");
+            if (so.bundle_id() != si.bundle_id()) diff.push_back("bundle_id");
+            if (si.token_ids() && !so.token_ids()) diff.push_back("token_ids");
+            if (!diff.empty()) {
+                std::string d;
+                for (auto & f : diff) d += (d.empty() ? "" : ", ") + f;
+                return fail(pb::SCHEMA_MISMATCH, theirs + " sends " + schema_str(so) + " but this stage takes " + schema_str(si) +
+                                                     " (differs in " + d + "): both hops must serve stages of the same bundle");
+            }
+            if (so.layer() != si.layer()) {
+                return fail(pb::WRONG_RANGE, theirs + " hands over at layer " + std::to_string(so.layer()) +
+                                                 " but this stage begins at layer " + std::to_string(si.layer()));
+            }
+        }
+        if (info_.is_last) {
+            uint64_t vocab_bytes = uint64_t(info_.n_vocab) * 4 + FRAME_OVERHEAD;
+            if (req->logits() != pb::LOGITS_NONE && vocab_bytes > max_message_bytes_) {
+                return fail(pb::MESSAGE_TOO_LARGE, "one logits row needs " + std::to_string(vocab_bytes) + " bytes, over the " +
+                                                       std::to_string(max_message_bytes_) + "-byte message limit");
+            }
+        }
+        // what the last stage does with each draw (issue 23): log-probabilities, a grammar
+        const pb::Sampling & sp = req->sampling();
+        if (sp.top_logprobs() > MAX_TOP_LOGPROBS) {
+            return fail(pb::ENGINE, "sampling.top_logprobs is " + std::to_string(sp.top_logprobs()) + ", at most " +
+                                        std::to_string(MAX_TOP_LOGPROBS));
+        }
+        if (!sp.grammar().empty() && !sp.json_schema().empty()) {
+            return fail(pb::ENGINE, "sampling.grammar and sampling.json_schema are both set: give one of them");
+        }
+        std::shared_ptr<dgr_grammar> grammar;
+        if (info_.is_last) {
+            if ((sp.logprobs() || sp.top_logprobs()) && !lib_.logprobs) {
+                return fail(pb::ENGINE, "sampling.logprobs: " + lib_.path + " reports no log-probabilities (built before "
+                                        "them): rebuild it (`dgr build-engine`)");
+            }
+            if (!sp.grammar().empty() || !sp.json_schema().empty()) {
+                const char * field = sp.grammar().empty() ? "sampling.json_schema" : "sampling.grammar";
+                if (!lib_.grammar_open) {
+                    return fail(pb::ENGINE, std::string(field) + ": " + lib_.path + " has no grammar sampler (the fake "
+                                            "engine has no vocabulary; an engine built before grammars): serve a real "
+                                            "model, or rebuild the engine (`dgr build-engine`)");
+                }
+                dgr_grammar * g = nullptr;
+                std::string refused;
+                {
+                    std::lock_guard<std::mutex> eg(engine_mu_);
+                    int32_t st = lib_.grammar_open(eng_, sp.grammar().empty() ? nullptr : sp.grammar().c_str(),
+                                                   sp.json_schema().empty() ? nullptr : sp.json_schema().c_str(), &g);
+                    if (st != DGR_OK) refused = lib_.error(st);
+                    if (g) grammar.reset(g, lib_.grammar_close);
+                    for (int i = 0; refused.empty() && i < sp.grammar_accepted_size(); ++i) {
+                        st = lib_.grammar_accept(g, sp.grammar_accepted(i));
+                        if (st != DGR_OK) refused = "sampling.grammar_accepted[" + std::to_string(i) + "]: " + lib_.error(st);
+                    }
+                }
+                if (!refused.empty()) return fail(pb::ENGINE, refused);
+            }
+        }
+        const Key key{req->session_id(), req->epoch()};
+        std::vector<Key> old;
+        {
+            std::unique_lock<std::mutex> g(mu_);
+            auto le = latest_epoch_.find(req->session_id());
+            if ((le != latest_epoch_.end() && req->epoch() < le->second) || sessions_.count(key)) {
+                std::string at = std::to_string(latest_epoch_[req->session_id()]);
+                g.unlock();
+                return fail(pb::STALE_EPOCH, "session " + req->session_id() + " is already at epoch " + at + "; open a newer epoch");
+            }
+            for (auto & kv : sessions_) {
+                if (kv.first.first == req->session_id()) old.push_back(kv.first);
+            }
+            if (sessions_.size() - old.size() >= size_t(info_.max_sessions)) {
+                ++overloaded_;
+                uint32_t retry = session_retry_ms();
+                g.unlock();
+                return fail(pb::OVERLOADED, "all " + std::to_string(info_.max_sessions) +
+                                                " sessions are in use: retry later or use another route", retry);
+            }
+        }
+        for (auto & k : old) close_local(k.first, k.second);
+        {
+            std::lock_guard<std::mutex> g(engine_mu_);
+            int32_t st = lib_.session_open(eng_, req->session_id().c_str(), int64_t(req->epoch()));
+            if (st != DGR_OK) {
+                std::string msg = lib_.error(st);
+                return fail(pb::ENGINE, msg);
+            }
+        }
+        // the prefix cache: the longest kept prefix of the blocks the previous hop matched
+        int32_t restored = 0;
+        size_t matched = 0;
+        if (prefix_ && req->prefix_blocks_size() > 0 && req->prefix_block_tokens() > 0) {
+            PrefixCache::Hit hit = prefix_->find(prefix_seed(req->upstream()), prefix_blocks(req->prefix_blocks()),
+                                                 req->prefix_block_tokens());
+            if (hit.n_keep > 0) {
+                std::lock_guard<std::mutex> eg(engine_mu_);
+                int32_t st = lib_.state_set(eng_, req->session_id().c_str(), int64_t(req->epoch()), hit.state->data(),
+                                            hit.state->size(), hit.n_positions, hit.n_keep);
+                if (st == DGR_OK) {
+                    restored = hit.n_keep;
+                    matched = hit.blocks;
+                } else {                             // an ordinary miss: prefill it all
+                    fprintf(stderr, "dgr-worker: the prefix cache's state did not load: %s\n", lib_.error(st).c_str());
+                }
+            }
+        }
+        {
+            std::lock_guard<std::mutex> g(mu_);
+            auto s = std::make_shared<Session>();
+            s->route.assign(req->route().begin(), req->route().end());
+            s->hop_index = req->hop_index();
+            s->last_used = Clock::now();
+            s->sampling = req->sampling();
+            s->sampling.clear_grammar_accepted();    // used above; not kept
+            s->grammar = std::move(grammar);
+            s->logits = int(req->logits());
+            s->held = uint64_t(restored);
+            s->prefix_seed = prefix_seed(req->upstream());
+            if (trust_.mutual) s->opener = peer_identity(ctx);
+            sessions_[key] = std::move(s);
+            ++opened_total_;
+            latest_epoch_[req->session_id()] = req->epoch();
+        }
+        *reply->add_hops() = me;
+        if (!info_.is_last) {
+            const pb::Hop & nxt = req->route(int(req->hop_index()) + 1);
+            pb::OpenSessionRequest fwd = *req;
+            fwd.set_hop_index(req->hop_index() + 1);
+            *fwd.mutable_upstream() = me;
+            while (size_t(fwd.prefix_blocks_size()) > matched) fwd.mutable_prefix_blocks()->RemoveLast();
+            pb::OpenSessionReply theirs;
+            grpc::ClientContext cc;
+            cc.set_deadline(chain_deadline(size_t(req->route_size()) - 1 - req->hop_index(), ctx));
+            grpc::Status st = link(nxt.address())->OpenSession(&cc, fwd, &theirs);
+            if (!st.ok()) {
+                std::string name = hop_name(req->hop_index() + 1, nxt.address());
+                count_error(pb::HOP_UNREACHABLE);
+                theirs.Clear();
+                auto * e = theirs.mutable_error();
+                e->set_code(pb::HOP_UNREACHABLE);
+                e->set_hop(name);
+                e->set_message(name + " is unreachable: " + hop() + " could not open the session there (" +
+                               status_name(st.error_code()) + ": " + st.error_message() + "): is that worker running?");
+            }
+            if (theirs.has_error()) {
+                close_local(key.first, key.second);
+                reply->Clear();
+                *reply->mutable_error() = theirs.error();
+                return grpc::Status::OK;
+            }
+            for (auto & h : theirs.hops()) *reply->add_hops() = h;
+            if (int32_t(theirs.cached_tokens()) < restored) {   // a later hop kept less: hold what every hop holds
+                std::lock_guard<std::mutex> eg(engine_mu_);
+                int32_t st = lib_.truncate(eng_, req->session_id().c_str(), int64_t(req->epoch()), int32_t(theirs.cached_tokens()));
+                if (st != DGR_OK) return fail(pb::ENGINE, lib_.error(st));
+                restored = int32_t(theirs.cached_tokens());
+                std::lock_guard<std::mutex> g(mu_);
+                auto it = sessions_.find(key);
+                if (it != sessions_.end()) it->second->held = uint64_t(restored);
+            }
+        }
+        reply->set_cached_tokens(uint32_t(restored));
+        if (prefix_ && restored > 0) prefix_->note_hit(restored);
+        {
+            // the origin takes tokens back only from the last hop, errors from any hop of the route (mTLS)
+            std::lock_guard<std::mutex> g(mu_);
+            auto it = sessions_.find(key);
+            if (it != sessions_.end() && reply->hops_size() > 0) {
+                note_route(*it->second, reply->hops());
+                it->second->returner = reply->hops(reply->hops_size() - 1).member();
+                for (auto & h : reply->hops()) {
+                    if (!h.member().empty()) it->second->route_members.insert(h.member());
+                }
+            }
+        }
+        return grpc::Status::OK;
+    });
+}
+
+}  // namespace dgr

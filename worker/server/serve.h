@@ -1,0 +1,65 @@
+// What dgr-worker's main.cpp (the flags) hands the files that serve a stage: the options, the stage on its
+// engine (stage_open.cpp), where it listens (listen.cpp), and the run until SIGTERM and the drain (drain.cpp).
+#pragma once
+
+#include <grpcpp/grpcpp.h>
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "engine_lib.h"
+#include "metrics.h"
+#include "tls.h"
+#include "worker.h"
+
+namespace dgr::serve {
+
+// What the flags say (main.cpp's parse).
+struct Options {
+    std::string bundle, fake_engine, listen = "127.0.0.1:0", lane, wire_dtype;
+    int stage = -1;
+    bool stage_given = false, insecure = false, no_verify = false;
+    std::vector<std::string> blake3_files;           // --blake3 FILE (hidden): print digests and exit
+    uint64_t max_message_bytes = dgr::DEFAULT_MAX_MESSAGE_BYTES;
+    int64_t n_ctx = 4096, max_sessions = 8, threads = 0;
+    dgr::Limits limits;
+    std::string tls_cert, tls_key, tls_ca, metrics_listen, certs, contract, advertise;
+    int64_t max_rpc_threads = 256;
+};
+
+struct Stage {
+    dgr::EngineLib lib;
+    dgr_engine * eng = nullptr;
+    dgr::StageIdentity id;
+};
+
+// The bundle's stage on the engine, and the identity the Python side builds (dgr.app.stages.bundle_stage).
+void open_stage(const Options & o, Stage & s);
+// Stage --stage of the fake model --fake-engine SPEC on the fake engine library (stage_open.cpp says how).
+void open_fake_stage(const Options & o, Stage & s);
+
+// The addresses of --listen, --advertise and --metrics-listen, checked (TLS, or loopback, or --insecure) and
+// the gRPC port free, before the engine loads.
+struct Listen {
+    std::string host, port;                          // --listen HOST:PORT
+    std::string mhost, mport;                        // --metrics-listen HOST:PORT ("" when none)
+    std::string adv_host, adv_port;                  // --advertise HOST[:PORT] ("" when none)
+};
+Listen check_listen(const Options & o, const Trust & trust);
+
+// The worker serving: the gRPC server with the Stage service and health, the metrics endpoint, the address it
+// names itself by.
+struct Serving {
+    std::unique_ptr<StageWorker> worker;
+    std::unique_ptr<grpc::Server> server;
+    std::unique_ptr<MetricsServer> metrics;
+    std::string address;
+};
+Serving serve(const Options & o, const Trust & trust, const Listen & l, Stage & s);
+
+// Serves until SIGTERM or SIGINT, then drains within --drain-timeout and leaves the process (never returns).
+[[noreturn]] void serve_until_signal(const Options & o, Stage & s, Serving & sv);
+
+}  // namespace dgr::serve
