@@ -121,3 +121,28 @@ def test_a_circle_inside_a_function_is_found(tree, tmp_path):
     root = _with_import(tree, tmp_path, "toolchain/pin.py",
                         "def _back():\n    from dgr.toolchain import buildinfo  # deliberately circular\n")
     assert ["dgr.toolchain.buildinfo", "dgr.toolchain.pin"] in circles(root)
+
+
+MAX_LINES = 500
+
+
+def long_files(root: Path) -> list[str]:
+    """Python modules under tools/dgr and C++ files under worker/ over MAX_LINES lines (generated stubs aside)."""
+    files = [p for p in (root / "tools" / "dgr").rglob("*.py") if "gen" not in p.relative_to(root).parts]
+    files += [p for ext in ("*.cpp", "*.h", "*.c") for p in (root / "worker").rglob(ext)]
+    return sorted(f"{p.relative_to(root)} ({n} lines)" for p in files
+                  if (n := len(p.read_text(errors="replace").splitlines())) > MAX_LINES)
+
+
+def test_no_file_holds_more_than_one_jobs_worth():
+    assert long_files(REPO) == [], f"split these by job (at most {MAX_LINES} lines each)"
+
+
+def test_the_size_rule_can_fail(tmp_path):
+    (tmp_path / "tools" / "dgr").mkdir(parents=True)
+    (tmp_path / "worker" / "server").mkdir(parents=True)
+    (tmp_path / "tools" / "dgr" / "big.py").write_text("x = 1\n" * (MAX_LINES + 1))
+    (tmp_path / "worker" / "server" / "big.cpp").write_text("//\n" * (MAX_LINES + 1))
+    (tmp_path / "worker" / "server" / "small.h").write_text("//\n" * MAX_LINES)
+    assert long_files(tmp_path) == [f"tools/dgr/big.py ({MAX_LINES + 1} lines)",
+                                    f"worker/server/big.cpp ({MAX_LINES + 1} lines)"]
