@@ -22,3 +22,6 @@ wire's client side (health, Describe); the runtime never imports it.
 # `[supervise] ready_timeout`'s default, here rather than in `spec` so that `dgr up --help` can name it
 # without importing pydantic.
 READY_TIMEOUT_S = 180.0
+# How long `dgr status` waits for each worker's health and load answers: a live worker on a busy host
+# answers within it, a stopped one is refused at once, a hung one costs this much.
+STATUS_TIMEOUT_S = 5.0

@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from dgr.app.deploy import condition, runstate
+from dgr.app.deploy import STATUS_TIMEOUT_S, condition, runstate
 from dgr.app.deploy.events import Watcher
 from dgr.app.deploy.local import free_port, port_free
 from dgr.app.deploy.plan import Plan, WorkerPlan, make_plan
@@ -400,7 +400,7 @@ def down(name_or_path: str | Path, *, run_dir: str | Path | None = None) -> dict
         return {"stopped": before, "seconds": time.monotonic() - t0, "run_dir": str(d)}
 
 
-def status(path: str | Path, *, run_dir: str | Path | None = None) -> dict:
+def status(path: str | Path, *, run_dir: str | Path | None = None, timeout: float = STATUS_TIMEOUT_S) -> dict:
     """Each local worker's name, stage, address, pid, health, load, restarts and condition (up, degraded,
     down, and why), each route's condition, and the run's (`dgr.app.deploy.condition`)."""
     from dgr.app.deploy.spec import load_deployment
@@ -419,13 +419,13 @@ def status(path: str | Path, *, run_dir: str | Path | None = None) -> dict:
         rec = st.get("workers", {}).get(w["name"], {})
         pid = rec.get("pid") if runstate.ours(rec.get("pid"), d) else None
         tls = client_tls(run, w["name"])
-        h = health(w["address"], tls, timeout=1.0) if supervised else "DOWN"
+        h = health(w["address"], tls, timeout=timeout) if supervised else "DOWN"
         state, why = condition.worker({**rec, "pid": pid}, h, supervised)
         out.append({"name": w["name"], "stage": w["stage"], "layers": w["layers"], "host": w["host"],
                     "address": w["address"], "pid": pid, "health": h, "state": state, "why": why,
                     "restarts": rec.get("restarts", 0), "last_exit": rec.get("last_exit"),
                     "gave_up": bool(rec.get("gave_up")),
-                    "load": describe_load(w["address"], tls, timeout=1.0) if h == "SERVING" else None,
+                    "load": describe_load(w["address"], tls, timeout=timeout) if h == "SERVING" else None,
                     "log": w["log"]})
     routes = [condition.route(run["route"], {w["address"]: w["state"] for w in out})]
     state = condition.run(supervised, [w["state"] for w in out], routes)

@@ -142,7 +142,7 @@ def _status(args) -> int:
     from dgr.app.deploy.condition import EXIT
     from dgr.app.deploy.control import status
 
-    s = status(args.file, run_dir=args.run_dir)
+    s = status(args.file, run_dir=args.run_dir, timeout=args.timeout)
     code = EXIT[s["state"]]
     if args.json:
         print(json.dumps(s, indent=2))
@@ -178,7 +178,7 @@ def _status(args) -> int:
 
 def register(sub) -> None:
     """Add this area's subcommands to the `dgr` parser."""
-    from dgr.app.deploy import READY_TIMEOUT_S
+    from dgr.app.deploy import READY_TIMEOUT_S, STATUS_TIMEOUT_S
 
     run_help = "the run folder (default: <workspace>/deploy/<name>)"
     d = sub.add_parser("deploy", help="deployments: plan a deployment file, render systemd units")
@@ -229,4 +229,6 @@ def register(sub) -> None:
                    help="state (up/degraded/down); per worker: name, stage, address, pid, health, state, why, "
                    "restarts, last_exit, gave_up, load; route_states; routes (those that can serve)")
     p.add_argument("--run-dir", help=run_help)
+    p.add_argument("--timeout", type=float, default=STATUS_TIMEOUT_S, metavar="S",
+                   help="how long to wait for each worker's health and load answers (default: %(default)g s)")
     p.set_defaults(func=_status)
