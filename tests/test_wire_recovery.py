@@ -6,6 +6,7 @@ from __future__ import annotations
 import random
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -13,7 +14,8 @@ from dgr.core.errors import WireError
 from dgr.runtime.wire.client import RouteClient, parse_route
 from dgr.runtime.wire.errors import HopUnreachable
 
-from support.route import MAX_NEW, PROMPT, SAMPLED, SPEC, die_at, fake_prompt_len, fake_route, reference, run_with_fault
+from support.route import (MAX_NEW, PROMPT, SAMPLED, SPEC, die_at, fake_prompt_len, fake_route, reference,
+                           restarted_when_dead, run_with_fault, stop_at)
 
 
 def test_parse_route_replicas_and_errors():
@@ -51,13 +53,10 @@ def test_worker_restarted_in_place_resumes_to_the_same_text(kw):
     fault = die_at("restarted", fake_prompt_len(), at)   # stage 1 kills itself right after token `at`
     with fake_route(extra=lambda i, k: fault if i == 1 else []) as r:   # no replica: the same address comes back empty
         want = reference(r, **kw)
-
-        def restart():
-            r.workers[1][0].proc.wait(30)
-            r.restart(1)
-
-        with RouteClient(r.addresses) as c:
-            gen, _ = run_with_fault(c, restart, at, session_id="restarted", **kw)
+        # its death restarts it; at token `at` the client waits for that, so it never finds the address empty
+        with restarted_when_dead(r, 1) as back, RouteClient(r.addresses) as c:
+            gen, _ = run_with_fault(c, lambda: back.result(30), at, session_id="restarted", **kw)
+            assert back.result(30) == -9                # it killed itself, not someone else
         assert gen.text == want.text and gen.token_ids == want.token_ids
         assert gen.epochs >= 2 and {f.stage for f in gen.failures} == {1}
         assert gen.routes[-1] == r.route
@@ -94,15 +93,21 @@ def test_no_replica_left_names_every_hop_tried():
 def test_a_stopped_middle_stage_is_routed_around_within_the_deadline():
     deadline = 1.0
     at = random.Random(5).randint(2, 40)
-    with fake_route([1, 2, 1]) as r:
+    # stage 1's first replica SIGSTOPs itself right after token `at` (hung there by construction)
+    fault = stop_at("hung", fake_prompt_len(), at)
+    with fake_route([1, 2, 1], extra=lambda i, k: fault if (i, k) == (1, 0) else []) as r:
         want = reference(r, **SAMPLED)
+        seen = []                                       # when each token arrived
         with RouteClient(r.replicas, hop_deadline=deadline) as c:
-            gen, t_stop = run_with_fault(c, lambda: r.pause(1), at, **SAMPLED)
+            for _ in c.generate(PROMPT, max_new_tokens=MAX_NEW, stop_token_ids=[], session_id="hung", **SAMPLED):
+                seen.append(time.monotonic())
+            gen = c.last
         r.resume(1)
     assert gen.text == want.text and gen.token_ids == want.token_ids
     f = gen.failures[0]
     assert f.stage == 1 and f.code == "HOP_UNREACHABLE" and "hop deadline" in f.why, gen.failures
-    detect = f.at - t_stop
+    assert at <= f.tokens < MAX_NEW                     # the hang came mid-generation, where it was placed
+    detect = f.at - seen[f.tokens - 1]                  # from the last token before the silence
     print(f"\nSIGSTOPped stage 1 detected after {detect:.2f} s (hop deadline {deadline} s)")
     assert detect <= deadline * 3 + 1.0, detect
 
@@ -203,11 +208,17 @@ def test_an_origin_restarted_in_place_serves_the_next_generation_at_once():
     arguments, and the last stage's new channel used to inherit the dead one's "connection refused"
     and its backoff (its token lost, the client waiting out its timeout; 9 runs of 12 here)."""
     rng = random.Random(17)
-    with fake_route([2, 1, 1]) as r:
+    ats = [rng.randint(2, 40) for _ in range(4)]
+    # stage 0's first replica kills itself right after token ats[n] of session "origin-n" (its restarts keep
+    # the flags): mid-generation by construction
+    fault = [a for n, at in enumerate(ats) for a in die_at(f"origin-{n}", fake_prompt_len(), at)]
+    with fake_route([2, 1, 1], extra=lambda i, k: fault if (i, k) == (0, 0) else []) as r:
         want = reference(r, **SAMPLED)
-        for _ in range(4):
+        for n in range(4):
             with RouteClient(r.replicas) as c:
-                run_with_fault(c, lambda: r.kill(0), rng.randint(2, 40), **SAMPLED)
+                killed = c.run(PROMPT, max_new_tokens=MAX_NEW, stop_token_ids=[], session_id=f"origin-{n}", **SAMPLED)
+            assert r.workers[0][0].proc.wait(30) == -9  # it killed itself mid-generation ...
+            assert killed.epochs >= 2 and killed.failures[0].stage == 0, killed.failures   # ... and the client moved
             r.restart(0)
             with RouteClient(r.replicas, timeout=10) as c:
                 gen = c.run(PROMPT, max_new_tokens=MAX_NEW, stop_token_ids=[], **SAMPLED)

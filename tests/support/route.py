@@ -5,7 +5,11 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 
 from dgr.app.local import FakeRoute, LocalRoute
@@ -40,6 +44,42 @@ def die_at(session: str, prompt_len: int, at_token: int, epoch: int = 1) -> list
     `session` (its first epoch), about to compute the next one, at position prompt_len + at_token - 1.
     The fault lands mid-generation by construction: the ring cannot finish without that step."""
     return ["--test-die-at", f"{session}:{epoch}:{prompt_len + at_token - 1}"]
+
+
+def stop_at(session: str, prompt_len: int, at_token: int, epoch: int = 1) -> list[str]:
+    """Worker arguments: as `die_at`, but the worker stops itself (SIGSTOP) there: a hung worker, mid-generation
+    by construction (SIGCONT lets it go on)."""
+    return ["--test-stop-at", f"{session}:{epoch}:{prompt_len + at_token - 1}"]
+
+
+@contextmanager
+def restarted_when_dead(route: LocalRoute, stage: int, replica: int = 0, timeout: float = 60.0) -> Iterator[Future]:
+    """Restart one worker in place (`route.restart`) as soon as it exits, e.g. by its own `--test-die-at`:
+    the restart follows the death itself, not what a client happened to see. Yields a Future whose
+    result() waits until the worker serves again and gives the exit status it died with (a TimeoutError
+    when it did not exit within `timeout` s). Leaving the block stops the watch: nothing restarts after it."""
+    proc = route.workers[stage][replica].proc
+    leaving = threading.Event()
+
+    def watch() -> int | None:
+        end = time.monotonic() + timeout
+        while not leaving.is_set():
+            try:
+                rc = proc.wait(0.05)
+            except subprocess.TimeoutExpired:
+                if time.monotonic() > end:
+                    raise TimeoutError(f"stage {stage} replica {replica} did not exit within {timeout:g} s") from None
+                continue
+            route.restart(stage, replica)
+            return rc
+        return None
+
+    with ThreadPoolExecutor(1, thread_name_prefix="restart-when-dead") as pool:
+        fut = pool.submit(watch)
+        try:
+            yield fut
+        finally:
+            leaving.set()                               # the pool's exit joins the watch
 
 
 def fake_prompt_len(prompt: str = PROMPT) -> int:

@@ -122,6 +122,7 @@ Options parse(int argc, char ** argv) {
         {"--max-batch-sessions", [&](auto & v) { o.limits.max_batch_sessions = to_int("--max-batch-sessions", v); }},
         {"--hold-batch", [&](auto & v) { o.limits.hold_batch = std::max<int64_t>(0, to_int("--hold-batch", v)); }},
         {"--test-die-at", [&](auto & v) { o.limits.die_at.insert(step_at("--test-die-at", v)); }},
+        {"--test-stop-at", [&](auto & v) { o.limits.stop_at.insert(step_at("--test-stop-at", v)); }},
         {"--test-evict-at", [&](auto & v) { o.limits.evict_at.insert(step_at("--test-evict-at", v)); }},
         {"--test-break-origin-link-at", [&](auto & v) {
              o.limits.break_origin_link_at.insert(step_at("--test-break-origin-link-at", v)); }},

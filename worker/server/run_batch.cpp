@@ -18,6 +18,7 @@ using Clock = std::chrono::steady_clock;
 
 // --test-die-at (tests: a kill -9 at an exact step): about to run a step
 // that holds a listed (session, epoch, position), the worker SIGKILLs itself, nothing flushed or closed.
+// --test-stop-at: the same, SIGSTOP (a hung worker; it runs the step when it gets SIGCONT).
 void StageWorker::die_if_asked(size_t n, const std::function<const pb::Frame &(size_t)> & frame) {
     for (size_t k = 0; k < n; ++k) {
         const pb::Frame & f = frame(k);
@@ -27,6 +28,12 @@ void StageWorker::die_if_asked(size_t n, const std::function<const pb::Frame &(s
                         (unsigned long long)f.epoch(), (long long)p);
                 fflush(stderr);
                 kill(getpid(), SIGKILL);
+            }
+            if (limits_.stop_at.count({f.session_id(), f.epoch(), p})) {
+                fprintf(stderr, "dgr-worker: --test-stop-at %s:%llu:%lld reached: SIGSTOP\n", f.session_id().c_str(),
+                        (unsigned long long)f.epoch(), (long long)p);
+                fflush(stderr);
+                kill(getpid(), SIGSTOP);
             }
         }
     }
@@ -112,7 +119,7 @@ void StageWorker::run_batch(std::vector<Work> & batch) {
             ready.push_back(Ready{&w, sess, {}, {}, false});
         }
         if (ready.empty()) return;
-        if (!limits_.die_at.empty()) die_if_asked(ready.size(), [&](size_t k) -> const pb::Frame & { return ready[k].w->frame; });
+        if (!limits_.die_at.empty() || !limits_.stop_at.empty()) die_if_asked(ready.size(), [&](size_t k) -> const pb::Frame & { return ready[k].w->frame; });
         std::vector<dgr_step> steps(ready.size());
         for (size_t k = 0; k < ready.size(); ++k) {
             Ready & r = ready[k];

@@ -56,6 +56,9 @@ struct Limits {
     int64_t prefix_cache_mib = 256;                  // --prefix-cache-mib: what closed sessions leave (0: off)
     // --test-die-at SESSION:EPOCH:POSITION (tests only): SIGKILL itself about to run that step
     std::set<std::tuple<std::string, uint64_t, int64_t>> die_at;
+    // --test-stop-at SESSION:EPOCH:POSITION (tests only): SIGSTOP itself about to run that step (a hung
+    // worker, exactly there; SIGCONT lets it go on with that step)
+    std::set<std::tuple<std::string, uint64_t, int64_t>> stop_at;
     // --test-evict-at SESSION:EPOCH:POSITION (tests only): about to run that step, drop the session's engine
     // cache (close and reopen it in the engine), so the step answers CACHE_MISS exactly there
     std::set<std::tuple<std::string, uint64_t, int64_t>> evict_at;

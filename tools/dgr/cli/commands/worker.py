@@ -45,6 +45,8 @@ def register(sub) -> None:
                         "here, when fewer are): makes sharing certain (default 0: off)")
     s.add_argument("--test-die-at", action="append", default=[], metavar="SESSION:EPOCH:POSITION",
                    help=argparse.SUPPRESS)   # tests: SIGKILL itself about to run that step (Limits.die_at)
+    s.add_argument("--test-stop-at", action="append", default=[], metavar="SESSION:EPOCH:POSITION",
+                   help=argparse.SUPPRESS)   # tests: SIGSTOP itself about to run that step (a hung worker)
     # tests, dgr-worker only (docs/worker.md "Phase 4"): about to run that step, drop the session's engine cache
     # (the step answers CACHE_MISS there), or fail the link to the session's origin
     s.add_argument("--test-evict-at", action="append", default=[], metavar="SESSION:EPOCH:POSITION",
@@ -118,7 +120,7 @@ def _serve(args) -> int:
     host, _, port = args.listen.rpartition(":")
     if host and port.isdigit():                         # (dgr-worker names a malformed address)
         check_listen(args.listen, tls, args.insecure)   # before the bundle is read: refuse fast
-    for flag in ("test_die_at", "test_evict_at", "test_break_origin_link_at"):
+    for flag in ("test_die_at", "test_stop_at", "test_evict_at", "test_break_origin_link_at"):
         for x in getattr(args, flag):
             _die_at(x, "--" + flag.replace("_", "-"))
     _exec_worker(args)
