@@ -289,10 +289,11 @@ print(before, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
     assert after - before < 48 * 2**20 < size / 3, (before, after, size)
 
 
-def test_recipe_asking_for_mtp_is_refused(tmp_path, capsys):
+def test_mtp_on_a_model_without_an_mtp_block_is_refused(tmp_path, capsys):
     model = synth("llama", 2, 32, 0, tmp_path / "m.gguf")
     r = tmp_path / "mtp.toml"
     r.write_text(f'name = "mtp"\n[source]\nuri = "m.gguf"\nblake3 = "{file_blake3(model)}"\n'
                  '[placement]\nstages = [[0, 2]]\n[bundle]\ninclude_mtp = true\n')
     err = _err(capsys, ["recipe", "build", str(r), "--store", str(tmp_path / "store")])
-    assert "bundle.include_mtp" in err and "reserved and off for alpha" in err
+    assert "bundle.include_mtp is on, but llama here has no MTP block" in err and "set include_mtp false" in err
+    assert not (tmp_path / "store").exists() or not any((tmp_path / "store").iterdir())

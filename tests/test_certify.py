@@ -188,13 +188,14 @@ def test_an_mtp_on_recipe_is_refused_before_anything_runs(root, bundle, contract
     store, out = root / "mtp-store", root / "mtp.json"
     rc = dgr(["certify", "--recipe", str(r), "--store", str(store), "--out", str(out), "--contract", str(contract)])
     err = capsys.readouterr().err
-    assert rc == 2 and "MTP layers are reserved and off for alpha" in err
+    assert rc == 2 and "MTP is on (bundle.include_mtp): alpha certifies bundles with MTP off" in err
     assert not store.exists() and not out.exists()      # no store made, no bundle built, nothing certified
 
 
 def test_a_bundle_whose_recorded_recipe_turns_mtp_on_is_refused(root, bundle, contract, capsys):
-    """A bundle folder whose manifest records an MTP-on recipe (written by hand: dgr never builds one) is
-    refused by `dgr certify --bundle` before the engine or a worker starts."""
+    """A bundle folder whose manifest records an MTP-on recipe (written by hand here; `dgr recipe build` makes
+    real ones, tests/test_bundles_mtp.py) is refused by `dgr certify --bundle` before the engine or a worker
+    starts."""
     import shutil
 
     m = bundle.manifest
@@ -203,7 +204,7 @@ def test_a_bundle_whose_recorded_recipe_turns_mtp_on_is_refused(root, bundle, co
     d = root / "forged"
     shutil.copytree(bundle.root, d)
     (d / "manifest.json").write_bytes(manifest_bytes(forged))
-    with pytest.raises(CertifyError, match="(?s)refused before anything runs.*MTP layers are reserved"):
+    with pytest.raises(CertifyError, match="(?s)refused before anything runs.*alpha certifies bundles with MTP off"):
         mtp_off(load_bundle(d))
     out = root / "forged.json"
     rc = dgr(["certify", "--bundle", str(d), "--out", str(out), "--contract", str(contract),

@@ -77,7 +77,7 @@ def test_recipe_plans_against_v4_shaped_file(fname, v4shape):
     assert len(ranges) == RECIPES[fname]
     assert ranges[0][0] == 0 and ranges[-1][1] == 43
     assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
-    # MTP (block 43) is reserved for beta: excluded from every stage
+    # the scenario recipes leave MTP out (bundle.include_mtp off): block 43 is excluded from every stage
     assert bp.excluded and all(n.startswith("blk.43.") for n in bp.excluded)
     assert not any(t.name.startswith("blk.43.") for s in bp.stages for t, _ in s.tensors)
     # the embedding on the first stage, the hyper-connection head + norm + LM head on the last only

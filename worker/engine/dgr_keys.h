@@ -16,3 +16,4 @@
 #define DGR_KEY_BOUNDARY_N_EMBD     "dgr.boundary.n_embd"
 #define DGR_KEY_BOUNDARY_DTYPE      "dgr.boundary.dtype"
 #define DGR_KEY_BOUNDARY_TOKEN_IDS  "dgr.boundary.token_ids"
+#define DGR_KEY_MTP                 "dgr.mtp"

@@ -24,6 +24,7 @@ class Keys:
     BOUNDARY_N_EMBD = "dgr.boundary.n_embd"
     BOUNDARY_DTYPE = "dgr.boundary.dtype"           # wire dtype: f32 | f16 | bf16 | q8_0
     BOUNDARY_TOKEN_IDS = "dgr.boundary.token_ids"   # true when this stage needs the token-id sideband
+    MTP = "dgr.mtp"                                 # true on the last stage of a bundle that includes MTP
 
 
 # Bundle layout.

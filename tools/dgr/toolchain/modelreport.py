@@ -140,7 +140,7 @@ def format_report(r: dict[str, Any]) -> str:
     lines = [
         f"file:            {r['file']}",
         f"architecture:    {r['arch']}" + (f"  ({r['name']})" if r["name"] else ""),
-        f"layers:          {r['n_layer']}" + (f" + {r['n_layer_mtp']} MTP (reserved, excluded from bundles)"
+        f"layers:          {r['n_layer']}" + (f" + {r['n_layer_mtp']} MTP (left out of bundles unless bundle.include_mtp)"
                                               if r["n_layer_mtp"] else ""),
         f"embedding width: {r['n_embd']}",
         f"boundary:        [n_tokens, {r['n_streams']}, {r['n_embd']}] per seam"

@@ -164,6 +164,8 @@ class Boundary(BaseModel):
 class BundleOptions(BaseModel):
     model_config = STRICT
     chunk_size: Size = ByteSize(DEFAULT_CHUNK_SIZE)
+    # The last stage carries the model's MTP block(s) and the token embedding they read (beta: MTP drafting;
+    # docs/deepseek4.md section 4). `dgr certify` and `dgr gate alpha` refuse such a bundle.
     include_mtp: bool = False
 
     @field_validator("chunk_size")
@@ -171,13 +173,6 @@ class BundleOptions(BaseModel):
     def _chunk(cls, v: ByteSize) -> ByteSize:
         if v < 4096 or v & (v - 1):
             raise ValueError(f"chunk_size must be a power of two >= 4096, got {v}")
-        return v
-
-    @field_validator("include_mtp")
-    @classmethod
-    def _mtp(cls, v: bool) -> bool:
-        if v:
-            raise ValueError("MTP layers are reserved and off for alpha: remove include_mtp (or set it false)")
         return v
 
 

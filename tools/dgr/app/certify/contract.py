@@ -125,3 +125,9 @@ def load_contract(path: str | Path | None = None) -> LoadedContract:
         raise ContractError(f"{p}: [parity] needs prompts or random_prompts")
     # the bytes validated are the bytes hashed (dgr.core.certificate.contract_hash of the file, while unchanged)
     return LoadedContract(contract=c, path=p, blake3=bytes_blake3(raw))
+
+
+def mtp_refused(where: str) -> str:
+    """Why alpha refuses a bundle or recipe with MTP on (`where` names it)."""
+    return (f"{where}: MTP is on (bundle.include_mtp): alpha certifies bundles with MTP off (MTP drafting is "
+            "beta, docs/deepseek4.md section 4); set include_mtp false")

@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from dgr.app.certify.contract import Synthetic
+from dgr.app.certify.contract import Synthetic, mtp_refused
 from dgr.core.certificate import Figure
 from dgr.core.errors import RecipeError
 from dgr.core.hashing import file_blake3
@@ -33,7 +33,7 @@ def default_store() -> Path:
 
 def bundle_for_recipe(recipe_path: str | Path, store: Path | None = None, *, progress: bool = False):
     """The bundle of a recipe: read it first (an MTP-on recipe raises RecipeError here, before anything
-    is written), then find it in `store` by the recipe's blake3, or build it there."""
+    is written: alpha certifies MTP off), then find it in `store` by the recipe's blake3, or build it there."""
     from dgr.toolchain.bundle import build, load_bundle
     from dgr.toolchain.recipe import load_recipe
 
@@ -41,6 +41,8 @@ def bundle_for_recipe(recipe_path: str | Path, store: Path | None = None, *, pro
     if not p.is_absolute() and not p.exists():
         p = REPO_ROOT / p
     recipe = load_recipe(p / "recipe.toml" if p.is_dir() else p)
+    if recipe.recipe.bundle.include_mtp:
+        raise RecipeError(mtp_refused(str(recipe.path)))
     store = store or default_store()
     for manifest in sorted(store.glob(f"{recipe.recipe.name}-*/manifest.json")):
         try:

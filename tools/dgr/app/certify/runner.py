@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from dgr.app.certify.contract import Contract, LoadedContract, load_contract
+from dgr.app.certify.contract import Contract, LoadedContract, load_contract, mtp_refused
 from dgr.app.certify.host import host, usable_cores
 from dgr.app.certify.speed import SpeedRuns, speed_figures
 from dgr.core.certificate import Certificate, ContractRef, Figure, Identity, StageRange
@@ -68,6 +68,8 @@ def mtp_off(bundle) -> Figure:
         recipe = parse_recipe(m.recipe.text, f"{bundle.root}/manifest.json recipe")
     except RecipeError as e:
         raise CertifyError(f"refused before anything runs: {e}") from e
+    if recipe.bundle.include_mtp:
+        raise CertifyError("refused before anything runs: " + mtp_refused(f"{bundle.root}/manifest.json recipe"))
     extra = m.model.n_layer_all - m.model.n_layer
     inside = [s.index for s in m.stages if s.layer_end > m.model.n_layer]
     ok = not recipe.bundle.include_mtp and not inside and m.stages[-1].layer_end == m.model.n_layer

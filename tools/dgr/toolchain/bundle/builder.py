@@ -63,6 +63,8 @@ def _stage_kvs(bp: BuildPlan, sp: StagePlan, c: StageContract) -> list[bytes]:
         (Keys.BOUNDARY_DTYPE, _VT.STRING, c.dtype),
         (Keys.BOUNDARY_TOKEN_IDS, _VT.BOOL, c.token_ids_in),
     ]
+    if r.bundle.include_mtp and sp.index == len(bp.stages) - 1:
+        ours.append((Keys.MTP, _VT.BOOL, True))     # only there: stages without MTP stay byte for byte as before
     return kvs + [pack_kv(k, t, v) for k, t, v in ours]
 
 

@@ -73,7 +73,7 @@ class Manifest(BaseModel):
     lanes: list[str]
     chunk_size: int
     stages: list[StageEntry]
-    excluded_tensors: list[str]  # MTP layers, left out by design (reserved for beta)
+    excluded_tensors: list[str]  # MTP layers left out (bundle.include_mtp off); [] when the last stage has them
 
 
 def canonical_json(obj: Any) -> bytes:

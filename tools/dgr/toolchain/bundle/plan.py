@@ -19,7 +19,8 @@ from dgr.core.contract import StageContract, wire_dtype
 from dgr.core.errors import BundleError, RecipeError
 from dgr.core.log import get_logger
 from dgr.gguf.model import INPUT, OUTPUT, SHARED, ModelInfo, TensorInfo, model_info, tensor_nbytes
-from dgr.gguf.weights import Weights, weights  # noqa: F401 (re-exported: dgr.toolchain.bundle.weights)
+# Weights and weights are also dgr.toolchain.bundle's face (its __init__ finds them here)
+from dgr.gguf.weights import Weights, mtp_needs_embedding_copy, mtp_tensors, weights  # noqa: F401
 from dgr.toolchain.bundle.quantize import Choice, check_target, choose
 from dgr.toolchain.planner import WorkerSpec, plan
 from dgr.toolchain.recipe import KEEP, LoadedRecipe, boundary_dtype_warning, check_ranges
@@ -81,13 +82,17 @@ class BuildPlan:
         return self.info.stage_contract(sp.begin, sp.end, dtype=self.recipe.recipe.boundary.dtype)
 
 
-def _owner_ok(owner: int | str, sp: StagePlan, n_stages: int, tied: bool, name: str) -> bool:
+def _owner_ok(owner: int | str, sp: StagePlan, n_stages: int, info: ModelInfo, name: str, mtp: bool) -> bool:
+    last = sp.index == n_stages - 1
     if isinstance(owner, int):
-        return sp.begin <= owner < sp.end
+        return sp.begin <= owner < sp.end or (mtp and owner >= info.n_layer and last)
     if owner == SHARED:
         return True
     if owner == INPUT:
-        return sp.index == 0 or (tied and name == "token_embd.weight" and sp.index == n_stages - 1)
+        if sp.index == 0:
+            return True
+        copy = info.tied_embeddings or (mtp and mtp_needs_embedding_copy(info))
+        return copy and name == "token_embd.weight" and last
     if owner == OUTPUT:
         return sp.index == n_stages - 1
     return False
@@ -148,7 +153,11 @@ def make_plan(recipe: LoadedRecipe, *, progress: bool = False) -> BuildPlan:
         check_target(t, c, recipe)
         targets[t.name] = c.type
         _note(uses, c, t.name)
-    w = weights(info, targets)
+    mtp = r.bundle.include_mtp
+    if mtp and not mtp_tensors(info):
+        raise RecipeError(f"{recipe.path}: bundle.include_mtp is on, but {info.arch} here has no MTP block (no "
+                          f"layer past its {info.n_layer} trunk layers): set include_mtp false")
+    w = weights(info, targets, include_mtp=mtp)
     excluded = w.excluded
     ranges = _ranges(recipe, info, w)
     stages = [StagePlan(i, b, e) for i, (b, e) in enumerate(ranges)]
@@ -156,7 +165,7 @@ def make_plan(recipe: LoadedRecipe, *, progress: bool = False) -> BuildPlan:
         if t.name in excluded:
             continue
         owner = info.layer_of[t.name]
-        homes = [sp for sp in stages if _owner_ok(owner, sp, len(stages), info.tied_embeddings, t.name)]
+        homes = [sp for sp in stages if _owner_ok(owner, sp, len(stages), info, t.name, mtp)]
         if not homes:
             raise BundleError(f"{src}: tensor {t.name!r} (owner {owner}) lands in no stage of {ranges}")
         for sp in homes:
