@@ -18,8 +18,8 @@
 //
 // Threads: gRPC's sync server gives each incoming Frames call a thread, which writes its reply queue;
 // a reader thread per call checks and queues the frames it reads. One engine thread runs every forward
-// (and the origin's detokenizing after it). Each Link has a writer and a reader thread. No exception
-// leaves any of them.
+// (and the origin's detokenizing after it). Each Link is a gRPC callback reactor (no thread of its own:
+// gRPC's threads run its reads and write completions). No exception leaves any of them.
 #include <grpcpp/grpcpp.h>
 
 #include <memory>
