@@ -69,14 +69,18 @@ def test_an_mtp_bundle_loads_and_splits_exactly(v4, tmp_path, engine_lib):
     from dgr.toolchain.parity import Schedule
     from support.engine import baseline_and_split
 
-    bundle = build(_recipe(tmp_path, v4, [(0, 2), (2, 4)], mtp=True), tmp_path / "store")
+    # cut past the 3 hash layers: the last stage needs token ids for its MTP block alone
+    bundle = build(_recipe(tmp_path, v4, [(0, 3), (3, 4)], mtp=True), tmp_path / "store")
     assert bundle.manifest.excluded_tensors == []
     kvs = [read_header(p).kvs for p in bundle.stage_paths]
     assert Keys.MTP not in kvs[0] and kvs[-1][Keys.MTP].value is True
+    # the MTP block reads every position's token: the seam into the last stage carries the sideband
+    st = bundle.manifest.stages
+    assert st[0].boundary_out.token_ids and st[1].boundary_in.token_ids and kvs[-1][Keys.BOUNDARY_TOKEN_IDS].value
     assert _mtp_names(v4) <= {t.name for t in read_header(bundle.stage_paths[-1]).tensors}
     with Engine.open(bundle.stage_paths[-1], n_ctx=64, max_sessions=1, lib=engine_lib) as e:
         info = e.describe()
-    assert (info.layer_begin, info.layer_end, info.n_layer) == (2, 4, LAYERS)
+    assert (info.layer_begin, info.layer_end, info.n_layer) == (3, 4, LAYERS) and info.needs_token_ids
     rng = np.random.default_rng(11)
     sched = Schedule(prompts=[rng.integers(0, 256, size=n).tolist() for n in (140, 37)], steps=3, n_ubatch=32)
     base, run, c = baseline_and_split(v4, bundle.stage_paths, sched, engine_lib)
@@ -118,3 +122,25 @@ def test_alpha_certification_refuses_an_mtp_bundle_by_name(v4, tmp_path, capsys)
     err = capsys.readouterr().err
     assert rc == 2 and re.search(r"MTP is on \(bundle\.include_mtp\): alpha certifies bundles with MTP off", err)
     assert not (tmp_path / "store").exists() and not (tmp_path / "cert.json").exists()
+
+
+@pytest.mark.engine
+def test_dgr_workers_serve_an_mtp_bundle_with_the_plain_bundles_text(v4, tmp_path, engine_lib):
+    """In worker processes: the MTP last stage opens (its manifest and its engine agree that it takes the
+    token-id sideband), the ids reach it over the wire, and greedy text equals the bundle without MTP."""
+    from dgr.app.local import LocalRoute
+    from dgr.runtime.wire.client import RouteClient
+
+    texts = {}
+    for mtp in (True, False):
+        b = build(_recipe(tmp_path / str(mtp), v4, [(0, 3), (3, 4)], mtp=mtp), tmp_path / f"store-{mtp}")
+        stages = [["--bundle", str(b.root), "--stage", str(i), "--threads", "1", "--n-ctx", "256"] for i in range(2)]
+        with LocalRoute(stages, env={"DGR_ENGINE_LIB": str(engine_lib)}, timeout=300) as route:
+            with RouteClient(route.addresses) as rc:
+                assert rc.hops[-1].schema_in.token_ids is mtp
+                # the MTP stage can roll back (V4 otherwise cannot), yet keeps no prefixes: a saved state
+                # would lack the MTP context's cache
+                assert rc.hops[-1].can_roll_back is mtp
+                assert rc.hops[-1].prefix_cache_capacity_bytes == 0
+                texts[mtp] = rc.run(list(range(1, 40)), max_new_tokens=12, stop_token_ids=[]).token_ids
+    assert texts[True] == texts[False] and len(texts[True]) == 12

@@ -23,7 +23,7 @@ extern "C" {
 // A caller checks both when it loads a library and refuses one of another version or other struct sizes
 // (dgr-worker: worker/server/engine_lib.cpp). The fake engine (worker/fake), a test stand-in of the same
 // version, leaves out what its toy model has no use for: dgr_quantize, the session state, the grammar sampler.
-#define DGR_ABI_VERSION 5
+#define DGR_ABI_VERSION 6
 
 enum dgr_status {
     DGR_OK              = 0,
@@ -56,7 +56,14 @@ typedef struct dgr_open_params {
     // one KV stream per session, no repacked weights. 1: llama.cpp's shape-dependent fast kernels
     // (faster prefill; results then depend on the batch). For measuring the cost only.
     int32_t fast_kernels;
+    // The longest speculative draft this stage must be able to roll back after its verification step
+    // (llama.cpp's n_rs_seq, for architectures whose cache keeps per-step snapshots: DeepSeek V4). 0: none,
+    // as before (a V4 stage then cannot truncate), except on an MTP last stage: DGR_MTP_MAX_K.
+    int32_t n_draft_max;
 } dgr_open_params;
+
+// The longest MTP draft (and so the rollback depth) of an MTP last stage opened with n_draft_max = 0.
+#define DGR_MTP_MAX_K 8
 
 typedef struct dgr_stage_info {
     char    arch[64];
@@ -65,6 +72,8 @@ typedef struct dgr_stage_info {
     int32_t is_first, is_last, needs_token_ids, has_vocab;
     int32_t n_ctx, max_sessions;
     int32_t batch_invariant;   // 1: results do not depend on the batch (see dgr_open_params.fast_kernels)
+    int32_t has_mtp;           // 1: the last stage of an include_mtp bundle (dgr.mtp): owns the MTP block, drafts
+    int32_t n_draft_max;       // positions a truncate may roll back after one step (0: a V4 stage cannot truncate)
 } dgr_stage_info;
 
 // The vocabulary's special tokens, as llama.cpp itself sees them (llama_vocab_* over the loaded vocabulary).
@@ -126,7 +135,10 @@ DGR_API int32_t dgr_session_close   (dgr_engine * eng, const char * session_id, 
 DGR_API int32_t dgr_session_n_cached(dgr_engine * eng, const char * session_id, int64_t epoch, int32_t * out);
 // Speculative decoding: drop the session's cached positions >= n_keep (the drafted positions the last
 // stage rejected), so the next step may start at n_keep. n_keep must be in [0, n_cached]. A recurrent
-// or hybrid model keeps only its latest state and cannot drop a partial range: DGR_E_UNSUPPORTED.
+// or hybrid model keeps only its latest state and cannot drop a partial range: DGR_E_UNSUPPORTED. A stage
+// with n_draft_max > 0 (V4's snapshots) rolls back only positions of the session's last step, at most
+// n_draft_max of them, once per step; anything else is DGR_E_CACHE_MISS (re-prefill at a new epoch). An MTP
+// stage rolls its MTP context back too.
 DGR_API int32_t dgr_session_truncate(dgr_engine * eng, const char * session_id, int64_t epoch, int32_t n_keep);
 // 1 when dgr_session_truncate can drop a partial range for this model, 0 when it cannot (recurrent, hybrid).
 DGR_API int32_t dgr_engine_can_truncate(dgr_engine * eng);
@@ -141,8 +153,16 @@ DGR_API int32_t dgr_session_state_get(dgr_engine * eng, const char * session_id,
 DGR_API int32_t dgr_session_state_set(dgr_engine * eng, const char * session_id, int64_t epoch, const void * buf,
                                       uint64_t size, int32_t n_positions, int32_t n_keep);
 
-// One llama_decode for all steps (distinct sessions). Either every step runs or none does.
+// One llama_decode for all steps (distinct sessions). Either every step runs or none does. On an MTP stage
+// (has_mtp) it also feeds the session's MTP context the same positions (the MTP block's KV covers them all).
 DGR_API int32_t dgr_forward(dgr_engine * eng, int32_t n_steps, const dgr_step * steps, dgr_step_out * outs);
+
+// MTP drafting (has_mtp; docs/deepseek4.md section 4): `token` is the token just drawn for the session's next
+// position (n_cached); k chained greedy MTP steps write drafts[0..k). The MTP cache is left as it was (the
+// draft rows are removed), so the verification step [token, drafts...] feeds them again. 1 <= k <= n_draft_max.
+// DGR_E_UNSUPPORTED on a stage without MTP (bundle.include_mtp off, or not the last stage).
+DGR_API int32_t dgr_mtp_draft(dgr_engine * eng, const char * session_id, int64_t epoch, int32_t token, int32_t k,
+                              int32_t * drafts);
 
 // End of generation, llama.cpp's own notion: bos, eos, eot, and every id llama_vocab_is_eog marks (eos, eot,
 // eom, fim pad/rep/sep and the known end-of-turn texts such as <|im_end|>, <end_of_turn>, <|eot_id|>),

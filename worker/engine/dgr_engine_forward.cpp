@@ -91,7 +91,7 @@ int32_t dgr_forward(dgr_engine * eng, int32_t n_steps, const dgr_step * steps, d
         }
 
         llama_batch batch = llama_batch_init((int32_t) n_total, in.is_first ? 0 : width, 1);
-        if (!in.is_first && in.needs_token_ids) {
+        if (!in.is_first && eng->batch_token_ids) {
             // the sideband: each entry carries its token id and its boundary row (freed by llama_batch_free)
             batch.token = (llama_token *) malloc(sizeof(llama_token) * n_total);
         }
@@ -169,6 +169,7 @@ int32_t dgr_forward(dgr_engine * eng, int32_t n_steps, const dgr_step * steps, d
                     for (int32_t k = 0; k < n_steps; ++k) {
                         llama_memory_seq_rm(mem, ss[k]->seq, -1, -1);
                         ss[k]->n_cached = 0;
+                        mtp_forget(eng, *ss[k]);
                     }
                 } else if (rc < 0 || rc == 2) {
                     // on a failed decode, the cache may hold part of the batch: drop it for the sessions involved
@@ -211,7 +212,26 @@ int32_t dgr_forward(dgr_engine * eng, int32_t n_steps, const dgr_step * steps, d
                     }
                 }
                 ss[k]->n_cached += st.n_tokens;
+                ss[k]->step_pos0 = st.positions[0];
+                ss[k]->step_rows = st.n_tokens;
+                ss[k]->rolled_back = false;
                 o.n_cached = ss[k]->n_cached;
+            }
+            if (eng->mtp) {
+                // the MTP context gets the same positions (token p with h of p-1), so its KV covers them all
+                try {
+                    for (int32_t k = k0; k < k1; ++k) {
+                        mtp_feed(eng, *ss[k], steps[k], row_of_step[k] - (per_session ? row_of_step[k0] : 0));
+                    }
+                } catch (...) {
+                    // the contexts disagree now: drop the batch's sessions whole (their next step re-prefills)
+                    for (int32_t k = 0; k < n_steps; ++k) {
+                        llama_memory_seq_rm(llama_get_memory(eng->ctx), ss[k]->seq, -1, -1);
+                        ss[k]->n_cached = 0;
+                        mtp_forget(eng, *ss[k]);
+                    }
+                    throw;
+                }
             }
         }
     });

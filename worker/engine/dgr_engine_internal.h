@@ -80,7 +80,27 @@ int32_t guarded(F && f) {
 struct session {
     int32_t seq = -1;
     int32_t n_cached = 0;
+    // the session's last forward: its first position and rows, and whether a truncate already rolled it
+    // back (a snapshot cache restores only rows of the last decode, once: docs/deepseek4.md 4.1)
+    int32_t step_pos0 = 0;
+    int32_t step_rows = 0;
+    bool    rolled_back = false;
+    // MTP stage: h (the main graph's residual before the head, n_embd_h floats a row) of positions
+    // h_pos0, h_pos0+1, ... up to n_cached-1 at least: the row the next step's first MTP row pairs with, and
+    // those a truncate may go back to. Position -1 is zeros.
+    std::vector<float> h;
+    int32_t h_pos0 = -1;
 };
+
+// --- MTP (dgr_engine_mtp.cpp): the MTP context of a dgr.mtp last stage, beside the main one
+// Creates eng->mtp from the main context's parameters; turns on the main context's h rows.
+void mtp_open(dgr_engine * eng, const llama_context_params & main_params);
+// After a main decode: feeds session s's step (its rows start at batch row r0) to the MTP context. Throws.
+void mtp_feed(dgr_engine * eng, session & s, const dgr_step & st, int32_t r0);
+// Drops all of s's MTP positions and h (session open, close, a failed feed).
+void mtp_forget(dgr_engine * eng, session & s);
+// Drops s's MTP positions >= n_keep (after the main context's rollback).
+void mtp_truncate(dgr_engine * eng, session & s, int32_t n_keep);
 
 }  // namespace dgr_engine_detail
 
@@ -93,8 +113,13 @@ struct dgr_engine {
     std::map<std::pair<std::string, int64_t>, dgr_engine_detail::session> sessions;
     std::vector<int32_t> free_seqs;
     std::mutex mu;
+    llama_context * mtp = nullptr;  // the MTP context (a dgr.mtp last stage), else null
+    int32_t n_embd_h = 0;           // width of h (llama_model_n_embd_out: V4's 4 streams)
+    int32_t n_rs_seq = 0;           // the main context's rollback depth (llama_n_rs_seq)
+    bool batch_token_ids = false;   // the main batch carries the ids (its graph reads them: the sideband)
 
     ~dgr_engine() {
+        if (mtp)   llama_free(mtp);
         if (ctx)   llama_free(ctx);
         if (model) llama_model_free(model);
     }

@@ -21,10 +21,14 @@ extern "C" int32_t dgr_engine_memory(dgr_engine * eng, dgr_memory * out) {
         if (!eng || !out) throw dgr_exc(DGR_E_ENGINE, "memory: null argument");
         std::lock_guard<std::mutex> lock(eng->mu);
         dgr_memory m {};
-        for (const auto & [buft, d] : llama_get_memory_breakdown(eng->ctx)) {
-            (void) buft;
-            m.kv_bytes      += d.context;
-            m.compute_bytes += d.compute;
+        // the main context and, on an MTP stage, the MTP context beside it (its own KV and compute buffers)
+        for (llama_context * c : { eng->ctx, eng->mtp }) {
+            if (!c) continue;
+            for (const auto & [buft, d] : llama_get_memory_breakdown(c)) {
+                (void) buft;
+                m.kv_bytes      += d.context;
+                m.compute_bytes += d.compute;
+            }
         }
         // the tensors the model created (with mmap, the mapped range of a whole file can be larger:
         // it spans skipped tensors that are never read)

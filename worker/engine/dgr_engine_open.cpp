@@ -39,6 +39,9 @@ struct file_facts {
     int64_t hash_layers  = 0;      // <arch>.hash_layer_count: layers that route by token id
     std::set<int64_t> blocks;             // block ids that have tensors
     bool has_tok_embd = false, has_output_norm = false, has_output = false;
+    bool mtp = false;              // dgr.mtp: the last stage of an include_mtp bundle
+    int64_t n_nextn = 0;           // <arch>.nextn_predict_layers
+    bool has_eh_proj = false;      // blk.<n_layer>.nextn.eh_proj.weight: the MTP block is in the file
 };
 
 bool gguf_int(const gguf_context * g, const char * key, int64_t & out, const std::string & path) {
@@ -79,6 +82,7 @@ file_facts read_facts(const std::string & path) {
         int64_t n_nextn = 0;
         if (gguf_int(g, (f.arch + ".nextn_predict_layers").c_str(), n_nextn, path) && n_nextn > 0 && n_nextn < f.n_layer) {
             f.n_layer -= n_nextn;
+            f.n_nextn = n_nextn;
         }
         gguf_int(g, (f.arch + ".embedding_length").c_str(), f.n_embd, path);
 
@@ -99,6 +103,11 @@ file_facts read_facts(const std::string & path) {
         if (tid >= 0 && gguf_get_kv_type(g, tid) == GGUF_TYPE_BOOL) {
             f.token_ids = gguf_get_val_bool(g, tid);
         }
+        const int64_t mid = gguf_find_key(g, DGR_KEY_MTP);
+        if (mid >= 0 && gguf_get_kv_type(g, mid) == GGUF_TYPE_BOOL) {
+            f.mtp = gguf_get_val_bool(g, mid);
+        }
+        const std::string eh_proj = fmt("blk.%lld.nextn.eh_proj.weight", (long long) f.n_layer);
         int64_t bn = -1;
         if (gguf_int(g, DGR_KEY_BOUNDARY_N_EMBD, bn, path) && f.n_embd >= 0 && bn != f.n_embd) {
             throw dgr_exc(DGR_E_ARTIFACT, fmt("%s: %s = %lld but %s.embedding_length = %lld",
@@ -115,6 +124,7 @@ file_facts read_facts(const std::string & path) {
             long long bid = -1;
             if (sscanf(name, "blk.%lld.", &bid) == 1) {
                 f.blocks.insert(bid);
+                f.has_eh_proj = f.has_eh_proj || eh_proj == name;
             } else if (strncmp(name, "token_embd.", 11) == 0) {
                 f.has_tok_embd = true;
             } else if (strncmp(name, "output_norm.", 12) == 0) {
@@ -171,6 +181,22 @@ void check_stage_file(const std::string & path, const file_facts & f) {
     }
     if (f.n_streams < 1) {
         throw dgr_exc(DGR_E_ARTIFACT, fmt("%s: %s must be >= 1", p, DGR_KEY_BOUNDARY_N_STREAMS));
+    }
+    if (f.mtp) {
+        // the MTP context is made only when its graph has what it reads (llama.cpp aborts otherwise)
+        if (f.end != f.total) {
+            throw dgr_exc(DGR_E_ARTIFACT, fmt("%s: %s is set on a stage [%lld, %lld) that is not the last of %lld "
+                    "layers; only the last stage owns MTP: rebuild the bundle", p, DGR_KEY_MTP,
+                    (long long) f.begin, (long long) f.end, (long long) f.total));
+        }
+        if (f.n_nextn < 1 || !f.has_eh_proj || !f.has_tok_embd) {
+            throw dgr_exc(DGR_E_ARTIFACT, fmt("%s: %s is set but the file lacks %s (%s.nextn_predict_layers = %lld, "
+                    "blk.%lld.nextn.eh_proj.weight %s, token_embd %s): rebuild the bundle with bundle.include_mtp = true "
+                    "from a model with an MTP block", p, DGR_KEY_MTP,
+                    f.n_nextn < 1 ? "an MTP block" : (!f.has_eh_proj ? "the MTP block's tensors" : "the token embedding copy"),
+                    f.arch.c_str(), (long long) f.n_nextn, (long long) f.total, f.has_eh_proj ? "present" : "missing",
+                    f.has_tok_embd ? "present" : "missing"));
+        }
     }
 }
 
@@ -235,7 +261,11 @@ int32_t dgr_engine_open(const char * path_c, const dgr_open_params * params, dgr
             kvo.push_back(llama_model_kv_override {}); // terminator (key[0] == 0)
         }
 
+        if (params->n_draft_max < 0) {
+            throw dgr_exc(DGR_E_ENGINE, fmt("n_draft_max = %d: must be >= 0", params->n_draft_max));
+        }
         llama_model_params mp = llama_model_default_params();
+        mp.load_mtp = f.mtp; // the MTP block (dgr_hooks: owned by the dgr.mtp last stage only)
         mp.n_gpu_layers = params->n_gpu_layers; // < 0: every owned layer on the lane's device, if it has one
         mp.kv_overrides = kvo.empty() ? nullptr : kvo.data();
         // batch invariance: a repacked weight layout (ggml's CPU "extra" buffer types: repack, AMX) is
@@ -287,6 +317,8 @@ int32_t dgr_engine_open(const char * path_c, const dgr_open_params * params, dgr
             cp.type_v = GGML_TYPE_F32;
         }
         cp.no_perf      = true;
+        // rollback depth: llama.cpp clamps it to 0 for an architecture without snapshots
+        cp.n_rs_seq     = (uint32_t) (params->n_draft_max > 0 ? params->n_draft_max : (f.mtp ? DGR_MTP_MAX_K : 0));
         {
 #if DGR_WITH_HOOKS
             // the hook reads the process-wide setting when the context creates its CPU backend
@@ -295,11 +327,18 @@ int32_t dgr_engine_open(const char * path_c, const dgr_open_params * params, dgr
             dgr_set_reference_kernels(params->fast_kernels == 0);
 #endif
             eng->ctx = llama_init_from_model(eng->model, cp);
+            if (!eng->ctx) {
+                std::string why = take_log_errors();
+                throw dgr_exc(DGR_E_ENGINE, fmt("%s: could not create a context: %s", path.c_str(), why.c_str()));
+            }
+            if (f.mtp) {
+                if (llama_model_n_layer_nextn(eng->model) < 1) {
+                    throw dgr_exc(DGR_E_ARTIFACT, fmt("%s: %s is set but llama.cpp loaded no MTP block", path.c_str(), DGR_KEY_MTP));
+                }
+                mtp_open(eng.get(), cp);
+            }
         }
-        if (!eng->ctx) {
-            std::string why = take_log_errors();
-            throw dgr_exc(DGR_E_ENGINE, fmt("%s: could not create a context: %s", path.c_str(), why.c_str()));
-        }
+        eng->n_rs_seq = (int32_t) llama_n_rs_seq(eng->ctx);
 
         dgr_stage_info & in = eng->info;
         snprintf(in.arch, sizeof(in.arch), "%s", f.arch.c_str());
@@ -311,12 +350,16 @@ int32_t dgr_engine_open(const char * path_c, const dgr_open_params * params, dgr
         in.n_vocab     = llama_vocab_n_tokens(eng->vocab);
         in.is_first    = is_first;
         in.is_last     = is_last;
-        in.needs_token_ids = dgr_takes_token_ids(begin, f.token_ids);
+        eng->batch_token_ids = dgr_takes_token_ids(begin, f.token_ids);
+        // the MTP context pairs every position's token with h (docs/deepseek4.md 4, contract item 2)
+        in.needs_token_ids = eng->batch_token_ids || (eng->mtp && !is_first);
         in.has_vocab   = in.n_vocab > 0;
         in.n_ctx       = n_ctx_seq;
         in.max_sessions = max_sessions;
         // without the hooks (an engine over the unpatched tree) the CPU backend keeps its fast kernels
         in.batch_invariant = DGR_WITH_HOOKS && params->fast_kernels == 0 && !shared_kv;
+        in.has_mtp     = eng->mtp != nullptr;
+        in.n_draft_max = eng->n_rs_seq;
         for (int32_t s = max_sessions - 1; s >= 0; --s) {
             eng->free_seqs.push_back(s);
         }

@@ -31,6 +31,7 @@ int32_t dgr_session_open(dgr_engine * eng, const char * sid, int64_t epoch) {
                             sid, (long long) it->first.second, (long long) epoch));
                 }
                 llama_memory_seq_rm(mem, it->second.seq, -1, -1);
+                mtp_forget(eng, it->second);
                 eng->free_seqs.push_back(it->second.seq);
                 it = eng->sessions.erase(it);
             } else {
@@ -48,6 +49,7 @@ int32_t dgr_session_open(dgr_engine * eng, const char * sid, int64_t epoch) {
         s.seq = *lowest;
         eng->free_seqs.erase(lowest);
         llama_memory_seq_rm(mem, s.seq, -1, -1);
+        mtp_forget(eng, s);
         eng->sessions[key] = s;
     });
 }
@@ -61,6 +63,7 @@ int32_t dgr_session_close(dgr_engine * eng, const char * sid, int64_t epoch) {
             throw dgr_exc(DGR_E_ENGINE, fmt("session '%s' epoch %lld is not open", sid, (long long) epoch));
         }
         llama_memory_seq_rm(llama_get_memory(eng->ctx), it->second.seq, -1, -1);
+        mtp_forget(eng, it->second);
         eng->free_seqs.push_back(it->second.seq);
         eng->sessions.erase(it);
     });
@@ -84,8 +87,14 @@ static bool can_truncate(const dgr_engine * eng) {
     return !(llama_model_is_recurrent(eng->model) || llama_model_is_hybrid(eng->model));
 }
 
+// A recurrent or hybrid cache opened with snapshots (n_draft_max > 0: llama.cpp's n_rs_seq, e.g. V4) can
+// roll back the rows of its last step (the limits are checked in dgr_session_truncate).
+static bool rolls_back(const dgr_engine * eng) {
+    return eng->n_rs_seq > 0;
+}
+
 int32_t dgr_engine_can_truncate(dgr_engine * eng) {
-    return eng && eng->model && can_truncate(eng) ? 1 : 0;
+    return eng && eng->model && (can_truncate(eng) || rolls_back(eng)) ? 1 : 0;
 }
 
 int32_t dgr_session_truncate(dgr_engine * eng, const char * sid, int64_t epoch, int32_t n_keep) {
@@ -104,16 +113,36 @@ int32_t dgr_session_truncate(dgr_engine * eng, const char * sid, int64_t epoch, 
         if (n_keep == s.n_cached) {
             return;
         }
-        if (!can_truncate(eng)) {
+        if (!can_truncate(eng) && !rolls_back(eng)) {
             throw dgr_exc(DGR_E_UNSUPPORTED, fmt("%s is a recurrent or hybrid model: its state cannot drop positions "
                     "[%d, %d) (only the latest state is kept), so speculative decoding is not possible; generate "
                     "without --speculate", eng->info.arch, n_keep, s.n_cached));
+        }
+        if (rolls_back(eng)) {
+            // a snapshot cache (V4) restores only rows of the session's last step, at most n_rs_seq of them,
+            // once; llama.cpp's seq_rm says yes to deeper rollbacks and computes wrong results after them
+            // (docs/deepseek4.md 4.1), so they are refused here, as a cache miss: re-prefill at a new epoch
+            const int32_t back = s.n_cached - n_keep;
+            const char * why = s.rolled_back ? "it was already rolled back since its last step"
+                : back > eng->n_rs_seq ? "that is more than the n_draft_max positions this stage can roll back"
+                : n_keep < s.step_pos0 ? "that reaches before its last step" : nullptr;
+            if (why) {
+                g_miss_held = s.n_cached;
+                g_miss_expected = n_keep;
+                throw dgr_exc(DGR_E_CACHE_MISS, fmt("session '%s' epoch %lld cannot drop positions [%d, %d): %s (n_draft_max "
+                        "= %d, last step at [%d, %d)); re-prefill at a new epoch", sid, (long long) epoch, n_keep, s.n_cached,
+                        why, eng->n_rs_seq, s.step_pos0, s.step_pos0 + s.step_rows));
+            }
         }
         if (!llama_memory_seq_rm(llama_get_memory(eng->ctx), s.seq, n_keep, -1)) {
             throw dgr_exc(DGR_E_UNSUPPORTED, fmt("llama.cpp refused to drop positions [%d, %d) of session '%s'",
                     n_keep, s.n_cached, sid));
         }
         s.n_cached = n_keep;
+        s.rolled_back = true;
+        if (eng->mtp) {
+            mtp_truncate(eng, s, n_keep);
+        }
     });
 }
 
@@ -154,6 +183,11 @@ int32_t dgr_session_state_set(dgr_engine * eng, const char * sid, int64_t epoch,
             throw dgr_exc(DGR_E_UNSUPPORTED, fmt("%s is a recurrent or hybrid model: a prefix of its state cannot be kept",
                                                  eng->info.arch));
         }
+        if (eng->mtp) {
+            // the saved state is the main context's alone: the MTP context would lack those positions
+            throw dgr_exc(DGR_E_UNSUPPORTED, fmt("%s: an MTP stage cannot restore a saved session state (its MTP "
+                    "context's cache is not in it); re-prefill", eng->path.c_str()));
+        }
         llama_memory_t mem = llama_get_memory(eng->ctx);
         if (llama_state_seq_set_data(eng->ctx, static_cast<const uint8_t *>(buf), (size_t) size, s.seq) == 0) {
             llama_memory_seq_rm(mem, s.seq, -1, -1);
@@ -164,6 +198,8 @@ int32_t dgr_session_state_set(dgr_engine * eng, const char * sid, int64_t epoch,
             throw dgr_exc(DGR_E_UNSUPPORTED, fmt("llama.cpp refused to drop positions [%d, %d)", n_keep, n_positions));
         }
         s.n_cached = n_keep;
+        s.step_pos0 = n_keep;   // no step to roll back into (a snapshot cache: docs/deepseek4.md 4.1)
+        s.step_rows = 0;
     });
 }
 

@@ -159,6 +159,13 @@ void dgr_load_range(llama_model_loader & ml, int arch, llama_hparams & hp) {
     read_int_key(ml, DGR_KEY_BOUNDARY_N_STREAMS, n_streams);
     bool token_ids = false;
     read_bool_key(ml, DGR_KEY_BOUNDARY_TOKEN_IDS, token_ids);
+    bool mtp = false;
+    read_bool_key(ml, DGR_KEY_MTP, mtp);
+    if (mtp && end != n_layer) {
+        throw std::runtime_error(format("dgr: %s is set on a stage [%lld, %lld) that is not the last of %lld layers; "
+                "only the last stage owns the MTP block: rebuild the bundle", DGR_KEY_MTP,
+                (long long) begin, (long long) end, (long long) n_layer));
+    }
     if (begin == 0 && end == n_layer) {
         return; // the whole range: nothing to restrict
     }
@@ -178,8 +185,10 @@ void dgr_load_range(llama_model_loader & ml, int arch, llama_hparams & hp) {
     hp.dgr.end       = (int32_t) end;
     hp.dgr.n_streams = (uint32_t) n_streams;
     hp.dgr.token_ids = dgr_takes_token_ids(begin, token_ids);
-    LLAMA_LOG_INFO("dgr: this model owns layers [%d, %d) of %lld (first = %d, last = %d)\n",
-            hp.dgr.begin, hp.dgr.end, (long long) n_layer, dgr_is_first(hp), dgr_is_last(hp));
+    hp.dgr.mtp       = mtp;
+    LLAMA_LOG_INFO("dgr: this model owns layers [%d, %d) of %lld (first = %d, last = %d)%s\n",
+            hp.dgr.begin, hp.dgr.end, (long long) n_layer, dgr_is_first(hp), dgr_is_last(hp),
+            mtp ? " and the MTP block" : "");
 }
 
 bool dgr_is_first(const llama_hparams & hp) {
@@ -199,7 +208,14 @@ int dgr_layer_end(const llama_hparams & hp) {
 }
 
 bool dgr_layer_owned(const llama_hparams & hp, uint32_t il) {
-    return !hp.dgr.active || ((int32_t) il >= hp.dgr.begin && (int32_t) il < hp.dgr.end);
+    if (!hp.dgr.active) {
+        return true;
+    }
+    // the MTP (nextn) blocks after the trunk: the dgr.mtp last stage's, nobody else's
+    if (il >= hp.n_layer()) {
+        return hp.dgr.mtp;
+    }
+    return (int32_t) il >= hp.dgr.begin && (int32_t) il < hp.dgr.end;
 }
 
 bool dgr_tensor_owned(const llama_hparams & hp, const LLM_TN_IMPL & tn, int flags) {
@@ -215,7 +231,8 @@ bool dgr_tensor_owned(const llama_hparams & hp, const LLM_TN_IMPL & tn, int flag
         tensor = LLM_TENSOR_OUTPUT;
     }
     switch (llm_tensor_info_for(tensor).layer) {
-        case LLM_TENSOR_LAYER_INPUT:  return dgr_is_first(hp);
+        // the MTP graph looks up each position's token: the dgr.mtp last stage keeps its own copy
+        case LLM_TENSOR_LAYER_INPUT:  return dgr_is_first(hp) || (hp.dgr.mtp && tensor == LLM_TENSOR_TOKEN_EMBD);
         case LLM_TENSOR_LAYER_OUTPUT: return dgr_is_last(hp);
         default:                      return true;
     }

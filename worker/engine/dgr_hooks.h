@@ -21,6 +21,7 @@ struct dgr_layer_range {
     int32_t  end       = 0;     // one past the last owned layer
     uint32_t n_streams = 1;     // residual streams crossing the seam (V4 mHC: 4)
     bool     token_ids = false; // a non-first stage also takes the token ids (sideband, V4 hash layers)
+    bool     mtp       = false; // a last stage that owns the MTP (nextn) blocks past n_layer() and token_embd (dgr.mtp)
 };
 
 // patch 0001: read the range after the arch hparams are known; throws std::runtime_error when the
@@ -33,10 +34,11 @@ bool dgr_arch_supports_range(int arch);
 bool dgr_is_stage_file(const llama_model_loader & ml);
 
 // patch 0002: whether the model creates (and loads) this tensor. Non-owned repeating tensors,
-// input tensors past the first stage and output tensors before the last stage are not created.
+// input tensors past the first stage and output tensors before the last stage are not created. A last
+// stage marked dgr.mtp also owns the MTP blocks (>= n_layer()) and token_embd, which the MTP graph reads.
 bool dgr_tensor_owned(const llama_hparams & hparams, const LLM_TN_IMPL & tn, int flags);
 
-// patch 0003: whether a layer gets KV cache / recurrent state.
+// patch 0003: whether a layer gets KV cache / recurrent state (an MTP block: only on a dgr.mtp last stage).
 bool dgr_layer_owned(const llama_hparams & hparams, uint32_t il);
 
 // patch 0004 and the per-arch opt-ins.

@@ -52,7 +52,7 @@ int main(int argc, char ** argv) {
         "dgr_engine_can_truncate", "dgr_session_state_get", "dgr_session_state_set", "dgr_forward",
         "dgr_vocab_read", "dgr_engine_vocab", "dgr_tokenize", "dgr_detokenize", "dgr_quantize", "dgr_sample",
         "dgr_logprobs", "dgr_exp_fixed", "dgr_uniform", "dgr_grammar_open", "dgr_grammar_close",
-        "dgr_grammar_apply", "dgr_grammar_accept", "dgr_json_schema_to_grammar",
+        "dgr_grammar_apply", "dgr_grammar_accept", "dgr_json_schema_to_grammar", "dgr_mtp_draft",
     };
     for (size_t i = 0; i < sizeof(abi) / sizeof(abi[0]); i++) {
         CHECK(dlsym(lib, abi[i]) != NULL, "%s is not exported by %s", abi[i], argv[1]);

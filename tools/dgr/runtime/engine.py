@@ -184,9 +184,11 @@ class Engine:
     def open(cls, path: str | Path, *, layer_range: tuple[int, int] | None = None,
              n_ctx: int = DEFAULT_N_CTX, max_sessions: int = DEFAULT_MAX_SESSIONS, n_ubatch: int = 512,
              n_threads: int = 0, n_gpu_layers: int = -1, kv_dtype: str = "f16",
-             fast_kernels: bool = False, lib: str | Path | None = None) -> "Engine":
+             fast_kernels: bool = False, n_draft_max: int = 0, lib: str | Path | None = None) -> "Engine":
         """`fast_kernels`: llama.cpp's shape-dependent CPU kernels (faster prefill, but a session's logits
-        then depend on what shares its forwards and how its tokens are batched); for measuring only."""
+        then depend on what shares its forwards and how its tokens are batched); for measuring only.
+        `n_draft_max`: the longest draft a truncate must roll back after a verification step (V4's snapshot
+        cache; 0: none, but an MTP last stage's default, DGR_MTP_MAX_K)."""
         h = load_library(lib)
         path = Path(path)
         if not path.is_file():
@@ -196,7 +198,7 @@ class Engine:
         p = _OpenParams(n_ctx=n_ctx, max_sessions=max_sessions, n_ubatch=n_ubatch, n_threads=n_threads,
                         layer_begin=layer_range[0] if layer_range else 0,
                         layer_end=layer_range[1] if layer_range else 0, n_gpu_layers=n_gpu_layers,
-                        kv_f32=int(kv_dtype == "f32"), fast_kernels=int(fast_kernels))
+                        kv_f32=int(kv_dtype == "f32"), fast_kernels=int(fast_kernels), n_draft_max=n_draft_max)
         if layer_range and layer_range[1] <= 0:
             raise EngineError(f"layer range {layer_range} is empty; give [begin, end) with end > begin >= 0")
         _refuse_what_llama_aborts_on(path)
@@ -224,9 +226,30 @@ class Engine:
             raise EngineError(f"engine for {self.path} is closed")
         return self._h
 
+    @property
+    def has_mtp(self) -> bool:
+        """The last stage of an include_mtp bundle: it owns the MTP block and drafts (`mtp_draft`)."""
+        return bool(self._raw.has_mtp)
+
+    @property
+    def n_draft_max(self) -> int:
+        """Positions a truncate may roll back after one step (0: a V4 stage opened without it cannot)."""
+        return int(self._raw.n_draft_max)
+
+    def mtp_draft(self, session_id: str, epoch: int, token: int, k: int) -> list[int]:
+        """k greedy MTP drafts after `token`, the token just drawn for the session's next position. The
+        session's caches are left as they were: the verification step [token, *drafts] feeds them."""
+        if not hasattr(self._lib, "dgr_mtp_draft"):
+            raise EngineError(f"{self.path}: this engine library has no MTP drafting (dgr_mtp_draft); rebuild it "
+                              "with `dgr build-engine --lane cpu`")
+        out = (C.c_int32 * max(int(k), 1))()
+        self._check(self._lib.dgr_mtp_draft(self._handle(), session_id.encode(), epoch, int(token), int(k), out))
+        return list(out[: int(k)])
+
     def _describe(self) -> StageInfo:
         s = _StageInfo()
         self._check(self._lib.dgr_engine_describe(self._handle(), C.byref(s)))
+        self._raw = s
         # The C side applies the sideband rule (worker/engine/dgr_contract.h) and states first/last; the
         # contract derives first/last from the range, so a disagreement means a mismatched library. The
         # engine does not know the next stage's needs (token_ids_out stays False); the worker sends

@@ -12,7 +12,7 @@ from pathlib import Path
 from dgr.core.errors import CacheMiss, EngineError, SchemaMismatch
 from dgr.core.paths import default_engine_library
 
-ABI_VERSION = 5                 # worker/engine/dgr_engine.h's DGR_ABI_VERSION (tests/test_engine_abi.py holds them equal)
+ABI_VERSION = 6                 # worker/engine/dgr_engine.h's DGR_ABI_VERSION (tests/test_engine_abi.py holds them equal)
 LIB_ENV = "DGR_ENGINE_LIB"
 
 OK, E_ENGINE, E_CACHE_MISS, E_SCHEMA, E_ARTIFACT, E_UNSUPPORTED = range(6)
@@ -22,7 +22,8 @@ _WANT = {"none": 0, "last": 1, "all": 2}
 class _OpenParams(C.Structure):
     _fields_ = [("n_ctx", C.c_int32), ("max_sessions", C.c_int32), ("n_ubatch", C.c_int32),
                 ("n_threads", C.c_int32), ("layer_begin", C.c_int32), ("layer_end", C.c_int32),
-                ("n_gpu_layers", C.c_int32), ("kv_f32", C.c_int32), ("fast_kernels", C.c_int32)]
+                ("n_gpu_layers", C.c_int32), ("kv_f32", C.c_int32), ("fast_kernels", C.c_int32),
+                ("n_draft_max", C.c_int32)]
 
 
 class _StageInfo(C.Structure):
@@ -31,7 +32,7 @@ class _StageInfo(C.Structure):
                 ("n_embd", C.c_int32), ("n_streams", C.c_int32), ("n_vocab", C.c_int32),
                 ("is_first", C.c_int32), ("is_last", C.c_int32), ("needs_token_ids", C.c_int32),
                 ("has_vocab", C.c_int32), ("n_ctx", C.c_int32), ("max_sessions", C.c_int32),
-                ("batch_invariant", C.c_int32)]
+                ("batch_invariant", C.c_int32), ("has_mtp", C.c_int32), ("n_draft_max", C.c_int32)]
 
 
 class _Step(C.Structure):
@@ -136,6 +137,10 @@ def load_library(lib: str | Path | None = None) -> C.CDLL:
             h.dgr_session_truncate.restype = C.c_int32
             h.dgr_engine_can_truncate.argtypes = [C.c_void_p]
             h.dgr_engine_can_truncate.restype = C.c_int32
+        # MTP drafting (the real engine; a fake engine need not)
+        if hasattr(h, "dgr_mtp_draft"):
+            h.dgr_mtp_draft.argtypes = [C.c_void_p, C.c_char_p, C.c_int64, C.c_int32, C.c_int32, C.POINTER(C.c_int32)]
+            h.dgr_mtp_draft.restype = C.c_int32
         h.dgr_sample.argtypes = [C.POINTER(C.c_float), C.c_int32, C.c_double, C.c_int32, C.c_double, C.c_uint64,
                                  C.c_int64]
         # log-probabilities and grammar sampling: the real engine has them; a fake engine need not

@@ -78,8 +78,17 @@ class BuildPlan:
     quantization: list[RuleUse] = field(default_factory=list)  # one per rule (and default) that is not keep
 
     def contract(self, sp: StagePlan) -> StageContract:
-        """What stage `sp` takes and gives at its seams, in the recipe's wire dtype."""
-        return self.info.stage_contract(sp.begin, sp.end, dtype=self.recipe.recipe.boundary.dtype)
+        """What stage `sp` takes and gives at its seams, in the recipe's wire dtype. With MTP included, the
+        token ids of every position also reach the last stage (its MTP block reads them: docs/deepseek4.md
+        section 4, contract item 2), so the seam into it carries the sideband."""
+        c = self.info.stage_contract(sp.begin, sp.end, dtype=self.recipe.recipe.boundary.dtype)
+        if self.recipe.recipe.bundle.include_mtp:
+            last = len(self.stages) - 1
+            if sp.index == last and not c.is_first:
+                c = c.model_copy(update={"token_ids_in": True})
+            elif sp.index == last - 1:
+                c = c.model_copy(update={"token_ids_out": True})
+        return c
 
 
 def _owner_ok(owner: int | str, sp: StagePlan, n_stages: int, info: ModelInfo, name: str, mtp: bool) -> bool:
