@@ -14,7 +14,7 @@ import pytest
 from dgr.app.local import FakeRoute, LocalRoute
 from dgr.core.errors import WireError
 from dgr.runtime.wire.client import RouteClient
-from dgr.runtime.wire.drafts import NgramDrafts, make_source
+from dgr.runtime.wire.drafts import NgramDrafts, check_source, make_source
 from dgr.runtime.wire.errors import RemoteEngineError
 from dgr.runtime.wire.gen import stage_pb2 as pb
 from dgr.runtime.wire.stats import draft_stats, tokens_per_ring
@@ -56,8 +56,11 @@ def test_ngram_drafts_propose_what_followed_the_last_match_and_back_off():
     assert [d.propose(h, 4) for _ in range(5)] == [[], [], [], [], [5, 6, 1, 2]]   # then 4
     d.observe(4, 2)                                   # an accepted draft ends the pause
     assert d.propose(h, 4) == [5, 6, 1, 2]
-    with pytest.raises(WireError, match="reserved for beta"):
+    assert check_source("mtp") == "mtp"              # the origin's: drafts from the last stage's MTP block
+    with pytest.raises(WireError, match="runs on the route's last stage"):
         make_source("mtp")
+    with pytest.raises(WireError, match="unknown draft source"):
+        check_source("eagle")
     with pytest.raises(WireError, match="unknown draft source"):
         make_source("eagle")
 

@@ -43,6 +43,7 @@ FAMILIES = {
     "dgr_worker_steps": ("counter", ("kind",)),
     "dgr_worker_tokens": ("counter", ("kind",)),
     "dgr_worker_tokens_sampled": ("counter", ()),
+    "dgr_worker_mtp_drafts": ("counter", ()),
     "dgr_worker_forwards": ("counter", ("sessions",)),
     "dgr_worker_sessions_opened": ("counter", ()),
     "dgr_worker_step_queue_seconds": ("histogram", ()),
@@ -188,6 +189,7 @@ def test_counters_move_with_a_generation_by_what_it_did(tiny, worker_bin):
             want[("dgr_worker_forwards_total", (("sessions", "one"),))] = float(sum(steps.values()))
             want[("dgr_worker_forwards_total", (("sessions", "shared"),))] = 0.0
             want[("dgr_worker_tokens_sampled_total", ())] = float(N_NEW if i == 2 else 0)
+            want[("dgr_worker_mtp_drafts_total", ())] = 0.0             # no MTP block, no --speculate mtp
             if i:
                 want[("dgr_worker_seam_bytes_total", (("direction", "received"), ("layer", str(RANGES[i][0]))))] = \
                     float((n + N_NEW - 1) * seam[i - 1])

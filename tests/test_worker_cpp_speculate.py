@@ -217,20 +217,26 @@ def test_bad_draft_requests_are_refused_by_name(routes, worker_bin):
     ch = grpc.insecure_channel(addresses[0])
     try:
         stub = pb_grpc.StageStub(ch)
-        for n, (source, k, want) in enumerate([("bogus", 4, "unknown draft source 'bogus'"), ("mtp", 4, "reserved for beta"),
-                                               ("ngram", 17, "draft k must be in 1..16")]):
+        # the fake model has no MTP block: mtp is refused by name (ENGINE: the route cannot, not a bad frame)
+        for n, (source, k, want) in enumerate([("bogus", 4, "unknown draft source 'bogus'"),
+                                               ("mtp", 4, "has no MTP block"), ("ngram", 17, "draft k must be in 1..16")]):
             sid = f"bad-{n}"
             assert not stub.OpenSession(pb.OpenSessionRequest(session_id=sid, epoch=1, route=hops)).HasField("error")
             frames = [pb.Frame(session_id=sid, epoch=1, generate=pb.Generate(max_new_tokens=4, draft_source=source,
                                                                              draft_k=k))]
             got = next(iter(stub.Frames(iter(frames), timeout=30)))
-            assert got.error.code == pb.BAD_FRAME and want in got.error.message, got
+            code = pb.ENGINE if source == "mtp" else pb.BAD_FRAME
+            assert got.error.code == code and want in got.error.message, got
+            assert source != "mtp" or "bundle.include_mtp" in got.error.message, got
             stub.CloseSession(pb.CloseSessionRequest(session_id=sid, epoch=1, chain=True))
         # a client's own step may not carry drafts: those are the origin's
         sid = "bad-step"
         assert not stub.OpenSession(pb.OpenSessionRequest(session_id=sid, epoch=1, route=hops)).HasField("error")
         f = prefill_frame(sid, 1, [1, 2, 3], sample=True)
         f.step.drafts = 1
+        got = next(iter(stub.Frames(iter([f]), timeout=30)))
+        assert got.error.code == pb.BAD_FRAME and "origin's own steps" in got.error.message
+        f.step.drafts, f.step.mtp_drafts = 0, 2       # nor ask for MTP drafts
         got = next(iter(stub.Frames(iter([f]), timeout=30)))
         assert got.error.code == pb.BAD_FRAME and "origin's own steps" in got.error.message
         stub.CloseSession(pb.CloseSessionRequest(session_id=sid, epoch=1, chain=True))

@@ -56,13 +56,38 @@ void NgramDrafts::observe(uint32_t drafted, uint32_t accepted) {
     if (beyond > 0) pause_ = std::min<int64_t>(MAX_PAUSE, int64_t(1) << std::min<int64_t>(beyond, 20));
 }
 
+std::vector<int32_t> MtpDrafts::propose(const std::vector<int32_t> & /*history*/, int64_t k) {
+    std::vector<int32_t> out;
+    out.swap(offered_);
+    if (k <= 0) return {};
+    if (int64_t(out.size()) > k) out.resize(size_t(k));
+    return out;
+}
+
+void MtpDrafts::observe(uint32_t drafted, uint32_t accepted) {
+    if (!drafted) return;
+    if (accepted) {
+        misses_ = pause_ = 0;
+        return;
+    }
+    ++misses_;
+    // the first miss costs nothing more; then pauses of 2, 4, ... MAX_PAUSE steps without drafts
+    if (misses_ > 1) pause_ = std::min<int64_t>(MAX_PAUSE, int64_t(1) << std::min<int64_t>(misses_ - 1, 20));
+}
+
+uint32_t MtpDrafts::remote_k(int64_t k) {
+    if (k <= 0) return 0;
+    if (pause_) {
+        --pause_;
+        return 0;
+    }
+    return uint32_t(k);
+}
+
 std::unique_ptr<DraftSource> make_draft_source(const std::string & name) {
     if (name == "ngram") return std::make_unique<NgramDrafts>();
-    if (name == "mtp") {
-        throw std::invalid_argument("MTP drafting (the model's own multi-token-prediction heads) is reserved for beta and "
-                                    "stays off: use --speculate ngram");
-    }
-    throw std::invalid_argument("unknown draft source '" + name + "': choose one of ngram");
+    if (name == "mtp") return std::make_unique<MtpDrafts>();
+    throw std::invalid_argument("unknown draft source '" + name + "': choose one of ngram, mtp");
 }
 
 uint32_t check_draft_k(uint32_t k) {

@@ -23,6 +23,28 @@ class DraftSource {
     virtual std::vector<int32_t> propose(const std::vector<int32_t> & history, int64_t k) = 0;
     // the last stage accepted `accepted` of the `drafted` tokens last proposed
     virtual void observe(uint32_t drafted, uint32_t accepted) = 0;
+    // A source whose drafts come from the last stage (MTP): how many it asks the last stage to draft after the
+    // draw of the step about to go out (Step.mtp_drafts; 0 none), and what came back with that draw
+    // (Token.next_drafts), which the next propose() returns. Local sources ask for none.
+    virtual uint32_t remote_k(int64_t /*k*/) { return 0; }
+    virtual void offer(const std::vector<int32_t> & /*drafts*/) {}
+};
+
+// MTP (docs/deepseek4.md section 4): the last stage drafts with the model's MTP block after each draw and
+// sends the drafts back with the token; propose() hands them out once. While drafts keep being rejected it
+// backs off as NgramDrafts does (pauses of 2, 4, ... MAX_PAUSE steps asking for none), so a workload the
+// MTP block predicts badly costs few wasted positions and MTP steps.
+class MtpDrafts final : public DraftSource {
+  public:
+    static constexpr int64_t MAX_PAUSE = 32;
+    std::vector<int32_t> propose(const std::vector<int32_t> & history, int64_t k) override;
+    void observe(uint32_t drafted, uint32_t accepted) override;
+    uint32_t remote_k(int64_t k) override;
+    void offer(const std::vector<int32_t> & drafts) override { offered_ = drafts; }
+
+  private:
+    std::vector<int32_t> offered_;
+    int64_t misses_ = 0, pause_ = 0;
 };
 
 // Prompt lookup (dgr.runtime.wire.drafts.NgramDrafts): match the history's last n tokens (n from n_max down to

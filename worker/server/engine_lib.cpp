@@ -102,6 +102,7 @@ EngineLib load(const std::string & self_dir, const char * env_name, const char *
     opt(lib.logprobs, "dgr_logprobs");
     opt(lib.state_get, "dgr_session_state_get");
     opt(lib.state_set, "dgr_session_state_set");
+    opt(lib.mtp_draft, "dgr_mtp_draft");
     opt(lib.grammar_open, "dgr_grammar_open");
     opt(lib.grammar_close, "dgr_grammar_close");
     opt(lib.grammar_apply, "dgr_grammar_apply");

@@ -50,6 +50,8 @@ struct EngineLib {
     int32_t (*grammar_accept)(dgr_grammar *, int32_t);
     int32_t (*state_get)(dgr_engine *, const char *, int64_t, void *, uint64_t, uint64_t *, int32_t *);
     int32_t (*state_set)(dgr_engine *, const char *, int64_t, const void *, uint64_t, int32_t, int32_t);
+    // issue 22: MTP drafts on the last stage of an include_mtp bundle (null in the fake engine)
+    int32_t (*mtp_draft)(dgr_engine *, const char *, int64_t, int32_t, int32_t, int32_t *);
     // the fake engine's canonical spec (worker/fake/dgr_fake_engine.h: dgr_fake_spec); null in a real engine
     int32_t (*fake_spec)(const char *, char *, int32_t, int32_t *);
 

@@ -138,6 +138,8 @@ void StageWorker::on_frame(pb::Frame frame, const ReplyPtr & reply, const std::o
             if (!sess->client) sess->client = reply;
             const auto & ids = frame.step().token_ids();
             sess->history.insert(sess->history.end(), ids.begin(), ids.end());   // what draft sources look up
+            // the prompt's last chunk: MTP drafts for the first decode step come back with the first token
+            if (sess->drafter && frame.step().sample()) frame.mutable_step()->set_mtp_drafts(sess->drafter->remote_k(int64_t(sess->draft_k)));
         }
         frame.set_origin_sent_ns(uint64_t(mono_ns()));
     }
@@ -167,12 +169,17 @@ void StageWorker::check_step(const pb::Step & step, std::vector<float> * x) {
                                        " drafts (" + std::to_string(step.drafts() + 1) + " positions, sampled), got " +
                                        std::to_string(n) + " positions"};
     }
+    if (step.mtp_drafts() > MAX_DRAFT_K || (step.mtp_drafts() && !step.sample())) {
+        throw Fault{pb::BAD_FRAME, "mtp_drafts asks the last stage for up to " + std::to_string(MAX_DRAFT_K) +
+                                       " MTP drafts after a sampled step's draw, got " + std::to_string(step.mtp_drafts()) +
+                                       (step.sample() ? "" : " on a step that does not sample")};
+    }
     if (step.drafts() && step.token_ids_size() != n) {       // the last stage verifies the drafted ids
         throw Fault{pb::BAD_FRAME, "a speculative step carries one token id per position (" + std::to_string(n) + "), got " +
                                        std::to_string(step.token_ids_size())};
     }
     if (info_.is_first) {
-        if (step.drafts() || step.rollback()) {
+        if (step.drafts() || step.rollback() || step.mtp_drafts()) {
             throw Fault{pb::BAD_FRAME, "drafts and rollbacks are the origin's own steps: a client sends "
                                        "Generate(draft_source=...) instead"};
         }

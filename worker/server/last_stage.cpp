@@ -80,6 +80,7 @@ void StageWorker::emit_last(Work & w, const SessionPtr & sess, const float * log
         t->set_origin_sent_ns(w.frame.origin_sent_ns());
         for (size_t j = 0; j + 1 < draws.size(); ++j) t->add_accepted(draws[j]);
         t->set_drafted(uint32_t(k));
+        if (s.mtp_drafts()) mtp_draft(w, sess, position + 1, draws.back(), s.mtp_drafts(), t);
         if (sess->logits == pb::LOGITS_LAST) {
             t->set_logits(reinterpret_cast<const char *>(vrows), draws.size() * size_t(n_vocab) * 4);
         }
@@ -114,6 +115,40 @@ void StageWorker::emit_last(Work & w, const SessionPtr & sess, const float * log
         }
         send(origin, 0, std::move(f), sess);
     }
+}
+
+// MTP drafts after the draw `token` for position `next` (Step.mtp_drafts; docs/deepseek4.md section 4): drop what
+// the step computed past `next` (the drafts the draw rejected, here and in the MTP context: the next step then
+// finds exactly `next` positions), then up to `want` chained greedy MTP drafts into Token.next_drafts. A stage
+// without MTP, or a rollback the engine refuses, drafts nothing: the origin then sends a plain step, and the
+// next step's own rollback says what was wrong.
+void StageWorker::mtp_draft(Work & w, const SessionPtr & sess, int64_t next, int32_t token, uint32_t want, pb::Token * t) {
+    if (!info_.has_mtp || !lib_.mtp_draft) return;
+    const std::string & sid = w.frame.session_id();
+    const int64_t epoch = int64_t(w.frame.epoch());
+    const int64_t k = std::min<int64_t>({int64_t(want), int64_t(info_.n_draft_max), int64_t(info_.n_ctx) - next - 1});
+    if (k <= 0) return;
+    std::vector<int32_t> drafts(size_t(k), 0);
+    int32_t st = DGR_OK;
+    {
+        std::lock_guard<std::mutex> eg(engine_mu_);
+        int32_t held = 0;
+        st = lib_.n_cached(eng_, sid.c_str(), epoch, &held);
+        if (st == DGR_OK && held > next) st = lib_.truncate(eng_, sid.c_str(), epoch, int32_t(next));
+        if (st == DGR_OK) st = lib_.mtp_draft(eng_, sid.c_str(), epoch, token, int32_t(k), drafts.data());
+    }
+    if (st != DGR_OK) {
+        fprintf(stderr, "dgr-worker: no MTP drafts for session %s epoch %lld at %lld: %s\n", sid.c_str(), (long long)epoch,
+                (long long)next, lib_.error(st).c_str());
+        return;
+    }
+    {
+        std::lock_guard<std::mutex> g(mu_);
+        sess->held = uint64_t(next);
+    }
+    for (int32_t d : drafts) t->add_next_drafts(d);
+    std::lock_guard<std::mutex> g(metrics_.mu);
+    metrics_.mtp_drafted += uint64_t(k);
 }
 
 }  // namespace dgr

@@ -49,7 +49,7 @@ const char * USAGE =
     "                  [--tls-cert PEM --tls-key PEM [--tls-ca PEM]] [--insecure]\n"
     "                  [--advertise HOST[:PORT]] [--max-connections N] [--max-rpc-threads N] [--send-timeout S]\n"
     "                  [--max-send-queue-bytes N] [--metrics-listen HOST:PORT] [--certs DIR [--contract FILE]]\n"
-    "                  [--prefix-cache-mib N]\n"
+    "                  [--prefix-cache-mib N] [--draft-max N]\n"
     "Serves one stage of a bundle (dgr.v1.Stage over gRPC, grpc.health.v1) as `dgr worker serve` does.\n"
     "TLS with --tls-cert/--tls-key (`dgr certs issue`); with --tls-ca, mutual TLS: peers need a certificate the CA\n"
     "signed, and a session's frames are taken only from the members that opened it (docs/worker.md).\n"
@@ -58,6 +58,9 @@ const char * USAGE =
     "reply stream and link, --send-timeout (10 s) for one write: a peer that stops reading fails its own stream.\n"
     "--prefix-cache-mib (256): what closed sessions' KV held, kept for later sessions that start with the same\n"
     "tokens (docs/worker.md \"Prefix cache\"; 0: off).\n"
+    "--draft-max (8): the drafts one step may carry and still roll back where the cache keeps per-step snapshots\n"
+    "(DeepSeek V4 and other hybrids llama.cpp rolls back; each is one more copy of the recurrent state): speculation\n"
+    "and MTP drafts (docs/speculation.md). 0: such a stage cannot roll back.\n"
     "--certs DIR: advertise the certificates (`dgr certify`, DIR/*.json) for exactly this worker's identity, whose\n"
     "contract (--contract FILE, else the path each records) is unchanged and whose figures all passed; others are\n"
     "logged with the reason and ignored. --metrics-listen: Prometheus text at http(s)://HOST:PORT/metrics (https,\n"
@@ -146,6 +149,7 @@ Options parse(int argc, char ** argv) {
         {"--max-rpc-threads", [&](auto & v) { o.max_rpc_threads = to_int("--max-rpc-threads", v); }},
         {"--send-timeout", [&](auto & v) { o.limits.send_timeout_s = to_float("--send-timeout", v); }},
         {"--max-send-queue-bytes", [&](auto & v) { o.limits.max_send_queue_bytes = to_int("--max-send-queue-bytes", v); }},
+        {"--draft-max", [&](auto & v) { o.draft_max = std::clamp<int64_t>(to_int("--draft-max", v), 0, 64); }},
         {"--prefix-cache-mib", [&](auto & v) { o.limits.prefix_cache_mib = std::max<int64_t>(0, to_int("--prefix-cache-mib", v)); }},
     };
     // `dgr-worker serve ...` is `dgr-worker ...`: the words of `dgr worker serve`, and of the units and

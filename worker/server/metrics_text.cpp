@@ -32,6 +32,9 @@ std::string StageWorker::metrics_text() {
         prom_sample(o, "dgr_worker_forwards_total", "sessions=\"shared\"", double(metrics_.forwards[1]));
         prom_family(o, "dgr_worker_tokens_sampled", "counter", "tokens sampled (last stage)");
         prom_sample(o, "dgr_worker_tokens_sampled_total", "", double(metrics_.sampled));
+        prom_family(o, "dgr_worker_mtp_drafts", "counter", "tokens the MTP block drafted (last stage of an include_mtp "
+                    "bundle, --speculate mtp)");
+        prom_sample(o, "dgr_worker_mtp_drafts_total", "", double(metrics_.mtp_drafted));
         prom_histogram(o, "dgr_worker_step_queue_seconds", "a step's wait for the engine thread", "", {{"", &metrics_.queue}});
         prom_histogram(o, "dgr_worker_step_compute_seconds", "the engine call a step ran in", "", {{"", &metrics_.compute}});
         prom_histogram(o, "dgr_worker_frame_transit_seconds", "from the sender handing a frame to gRPC to this worker "

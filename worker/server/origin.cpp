@@ -50,6 +50,7 @@ void StageWorker::deliver_to_client(pb::Frame frame) {
     {
         std::lock_guard<std::mutex> g(mu_);
         if (sess->drafter && tok->drafted()) sess->drafter->observe(tok->drafted(), uint32_t(tok->accepted_size()));
+        if (sess->drafter) sess->drafter->offer(std::vector<int32_t>(tok->next_drafts().begin(), tok->next_drafts().end()));
         bool done = false;
         for (int32_t t : draws) {
             ++used;
@@ -152,6 +153,7 @@ pb::Frame StageWorker::next_step(Session & s, const std::string & sid, uint64_t 
     st->set_sample(true);
     st->set_drafts(uint32_t(drafts.size()));
     st->set_rollback(after_drafts);
+    if (s.drafter) st->set_mtp_drafts(s.drafter->remote_k(int64_t(s.draft_k)));
     return f;
 }
 
@@ -178,8 +180,15 @@ void StageWorker::start_speculation(const SessionPtr & sess, const pb::Generate 
                                     " cannot (a recurrent or hybrid model keeps one running state, or the worker predates "
                                     "speculation): generate without --speculate"};
     }
+    if (g.draft_source() == "mtp" && !sess->last_has_mtp) {
+        throw Fault{pb::ENGINE, "--speculate mtp: the route's last stage " + (sess->last_hop.empty() ? std::string("") : sess->last_hop + " ") +
+                                    "has no MTP block (or its engine cannot draft with one): MTP drafts come from the last stage of "
+                                    "a bundle built with bundle.include_mtp = true (DeepSeek V4); use --speculate ngram or none"};
+    }
     sess->drafter = std::move(drafter);
-    sess->draft_k = uint32_t(std::min<uint64_t>(k, sess->spec_cap - 1));
+    uint64_t cap = std::min<uint64_t>(k, sess->spec_cap - 1);
+    if (sess->draft_max) cap = std::min<uint64_t>(cap, sess->draft_max);   // what every hop can roll back
+    sess->draft_k = uint32_t(cap);
 }
 
 void StageWorker::note_route(Session & s, const google::protobuf::RepeatedPtrField<pb::StageDescription> & hops) {
@@ -198,6 +207,18 @@ void StageWorker::note_route(Session & s, const google::protobuf::RepeatedPtrFie
     s.can_roll_back = no.empty();
     s.no_roll_back = no;
     s.spec_cap = cap ? cap : MAX_DRAFT_K + 1;
+    uint32_t dmax = 0;
+    for (int i = 0; i < hops.size(); ++i) {
+        const uint32_t d = hops.Get(i).n_draft_max();
+        if (d) dmax = dmax ? std::min(dmax, d) : d;
+    }
+    s.draft_max = dmax;
+    if (hops.size()) {
+        const int i = hops.size() - 1;
+        const size_t at = size_t(s.hop_index) + size_t(i);
+        s.last_has_mtp = hops.Get(i).has_mtp();
+        s.last_hop = hop_name(hops.Get(i).identity().stage_index(), at < s.route.size() ? s.route[at].address() : std::string());
+    }
 }
 
 void StageWorker::send_token(const SessionPtr & sess, pb::Frame frame, size_t n_ids) {

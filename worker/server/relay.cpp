@@ -68,6 +68,7 @@ void StageWorker::emit_boundary(Work & w, const SessionPtr & sess, const float *
         step->set_cache_expect(uint64_t(s.positions(int(lo))));
         step->set_sample(s.sample() && hi == n);
         step->set_drafts(hi == n ? s.drafts() : 0);
+        step->set_mtp_drafts(hi == n ? s.mtp_drafts() : 0);
         step->set_rollback(s.rollback() && lo == 0);
         f.set_origin_sent_ns(w.frame.origin_sent_ns());
         *f.mutable_timings() = w.frame.timings();

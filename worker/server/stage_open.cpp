@@ -147,6 +147,7 @@ void open_stage(const Options & o, Stage & s) {
     p.n_ubatch = 512;
     p.n_threads = int32_t(o.threads);
     p.n_gpu_layers = -1;
+    p.n_draft_max = int32_t(o.draft_max);        // V4 and other snapshot caches: how far a step rolls back
     int32_t st = s.lib.open(file.c_str(), &p, &s.eng);
     if (st != DGR_OK) throw std::runtime_error(s.lib.error(st));
     dgr_stage_info info{};

@@ -26,6 +26,9 @@ StageWorker::StageWorker(const EngineLib & lib, dgr_engine * eng, StageIdentity 
     if (limits_.prefix_cache_mib <= 0) prefix_off_ = "--prefix-cache-mib 0";
     else if (!lib_.state_get || !lib_.state_set) prefix_off_ = "the engine library predates it";
     else if (!can_truncate_) prefix_off_ = std::string(info_.arch) + " keeps one running state per session (recurrent or hybrid)";
+    else if (info_.n_draft_max > 0 && !info_.has_mtp) {
+        prefix_off_ = std::string(info_.arch) + " rolls back only its last step (per-step snapshots, --draft-max), not to a kept prefix";
+    }
     else if (!info_.batch_invariant) prefix_off_ = "the engine's results depend on the batch (fast kernels)";
     else if (info_.has_mtp) prefix_off_ = "a session's saved state does not hold its MTP context's cache";
     if (prefix_off_.empty()) prefix_ = std::make_unique<PrefixCache>(uint64_t(limits_.prefix_cache_mib) << 20);

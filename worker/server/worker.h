@@ -238,6 +238,11 @@ class StageWorker final : public dgr::v1::Stage::Service {
         std::string no_roll_back;
         uint64_t spec_cap = MAX_DRAFT_K + 1;
         int64_t spec_floor = -1;
+        // MTP: the route's last stage drafts with its MTP block (StageDescription.has_mtp); the most drafts a
+        // step may carry and still roll back at every hop (the least StageDescription.n_draft_max; 0: no limit)
+        bool last_has_mtp = false;
+        uint32_t draft_max = 0;
+        std::string last_hop;                        // its name, for errors
     };
     using Key = std::pair<std::string, uint64_t>;
     using SessionPtr = std::shared_ptr<Session>;
@@ -281,6 +286,7 @@ class StageWorker final : public dgr::v1::Stage::Service {
     void test_faults(const dgr::v1::Frame & frame, const SessionPtr & sess);
     void emit_boundary(Work & w, const SessionPtr & sess, const float * boundary, dgr::v1::HopTiming timing);
     void emit_last(Work & w, const SessionPtr & sess, const float * logits, int32_t rows, dgr::v1::HopTiming timing);
+    void mtp_draft(Work & w, const SessionPtr & sess, int64_t next, int32_t token, uint32_t want, dgr::v1::Token * t);
     void send(const std::string & address, uint32_t hop_index, dgr::v1::Frame frame, const SessionPtr & sess);
     void to_origin(const SessionPtr & sess, dgr::v1::Frame frame);
     void deliver_to_client(dgr::v1::Frame frame);

@@ -192,7 +192,7 @@ _LIMIT_FLAGS = {
     "hold_batch": "--hold-batch", "die_at": "--test-die-at", "max_queued_steps": "--max-queued-steps",
     "max_session_steps": "--max-session-steps", "session_ttl_s": "--session-ttl", "rpc_timeout_s": "--rpc-timeout",
     "drain_timeout_s": "--drain-timeout", "link_keepalive_timeout_s": "--link-keepalive-timeout",
-    "prefix_cache_mib": "--prefix-cache-mib",
+    "prefix_cache_mib": "--prefix-cache-mib", "draft_max": "--draft-max",
 }
 
 

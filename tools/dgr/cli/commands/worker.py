@@ -76,6 +76,10 @@ def register(sub) -> None:
     s.add_argument("--prefix-cache-mib", type=int, default=d.prefix_cache_mib, metavar="N",
                    help="keep what closed sessions' KV held, for later sessions that begin with the same tokens, "
                         "up to N MiB, least recently used out (docs/worker.md \"Prefix cache\"; 0: off)")
+    s.add_argument("--draft-max", type=int, default=d.draft_max, metavar="N",
+                   help=f"the drafts one step may carry and still roll back where the cache keeps per-step snapshots "
+                        f"(DeepSeek V4; each is one more copy of the recurrent state): speculation and MTP drafts "
+                        f"(default {d.draft_max}; 0: such a stage cannot roll back)")
     s.add_argument("--tls-cert", metavar="F", help="this worker's certificate (PEM; `dgr certs issue`)")
     s.add_argument("--tls-key", metavar="F", help="its private key (PEM)")
     s.add_argument("--tls-ca", metavar="F", help="the operator's CA (PEM): peers must present a certificate it "

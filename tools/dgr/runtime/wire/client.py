@@ -25,7 +25,7 @@ from dgr.core.errors import WireError
 from dgr.core.log import get_logger
 from dgr.runtime.wire import codec, tls as wtls
 from dgr.runtime.wire.codec import hop_name
-from dgr.runtime.wire.drafts import DEFAULT_DRAFT_K, check_k, make_source
+from dgr.runtime.wire.drafts import DEFAULT_DRAFT_K, check_k, check_source
 from dgr.runtime.wire.errors import (RECOVERABLE, HopUnreachable, Overloaded, RemoteSchemaMismatch, StageError,
                                      WrongRange, WrongStage, from_proto, gave_up)
 from dgr.runtime.wire.gen import stage_pb2 as pb, stage_pb2_grpc as pb_grpc
@@ -322,13 +322,19 @@ class RouteClient(Hops):
     def _check_speculation(self, source: str, k: int) -> None:
         """Refuse speculation up front where it cannot work: an unknown source, a bad k, or a hop whose
         engine cannot drop rejected drafts from its cache (recurrent/hybrid models, older workers)."""
-        make_source(source)
+        check_source(source)
         check_k(k)
         bad = [f"{self.hop(i)} ({d.identity.arch})" for i, d in enumerate(self.hops) if not d.can_roll_back]
         if bad:
             raise WireError(f"--speculate {source}: {', '.join(bad)} cannot roll back rejected drafts (a recurrent or "
-                            "hybrid model keeps one running state, not one cache entry per position, or the worker "
-                            "predates speculation): generate without --speculate")
+                            "hybrid model keeps one running state, not one cache entry per position; a DeepSeek V4 "
+                            "worker started with --draft-max 0; or the worker predates speculation): generate "
+                            "without --speculate")
+        if source == "mtp" and not self.hops[-1].has_mtp:
+            last = len(self.hops) - 1
+            raise WireError(f"--speculate mtp: the last stage {self.hop(last)} ({self.hops[last].identity.arch}) has no "
+                            "MTP block: MTP drafts come from the last stage of a bundle built with "
+                            "bundle.include_mtp = true (DeepSeek V4); use --speculate ngram or none")
 
     def _frames(self, gen: Generation, sid: str, epoch: int, max_new: int, stop_ids: list[int],
                 spec: pb.Generate | None = None, start: int = 0):

@@ -5,8 +5,11 @@ The origin (stage 0) asks its session's `DraftSource` for up to k tokens that ma
 tells the source how many the last stage accepted. A source that proposes nothing costs nothing: the
 step is a plain one-position decode. `NgramDrafts` (prompt lookup) needs no model: it finds the latest
 earlier occurrence of the history's last n tokens and proposes what followed them, which pays off on
-text that restates its context (code to edit, quotes, lists). MTP heads (the model's own drafter) stay
-off until beta; `make_source("mtp")` says so, and the interface is what such a source will implement.
+text that restates its context (code to edit, quotes, lists). "mtp" drafts come from the model's own
+MTP block on the route's last stage (a bundle built with `bundle.include_mtp = true`, DeepSeek V4): the
+origin asks the last stage for them with each step (Step.mtp_drafts) and sends them back as the next
+step's drafts, so there is no client-side object for it (`check_source` accepts the name; the route's
+`has_mtp` decides).
 """
 
 from __future__ import annotations
@@ -18,9 +21,7 @@ from dgr.core.errors import WireError
 
 DEFAULT_DRAFT_K = 4
 MAX_DRAFT_K = 16          # a speculative step is never split into frames: k+1 positions stay small
-SOURCES = ("ngram",)
-RESERVED = {"mtp": "MTP drafting (the model's own multi-token-prediction heads) is reserved for beta and "
-                   "stays off: use --speculate ngram"}
+SOURCES = ("ngram", "mtp")
 
 
 class DraftSource(Protocol):
@@ -97,14 +98,20 @@ class NgramDrafts:
             self.pause = min(self.MAX_PAUSE, 2 ** beyond)
 
 
-def make_source(name: str) -> DraftSource:
-    """The draft source called `name` (one per session). Unknown or reserved names: WireError saying
+def check_source(name: str) -> str:
+    """A draft source's name as the origin knows it (Generate.draft_source); unknown names: WireError saying
     which exist."""
-    if name == "ngram":
+    if name not in SOURCES:
+        raise WireError(f"unknown draft source {name!r}: choose one of {', '.join(SOURCES)}")
+    return name
+
+
+def make_source(name: str) -> DraftSource:
+    """The client-side twin of the origin's draft source `name` (the one the C++ origin runs, for tests that
+    compare proposals). "mtp" has none: its drafts come from the last stage's MTP block."""
+    if check_source(name) == "ngram":
         return NgramDrafts()
-    if name in RESERVED:
-        raise WireError(RESERVED[name])
-    raise WireError(f"unknown draft source {name!r}: choose one of {', '.join(SOURCES)}")
+    raise WireError("the mtp draft source runs on the route's last stage (its MTP block), not in a client")
 
 
 def check_k(k: int) -> int:
@@ -114,4 +121,4 @@ def check_k(k: int) -> int:
     return k
 
 
-__all__ = ["DEFAULT_DRAFT_K", "MAX_DRAFT_K", "DraftSource", "NgramDrafts", "SOURCES", "check_k", "make_source"]
+__all__ = ["DEFAULT_DRAFT_K", "MAX_DRAFT_K", "DraftSource", "NgramDrafts", "SOURCES", "check_k", "check_source", "make_source"]

@@ -34,3 +34,7 @@ class Limits:
     # the prefix cache: what closed sessions' KV held, kept for later sessions that begin with the same tokens
     # (docs/worker.md "Prefix cache"; 0: off)
     prefix_cache_mib: int = 256
+    # speculation and MTP drafts (docs/speculation.md): the drafts one step may carry and still roll back where the
+    # cache keeps per-step snapshots (DeepSeek V4 and other hybrids llama.cpp rolls back; 0: those cannot roll
+    # back). The default is the engine's DGR_MTP_MAX_K (worker/engine/dgr_engine.h; tests/test_wire_mtp.py checks)
+    draft_max: int = 8

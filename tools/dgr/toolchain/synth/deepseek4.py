@@ -268,6 +268,9 @@ def synth_deepseek4(
     n_experts_used: int = 2,
     dtype: str = "f32",
     scale: float = 0.02,
+    values: dict[str, np.ndarray] | None = None,
+    name: str | None = None,
+    description: str | None = None,
     **overrides,
 ) -> Path:
     """Write a random-weight `deepseek4` GGUF to `path` and return it.
@@ -277,6 +280,9 @@ def synth_deepseek4(
     the MTP block, when `mtp`, is appended with ratio 0. `overrides` set other `DeepSeek4Shape` fields
     (n_head, head_dim, sliding_window, ...). `dtype` is the type of the matrices (f32 or f16); norms,
     vectors and the hash table keep their own types.
+    `values` replace chosen tensors' random values (name -> array of the tensor's shape, cast to its
+    type; the random draws stay as they are, so every other tensor keeps its values); `name` and
+    `description` replace general.name and general.description. Without them the file is as before.
     """
 
     if dtype not in ("f32", "f16"):
@@ -285,6 +291,9 @@ def synth_deepseek4(
                    mtp=mtp, n_experts=n_experts, n_experts_used=n_experts_used, **overrides)
     rng = np.random.default_rng(seed)
     wdtype = np.float32 if dtype == "f32" else np.float16
+    unknown = sorted(set(values or ()) - {t[0] for t in tensor_inventory(s)})
+    if unknown:
+        raise DgrError(f"synth_deepseek4: values for tensors the model does not have: {', '.join(unknown)}")
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -294,8 +303,8 @@ def synth_deepseek4(
         return template.format(arch=ARCH)
 
     ratios_txt = ",".join(map(str, s.compress_ratios))
-    w.add_name(f"dgr-synth-{ARCH}-L{s.layers}{'+mtp' if s.mtp else ''}-E{s.embd}-s{seed}")
-    w.add_description(f"dgr synth --arch {ARCH} --layers {s.layers} --embd {s.embd} --seed {seed} "
+    w.add_name(name or f"dgr-synth-{ARCH}-L{s.layers}{'+mtp' if s.mtp else ''}-E{s.embd}-s{seed}")
+    w.add_description(description or f"dgr synth --arch {ARCH} --layers {s.layers} --embd {s.embd} --seed {seed} "
                       f"--hash-layers {s.hash_layers} --compress-ratios {ratios_txt}"
                       f"{'' if s.mtp else ' --no-mtp'}: random weights")
     w.add_file_type(gguf.LlamaFileType.ALL_F32 if dtype == "f32" else gguf.LlamaFileType.MOSTLY_F16)
@@ -341,7 +350,7 @@ def synth_deepseek4(
 
     add_tokenizer(w)
 
-    for name, shape, kind in tensor_inventory(s):
+    for tname, shape, kind in tensor_inventory(s):
         if kind == "one":
             data = np.ones(shape, dtype=np.float32)
         elif kind == "small":
@@ -351,13 +360,23 @@ def synth_deepseek4(
             data = np.argsort(rng.random((shape[0], s.n_expert)), axis=1)[:, : shape[1]].astype(np.int32)
         else:
             data = (rng.standard_normal(shape, dtype=np.float32) * np.float32(scale)).astype(wdtype)
-        w.add_tensor(name, np.ascontiguousarray(data))
+        if values and tname in values:
+            data = _replacement(tname, values[tname], data)
+        w.add_tensor(tname, np.ascontiguousarray(data))
 
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+def _replacement(tname: str, value, drawn: np.ndarray) -> np.ndarray:
+    """`value` in place of the drawn `tname`: the same shape, cast to its type."""
+    arr = np.asarray(value)
+    if arr.shape != drawn.shape:
+        raise DgrError(f"synth_deepseek4: values[{tname!r}] has shape {arr.shape}, the tensor {drawn.shape}")
+    return arr.astype(drawn.dtype)
 
 
 def synth_deepseek4_v4shape(path: str | Path, *, seed: int = 0, embd: int = 64, **kw) -> Path:

@@ -106,7 +106,7 @@ class DescribeRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StageDescription(_message.Message):
-    __slots__ = ("identity", "schema_in", "schema_out", "is_first", "is_last", "has_vocab", "n_vocab", "n_ctx", "max_sessions", "open_sessions", "queued_steps", "max_message_bytes", "max_frame_bytes_sent", "seam_bytes_per_token", "engine", "eos_token_ids", "reaped_sessions", "session_ttl_s", "max_queued_steps", "overloaded", "tls", "mutual_tls", "cached_positions", "member", "chat_template", "descriptor_json", "can_roll_back", "batch_invariant", "prefix_cache_capacity_bytes", "prefix_cache_bytes", "prefix_cache_entries", "prefix_cache_hits", "prefix_cache_lookups")
+    __slots__ = ("identity", "schema_in", "schema_out", "is_first", "is_last", "has_vocab", "n_vocab", "n_ctx", "max_sessions", "open_sessions", "queued_steps", "max_message_bytes", "max_frame_bytes_sent", "seam_bytes_per_token", "engine", "eos_token_ids", "reaped_sessions", "session_ttl_s", "max_queued_steps", "overloaded", "tls", "mutual_tls", "cached_positions", "member", "chat_template", "descriptor_json", "can_roll_back", "batch_invariant", "prefix_cache_capacity_bytes", "prefix_cache_bytes", "prefix_cache_entries", "prefix_cache_hits", "prefix_cache_lookups", "has_mtp", "n_draft_max")
     IDENTITY_FIELD_NUMBER: _ClassVar[int]
     SCHEMA_IN_FIELD_NUMBER: _ClassVar[int]
     SCHEMA_OUT_FIELD_NUMBER: _ClassVar[int]
@@ -140,6 +140,8 @@ class StageDescription(_message.Message):
     PREFIX_CACHE_ENTRIES_FIELD_NUMBER: _ClassVar[int]
     PREFIX_CACHE_HITS_FIELD_NUMBER: _ClassVar[int]
     PREFIX_CACHE_LOOKUPS_FIELD_NUMBER: _ClassVar[int]
+    HAS_MTP_FIELD_NUMBER: _ClassVar[int]
+    N_DRAFT_MAX_FIELD_NUMBER: _ClassVar[int]
     identity: Identity
     schema_in: BoundarySchema
     schema_out: BoundarySchema
@@ -173,7 +175,9 @@ class StageDescription(_message.Message):
     prefix_cache_entries: int
     prefix_cache_hits: int
     prefix_cache_lookups: int
-    def __init__(self, identity: _Optional[_Union[Identity, _Mapping]] = ..., schema_in: _Optional[_Union[BoundarySchema, _Mapping]] = ..., schema_out: _Optional[_Union[BoundarySchema, _Mapping]] = ..., is_first: _Optional[bool] = ..., is_last: _Optional[bool] = ..., has_vocab: _Optional[bool] = ..., n_vocab: _Optional[int] = ..., n_ctx: _Optional[int] = ..., max_sessions: _Optional[int] = ..., open_sessions: _Optional[int] = ..., queued_steps: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., max_frame_bytes_sent: _Optional[int] = ..., seam_bytes_per_token: _Optional[int] = ..., engine: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., reaped_sessions: _Optional[int] = ..., session_ttl_s: _Optional[float] = ..., max_queued_steps: _Optional[int] = ..., overloaded: _Optional[int] = ..., tls: _Optional[bool] = ..., mutual_tls: _Optional[bool] = ..., cached_positions: _Optional[int] = ..., member: _Optional[str] = ..., chat_template: _Optional[str] = ..., descriptor_json: _Optional[str] = ..., can_roll_back: _Optional[bool] = ..., batch_invariant: _Optional[bool] = ..., prefix_cache_capacity_bytes: _Optional[int] = ..., prefix_cache_bytes: _Optional[int] = ..., prefix_cache_entries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., prefix_cache_lookups: _Optional[int] = ...) -> None: ...
+    has_mtp: bool
+    n_draft_max: int
+    def __init__(self, identity: _Optional[_Union[Identity, _Mapping]] = ..., schema_in: _Optional[_Union[BoundarySchema, _Mapping]] = ..., schema_out: _Optional[_Union[BoundarySchema, _Mapping]] = ..., is_first: _Optional[bool] = ..., is_last: _Optional[bool] = ..., has_vocab: _Optional[bool] = ..., n_vocab: _Optional[int] = ..., n_ctx: _Optional[int] = ..., max_sessions: _Optional[int] = ..., open_sessions: _Optional[int] = ..., queued_steps: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., max_frame_bytes_sent: _Optional[int] = ..., seam_bytes_per_token: _Optional[int] = ..., engine: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., reaped_sessions: _Optional[int] = ..., session_ttl_s: _Optional[float] = ..., max_queued_steps: _Optional[int] = ..., overloaded: _Optional[int] = ..., tls: _Optional[bool] = ..., mutual_tls: _Optional[bool] = ..., cached_positions: _Optional[int] = ..., member: _Optional[str] = ..., chat_template: _Optional[str] = ..., descriptor_json: _Optional[str] = ..., can_roll_back: _Optional[bool] = ..., batch_invariant: _Optional[bool] = ..., prefix_cache_capacity_bytes: _Optional[int] = ..., prefix_cache_bytes: _Optional[int] = ..., prefix_cache_entries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., prefix_cache_lookups: _Optional[int] = ..., has_mtp: _Optional[bool] = ..., n_draft_max: _Optional[int] = ...) -> None: ...
 
 class TokenizeRequest(_message.Message):
     __slots__ = ("text", "add_special")
@@ -316,7 +320,7 @@ class Boundary(_message.Message):
     def __init__(self, dtype: _Optional[_Union[Dtype, str]] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class Step(_message.Message):
-    __slots__ = ("positions", "token_ids", "boundary", "schema", "cache_expect", "sample", "drafts", "rollback")
+    __slots__ = ("positions", "token_ids", "boundary", "schema", "cache_expect", "sample", "drafts", "rollback", "mtp_drafts")
     POSITIONS_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     BOUNDARY_FIELD_NUMBER: _ClassVar[int]
@@ -325,6 +329,7 @@ class Step(_message.Message):
     SAMPLE_FIELD_NUMBER: _ClassVar[int]
     DRAFTS_FIELD_NUMBER: _ClassVar[int]
     ROLLBACK_FIELD_NUMBER: _ClassVar[int]
+    MTP_DRAFTS_FIELD_NUMBER: _ClassVar[int]
     positions: _containers.RepeatedScalarFieldContainer[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     boundary: Boundary
@@ -333,7 +338,8 @@ class Step(_message.Message):
     sample: bool
     drafts: int
     rollback: bool
-    def __init__(self, positions: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., boundary: _Optional[_Union[Boundary, _Mapping]] = ..., schema: _Optional[_Union[BoundarySchema, _Mapping]] = ..., cache_expect: _Optional[int] = ..., sample: _Optional[bool] = ..., drafts: _Optional[int] = ..., rollback: _Optional[bool] = ...) -> None: ...
+    mtp_drafts: int
+    def __init__(self, positions: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., boundary: _Optional[_Union[Boundary, _Mapping]] = ..., schema: _Optional[_Union[BoundarySchema, _Mapping]] = ..., cache_expect: _Optional[int] = ..., sample: _Optional[bool] = ..., drafts: _Optional[int] = ..., rollback: _Optional[bool] = ..., mtp_drafts: _Optional[int] = ...) -> None: ...
 
 class Generate(_message.Message):
     __slots__ = ("max_new_tokens", "stop_token_ids", "context_ids", "context_text", "draft_source", "draft_k", "cached_ids")
@@ -368,7 +374,7 @@ class HopTiming(_message.Message):
     def __init__(self, stage_index: _Optional[int] = ..., queue_ns: _Optional[int] = ..., compute_ns: _Optional[int] = ..., wire_ns: _Optional[int] = ..., transit_ns: _Optional[int] = ...) -> None: ...
 
 class Token(_message.Message):
-    __slots__ = ("token_id", "position", "logits", "text", "done", "timings", "origin_sent_ns", "ring_ns", "return_ns", "accepted", "drafted", "speculated", "logprobs")
+    __slots__ = ("token_id", "position", "logits", "text", "done", "timings", "origin_sent_ns", "ring_ns", "return_ns", "accepted", "drafted", "speculated", "logprobs", "next_drafts")
     TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     POSITION_FIELD_NUMBER: _ClassVar[int]
     LOGITS_FIELD_NUMBER: _ClassVar[int]
@@ -382,6 +388,7 @@ class Token(_message.Message):
     DRAFTED_FIELD_NUMBER: _ClassVar[int]
     SPECULATED_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    NEXT_DRAFTS_FIELD_NUMBER: _ClassVar[int]
     token_id: int
     position: int
     logits: bytes
@@ -395,7 +402,8 @@ class Token(_message.Message):
     drafted: int
     speculated: bool
     logprobs: _containers.RepeatedCompositeFieldContainer[DrawLogprobs]
-    def __init__(self, token_id: _Optional[int] = ..., position: _Optional[int] = ..., logits: _Optional[bytes] = ..., text: _Optional[str] = ..., done: _Optional[bool] = ..., timings: _Optional[_Iterable[_Union[HopTiming, _Mapping]]] = ..., origin_sent_ns: _Optional[int] = ..., ring_ns: _Optional[int] = ..., return_ns: _Optional[int] = ..., accepted: _Optional[_Iterable[int]] = ..., drafted: _Optional[int] = ..., speculated: _Optional[bool] = ..., logprobs: _Optional[_Iterable[_Union[DrawLogprobs, _Mapping]]] = ...) -> None: ...
+    next_drafts: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, token_id: _Optional[int] = ..., position: _Optional[int] = ..., logits: _Optional[bytes] = ..., text: _Optional[str] = ..., done: _Optional[bool] = ..., timings: _Optional[_Iterable[_Union[HopTiming, _Mapping]]] = ..., origin_sent_ns: _Optional[int] = ..., ring_ns: _Optional[int] = ..., return_ns: _Optional[int] = ..., accepted: _Optional[_Iterable[int]] = ..., drafted: _Optional[int] = ..., speculated: _Optional[bool] = ..., logprobs: _Optional[_Iterable[_Union[DrawLogprobs, _Mapping]]] = ..., next_drafts: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Logits(_message.Message):
     __slots__ = ("positions", "values")
