@@ -136,3 +136,46 @@ def test_twelve_stages_with_mtp_equal_the_plain_route(tmp_path, engine_lib):
         spec = c.run(prompt, max_new_tokens=8, logits="last", stop_token_ids=[], speculate="mtp", draft_k=3)
     _same(spec, plain, len(prompt))
     assert spec.epochs == 1 and draft_stats(spec)[0] > 0
+
+
+def test_the_gateway_speculates_by_default_or_by_request_with_the_same_text(v4, tmp_path, engine_lib):
+    """`dgr serve --speculate mtp` (the app's default) and a request's own `speculate` field, through the
+    official openai client: the same text as without drafts; the last stage drafted (its metrics say so); a
+    route without MTP, or a JSON schema beside an explicit source, is a 400 naming `speculate`."""
+    import openai
+
+    from support.gateway import gateway
+    from support.metrics import metrics_urls, scrape, value
+
+    b = _bundle(v4, [(0, 3), (3, 6)], tmp_path)
+    drafted = lambda url: value(scrape(url), "dgr_worker_mtp_drafts_total")   # noqa: E731
+    with _route(b, engine_lib, ["--metrics-listen", "127.0.0.1:0"]) as r:
+        url = metrics_urls(r)[-1]
+        with gateway(r.route, {"speculate": "mtp", "draft_k": 3},
+                     chat_template="{% for m in messages %}{{ m.content }}{% endfor %}") as gw:
+            c = gw.client()
+            model = c.models.list().data[0].id
+            kw = dict(model=model, prompt="the quick brown fox", max_tokens=16, temperature=0)
+            before = drafted(url)
+            by_default = c.completions.create(**kw).choices[0].text
+            assert drafted(url) > before
+            before = drafted(url)
+            plain = c.completions.create(**kw, extra_body={"speculate": "none"}).choices[0].text
+            assert drafted(url) == before
+            asked = c.completions.create(**kw, extra_body={"speculate": "mtp", "draft_k": 2}).choices[0].text
+            assert by_default == plain == asked and plain
+            with pytest.raises(openai.BadRequestError, match="speculate") as e:
+                c.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+                                          extra_body={"speculate": "mtp"},
+                                          response_format={"type": "json_object"})
+            assert e.value.body["param"] == "speculate"
+    plain_b = _bundle(v4, [(0, 3), (3, 6)], tmp_path / "plain", mtp=False)
+    with _route(plain_b, engine_lib) as r:
+        with gateway(r.route) as gw:
+            c = gw.client()
+            with pytest.raises(openai.BadRequestError, match="no MTP block"):
+                c.completions.create(model=c.models.list().data[0].id, prompt="hi", max_tokens=4,
+                                     extra_body={"speculate": "mtp"})
+        with pytest.raises(ValueError, match="--speculate mtp: the last stage has no MTP block"):
+            with gateway(r.route, {"speculate": "mtp"}):
+                pass

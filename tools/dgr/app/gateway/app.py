@@ -44,6 +44,7 @@ from dgr.app.gateway.schemas import Answer
 from dgr.core.errors import DgrError, WireError
 from dgr.core.log import get_logger
 from dgr.runtime.wire.errors import HopUnreachable, Overloaded, StageError
+from dgr.runtime.wire.drafts import DEFAULT_DRAFT_K, check_k
 
 log = get_logger(__name__)
 
@@ -107,11 +108,19 @@ async def _cancel_when_gone(request: Request, run: Run) -> None:
 
 
 def create_app(backend: RouteBackend, metrics: GatewayMetrics | None = None, *,
-               max_tokens_default: int = DEFAULT_CHAT_MAX_TOKENS) -> FastAPI:
-    """`max_tokens_default`: the budget of a chat request that gives no max_tokens (0: up to n_ctx)."""
+               max_tokens_default: int = DEFAULT_CHAT_MAX_TOKENS, speculate: str | None = None,
+               draft_k: int = DEFAULT_DRAFT_K) -> FastAPI:
+    """`max_tokens_default`: the budget of a chat request that gives no max_tokens (0: up to n_ctx).
+    `speculate`, `draft_k`: the draft source of a request that names none ("ngram", "mtp"; None: none); a
+    request may choose another with `speculate` ("none" turns it off), and one with a JSON schema or tools
+    runs without the default (speculation with a grammar is not supported)."""
     if max_tokens_default < 0:
         raise ValueError(f"max_tokens_default must be >= 0 (0: up to the context), got {max_tokens_default}")
     info: ModelInfo = backend.info
+    speculate = None if speculate in (None, "none") else speculate
+    if speculate and info.cannot_speculate(speculate):
+        raise ValueError(f"--speculate {speculate}: {info.cannot_speculate(speculate)}")
+    check_k(draft_k)
     m = metrics or GatewayMetrics(info.name)
     fingerprint = f"dgr-{info.bundle_id[:12]}"
     app = FastAPI(title="dgr gateway", version=__version__, docs_url=None, redoc_url=None)
@@ -163,7 +172,8 @@ def create_app(backend: RouteBackend, metrics: GatewayMetrics | None = None, *,
     async def health():
         return {"status": "ok", "model": info.name, "stages": info.stages,
                 "chat_template": info.chat_template_source, "stop_token_ids": list(info.eos_ids),
-                "max_tokens_default": max_tokens_default or None}
+                "max_tokens_default": max_tokens_default or None, "speculate": speculate or "none",
+                "draft_k": draft_k if speculate else None}
 
     # ------------------------------------------------------------------ generation
     def _check_model(name: str) -> None:
@@ -246,15 +256,33 @@ def create_app(backend: RouteBackend, metrics: GatewayMetrics | None = None, *,
         add_special = not (info.bos_token and text.startswith(info.bos_token))
         return backend.tokenize(text, add_special=add_special)
 
+    def _speculation(asked: str | None, structured: bool) -> str | None:
+        """The draft source of a request: its own `speculate`, else the server's default."""
+        if asked is None:
+            return None if structured else speculate        # the default steps aside for a grammar
+        if asked == "none":
+            return None
+        if structured:
+            raise GatewayError(400, f"speculate={asked!r} with a JSON schema or tools is not supported (speculative "
+                                    "decoding with a grammar): drop one of them", param="speculate",
+                               code="unsupported_parameter")
+        why = info.cannot_speculate(asked)
+        if why:
+            raise GatewayError(400, f"speculate={asked!r}: {why}", param="speculate", code="unsupported_parameter")
+        return asked
+
     def _start(request: Request, req, ids: list[int], max_tokens: int, t0: float, n: int = 1, *,
                json_schema: str = "", top_logprobs: int | None = None) -> Run:
         """n generations of `ids` (one per choice, seeds `seed`+i), watched for a client that goes away.
         `top_logprobs`: None, no logprobs; n >= 0, each token's and the n most likely tokens'."""
         seeds = choice_seeds(req.seed, n, req.temperature > 0 and req.top_p > 0)
         stops = tuple(getattr(req, "stops", ()))
+        source = _speculation(getattr(req, "speculate", None), bool(json_schema))
+        k = getattr(req, "draft_k", None) or draft_k
         params = [Params(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
                          seed=seed, stops=stops, ignore_eos=req.ignore_eos, json_schema=json_schema,
-                         logprobs=top_logprobs is not None, top_logprobs=top_logprobs or 0) for seed in seeds]
+                         logprobs=top_logprobs is not None, top_logprobs=top_logprobs or 0, speculate=source,
+                         draft_k=k) for seed in seeds]
         run = Run(backend, ids, params, m, t0)
         # runs until the generations end, whoever serves the response (this coroutine or the stream)
         run.watch = asyncio.create_task(_cancel_when_gone(request, run))

@@ -50,6 +50,13 @@ class ModelInfo:
     eos_token: str
     stages: int
     created: int                 # when the gateway first described the route (the model's `created`)
+    # speculative decoding the route can do, each source -> why not ("" when it can): "ngram" needs every hop
+    # to roll back rejected drafts, "mtp" also an MTP block on the last stage (docs/speculation.md)
+    speculation: tuple[tuple[str, str], ...] = ()
+
+    def cannot_speculate(self, source: str) -> str:
+        """Why this route cannot draft with `source` ("" when it can)."""
+        return dict(self.speculation).get(source, f"unknown draft source {source!r}: choose none, ngram or mtp")
 
 
 def _first_line(text: str, width: int = 80) -> str:
@@ -69,6 +76,8 @@ class Params:
     json_schema: str = ""        # the last stage draws only what this JSON Schema allows ("" : anything)
     logprobs: bool = False
     top_logprobs: int = 0
+    speculate: str | None = None  # a draft source ("ngram", "mtp") whose drafts each ring verifies; None: none
+    draft_k: int = 4
 
 
 @dataclass(frozen=True)
@@ -154,9 +163,14 @@ class RouteBackend:
             bos = [t for t in c.tokenize("", add_special=True)]
             bos_token = c.detokenize(bos[:1]) if bos else ""
         n_ctx = min(h.n_ctx for h in hops)
+        stiff = [f"stage {i} ({h.identity.arch})" for i, h in enumerate(hops) if not h.can_roll_back]
+        roll = f"{', '.join(stiff)} cannot roll back rejected drafts" if stiff else ""
+        mtp = roll or ("" if hops[-1].has_mtp else "the last stage has no MTP block (a bundle built with "
+                       "bundle.include_mtp = true has one)")
         info = ModelInfo(name=model_name or ident.model or ident.bundle_id, bundle_id=ident.bundle_id, n_ctx=n_ctx,
                          eos_ids=eos_ids, chat_template=template, chat_template_source=source, bos_token=bos_token,
-                         eos_token=eos_token, stages=len(hops), created=int(time.time()))
+                         eos_token=eos_token, stages=len(hops), created=int(time.time()),
+                         speculation=(("ngram", roll), ("mtp", mtp)))
         log.info("gateway: route of %d stage(s) serves %s (bundle %s, n_ctx %d); stops at token ids %s",
                  info.stages, info.name, info.bundle_id[:16], n_ctx, list(eos_ids) or "(none: only max_tokens)")
         if template:
@@ -286,7 +300,8 @@ class Job:
             with self.backend.client() as c:
                 it = c.generate(self.prompt_ids, max_new_tokens=p.max_tokens, temperature=temperature,
                                 top_k=p.top_k, top_p=top_p, seed=seed, stop_token_ids=stop_ids,
-                                json_schema=p.json_schema, logprobs=p.logprobs, top_logprobs=p.top_logprobs)
+                                json_schema=p.json_schema, logprobs=p.logprobs, top_logprobs=p.top_logprobs,
+                                speculate=p.speculate, draft_k=p.draft_k)
                 last = 0.0
                 try:
                     for ev in it:

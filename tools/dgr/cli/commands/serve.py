@@ -25,6 +25,11 @@ def register(sub) -> None:
     s.add_argument("--max-tokens-default", metavar="N", type=int, default=DEFAULT_CHAT_MAX_TOKENS,
                    help="tokens a chat request that gives no max_tokens may generate (default %(default)s; "
                         "0: until the context is full); /v1/completions keeps OpenAI's 16")
+    s.add_argument("--speculate", choices=["none", "ngram", "mtp"], default="none",
+                   help="the draft source of a request that names none (a request's own `speculate` field wins): "
+                        "ngram (prompt lookup) or mtp (the model's MTP block: a bundle built with "
+                        "bundle.include_mtp = true); the same tokens, fewer trips round the ring (default none)")
+    s.add_argument("--draft-k", type=int, default=4, metavar="K", help="most drafts per ring (default 4)")
     s.add_argument("--https-cert", metavar="FILE", help="serve HTTPS with this certificate (PEM)")
     s.add_argument("--https-key", metavar="FILE", help="... and this key")
     s.add_argument("--insecure", action="store_true",
@@ -68,7 +73,12 @@ def _serve(args) -> int:
     backend = RouteBackend(args.route, tls=tls, timeout=args.timeout, hop_deadline=args.hop_deadline,
                            attempts=args.attempts, model_name=args.model_name, chat_template=template,
                            chat_template_source=source)
-    server = GatewayServer(create_app(backend, max_tokens_default=max_tokens), args.listen,
+    try:
+        app = create_app(backend, max_tokens_default=max_tokens, speculate=args.speculate, draft_k=args.draft_k)
+    except ValueError as err:
+        backend.close()
+        raise WireError(str(err)) from None
+    server = GatewayServer(app, args.listen,
                            ssl_certfile=args.https_cert, ssl_keyfile=args.https_key, log_level=args.log_level)
     info = backend.info
     log.info("gateway: %d-stage route %s; a chat request without max_tokens stops after %s", info.stages,

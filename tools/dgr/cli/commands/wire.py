@@ -55,9 +55,10 @@ def register(sub) -> None:
     g.add_argument("--stats", action="store_true", help="print tokens/s and per-hop timing to stderr")
     g.add_argument("--logits-out", metavar="FILE.npz",
                    help="save the logits row of every sampled position (parity checks)")
-    g.add_argument("--speculate", choices=["ngram"], metavar="SOURCE",
-                   help="speculative decoding: drafts from SOURCE (ngram: prompt lookup at the origin) verified "
-                        "in the same trip round the ring; the same tokens, fewer rings on repetitive text")
+    g.add_argument("--speculate", choices=["ngram", "mtp"], metavar="SOURCE",
+                   help="speculative decoding: drafts from SOURCE (ngram: prompt lookup at the origin; mtp: the "
+                        "model's MTP block on the last stage, a bundle built with bundle.include_mtp = true) "
+                        "verified in the same trip round the ring; the same tokens, fewer rings")
     g.add_argument("--draft-k", type=int, default=4, metavar="K", help="most drafts per ring (with --speculate)")
     g.add_argument("prompt")
     g.set_defaults(func=_generate)
