@@ -71,8 +71,8 @@ void MtpDrafts::observe(uint32_t drafted, uint32_t accepted) {
         return;
     }
     ++misses_;
-    // the first miss costs nothing more; then pauses of 2, 4, ... MAX_PAUSE steps without drafts
-    if (misses_ > 1) pause_ = std::min<int64_t>(MAX_PAUSE, int64_t(1) << std::min<int64_t>(misses_ - 1, 20));
+    // pauses of 2, 4, ... MAX_PAUSE steps without drafts (nor MTP steps) after each miss in a row
+    pause_ = std::min<int64_t>(MAX_PAUSE, int64_t(1) << std::min<int64_t>(misses_, 20));
 }
 
 uint32_t MtpDrafts::remote_k(int64_t k) {

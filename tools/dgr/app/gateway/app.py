@@ -256,28 +256,16 @@ def create_app(backend: RouteBackend, metrics: GatewayMetrics | None = None, *,
         add_special = not (info.bos_token and text.startswith(info.bos_token))
         return backend.tokenize(text, add_special=add_special)
 
-    def _speculation(asked: str | None, structured: bool) -> str | None:
-        """The draft source of a request: its own `speculate`, else the server's default."""
-        if asked is None:
-            return None if structured else speculate        # the default steps aside for a grammar
-        if asked == "none":
-            return None
-        if structured:
-            raise GatewayError(400, f"speculate={asked!r} with a JSON schema or tools is not supported (speculative "
-                                    "decoding with a grammar): drop one of them", param="speculate",
-                               code="unsupported_parameter")
-        why = info.cannot_speculate(asked)
-        if why:
-            raise GatewayError(400, f"speculate={asked!r}: {why}", param="speculate", code="unsupported_parameter")
-        return asked
-
     def _start(request: Request, req, ids: list[int], max_tokens: int, t0: float, n: int = 1, *,
                json_schema: str = "", top_logprobs: int | None = None) -> Run:
         """n generations of `ids` (one per choice, seeds `seed`+i), watched for a client that goes away.
         `top_logprobs`: None, no logprobs; n >= 0, each token's and the n most likely tokens'."""
         seeds = choice_seeds(req.seed, n, req.temperature > 0 and req.top_p > 0)
         stops = tuple(getattr(req, "stops", ()))
-        source = _speculation(getattr(req, "speculate", None), bool(json_schema))
+        try:
+            source = info.draft_source(getattr(req, "speculate", None), bool(json_schema), speculate)
+        except ValueError as err:
+            raise GatewayError(400, str(err), param="speculate", code="unsupported_parameter") from None
         k = getattr(req, "draft_k", None) or draft_k
         params = [Params(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
                          seed=seed, stops=stops, ignore_eos=req.ignore_eos, json_schema=json_schema,

@@ -58,6 +58,22 @@ class ModelInfo:
         """Why this route cannot draft with `source` ("" when it can)."""
         return dict(self.speculation).get(source, f"unknown draft source {source!r}: choose none, ngram or mtp")
 
+    def draft_source(self, asked: str | None, structured: bool, default: str | None) -> str | None:
+        """A request's draft source: its own `speculate` ("none": off), else the server's `default`, which steps
+        aside for a grammar (`structured`: a JSON schema or tools). ValueError says why the request's own
+        choice cannot run."""
+        if asked is None:
+            return None if structured else default
+        if asked == "none":
+            return None
+        if structured:
+            raise ValueError(f"speculate={asked!r} with a JSON schema or tools is not supported (speculative "
+                             "decoding with a grammar): drop one of them")
+        why = self.cannot_speculate(asked)
+        if why:
+            raise ValueError(f"speculate={asked!r}: {why}")
+        return asked
+
 
 def _first_line(text: str, width: int = 80) -> str:
     line = next((x.strip() for x in text.splitlines() if x.strip()), "")

@@ -104,7 +104,16 @@ def _extras(args, bundle, stages: int) -> dict:
         out["dtypes"] = rows if isinstance(rows, dict) else {"rows": rows}
         if not isinstance(rows, dict):
             print("dtypes:\n" + _dtype_summary(rows))
-    if args.speculate:
+    if args.speculate == "mtp":
+        log.info("bench: MTP drafts against n-gram drafts and none on DeepSeek V4, k=%d", args.draft_k)
+        out["mtp"] = _section("dgr.app.mtpbench", "measure_mtp", lambda f: f(
+            stages=args.stages or 4, k=args.draft_k, rounds=args.rounds, tokens=args.tokens,
+            rtt_ms=20.0 if args.wan_rtt_ms is None else args.wan_rtt_ms, agree=args.mtp_agree, threads=args.threads or 1))
+        if "error" not in out["mtp"]:
+            from dgr.app.mtpbench import table
+
+            print("mtp:\n" + table(out["mtp"]))
+    elif args.speculate:
         log.info("bench: speculation (%s drafts, k=%d)", args.speculate, args.draft_k)
         out["spec"] = _section("dgr.app.speculate", "measure_speculation", lambda f: f(
             stages=stages, bundle=bundle, threads=args.threads, k=args.draft_k))
@@ -206,8 +215,12 @@ def register(sub) -> None:
     bench.add_argument("--dtypes", action="store_true", help="also: the wire dtype table, loss against f32 for "
                        "every ported architecture (writes docs/wire-dtypes.md; JSON key `dtypes`)")
     bench.add_argument("--dtypes-out", metavar="FILE", help="with --dtypes: write the table here instead")
-    bench.add_argument("--speculate", choices=["ngram"], help="also: speculative decoding over the ring on two "
-                       "workloads, with and without (JSON key `spec`)")
+    bench.add_argument("--speculate", choices=["ngram", "mtp"], help="also: speculative decoding over the ring. ngram: "
+                       "two workloads, with and without (JSON key `spec`); mtp: MTP drafts against n-gram drafts and "
+                       "none on tiny DeepSeek V4 bundles with the MTP block (random, agreeing at --mtp-agree, never "
+                       "agreeing), on loopback and through links of --wan-rtt-ms (default 20) (JSON key `mtp`)")
+    bench.add_argument("--mtp-agree", type=float, default=0.8, metavar="R", help="with --speculate mtp: the rate at "
+                       "which the synthetic V4's MTP drafts agree with its trunk (default 0.8)")
     bench.add_argument("--draft-k", type=int, default=4, help="with --speculate: drafted tokens per trip (default 4)")
     bench.add_argument("--tls", action="store_true", help="also: the same bundle served with mutual TLS beside "
                        "plaintext, generations alternating; per-hop overhead and decode of each (JSON key `tls`)")

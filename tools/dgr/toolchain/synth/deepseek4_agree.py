@@ -29,9 +29,12 @@ the cycle is longer than any draft.) So a verification step accepts the run of a
 at x_0, capped at k. `agree` = r marks round(r * L) of the L cycle positions as agreeing: at random
 positions (`spread="random"`, the default: about independent, so draft j matches at rate ~ r**j and a
 step accepts r + r**2 + ... + r**k drafts on average) or evenly spaced (`spread="even"`: any window of
-n positions holds n * r agreeing ones to within one, but runs are short). `agreement_layout` rebuilds
-the layout from (agree, seed, spread) and gives exact predictions: `matches`, `accepted`, `rates` (over
-a whole cycle) and `speculate` (a speculative greedy run).
+n positions holds n * r agreeing ones to within one, but the pattern is periodic and a speculative run can
+lock onto it: at 0.8 with 4 drafts every step starts a run of 4 and accepts all 4). `agreement_layout`
+rebuilds the layout from (agree, seed, spread) and gives exact predictions: `matches`, `accepted`, `rates`
+(over a whole cycle) and `speculate` (a speculative greedy run). With seed 0 and 4 drafts, `rates` is
+[.80, .63, .47, .36] at 0.8 and [.50, .25, .11, .05] at 0.5. The engine drafts only on an include_mtp
+last stage (`dgr.mtp` set): build a bundle with `include_mtp = true`, or set the key on a copy.
 """
 
 from __future__ import annotations

@@ -1,0 +1,156 @@
+"""`dgr bench --speculate mtp`: MTP drafts against n-gram drafts and none, in one run (issue 22, item 4).
+
+Three DeepSeek V4 models, each a 4-stage bundle built with `bundle.include_mtp = true` (the MTP block on the
+last stage), each served by real worker processes, first on loopback, then through emulated links of
+`rtt_ms` round trip per hop (dgr.app.wanlink):
+
+- `tiny`: the tiny random-weight V4 as `dgr synth --arch deepseek4` writes it. Its MTP block is random too:
+  what it gives is reported, whatever it is (drafts are seldom accepted);
+- `agree R`: a synthetic V4 whose MTP drafts agree with the trunk at a known rate R
+  (dgr.toolchain.synth.deepseek4_agree: the trunk is a successor table, the MTP block skips a token on the
+  (1 - R) share of the cycle positions it marks): what the ring does with good drafts;
+- `agree 0`: the same construction with no agreeing position, so no draft is ever accepted: the
+  rejected-draft cost, TPOT with MTP over TPOT without (the issue's bound: at most 1.05x).
+
+Each (model, network) runs `rounds` rounds of greedy generations of `tokens` tokens in each mode (none,
+ngram, mtp), the order rotating each round so that no mode always runs first. Reported per row: TPOT
+(median, ms), tokens per ring trip, drafts accepted / sent (acceptance), and whether every mode gave the
+same text (greedy speculation must not change it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import statistics
+from pathlib import Path
+
+from dgr.core.errors import WireError
+from dgr.core.log import get_logger
+
+log = get_logger(__name__)
+
+MODES = ("none", "ngram", "mtp")
+LAYERS = 6
+RANGES = {2: [(0, 3), (3, 6)], 3: [(0, 2), (2, 4), (4, 6)], 4: [(0, 1), (1, 3), (3, 5), (5, 6)]}
+
+
+def _sources(root: Path, agree: float) -> dict[str, Path]:
+    from dgr.toolchain.synth.deepseek4 import synth_deepseek4
+    from dgr.toolchain.synth.deepseek4_agree import synth_deepseek4_agreeing
+
+    d = root / "sources"
+    d.mkdir(parents=True, exist_ok=True)
+    out = {"tiny": d / "v4-tiny.gguf", f"agree {agree:g}": d / f"v4-agree{agree:g}.gguf", "agree 0": d / "v4-agree0.gguf"}
+    if not out["tiny"].is_file():
+        synth_deepseek4(out["tiny"], layers=LAYERS, hash_layers=3, embd=128, mtp=True)
+    for name, path in out.items():
+        if name != "tiny" and not path.is_file():
+            synth_deepseek4_agreeing(path, agree=float(name.split()[1]), layers=LAYERS)
+    return out
+
+
+def _bundle(src: Path, stages: int, root: Path):
+    from dgr.core.hashing import file_blake3
+    from dgr.toolchain.bundle import build, load_bundle
+
+    d = root / f"{src.stem}-{stages}"
+    recipe = d / "recipe.toml"
+    pairs = ", ".join(f"[{a}, {b}]" for a, b in RANGES[stages])
+    text = (f'name = "{src.stem}-mtp"\n\n[source]\nuri = "{src}"\nblake3 = "{file_blake3(src)}"\n\n'
+            f"[placement]\nstages = [{pairs}]\n\n[bundle]\ninclude_mtp = true\n")
+    d.mkdir(parents=True, exist_ok=True)
+    for m in sorted((d / "store").glob("*/manifest.json")):
+        if recipe.is_file() and recipe.read_text() == text:
+            return load_bundle(m.parent)
+    recipe.write_text(text)
+    return build(recipe, d / "store")
+
+
+def _prompt(n: int = 32) -> list[int]:
+    import numpy as np
+
+    return np.random.default_rng(7).integers(3, 250, size=n).tolist()
+
+
+def _run(client, prompt, tokens: int, mode: str, k: int) -> dict:
+    from dgr.runtime.wire.stats import draft_stats, rings, tokens_per_ring
+
+    gen = client.run(prompt, max_new_tokens=tokens, stop_token_ids=[], speculate=None if mode == "none" else mode,
+                     draft_k=k)
+    drafted, accepted = draft_stats(gen)
+    return {"tpot_ms": 1000.0 / gen.decode_tokens_per_s if gen.decode_tokens_per_s else 0.0,
+            "tokens_per_ring": tokens_per_ring(gen), "rings": rings(gen), "drafted": drafted, "accepted": accepted,
+            "ids": tuple(gen.token_ids), "epochs": gen.epochs}
+
+
+def measure_mtp(*, stages: int = 4, k: int = 4, tokens: int = 64, rounds: int = 3, rtt_ms: float = 20.0,
+                agree: float = 0.8, threads: int = 1, root: Path | None = None) -> dict:
+    """The table of the module docstring, as a dict: `rows` (one per model, network and mode) and `cost`
+    (the rejected-draft cost on `agree 0`, per network)."""
+    from dgr.app.local import LocalRoute, engine_library
+    from dgr.app.wanlink import WanLinks
+    from dgr.core.paths import workspace
+    from dgr.runtime.wire.client import RouteClient
+
+    if stages not in RANGES:
+        raise WireError(f"dgr bench --speculate mtp: --stages {stages}: the tiny V4 bundles have 2, 3 or 4 stages")
+    if not 0.0 < agree <= 1.0 or rounds < 1 or tokens < 8:
+        raise WireError("dgr bench --speculate mtp needs 0 < agree <= 1, rounds >= 1 and tokens >= 8")
+    root = root or workspace() / "bench" / "mtp"
+    lib = str(engine_library())
+    rows: list[dict] = []
+    prompt = _prompt()
+    for model, src in _sources(root, agree).items():
+        b = _bundle(src, stages, root)
+        args = [["--bundle", str(b.root), "--stage", str(i), "--threads", str(threads)] for i in range(stages)]
+        with contextlib.ExitStack() as stack:
+            route = stack.enter_context(LocalRoute(args, env={"DGR_ENGINE_LIB": lib}))
+            nets = {"loopback": route.addresses}
+            if rtt_ms > 0:
+                nets[f"wan {rtt_ms:g} ms"] = stack.enter_context(WanLinks(route.addresses, rtt_ms / 2)).addresses
+            for net, addresses in nets.items():
+                c = stack.enter_context(RouteClient(addresses, timeout=300, prefix_cache=False))
+                c.run(prompt, max_new_tokens=4, stop_token_ids=[])      # links up, caches warm
+                runs: dict[str, list[dict]] = {m: [] for m in MODES}
+                for r in range(rounds):
+                    order = MODES[r % len(MODES):] + MODES[:r % len(MODES)]
+                    for mode in order:
+                        runs[mode].append(_run(c, prompt, tokens, mode, k))
+                        x = runs[mode][-1]
+                        log.info("bench mtp: %s, %s, round %d/%d, %s: %.2f ms/token, %.2f tokens/ring, %d/%d drafts",
+                                 model, net, r + 1, rounds, mode, x["tpot_ms"], x["tokens_per_ring"], x["accepted"],
+                                 x["drafted"])
+                texts = {x["ids"] for v in runs.values() for x in v}
+                for mode, v in runs.items():
+                    drafted, accepted = sum(x["drafted"] for x in v), sum(x["accepted"] for x in v)
+                    rows.append({"model": model, "network": net, "mode": mode,
+                                 "tpot_ms": statistics.median(x["tpot_ms"] for x in v),
+                                 "tokens_per_ring": statistics.median(x["tokens_per_ring"] for x in v),
+                                 "drafted": drafted, "accepted": accepted,
+                                 "acceptance": accepted / drafted if drafted else 0.0,
+                                 "same_text": len(texts) == 1, "epochs": max(x["epochs"] for x in v)})
+    cost = {}
+    for net in {r["network"] for r in rows}:
+        by = {r["mode"]: r for r in rows if r["model"] == "agree 0" and r["network"] == net}
+        cost[net] = {"tpot_ratio": by["mtp"]["tpot_ms"] / by["none"]["tpot_ms"] if by["none"]["tpot_ms"] else 0.0,
+                     "accepted": by["mtp"]["accepted"], "drafted": by["mtp"]["drafted"]}
+    return {"stages": stages, "k": k, "tokens": tokens, "rounds": rounds, "rtt_ms": rtt_ms, "agree": agree,
+            "threads": threads, "rows": rows, "cost": cost, "same_text": all(r["same_text"] for r in rows)}
+
+
+def table(res: dict) -> str:
+    """The figures as text."""
+    lines = [f"{'model':10}{'network':14}{'mode':7}{'TPOT ms':>9}{'tok/ring':>10}{'accepted':>14}{'same':>6}"]
+    for r in res["rows"]:
+        acc = f"{r['accepted']}/{r['drafted']} {100 * r['acceptance']:.0f}%" if r["drafted"] else "-"
+        lines.append(f"{r['model']:10}{r['network']:14}{r['mode']:7}{r['tpot_ms']:9.2f}{r['tokens_per_ring']:10.2f}"
+                     f"{acc:>14}{'yes' if r['same_text'] else 'NO':>6}")
+    for net, c in sorted(res["cost"].items()):
+        lines.append(f"rejected-draft cost ({net}, agree 0: {c['accepted']} of {c['drafted']} drafts accepted): "
+                     f"TPOT with MTP / without = {c['tpot_ratio']:.3f}")
+    lines.append(f"{res['stages']} stages, k={res['k']}, {res['rounds']} rounds of {res['tokens']} greedy tokens per "
+                 f"mode, modes rotating, {res['threads']} thread(s) per worker")
+    return "\n".join(lines)
+
+
+__all__ = ["MODES", "measure_mtp", "table"]
