@@ -34,22 +34,27 @@ LAYERS = 6
 RANGES = {2: [(0, 3), (3, 6)], 3: [(0, 2), (2, 4), (4, 6)], 4: [(0, 1), (1, 3), (3, 5), (5, 6)]}
 
 
-def _sources(root: Path, agree: float) -> dict[str, Path]:
+def source(root: Path, agree: float | None = None) -> Path:
+    """The V4 source GGUF with its MTP block (written once under `root`/sources): the tiny random-weight one
+    (`agree` None), or the synthetic one whose drafts agree with its trunk at `agree`."""
     from dgr.toolchain.synth.deepseek4 import synth_deepseek4
     from dgr.toolchain.synth.deepseek4_agree import synth_deepseek4_agreeing
 
     d = root / "sources"
     d.mkdir(parents=True, exist_ok=True)
-    out = {"tiny": d / "v4-tiny.gguf", f"agree {agree:g}": d / f"v4-agree{agree:g}.gguf", "agree 0": d / "v4-agree0.gguf"}
-    if not out["tiny"].is_file():
-        synth_deepseek4(out["tiny"], layers=LAYERS, hash_layers=3, embd=128, mtp=True)
-    for name, path in out.items():
-        if name != "tiny" and not path.is_file():
-            synth_deepseek4_agreeing(path, agree=float(name.split()[1]), layers=LAYERS)
-    return out
+    path = d / ("v4-tiny.gguf" if agree is None else f"v4-agree{agree:g}.gguf")
+    if not path.is_file():
+        tmp = path.with_suffix(".tmp")
+        if agree is None:
+            synth_deepseek4(tmp, layers=LAYERS, hash_layers=3, embd=128, mtp=True)
+        else:
+            synth_deepseek4_agreeing(tmp, agree=agree, layers=LAYERS)
+        tmp.replace(path)
+    return path
 
 
-def _bundle(src: Path, stages: int, root: Path):
+def mtp_bundle(src: Path, stages: int, root: Path):
+    """`src` split into `stages` stages with bundle.include_mtp = true (built once under `root`)."""
     from dgr.core.hashing import file_blake3
     from dgr.toolchain.bundle import build, load_bundle
 
@@ -83,6 +88,28 @@ def _run(client, prompt, tokens: int, mode: str, k: int) -> dict:
             "ids": tuple(gen.token_ids), "epochs": gen.epochs}
 
 
+def mode_rows(client, prompt: list[int], *, tokens: int, rounds: int, k: int, modes=MODES, label: str = "") -> dict:
+    """`rounds` greedy generations of `tokens` tokens in each of `modes`, the order rotating each round: per
+    mode the median TPOT and tokens per trip, the drafts sent and accepted, and whether all texts were equal."""
+    client.run(prompt, max_new_tokens=4, stop_token_ids=[])      # links up, caches warm
+    runs: dict[str, list[dict]] = {m: [] for m in modes}
+    for r in range(rounds):
+        for mode in modes[r % len(modes):] + modes[:r % len(modes)]:
+            x = _run(client, prompt, tokens, mode, k)
+            runs[mode].append(x)
+            log.info("bench mtp: %s round %d/%d, %s: %.2f ms/token, %.2f tokens/ring, %d/%d drafts", label, r + 1,
+                     rounds, mode, x["tpot_ms"], x["tokens_per_ring"], x["accepted"], x["drafted"])
+    same = len({x["ids"] for v in runs.values() for x in v}) == 1
+    out = {}
+    for mode, v in runs.items():
+        drafted, accepted = sum(x["drafted"] for x in v), sum(x["accepted"] for x in v)
+        out[mode] = {"mode": mode, "tpot_ms": statistics.median(x["tpot_ms"] for x in v),
+                     "tokens_per_ring": statistics.median(x["tokens_per_ring"] for x in v), "drafted": drafted,
+                     "accepted": accepted, "acceptance": accepted / drafted if drafted else 0.0, "same_text": same,
+                     "epochs": max(x["epochs"] for x in v)}
+    return out
+
+
 def measure_mtp(*, stages: int = 4, k: int = 4, tokens: int = 64, rounds: int = 3, rtt_ms: float = 20.0,
                 agree: float = 0.8, threads: int = 1, root: Path | None = None) -> dict:
     """The table of the module docstring, as a dict: `rows` (one per model, network and mode) and `cost`
@@ -100,8 +127,9 @@ def measure_mtp(*, stages: int = 4, k: int = 4, tokens: int = 64, rounds: int = 
     lib = str(engine_library())
     rows: list[dict] = []
     prompt = _prompt()
-    for model, src in _sources(root, agree).items():
-        b = _bundle(src, stages, root)
+    models = {"tiny": None, f"agree {agree:g}": agree, "agree 0": 0.0}
+    for model, rate in models.items():
+        b = mtp_bundle(source(root, rate), stages, root)
         args = [["--bundle", str(b.root), "--stage", str(i), "--threads", str(threads)] for i in range(stages)]
         with contextlib.ExitStack() as stack:
             route = stack.enter_context(LocalRoute(args, env={"DGR_ENGINE_LIB": lib}))
@@ -110,25 +138,8 @@ def measure_mtp(*, stages: int = 4, k: int = 4, tokens: int = 64, rounds: int = 
                 nets[f"wan {rtt_ms:g} ms"] = stack.enter_context(WanLinks(route.addresses, rtt_ms / 2)).addresses
             for net, addresses in nets.items():
                 c = stack.enter_context(RouteClient(addresses, timeout=300, prefix_cache=False))
-                c.run(prompt, max_new_tokens=4, stop_token_ids=[])      # links up, caches warm
-                runs: dict[str, list[dict]] = {m: [] for m in MODES}
-                for r in range(rounds):
-                    order = MODES[r % len(MODES):] + MODES[:r % len(MODES)]
-                    for mode in order:
-                        runs[mode].append(_run(c, prompt, tokens, mode, k))
-                        x = runs[mode][-1]
-                        log.info("bench mtp: %s, %s, round %d/%d, %s: %.2f ms/token, %.2f tokens/ring, %d/%d drafts",
-                                 model, net, r + 1, rounds, mode, x["tpot_ms"], x["tokens_per_ring"], x["accepted"],
-                                 x["drafted"])
-                texts = {x["ids"] for v in runs.values() for x in v}
-                for mode, v in runs.items():
-                    drafted, accepted = sum(x["drafted"] for x in v), sum(x["accepted"] for x in v)
-                    rows.append({"model": model, "network": net, "mode": mode,
-                                 "tpot_ms": statistics.median(x["tpot_ms"] for x in v),
-                                 "tokens_per_ring": statistics.median(x["tokens_per_ring"] for x in v),
-                                 "drafted": drafted, "accepted": accepted,
-                                 "acceptance": accepted / drafted if drafted else 0.0,
-                                 "same_text": len(texts) == 1, "epochs": max(x["epochs"] for x in v)})
+                got = mode_rows(c, prompt, tokens=tokens, rounds=rounds, k=k, label=f"{model}, {net},")
+                rows += [{"model": model, "network": net, **x} for x in got.values()]
     cost = {}
     for net in {r["network"] for r in rows}:
         by = {r["mode"]: r for r in rows if r["model"] == "agree 0" and r["network"] == net}

@@ -78,6 +78,40 @@ class Gate(BaseModel):
         return v
 
 
+class MtpSpeculation(BaseModel):
+    """What the ring does with MTP drafts (dgr.app.mtpbench): tokens per trip on a synthetic V4 whose drafts agree
+    with its trunk at `agree`, and the rejected-draft cost on one whose drafts never agree."""
+
+    model_config = _STRICT
+    agree: float = Field(0.8, gt=0.0, le=1.0)
+    stages: int = Field(4, ge=2, le=4)
+    tokens: int = Field(48, ge=8)
+    rounds: int = Field(3, ge=1)
+    tokens_per_trip_min: float = Field(ge=1.0)
+    rejected_cost_max: float = Field(ge=1.0)
+
+
+class MtpSoak(BaseModel):
+    model_config = _STRICT
+    seconds: float = Field(30.0, gt=0)
+    sessions: int = Field(2, ge=1)
+    max_tokens: int = Field(32, ge=2)
+    errors_max: int = Field(0, ge=0)
+    rss_growth_max_mib: float = Field(ge=0.0)
+
+
+class Mtp(BaseModel):
+    """Beta's MTP rows (docs/deepseek4.md section 4): `targets` (names of gate.synthetic) are built again with
+    bundle.include_mtp = true; on each, MTP on must equal MTP off (greedy tokens, every logit) and a kill -9 of
+    the last stage in the middle of a draft step, with a replica, must give the same text."""
+
+    model_config = _STRICT
+    targets: list[str]
+    draft_k: int = Field(4, ge=1, le=16)
+    speculation: MtpSpeculation
+    soak: MtpSoak
+
+
 class Contract(BaseModel):
     model_config = _STRICT
     name: str
@@ -86,6 +120,7 @@ class Contract(BaseModel):
     parity: Parity
     speed: Speed | None = None
     gate: Gate = Gate()
+    mtp: Mtp | None = None                  # beta: MTP on; alpha has none (and refuses MTP)
 
     def threads(self, stages: int, cores: int) -> int:
         """Compute threads of each worker and of the whole model for a route of `stages` stages."""
@@ -123,6 +158,12 @@ def load_contract(path: str | Path | None = None) -> LoadedContract:
         raise ContractError(f"{p}: {first_field_error(e)}") from e
     if not c.parity.prompts and not c.parity.random_prompts:
         raise ContractError(f"{p}: [parity] needs prompts or random_prompts")
+    if c.mtp is not None:
+        v4 = {s.name for s in c.gate.synthetic if s.arch == "deepseek4" and s.mtp}
+        bad = [t for t in c.mtp.targets if t not in v4]
+        if bad or not c.mtp.targets:
+            raise ContractError(f"{p}: mtp.targets {bad or '[]'}: name gate.synthetic DeepSeek V4 targets with "
+                                f"mtp = true (one of {sorted(v4)})")
     # the bytes validated are the bytes hashed (dgr.core.certificate.contract_hash of the file, while unchanged)
     return LoadedContract(contract=c, path=p, blake3=bytes_blake3(raw))
 

@@ -31,9 +31,11 @@ def default_store() -> Path:
     return Path(os.environ.get("DGR_STORE") or workspace() / "store")
 
 
-def bundle_for_recipe(recipe_path: str | Path, store: Path | None = None, *, progress: bool = False):
+def bundle_for_recipe(recipe_path: str | Path, store: Path | None = None, *, progress: bool = False,
+                      allow_mtp: bool = False):
     """The bundle of a recipe: read it first (an MTP-on recipe raises RecipeError here, before anything
-    is written: alpha certifies MTP off), then find it in `store` by the recipe's blake3, or build it there."""
+    is written: alpha certifies MTP off; beta's MTP rows pass `allow_mtp`), then find it in `store` by the
+    recipe's blake3, or build it there."""
     from dgr.toolchain.bundle import build, load_bundle
     from dgr.toolchain.recipe import load_recipe
 
@@ -41,7 +43,7 @@ def bundle_for_recipe(recipe_path: str | Path, store: Path | None = None, *, pro
     if not p.is_absolute() and not p.exists():
         p = REPO_ROOT / p
     recipe = load_recipe(p / "recipe.toml" if p.is_dir() else p)
-    if recipe.recipe.bundle.include_mtp:
+    if recipe.recipe.bundle.include_mtp and not allow_mtp:
         raise RecipeError(mtp_refused(str(recipe.path)))
     store = store or default_store()
     for manifest in sorted(store.glob(f"{recipe.recipe.name}-*/manifest.json")):
@@ -104,9 +106,10 @@ def synth_recipe(spec: Synthetic, root: Path | None = None, *, include_mtp: bool
     return path
 
 
-def synthetic_bundle(spec: Synthetic, root: Path | None = None):
+def synthetic_bundle(spec: Synthetic, root: Path | None = None, *, include_mtp: bool = False):
+    """The bundle of a synthetic target (with its MTP block on the last stage: `include_mtp`, beta only)."""
     root = root or certify_root()
-    return bundle_for_recipe(synth_recipe(spec, root), root / "store")
+    return bundle_for_recipe(synth_recipe(spec, root, include_mtp=include_mtp), root / "store", allow_mtp=include_mtp)
 
 
 def mtp_refusal(spec: Synthetic, root: Path | None = None) -> Figure:

@@ -1,9 +1,11 @@
-"""`dgr gate alpha`: certify every target of the contract's [gate] and print one table of every row.
+"""`dgr gate alpha` and `dgr gate beta`: certify every target of the contract's [gate] and print one table.
 
-First the MTP refusal (an MTP-on recipe must be refused before anything runs), then each committed
+First the MTP refusal (alpha: an MTP-on recipe must be refused before anything runs), then each committed
 recipe (real weights: parity and the speed gate), then each synthetic target (parity and MTP off; the
-10+ stage scenario among them). Each certificate is written to the output folder; the gate passes only
-when every row of every target passes. A target that cannot be certified at all is one failed row.
+10+ stage scenario among them). A contract with an `[mtp]` section (beta) then certifies its MTP targets
+with MTP on and the speculation rows (dgr.app.certify.beta). Each certificate is written to the output
+folder; the gate passes only when every row of every target passes. A target that cannot be certified at
+all is one failed row.
 """
 
 from __future__ import annotations
@@ -104,8 +106,7 @@ def run_gate(contract: str | Path | None = None, *, out_dir: str | Path | None =
             bundle = make()
             cert = certify(bundle.root, contract=lc, lane=lane, lib=lib)
         except DgrError as e:
-            res.rows.append(Row(name, Figure(check="certified", figure=f"error: {e}".splitlines()[0][:160],
-                                             threshold="runs", passed=False, detail=str(e))))
+            res.rows.append(_failed(name, e))
             continue
         _add(res, name, cert, out)
         if len(cert.stages) >= SCENARIO_MIN_STAGES:
@@ -116,4 +117,25 @@ def run_gate(contract: str | Path | None = None, *, out_dir: str | Path | None =
                 threshold=f">= {SCENARIO_MIN_STAGES} stages, exact", passed=cert.passed and procs == n,
                 detail=f"{bundle.manifest.model.n_layer} main layers + "
                        f"{bundle.manifest.model.n_layer_all - bundle.manifest.model.n_layer} MTP (left out)")))
+
+    # 4. Beta: the MTP targets with MTP on, then the speculation rows.
+    if c.mtp is not None:
+        from dgr.app.certify.beta import certify_mtp, certify_speculation
+
+        jobs = [(f"{t}+mtp", lambda t=t, k=k: certify_mtp(by_name[t], lc, lane=lane, lib=lib, root=root, soak=k == 0))
+                for k, t in enumerate(c.mtp.targets)]
+        jobs.append(("mtp-speculation",
+                     lambda: certify_speculation(lc, lane=lane, lib=lib, root=root or fixtures.certify_root())))
+        for name, job in jobs:
+            log.info("gate: certifying %s", name)
+            try:
+                _add(res, name, job(), out)
+            except DgrError as e:
+                res.rows.append(_failed(name, e))
     return res
+
+
+def _failed(name: str, e: DgrError) -> Row:
+    """A target that could not be certified at all: one failed row saying why."""
+    return Row(name, Figure(check="certified", figure=f"error: {e}".splitlines()[0][:160], threshold="runs",
+                            passed=False, detail=str(e)))

@@ -1,4 +1,4 @@
-"""`dgr certify` and `dgr gate alpha`: parse, call dgr.app.certify, print the table, exit 0 only if every row passes."""
+"""`dgr certify` and `dgr gate alpha|beta`: parse, call dgr.app.certify, print the table, exit 0 only if every row passes."""
 
 from __future__ import annotations
 
@@ -31,7 +31,10 @@ def _certify(args) -> int:
 def _gate(args) -> int:
     from dgr.app.certify import run_gate
 
-    res = run_gate(args.contract or None, out_dir=args.out_dir, lane=args.lane, lib=args.engine_lib)
+    from dgr.core.paths import REPO_ROOT
+
+    contract = args.contract or REPO_ROOT / "certification" / f"{args.gate_name}.toml"
+    res = run_gate(contract, out_dir=args.out_dir, lane=args.lane, lib=args.engine_lib)
     print(res.table())
     where = sorted({str(p.parent) for p in res.certificates.values()})
     if where:
@@ -67,3 +70,12 @@ def register(sub) -> None:
     a.add_argument("--lane", help="default: the contract's lane")
     a.add_argument("--engine-lib", help="the engine library (default $DGR_ENGINE_LIB or the lane's build)")
     a.set_defaults(func=_gate)
+    b = gsub.add_parser("beta", help="everything alpha checks, plus MTP on (include_mtp bundles of tiny DeepSeek V4 "
+                                     "and the 12-stage scenario): exact against MTP off, kill -9 of the last stage "
+                                     "mid-draft with a replica, tokens per ring trip and the rejected-draft cost, "
+                                     "a soak: exit 0 only if every row passes")
+    b.add_argument("--contract", help="the contract TOML (default certification/beta.toml)")
+    b.add_argument("--out-dir", help="where the certificates go (default: .dgr/certificates/beta)")
+    b.add_argument("--lane", help="default: the contract's lane")
+    b.add_argument("--engine-lib", help="the engine library (default $DGR_ENGINE_LIB or the lane's build)")
+    b.set_defaults(func=_gate)
