@@ -138,9 +138,10 @@ def test_dgr_workers_serve_an_mtp_bundle_with_the_plain_bundles_text(v4, tmp_pat
         with LocalRoute(stages, env={"DGR_ENGINE_LIB": str(engine_lib)}, timeout=300) as route:
             with RouteClient(route.addresses) as rc:
                 assert rc.hops[-1].schema_in.token_ids is mtp
-                # the MTP stage can roll back (V4 otherwise cannot), yet keeps no prefixes: a saved state
-                # would lack the MTP context's cache
-                assert rc.hops[-1].can_roll_back is mtp
-                assert rc.hops[-1].prefix_cache_capacity_bytes == 0
+                # every V4 stage rolls back its last step (--draft-max, default 8), and keeps no prefixes: a
+                # kept prefix is not its last step (and on the MTP stage a saved state lacks the MTP cache)
+                assert all(h.can_roll_back and h.n_draft_max == 8 for h in rc.hops)
+                assert rc.hops[-1].has_mtp is mtp
+                assert all(h.prefix_cache_capacity_bytes == 0 for h in rc.hops)
                 texts[mtp] = rc.run(list(range(1, 40)), max_new_tokens=12, stop_token_ids=[]).token_ids
     assert texts[True] == texts[False] and len(texts[True]) == 12

@@ -71,8 +71,9 @@ void MtpDrafts::observe(uint32_t drafted, uint32_t accepted) {
         return;
     }
     ++misses_;
-    // pauses of 2, 4, ... MAX_PAUSE steps without drafts (nor MTP steps) after each miss in a row
-    pause_ = std::min<int64_t>(MAX_PAUSE, int64_t(1) << std::min<int64_t>(misses_, 20));
+    // after each miss in a row: a pause of 2, 8, 32, MAX_PAUSE steps without drafts (nor MTP steps), and half
+    // the drafts (at least one) when it tries again; one accepted draft ends both
+    pause_ = std::min<int64_t>(MAX_PAUSE, int64_t(1) << std::min<int64_t>(2 * misses_ - 1, 20));
 }
 
 uint32_t MtpDrafts::remote_k(int64_t k) {
@@ -81,7 +82,7 @@ uint32_t MtpDrafts::remote_k(int64_t k) {
         --pause_;
         return 0;
     }
-    return uint32_t(k);
+    return uint32_t(std::max<int64_t>(1, k >> std::min<int64_t>(misses_, 20)));
 }
 
 std::unique_ptr<DraftSource> make_draft_source(const std::string & name) {

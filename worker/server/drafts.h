@@ -32,11 +32,12 @@ class DraftSource {
 
 // MTP (docs/deepseek4.md section 4): the last stage drafts with the model's MTP block after each draw and
 // sends the drafts back with the token; propose() hands them out once. While drafts keep being rejected it
-// backs off as NgramDrafts does (pauses of 2, 4, ... MAX_PAUSE steps asking for none), so a workload the
-// MTP block predicts badly costs few wasted positions and MTP steps.
+// backs off: after the m-th miss in a row it asks for none for 2^(2m-1) steps (2, 8, 32, MAX_PAUSE), then for
+// k >> m drafts (at least one), so a workload the MTP block predicts badly costs few wasted positions and MTP
+// steps; one accepted draft restores k.
 class MtpDrafts final : public DraftSource {
   public:
-    static constexpr int64_t MAX_PAUSE = 32;
+    static constexpr int64_t MAX_PAUSE = 64;
     std::vector<int32_t> propose(const std::vector<int32_t> & history, int64_t k) override;
     void observe(uint32_t drafted, uint32_t accepted) override;
     uint32_t remote_k(int64_t k) override;

@@ -1,0 +1,90 @@
+"""`dgr gate beta` (issue 22, item 5): certification/beta.toml holds everything alpha checks plus MTP on; the
+gate certifies alpha's targets under it, then each MTP target with MTP on (exact against MTP off, kill -9 of
+the last stage mid-draft with a replica, a soak) and the speculation rows, one table, certificates that say
+beta. `dgr gate alpha` stays as it was: MTP off, refused.
+
+As for alpha, no test here judges this machine's speed: the speed rows (alpha's SmolLM2 ratios and beta's
+rejected-draft cost) must be measured and judged against the contract, not pass.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+import pytest
+
+from dgr.app.certify import load_contract
+from dgr.core.certificate import load_certificate
+from dgr.core.paths import REPO_ROOT
+
+from support.certify import dgr
+
+BETA = REPO_ROOT / "certification" / "beta.toml"
+COST = "mtp-speculation: rejected-draft cost (TPOT with MTP / without, no draft accepted)"
+
+
+def _rows(out: str) -> dict[str, list[str]]:
+    rows = {}
+    for line in out.splitlines():
+        cells = re.split(r"\s{2,}", line.strip())
+        if len(cells) == 4 and cells[3] in ("yes", "NO"):
+            rows[cells[0]] = cells[1:]
+    return rows
+
+
+def test_beta_holds_everything_alpha_checks_and_alpha_stays_mtp_off():
+    alpha, beta = load_contract().contract, load_contract(BETA).contract
+    assert (alpha.name, beta.name) == ("alpha", "beta")
+    assert beta.parity == alpha.parity and beta.speed == alpha.speed and beta.lane == alpha.lane
+    assert beta.threads_per_process == alpha.threads_per_process
+    assert beta.gate.recipes == alpha.gate.recipes and beta.gate.synthetic == alpha.gate.synthetic
+    assert alpha.mtp is None and alpha.gate.mtp_refusal is not None      # alpha: MTP off, refused
+    assert beta.gate.mtp_refusal is None and beta.mtp is not None
+    # the MTP rows cover the tiny V4 at 2, 3 and 4 stages and the 12-stage scenario
+    assert beta.mtp.targets == [s.name for s in beta.gate.synthetic if s.arch == "deepseek4"]
+    assert beta.mtp.speculation.rejected_cost_max == 1.05
+
+
+def test_a_contract_whose_mtp_targets_are_not_v4_is_refused(tmp_path):
+    from dgr.app.certify import ContractError
+
+    bad = tmp_path / "bad.toml"
+    bad.write_text(BETA.read_text().replace('targets = ["deepseek4-tiny-2stage"', 'targets = ["llama-2stage"', 1))
+    with pytest.raises(ContractError, match=r"mtp.targets \['llama-2stage'\].*mtp = true"):
+        load_contract(bad)
+
+
+@pytest.mark.engine
+@pytest.mark.slow      # alpha's targets (SmolLM2's speed rows) and the MTP rows: a few minutes on 2 cores
+def test_gate_beta_certifies_every_target_and_prints_its_table(tmp_path, engine_lib, capsys):
+    rc = dgr(["gate", "beta", "--out-dir", str(tmp_path)])
+    out = capsys.readouterr().out
+    print(out)
+    lc = load_contract(BETA)
+    lines = out.splitlines()
+    assert lines[0] == f"dgr gate beta (contract certification/beta.toml, blake3 {lc.blake3[:16]})"
+    rows = _rows(out)
+    speed = {k for k in rows if ": speed: " in k} | {COST}
+    # every row but the speed rows passes on any machine, loaded or not
+    assert all(v[2] == "yes" for k, v in rows.items() if k not in speed), out
+    assert not any("MTP-on recipe refused" in k for k in rows)
+    for t in lc.contract.mtp.targets:
+        assert rows[f"{t}: MTP off"][2] == "yes"                         # alpha's rows, under beta
+        assert rows[f"{t}+mtp: MTP on = off: max |logit diff|"][:2] == ["0", "== 0"]
+        assert rows[f"{t}+mtp: kill -9 of the last stage mid-draft, replica"][0] == "same text"
+    assert rows["deepseek4-tiny-2stage+mtp: soak with MTP on"][2] == "yes"
+    trip = rows["mtp-speculation: MTP tokens per ring trip (drafts agreeing at 0.8)"]
+    assert float(trip[0]) >= 2.0 and trip[2] == "yes"                   # a property of the model, not of speed
+    # the rejected-draft cost: measured (finite, positive) and judged against the contract
+    spec = load_certificate(tmp_path / "mtp-speculation.json")
+    [cost] = [f for f in spec.figures if f.check == COST.split(": ", 1)[1]]
+    assert math.isfinite(cost.figure) and cost.figure > 0
+    assert cost.passed == (cost.figure <= 1.05) and rows[COST][1] == "<= 1.05, same text"
+    ok = sum(v[2] == "yes" for v in rows.values())
+    assert rc == (0 if ok == len(rows) else 1), out
+    for t in [*(f"{t}+mtp" for t in lc.contract.mtp.targets), "mtp-speculation"]:
+        cert = load_certificate(tmp_path / f"{t}.json")
+        assert cert.contract.name == "beta" and cert.contract.path == "certification/beta.toml"
+        assert cert.contract.blake3 == cert.identity.contract_blake3 == lc.blake3
+        assert cert.passed == all(f.passed for f in cert.figures)
