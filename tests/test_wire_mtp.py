@@ -179,3 +179,20 @@ def test_the_gateway_speculates_by_default_or_by_request_with_the_same_text(v4, 
         with pytest.raises(ValueError, match="--speculate mtp: the last stage has no MTP block"):
             with gateway(r.route, {"speculate": "mtp"}):
                 pass
+
+
+def test_kill_9_of_the_last_stage_mid_draft_with_a_replica_gives_the_same_text(v4, tmp_path, engine_lib):
+    """The last stage's first worker SIGKILLs itself about to compute a drafted position (inside the first
+    speculative step, by construction); the client re-prefills on the replica, which drafts again."""
+    b = _bundle(v4, [(0, 3), (3, 6)], tmp_path)
+    prompt = _prompt(seed=4)
+    die = ["--test-die-at", f"victim:1:{len(prompt) + 1}"]          # position P+1: the first draft
+    args = [["--bundle", str(b.root), "--stage", str(i), "--threads", "1", "--n-ctx", str(N_CTX)] for i in range(2)]
+    with LocalRoute(args, env={"DGR_ENGINE_LIB": str(engine_lib)}, timeout=300, replicas=[1, 2],
+                    extra=lambda i, k: die if (i, k) == (1, 0) else []) as r, RouteClient(r.replicas) as c:
+        want = c.run(prompt, max_new_tokens=MAX_NEW, stop_token_ids=[])
+        got = c.run(prompt, max_new_tokens=MAX_NEW, stop_token_ids=[], speculate="mtp", session_id="victim")
+        assert r.workers[1][0].proc.wait(30) == -9
+    assert got.token_ids == want.token_ids
+    assert got.epochs == 2 and got.failures[0].stage == 1 and got.failures[0].address == r.replicas[1][0]
+    assert got.routes[-1].split(",")[1] == r.replicas[1][1] and draft_stats(got)[0] > 0
