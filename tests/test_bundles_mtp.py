@@ -16,6 +16,7 @@ from dgr.gguf.model import model_info, read_header, tensor_nbytes
 from dgr.toolchain.bundle import build, make_plan
 from dgr.toolchain.recipe import load_recipe
 from dgr.toolchain.synth.deepseek4 import synth_deepseek4
+
 from support.engine import b3
 
 LAYERS = 4  # + the MTP block: blk.4
@@ -67,6 +68,7 @@ def test_an_mtp_bundle_loads_and_splits_exactly(v4, tmp_path, engine_lib):
 
     from dgr.runtime.engine import Engine
     from dgr.toolchain.parity import Schedule
+
     from support.engine import baseline_and_split
 
     # cut past the 3 hash layers: the last stage needs token ids for its MTP block alone

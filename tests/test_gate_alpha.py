@@ -11,28 +11,17 @@ with given numbers, passing and failing; the end-to-end run asserts that its spe
 from __future__ import annotations
 
 import math
-import re
 
 import pytest
 
 from dgr.app.certify import DEFAULT_CONTRACT, GateResult, Row, SpeedRuns, load_contract, speed_figures
 from dgr.core.certificate import Figure, check, load_certificate
 
-from support.certify import dgr
+from support.certify import dgr, table_rows as _rows
 
 TARGETS = ["smollm2-135m-3stage", "deepseek4-tiny-2stage", "deepseek4-tiny-3stage", "deepseek4-tiny-4stage",
            "deepseek4-v4shape-12stage"]
 SPEED_ROWS = ("speed: decode ratio", "speed: prefill ratio (256 tokens)")
-
-
-def _rows(out: str) -> dict[str, list[str]]:
-    """check -> [figure, threshold, pass] from the printed table (columns split on 2+ spaces)."""
-    rows = {}
-    for line in out.splitlines():
-        cells = re.split(r"\s{2,}", line.strip())
-        if len(cells) == 4 and cells[3] in ("yes", "NO"):
-            rows[cells[0]] = cells[1:]
-    return rows
 
 
 def _runs(decode: tuple[float, float], prefill: tuple[float, float], tokens: int = 256) -> SpeedRuns:

@@ -10,7 +10,6 @@ rejected-draft cost) must be measured and judged against the contract, not pass.
 from __future__ import annotations
 
 import math
-import re
 
 import pytest
 
@@ -18,19 +17,10 @@ from dgr.app.certify import load_contract
 from dgr.core.certificate import load_certificate
 from dgr.core.paths import REPO_ROOT
 
-from support.certify import dgr
+from support.certify import dgr, table_rows as _rows
 
 BETA = REPO_ROOT / "certification" / "beta.toml"
 COST = "mtp-speculation: rejected-draft cost (TPOT with MTP / without, no draft accepted)"
-
-
-def _rows(out: str) -> dict[str, list[str]]:
-    rows = {}
-    for line in out.splitlines():
-        cells = re.split(r"\s{2,}", line.strip())
-        if len(cells) == 4 and cells[3] in ("yes", "NO"):
-            rows[cells[0]] = cells[1:]
-    return rows
 
 
 def test_beta_holds_everything_alpha_checks_and_alpha_stays_mtp_off():

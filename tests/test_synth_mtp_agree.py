@@ -15,8 +15,9 @@ from dgr.runtime.engine import Engine
 from dgr.runtime.engine_api import Step
 from dgr.toolchain.bundle import build
 from dgr.toolchain.synth.deepseek4 import make_shape
-from dgr.toolchain.synth.deepseek4_agree import (DEFAULT_EMBD, agreement_layout, agreeing_values,
+from dgr.toolchain.synth.deepseek4_agree import (DEFAULT_EMBD, agreeing_values, agreement_layout,
                                                  synth_deepseek4_agreeing)
+
 from support.engine import b3, rewrite_gguf
 
 LAYERS = 6

@@ -22,6 +22,7 @@ from dgr.runtime.wire.client import RouteClient
 from dgr.runtime.wire.stats import draft_stats, rings
 from dgr.toolchain.bundle import build
 from dgr.toolchain.synth.deepseek4 import synth_deepseek4
+
 from support.engine import b3
 
 pytestmark = pytest.mark.engine

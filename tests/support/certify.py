@@ -3,6 +3,7 @@ tiny llama bundle to certify in seconds."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 # A contract for tests: the same shape as certification/alpha.toml, small prompts, speed rows on every
@@ -52,3 +53,13 @@ def dgr(argv: list[str]) -> int:
     from dgr.cli.main import main
 
     return main(argv)
+
+
+def table_rows(out: str) -> dict[str, list[str]]:
+    """A gate's printed table: check -> [figure, threshold, pass] (columns split on 2+ spaces)."""
+    rows = {}
+    for line in out.splitlines():
+        cells = re.split(r"\s{2,}", line.strip())
+        if len(cells) == 4 and cells[3] in ("yes", "NO"):
+            rows[cells[0]] = cells[1:]
+    return rows

@@ -43,8 +43,8 @@ from dgr.app.gateway.route import ModelInfo, Params, RouteBackend, Run, choice_s
 from dgr.app.gateway.schemas import Answer
 from dgr.core.errors import DgrError, WireError
 from dgr.core.log import get_logger
-from dgr.runtime.wire.errors import HopUnreachable, Overloaded, StageError
 from dgr.runtime.wire.drafts import DEFAULT_DRAFT_K, check_k
+from dgr.runtime.wire.errors import HopUnreachable, Overloaded, StageError
 
 log = get_logger(__name__)
 

@@ -19,8 +19,8 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from dgr.runtime.wire.drafts import MAX_DRAFT_K
 from dgr.app.gateway.limits import MAX_CHOICES
+from dgr.runtime.wire.drafts import MAX_DRAFT_K
 from dgr.runtime.wire.limits import MAX_TOP_LOGPROBS
 
 # "not asked for": the values of an unsupported field that are accepted

@@ -30,7 +30,6 @@ def _certify(args) -> int:
 
 def _gate(args) -> int:
     from dgr.app.certify import run_gate
-
     from dgr.core.paths import REPO_ROOT
 
     contract = args.contract or REPO_ROOT / "certification" / f"{args.gate_name}.toml"
@@ -61,21 +60,19 @@ def register(sub) -> None:
                    help="compute threads per process (default: the contract's rule)")
     p.set_defaults(func=_certify)
 
-    g = sub.add_parser("gate", help="run a release gate (alpha): certify its targets, print one table")
+    g = sub.add_parser("gate", help="run a release gate (alpha, beta): certify its targets, print one table")
     gsub = g.add_subparsers(dest="gate_name", metavar="GATE", required=True)
-    a = gsub.add_parser("alpha", help="SmolLM2 in 3 stages, tiny DeepSeek V4 in 2, 3 and 4 stages, the 12-stage "
-                                      "scenario, MTP off: exit 0 only if every row passes")
-    a.add_argument("--contract", help="the contract TOML (default certification/alpha.toml)")
-    a.add_argument("--out-dir", help="where the certificates go (default: .dgr/certificates/alpha)")
-    a.add_argument("--lane", help="default: the contract's lane")
-    a.add_argument("--engine-lib", help="the engine library (default $DGR_ENGINE_LIB or the lane's build)")
-    a.set_defaults(func=_gate)
-    b = gsub.add_parser("beta", help="everything alpha checks, plus MTP on (include_mtp bundles of tiny DeepSeek V4 "
-                                     "and the 12-stage scenario): exact against MTP off, kill -9 of the last stage "
-                                     "mid-draft with a replica, tokens per ring trip and the rejected-draft cost, "
-                                     "a soak: exit 0 only if every row passes")
-    b.add_argument("--contract", help="the contract TOML (default certification/beta.toml)")
-    b.add_argument("--out-dir", help="where the certificates go (default: .dgr/certificates/beta)")
-    b.add_argument("--lane", help="default: the contract's lane")
-    b.add_argument("--engine-lib", help="the engine library (default $DGR_ENGINE_LIB or the lane's build)")
-    b.set_defaults(func=_gate)
+    gates = {
+        "alpha": "SmolLM2 in 3 stages, tiny DeepSeek V4 in 2, 3 and 4 stages, the 12-stage scenario, MTP off: exit 0 "
+                 "only if every row passes",
+        "beta": "everything alpha checks, plus MTP on (include_mtp bundles of tiny DeepSeek V4 and the 12-stage "
+                "scenario): exact against MTP off, kill -9 of the last stage mid-draft with a replica, tokens per "
+                "ring trip and the rejected-draft cost, a soak: exit 0 only if every row passes",
+    }
+    for name, what in gates.items():
+        a = gsub.add_parser(name, help=what)
+        a.add_argument("--contract", help=f"the contract TOML (default certification/{name}.toml)")
+        a.add_argument("--out-dir", help=f"where the certificates go (default: .dgr/certificates/{name})")
+        a.add_argument("--lane", help="default: the contract's lane")
+        a.add_argument("--engine-lib", help="the engine library (default $DGR_ENGINE_LIB or the lane's build)")
+        a.set_defaults(func=_gate)
