@@ -127,8 +127,9 @@ def mtp_refusal(spec: Synthetic, root: Path | None = None) -> Figure:
     except RecipeError as e:
         msg = str(e)
         ok = "MTP" in msg and not store.exists()
-        last = msg.strip().splitlines()[-1].strip()      # "bundle.include_mtp: MTP layers are reserved ..."
-        return Figure(check="MTP-on recipe refused", figure=f"refused ({last.split(':', 1)[0]})",
+        last = msg.strip().splitlines()[-1].strip()      # "<recipe>: MTP is on (bundle.include_mtp): alpha ..."
+        why = "bundle.include_mtp" if "bundle.include_mtp" in last else last.split(":", 1)[0]
+        return Figure(check="MTP-on recipe refused", figure=f"refused ({why})",
                       threshold="refused before anything runs", passed=ok,
                       detail=f"{recipe.name}: {last}" + ("" if ok else "; the store was written"))
     return Figure(check="MTP-on recipe refused", figure=f"built {b.root}", threshold="refused before anything runs",
