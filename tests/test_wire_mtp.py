@@ -197,3 +197,24 @@ def test_kill_9_of_the_last_stage_mid_draft_with_a_replica_gives_the_same_text(v
     assert got.token_ids == want.token_ids
     assert got.epochs == 2 and got.failures[0].stage == 1 and got.failures[0].address == r.replicas[1][0]
     assert got.routes[-1].split(",")[1] == r.replicas[1][1] and draft_stats(got)[0] > 0
+
+
+@pytest.mark.parametrize("arch", ["qwen35", "lfm2", "nemotron_h"])
+def test_other_snapshot_hybrids_speculate_exactly(arch, tmp_path, engine_lib):
+    """The other architectures llama.cpp rolls back through snapshots also roll back with --draft-max: n-gram
+    drafts over two worker processes give the plain text and logits, in one epoch."""
+    from dgr.toolchain.synth.generic import layer_kinds
+    from dgr.toolchain.synth.parity import choose_ranges, model_layers, synth_model
+
+    from support.engine import make_bundle
+
+    layers = model_layers(arch)
+    whole = synth_model(arch, tmp_path / f"{arch}.gguf", layers=layers)
+    b = make_bundle(whole, choose_ranges(layer_kinds(arch, layers), 2), tmp_path)
+    prompt = [1, 2, 3, 4, 5, 6, 7, 8] * 4                          # repeats: n-gram drafts find matches
+    with _route(b, engine_lib) as r, RouteClient(r.addresses) as c:
+        assert all(d.can_roll_back and d.n_draft_max == 8 for d in c.describe())
+        plain = c.run(prompt, max_new_tokens=64, logits="last", stop_token_ids=[])
+        spec = c.run(prompt, max_new_tokens=64, logits="last", stop_token_ids=[], speculate="ngram")
+    _same(spec, plain, len(prompt))
+    assert spec.epochs == 1 and draft_stats(spec)[0] > 0, draft_stats(spec)
