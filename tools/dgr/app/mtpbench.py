@@ -55,8 +55,8 @@ def source(root: Path, agree: float | None = None) -> Path:
 
 def mtp_bundle(src: Path, stages: int, root: Path):
     """`src` split into `stages` stages with bundle.include_mtp = true (built once under `root`)."""
+    from dgr.app.certify.fixtures import bundle_for_recipe
     from dgr.core.hashing import file_blake3
-    from dgr.toolchain.bundle import build, load_bundle
 
     d = root / f"{src.stem}-{stages}"
     recipe = d / "recipe.toml"
@@ -64,11 +64,10 @@ def mtp_bundle(src: Path, stages: int, root: Path):
     text = (f'name = "{src.stem}-mtp"\n\n[source]\nuri = "{src}"\nblake3 = "{file_blake3(src)}"\n\n'
             f"[placement]\nstages = [{pairs}]\n\n[bundle]\ninclude_mtp = true\n")
     d.mkdir(parents=True, exist_ok=True)
-    for m in sorted((d / "store").glob("*/manifest.json")):
-        if recipe.is_file() and recipe.read_text() == text:
-            return load_bundle(m.parent)
-    recipe.write_text(text)
-    return build(recipe, d / "store")
+    if not recipe.is_file() or recipe.read_text() != text:
+        recipe.write_text(text)
+    # found again in the store by the recipe's blake3, else built there
+    return bundle_for_recipe(recipe, d / "store", allow_mtp=True)
 
 
 def _prompt(n: int = 32) -> list[int]:
