@@ -60,6 +60,9 @@ def _check_report(rep: dict, stages: int, lengths: list[int]) -> None:
         assert sock["into_stage"][k] >= payload
     assert p["wire_bytes_per_token"] == sock["total"] >= w["payload_bytes_per_token"]
     assert rep["sessions"]["m"] >= 2 and rep["sessions"]["aggregate_tok_s"] > 0
+    fl = rep["floor"]                                              # measured after the ring's idle gap
+    assert fl["one_way_p90_ms"] >= fl["one_way_ms"] > 0 and fl["gap_ms"] > 0
+    assert fl["per_hop_over_floor"] == pytest.approx(p["per_hop_ms"] / fl["one_way_ms"], rel=0.01)
 
 
 @pytest.mark.engine
@@ -85,6 +88,7 @@ def test_bench_on_a_tiny_model_reports_every_figure_and_the_plot(tmp_path, capsy
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 20_000
     out = capsys.readouterr()
     assert "decode tok/s" in out.out and "boundary 2->origin" in out.out and "greedy tokens equal" in out.out
+    assert "loopback floor: one bare TCP message" in out.out
     assert any("round 1/1" in m for m in progress)                  # progress: the log (stderr under the CLI)
 
 
@@ -176,3 +180,12 @@ def test_bench_conversation_reports_every_turn_on_both_networks_with_the_same_te
     inter = r["interleaved"]
     assert inter["lookups"] == 2 * 4 and 0 <= inter["hits"] <= inter["lookups"]   # 2 conversations x 4 turns
     assert "turn 3:" in p.stdout and "interleaved conversations" in p.stdout
+
+
+def test_the_loopback_floor_is_a_real_round_trip_between_two_processes():
+    from dgr.app.floor import one_way_ms
+
+    fl = one_way_ms(1.0, n=5)                                       # a second process answers each stamp
+    assert fl["messages"] == 5 and fl["gap_ms"] == 1.0 and fl["one_way_p90_ms"] >= fl["one_way_ms"] > 0
+    with pytest.raises(ValueError, match="n >= 1"):
+        one_way_ms(1.0, n=0)

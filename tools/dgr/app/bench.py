@@ -111,6 +111,9 @@ def synth_bundle(arch: str, stages: int):
 
 
 # ---------------------------------------------------------------------------------------------- figures
+FLOOR_MESSAGES = 60   # per round: about a second at SmolLM2's ring time
+
+
 def pct(xs, q: float) -> float:
     """The q-th percentile (nearest rank) of xs; 0 when empty."""
     xs = sorted(xs)
@@ -197,6 +200,7 @@ class _Acc:
     multi_unbatched: list[float] = field(default_factory=list)     # same M sessions, --max-batch-sessions 1
     whole_prefill_fast: list[float] = field(default_factory=list)  # longest prompt, llama.cpp's fast kernels
     same: list[bool] = field(default_factory=list)
+    floor: list[dict] = field(default_factory=list)   # the loopback floor after each round's ring gap (floor.py)
 
 
 def _concurrent(addresses: list[str], prompts: list[list[int]], tokens: int) -> float:
@@ -239,10 +243,12 @@ def run_bench(setup: Setup, *, tokens: int = 64, prompt_lengths=PROMPT_LENGTHS, 
               rounds: int = 3) -> dict:
     """Measure `setup` (see the module docstring); progress goes to the log (stderr)."""
     from dgr.app.demo import long_prompt, whole_model_run
+    from dgr.app.floor import one_way_ms
     from dgr.app.local import LocalRoute
     from dgr.core.constants import DEFAULT_N_CTX
     from dgr.runtime.engine import Engine
     from dgr.runtime.wire.client import RouteClient
+    from dgr.runtime.wire.stats import decode_events
 
     S, lengths = setup.stages, sorted(set(int(n) for n in prompt_lengths))
     need = max(lengths) + tokens + 8
@@ -291,6 +297,8 @@ def run_bench(setup: Setup, *, tokens: int = 64, prompt_lengths=PROMPT_LENGTHS, 
                         g = c.run(decode_ids, max_new_tokens=tokens, stop_token_ids=[])
                         acc.gens.append(g)
                         acc.pipe_decode.append(g.decode_tokens_per_s)
+                        # the floor under the per-hop figure, after the same idle: this round's ring time
+                        acc.floor.append(one_way_ms(_med(e.ring_ns / 1e6 for e in decode_events(g)), FLOOR_MESSAGES))
                         toks[side] = g.token_ids
                         for n, ids in long_ids.items():
                             acc.pipe_prefill.setdefault(n, []).append(
@@ -401,6 +409,12 @@ def _report(setup: Setup, acc: _Acc, lengths, tokens, rounds, sessions, chunk, w
                      "batched_over_unbatched": _ratio(acc.multi, acc.multi_unbatched),
                      "how": "every token M concurrent sessions generate over the wall time from a common start; "
                             "unbatched: the same bundle with --max-batch-sessions 1 (no forward shared)"},
+        # what no worker can beat: one bare loopback message between two processes after the ring's idle
+        "floor": {"gap_ms": _med(f["gap_ms"] for f in acc.floor), "one_way_ms": _med(f["one_way_ms"] for f in acc.floor),
+                  "one_way_p90_ms": _med(f["one_way_p90_ms"] for f in acc.floor),
+                  "per_hop_over_floor": _ratio([hop["per_hop_ms"]], [_med(f["one_way_ms"] for f in acc.floor)]),
+                  "how": f"each round, {FLOOR_MESSAGES} 8-byte TCP loopback messages between two Python processes, "
+                         "each sent after an idle gap of the round's median ring time (dgr.app.floor)"},
         # what batch invariance costs: batching stays (its sessions are exact), the CPU backend runs its
         # reference kernels; the whole model's prefill of the longest prompt with llama.cpp's fast ones
         "invariance": {"prefill_len": lengths[-1], "whole_prefill_tok_s": _med(acc.whole_prefill[lengths[-1]]),

@@ -24,6 +24,11 @@ def table(rep: dict) -> str:
     for x in p["boundaries"]:
         lines.append(f"    boundary {x['boundary']:<10} median {x['median_ms']:.3f} ms, p90 {x['p90_ms']:.3f} ms")
     lines.append(f"    origin's own handling {p['origin_ms']:.3f} ms per token")
+    fl = rep.get("floor")
+    if fl and fl.get("one_way_ms"):
+        lines.append(f"    loopback floor: one bare TCP message between two processes after {fl['gap_ms']:.1f} ms idle "
+                     f"takes {fl['one_way_ms']:.3f} ms one way (p90 {fl['one_way_p90_ms']:.3f}); the per-hop "
+                     f"overhead is {fl['per_hop_over_floor']:.1f}x that")
     lines.append("  per stage, median ms per decode token:")
     for x in p["stages"]:
         lines.append(f"    stage {x['stage']}: transit in {x['transit']:.3f}, queue {x['queue']:.3f}, compute "
