@@ -5,7 +5,7 @@
 // It took over the retired Python worker's behaviour part for part (a route of dgr-workers generates the
 // tokens and bit-identical logits of the whole model: tests/test_worker_cpp_frames.py). The parts, a file
 // each: Frames, the incoming stream and who may open one (this file); on_frame and check_step, a frame in
-// (frame_checks.cpp); FrameQueue, a stream's bounded reply queue (frame_queue.cpp); enqueue, take_batch and
+// (frame_checks.cpp); FrameQueue, a stream's bounded reply queue (frame_queue.cpp); enqueue, ready_batch and
 // the engine thread (step_queue.cpp); run_batch, one batch through the engine (run_batch.cpp); Link, an
 // outgoing stream (link.cpp); emit_boundary and send, the ring relay (relay.cpp); emit_last, the last
 // stage's draws (last_stage.cpp); deliver_to_client, next_step and send_token, the origin, and
@@ -105,6 +105,7 @@ grpc::Status StageWorker::Frames(grpc::ServerContext * ctx, grpc::ServerReaderWr
     std::thread reader;
     try {
         reader = std::thread([&] {
+            t_reads_frames = true;
             try {
                 pb::Frame f;
                 while (stream->Read(&f)) {

@@ -14,6 +14,9 @@ namespace pb = dgr::v1;
 using Clock = std::chrono::steady_clock;
 
 constexpr int LINK_KEEPALIVE_MS = 1000;   // each link pings its peer every second (docs/wire.md "Liveness of links")
+// set on the threads that read an incoming Frames stream: they may run a lone decode step themselves
+extern thread_local bool t_reads_frames;
+
 constexpr uint64_t PER_TOKEN_IDS = 10;    // dgr.runtime.wire.codec.PER_TOKEN_IDS
 
 inline int64_t mono_ns() {

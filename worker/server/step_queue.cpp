@@ -13,6 +13,22 @@ namespace dgr {
 namespace pb = dgr::v1;
 using Clock = std::chrono::steady_clock;
 
+thread_local bool t_reads_frames = false;
+
+// While one thread runs a batch (and the jobs after it) no other does: engine_busy_, set with mu_ held,
+// cleared on every way out (the lock is released in between)
+struct Busy {
+    StageWorker * w;
+    std::unique_lock<std::mutex> & l;
+    Busy(StageWorker * w_, std::unique_lock<std::mutex> & l_) : w(w_), l(l_) { w->engine_busy_ = true; }
+    ~Busy() {
+        if (!l.owns_lock()) l.lock();
+        w->engine_busy_ = false;
+        if (w->n_pending_ || !w->jobs_.empty() || w->threads_stopped_) w->wake_.notify_all();
+    }
+};
+constexpr int64_t INLINE_MAX_POSITIONS = 16;   // decode and speculation's verification steps; prefill chunks are longer
+
 uint32_t StageWorker::retry_after_ms() {   // mu_ held
     return uint32_t(std::min(5000.0, std::max(50.0, batch_ms_ * double(1 + n_pending_))));
 }
@@ -21,8 +37,9 @@ void StageWorker::enqueue(Work w, const SessionPtr & sess, bool own) {
     const Key key{w.frame.session_id(), w.frame.epoch()};
     std::string why;
     uint32_t retry = 0;
+    std::vector<Work> batch;
     {
-        std::lock_guard<std::mutex> g(mu_);
+        std::unique_lock<std::mutex> g(mu_);
         auto it = pending_.find(key);
         if (!own && n_pending_ >= limits_.max_queued_steps) {
             why = std::to_string(n_pending_) + " steps are queued (--max-queued-steps " + std::to_string(limits_.max_queued_steps) + ")";
@@ -36,9 +53,17 @@ void StageWorker::enqueue(Work w, const SessionPtr & sess, bool own) {
                 order_.push_back(key);
                 it = pending_.emplace(key, std::deque<Work>()).first;
             }
+            const int64_t positions = w.frame.step().positions_size();
             it->second.push_back(std::move(w));
             ++n_pending_;
-            wake_.notify_all();
+            if (!run_inline(positions)) {
+                wake_.notify_all();
+                return;
+            }
+            batch = ready_batch();
+            Busy busy(this, g);
+            g.unlock();
+            run_guarded(batch);
             return;
         }
         ++overloaded_;
@@ -47,19 +72,33 @@ void StageWorker::enqueue(Work w, const SessionPtr & sess, bool own) {
     reply_error(w.reply, w.frame, err(pb::OVERLOADED, why + ": retry later", retry));
 }
 
+// One wake-up fewer per hop: a lone session's decode step, read while the engine is idle, runs on the thread
+// that read it (docs/worker-speed-plan.md). The engine thread stays for everything else: steps of several
+// sessions (they batch), prefill chunks (reading the next chunk overlaps this one's forward) and the jobs.
+bool StageWorker::run_inline(int64_t positions) {   // mu_ held
+    return t_reads_frames && !engine_busy_ && !threads_stopped_ && positions <= INLINE_MAX_POSITIONS &&
+           sessions_.size() <= 1 && jobs_.empty() && !held_back();
+}
+
+void StageWorker::run_guarded(std::vector<Work> & batch) {
+    if (batch.empty()) return;
+    try {
+        run_batch(batch);
+    } catch (const std::exception & e) {
+        fprintf(stderr, "dgr-worker: engine batch failed: %s\n", e.what());
+        for (auto & w : batch) reply_error(w.reply, w.frame, err(pb::INTERNAL, "the worker failed on this step; see its log"));
+    }
+}
+
 bool StageWorker::held_back() {   // mu_ held; --hold-batch (tests: force sharing)
     const int64_t hold = limits_.hold_batch;
     const int64_t need = int64_t(opened_total_) < hold ? hold : std::min<int64_t>(hold, int64_t(sessions_.size()));
     return hold > 0 && int64_t(pending_.size()) < need;
 }
 
-std::vector<StageWorker::Work> StageWorker::take_batch() {
-    std::unique_lock<std::mutex> l(mu_);
-    while (!threads_stopped_ && (!n_pending_ || held_back()) && jobs_.empty()) {
-        wake_.wait_for(l, std::chrono::milliseconds(500));
-    }
+std::vector<StageWorker::Work> StageWorker::ready_batch() {   // mu_ held
     std::vector<Work> batch;
-    if (threads_stopped_ || held_back()) return batch;
+    if (threads_stopped_ || !n_pending_ || held_back()) return batch;
     int64_t tokens = 0;
     std::deque<Key> kept, served;                    // round robin: served sessions go to the back
     for (auto & key : order_) {
@@ -85,19 +124,16 @@ std::vector<StageWorker::Work> StageWorker::take_batch() {
 void StageWorker::engine_loop() {
     while (true) {
         try {
-            {
-                std::lock_guard<std::mutex> g(mu_);
-                if (threads_stopped_) return;
+            std::vector<Work> batch;
+            std::unique_lock<std::mutex> l(mu_);
+            while (!threads_stopped_ && (engine_busy_ || ((!n_pending_ || held_back()) && jobs_.empty()))) {
+                wake_.wait_for(l, std::chrono::milliseconds(500));
             }
-            std::vector<Work> batch = take_batch();
-            if (!batch.empty()) {
-                try {
-                    run_batch(batch);
-                } catch (const std::exception & e) {
-                    fprintf(stderr, "dgr-worker: engine batch failed: %s\n", e.what());
-                    for (auto & w : batch) reply_error(w.reply, w.frame, err(pb::INTERNAL, "the worker failed on this step; see its log"));
-                }
-            }
+            if (threads_stopped_) return;
+            batch = ready_batch();
+            Busy busy(this, l);
+            l.unlock();
+            run_guarded(batch);
             while (true) {                           // deferred jobs: the origin's detokenizing
                 std::function<void()> job;
                 {

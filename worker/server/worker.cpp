@@ -172,7 +172,12 @@ void StageWorker::shutdown_threads() {
         for (auto & kv : out_links_) links.push_back(kv.second);
         links.insert(links.end(), dead_links_.begin(), dead_links_.end());
     }
-    if (engine_thread_.joinable() && engine_thread_.get_id() != std::this_thread::get_id()) engine_thread_.join();
+    const bool on_engine = engine_thread_.get_id() == std::this_thread::get_id();
+    if (engine_thread_.joinable() && !on_engine) engine_thread_.join();
+    if (!on_engine) {
+        std::unique_lock<std::mutex> l(mu_);         // a reader running a step inline (step_queue.cpp) ends it first
+        wake_.wait(l, [&] { return !engine_busy_; });
+    }
     for (auto & l : links) l->close();
     {
         std::lock_guard<std::mutex> g(mu_);

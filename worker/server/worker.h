@@ -278,7 +278,9 @@ class StageWorker final : public dgr::v1::Stage::Service {
     void enqueue(Work w, const SessionPtr & sess, bool own);
     uint32_t retry_after_ms();
     bool held_back();
-    std::vector<Work> take_batch();
+    std::vector<Work> ready_batch();                 // mu_ held
+    bool run_inline(int64_t positions);              // mu_ held
+    void run_guarded(std::vector<Work> & batch);
     void engine_loop();
     void run_batch(std::vector<Work> & batch);
     void die_if_asked(size_t n, const std::function<const dgr::v1::Frame &(size_t)> & frame);
@@ -312,6 +314,7 @@ class StageWorker final : public dgr::v1::Stage::Service {
 
     // --max-connections: connections (gRPC peers) with calls in progress
     friend struct Admit;
+    friend struct Busy;
     std::string admit(const grpc::ServerContext * ctx);   // "" admitted, else why not
     void release(const std::string & peer);
     std::map<std::string, int> conns_;               // peer -> calls in progress (mu_)
@@ -363,6 +366,7 @@ class StageWorker final : public dgr::v1::Stage::Service {
     double batch_ms_ = 1.0;                          // moving average of one engine batch (retry hints)
     uint64_t max_frame_bytes_sent_ = 0;
     bool threads_stopped_ = false;
+    bool engine_busy_ = false;                      // a thread (the engine's, or a reader running a lone step) runs a batch
     std::thread engine_thread_;
 };
 
