@@ -16,13 +16,15 @@
 // runs the k+1 positions and drops rejected drafts on the next step (rollback, dgr_session_truncate), the
 // last stage verifies (tests/test_worker_cpp_speculate.py).
 //
-// Threads: gRPC's sync server gives each incoming Frames call a thread, which writes its reply queue;
-// a reader thread per call checks and queues the frames it reads. One engine thread runs every forward
-// (and the origin's detokenizing after it). Each Link is a gRPC callback reactor (no thread of its own:
-// gRPC's threads run its reads and write completions). No exception leaves any of them.
+// Threads: each incoming Frames call is a gRPC callback reactor (FramesReactor): the gRPC thread that
+// reads a frame checks and queues it, or runs a lone decode step itself when the engine is idle, and the
+// thread that puts a reply starts its write. One engine thread runs every other forward (and the origin's
+// detokenizing after it). Each Link is a gRPC callback reactor too (no thread of its own: gRPC's threads
+// run its reads and write completions). No exception leaves any of them.
 #include <grpcpp/grpcpp.h>
 
 #include <memory>
+#include <optional>
 #include <stdexcept>
 #include <thread>
 
@@ -38,7 +40,7 @@ using Clock = std::chrono::steady_clock;
 struct Admit {
     StageWorker * w;
     std::string peer, why;
-    Admit(StageWorker * w_, const grpc::ServerContext * ctx) : w(w_) {
+    Admit(StageWorker * w_, const grpc::ServerContextBase * ctx) : w(w_) {
         why = w->admit(ctx);
         if (why.empty() && ctx) peer = ctx->peer();
     }
@@ -47,7 +49,7 @@ struct Admit {
     }
 };
 
-std::string StageWorker::admit(const grpc::ServerContext * ctx) {
+std::string StageWorker::admit(const grpc::ServerContextBase * ctx) {
     if (!ctx) return "";
     const std::string peer = ctx->peer();
     std::lock_guard<std::mutex> g(mu_);
@@ -89,95 +91,101 @@ void StageWorker::check_stalls() {
     for (auto & l : links) l->check_stall(now, timeout);
 }
 
-grpc::Status StageWorker::Frames(grpc::ServerContext * ctx, grpc::ServerReaderWriter<pb::Frame, pb::Frame> * stream) {
-    Admit admitted(this, ctx);
-    if (!admitted.why.empty()) return grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED, admitted.why);
-    auto out = std::make_shared<FrameQueue>();
-    out->cap = limits_.max_send_queue_bytes;
-    out->ctx = ctx;
-    {
-        std::lock_guard<std::mutex> g(mu_);
-        if (stopping_) return grpc::Status(grpc::StatusCode::UNAVAILABLE, hop() + " is shutting down");
-        streams_.insert(out);
+// One incoming Frames call on gRPC's callback API: the thread that reads a frame (one of gRPC's) checks it
+// and queues it (on_frame), or runs it at once when it is a lone decode step and the engine is idle
+// (step_queue.cpp); replies go out through the call's FrameQueue. No thread of the worker's own waits on
+// the call, and no exception leaves a reaction.
+class FramesReactor final : public grpc::ServerBidiReactor<pb::Frame, pb::Frame> {
+  public:
+    FramesReactor(StageWorker * w, grpc::CallbackServerContext * ctx) : w_(w), ctx_(ctx), admitted_(w, ctx) {
+        if (!admitted_.why.empty()) {
+            Finish(grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED, admitted_.why));
+            return;
+        }
+        auto out = std::make_shared<FrameQueue>();
+        out->cap = w->limits_.max_send_queue_bytes;
+        out->ctx = ctx;
+        out->who = w->hop();
+        {
+            std::lock_guard<std::mutex> g(w->mu_);
+            if (w->stopping_) {
+                Finish(grpc::Status(grpc::StatusCode::UNAVAILABLE, w->hop() + " is shutting down"));
+                return;
+            }
+            w->streams_.insert(out);
+        }
+        if (w->trust_.mutual) peer_ = peer_identity(ctx);
+        out->stream = this;
+        out_ = std::move(out);
+        StartRead(&in_);
     }
-    const std::optional<std::string> peer = trust_.mutual ? peer_identity(ctx) : std::nullopt;
-    grpc::Status status = grpc::Status::OK;
-    std::thread reader;
-    try {
-        reader = std::thread([&] {
-            t_reads_frames = true;
-            try {
-                pb::Frame f;
-                while (stream->Read(&f)) {
-                    on_frame(std::move(f), out, &peer);
-                    f.Clear();
-                }
-            } catch (const std::exception & e) {  // never let one stream take the worker down
-                fprintf(stderr, "dgr-worker: frame stream failed: %s\n", e.what());
-            } catch (...) {
-                fprintf(stderr, "dgr-worker: frame stream failed (unknown exception)\n");
-            }
-            out->finish(false);
-        });
-        while (true) {
-            pb::Frame f;
-            FrameQueue::Pop what = out->pop(&f);
-            if (what == FrameQueue::END) break;
-            if (what == FrameQueue::DRAIN) {
-                std::string failed;
-                {
-                    std::lock_guard<std::mutex> g(out->mu);
-                    failed = out->failed;
-                }
-                if (!failed.empty()) {
-                    fprintf(stderr, "dgr-worker: failed a Frames stream from %s: %s; its sessions are closed\n",
-                            ctx->peer().c_str(), failed.c_str());
-                    status = grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
-                                          hop() + " failed this stream: " + failed + "; its sessions are closed: read the "
-                                                  "stream's frames as they come, then open the session again");
-                } else {
-                    status = grpc::Status(grpc::StatusCode::UNAVAILABLE, hop() + " is shutting down (SIGTERM): its sessions "
-                                                                                 "are closed; use another replica");
-                }
-                ctx->TryCancel();
-                break;
-            }
-            bool ok = stream->Write(f);
+
+    void OnReadDone(bool ok) override {
+        if (!ok) {                                   // the caller is done sending (or gone): finish once written
+            out_->finish(false);
+            return;
+        }
+        t_reads_frames = true;
+        try {
+            w_->on_frame(std::move(in_), out_, &peer_);
+        } catch (const std::exception & e) {         // never let one stream take the worker down
+            fprintf(stderr, "dgr-worker: frame stream failed: %s\n", e.what());
+            out_->fail(std::string("the worker failed on a frame: ") + e.what());
+        } catch (...) {
+            fprintf(stderr, "dgr-worker: frame stream failed (unknown exception)\n");
+            out_->fail("the worker failed on a frame");
+        }
+        t_reads_frames = false;
+        in_.Clear();
+        if (!out_->finished()) StartRead(&in_);      // a finished call reads nothing more
+    }
+
+    void OnWriteDone(bool ok) override { out_->write_done(ok); }
+
+    void OnDone() override {
+        if (out_) {
             {
-                std::lock_guard<std::mutex> g(out->mu);
-                out->writing_since = 0;
+                std::lock_guard<std::mutex> g(out_->mu);
+                out_->stream = nullptr;
+                out_->ctx = nullptr;
+                out_->drain = true;                  // nothing more is queued for it
+                out_->q.clear();
             }
-            if (!ok) {                               // the caller went away (or the send deadline cancelled it)
-                ctx->TryCancel();
-                break;
-            }
+            w_->stream_done(out_);
         }
-    } catch (const std::exception & e) {
-        status = grpc::Status(grpc::StatusCode::INTERNAL, std::string("Frames failed: ") + e.what());
-        ctx->TryCancel();
-    } catch (...) {
-        status = grpc::Status(grpc::StatusCode::INTERNAL, "Frames failed (unknown exception)");
-        ctx->TryCancel();
+        delete this;
     }
-    if (reader.joinable()) reader.join();
-    {
-        std::lock_guard<std::mutex> g(out->mu);
-        out->ctx = nullptr;
-        if (status.ok() && !out->failed.empty()) {
-            fprintf(stderr, "dgr-worker: failed a Frames stream: %s; its sessions are closed\n", out->failed.c_str());
+
+  private:
+    StageWorker * w_;
+    grpc::CallbackServerContext * ctx_;
+    Admit admitted_;                                 // --max-connections: held until the call is done
+    std::optional<std::string> peer_;
+    ReplyPtr out_;
+    pb::Frame in_;
+};
+
+grpc::ServerBidiReactor<pb::Frame, pb::Frame> * StageWorker::Frames(grpc::CallbackServerContext * ctx) {
+    return new FramesReactor(this, ctx);
+}
+
+// A Frames call is over: its sessions' client is gone. Closing them chains CloseSession along the route
+// (blocking calls), so it runs on a thread of its own, never in gRPC's reaction; stop() waits for it.
+void StageWorker::stream_done(const ReplyPtr & out) {
+    std::lock_guard<std::mutex> g(mu_);
+    streams_.erase(out);
+    if (threads_stopped_) return;                    // stop() closed every session already
+    ++gone_running_;
+    std::thread([this, out] {
+        try {
+            client_gone(out);
+        } catch (const std::exception & e) {
+            fprintf(stderr, "dgr-worker: closing a gone client's sessions: %s\n", e.what());
+        } catch (...) {
         }
-        out->drain = true;                           // nothing more is queued for it
-        out->q.clear();
-    }
-    {
-        std::lock_guard<std::mutex> g(mu_);
-        streams_.erase(out);
-    }
-    try {
-        client_gone(out);
-    } catch (...) {
-    }
-    return status;
+        std::lock_guard<std::mutex> g2(mu_);
+        if (--gone_running_ == 0) wake_.notify_all();
+    }).detach();
 }
 
 }  // namespace dgr

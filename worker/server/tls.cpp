@@ -94,7 +94,7 @@ Trust tls_trust(const TlsFiles & f) {
     return t;
 }
 
-std::optional<std::string> peer_identity(const grpc::ServerContext * ctx) {
+std::optional<std::string> peer_identity(const grpc::ServerContextBase * ctx) {
     if (!ctx) return std::nullopt;
     std::shared_ptr<const grpc::AuthContext> auth = ctx->auth_context();
     if (!auth) return std::nullopt;

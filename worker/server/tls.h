@@ -36,6 +36,6 @@ std::string cert_common_name(const std::string & pem);
 
 // Who is on the other end of an RPC: the common name of its verified client certificate
 // (dgr.runtime.wire.tls.peer_identity), nullopt without one (plaintext, or TLS without client certificates).
-std::optional<std::string> peer_identity(const grpc::ServerContext * ctx);
+std::optional<std::string> peer_identity(const grpc::ServerContextBase * ctx);
 
 }  // namespace dgr

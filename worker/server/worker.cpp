@@ -176,7 +176,7 @@ void StageWorker::shutdown_threads() {
     if (engine_thread_.joinable() && !on_engine) engine_thread_.join();
     if (!on_engine) {
         std::unique_lock<std::mutex> l(mu_);         // a reader running a step inline (step_queue.cpp) ends it first
-        wake_.wait(l, [&] { return !engine_busy_; });
+        wake_.wait(l, [&] { return !engine_busy_ && gone_running_ == 0; });
     }
     for (auto & l : links) l->close();
     {

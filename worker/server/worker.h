@@ -101,25 +101,36 @@ std::string schema_str(const dgr::v1::BoundarySchema & s);
 // Bytes as text, each invalid UTF-8 sequence replaced by U+FFFD as Python's decode(errors="replace").
 std::string utf8_replace(const std::string & bytes);
 
-// A queue of frames for one stream to write: an incoming Frames call's replies (errors, and at the
-// origin the client's tokens), or an outgoing link's sends. `end`: the stream's reader is done (write
-// what is queued, then end); `drain`: the worker is shutting down (end now, UNAVAILABLE).
-// The queue is bounded (bytes): a reader that falls behind by more, or a write that waits past the send
-// deadline, fails the stream (its call is cancelled; `failed` says why) and never blocks whoever puts.
+// The replies of one incoming Frames call (errors, and at the origin the client's tokens), written by
+// gRPC's callback API: the thread that puts a frame (the engine thread, or the one that read a frame) starts
+// its write when none is in flight, and the write that completes starts the next, so no thread is woken
+// per frame. `end`: the call's reads are over (write what is queued, then finish OK); `drain`: finish now
+// (the worker is shutting down: UNAVAILABLE; or the stream was failed: RESOURCE_EXHAUSTED, `failed` says
+// why). The queue is bounded (bytes): a reader that falls behind by more, or a write that waits past the
+// send deadline, fails the stream (its call is cancelled) and never blocks whoever puts.
 struct FrameQueue {
-    enum Pop { FRAME, END, DRAIN };
     std::mutex mu;
-    std::condition_variable cv;
     std::deque<dgr::v1::Frame> q;
-    bool end = false, drain = false;
+    bool end = false, drain = false, gone = false;   // gone: a write failed (the caller went away)
     int64_t bytes = 0, cap = 0;                      // queued bytes; cap 0: unbounded
     int64_t writing_since = 0;                       // steady ns the write in progress began (0: none)
-    grpc::ServerContext * ctx = nullptr;             // the call, while its handler runs (cancelled on failure)
+    grpc::ServerContextBase * ctx = nullptr;         // the call, while it runs (cancelled on failure)
+    grpc::ServerBidiReactor<dgr::v1::Frame, dgr::v1::Frame> * stream = nullptr;   // while it runs
     std::string failed;                              // why the stream was failed ("" while it is not)
+    std::string who;                                 // this hop, for the status it ends with
     bool put(dgr::v1::Frame f);                      // false: the stream is over or was just failed
     void finish(bool draining);
     void fail(const std::string & why);
-    Pop pop(dgr::v1::Frame * out);
+    void write_done(bool ok);                        // the reactor's OnWriteDone
+    void pump();                                     // start the next write, or finish the call
+    bool finished() {
+        std::lock_guard<std::mutex> g(mu);
+        return finished_;
+    }
+
+  private:
+    dgr::v1::Frame writing_;                         // the write in flight (gRPC reads it until it is done)
+    bool in_flight_ = false, finished_ = false;
 };
 using ReplyPtr = std::shared_ptr<FrameQueue>;
 
@@ -165,8 +176,9 @@ class Link final : public grpc::ClientBidiReactor<dgr::v1::Frame, dgr::v1::Frame
     std::string failed_;                             // why this side failed the link (a bound), else ""
 };
 
-class StageWorker final : public dgr::v1::Stage::Service {
+class StageWorker final : public dgr::v1::Stage::WithCallbackMethod_Frames<dgr::v1::Stage::Service> {
     friend class Link;
+    friend class FramesReactor;
 
   public:
     StageWorker(const EngineLib & lib, dgr_engine * eng, StageIdentity identity, std::string address,
@@ -177,7 +189,7 @@ class StageWorker final : public dgr::v1::Stage::Service {
     grpc::Status Detokenize(grpc::ServerContext *, const dgr::v1::DetokenizeRequest *, dgr::v1::DetokenizeReply *) override;
     grpc::Status OpenSession(grpc::ServerContext *, const dgr::v1::OpenSessionRequest *, dgr::v1::OpenSessionReply *) override;
     grpc::Status CloseSession(grpc::ServerContext *, const dgr::v1::CloseSessionRequest *, dgr::v1::CloseSessionReply *) override;
-    grpc::Status Frames(grpc::ServerContext *, grpc::ServerReaderWriter<dgr::v1::Frame, dgr::v1::Frame> *) override;
+    grpc::ServerBidiReactor<dgr::v1::Frame, dgr::v1::Frame> * Frames(grpc::CallbackServerContext * ctx) override;
 
     const dgr_stage_info & info() const { return info_; }
     std::string hop() const;
@@ -297,6 +309,7 @@ class StageWorker final : public dgr::v1::Stage::Service {
     void on_link_reply(dgr::v1::Frame frame);
     void on_link_broken(Link * link, const std::string & why, const std::set<Key> & lost);
     void client_gone(const ReplyPtr & out);
+    void stream_done(const ReplyPtr & out);        // a Frames call's OnDone: client_gone on a thread of its own
     void close_chained(const std::string & sid, uint64_t epoch, const grpc::ServerContext * ctx, dgr::v1::CloseSessionReply * reply,
                        const dgr::v1::CloseSessionRequest * keep = nullptr);
     SessionPtr session(const Key & key);
@@ -315,7 +328,7 @@ class StageWorker final : public dgr::v1::Stage::Service {
     // --max-connections: connections (gRPC peers) with calls in progress
     friend struct Admit;
     friend struct Busy;
-    std::string admit(const grpc::ServerContext * ctx);   // "" admitted, else why not
+    std::string admit(const grpc::ServerContextBase * ctx);   // "" admitted, else why not
     void release(const std::string & peer);
     std::map<std::string, int> conns_;               // peer -> calls in progress (mu_)
 
@@ -366,6 +379,7 @@ class StageWorker final : public dgr::v1::Stage::Service {
     double batch_ms_ = 1.0;                          // moving average of one engine batch (retry hints)
     uint64_t max_frame_bytes_sent_ = 0;
     bool threads_stopped_ = false;
+    int64_t gone_running_ = 0;                       // stream_done's threads still closing sessions
     bool engine_busy_ = false;                      // a thread (the engine's, or a reader running a lone step) runs a batch
     std::thread engine_thread_;
 };
