@@ -97,7 +97,7 @@ void StageWorker::check_stalls() {
 // the call, and no exception leaves a reaction.
 class FramesReactor final : public grpc::ServerBidiReactor<pb::Frame, pb::Frame> {
   public:
-    FramesReactor(StageWorker * w, grpc::CallbackServerContext * ctx) : w_(w), ctx_(ctx), admitted_(w, ctx) {
+    FramesReactor(StageWorker * w, grpc::CallbackServerContext * ctx) : w_(w), admitted_(w, ctx) {
         if (!admitted_.why.empty()) {
             Finish(grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED, admitted_.why));
             return;
@@ -106,6 +106,7 @@ class FramesReactor final : public grpc::ServerBidiReactor<pb::Frame, pb::Frame>
         out->cap = w->limits_.max_send_queue_bytes;
         out->ctx = ctx;
         out->who = w->hop();
+        out->stream = this;                          // before stop() can see it in streams_ and finish it
         {
             std::lock_guard<std::mutex> g(w->mu_);
             if (w->stopping_) {
@@ -115,7 +116,6 @@ class FramesReactor final : public grpc::ServerBidiReactor<pb::Frame, pb::Frame>
             w->streams_.insert(out);
         }
         if (w->trust_.mutual) peer_ = peer_identity(ctx);
-        out->stream = this;
         out_ = std::move(out);
         StartRead(&in_);
     }
@@ -158,7 +158,6 @@ class FramesReactor final : public grpc::ServerBidiReactor<pb::Frame, pb::Frame>
 
   private:
     StageWorker * w_;
-    grpc::CallbackServerContext * ctx_;
     Admit admitted_;                                 // --max-connections: held until the call is done
     std::optional<std::string> peer_;
     ReplyPtr out_;
