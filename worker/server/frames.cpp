@@ -98,29 +98,39 @@ void StageWorker::check_stalls() {
 class FramesReactor final : public grpc::ServerBidiReactor<pb::Frame, pb::Frame> {
   public:
     FramesReactor(StageWorker * w, grpc::CallbackServerContext * ctx) : w_(w), admitted_(w, ctx) {
-        if (!admitted_.why.empty()) {
-            Finish(grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED, admitted_.why));
-            return;
-        }
-        auto out = std::make_shared<FrameQueue>();
-        out->cap = w->limits_.max_send_queue_bytes;
-        out->ctx = ctx;
-        out->who = w->hop();
-        out->stream = this;                          // before stop() can see it in streams_ and finish it
-        {
+        std::string refused = admitted_.why;
+        if (refused.empty()) {
+            auto out = std::make_shared<FrameQueue>();
+            out->cap = w->limits_.max_send_queue_bytes;
+            out->ctx = ctx;
+            out->who = w->hop();
+            out->stream = this;                      // before stop() can see it in streams_ and finish it
+            if (w->trust_.mutual) peer_ = peer_identity(ctx);
+            out_ = out;
             std::lock_guard<std::mutex> g(w->mu_);
-            if (w->stopping_) {
-                Finish(grpc::Status(grpc::StatusCode::UNAVAILABLE, w->hop() + " is shutting down"));
-                return;
-            }
-            w->streams_.insert(out);
+            if (w->stopping_) refused = w->hop() + " is shutting down";
+            else w->streams_.insert(out);
         }
-        if (w->trust_.mutual) peer_ = peer_identity(ctx);
-        out_ = std::move(out);
-        StartRead(&in_);
+        if (!refused.empty()) {
+            out_.reset();                            // never in streams_: nothing to undo in OnDone
+            refusal_ = grpc::Status(admitted_.why.empty() ? grpc::StatusCode::UNAVAILABLE
+                                                          : grpc::StatusCode::RESOURCE_EXHAUSTED, refused);
+        }
+        ordered();                                   // every field above is set before gRPC may react
+        // A refused call is finished from a reaction, after gRPC bound it: a Finish here would park the
+        // status in gRPC's pre-bind backlog, which gRPC then moves on its own thread (TSan cannot see that
+        // hand-off, 2026-12-02); the refusal costs its caller the initial metadata's round, nothing more.
+        if (!refused.empty()) StartSendInitialMetadata();
+        else StartRead(&in_);
+    }
+
+    void OnSendInitialMetadataDone(bool) override {
+        ordered();
+        Finish(refusal_);                            // only a refused call sends its metadata first
     }
 
     void OnReadDone(bool ok) override {
+        ordered();
         if (!ok) {                                   // the caller is done sending (or gone): finish once written
             out_->finish(false);
             return;
@@ -137,12 +147,17 @@ class FramesReactor final : public grpc::ServerBidiReactor<pb::Frame, pb::Frame>
         }
         t_reads_frames = false;
         in_.Clear();
+        ordered();
         if (!out_->finished()) StartRead(&in_);      // a finished call reads nothing more
     }
 
-    void OnWriteDone(bool ok) override { out_->write_done(ok); }
+    void OnWriteDone(bool ok) override {
+        ordered();
+        out_->write_done(ok);
+    }
 
     void OnDone() override {
+        ordered();
         if (out_) {
             {
                 std::lock_guard<std::mutex> g(out_->mu);
@@ -157,9 +172,18 @@ class FramesReactor final : public grpc::ServerBidiReactor<pb::Frame, pb::Frame>
     }
 
   private:
+    // gRPC runs this call's reactions one after another, possibly each on another of its threads, and
+    // orders them with its own atomics. Debian's gRPC is not built with TSan, so TSan sees none of that
+    // order: the constructor's writes read in OnDone looked like a race (CI, 2026-12-02). Each reaction,
+    // and the constructor before it starts an operation, takes this uncontended lock, which gives TSan
+    // (and any reader) the order gRPC already guarantees. It is never held while gRPC is called.
+    void ordered() { std::lock_guard<std::mutex> g(order_); }
+
+    std::mutex order_;
     StageWorker * w_;
     Admit admitted_;                                 // --max-connections: held until the call is done
     std::optional<std::string> peer_;
+    grpc::Status refusal_;                           // why the call is refused (--max-connections, SIGTERM)
     ReplyPtr out_;
     pb::Frame in_;
 };
