@@ -265,3 +265,21 @@ def _build(lane: str, bdir: Path, lib: Path, stamp_path: Path, args: list[str], 
                                       "build_seconds": seconds}, indent=2) + "\n")
     log.info("engine (%s) built in %ss: %s", lane, seconds, lib)
     return lib
+
+
+def ensure_tool(target: str, lane: str = "cpu") -> Path:
+    """A helper program of worker/CMakeLists.txt that is not part of `all` (llama-simple for tests,
+    dgr-hop-probe for `dgr bench frames`), built on demand in the lane's configured CMake tree (seconds once
+    the engine is built, then cached by Ninja); returns its path under the tree's bin/. A failed build raises
+    EngineError with the build's last lines."""
+    bdir = ensure_engine(lane).parent
+    # the same lock as the engine build of this folder: one Ninja at a time in it
+    with locked(bdir.parent / f".{bdir.name}.lock"):
+        out = subprocess.run(["cmake", "--build", str(bdir), "-j", str(min(2, os.cpu_count() or 1)), "--target", target],
+                             capture_output=True, text=True, env={"CCACHE_BASEDIR": str(bdir.parents[1]), **os.environ})
+    if out.returncode != 0:
+        raise EngineError(f"building {target} in {bdir} failed (exit {out.returncode}):\n{(out.stdout + out.stderr)[-3000:]}")
+    exe = bdir / "bin" / target
+    if not exe.is_file():
+        raise EngineError(f"the build did not produce {exe} (worker/CMakeLists.txt sets its output folder)")
+    return exe

@@ -1,6 +1,7 @@
 """`dgr bench`: the whole model against the pipeline side by side (the bare command), plus the sections of
 issue 15 (`--wan-rtt-ms`, `--dtypes`, `--speculate`); subcommands `soak` (concurrent sessions for
-minutes, errors and RSS), `tls` (what mutual TLS costs per hop against plaintext) and `conversation` (what
+minutes, errors and RSS), `tls` (what mutual TLS costs per hop against plaintext), `frames` (gRPC against
+hand-framed TCP and TLS per hop) and `conversation` (what
 the prefix cache buys a chat, issue 23)."""
 
 from __future__ import annotations
@@ -37,6 +38,17 @@ def _tls(args) -> int:
         with open(args.json, "w") as f:
             json.dump(rep.as_dict(), f, indent=2)
     return 0 if rep.same_text else 1
+
+
+def _frames(args) -> int:
+    from dgr.app.framecost import measure
+
+    rep = measure(stages=args.stages, tokens=args.max_tokens, rounds=args.rounds)
+    print(rep.table())
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rep.as_dict(), f, indent=2)
+    return 0
 
 
 def _conversation(args) -> int:
@@ -247,6 +259,14 @@ def register(sub) -> None:
     t.add_argument("--threads", type=int, default=1, help="engine threads per worker (default 1)")
     t.add_argument("--json", metavar="FILE", help="also write the figures as JSON")
     t.set_defaults(func=_tls)
+
+    fr = bsub.add_parser("frames", help="gRPC streaming (dgr-worker, plaintext and mutual TLS) against hand-framed "
+                                        "TCP and TLS (dgr-hop-probe), per hop, alternating in one run (docs/wire.md)")
+    fr.add_argument("--stages", type=int, default=3, help="processes in the ring (default 3)")
+    fr.add_argument("--rounds", type=int, default=5, help="rounds, each measuring every kind once (default 5)")
+    fr.add_argument("--max-tokens", type=int, default=64, help="decode tokens (probe frames) per measurement (default 64)")
+    fr.add_argument("--json", metavar="FILE", help="also write the figures as JSON")
+    fr.set_defaults(func=_frames)
 
     c = bsub.add_parser("conversation", help="a chat through the gateway with and without the prefix cache: time "
                                              "to first token per turn on loopback and an emulated WAN, cache memory "
