@@ -70,7 +70,7 @@ def test_bad_arguments_are_refused_by_name(probe, args, says):
 def test_bench_frames_measures_every_kind_side_by_side(tmp_path):
     rep_file = tmp_path / "frames.json"
     out = subprocess.run([sys.executable, "-m", "dgr", "bench", "frames", "--stages", "2", "--rounds", "2", "--max-tokens", "12",
-                          "--json", str(rep_file)], capture_output=True, text=True, timeout=600)
+                          "--layers-per-stage", "3", "--json", str(rep_file)], capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     rep = json.loads(rep_file.read_text())
     assert set(rep["per_hop_ms"]) == set(framecost.KINDS)
@@ -78,6 +78,19 @@ def test_bench_frames_measures_every_kind_side_by_side(tmp_path):
         assert len(rep["per_round"][kind]) == 2
         assert all(x > 0 for x in rep["per_round"][kind])
     assert rep["stages"] == 2 and rep["boundary_bytes"] == 4 * 576 and rep["compute_us"] > 0
+    # --layers-per-stage shapes the fake route (the stages' compute), not the boundary
+    assert rep["layers_per_stage"] == 3 and rep["spec"].startswith("layers=6,embd=576,cuts=3")
+    # the floor was taken after the gRPC route's ring time, and read back one way
+    assert rep["floor"]["gap_ms"] > 0 and 0 < rep["floor"]["one_way_ms"] <= rep["floor"]["one_way_p90_ms"]
+    assert "loopback floor (bare 8 bytes, no TLS)" in out.stdout
     for label in ("gRPC (dgr-worker), plaintext", "gRPC (dgr-worker), mutual TLS", "frames, TLS, reader runs",
                   "frames, TCP, handed off"):
         assert label in out.stdout
+
+
+def test_bench_frames_refuses_a_layer_count_it_cannot_build():
+    out = subprocess.run([sys.executable, "-m", "dgr", "bench", "frames", "--layers-per-stage", "0"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0
+    assert "--layers-per-stage is 1..64, got 0" in out.stderr
+    assert "Traceback" not in out.stderr

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
+from dgr.app.floor import MESSAGES_PER_ROUND as FLOOR_MESSAGES
 from dgr.core.errors import DgrError
 from dgr.core.log import get_logger
 
@@ -111,9 +112,6 @@ def synth_bundle(arch: str, stages: int):
 
 
 # ---------------------------------------------------------------------------------------------- figures
-FLOOR_MESSAGES = 60   # per round: about a second at SmolLM2's ring time
-
-
 def pct(xs, q: float) -> float:
     """The q-th percentile (nearest rank) of xs; 0 when empty."""
     xs = sorted(xs)

@@ -21,6 +21,7 @@ import sys
 import time
 
 STAMP = struct.Struct("<q")
+MESSAGES_PER_ROUND = 60   # what dgr bench and dgr bench frames send per round: about a second at SmolLM2's ring time
 
 
 def _recv_exact(s: socket.socket, n: int) -> bytes | None:

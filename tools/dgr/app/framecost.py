@@ -16,6 +16,12 @@ hand-framed frames"). Each round measures, one after the other so all see the sa
 
 The probe carries no sessions, checks or bounds: its figures are what a hand-framed path could reach at best
 on this machine, not what one would measure once it had everything gRPC has.
+
+Each round also takes the loopback floor (`dgr.app.floor`, as `dgr bench` does): one bare 8-byte TCP message
+between two processes after an idle gap as long as the gRPC route's median ring time, which is how long a
+decode hop's receiver has slept. `layers_per_stage` sets how much each stage computes (the fake engine's work
+grows with its layers; the boundary stays `4 * embd` bytes): 2 by default, about 14 for SmolLM2's timing on a
+2-vCPU machine, where a stage computes 4-5 ms and its receiver sleeps about twice that.
 """
 
 from __future__ import annotations
@@ -46,6 +52,8 @@ class FrameCost:
     compute_us: int
     per_hop_ms: dict[str, float]                     # kind -> median over rounds
     per_round: dict[str, list[float]] = field(default_factory=dict)
+    layers_per_stage: int = 2
+    floor: dict[str, float] = field(default_factory=dict)   # gap_ms, one_way_ms, one_way_p90_ms (medians over rounds)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -57,8 +65,12 @@ class FrameCost:
         lines = [f"{'per hop, ms (median over rounds)':40}{'median':>9}   rounds"]
         for k in KINDS:
             lines.append(f"{names[k]:40}{self.per_hop_ms[k]:9.3f}   " + " ".join(f"{x:.3f}" for x in self.per_round[k]))
+        if self.floor:
+            lines.append(f"{'loopback floor (bare 8 bytes, no TLS)':40}{self.floor['one_way_ms']:9.3f}   "
+                         f"after {self.floor['gap_ms']:.1f} ms idle (p90 {self.floor['one_way_p90_ms']:.3f})")
         lines.append(f"{self.stages} stages, {self.boundary_bytes} boundary bytes, {self.compute_us} us compute per "
-                     f"stage, {self.rounds} rounds of {self.tokens} tokens (fake route: {self.spec})")
+                     f"stage ({self.layers_per_stage} fake layers), {self.rounds} rounds of {self.tokens} tokens "
+                     f"(fake route: {self.spec})")
         return "\n".join(lines)
 
 
@@ -78,19 +90,23 @@ def run_probe(exe: Path, *, transport: str, stages: int, nbytes: int, compute_us
     return json.loads(out.stdout)
 
 
-def measure(*, stages: int = 3, tokens: int = 64, rounds: int = 3, embd: int = 576) -> FrameCost:
-    """Every kind of KINDS, `rounds` times, alternating; see the module's text."""
+def measure(*, stages: int = 3, tokens: int = 64, rounds: int = 3, embd: int = 576, layers_per_stage: int = 2) -> FrameCost:
+    """Every kind of KINDS, `rounds` times, alternating, and the loopback floor; see the module's text."""
+    from dgr.app.floor import MESSAGES_PER_ROUND, one_way_ms
     from dgr.app.certs import init, issue
     from dgr.app.local import FakeRoute
     from dgr.runtime.wire.client import RouteClient
-    from dgr.runtime.wire.stats import breakdown, hop_overhead_ms
+    from dgr.runtime.wire.stats import breakdown, decode_events, hop_overhead_ms
     from dgr.runtime.wire.tls import TlsConfig
     from dgr.toolchain.enginebuild import ensure_tool
 
     if stages < 2:
         raise DgrError("dgr bench frames needs at least 2 stages")
+    if not 1 <= layers_per_stage <= 64:
+        raise DgrError(f"dgr bench frames: --layers-per-stage is 1..64, got {layers_per_stage}")
     exe = ensure_tool(PROBE)
-    spec = f"layers={2 * stages},embd={embd},cuts=" + ":".join(str(2 * i) for i in range(1, stages))
+    n = layers_per_stage
+    spec = f"layers={n * stages},embd={embd},cuts=" + ":".join(str(n * i) for i in range(1, stages))
     nbytes = 4 * embd                                # the f32 boundary of one decode position
     certs = Path(tempfile.mkdtemp(prefix="dgr-frames-bench-"))
     init(certs)
@@ -104,6 +120,7 @@ def measure(*, stages: int = 3, tokens: int = 64, rounds: int = 3, embd: int = 5
 
     per: dict[str, list[float]] = {k: [] for k in KINDS}
     compute: list[float] = []
+    floors: list[dict] = []
     prompt = [1, 2, 3, 4, 5]
     with FakeRoute.of(spec) as plain, FakeRoute.of(spec, extra=tls_args) as secure, \
             RouteClient(plain.addresses, prefix_cache=False) as pc, \
@@ -117,6 +134,7 @@ def measure(*, stages: int = 3, tokens: int = 64, rounds: int = 3, embd: int = 5
                 per[kind].append(hop_overhead_ms(gen, stages))
                 if kind == "grpc_plain":
                     compute.append(statistics.mean(row["compute"] for row in breakdown(gen) if row["stage"] >= 0))
+                    ring_ms = statistics.median(e.ring_ns / 1e6 for e in decode_events(gen))
             compute_us = int(round(statistics.median(compute) * 1000))
             for kind, transport, handoff in (("frames_tcp", "tcp", False), ("frames_tls", "tls", False),
                                              ("frames_tcp_handoff", "tcp", True), ("frames_tls_handoff", "tls", True)):
@@ -124,8 +142,11 @@ def measure(*, stages: int = 3, tokens: int = 64, rounds: int = 3, embd: int = 5
                                 rounds=tokens, handoff=handoff,
                                 certs=(certs / "stage0.pem", certs / "stage0.key", ca))
                 per[kind].append(rep["one_way_ms"])
+            floors.append(one_way_ms(ring_ms, MESSAGES_PER_ROUND))
             log.info("bench frames: round %d/%d: %s", r + 1, rounds,
-                     ", ".join(f"{k} {v[-1]:.3f}" for k, v in per.items()))
+                     ", ".join(f"{k} {v[-1]:.3f}" for k, v in per.items()) + f", floor {floors[-1]['one_way_ms']:.3f}")
     return FrameCost(stages=stages, rounds=rounds, tokens=tokens, spec=spec, boundary_bytes=nbytes,
                      compute_us=int(round(statistics.median(compute) * 1000)),
-                     per_hop_ms={k: statistics.median(v) for k, v in per.items()}, per_round=per)
+                     per_hop_ms={k: statistics.median(v) for k, v in per.items()}, per_round=per,
+                     layers_per_stage=n,
+                     floor={k: statistics.median(f[k] for f in floors) for k in ("gap_ms", "one_way_ms", "one_way_p90_ms")})
