@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import json
 import queue
+import socket
 import threading
 
 import grpc
 import numpy as np
 import pytest
-from test_worker_cpp import cpp, cpp_stages
+from test_worker_cpp import cpp, cpp_stages, one_line_error
 
 from dgr.runtime.wire import codec, tls as wtls
 from dgr.runtime.wire.client import RouteClient
@@ -256,6 +257,33 @@ def test_a_flood_of_connections_is_refused_beyond_the_bound(tiny, worker_bin):
             x.close()
         for p in procs:
             p.stop()
+
+
+def test_connections_that_never_finish_a_handshake_are_closed_and_members_are_served_meanwhile(tiny, worker_bin, pki, mtls):
+    """A flood of bare TCP connections to a mutual-TLS stage that never send a ClientHello (a scanner, a
+    stranger holding the worker's descriptors): a member's route through it is served while they wait, and
+    the worker closes every one of them itself after --handshake-timeout (gRPC's own default is 120 s)."""
+    good, _ = pki
+    addresses, _ = mtls
+    want = _reference(addresses, tls=good["client"])
+    p = cpp(worker_bin, tiny, 1, *FLAGS, *tls_flags(good["w1"]), "--handshake-timeout", "1")
+    idle = []
+    try:
+        host, port = p.address.rsplit(":", 1)
+        idle = [socket.create_connection((host, int(port)), timeout=60) for _ in range(200)]
+        got = _reference([addresses[0], p.address, addresses[2]], tls=good["client"])
+        assert got.token_ids == want.token_ids and got.text == want.text
+        for c in idle:                               # EOF from the worker (a socket.timeout here: never closed)
+            assert c.recv(4096) == b""
+        ch, stub = _stub(p.address, good["client"])  # and it still serves
+        with ch:
+            assert stub.Describe(pb.DescribeRequest(), timeout=10).identity.stage_index == 1
+    finally:
+        for c in idle:
+            c.close()
+        p.stop()
+    rc, line = one_line_error([str(worker_bin), "--bundle", str(tiny), "--stage", "1", "--handshake-timeout", "0"])
+    assert rc == 1 and "--handshake-timeout must be more than 0 and at most 3600 seconds" in line
 
 
 def test_a_flood_of_queued_steps_is_overloaded_and_other_sessions_lose_nothing(tiny, worker_bin, plain):

@@ -117,6 +117,9 @@ Serving serve(const Options & o, const Trust & trust, const Listen & l, Stage & 
     b.SetResourceQuota(quota);
     b.AddChannelArgument(GRPC_ARG_MAX_CONCURRENT_STREAMS, 100);
     b.AddChannelArgument(GRPC_ARG_MAX_CONNECTION_IDLE_MS, 600000);
+    // a connection that never finishes its handshake (a stranger without a certificate, a scanner, a flood of
+    // bare TCP connections) is closed after --handshake-timeout, not gRPC's 120 s
+    b.AddChannelArgument(GRPC_ARG_SERVER_HANDSHAKE_TIMEOUT_MS, int(o.handshake_timeout_s * 1000));
     int limit = int(o.max_message_bytes + dgr::FRAME_OVERHEAD);
     b.SetMaxReceiveMessageSize(limit);
     b.SetMaxSendMessageSize(limit);

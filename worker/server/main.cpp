@@ -48,14 +48,16 @@ const char * USAGE =
     "                  [--max-session-steps N] [--rpc-timeout S] [--link-keepalive-timeout S] [--drain-timeout S]\n"
     "                  [--tls-cert PEM --tls-key PEM [--tls-ca PEM]] [--insecure]\n"
     "                  [--advertise HOST[:PORT]] [--max-connections N] [--max-rpc-threads N] [--send-timeout S]\n"
-    "                  [--max-send-queue-bytes N] [--metrics-listen HOST:PORT] [--certs DIR [--contract FILE]]\n"
+    "                  [--max-send-queue-bytes N] [--handshake-timeout S] [--metrics-listen HOST:PORT]\n"
+    "                  [--certs DIR [--contract FILE]]\n"
     "                  [--prefix-cache-mib N] [--draft-max N]\n"
     "Serves one stage of a bundle (dgr.v1.Stage over gRPC, grpc.health.v1) as `dgr worker serve` does.\n"
     "TLS with --tls-cert/--tls-key (`dgr certs issue`); with --tls-ca, mutual TLS: peers need a certificate the CA\n"
     "signed, and a session's frames are taken only from the members that opened it (docs/worker.md).\n"
     "Bounds: --max-connections (256) connections with a Frames stream, --max-rpc-threads (256) gRPC threads,\n"
     "--max-message-bytes both ways, --max-queued-steps/--max-session-steps, --max-send-queue-bytes (64 MiB) per\n"
-    "reply stream and link, --send-timeout (10 s) for one write: a peer that stops reading fails its own stream.\n"
+    "reply stream and link, --send-timeout (10 s) for one write: a peer that stops reading fails its own stream;\n"
+    "--handshake-timeout (10 s): a connection that has not finished its TLS handshake and HTTP/2 preface is closed.\n"
     "--prefix-cache-mib (256): what closed sessions' KV held, kept for later sessions that start with the same\n"
     "tokens (docs/worker.md \"Prefix cache\"; 0: off).\n"
     "--draft-max (8): the drafts one step may carry and still roll back where the cache keeps per-step snapshots\n"
@@ -148,6 +150,7 @@ Options parse(int argc, char ** argv) {
         {"--max-connections", [&](auto & v) { o.limits.max_connections = to_int("--max-connections", v); }},
         {"--max-rpc-threads", [&](auto & v) { o.max_rpc_threads = to_int("--max-rpc-threads", v); }},
         {"--send-timeout", [&](auto & v) { o.limits.send_timeout_s = to_float("--send-timeout", v); }},
+        {"--handshake-timeout", [&](auto & v) { o.handshake_timeout_s = to_float("--handshake-timeout", v); }},
         {"--max-send-queue-bytes", [&](auto & v) { o.limits.max_send_queue_bytes = to_int("--max-send-queue-bytes", v); }},
         {"--draft-max", [&](auto & v) { o.draft_max = std::clamp<int64_t>(to_int("--draft-max", v), 0, 64); }},
         {"--prefix-cache-mib", [&](auto & v) { o.limits.prefix_cache_mib = std::max<int64_t>(0, to_int("--prefix-cache-mib", v)); }},
@@ -197,6 +200,9 @@ int run(int argc, char ** argv) {
     }
     if (o.max_sessions < 1) throw std::runtime_error("--max-sessions must be at least 1");
     if (o.limits.send_timeout_s <= 0) throw std::runtime_error("--send-timeout must be more than 0 seconds");
+    if (!(o.handshake_timeout_s > 0 && o.handshake_timeout_s <= 3600)) {
+        throw std::runtime_error("--handshake-timeout must be more than 0 and at most 3600 seconds");
+    }
     if (o.limits.max_send_queue_bytes < int64_t(o.max_message_bytes + dgr::FRAME_OVERHEAD)) {
         throw std::runtime_error("--max-send-queue-bytes must hold one message: at least --max-message-bytes + " +
                                  std::to_string(dgr::FRAME_OVERHEAD) + " (" + std::to_string(o.max_message_bytes + dgr::FRAME_OVERHEAD) + ")");

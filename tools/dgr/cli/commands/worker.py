@@ -85,6 +85,20 @@ def register(sub) -> None:
     s.add_argument("--tls-ca", metavar="F", help="the operator's CA (PEM): peers must present a certificate it "
                    "signed (mutual TLS)")
     s.add_argument("--insecure", action="store_true", help="allow a plaintext listener on a non-loopback address")
+    # the bounds below have their defaults in dgr-worker alone (worker/server/worker.h, serve.h): not given,
+    # they are not passed, and `dgr-worker --help` and docs/worker.md "Bounds" say what applies
+    s.add_argument("--advertise", metavar="HOST[:PORT]", help="the address other machines reach this worker at, "
+                   "advertised and named in errors (for a wildcard --listen; default: the host name)")
+    s.add_argument("--max-connections", type=int, metavar="N", help="connections with a Frames stream open; the "
+                   "next is refused RESOURCE_EXHAUSTED (default: dgr-worker's)")
+    s.add_argument("--max-rpc-threads", type=int, metavar="N", help="gRPC's threads for the unary calls "
+                   "(default: dgr-worker's)")
+    s.add_argument("--send-timeout", type=float, metavar="S", help="the send deadline: a write to a peer that "
+                   "waits longer fails that peer's stream or link (default: dgr-worker's)")
+    s.add_argument("--max-send-queue-bytes", type=int, metavar="N", help="bytes queued per reply stream and per "
+                   "outgoing link before it is failed (default: dgr-worker's)")
+    s.add_argument("--handshake-timeout", type=float, metavar="S", help="a connection that has not finished its "
+                   "TLS handshake and HTTP/2 preface by then is closed (default: dgr-worker's)")
     s.add_argument("--metrics-listen", metavar="HOST:PORT", help="also serve Prometheus metrics at "
                    "http://HOST:PORT/metrics (https, and client certificates under --tls-ca, with TLS)")
     s.add_argument("--certs", metavar="DIR", help="certificates (`dgr certify`, DIR/*.json) to advertise: only "
