@@ -159,7 +159,7 @@ def test_device_check_is_valid_bash_and_its_dry_run_stops_before_the_gpu(repo_ro
     assert run.returncode == 0, run.stdout + run.stderr
     plan = run.stdout
     for step in ("build-engine --lane cuda", "parity --synth llama --stages 3", "bench --synth llama --stages 3",
-                 "bench --stages 3"):
+                 "bench --stages 3", "bench frames --rounds 3 --layers-per-stage 14"):
         assert step in plan, plan
     assert (tmp_path / "device-check.log").exists()
 
