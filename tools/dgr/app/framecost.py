@@ -146,7 +146,7 @@ def measure(*, stages: int = 3, tokens: int = 64, rounds: int = 3, embd: int = 5
             log.info("bench frames: round %d/%d: %s", r + 1, rounds,
                      ", ".join(f"{k} {v[-1]:.3f}" for k, v in per.items()) + f", floor {floors[-1]['one_way_ms']:.3f}")
     return FrameCost(stages=stages, rounds=rounds, tokens=tokens, spec=spec, boundary_bytes=nbytes,
-                     compute_us=int(round(statistics.median(compute) * 1000)),
+                     compute_us=compute_us,
                      per_hop_ms={k: statistics.median(v) for k, v in per.items()}, per_round=per,
                      layers_per_stage=n,
                      floor={k: statistics.median(f[k] for f in floors) for k in ("gap_ms", "one_way_ms", "one_way_p90_ms")})
