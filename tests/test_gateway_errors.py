@@ -1,5 +1,5 @@
-"""The gateway's errors in OpenAI's shape, its sandboxed chat templates, concurrent sessions and clients that
-go away, over a route of fake-engine worker processes (fast); the official `openai` client raises the
+"""The gateway's errors in OpenAI's shape, its sandboxed chat templates, concurrent sessions and a route that
+dies mid-stream, over a route of fake-engine worker processes (fast); the official `openai` client raises the
 matching exception classes."""
 
 from __future__ import annotations
@@ -14,10 +14,12 @@ import requests
 from dgr.app.gateway.limits import MAX_CHOICES
 from dgr.runtime.wire.client import RouteClient
 
-from support.gateway import gateway, metric, open_sessions, wait_no_sessions
+from support.gateway import gateway, metric, open_sessions
 from support.route import fake_route, make_ca, tls_args
 
 SPEC = "layers=6,embd=16,cuts=2:4,seed=8,ctx=2048"
+LONG_SPEC = "layers=6,embd=16,cuts=2:4,seed=8,ctx=40000"
+LONG_BUDGET = 32000     # tokens: a minute or more of the route's time, never done before a fault lands
 TEMPLATE = ("{% for m in messages %}{% if m['role'] == 'system' and not loop.first %}"
             "{{ raise_exception('the system message must come first') }}{% endif %}"
             "<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}")
@@ -176,7 +178,7 @@ def test_tools_and_a_tool_history_render_in_the_template_or_as_text(gw, route):
     assert with_tools.usage.prompt_tokens > out.usage.prompt_tokens + len(json.dumps(TOOL["function"]["parameters"]))
 
 
-def test_concurrent_requests_are_concurrent_sessions_and_closed_streams_free_them(gw, route):
+def test_concurrent_requests_are_concurrent_sessions(gw, route):
     c = gw.client()
     prompts = ["one", "two two", "three three three", "four"]
     refs = []
@@ -195,38 +197,15 @@ def test_concurrent_requests_are_concurrent_sessions_and_closed_streams_free_the
     for t in threads:
         t.join(60)
     assert [got.get(i) for i in range(len(prompts))] == refs
-    # four streams open at once hold four sessions on every stage; closing them frees every one
-    streams = [c.completions.create(model=_model(gw), prompt=p, max_tokens=1500, temperature=0, stream=True,
-                                    extra_body={"ignore_eos": True}) for p in prompts]
-    before = metric(requests.get(gw.url + "/metrics").text, "dgr_gateway_generated_tokens_total")
-    for s in streams:
-        next(iter(s))
-    assert open_sessions(route.addresses) == [4, 4, 4]
-    for s in streams:
-        s.close()
-    assert wait_no_sessions(route.addresses, 10) == [0, 0, 0]
-    text = requests.get(gw.url + "/metrics").text          # stopped early: not 4 x 1500 tokens
-    assert metric(text, "dgr_gateway_generated_tokens_total") - before < 4 * 1500
-    assert metric(text, "dgr_gateway_open_streams") == 0
-
-
-def test_a_client_that_times_out_frees_its_session(gw, route):
-    body = {"model": _model(gw), "prompt": "a long one", "max_tokens": 1500, "temperature": 0, "ignore_eos": True}
-    before = metric(requests.get(gw.url + "/metrics").text, "dgr_gateway_generated_tokens_total")
-    with pytest.raises(requests.exceptions.ReadTimeout):
-        requests.post(gw.url + "/v1/completions", json=body, timeout=0.5)
-    assert wait_no_sessions(route.addresses, 10) == [0, 0, 0]
-    after = metric(requests.get(gw.url + "/metrics").text, "dgr_gateway_generated_tokens_total")
-    assert 0 < after - before < 1500                        # it ran, and stopped when the client left
 
 
 def test_a_dead_route_answers_503_and_a_stream_that_breaks_ends_in_an_error_event(tmp_path):
     # a generation far longer than the kill takes to land (the stage dies while it streams); probes of the
     # live stages get 3 s to answer on a loaded machine
-    with fake_route(spec=SPEC) as r, gateway(r.route, attempts=1, hop_deadline=3.0) as g:
+    with fake_route(spec=LONG_SPEC) as r, gateway(r.route, attempts=1, hop_deadline=3.0) as g:
         c = g.client()
         model = _model(g)
-        s = c.completions.create(model=model, prompt="x", max_tokens=2000, temperature=0, stream=True,
+        s = c.completions.create(model=model, prompt="x", max_tokens=LONG_BUDGET, temperature=0, stream=True,
                                  extra_body={"ignore_eos": True})
         chunks = iter(s)
         next(chunks)

@@ -100,6 +100,24 @@ def test_a_client_that_closes_a_fast_stream_frees_every_stage(gw, route):
     _let_go(gw, route, before)
 
 
+def test_four_open_streams_hold_four_sessions_and_closing_them_frees_every_one(gw, route):
+    c = gw.client()
+    before = _counters(gw)
+    streams = [c.completions.create(model=gw.backend.info.name, prompt=p, max_tokens=BUDGET, stream=True, **FLOWING)
+               for p in ("one", "two two", "three three three", "four")]
+    for s in streams:
+        next(iter(s))
+    assert open_sessions(route.addresses) == [4, 4, 4]
+    for s in streams:
+        s.close()
+    assert wait_no_sessions(route.addresses, DEADLINE) == [0, 0, 0]
+    tokens, gone = _counters(gw)
+    assert 0 < tokens - before[0] < 4 * BUDGET              # each stopped long before its budget
+    assert gone - before[1] == 4
+    text = requests.get(gw.url + "/metrics").text
+    assert metric(text, "dgr_gateway_active_generations") == 0 and metric(text, "dgr_gateway_open_streams") == 0
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_connection_reset_frees_every_stage(gw, route, stream):
     """A client whose connection is reset (RST, no FIN) after the request went out."""

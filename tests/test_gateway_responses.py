@@ -217,14 +217,14 @@ def test_n_over_the_bound_and_unsupported_fields_are_400_naming_the_field(gw):
 
 
 # ---------------------------------------------------------------------------------------------- failures
-FAKE_SPEC = "layers=6,embd=16,cuts=2:4,seed=8,ctx=4096"
+FAKE_SPEC = "layers=6,embd=16,cuts=2:4,seed=8,ctx=40000"   # room for a generation of a minute or more
 FAKE_TEMPLATE = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}<assistant>"
 
 
 def test_a_responses_client_that_leaves_or_a_stage_that_dies():
     with fake_route(spec=FAKE_SPEC) as r, gateway(r.route, chat_template=FAKE_TEMPLATE, attempts=1,
                                                   hop_deadline=3.0) as g:
-        model, body = g.backend.info.name, {"input": "a long one", "max_output_tokens": 4000, "temperature": 0,
+        model, body = g.backend.info.name, {"input": "a long one", "max_output_tokens": 32000, "temperature": 0,
                                             "ignore_eos": True}
         # a non-streaming client that times out: its session closes on every stage
         with pytest.raises(requests.exceptions.ReadTimeout):
