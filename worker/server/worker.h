@@ -33,6 +33,7 @@
 #include "engine_lib.h"
 #include "prefix_cache.h"
 #include "metrics.h"
+#include "net_policy.h"
 #include "tls.h"
 
 namespace dgr {
@@ -212,6 +213,8 @@ class StageWorker final : public dgr::v1::Stage::WithCallbackMethod_Frames<dgr::
     void set_metrics_url(const std::string & url);
     // the certificates it advertises (certs.h: already checked against its identity); set before serving
     void set_certificates(std::vector<HeldCertificate> c) { certificates_ = std::move(c); }
+    // where it may connect (--peer-allow; net_policy.h); set before serving
+    void set_net_policy(NetPolicy p) { net_ = std::move(p); }
 
   private:
     // Sampling.top_logprobs: the most alternatives a draw reports (OpenAI's bound; dgr.runtime.wire.limits.MAX_TOP_LOGPROBS)
@@ -334,6 +337,7 @@ class StageWorker final : public dgr::v1::Stage::WithCallbackMethod_Frames<dgr::
 
     const EngineLib & lib_;
     Trust trust_;
+    NetPolicy net_;                                  // fixed once serving
     dgr_engine * eng_;
     StageIdentity id_;
     mutable std::mutex addr_mu_;
