@@ -60,14 +60,36 @@ void StageWorker::on_frame(pb::Frame frame, const ReplyPtr & reply, const std::o
     const auto kind = frame.body_case();
     const int64_t sent = int64_t(frame.sent_unix_ns());
     const uint64_t transit = sent ? uint64_t(std::max<int64_t>(0, wall_ns() - sent)) : 0;
+    // the id as the sender named it; this worker's key for the session (owners.cpp): a client's or a previous
+    // hop's frame names a session in the sender's own namespace; what returns into the origin names the id
+    // stage 0 gave the route (wire_down), and a frame this worker sent itself names its own key
+    const std::string named = frame.session_id();
+    const bool returning = kind == pb::Frame::kToken || kind == pb::Frame::kLogits || kind == pb::Frame::kError;
+    if (peer) {
+        if (!returning) {
+            frame.set_session_id(qualify(*peer, named));
+        } else {
+            std::lock_guard<std::mutex> g(mu_);
+            frame.set_session_id(info_.is_first ? origin_key(named) : std::string());
+        }
+    }
     const Key key{frame.session_id(), frame.epoch()};
-    SessionPtr sess = session(key);
-    if (kind == pb::Frame::kToken || kind == pb::Frame::kLogits || kind == pb::Frame::kError) {
+    SessionPtr sess = key.first.empty() ? nullptr : session(key);
+    if (returning) {
+        if (!sess) {                                 // no session of this origin's route has that id
+            if (kind != pb::Frame::kError) {
+                frame.set_session_id(named);
+                reply_error(reply, frame, err(pb::UNKNOWN_SESSION, "no open session " + named + " epoch " +
+                                                                       std::to_string(frame.epoch()) + " returns here"), true);
+            }
+            return;
+        }
         try {
-            check_sender(kind == pb::Frame::kToken ? "token" : kind == pb::Frame::kLogits ? "logits" : "error", sess, peer, frame.session_id());
+            check_sender(kind == pb::Frame::kToken ? "token" : kind == pb::Frame::kLogits ? "logits" : "error", sess, peer, named);
         } catch (Fault & f) {
             fprintf(stderr, "dgr-worker: refused a frame: %s\n", f.message.c_str());
-            if (kind != pb::Frame::kError) reply_error(reply, frame, err(f.code, f.message));
+            frame.set_session_id(named);
+            if (kind != pb::Frame::kError) reply_error(reply, frame, err(f.code, f.message), true);
             return;
         }
         if (kind == pb::Frame::kToken) {
@@ -92,14 +114,14 @@ void StageWorker::on_frame(pb::Frame frame, const ReplyPtr & reply, const std::o
                 if (known) latest = it->second;
             }
             if (known && latest > frame.epoch()) {
-                throw Fault{pb::STALE_EPOCH, "session " + frame.session_id() + " epoch " + std::to_string(frame.epoch()) +
+                throw Fault{pb::STALE_EPOCH, "session " + named + " epoch " + std::to_string(frame.epoch()) +
                                                  " was replaced by epoch " + std::to_string(latest)};
             }
-            throw Fault{pb::UNKNOWN_SESSION, "no open session " + frame.session_id() + " epoch " +
+            throw Fault{pb::UNKNOWN_SESSION, "no open session " + named + " epoch " +
                                                  std::to_string(frame.epoch()) + ": open it (OpenSession) first"};
         }
         try {
-            check_sender(kind == pb::Frame::kGenerate ? "generate" : kind == pb::Frame::kStep ? "step" : "other", sess, peer, frame.session_id());
+            check_sender(kind == pb::Frame::kGenerate ? "generate" : kind == pb::Frame::kStep ? "step" : "other", sess, peer, named);
         } catch (Fault & f) {
             fprintf(stderr, "dgr-worker: refused a frame: %s\n", f.message.c_str());
             throw;
@@ -107,6 +129,14 @@ void StageWorker::on_frame(pb::Frame frame, const ReplyPtr & reply, const std::o
         if (kind == pb::Frame::kGenerate) {
             if (!info_.is_first) throw Fault{pb::BAD_FRAME, "generate frames go to stage 0 only"};
             const auto & g = frame.generate();
+            // every repeated field bounded by what one session can hold (n_ctx positions)
+            for (auto [field, n] : {std::pair<const char *, int>{"context_ids", g.context_ids_size()},
+                                    {"cached_ids", g.cached_ids_size()}, {"stop_token_ids", g.stop_token_ids_size()}}) {
+                if (int64_t(n) > int64_t(info_.n_ctx)) {
+                    throw Fault{pb::BAD_FRAME, std::string("generate.") + field + " holds " + std::to_string(n) +
+                                                   " ids, more than the session's context (" + std::to_string(info_.n_ctx) + ")"};
+                }
+            }
             {
                 std::lock_guard<std::mutex> l(mu_);
                 sess->client = reply;

@@ -61,7 +61,7 @@ void StageWorker::emit_last(Work & w, const SessionPtr & sess, const float * log
         for (int64_t lo = 0; lo < valid; lo += per) {
             const int64_t hi = std::min(valid, lo + per);
             pb::Frame f;
-            f.set_session_id(w.frame.session_id());
+            f.set_session_id(sess->wire_down);       // as the origin knows it
             f.set_epoch(w.frame.epoch());
             pb::Logits * l = f.mutable_logits();
             for (int64_t k = lo; k < hi; ++k) l->add_positions(s.positions(int(k)));
@@ -72,7 +72,7 @@ void StageWorker::emit_last(Work & w, const SessionPtr & sess, const float * log
     if (s.sample()) {
         const int32_t position = s.positions(int(n - k - 1)) + int32_t(draws.size()) - 1;
         pb::Frame f;
-        f.set_session_id(w.frame.session_id());
+        f.set_session_id(sess->wire_down);
         f.set_epoch(w.frame.epoch());
         pb::Token * t = f.mutable_token();
         t->set_token_id(draws.back());

@@ -35,7 +35,19 @@ Link::Link(StageWorker * w, std::string address_, std::string label_, uint64_t m
 
 Link::~Link() { close(); }
 
-bool Link::send(pb::Frame & f) {
+std::optional<Link::Key> Link::mine_of(const std::string & sid, uint64_t epoch) {
+    std::lock_guard<std::mutex> g(mu_);
+    auto it = sessions_.find(Key{sid, epoch});
+    if (it == sessions_.end()) return std::nullopt;
+    return it->second;
+}
+
+void Link::forget(const Key & sent) {
+    std::lock_guard<std::mutex> g(mu_);
+    sessions_.erase(sent);
+}
+
+bool Link::send(pb::Frame & f, const Key & mine) {
     const int64_t size = int64_t(f.ByteSizeLong());
     {
         std::lock_guard<std::mutex> g(mu_);
@@ -47,7 +59,7 @@ bool Link::send(pb::Frame & f) {
                           std::to_string(cap) + ")");
             return false;
         }
-        sessions_.emplace(f.session_id(), f.epoch());
+        sessions_.emplace(Key{f.session_id(), f.epoch()}, mine);
         if (in_flight_) {                            // behind the write in flight: OnWriteDone starts it
             bytes_ += size;
             q_.push_back(std::move(f));
@@ -85,7 +97,7 @@ void Link::OnReadDone(bool ok) {
         return;
     }
     try {
-        w_->on_link_reply(std::move(in_));           // the peer's answers: errors about frames sent
+        w_->on_link_reply(this, std::move(in_));     // the peer's answers: errors about frames sent
     } catch (const std::exception & e) {
         fprintf(stderr, "dgr-worker: link to %s: %s\n", address.c_str(), e.what());
     } catch (...) {
@@ -96,13 +108,14 @@ void Link::OnReadDone(bool ok) {
 
 void Link::OnDone(const grpc::Status & st) {
     std::string why = st.ok() ? "closed the stream" : status_name(st.error_code()) + ": " + st.error_message();
-    std::set<std::pair<std::string, uint64_t>> lost;
+    std::set<Key> lost;
     bool closing;
     {
         std::lock_guard<std::mutex> g(mu_);
         broken_ = true;
         if (!failed_.empty()) why = "this worker failed the link: " + failed_;
-        lost.swap(sessions_);
+        for (auto & kv : sessions_) lost.insert(kv.second);
+        sessions_.clear();
         closing = closing_;
         q_.clear();
         bytes_ = 0;

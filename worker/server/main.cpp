@@ -50,7 +50,8 @@ const char * USAGE =
     "                  [--advertise HOST[:PORT]] [--max-connections N] [--max-rpc-threads N] [--send-timeout S]\n"
     "                  [--max-send-queue-bytes N] [--handshake-timeout S] [--metrics-listen HOST:PORT]\n"
     "                  [--certs DIR [--contract FILE]]\n"
-    "                  [--prefix-cache-mib N] [--draft-max N]\n"
+    "                  [--prefix-cache-mib N] [--prefix-cache-shared] [--draft-max N]\n"
+    "                  [--max-grammar-bytes N] [--max-grammar-depth N]\n"
     "Serves one stage of a bundle (dgr.v1.Stage over gRPC, grpc.health.v1) as `dgr worker serve` does.\n"
     "TLS with --tls-cert/--tls-key (`dgr certs issue`); with --tls-ca, mutual TLS: peers need a certificate the CA\n"
     "signed, and a session's frames are taken only from the members that opened it (docs/worker.md).\n"
@@ -59,7 +60,11 @@ const char * USAGE =
     "reply stream and link, --send-timeout (10 s) for one write: a peer that stops reading fails its own stream;\n"
     "--handshake-timeout (10 s): a connection that has not finished its TLS handshake and HTTP/2 preface is closed.\n"
     "--prefix-cache-mib (256): what closed sessions' KV held, kept for later sessions that start with the same\n"
-    "tokens (docs/worker.md \"Prefix cache\"; 0: off).\n"
+    "tokens (docs/worker.md \"Prefix cache\"; 0: off). Under mutual TLS each member finds only the prefixes its own\n"
+    "sessions left; --prefix-cache-shared lets any member's session at stage 0 start from them (a hit then tells a\n"
+    "member that someone sent that prefix: docs/security.md).\n"
+    "--max-grammar-bytes (262144), --max-grammar-depth (64): the largest Sampling.grammar or json_schema a session\n"
+    "may ask for, and how deeply it may nest, checked before it is parsed.\n"
     "--draft-max (8): the drafts one step may carry and still roll back where the cache keeps per-step snapshots\n"
     "(DeepSeek V4 and other hybrids llama.cpp rolls back; each is one more copy of the recurrent state): speculation\n"
     "and MTP drafts (docs/speculation.md). 0: such a stage cannot roll back.\n"
@@ -154,6 +159,8 @@ Options parse(int argc, char ** argv) {
         {"--max-send-queue-bytes", [&](auto & v) { o.limits.max_send_queue_bytes = to_int("--max-send-queue-bytes", v); }},
         {"--draft-max", [&](auto & v) { o.draft_max = std::clamp<int64_t>(to_int("--draft-max", v), 0, 64); }},
         {"--prefix-cache-mib", [&](auto & v) { o.limits.prefix_cache_mib = std::max<int64_t>(0, to_int("--prefix-cache-mib", v)); }},
+        {"--max-grammar-bytes", [&](auto & v) { o.limits.max_grammar_bytes = to_int("--max-grammar-bytes", v); }},
+        {"--max-grammar-depth", [&](auto & v) { o.limits.max_grammar_depth = to_int("--max-grammar-depth", v); }},
     };
     // `dgr-worker serve ...` is `dgr-worker ...`: the words of `dgr worker serve`, and of the units and
     // scripts written for a release's bin/dgr-worker when it was a launcher of it
@@ -166,6 +173,7 @@ Options parse(int argc, char ** argv) {
         }
         if (a == "--insecure") { o.insecure = true; continue; }
         if (a == "--no-verify") { o.no_verify = true; continue; }
+        if (a == "--prefix-cache-shared") { o.limits.prefix_cache_shared = true; continue; }
         std::string flag = a, value;
         bool inline_value = false;
         if (auto eq = a.find('='); a.rfind("--", 0) == 0 && eq != std::string::npos) {
@@ -195,6 +203,8 @@ int run(int argc, char ** argv) {
                              {"--max-session-steps", o.limits.max_session_steps},
                              {"--max-batch-sessions", o.limits.max_batch_sessions},
                              {"--max-connections", o.limits.max_connections},
+                             {"--max-grammar-bytes", o.limits.max_grammar_bytes},
+                             {"--max-grammar-depth", o.limits.max_grammar_depth},
                              {"--max-rpc-threads", o.max_rpc_threads}}) {
         if (v < 1) throw std::runtime_error(std::string(flag) + " must be at least 1");
     }

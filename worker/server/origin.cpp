@@ -16,6 +16,7 @@ using Clock = std::chrono::steady_clock;
 void StageWorker::deliver_to_client(pb::Frame frame) {
     SessionPtr sess = session(Key{frame.session_id(), frame.epoch()});
     if (!sess || !info_.is_first) return;
+    frame.set_session_id(wire_of(sess->sid));        // what the client gets names the session as it did
     ReplyPtr client;
     {
         std::lock_guard<std::mutex> g(mu_);
@@ -69,7 +70,7 @@ void StageWorker::deliver_to_client(pb::Frame frame) {
                 full = true;
             } else {
                 next = true;
-                step = next_step(*sess, frame.session_id(), frame.epoch(), pos, last, tok->drafted() > 0);
+                step = next_step(*sess, sess->sid, frame.epoch(), pos, last, tok->drafted() > 0);
             }
         } else {
             sess->done = true;

@@ -1,6 +1,9 @@
 #include "prefix_cache.h"
 
 #include <algorithm>
+#include <cstring>
+
+#include "blake3_c/blake3.h"
 
 namespace dgr {
 
@@ -19,6 +22,7 @@ PrefixCache::Hit PrefixCache::find(const std::string & seed, const std::vector<s
         Entry & e = entries_.at(it->second.entry);
         lru_.splice(lru_.begin(), lru_, e.lru);
         hit.state = e.state;
+        hit.tokens = e.tokens;
         hit.n_positions = e.n_positions;
         hit.n_keep = it->second.n_keep;
         hit.blocks = j + 1;
@@ -47,7 +51,7 @@ void PrefixCache::evict_one() {
 }
 
 size_t PrefixCache::put(const std::string & seed, const std::vector<std::string> & blocks, uint32_t block_tokens,
-                        std::string state, int32_t n_positions) {
+                        std::string state, int32_t n_positions, std::vector<int32_t> tokens) {
     if (!block_tokens || n_positions <= 0) return 0;
     const size_t n = std::min(blocks.size(), size_t(n_positions) / block_tokens);
     if (n == 0) return 0;
@@ -58,6 +62,7 @@ size_t PrefixCache::put(const std::string & seed, const std::vector<std::string>
     Entry & e = entries_[id];
     e.state = std::make_shared<const std::string>(std::move(state));
     e.n_positions = n_positions;
+    e.tokens = std::make_shared<const std::vector<int32_t>>(std::move(tokens));
     lru_.push_front(id);
     e.lru = lru_.begin();
     bytes_ += e.state->size();
@@ -80,6 +85,30 @@ size_t PrefixCache::put(const std::string & seed, const std::vector<std::string>
     }
     ++stats_.kept;
     return n;
+}
+
+std::vector<std::string> PrefixCache::block_hashes(const int32_t * ids, size_t n, uint32_t block_tokens) {
+    static const char SEED[] = "dgr-prefix-v1";      // dgr.runtime.wire.prefix._SEED
+    constexpr size_t HASH_BYTES = 16;                // dgr.runtime.wire.prefix.HASH_BYTES
+    std::vector<std::string> out;
+    if (!block_tokens) return out;
+    std::string prev(SEED, sizeof SEED - 1);
+    std::vector<uint8_t> le(size_t(block_tokens) * 4);
+    for (size_t j = 0; (j + 1) * block_tokens <= n; ++j) {
+        for (size_t k = 0; k < block_tokens; ++k) {
+            const uint32_t v = uint32_t(ids[j * block_tokens + k]);
+            for (int b = 0; b < 4; ++b) le[k * 4 + size_t(b)] = uint8_t(v >> (8 * b));
+        }
+        blake3_hasher h;
+        blake3_hasher_init(&h);
+        blake3_hasher_update(&h, prev.data(), prev.size());
+        blake3_hasher_update(&h, le.data(), le.size());
+        std::string d(HASH_BYTES, '\0');
+        blake3_hasher_finalize(&h, reinterpret_cast<uint8_t *>(&d[0]), HASH_BYTES);
+        out.push_back(d);
+        prev = std::move(d);
+    }
+    return out;
 }
 
 PrefixCache::Stats PrefixCache::stats() {

@@ -54,7 +54,7 @@ void StageWorker::emit_boundary(Work & w, const SessionPtr & sess, const float *
     for (int64_t lo = 0; lo < n; lo += per) {
         const int64_t hi = std::min(n, lo + per);
         pb::Frame f;
-        f.set_session_id(w.frame.session_id());
+        f.set_session_id(sess->wire_down);
         f.set_epoch(w.frame.epoch());
         pb::Step * step = f.mutable_step();
         for (int64_t k = lo; k < hi; ++k) step->add_positions(s.positions(int(k)));
@@ -111,13 +111,14 @@ void StageWorker::send(const std::string & address, uint32_t hop_index, pb::Fram
         self = address == address_ && hop_index == 0 && info_.is_first;
     }
     if (self) {                                      // a one-stage route: the origin is this worker
+        frame.set_session_id(sess->sid);             // its own key: a frame it sends itself is not checked
         on_frame(std::move(frame), nullptr, nullptr);
         return;
     }
     for (int attempt = 0; attempt < 2; ++attempt) {
         std::shared_ptr<Link> l = out_link(address, hop_index);
         if (!l) return;                              // stopping
-        if (l->send(frame)) return;
+        if (l->send(frame, Key{sess->sid, frame.epoch()})) return;
         // broken but not yet forgotten: forget it, the next try opens a new one
         std::lock_guard<std::mutex> g(mu_);
         auto it = out_links_.find(address);
@@ -129,12 +130,25 @@ void StageWorker::send(const std::string & address, uint32_t hop_index, pb::Fram
 }
 
 void StageWorker::to_origin(const SessionPtr & sess, pb::Frame frame) {
-    if (info_.is_first) deliver_to_client(std::move(frame));
-    else send(sess->route[0].address(), 0, std::move(frame), sess);
+    if (info_.is_first) {
+        frame.set_session_id(sess->sid);
+        deliver_to_client(std::move(frame));
+    } else {
+        frame.set_session_id(sess->wire_down);       // as the origin knows it
+        send(sess->route[0].address(), 0, std::move(frame), sess);
+    }
 }
 
-void StageWorker::on_link_reply(pb::Frame frame) {
-    SessionPtr sess = session(Key{frame.session_id(), frame.epoch()});
+// What the peer of an outgoing link writes back: errors about frames this worker sent it. Taken only for a
+// session this worker sent over this very link (a peer never reaches another session, whatever it names).
+void StageWorker::on_link_reply(Link * link, pb::Frame frame) {
+    std::optional<Key> mine = link->mine_of(frame.session_id(), frame.epoch());
+    if (!mine) {
+        fprintf(stderr, "dgr-worker: %s named session %s epoch %llu, which this worker never sent it: dropped\n",
+                link->label.c_str(), frame.session_id().c_str(), (unsigned long long)frame.epoch());
+        return;
+    }
+    SessionPtr sess = session(*mine);
     if (sess) to_origin(sess, std::move(frame));
 }
 

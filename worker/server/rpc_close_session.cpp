@@ -17,15 +17,33 @@ using Clock = std::chrono::steady_clock;
 
 void StageWorker::close_local(const std::string & sid, uint64_t epoch) {
     bool held;
+    std::vector<std::shared_ptr<Link>> links;
+    std::string wire;
     {
         std::lock_guard<std::mutex> g(mu_);
-        held = sessions_.erase(Key{sid, epoch}) > 0;
+        auto s = sessions_.find(Key{sid, epoch});
+        held = s != sessions_.end();
+        if (held) {
+            wire = s->second->wire_down;
+            sessions_.erase(s);
+        }
         auto it = pending_.find(Key{sid, epoch});   // its queued steps are forgotten
         if (it != pending_.end()) {
             n_pending_ -= int64_t(it->second.size());
             pending_.erase(it);
         }
+        // nothing of a session outlives it: its id along the route, its latest epoch once no epoch is open,
+        // the links' note of it
+        bool open = false;
+        for (auto k = sessions_.lower_bound(Key{sid, 0}); k != sessions_.end() && k->first.first == sid; ++k) open = true;
+        if (!open) latest_epoch_.erase(sid);
+        if (held) {
+            auto d = down_.find(wire);
+            if (d != down_.end() && d->second == sid) down_.erase(d);
+            for (auto & kv : out_links_) links.push_back(kv.second);
+        }
     }
+    for (auto & l : links) l->forget(Key{wire, epoch});
     if (held) {
         std::lock_guard<std::mutex> g(engine_mu_);
         int32_t st = lib_.session_close(eng_, sid.c_str(), int64_t(epoch));
@@ -35,9 +53,10 @@ void StageWorker::close_local(const std::string & sid, uint64_t epoch) {
 }
 
 void StageWorker::close_chained(const std::string & sid, uint64_t epoch, const grpc::ServerContext * ctx,
-                                pb::CloseSessionReply * reply, const pb::CloseSessionRequest * keep) {
+                                pb::CloseSessionReply * reply, const std::pair<std::vector<std::string>, uint32_t> * keep) {
     std::vector<pb::Hop> route;
     uint32_t hop_index = 0;
+    std::string wire;
     bool had;
     const Key key{sid, epoch};
     std::shared_ptr<std::promise<void>> mine;        // this call closes it along the route
@@ -49,6 +68,7 @@ void StageWorker::close_chained(const std::string & sid, uint64_t epoch, const g
         if (had) {
             route = it->second->route;
             hop_index = it->second->hop_index;
+            wire = it->second->wire_down;
             mine = std::make_shared<std::promise<void>>();
             closing_[key] = mine->get_future().share();
         } else if (auto c = closing_.find(key); c != closing_.end()) {
@@ -77,12 +97,12 @@ void StageWorker::close_chained(const std::string & sid, uint64_t epoch, const g
     if (!info_.is_last && hop_index + 1 < route.size()) {
         const pb::Hop & nxt = route[hop_index + 1];
         pb::CloseSessionRequest req;
-        req.set_session_id(sid);
+        req.set_session_id(wire);                    // as the next hop knows it
         req.set_epoch(epoch);
         req.set_chain(true);
-        if (keep) {
-            *req.mutable_prefix_blocks() = keep->prefix_blocks();
-            req.set_prefix_block_tokens(keep->prefix_block_tokens());
+        if (keep && !keep->first.empty()) {
+            for (auto & b : keep->first) req.add_prefix_blocks(b);
+            req.set_prefix_block_tokens(keep->second);
         }
         pb::CloseSessionReply theirs;
         grpc::ClientContext cc;
@@ -97,14 +117,17 @@ void StageWorker::close_chained(const std::string & sid, uint64_t epoch, const g
 
 grpc::Status StageWorker::CloseSession(grpc::ServerContext * ctx, const pb::CloseSessionRequest * req, pb::CloseSessionReply * reply) {
     return guarded("CloseSession", [&] {
-        if (std::string why = refuse_owner(req->session_id(), req->epoch(), ctx); !why.empty()) {
+        // the caller's own session: its namespace (owners.cpp); another member's id names nothing here
+        const std::string sid = qualify(trust_.mutual ? peer_identity(ctx) : std::nullopt, req->session_id());
+        if (std::string why = refuse_owner(sid, req->epoch(), ctx); !why.empty()) {
             fprintf(stderr, "dgr-worker: refused a close: %s\n", why.c_str());
             *reply->mutable_error() = err(pb::WRONG_STAGE, why);
             return grpc::Status::OK;
         }
-        if (req->prefix_blocks_size() > 0) keep_prefix(req->session_id(), req->epoch(), *req);
-        if (req->chain()) close_chained(req->session_id(), req->epoch(), ctx, reply, req);
-        else close_local(req->session_id(), req->epoch());
+        std::pair<std::vector<std::string>, uint32_t> keep{{}, req->prefix_block_tokens()};
+        if (req->prefix_blocks_size() > 0) keep.first = keep_prefix(sid, req->epoch(), *req);
+        if (req->chain()) close_chained(sid, req->epoch(), ctx, reply, &keep);
+        else close_local(sid, req->epoch());
         return grpc::Status::OK;
     });
 }
@@ -139,9 +162,9 @@ int StageWorker::reap() {
             char ttl_s[32];
             snprintf(ttl_s, sizeof ttl_s, "%g", ttl);
             pb::Frame f;
-            f.set_session_id(k.first);
+            f.set_session_id(wire_of(k.first));
             f.set_epoch(k.second);
-            *f.mutable_error() = err(pb::UNKNOWN_SESSION, "session " + k.first + " epoch " + std::to_string(k.second) +
+            *f.mutable_error() = err(pb::UNKNOWN_SESSION, "session " + wire_of(k.first) + " epoch " + std::to_string(k.second) +
                                                               " was closed after " + ttl_s + " s idle (--session-ttl): open it again");
             client->put(std::move(f));
         }

@@ -53,6 +53,13 @@ grpc::Status StageWorker::OpenSession(grpc::ServerContext * ctx, const pb::OpenS
         if (at.layer_begin() != ident.layer_begin() || at.layer_end() != ident.layer_end()) {
             return fail(pb::WRONG_RANGE, "the route expects " + want + " but this worker serves " + mine);
         }
+        // where this worker will connect for the session: the next hop, and the origin from a later stage
+        for (int i : {int(req->hop_index()) + 1, req->hop_index() > 0 ? 0 : -1}) {
+            if (i < 0 || i >= req->route_size()) continue;
+            if (std::string why = refuse_peer_address(req->route(i).address(), net_); !why.empty()) {
+                return fail(pb::BAD_FRAME, "route[" + std::to_string(i) + "]: " + why);
+            }
+        }
         const bool last_hop = req->hop_index() == uint32_t(req->route_size() - 1);
         if ((req->hop_index() == 0) != bool(info_.is_first) || last_hop != bool(info_.is_last)) {
             return fail(pb::WRONG_STAGE, "this worker serves " + mine + " (first=" + py_bool(info_.is_first) + ", last=" +
@@ -112,10 +119,12 @@ grpc::Status StageWorker::OpenSession(grpc::ServerContext * ctx, const pb::OpenS
                                             "engine has no vocabulary; an engine built before grammars): serve a real "
                                             "model, or rebuild the engine (`dgr build-engine`)");
                 }
+                if (std::string why = refuse_grammar(sp); !why.empty()) return fail(pb::ENGINE, why);
                 dgr_grammar * g = nullptr;
                 std::string refused;
                 {
-                    std::lock_guard<std::mutex> eg(engine_mu_);
+                    // outside the engine lock: a grammar reads only the vocabulary, which no step changes, so a
+                    // slow conversion holds up this request alone
                     int32_t st = lib_.grammar_open(eng_, sp.grammar().empty() ? nullptr : sp.grammar().c_str(),
                                                    sp.json_schema().empty() ? nullptr : sp.json_schema().c_str(), &g);
                     if (st != DGR_OK) refused = lib_.error(st);
@@ -128,19 +137,21 @@ grpc::Status StageWorker::OpenSession(grpc::ServerContext * ctx, const pb::OpenS
                 if (!refused.empty()) return fail(pb::ENGINE, refused);
             }
         }
-        const Key key{req->session_id(), req->epoch()};
+        // the session in the caller's own namespace (owners.cpp): no other member's id can be named here
+        const std::string sid = qualify(trust_.mutual ? peer_identity(ctx) : std::nullopt, req->session_id());
+        const Key key{sid, req->epoch()};
+        // the id the route's later hops know it by: stage 0 adds 128 random bits under mutual TLS
+        const std::string wire_down = trust_.mutual && info_.is_first ? req->session_id() + "#" + random_hex16() : wire_of(sid);
         std::vector<Key> old;
         {
             std::unique_lock<std::mutex> g(mu_);
-            auto le = latest_epoch_.find(req->session_id());
+            auto le = latest_epoch_.find(sid);
             if ((le != latest_epoch_.end() && req->epoch() < le->second) || sessions_.count(key)) {
-                std::string at = std::to_string(latest_epoch_[req->session_id()]);
+                std::string at = std::to_string(le != latest_epoch_.end() ? le->second : req->epoch());
                 g.unlock();
                 return fail(pb::STALE_EPOCH, "session " + req->session_id() + " is already at epoch " + at + "; open a newer epoch");
             }
-            for (auto & kv : sessions_) {
-                if (kv.first.first == req->session_id()) old.push_back(kv.first);
-            }
+            for (auto k = sessions_.lower_bound(Key{sid, 0}); k != sessions_.end() && k->first.first == sid; ++k) old.push_back(k->first);
             if (sessions_.size() - old.size() >= size_t(info_.max_sessions)) {
                 ++overloaded_;
                 uint32_t retry = session_retry_ms();
@@ -152,25 +163,31 @@ grpc::Status StageWorker::OpenSession(grpc::ServerContext * ctx, const pb::OpenS
         for (auto & k : old) close_local(k.first, k.second);
         {
             std::lock_guard<std::mutex> g(engine_mu_);
-            int32_t st = lib_.session_open(eng_, req->session_id().c_str(), int64_t(req->epoch()));
+            int32_t st = lib_.session_open(eng_, sid.c_str(), int64_t(req->epoch()));
             if (st != DGR_OK) {
                 std::string msg = lib_.error(st);
                 return fail(pb::ENGINE, msg);
             }
         }
-        // the prefix cache: the longest kept prefix of the blocks the previous hop matched
+        // the prefix cache: the longest kept prefix of the blocks the previous hop matched, among the entries
+        // this session may use: its member's own at stage 0 (any member's with --prefix-cache-shared), its
+        // opener's at a later stage (docs/security.md)
         int32_t restored = 0;
         size_t matched = 0;
+        std::vector<int32_t> ran;
+        const std::string prefix_owner = info_.is_first && limits_.prefix_cache_shared ? std::string("*") : owner_of(sid);
+        const std::string seed = prefix_owner + "|" + prefix_seed(req->upstream());
         if (prefix_ && req->prefix_blocks_size() > 0 && req->prefix_block_tokens() > 0) {
-            PrefixCache::Hit hit = prefix_->find(prefix_seed(req->upstream()), prefix_blocks(req->prefix_blocks()),
-                                                 req->prefix_block_tokens());
+            PrefixCache::Hit hit = prefix_->find(seed, prefix_blocks(req->prefix_blocks()), req->prefix_block_tokens());
+            if (hit.n_keep > 0 && info_.is_first && (!hit.tokens || hit.tokens->size() < size_t(hit.n_keep))) hit = {};
             if (hit.n_keep > 0) {
                 std::lock_guard<std::mutex> eg(engine_mu_);
-                int32_t st = lib_.state_set(eng_, req->session_id().c_str(), int64_t(req->epoch()), hit.state->data(),
+                int32_t st = lib_.state_set(eng_, sid.c_str(), int64_t(req->epoch()), hit.state->data(),
                                             hit.state->size(), hit.n_positions, hit.n_keep);
                 if (st == DGR_OK) {
                     restored = hit.n_keep;
                     matched = hit.blocks;
+                    if (info_.is_first) ran.assign(hit.tokens->begin(), hit.tokens->begin() + hit.n_keep);
                 } else {                             // an ordinary miss: prefill it all
                     fprintf(stderr, "dgr-worker: the prefix cache's state did not load: %s\n", lib_.error(st).c_str());
                 }
@@ -179,6 +196,10 @@ grpc::Status StageWorker::OpenSession(grpc::ServerContext * ctx, const pb::OpenS
         {
             std::lock_guard<std::mutex> g(mu_);
             auto s = std::make_shared<Session>();
+            s->sid = sid;
+            s->wire_down = wire_down;
+            s->prefix_owner = prefix_owner;
+            s->ran = std::move(ran);
             s->route.assign(req->route().begin(), req->route().end());
             s->hop_index = req->hop_index();
             s->last_used = Clock::now();
@@ -191,12 +212,14 @@ grpc::Status StageWorker::OpenSession(grpc::ServerContext * ctx, const pb::OpenS
             if (trust_.mutual) s->opener = peer_identity(ctx);
             sessions_[key] = std::move(s);
             ++opened_total_;
-            latest_epoch_[req->session_id()] = req->epoch();
+            latest_epoch_[sid] = req->epoch();
+            if (trust_.mutual && info_.is_first) down_[wire_down] = sid;
         }
         *reply->add_hops() = me;
         if (!info_.is_last) {
             const pb::Hop & nxt = req->route(int(req->hop_index()) + 1);
             pb::OpenSessionRequest fwd = *req;
+            fwd.set_session_id(wire_down);
             fwd.set_hop_index(req->hop_index() + 1);
             *fwd.mutable_upstream() = me;
             while (size_t(fwd.prefix_blocks_size()) > matched) fwd.mutable_prefix_blocks()->RemoveLast();
@@ -211,8 +234,12 @@ grpc::Status StageWorker::OpenSession(grpc::ServerContext * ctx, const pb::OpenS
                 auto * e = theirs.mutable_error();
                 e->set_code(pb::HOP_UNREACHABLE);
                 e->set_hop(name);
+                // the caller hears no more than that: whether a port was open is not its business (its detail is
+                // in this worker's log, for its operator)
+                fprintf(stderr, "dgr-worker: opening a session on %s: %s: %s\n", name.c_str(), status_name(st.error_code()).c_str(),
+                        st.error_message().c_str());
                 e->set_message(name + " is unreachable: " + hop() + " could not open the session there (" +
-                               status_name(st.error_code()) + ": " + st.error_message() + "): is that worker running?");
+                               status_name(st.error_code()) + ": no connection, or no answer in time): is that worker running?");
             }
             if (theirs.has_error()) {
                 close_local(key.first, key.second);
@@ -223,12 +250,15 @@ grpc::Status StageWorker::OpenSession(grpc::ServerContext * ctx, const pb::OpenS
             for (auto & h : theirs.hops()) *reply->add_hops() = h;
             if (int32_t(theirs.cached_tokens()) < restored) {   // a later hop kept less: hold what every hop holds
                 std::lock_guard<std::mutex> eg(engine_mu_);
-                int32_t st = lib_.truncate(eng_, req->session_id().c_str(), int64_t(req->epoch()), int32_t(theirs.cached_tokens()));
+                int32_t st = lib_.truncate(eng_, sid.c_str(), int64_t(req->epoch()), int32_t(theirs.cached_tokens()));
                 if (st != DGR_OK) return fail(pb::ENGINE, lib_.error(st));
                 restored = int32_t(theirs.cached_tokens());
                 std::lock_guard<std::mutex> g(mu_);
                 auto it = sessions_.find(key);
-                if (it != sessions_.end()) it->second->held = uint64_t(restored);
+                if (it != sessions_.end()) {
+                    it->second->held = uint64_t(restored);
+                    if (it->second->ran.size() > size_t(restored)) it->second->ran.resize(size_t(restored));
+                }
             }
         }
         reply->set_cached_tokens(uint32_t(restored));

@@ -23,13 +23,13 @@ void StageWorker::die_if_asked(size_t n, const std::function<const pb::Frame &(s
     for (size_t k = 0; k < n; ++k) {
         const pb::Frame & f = frame(k);
         for (int64_t p : f.step().positions()) {
-            if (limits_.die_at.count({f.session_id(), f.epoch(), p})) {
+            if (hook_at(limits_.die_at, f.session_id(), f.epoch(), p)) {
                 fprintf(stderr, "dgr-worker: --test-die-at %s:%llu:%lld reached: SIGKILL\n", f.session_id().c_str(),
                         (unsigned long long)f.epoch(), (long long)p);
                 fflush(stderr);
                 kill(getpid(), SIGKILL);
             }
-            if (limits_.stop_at.count({f.session_id(), f.epoch(), p})) {
+            if (hook_at(limits_.stop_at, f.session_id(), f.epoch(), p)) {
                 fprintf(stderr, "dgr-worker: --test-stop-at %s:%llu:%lld reached: SIGSTOP\n", f.session_id().c_str(),
                         (unsigned long long)f.epoch(), (long long)p);
                 fflush(stderr);
@@ -43,8 +43,7 @@ void StageWorker::die_if_asked(size_t n, const std::function<const pb::Frame &(s
 void StageWorker::test_faults(const pb::Frame & f, const SessionPtr & sess) {
     const std::string & sid = f.session_id();
     for (int64_t p : f.step().positions()) {
-        const auto at = std::make_tuple(sid, f.epoch(), p);
-        if (limits_.evict_at.count(at)) {
+        if (hook_at(limits_.evict_at, sid, f.epoch(), p)) {
             // the session's cache is lost (as under memory pressure): the session stays, its cache is empty
             fprintf(stderr, "dgr-worker: --test-evict-at %s:%llu:%lld reached: cache dropped\n", sid.c_str(),
                     (unsigned long long)f.epoch(), (long long)p);
@@ -52,7 +51,7 @@ void StageWorker::test_faults(const pb::Frame & f, const SessionPtr & sess) {
             int32_t st = lib_.session_open(eng_, sid.c_str(), int64_t(f.epoch()));
             if (st != DGR_OK) fprintf(stderr, "dgr-worker: --test-evict-at: reopen failed: %s\n", lib_.error(st).c_str());
         }
-        if (limits_.break_origin_link_at.count(at) && !info_.is_first) {
+        if (hook_at(limits_.break_origin_link_at, sid, f.epoch(), p) && !info_.is_first) {
             std::shared_ptr<Link> l;
             {
                 std::lock_guard<std::mutex> g(mu_);
@@ -108,7 +107,7 @@ void StageWorker::run_batch(std::vector<Work> & batch) {
                 held = int32_t(expect);
             }
             if (uint64_t(held) != expect) {
-                pb::WireError e = err(pb::CACHE_MISS, "session " + key.first + " epoch " + std::to_string(key.second) + " holds " +
+                pb::WireError e = err(pb::CACHE_MISS, "session " + wire_of(key.first) + " epoch "+ std::to_string(key.second) + " holds " +
                                                           std::to_string(held) + " positions here but the frame expects " +
                                                           std::to_string(expect) + ": re-prefill at a new epoch");
                 e.set_held(uint64_t(held));
@@ -197,6 +196,16 @@ void StageWorker::run_batch(std::vector<Work> & batch) {
             if (!r.ok) continue;
             r.sess->held = uint64_t(std::max(0, r.o.n_cached));
             const pb::Step & s = r.w->frame.step();
+            if (info_.is_first && r.sess->ran_ok) {  // what stage 0 ran: the prefix cache's blocks hash it
+                const size_t p0 = size_t(s.positions(0));
+                if (r.sess->ran.size() < p0) {
+                    r.sess->ran_ok = false;
+                } else {
+                    r.sess->ran.resize(p0);
+                    r.sess->ran.insert(r.sess->ran.end(), s.token_ids().begin(), s.token_ids().end());
+                    if (r.sess->ran.size() > r.sess->held) r.sess->ran.resize(size_t(r.sess->held));
+                }
+            }
             r.sess->spec_floor = s.drafts() ? int64_t(s.positions(0)) + 1 : -1;   // where a rollback may start
         }
     }

@@ -117,10 +117,10 @@ StageWorker::SessionPtr StageWorker::session(const Key & key) {
     return it == sessions_.end() ? nullptr : it->second;
 }
 
-void StageWorker::reply_error(const ReplyPtr & reply, const pb::Frame & frame, pb::WireError e) {
+void StageWorker::reply_error(const ReplyPtr & reply, const pb::Frame & frame, pb::WireError e, bool as_named) {
     if (!reply) return;
     pb::Frame f;
-    f.set_session_id(frame.session_id());
+    f.set_session_id(as_named ? frame.session_id() : wire_of(frame.session_id()));
     f.set_epoch(frame.epoch());
     *f.mutable_error() = std::move(e);
     reply->put(std::move(f));
@@ -140,7 +140,7 @@ void StageWorker::stop() {
     for (auto & [k, sess] : open) {
         try {
             pb::Frame f;
-            f.set_session_id(k.first);
+            f.set_session_id(info_.is_first ? wire_of(k.first) : sess->wire_down);
             f.set_epoch(k.second);
             *f.mutable_error() = err(pb::HOP_UNREACHABLE, bye);
             if (info_.is_first) {

@@ -55,6 +55,14 @@ struct Limits {
     int64_t max_send_queue_bytes = 64 << 20;         // --max-send-queue-bytes: per reply stream and per link
     int64_t max_connections = 256;                   // --max-connections: connections with calls in progress
     int64_t prefix_cache_mib = 256;                  // --prefix-cache-mib: what closed sessions leave (0: off)
+    // --prefix-cache-shared: stage 0 serves a kept prefix to any member whose prompt begins with it (keys are
+    // always computed from what ran, so safe; but a hit tells a member that someone sent that prefix). Off:
+    // each member finds only its own (docs/security.md)
+    bool    prefix_cache_shared = false;
+    // --max-grammar-bytes, --max-grammar-depth: Sampling.grammar / json_schema bounds, checked before either is
+    // parsed (llama.cpp's parser recurses per nesting level: 20,000 levels overflowed the stack)
+    int64_t max_grammar_bytes = 256 * 1024;
+    int64_t max_grammar_depth = 64;
     // --test-die-at SESSION:EPOCH:POSITION (tests only): SIGKILL itself about to run that step
     std::set<std::tuple<std::string, uint64_t, int64_t>> die_at;
     // --test-stop-at SESSION:EPOCH:POSITION (tests only): SIGSTOP itself about to run that step (a hung
@@ -102,6 +110,9 @@ std::string schema_str(const dgr::v1::BoundarySchema & s);
 // Bytes as text, each invalid UTF-8 sequence replaced by U+FFFD as Python's decode(errors="replace").
 std::string utf8_replace(const std::string & bytes);
 
+// 128 random bits as 32 hex digits (owners.cpp: stage 0's part of a session's id along the route)
+std::string random_hex16();
+
 // The replies of one incoming Frames call (errors, and at the origin the client's tokens), written by
 // gRPC's callback API: the thread that puts a frame (the engine thread, or the one that read a frame) starts
 // its write when none is in flight, and the write that completes starts the next, so no thread is woken
@@ -147,8 +158,14 @@ class Link final : public grpc::ClientBidiReactor<dgr::v1::Frame, dgr::v1::Frame
   public:
     Link(StageWorker * w, std::string address, std::string label, uint64_t max_message_bytes);
     ~Link() override;
-    // false: the link is broken or closing (the caller opens a new one)
-    bool send(dgr::v1::Frame & f);   // moves f only when it returns true
+    using Key = std::pair<std::string, uint64_t>;
+    // false: the link is broken or closing (the caller opens a new one). `mine`: the session's key in this
+    // worker (the frame names it as the peer knows it); only the peer's answers about sessions sent here are
+    // taken (mine_of)
+    bool send(dgr::v1::Frame & f, const Key & mine);   // moves f only when it returns true
+    // the session in this worker that a frame from the peer names: only one this worker sent there
+    std::optional<Key> mine_of(const std::string & sid, uint64_t epoch);
+    void forget(const Key & sent);                   // the session (as sent) closed: its replies are no longer taken
     void close();   // cancel the stream and wait until gRPC is done with it
     // the send deadline: a write waiting longer than `timeout_ns` fails the link (its sessions are told)
     void check_stall(int64_t now_ns, int64_t timeout_ns);
@@ -171,7 +188,7 @@ class Link final : public grpc::ClientBidiReactor<dgr::v1::Frame, dgr::v1::Frame
     dgr::v1::Frame writing_;                         // the write in flight (gRPC reads it until OnWriteDone)
     dgr::v1::Frame in_;                              // the read in flight
     bool in_flight_ = false;
-    std::set<std::pair<std::string, uint64_t>> sessions_;
+    std::map<Key, Key> sessions_;                    // (id, epoch) as sent -> this worker's own key
     bool broken_ = false, closing_ = false, done_ = false;
     int64_t bytes_ = 0, writing_since_ = 0;
     std::string failed_;                             // why this side failed the link (a bound), else ""
@@ -220,6 +237,7 @@ class StageWorker final : public dgr::v1::Stage::WithCallbackMethod_Frames<dgr::
     // Sampling.top_logprobs: the most alternatives a draw reports (OpenAI's bound; dgr.runtime.wire.limits.MAX_TOP_LOGPROBS)
     static constexpr uint32_t MAX_TOP_LOGPROBS = 20;
     struct Session {
+        std::string sid;                             // this worker's key for it (owners.cpp: qualify)
         std::vector<dgr::v1::Hop> route;
         uint32_t hop_index = 0;
         std::chrono::steady_clock::time_point last_used;
@@ -229,6 +247,14 @@ class StageWorker final : public dgr::v1::Stage::WithCallbackMethod_Frames<dgr::
         // token drawn (used on the engine thread only; closed with the session)
         std::shared_ptr<dgr_grammar> grammar;
         std::string prefix_seed;                     // the prefix cache: what its state depends on (prefix_seed())
+        std::string prefix_owner;                    // the prefix cache: whose entries it may use and leave
+        // the id the route's later hops and its origin know it by (stage 0 draws one per session under mTLS:
+        // unguessable, so no member off the route can name it there; later stages pass on what they got)
+        std::string wire_down;
+        // stage 0: the token ids at positions [0, ran.size()) that this worker ran (or restored from its prefix
+        // cache): what the blocks it keeps are hashed from, never the client's word; ran_ok false once unknown
+        std::vector<int32_t> ran;
+        bool ran_ok = true;
         uint64_t held = 0;                           // positions cached after its last step here
         // origin (stage 0) only: the client's reply stream and generation control
         ReplyPtr client;
@@ -308,13 +334,26 @@ class StageWorker final : public dgr::v1::Stage::WithCallbackMethod_Frames<dgr::
     void to_origin(const SessionPtr & sess, dgr::v1::Frame frame);
     void deliver_to_client(dgr::v1::Frame frame);
     void send_token(const SessionPtr & sess, dgr::v1::Frame frame, size_t n_ids);
-    void reply_error(const ReplyPtr & reply, const dgr::v1::Frame & frame, dgr::v1::WireError e);
-    void on_link_reply(dgr::v1::Frame frame);
+    // an error about `frame` to its sender, naming the session as the sender does (as_named: the frame already
+    // carries that name; else it carries this worker's key, wire_of)
+    void reply_error(const ReplyPtr & reply, const dgr::v1::Frame & frame, dgr::v1::WireError e, bool as_named = false);
+    void on_link_reply(Link * link, dgr::v1::Frame frame);
     void on_link_broken(Link * link, const std::string & why, const std::set<Key> & lost);
     void client_gone(const ReplyPtr & out);
     void stream_done(const ReplyPtr & out);        // a Frames call's OnDone: client_gone on a thread of its own
+    // `keep`: the prefix blocks (and their size) the next hops keep the session's state under (keep_prefix's)
     void close_chained(const std::string & sid, uint64_t epoch, const grpc::ServerContext * ctx, dgr::v1::CloseSessionReply * reply,
-                       const dgr::v1::CloseSessionRequest * keep = nullptr);
+                       const std::pair<std::vector<std::string>, uint32_t> * keep = nullptr);
+    // Owners (issue 35, docs/security.md): under mutual TLS a session lives in the namespace of the member that
+    // opened it here; this worker's key for it is qualify(member, id as named). Plaintext: one tenant, the id.
+    std::string qualify(const std::optional<std::string> & member, const std::string & sid) const;
+    std::string wire_of(const std::string & key) const;          // the id as its opener named it
+    std::string owner_of(const std::string & key) const;         // the (escaped) member it belongs to
+    // stage 0: this worker's key of a session that the route's hops name by its wire_down id ("" if none)
+    std::string origin_key(const std::string & wire) const;      // mu_ held
+    bool hook_at(const std::set<std::tuple<std::string, uint64_t, int64_t>> & at, const std::string & key, uint64_t epoch, int64_t p) const;
+    // Sampling.grammar / json_schema within --max-grammar-bytes and --max-grammar-depth: "" or why not
+    std::string refuse_grammar(const dgr::v1::Sampling & sp) const;
     SessionPtr session(const Key & key);
     std::shared_ptr<Link> out_link(const std::string & address, uint32_t hop_index);
     void encode(const float * x, int64_t n_tokens, dgr::v1::Boundary * b) const;
@@ -353,7 +392,9 @@ class StageWorker final : public dgr::v1::Stage::WithCallbackMethod_Frames<dgr::
     std::string prefix_off_;                         // why it is off ("" when on)
     std::vector<std::string> prefix_blocks(const google::protobuf::RepeatedPtrField<std::string> & b) const;
     std::string prefix_seed(const dgr::v1::StageDescription & upstream) const;
-    void keep_prefix(const std::string & sid, uint64_t epoch, const dgr::v1::CloseSessionRequest & req);
+    // Keep a closing session's state; returns the blocks it was kept under (stage 0: hashed from the tokens it
+    // ran; later stages: those their opener passed on), for the next hop
+    std::vector<std::string> keep_prefix(const std::string & sid, uint64_t epoch, const dgr::v1::CloseSessionRequest & req);
     const WireDtype * dtype_;
     dgr::v1::BoundarySchema schema_in_, schema_out_;   // what this stage takes and sends (describe_msg's)
     uint64_t seam_bytes_per_token_ = 0;
@@ -365,7 +406,8 @@ class StageWorker final : public dgr::v1::Stage::WithCallbackMethod_Frames<dgr::
     std::mutex engine_mu_;                           // the engine is never called from two threads at once
     std::mutex mu_;                                  // everything below
     std::map<Key, SessionPtr> sessions_;
-    std::map<std::string, uint64_t> latest_epoch_;
+    std::map<std::string, uint64_t> latest_epoch_;   // of ids with an open epoch (pruned with their last one)
+    std::map<std::string, std::string> down_;        // stage 0, mTLS: wire_down id -> this worker's key
     std::vector<std::pair<std::string, uint64_t>> errors_;   // ErrorCode name -> answered, first seen first
     uint64_t reaped_ = 0, overloaded_ = 0, opened_total_ = 0;
     bool stopping_ = false;
