@@ -26,6 +26,7 @@
 #include <stdexcept>
 #include <string>
 #include <tuple>
+#include <vector>
 
 #include "blake3.h"
 #include "serve.h"
@@ -51,7 +52,7 @@ const char * USAGE =
     "                  [--max-send-queue-bytes N] [--handshake-timeout S] [--metrics-listen HOST:PORT]\n"
     "                  [--certs DIR [--contract FILE]]\n"
     "                  [--prefix-cache-mib N] [--prefix-cache-shared] [--draft-max N]\n"
-    "                  [--max-grammar-bytes N] [--max-grammar-depth N]\n"
+    "                  [--max-grammar-bytes N] [--max-grammar-depth N] [--peer-allow CIDR,...] [--max-rpc-memory-mib N]\n"
     "Serves one stage of a bundle (dgr.v1.Stage over gRPC, grpc.health.v1) as `dgr worker serve` does.\n"
     "TLS with --tls-cert/--tls-key (`dgr certs issue`); with --tls-ca, mutual TLS: peers need a certificate the CA\n"
     "signed, and a session's frames are taken only from the members that opened it (docs/worker.md).\n"
@@ -59,6 +60,10 @@ const char * USAGE =
     "--max-message-bytes both ways, --max-queued-steps/--max-session-steps, --max-send-queue-bytes (64 MiB) per\n"
     "reply stream and link, --send-timeout (10 s) for one write: a peer that stops reading fails its own stream;\n"
     "--handshake-timeout (10 s): a connection that has not finished its TLS handshake and HTTP/2 preface is closed.\n"
+    "--max-rpc-memory-mib (1024): gRPC's buffers, all connections together; 100 calls per connection, 16 KiB of headers.\n"
+    "--peer-allow CIDR,... (10.0.0.0/8,fd00::/8): the networks a route's hops and origins may be in; a name must resolve\n"
+    "only to addresses inside them. Peers are always TCP HOST:PORT (no unix: or other gRPC target schemes).\n"
+    "The open-files limit's soft value is raised to its hard one at start; --max-connections must leave room below it.\n"
     "--prefix-cache-mib (256): what closed sessions' KV held, kept for later sessions that start with the same\n"
     "tokens (docs/worker.md \"Prefix cache\"; 0: off). Under mutual TLS each member finds only the prefixes its own\n"
     "sessions left; --prefix-cache-shared lets any member's session at stage 0 start from them (a hit then tells a\n"
@@ -114,11 +119,16 @@ std::tuple<std::string, uint64_t, int64_t> step_at(const std::string & flag, con
     }
 }
 
+// --test-peer-address ADDR (hidden, tests; repeatable): the verdict of refuse_peer_address under the
+// --peer-allow given, one line each in order, "ok" or "refused: WHY", then exit
+std::vector<std::string> peer_addresses;
+
 Options parse(int argc, char ** argv) {
     Options o;
     std::map<std::string, std::function<void(const std::string &)>> takes = {
         {"--bundle", [&](auto & v) { o.bundle = v; }},
         {"--blake3", [&](auto & v) { o.blake3_files.push_back(v); }},
+        {"--test-peer-address", [&](auto & v) { peer_addresses.push_back(v); }},
         {"--fake-engine", [&](auto & v) { o.fake_engine = v; }},
         {"--stage", [&](auto & v) { o.stage = int(to_int("--stage", v)); o.stage_given = true; }},
         {"--listen", [&](auto & v) { o.listen = v; }},
@@ -158,6 +168,13 @@ Options parse(int argc, char ** argv) {
         {"--handshake-timeout", [&](auto & v) { o.handshake_timeout_s = to_float("--handshake-timeout", v); }},
         {"--max-send-queue-bytes", [&](auto & v) { o.limits.max_send_queue_bytes = to_int("--max-send-queue-bytes", v); }},
         {"--draft-max", [&](auto & v) { o.draft_max = std::clamp<int64_t>(to_int("--draft-max", v), 0, 64); }},
+        {"--peer-allow", [&](auto & v) {
+             try {
+                 o.net = dgr::parse_peer_allow(v);
+             } catch (const std::invalid_argument & e) {
+                 throw UsageError(e.what());
+             } }},
+        {"--max-rpc-memory-mib", [&](auto & v) { o.max_rpc_memory_mib = to_int("--max-rpc-memory-mib", v); }},
         {"--prefix-cache-mib", [&](auto & v) { o.limits.prefix_cache_mib = std::max<int64_t>(0, to_int("--prefix-cache-mib", v)); }},
         {"--max-grammar-bytes", [&](auto & v) { o.limits.max_grammar_bytes = to_int("--max-grammar-bytes", v); }},
         {"--max-grammar-depth", [&](auto & v) { o.limits.max_grammar_depth = to_int("--max-grammar-depth", v); }},
@@ -187,7 +204,7 @@ Options parse(int argc, char ** argv) {
         }
         it->second(value);
     }
-    if (!o.blake3_files.empty()) return o;
+    if (!o.blake3_files.empty() || !peer_addresses.empty()) return o;
     if (!o.stage_given) throw UsageError("the following arguments are required: --stage");
     return o;
 }
@@ -196,6 +213,13 @@ int run(int argc, char ** argv) {
     Options o = parse(argc, argv);
     if (!o.blake3_files.empty()) {                   // --blake3 FILE: the digest of each, `b3sum`'s format
         for (auto & f : o.blake3_files) std::printf("%s  %s\n", dgr::blake3_file(f).c_str(), f.c_str());
+        return 0;
+    }
+    if (!peer_addresses.empty()) {
+        for (auto & a : peer_addresses) {
+            const std::string why = dgr::refuse_peer_address(a, o.net);
+            std::printf("%s\n", why.empty() ? "ok" : ("refused: " + why).c_str());
+        }
         return 0;
     }
     if (o.bundle.empty() == o.fake_engine.empty()) throw UsageError("give exactly one of --bundle BUNDLE or --fake-engine SPEC");
@@ -207,6 +231,9 @@ int run(int argc, char ** argv) {
                              {"--max-grammar-depth", o.limits.max_grammar_depth},
                              {"--max-rpc-threads", o.max_rpc_threads}}) {
         if (v < 1) throw std::runtime_error(std::string(flag) + " must be at least 1");
+    }
+    if (o.max_rpc_memory_mib < 16 || o.max_rpc_memory_mib > 1048576) {
+        throw std::runtime_error("--max-rpc-memory-mib must be at least 16 and at most 1048576");
     }
     if (o.max_sessions < 1) throw std::runtime_error("--max-sessions must be at least 1");
     if (o.limits.send_timeout_s <= 0) throw std::runtime_error("--send-timeout must be more than 0 seconds");
@@ -221,6 +248,7 @@ int run(int argc, char ** argv) {
     // what dgr-worker does not do yet is refused, never silently ignored (docs/worker.md)
     const dgr::Trust trust = dgr::tls_trust(dgr::TlsFiles{o.tls_cert, o.tls_key, o.tls_ca});
     const Listen l = check_listen(o, trust);
+    dgr::serve::raise_open_files(o);
 
     Stage s;
     struct Closer {                                  // before the open: a refusal after the engine opened closes it
