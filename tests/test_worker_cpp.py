@@ -355,7 +355,8 @@ def test_open_close_and_their_typed_errors(pair, tiny, engines):
     e = open_reply(s0, gone, "u", 1).error
     assert (e.code, e.hop) == (pb.HOP_UNREACHABLE, f"stage 1 ({dead})"), e
     assert re.fullmatch(rf"stage 1 \({dead}\) is unreachable: stage 0 \({a0}\) could not open the session there "
-                        r"\(UNAVAILABLE: .+\): is that worker running\?", e.message, re.S), e.message
+                        r"\(no dgr worker answered at that address\): is that worker running, and is its address in "
+                        r"the route right\? \(this worker's log says why\)", e.message, re.S), e.message
     assert s0.stub.Describe(pb.DescribeRequest()).open_sessions == 1   # a (u was closed again)
     assert s0.stub.CloseSession(pb.CloseSessionRequest(session_id="a", epoch=2, chain=True),
                                 timeout=10) == pb.CloseSessionReply()

@@ -20,7 +20,7 @@ HIDDEN = re.compile(r"^--(test-|no-verify$|blake3$)")
 
 SAMPLE = {"--listen": "127.0.0.1:0", "--wire-dtype": "f16", "--lane": "cpu", "--advertise": "stage1.example:7001",
           "--fake-engine": "layers=4,embd=8,cuts=2", "--stage": "1", "--bundle": "some-bundle",
-          "--max-message-bytes": "1000000"}
+          "--max-message-bytes": "1000000", "--peer-allow": "10.0.0.0/8,fd00::/8"}
 
 
 def _serve_parser() -> argparse.ArgumentParser:
@@ -74,7 +74,8 @@ def test_every_flag_the_front_end_passes_is_one_dgr_worker_reads(worker_bin):
 
 
 @pytest.mark.parametrize("flag", ["--advertise", "--max-connections", "--max-rpc-threads", "--send-timeout",
-                                  "--max-send-queue-bytes", "--handshake-timeout"])
+                                  "--max-send-queue-bytes", "--handshake-timeout", "--max-rpc-memory-mib",
+                                  "--peer-allow", "--max-grammar-bytes", "--max-grammar-depth"])
 def test_a_bound_not_given_is_left_to_dgr_worker(flag):
     """These have their defaults in dgr-worker alone (one source): the front end passes them only when given."""
     args = _serve_parser().parse_args(["--fake-engine", "layers=4,embd=8,cuts=2", "--stage", "0"])

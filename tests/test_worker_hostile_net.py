@@ -194,8 +194,6 @@ def test_bad_peer_allow_is_one_line_and_exit_2(worker_bin, value, why):
     assert r.returncode == 2 and len(lines) == 1 and why in lines[0], r.stderr
 
 
-@pytest.mark.xfail(strict=True, reason="OpenSession does not call refuse_peer_address on the route's hops yet "
-                                       "(the session side of issue 35; net_policy.h)")
 def test_a_route_hop_on_a_unix_socket_is_refused_without_connecting(worker_bin, pki, tmp_path):
     """A member opens a session whose next hop is `unix:PATH`: gRPC would dial the local socket at PATH (an
     admin endpoint, a sidecar) on the member's behalf. The worker refuses it by name and never connects."""

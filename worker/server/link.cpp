@@ -107,7 +107,11 @@ void Link::OnReadDone(bool ok) {
 }
 
 void Link::OnDone(const grpc::Status & st) {
-    std::string why = st.ok() ? "closed the stream" : status_name(st.error_code()) + ": " + st.error_message();
+    // the sessions' origins hear that the stream ended, never gRPC's reason (refused, timed out, TLS refused:
+    // whether a port is open is not a route owner's business); this worker's log has it
+    if (!st.ok()) fprintf(stderr, "dgr-worker: link to %s ended: %s: %s\n", address.c_str(),
+                          status_name(st.error_code()).c_str(), st.error_message().c_str());
+    std::string why = st.ok() ? "closed the stream" : "the stream ended: " + status_name(st.error_code());
     std::set<Key> lost;
     bool closing;
     {

@@ -72,7 +72,6 @@ class MetricsServer {
 
   private:
     void run();
-    void answer(int c);
     int fd_ = -1, port_ = 0;
     ssl_ctx_st * ssl_ = nullptr;                     // OpenSSL's SSL_CTX; null: plain HTTP
     std::atomic<bool> stop_{false};

@@ -238,8 +238,9 @@ grpc::Status StageWorker::OpenSession(grpc::ServerContext * ctx, const pb::OpenS
                 // in this worker's log, for its operator)
                 fprintf(stderr, "dgr-worker: opening a session on %s: %s: %s\n", name.c_str(), status_name(st.error_code()).c_str(),
                         st.error_message().c_str());
-                e->set_message(name + " is unreachable: " + hop() + " could not open the session there (" +
-                               status_name(st.error_code()) + ": no connection, or no answer in time): is that worker running?");
+                e->set_message(name + " is unreachable: " + hop() + " could not open the session there (no dgr "
+                               "worker answered at that address): is that worker running, and is its address in "
+                               "the route right? (this worker's log says why)");
             }
             if (theirs.has_error()) {
                 close_local(key.first, key.second);

@@ -99,6 +99,18 @@ def register(sub) -> None:
                    "outgoing link before it is failed (default: dgr-worker's)")
     s.add_argument("--handshake-timeout", type=float, metavar="S", help="a connection that has not finished its "
                    "TLS handshake and HTTP/2 preface by then is closed (default: dgr-worker's)")
+    s.add_argument("--prefix-cache-shared", action="store_true", help="under mutual TLS, let any member's "
+                   "session at stage 0 start from a prefix another member's session left (keys are hashed from what "
+                   "ran, so no member can poison it; a hit tells a member that someone sent that prefix: "
+                   "docs/security.md). Default: each member finds only its own")
+    s.add_argument("--max-grammar-bytes", type=int, metavar="N", help="the largest sampling grammar or JSON schema "
+                   "a session may ask for (default: dgr-worker's)")
+    s.add_argument("--max-grammar-depth", type=int, metavar="N", help="how deeply a grammar's groups or a schema's "
+                   "objects and arrays may nest (default: dgr-worker's)")
+    s.add_argument("--max-rpc-memory-mib", type=int, metavar="N", help="gRPC's buffers, all connections together "
+                   "(default: dgr-worker's)")
+    s.add_argument("--peer-allow", metavar="CIDR,...", help="the networks a route's hops and origins may be in; a "
+                   "name must resolve only to addresses inside them (default: anywhere)")
     s.add_argument("--metrics-listen", metavar="HOST:PORT", help="also serve Prometheus metrics at "
                    "http://HOST:PORT/metrics (https, and client certificates under --tls-ca, with TLS)")
     s.add_argument("--certs", metavar="DIR", help="certificates (`dgr certify`, DIR/*.json) to advertise: only "
