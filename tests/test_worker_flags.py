@@ -75,7 +75,8 @@ def test_every_flag_the_front_end_passes_is_one_dgr_worker_reads(worker_bin):
 
 @pytest.mark.parametrize("flag", ["--advertise", "--max-connections", "--max-rpc-threads", "--send-timeout",
                                   "--max-send-queue-bytes", "--handshake-timeout", "--max-rpc-memory-mib",
-                                  "--peer-allow", "--max-grammar-bytes", "--max-grammar-depth"])
+                                  "--peer-allow", "--max-grammar-bytes", "--max-grammar-depth",
+                                  "--max-sessions-per-member"])
 def test_a_bound_not_given_is_left_to_dgr_worker(flag):
     """These have their defaults in dgr-worker alone (one source): the front end passes them only when given."""
     args = _serve_parser().parse_args(["--fake-engine", "layers=4,embd=8,cuts=2", "--stage", "0"])

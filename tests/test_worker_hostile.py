@@ -328,3 +328,31 @@ def test_a_generate_frame_cannot_carry_more_ids_than_a_session_holds(route, pki)
             raw.close()
         s0.CloseSession(pb.CloseSessionRequest(session_id="big", epoch=1, chain=True), timeout=30)
     _serves(route, pki)
+
+
+def test_one_member_cannot_hold_every_session_slot(tiny, worker_bin, pki):
+    """--max-sessions-per-member 2 at stage 0 (where the members are the clients; past it, the member that
+    opens a session is the previous hop, which carries every client's): a member holding its two sessions is
+    refused a third (OVERLOADED, naming the flag), and another member's route is served meanwhile, exactly."""
+    procs = _route(tiny, worker_bin, pki, lambda i: ("--max-sessions", "4") + (("--max-sessions-per-member", "2") if i == 0 else ()))
+    addresses = [p.address for p in procs]
+    try:
+        want, _ = _run(addresses, pki["client"], VICTIM[:20], prefix_cache=False)
+        hops = route_hops(addresses, _descs(addresses, pki["intruder"]))
+        ch, s0 = stub(addresses[0], pki["intruder"])
+        with ch:
+            for k in range(2):
+                assert not s0.OpenSession(pb.OpenSessionRequest(session_id=f"hog-{k}", epoch=1, route=hops),
+                                          timeout=30).HasField("error")
+            r = s0.OpenSession(pb.OpenSessionRequest(session_id="hog-2", epoch=1, route=hops), timeout=30)
+            assert r.error.code == pb.OVERLOADED and r.error.retry_after_ms > 0, r
+            assert "this member holds 2 sessions here (--max-sessions-per-member 2)" in r.error.message
+            got, _ = _run(addresses, pki["client"], VICTIM[:20], prefix_cache=False)
+            _same(got, want)
+            s0.CloseSession(pb.CloseSessionRequest(session_id="hog-0", epoch=1, chain=True), timeout=30)
+            assert not s0.OpenSession(pb.OpenSessionRequest(session_id="hog-2", epoch=1, route=hops),
+                                      timeout=30).HasField("error")
+        _serves(procs, pki)
+    finally:
+        for p in procs:
+            print(p.stop()[-3000:])

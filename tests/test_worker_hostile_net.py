@@ -1,4 +1,4 @@
-"""dgr-worker's network edges against a hostile member or stranger (issue 35, docs/security-net.md): where it
+"""dgr-worker's network edges against a hostile member or stranger (issue 35, docs/security.md): where it
 may connect (peer addresses: TCP HOST:PORT only, --peer-allow), a flood that takes every descriptor, HTTP/2
 streams opened and reset as fast as a member can (the rapid reset class, CVE-2023-44487), and a metrics
 client that drips its request.
@@ -362,7 +362,7 @@ class H2:
     "gRPC 1.51 holds every stream a peer opened and reset until its server gets to it (no "
     "grpc.server.max_pending_requests, no reset rate limit: both came with the CVE-2023-44487 fixes, 1.56.3/1.57.1+); "
     "measured: +280 MiB RSS per 20,000 resets, +930 MiB per 60,000, before and after this branch's stream, metadata and "
-    "ResourceQuota bounds. Needs a newer gRPC, or a proxy in front that has the fix (docs/security-net.md)"))
+    "ResourceQuota bounds. Needs a newer gRPC, or a proxy in front that has the fix (docs/security.md)"))
 def test_a_member_resetting_streams_as_fast_as_it_can_does_not_grow_the_worker(worker_bin, pki):
     """20,000 Describe streams opened and reset at once on raw HTTP/2 connections by a member (the rapid
     reset class): another member is served afterwards, and the worker's memory stays bounded."""

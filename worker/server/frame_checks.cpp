@@ -144,8 +144,7 @@ void StageWorker::on_frame(pb::Frame frame, const ReplyPtr & reply, const std::o
                 sess->stop_ids = std::set<int32_t>(g.stop_token_ids().begin(), g.stop_token_ids().end());
                 sess->context_ids.assign(g.context_ids().begin(), g.context_ids().end());
                 sess->history.assign(g.cached_ids().begin(), g.cached_ids().end());   // then the steps' tokens
-                sess->text = g.context_text();
-                sess->last_used = Clock::now();
+                sess->text = g.context_text();   // (not progress: --session-ttl counts steps run)
             }
             start_speculation(sess, g);
             return;

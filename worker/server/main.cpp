@@ -53,6 +53,7 @@ const char * USAGE =
     "                  [--certs DIR [--contract FILE]]\n"
     "                  [--prefix-cache-mib N] [--prefix-cache-shared] [--draft-max N]\n"
     "                  [--max-grammar-bytes N] [--max-grammar-depth N] [--peer-allow CIDR,...] [--max-rpc-memory-mib N]\n"
+    "                  [--max-sessions-per-member N]\n"
     "Serves one stage of a bundle (dgr.v1.Stage over gRPC, grpc.health.v1) as `dgr worker serve` does.\n"
     "TLS with --tls-cert/--tls-key (`dgr certs issue`); with --tls-ca, mutual TLS: peers need a certificate the CA\n"
     "signed, and a session's frames are taken only from the members that opened it (docs/worker.md).\n"
@@ -69,7 +70,8 @@ const char * USAGE =
     "sessions left; --prefix-cache-shared lets any member's session at stage 0 start from them (a hit then tells a\n"
     "member that someone sent that prefix: docs/security.md).\n"
     "--max-grammar-bytes (262144), --max-grammar-depth (64): the largest Sampling.grammar or json_schema a session\n"
-    "may ask for, and how deeply it may nest, checked before it is parsed.\n"
+    "may ask for, and how deeply it may nest, checked before it is parsed. --max-sessions-per-member (0: off): the\n"
+    "sessions one member (the certificate that opened them here, under mutual TLS) may hold at once.\n"
     "--draft-max (8): the drafts one step may carry and still roll back where the cache keeps per-step snapshots\n"
     "(DeepSeek V4 and other hybrids llama.cpp rolls back; each is one more copy of the recurrent state): speculation\n"
     "and MTP drafts (docs/speculation.md). 0: such a stage cannot roll back.\n"
@@ -178,6 +180,7 @@ Options parse(int argc, char ** argv) {
         {"--prefix-cache-mib", [&](auto & v) { o.limits.prefix_cache_mib = std::max<int64_t>(0, to_int("--prefix-cache-mib", v)); }},
         {"--max-grammar-bytes", [&](auto & v) { o.limits.max_grammar_bytes = to_int("--max-grammar-bytes", v); }},
         {"--max-grammar-depth", [&](auto & v) { o.limits.max_grammar_depth = to_int("--max-grammar-depth", v); }},
+        {"--max-sessions-per-member", [&](auto & v) { o.limits.max_sessions_per_member = std::max<int64_t>(0, to_int("--max-sessions-per-member", v)); }},
     };
     // `dgr-worker serve ...` is `dgr-worker ...`: the words of `dgr worker serve`, and of the units and
     // scripts written for a release's bin/dgr-worker when it was a launcher of it

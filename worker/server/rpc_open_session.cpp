@@ -152,6 +152,17 @@ grpc::Status StageWorker::OpenSession(grpc::ServerContext * ctx, const pb::OpenS
                 return fail(pb::STALE_EPOCH, "session " + req->session_id() + " is already at epoch " + at + "; open a newer epoch");
             }
             for (auto k = sessions_.lower_bound(Key{sid, 0}); k != sessions_.end() && k->first.first == sid; ++k) old.push_back(k->first);
+            if (limits_.max_sessions_per_member > 0) {
+                const std::string owner = owner_of(sid);
+                int64_t held = 0;
+                for (auto & kv : sessions_) held += owner_of(kv.first.first) == owner && kv.first.first != sid;
+                if (held >= limits_.max_sessions_per_member) {
+                    ++overloaded_;
+                    g.unlock();
+                    return fail(pb::OVERLOADED, "this member holds " + std::to_string(held) + " sessions here (--max-sessions-per-member " +
+                                                    std::to_string(limits_.max_sessions_per_member) + "): close one, or retry later", 1000);
+                }
+            }
             if (sessions_.size() - old.size() >= size_t(info_.max_sessions)) {
                 ++overloaded_;
                 uint32_t retry = session_retry_ms();

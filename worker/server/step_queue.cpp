@@ -44,11 +44,10 @@ void StageWorker::enqueue(Work w, const SessionPtr & sess, bool own) {
         if (!own && n_pending_ >= limits_.max_queued_steps) {
             why = std::to_string(n_pending_) + " steps are queued (--max-queued-steps " + std::to_string(limits_.max_queued_steps) + ")";
         } else if (!own && it != pending_.end() && int64_t(it->second.size()) >= limits_.max_session_steps) {
-            why = "session " + key.first + " has " + std::to_string(it->second.size()) + " steps queued (--max-session-steps " +
+            why = "session " + wire_of(key.first) + " has " + std::to_string(it->second.size()) + " steps queued (--max-session-steps " +
                   std::to_string(limits_.max_session_steps) + ")";
         }
-        if (why.empty()) {
-            sess->last_used = Clock::now();
+        if (why.empty()) {                           // (--session-ttl counts steps run, not steps asked for)
             if (it == pending_.end()) {
                 order_.push_back(key);
                 it = pending_.emplace(key, std::deque<Work>()).first;

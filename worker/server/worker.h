@@ -63,6 +63,9 @@ struct Limits {
     // parsed (llama.cpp's parser recurses per nesting level: 20,000 levels overflowed the stack)
     int64_t max_grammar_bytes = 256 * 1024;
     int64_t max_grammar_depth = 64;
+    // --max-sessions-per-member: the sessions one member (under mutual TLS: the certificate that opened them
+    // here) may hold at once; 0: only --max-sessions bounds them (a gateway is one member: docs/security.md)
+    int64_t max_sessions_per_member = 0;
     // --test-die-at SESSION:EPOCH:POSITION (tests only): SIGKILL itself about to run that step
     std::set<std::tuple<std::string, uint64_t, int64_t>> die_at;
     // --test-stop-at SESSION:EPOCH:POSITION (tests only): SIGSTOP itself about to run that step (a hung

@@ -107,6 +107,9 @@ def register(sub) -> None:
                    "a session may ask for (default: dgr-worker's)")
     s.add_argument("--max-grammar-depth", type=int, metavar="N", help="how deeply a grammar's groups or a schema's "
                    "objects and arrays may nest (default: dgr-worker's)")
+    s.add_argument("--max-sessions-per-member", type=int, metavar="N", help="the sessions one member (the "
+                   "certificate that opened them, under mutual TLS) may hold here at once (default: dgr-worker's, 0: "
+                   "only --max-sessions bounds them)")
     s.add_argument("--max-rpc-memory-mib", type=int, metavar="N", help="gRPC's buffers, all connections together "
                    "(default: dgr-worker's)")
     s.add_argument("--peer-allow", metavar="CIDR,...", help="the networks a route's hops and origins may be in; a "
