@@ -356,3 +356,50 @@ def test_one_member_cannot_hold_every_session_slot(tiny, worker_bin, pki):
     finally:
         for p in procs:
             print(p.stop()[-3000:])
+
+
+def test_addresses_a_member_names_leave_no_channel_behind(tiny, worker_bin, pki, tmp_path):
+    """A member opens sessions whose next hop is each time another address (ports nobody serves): every
+    attempt fails, and the channels the worker opened to them are dropped again, so naming ever new addresses
+    cannot grow the worker; a unix: socket is refused before anything is dialled."""
+    import socket
+    import ssl
+    import urllib.request
+
+    from support.metrics import value
+    from prometheus_client.parser import text_string_to_metric_families
+
+    procs = _route(tiny, worker_bin, pki, lambda i: ("--metrics-listen", "127.0.0.1:0") if i == 0 else ())
+    addresses = [p.address for p in procs]
+    try:
+        [url] = [line.split("metrics on ")[1].split()[0] for line in procs[0].log if "metrics on " in line]
+        ctx = ssl.create_default_context(cafile=str(pki["client"].ca))
+        ctx.load_cert_chain(str(pki["client"].cert), str(pki["client"].key))
+
+        def channels():
+            with urllib.request.urlopen(url, context=ctx, timeout=10) as r:
+                text = r.read().decode()
+            samples = {(s.name, ()): s.value for f in text_string_to_metric_families(text) for s in f.samples}
+            return value(samples, "dgr_worker_outgoing_channels")
+
+        hops = route_hops(addresses, _descs(addresses, pki["intruder"]))
+        ch, s0 = stub(addresses[0], pki["intruder"])
+        with ch:
+            for k in range(30):
+                with socket.socket() as sk:          # a port nobody serves
+                    sk.bind(("127.0.0.1", 0))
+                    hops[1].address = f"127.0.0.1:{sk.getsockname()[1]}"
+                r = s0.OpenSession(pb.OpenSessionRequest(session_id=f"scan-{k}", epoch=1, route=hops), timeout=30)
+                assert r.error.code == pb.HOP_UNREACHABLE, r
+                assert "no dgr worker answered at that address" in r.error.message, r.error.message
+            assert channels() >= 1
+            hops[1].address = f"unix:{tmp_path / 'x.sock'}"
+            r = s0.OpenSession(pb.OpenSessionRequest(session_id="unix", epoch=1, route=hops), timeout=30)
+            assert r.error.code == pb.BAD_FRAME and "does not connect to peer address 'unix:" in r.error.message, r
+        assert wait_for(lambda: channels() == 0, 30), channels()
+        got, _ = _run(addresses, pki["client"], VICTIM[:20], prefix_cache=False)
+        assert len(got.token_ids) == MAX_NEW
+        _serves(procs, pki)
+    finally:
+        for p in procs:
+            print(p.stop()[-3000:])

@@ -42,6 +42,16 @@ std::optional<Link::Key> Link::mine_of(const std::string & sid, uint64_t epoch) 
     return it->second;
 }
 
+bool Link::idle() {
+    std::lock_guard<std::mutex> g(mu_);
+    return sessions_.empty() && !in_flight_ && q_.empty();
+}
+
+bool Link::done() {
+    std::lock_guard<std::mutex> g(mu_);
+    return done_;
+}
+
 void Link::forget(const Key & sent) {
     std::lock_guard<std::mutex> g(mu_);
     sessions_.erase(sent);

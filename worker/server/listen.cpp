@@ -361,6 +361,11 @@ Listen check_listen(const Options & o, const Trust & trust) {
                                  "boundaries. Give --tls-cert/--tls-key (and --tls-ca for mutual TLS; `dgr certs` makes "
                                  "them), or --insecure to accept plaintext on a network you trust");
     }
+    if (trust.tls && !trust.mutual && !o.insecure && !is_loopback(host)) {
+        throw std::runtime_error("refusing to listen on " + o.listen + " with server-only TLS: anyone who reaches it could open "
+                                 "sessions, and no peer could be told apart (docs/security.md). Give --tls-ca (the mesh's "
+                                 "CA) for mutual TLS, or --insecure to serve anyone on a network you trust");
+    }
     std::string adv_host, adv_port;                  // --advertise HOST[:PORT]: the address peers reach it at
     if (!o.advertise.empty()) {
         const std::string & a = o.advertise;

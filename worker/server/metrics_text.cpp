@@ -93,6 +93,8 @@ std::string StageWorker::metrics_text() {
     gauge("uptime_seconds", "seconds since the worker started",
           std::chrono::duration<double>(std::chrono::steady_clock::now() - started_).count());
     gauge("max_frame_bytes_sent", "largest frame sent so far", double(max_frame_bytes_sent_));
+    gauge("outgoing_channels", "channels and links to other workers this worker holds (pruned when unused)",
+          double(links_.size() + out_links_.size() + dead_links_.size()));
     prom_family(o, "dgr_worker_sessions_reaped", "counter", "sessions closed after --session-ttl idle");
     prom_sample(o, "dgr_worker_sessions_reaped_total", "", double(reaped_));
     prom_family(o, "dgr_worker_overloaded", "counter", "requests answered OVERLOADED");

@@ -133,6 +133,7 @@ grpc::Status StageWorker::CloseSession(grpc::ServerContext * ctx, const pb::Clos
 }
 
 int StageWorker::reap() {
+    prune_links();
     double ttl = limits_.session_ttl_s;
     if (ttl <= 0) return 0;
     std::vector<Key> idle;

@@ -96,7 +96,7 @@ std::chrono::system_clock::time_point StageWorker::chain_deadline(size_t hops_af
     return now + std::chrono::duration_cast<std::chrono::system_clock::duration>(std::chrono::duration<double>(t));
 }
 
-pb::Stage::Stub * StageWorker::link(const std::string & address) {
+std::shared_ptr<pb::Stage::Stub> StageWorker::link(const std::string & address) {
     std::lock_guard<std::mutex> g(mu_);
     auto & stub = links_[address];
     if (!stub) {
@@ -108,7 +108,46 @@ pb::Stage::Stub * StageWorker::link(const std::string & address) {
         args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
         stub = pb::Stage::NewStub(grpc::CreateCustomChannel(address, channel_credentials(), args));
     }
-    return stub.get();
+    return stub;
+}
+
+// What a member's routes made this worker open outlives nothing: every few seconds the channels and links to
+// addresses no open session goes to are dropped, and broken links gRPC is done with are destroyed, so a member
+// naming ever new addresses cannot grow the worker (docs/security.md)
+void StageWorker::prune_links() {
+    std::vector<std::shared_ptr<Link>> drop;
+    std::vector<std::shared_ptr<pb::Stage::Stub>> stubs;
+    {
+        std::lock_guard<std::mutex> g(mu_);
+        const auto now = Clock::now();
+        if (now - pruned_ < std::chrono::seconds(2) || threads_stopped_) return;
+        pruned_ = now;
+        std::set<std::string> used;                  // where open sessions (and sessions being closed) still go
+        for (auto & kv : sessions_) {
+            const Session & s = *kv.second;
+            if (s.hop_index + 1 < s.route.size()) used.insert(s.route[s.hop_index + 1].address());
+            if (!s.route.empty()) used.insert(s.route[0].address());
+        }
+        if (!closing_.empty()) return;               // a close chain may be using a channel right now
+        for (auto it = links_.begin(); it != links_.end();) {
+            if (used.count(it->first)) { ++it; continue; }
+            stubs.push_back(std::move(it->second));
+            it = links_.erase(it);
+        }
+        for (auto it = out_links_.begin(); it != out_links_.end();) {
+            if (used.count(it->first) || !it->second->idle()) { ++it; continue; }
+            drop.push_back(std::move(it->second));
+            it = out_links_.erase(it);
+        }
+        for (auto it = dead_links_.begin(); it != dead_links_.end();) {
+            if (!(*it)->done()) { ++it; continue; }
+            drop.push_back(std::move(*it));
+            it = dead_links_.erase(it);
+        }
+    }
+    for (auto & l : drop) l->close();                // outside the lock: gRPC's callbacks take it
+    drop.clear();
+    stubs.clear();
 }
 
 StageWorker::SessionPtr StageWorker::session(const Key & key) {

@@ -174,6 +174,8 @@ class Link final : public grpc::ClientBidiReactor<dgr::v1::Frame, dgr::v1::Frame
     void check_stall(int64_t now_ns, int64_t timeout_ns);
     // fail the link now, as a broken stream does (its sessions are told); --test-break-origin-link-at
     void fail(const std::string & why);
+    bool idle();                                     // no session sent here is open, nothing queued or in flight
+    bool done();                                     // gRPC is finished with it: it may be destroyed
     const std::string address, label;
 
     void OnWriteDone(bool ok) override;
@@ -220,8 +222,10 @@ class StageWorker final : public dgr::v1::Stage::WithCallbackMethod_Frames<dgr::
     std::shared_ptr<grpc::ChannelCredentials> channel_credentials() const;
     // The send deadlines (--send-timeout) of every reply stream and link; called about 5 times a second.
     void check_stalls();
-    // Idle sessions past --session-ttl are closed (once a second at most); returns how many.
+    // Idle sessions past --session-ttl are closed (once a second at most); returns how many. Outgoing links
+    // and channels no open session uses any more are closed and forgotten (prune_links).
     int reap();
+    void prune_links();
     // SIGTERM: refuse new sessions, tell the clients, end every stream, close every session (engine
     // included), stop the engine thread and the links.
     void stop();
@@ -368,7 +372,7 @@ class StageWorker final : public dgr::v1::Stage::WithCallbackMethod_Frames<dgr::
     void close_local(const std::string & sid, uint64_t epoch);
     uint32_t session_retry_ms();
     std::chrono::system_clock::time_point chain_deadline(size_t hops_after, const grpc::ServerContext * ctx) const;
-    dgr::v1::Stage::Stub * link(const std::string & address);
+    std::shared_ptr<dgr::v1::Stage::Stub> link(const std::string & address);
 
     // --max-connections: connections (gRPC peers) with calls in progress
     friend struct Admit;
@@ -414,7 +418,8 @@ class StageWorker final : public dgr::v1::Stage::WithCallbackMethod_Frames<dgr::
     std::vector<std::pair<std::string, uint64_t>> errors_;   // ErrorCode name -> answered, first seen first
     uint64_t reaped_ = 0, overloaded_ = 0, opened_total_ = 0;
     bool stopping_ = false;
-    std::map<std::string, std::unique_ptr<dgr::v1::Stage::Stub>> links_;   // unary calls (open/close chains)
+    std::map<std::string, std::shared_ptr<dgr::v1::Stage::Stub>> links_;   // unary calls (open/close chains)
+    std::chrono::steady_clock::time_point pruned_;   // prune_links' last run
     // the data path (mu_)
     std::map<std::string, std::shared_ptr<Link>> out_links_;   // one Frames stream per peer address
     std::vector<std::shared_ptr<Link>> dead_links_;             // broken ones, joined at stop
