@@ -5,6 +5,12 @@ the real engine; or the fake engine), then `sessions` client threads generate gr
 after another, until the time is up. It reports the errors by code, recoveries (re-prefills after a
 hop's fault), tokens generated, whether every repeat of a prompt gave the same text, and the resident
 memory (VmRSS from /proc; VmHWM is the peak) of every process at the start and the end.
+
+`hostile` > 0 (docs/security.md): the route runs under mutual TLS with a CA made for the run, every honest
+session thread is a member of its own, and `hostile` more members attack the route in a loop beside them
+(dgr.app.hostile: prefix-cache poisoning, slot hogging, a grammar bomb, scans, forged tokens, bare-connection
+bursts), while a prober opens a new connection to every stage twice a second. Each honest prompt's tokens
+are then compared with the same prompt's run before any attacker started (`mismatched`).
 """
 
 from __future__ import annotations
@@ -75,6 +81,11 @@ class SoakReport:
     mismatch_samples: list[dict] = field(default_factory=list)  # prompt, first tokens, differing tokens
     processes: list[ProcessMemory] = field(default_factory=list)
     rss_samples: list[list[float]] = field(default_factory=list)  # [seconds, RSS KiB of each process...]
+    hostile: int = 0                          # hostile members attacking beside the honest sessions
+    attacks: dict[str, int] = field(default_factory=dict)   # "attack: what it got" -> times
+    breaches: int = 0                         # attacks answered by anything but a refusal
+    probes: int = 0                           # new connections that Describe answered, all stages
+    probe_failures: int = 0
 
     @property
     def tokens_per_s(self) -> float:
@@ -100,6 +111,11 @@ class SoakReport:
             lines.append(f"  {p.name:<10} {p.pid:>8} {p.rss_start_kib / 1024:>9.1f} MiB {p.rss_end_kib / 1024:>9.1f} MiB "
                          f"{p.growth_kib / 1024:>+7.1f} MiB {p.hwm_end_kib / 1024:>9.1f} MiB"
                          + ("" if p.alive_at_end else "  (DIED)"))
+        if self.hostile:
+            lines.append(f"  hostile members {self.hostile}: {sum(self.attacks.values())} attacks, breaches "
+                         f"{self.breaches}; listener probes {self.probes}, failed {self.probe_failures}")
+            for k, v in sorted(self.attacks.items()):
+                lines.append(f"    {v:>6}  {k}")
         for s in self.error_samples:
             lines.append(f"  e.g. {s}")
         return "\n".join(lines)
@@ -119,28 +135,63 @@ def _stage_args(stages: int, fake: bool, threads: int) -> tuple[list[list[str]],
     return args, {"DGR_ENGINE_LIB": str(lib)}, "llama.cpp"
 
 
+def _mesh(directory: Path, stages: int, sessions: int, hostile: int):
+    """A CA for the run: a certificate per worker, per honest session thread and per hostile member."""
+    from dgr.app import certs
+    from dgr.runtime.wire.tls import TlsConfig
+
+    certs.init(directory)
+    ca = directory / certs.CA_CERT
+
+    def member(name: str) -> TlsConfig:
+        cert, key = certs.issue(directory, name, ["127.0.0.1"])
+        return TlsConfig(cert, key, ca)
+
+    return ([member(f"w{i}") for i in range(stages)], [member(f"honest-{k}") for k in range(sessions + 1)],
+            [member(f"hostile-{k}") for k in range(hostile)])
+
+
 def run_soak(minutes: float, *, stages: int = 3, sessions: int = 4, fake: bool = False, max_tokens: int = 48,
-             threads: int = 0) -> SoakReport:
-    """Generate with `sessions` concurrent clients over a fresh local route for `minutes`."""
+             threads: int = 0, hostile: int = 0) -> SoakReport:
+    """Generate with `sessions` concurrent clients over a fresh local route for `minutes` (with `hostile`
+    attacking members beside them, under mutual TLS)."""
+    import tempfile
+
+    from dgr.app import hostile as attack
     from dgr.app.local import LocalRoute
     from dgr.runtime.wire.client import RouteClient
 
     args, env, engine = _stage_args(stages, fake, threads)
-    rep = SoakReport(engine=engine, stages=stages, sessions=sessions, minutes=minutes)
+    rep = SoakReport(engine=engine, stages=stages, sessions=sessions, minutes=minutes, hostile=hostile)
     lock = threading.Lock()
     first_text: dict[int, list[int]] = {}
-    with LocalRoute(args, env=env) as route:
-        with RouteClient(route.addresses) as c:              # warm up: every stage has run once
+    tmp = tempfile.TemporaryDirectory(prefix="dgr-soak-")
+    workers_tls, honest_tls, hostile_tls = _mesh(Path(tmp.name), stages, sessions, hostile) if hostile else ([], [], [])
+    for i, a in enumerate(args):
+        if hostile:                                          # mutual TLS; each member bounded at stage 0
+            t = workers_tls[i]
+            a += ["--tls-cert", str(t.cert), "--tls-key", str(t.key), "--tls-ca", str(t.ca), "--max-sessions", "16"]
+            a += ["--max-sessions-per-member", "2"] if i == 0 else []
+    honest = (lambda k: honest_tls[k]) if hostile else (lambda k: None)
+    with tmp, LocalRoute(args, env=env) as route:
+        with RouteClient(route.addresses, tls=honest(sessions)) as c:   # warm up: every stage has run once
             c.run(PROMPTS[0], max_new_tokens=4)
+            if hostile:                                      # each prompt's tokens before any attacker started
+                for which, prompt in enumerate(PROMPTS):
+                    first_text[which] = c.run(prompt, max_new_tokens=max_tokens, prefix_cache=False).token_ids
+                victim_ids = c.tokenize(PROMPTS[0])
         names = [f"stage {i}" for i in range(stages)] + ["client"]
         pids = [p.pid for p in route.procs] + [os.getpid()]
         rep.processes = [ProcessMemory(n, pid, proc_memory(pid).get("VmRSS", 0)) for n, pid in zip(names, pids)]
         t0 = time.monotonic()
         deadline = t0 + minutes * 60
 
+        members = [attack.Member(f"hostile-{k}", route.addresses, t, victim_ids) for k, t in enumerate(hostile_tls)]
+        attackers, probes = attack.start(members, route.addresses, honest(sessions), deadline) if hostile else ([], None)
+
         def session(k: int) -> None:
             i = k
-            with RouteClient(route.addresses) as client:
+            with RouteClient(route.addresses, tls=honest(k)) as client:
                 while time.monotonic() < deadline:
                     which = i % len(PROMPTS)
                     i += sessions
@@ -177,7 +228,16 @@ def run_soak(minutes: float, *, stages: int = 3, sessions: int = 4, fake: bool =
                                    [proc_memory(pm.pid).get("VmRSS", 0) for pm in rep.processes])
             for w in workers:
                 w.join(timeout=every / len(workers))
+        for t in attackers:
+            t.join()
         rep.seconds = time.monotonic() - t0
+        if hostile:
+            for m in members:
+                for k, v in m.outcomes.items():
+                    rep.attacks[k] = rep.attacks.get(k, 0) + v
+                m.close()
+            rep.breaches = sum(v for k, v in rep.attacks.items() if "breach" in k)
+            rep.probes, rep.probe_failures = probes["probes"], probes["probe_failures"]
         for pm, p in zip(rep.processes, list(route.procs) + [None]):
             mem = proc_memory(pm.pid)
             pm.rss_end_kib, pm.hwm_end_kib = mem.get("VmRSS", 0), mem.get("VmHWM", 0)

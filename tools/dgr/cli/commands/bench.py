@@ -22,11 +22,11 @@ def _soak(args) -> int:
     from dgr.app.soak import run_soak, write_json
 
     rep = run_soak(args.minutes, stages=args.stages, sessions=args.sessions, fake=args.fake,
-                   max_tokens=args.max_tokens, threads=args.threads)
+                   max_tokens=args.max_tokens, threads=args.threads, hostile=args.hostile)
     print(rep.table())
     if args.json:
         write_json(rep, args.json)
-    return 0 if not rep.errors else 1
+    return 0 if not rep.errors and not rep.breaches and not (rep.hostile and rep.mismatched) else 1
 
 
 def _tls(args) -> int:
@@ -248,6 +248,8 @@ def register(sub) -> None:
                    help="the fake engine (no build, fast) instead of the SmolLM2 bundle `dgr demo` builds")
     p.add_argument("--max-tokens", type=int, default=48, help="tokens per generation (default 48)")
     p.add_argument("--threads", type=int, default=0, help="engine threads per worker (0: cores / stages)")
+    p.add_argument("--hostile", type=int, default=0, metavar="N", help="also N hostile members attacking the route "
+                   "in a loop, under mutual TLS (docs/security.md); honest tokens are compared with an undisturbed run")
     p.add_argument("--json", metavar="FILE", help="also write the report as JSON")
     p.set_defaults(func=_soak)
 
