@@ -87,7 +87,12 @@ def _generate(raw, sid, epoch, ids, max_new=MAX_NEW):
     """The owner's own generation over a raw stream to stage 0: its token ids, in order."""
     raw.q.put(pb.Frame(session_id=sid, epoch=epoch, generate=pb.Generate(max_new_tokens=max_new)))
     raw.q.put(prefill_frame(sid, epoch, ids, sample=True))
-    got = []
+    return _tokens(raw)
+
+
+def _tokens(raw, got=None):
+    """Token ids from a raw stream until the one marked done (after `got`, those already read); no error."""
+    got = list(got or [])
     while True:
         f = raw.replies.get(timeout=60)
         assert f is not None and not f.HasField("error"), f
@@ -258,14 +263,7 @@ def test_a_next_hop_cannot_feed_tokens_into_a_session_it_is_not_on(tiny, worker_
         assert evil.got_frame.wait(60), "stage 0 never opened its link to the intruder's server"
         mine.close()
         os.kill(procs[2].p.pid, signal.SIGCONT)
-        got = [first.token.token_id]
-        while True:
-            f = owner.replies.get(timeout=60)
-            assert f is not None and not f.HasField("error"), f
-            if f.HasField("token"):
-                got.append(f.token.token_id)
-                if f.token.done:
-                    break
+        got = _tokens(owner, [first.token.token_id])
         owner.close()
         assert got == want.token_ids
         _serves(procs, pki)
