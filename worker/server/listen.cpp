@@ -332,6 +332,7 @@ int64_t raise_open_files(const Options & o) {
     }
     ListenGuard::get().set_limit(limit);
     std::printf("dgr worker: open-files limit %lld (RLIMIT_NOFILE)\n", static_cast<long long>(limit));
+    std::fflush(stdout);                             // before anything that fails later says why (on stderr)
     return limit;
 }
 
