@@ -401,3 +401,57 @@ def test_addresses_a_member_names_leave_no_channel_behind(tiny, worker_bin, pki,
     finally:
         for p in procs:
             print(p.stop()[-3000:])
+
+
+GBNF_PIECES = ["root ::= ", "x ::= ", "(", ")", '"a"', '"\\""', "[a-z]", "[^\\]]", "|", "*", "+", "?", "{2,3}", " ",
+               "\n", "x", "# note\n", "\\", "\u00e9", "[", "]", '"', "::=", "{", "}"]
+JSON_LEAVES = ['{"type":"string"}', '{"type":"integer","minimum":3}', '{"$ref":"#"}', '{"enum":["a",1,null]}',
+               '{"type":"string","pattern":"^(a|b)+$"}', '{"const":"x"}', "true", "{}"]
+
+
+def _schema(draw_tree) -> str:
+    kind, parts = draw_tree
+    if kind == "leaf":
+        return parts
+    if kind == "array":
+        return '{"type":"array","items":' + _schema(parts[0]) + "}"
+    if kind == "object":
+        props = ",".join(f'"p{i}":{_schema(p)}' for i, p in enumerate(parts))
+        return '{"type":"object","properties":{' + props + '},"required":["p0"]}'
+    return '{"anyOf":[' + ",".join(_schema(p) for p in parts) + "]}"
+
+
+def test_random_grammars_and_schemas_are_answered_and_kill_nothing(route, pki):
+    """Fuzz (hypothesis, derandomized): random GBNF from grammar pieces and random nested JSON schemas, each
+    opened as a session's grammar at the last stage. Every one is either accepted or refused with a typed
+    error; the worker serves on (the sanitizer jobs run this too: docs/sanitizers.md)."""
+    from hypothesis import HealthCheck, given, settings, strategies as st
+
+    addresses = [p.address for p in route]
+    descs = _descs(addresses, pki["intruder"])
+    hops = route_hops(addresses, descs)
+    trees = st.recursive(st.tuples(st.just("leaf"), st.sampled_from(JSON_LEAVES)),
+                         lambda kids: st.tuples(st.sampled_from(["array", "object", "anyOf"]),
+                                                st.lists(kids, min_size=1, max_size=3)), max_leaves=12)
+    grammars = st.lists(st.sampled_from(GBNF_PIECES), min_size=1, max_size=60).map("".join)
+    seen = {"ok": 0, "refused": 0}
+    ch, s0 = stub(addresses[0], pki["intruder"])
+
+    @settings(max_examples=80, deadline=None, derandomize=True, database=None,
+              suppress_health_check=list(HealthCheck))
+    @given(st.one_of(grammars.map(lambda g: pb.Sampling(grammar=g)),
+                     trees.map(lambda t: pb.Sampling(json_schema=_schema(t)))))
+    def one(sampling):
+        sid = f"fuzz-{sum(seen.values())}"
+        r = s0.OpenSession(pb.OpenSessionRequest(session_id=sid, epoch=1, route=hops, sampling=sampling), timeout=60)
+        if r.HasField("error"):
+            assert r.error.code == pb.ENGINE and r.error.message, r
+            seen["refused"] += 1
+        else:
+            seen["ok"] += 1
+            s0.CloseSession(pb.CloseSessionRequest(session_id=sid, epoch=1, chain=True), timeout=30)
+
+    with ch:
+        one()
+    assert seen["ok"] and seen["refused"], seen
+    _serves(route, pki)
