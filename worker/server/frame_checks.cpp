@@ -46,16 +46,6 @@ void StageWorker::check_sender(const char * kind, const SessionPtr & sess, const
                                      (peer->has_value() ? **peer : std::string("(no certificate name)"))};
 }
 
-std::string StageWorker::refuse_owner(const std::string & sid, uint64_t epoch, const grpc::ServerContext * ctx) {
-    if (!trust_.mutual || !ctx) return "";
-    const std::optional<std::string> peer = peer_identity(ctx);
-    std::lock_guard<std::mutex> g(mu_);
-    auto it = sessions_.find(Key{sid, epoch});
-    if (it == sessions_.end() || !it->second->opener || (peer && *peer == *it->second->opener)) return "";
-    return "session " + sid + " epoch " + std::to_string(epoch) + " was opened here by member " + *it->second->opener +
-           "; only it may close it, and this call comes from member " + (peer ? *peer : std::string("(no certificate name)"));
-}
-
 void StageWorker::on_frame(pb::Frame frame, const ReplyPtr & reply, const std::optional<std::string> * peer) {
     const auto kind = frame.body_case();
     const int64_t sent = int64_t(frame.sent_unix_ns());

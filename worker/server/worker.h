@@ -314,9 +314,6 @@ class StageWorker final : public dgr::v1::Stage::WithCallbackMethod_Frames<dgr::
     // peer: the sender's member name under mTLS (nullptr: this worker itself, never checked)
     void on_frame(dgr::v1::Frame frame, const ReplyPtr & reply, const std::optional<std::string> * peer);
     void check_sender(const char * kind, const SessionPtr & sess, const std::optional<std::string> * peer, const std::string & sid);
-    // mTLS: CloseSession of an open session comes from the member that opened it here; "" when it may,
-    // else why not
-    std::string refuse_owner(const std::string & sid, uint64_t epoch, const grpc::ServerContext * ctx);
     void check_step(const dgr::v1::Step & step, std::vector<float> * x);
     // OpenSession's reply hops (this stage's and those after it): can the route roll back, and how many
     // positions fit one frame; mu_ held
