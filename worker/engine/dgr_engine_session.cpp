@@ -156,9 +156,12 @@ int32_t dgr_session_state_get(dgr_engine * eng, const char * sid, int64_t epoch,
             throw dgr_exc(DGR_E_ENGINE, fmt("session '%s' epoch %lld is not open", sid, (long long) epoch));
         }
         *n_positions = it->second.n_cached;
-        *size = llama_state_seq_get_size(eng->ctx, it->second.seq);
+        // every cell, sliding-window ones too (patch 0025): a restore then lays them out as the run that
+        // computed them did (the same sums in the same order) and can drop later positions
+        *size = llama_state_seq_get_size_ext(eng->ctx, it->second.seq, LLAMA_STATE_SEQ_FLAGS_ALL_CELLS);
         if (buf && cap >= *size) {
-            const size_t n = llama_state_seq_get_data(eng->ctx, static_cast<uint8_t *>(buf), (size_t) cap, it->second.seq);
+            const size_t n = llama_state_seq_get_data_ext(eng->ctx, static_cast<uint8_t *>(buf), (size_t) cap,
+                                                          it->second.seq, LLAMA_STATE_SEQ_FLAGS_ALL_CELLS);
             if (n != *size) throw dgr_exc(DGR_E_ENGINE, fmt("llama.cpp wrote %zu bytes of a %llu-byte session state", n,
                                                             (unsigned long long) *size));
         }
@@ -189,7 +192,8 @@ int32_t dgr_session_state_set(dgr_engine * eng, const char * sid, int64_t epoch,
                     "context's cache is not in it); re-prefill", eng->path.c_str()));
         }
         llama_memory_t mem = llama_get_memory(eng->ctx);
-        if (llama_state_seq_set_data(eng->ctx, static_cast<const uint8_t *>(buf), (size_t) size, s.seq) == 0) {
+        if (llama_state_seq_set_data_ext(eng->ctx, static_cast<const uint8_t *>(buf), (size_t) size, s.seq,
+                                         LLAMA_STATE_SEQ_FLAGS_ALL_CELLS) == 0) {
             llama_memory_seq_rm(mem, s.seq, -1, -1);
             throw dgr_exc(DGR_E_ENGINE, "llama.cpp could not load the saved session state (another engine's, or no room)");
         }
