@@ -23,6 +23,20 @@ def test_split_equals_whole_model_exactly(arch, stages, engine_lib, tmp_path):
     assert r.greedy_agree
 
 
+@pytest.mark.engine
+@pytest.mark.parametrize("arch", ARCHS)
+def test_a_kept_prefix_restored_and_cut_back_equals_the_cold_whole_model(arch, engine_lib, tmp_path, repo_root):
+    """The prefix cache's engine calls on every family, 3 stages: exact, or refused by name where a stage keeps
+    one running state per session; docs/families.md's "prefix cache" column says the same."""
+    from dgr.toolchain.synth.warm import run_warm_parity
+
+    r = run_warm_parity(arch, tmp_path, lib=engine_lib)
+    assert r.exact or r.refused, r.verdict
+    runs_one_state = bool({"recurrent", "hybrid"} & set(features(arch))) or arch == "deepseek4"
+    assert r.refused == runs_one_state, r.verdict      # nothing else is turned off: sliding windows are exact
+    assert read_table(repo_root / "docs" / "families.md")[arch]["prefix_cache"] == r.verdict
+
+
 def test_synth_list_names_every_architecture(capsys):
     assert main(["synth", "--list"]) == 0
     listed = capsys.readouterr().out.split()
@@ -61,3 +75,4 @@ def test_docs_table_and_suite_agree(repo_root):
         cuts = choose_ranges(layer_kinds(arch, model_layers(arch)), 3)
         assert row["cuts"] == " ".join(f"[{a},{b})" for a, b in cuts), arch
         assert row["result"] == "exact", arch
+        assert row["prefix_cache"] == "exact" or row["prefix_cache"].startswith("refused: "), arch

@@ -161,22 +161,59 @@ def test_a_conversation_lands_again_on_the_replicas_that_kept_its_history(engine
         _same(warm, elsewhere)
 
 
-@pytest.mark.parametrize("arch", ["mamba", "jamba"])
-def test_recurrent_and_hybrid_stages_keep_nothing_and_the_route_prefills_in_full(arch, engine_lib, tmp_path):
-    """docs/families.md, "Prefix cache": a stage whose state is one running state per session keeps nothing
-    (Describe says capacity 0), so a repeated prompt is prefilled again, with the same text."""
+def _synth_route(arch, engine_lib, tmp_path, n_stages):
     from dgr.toolchain.synth.generic import layer_kinds
     from dgr.toolchain.synth.parity import choose_ranges, model_layers, synth_model
 
-    from support.engine import long_prompts, make_bundle
+    from support.engine import make_bundle
 
     layers = model_layers(arch)
     whole = synth_model(arch, tmp_path / f"{arch}.gguf", layers=layers)
-    bundle = make_bundle(whole, choose_ranges(layer_kinds(arch, layers), 2), tmp_path)
-    args = [["--bundle", str(bundle.root), "--stage", str(i), "--threads", "1", "--n-ctx", "256"] for i in range(2)]
-    with LocalRoute(args, env={"DGR_ENGINE_LIB": str(engine_lib)}, timeout=300) as r, \
-            RouteClient(r.addresses, chunk_tokens=16) as c:
+    bundle = make_bundle(whole, choose_ranges(layer_kinds(arch, layers), n_stages), tmp_path)
+    args = [["--bundle", str(bundle.root), "--stage", str(i), "--threads", "1", "--n-ctx", "512"]
+            for i in range(n_stages)]
+    return LocalRoute(args, env={"DGR_ENGINE_LIB": str(engine_lib)}, timeout=300)
+
+
+@pytest.mark.parametrize("arch", ["gemma3", "cohere2", "gpt-oss", "llama4"])
+def test_sliding_window_and_chunked_attention_restore_exactly(arch, engine_lib, tmp_path):
+    """Issue 41's reproduction on tiny models of sliding-window (gemma3: interleaved local/global, cohere2:
+    global layers without RoPE, gpt-oss: with attention sinks) and chunked attention (llama4), 3 worker
+    processes: a long prompt cold, a shorter one sharing its start, then the long one again (restoring the
+    shorter one's blocks: a restore cut back past the window), and a prompt cut back inside the long one's
+    blocks. Every run's tokens and logits equal the cold ones."""
+    from support.engine import long_prompts
+
+    with _synth_route(arch, engine_lib, tmp_path, 3) as r, RouteClient(r.addresses, chunk_tokens=16) as c:
+        assert all(d.prefix_cache_capacity_bytes > 0 and d.prefix_cache_off == "" for d in c.describe())
+        long = long_prompts(c.hops[0].n_vocab, lengths=(150,))[0]
+        cold = _run(c, long, max_new_tokens=6, prefix_cache=False)
+        _run(c, long[:70], max_new_tokens=6)
+        after_short = _run(c, long, max_new_tokens=6)
+        assert after_short.cached_tokens == 64
+        _same(after_short, cold)
+        again = _run(c, long, max_new_tokens=6)
+        assert again.cached_tokens == 128
+        _same(again, cold)
+        cut = _run(c, long[:100], max_new_tokens=6)
+        assert cut.cached_tokens == 96
+        _same(cut, _run(c, long[:100], max_new_tokens=6, prefix_cache=False))
+
+
+@pytest.mark.parametrize("arch", ["mamba", "jamba"])
+def test_recurrent_and_hybrid_stages_keep_nothing_and_the_route_prefills_in_full(arch, engine_lib, tmp_path,
+                                                                                 repo_root):
+    """docs/families.md, "Prefix cache": a stage whose state is one running state per session keeps nothing
+    (Describe says capacity 0 and why, in the table's words), so a repeated prompt is prefilled again, with
+    the same text."""
+    from dgr.toolchain.synth.parity import read_table
+
+    from support.engine import long_prompts
+
+    why = read_table(repo_root / "docs" / "families.md")[arch]["prefix_cache"].removeprefix("refused: ")
+    with _synth_route(arch, engine_lib, tmp_path, 2) as r, RouteClient(r.addresses, chunk_tokens=16) as c:
         assert [d.prefix_cache_capacity_bytes for d in c.describe()] == [0, 0]
+        assert [d.prefix_cache_off for d in c.describe()] == [f"{arch} is a {why}"] * 2
         ids = long_prompts(c.hops[0].n_vocab, lengths=(70,))[0]
         first, again = _run(c, ids, max_new_tokens=4), _run(c, ids, max_new_tokens=4)
     assert first.cached_tokens == again.cached_tokens == 0

@@ -44,6 +44,7 @@ void StageWorker::describe_msg(pb::StageDescription * d) {
     d->set_has_mtp(info_.has_mtp != 0 && lib_.mtp_draft != nullptr);
     d->set_n_draft_max(uint32_t(std::max(0, info_.n_draft_max)));
     d->set_batch_invariant(i.batch_invariant);
+    d->set_prefix_cache_off(prefix_off_);
     if (prefix_) {
         const PrefixCache::Stats ps = prefix_->stats();
         d->set_prefix_cache_capacity_bytes(ps.capacity);

@@ -25,7 +25,7 @@ StageWorker::StageWorker(const EngineLib & lib, dgr_engine * eng, StageIdentity 
     can_truncate_ = lib_.can_truncate(eng_) != 0;
     if (limits_.prefix_cache_mib <= 0) prefix_off_ = "--prefix-cache-mib 0";
     else if (!lib_.state_get || !lib_.state_set) prefix_off_ = "the engine library predates it";
-    else if (!can_truncate_) prefix_off_ = std::string(info_.arch) + " keeps one running state per session (recurrent or hybrid)";
+    else if (!can_truncate_) prefix_off_ = std::string(info_.arch) + " is a recurrent or hybrid model: a prefix of its state cannot be kept";
     else if (info_.n_draft_max > 0 && !info_.has_mtp) {
         prefix_off_ = std::string(info_.arch) + " rolls back only its last step (per-step snapshots, --draft-max), not to a kept prefix";
     }

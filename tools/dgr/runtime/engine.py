@@ -288,6 +288,28 @@ class Engine:
                               "decoding's rollback): rebuild it with `dgr build-engine --lane cpu`")
         self._check(self._lib.dgr_session_truncate(self._handle(), session_id.encode(), epoch, n_keep))
 
+    def state_get(self, session_id: str, epoch: int) -> tuple[bytes, int]:
+        """The session's cached positions on this engine's layers as bytes (what a worker's prefix cache
+        keeps), and how many positions they hold."""
+        if not hasattr(self._lib, "dgr_session_state_get"):
+            raise EngineError(f"{self.path}: this engine library predates saved session states: rebuild it "
+                              "with `dgr build-engine --lane cpu`")
+        size, n_pos = C.c_uint64(), C.c_int32()
+        sid = session_id.encode()
+        self._check(self._lib.dgr_session_state_get(self._handle(), sid, epoch, None, 0, C.byref(size), C.byref(n_pos)))
+        buf = C.create_string_buffer(size.value)
+        self._check(self._lib.dgr_session_state_get(self._handle(), sid, epoch, buf, size.value, C.byref(size),
+                                                    C.byref(n_pos)))
+        return buf.raw[: size.value], n_pos.value
+
+    def state_set(self, session_id: str, epoch: int, state: bytes, n_positions: int, n_keep: int) -> None:
+        """Load a state `state_get` gave into an open, empty session, keeping its first `n_keep` positions."""
+        if not hasattr(self._lib, "dgr_session_state_set"):
+            raise EngineError(f"{self.path}: this engine library predates saved session states: rebuild it "
+                              "with `dgr build-engine --lane cpu`")
+        self._check(self._lib.dgr_session_state_set(self._handle(), session_id.encode(), epoch, state, len(state),
+                                                    n_positions, n_keep))
+
     def forward(self, steps: list[Step]) -> list[StepResult]:
         info = self._info
         if not steps:

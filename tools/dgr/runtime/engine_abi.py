@@ -137,6 +137,14 @@ def load_library(lib: str | Path | None = None) -> C.CDLL:
             h.dgr_session_truncate.restype = C.c_int32
             h.dgr_engine_can_truncate.argtypes = [C.c_void_p]
             h.dgr_engine_can_truncate.restype = C.c_int32
+        # the prefix cache's saved states (the real engine; a fake engine need not)
+        if hasattr(h, "dgr_session_state_get"):
+            h.dgr_session_state_get.argtypes = [C.c_void_p, C.c_char_p, C.c_int64, C.c_void_p, C.c_uint64,
+                                                C.POINTER(C.c_uint64), C.POINTER(C.c_int32)]
+            h.dgr_session_state_get.restype = C.c_int32
+            h.dgr_session_state_set.argtypes = [C.c_void_p, C.c_char_p, C.c_int64, C.c_void_p, C.c_uint64,
+                                                C.c_int32, C.c_int32]
+            h.dgr_session_state_set.restype = C.c_int32
         # MTP drafting (the real engine; a fake engine need not)
         if hasattr(h, "dgr_mtp_draft"):
             h.dgr_mtp_draft.argtypes = [C.c_void_p, C.c_char_p, C.c_int64, C.c_int32, C.c_int32, C.POINTER(C.c_int32)]

@@ -148,6 +148,7 @@ def cmd_parity_synth(args) -> int:
 
     from dgr.toolchain.synth.generic import known_archs
     from dgr.toolchain.synth.parity import results_json, run_synth_parity, write_table
+    from dgr.toolchain.synth.warm import run_warm_parity
 
     archs = known_archs() if args.synth == "all" else [a.strip() for a in args.synth.split(",")]
     try:
@@ -156,6 +157,7 @@ def cmd_parity_synth(args) -> int:
         raise DgrError(f"--stages {args.stages!r}: a stage count, or several separated by commas (2,3,4)") from None
     t0 = time.perf_counter()
     by_arch: dict = {}
+    warm: dict[str, str] = {}
     failed = []
     with tempfile.TemporaryDirectory(prefix="dgr-synth-parity-") as tmp:
         for arch in archs:
@@ -172,13 +174,28 @@ def cmd_parity_synth(args) -> int:
                 print(f"parity: {r.line()}", flush=True)
                 if not r.exact:
                     failed.append(f"{arch} x{n}")
+            if arch not in by_arch:
+                continue
+            try:    # the warm pass: a kept prefix restored (and cut back) on 3 stages against the cold whole model
+                w = run_warm_parity(arch, Path(tmp), lib=args.lib, n_threads=args.threads or 1)
+            except DgrError as err:
+                if len(archs) == 1:
+                    raise
+                print(f"parity: {arch}: prefix cache: ERROR: {err}", flush=True)
+                failed.append(f"{arch} prefix cache (error)")
+                continue
+            warm[arch] = w.verdict
+            print(f"parity: {arch}: prefix cache (restore, cut back; 3 stages): {w.verdict.upper() if w.exact else w.verdict} "
+                  f"({w.seconds:.1f} s)", flush=True)
+            if not (w.exact or w.refused):
+                failed.append(f"{arch} prefix cache")
     seconds = time.perf_counter() - t0
     if args.table and not failed:
-        write_table(args.table, by_arch, seconds)
+        write_table(args.table, by_arch, seconds, warm)
     elif args.table:
         print(f"parity: {args.table} not written: the table lists only passing runs", flush=True)
     if args.json:
-        args.json.write_text(results_json(by_arch))
+        args.json.write_text(results_json(by_arch, warm))
     total = sum(len(v) for v in by_arch.values())
     if failed:
         from dgr.toolchain.parity import ParityError
