@@ -9,6 +9,7 @@ import shutil
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -83,6 +84,7 @@ def test_units_per_worker_pass_systemd_analyze_verify(tiny, tmp_path):
     assert argv[:2] == [f"{prefix}/bin/dgr-worker", "serve"]
     assert argv[argv.index("--bundle") + 1] == str(tiny.root) and argv[argv.index("--listen") + 1] == "127.0.0.1:7510"
     assert argv[argv.index("--stage") + 1] == "1" and argv[argv.index("--threads") + 1] == "1"
+    assert argv[argv.index("--prefix-cache-mib") + 1] == "256"           # the worker's own default
     assert "Wants=dgr-tiny-s0-r0.service dgr-tiny-s1-r0.service" in files[-1].read_text()
     assert "/home" not in "".join(f.read_text() for f in files)
     _verify(files)
@@ -101,6 +103,21 @@ def test_tls_material_reaches_the_dynamic_user_as_credentials(tiny, tmp_path):
     argv = _exec_start(unit)
     assert argv[argv.index("--tls-key") + 1] == "%d/tls.key" and argv[argv.index("--tls-ca") + 1] == "%d/ca.pem"
     _verify(sorted((tmp_path / "units").iterdir()))
+
+
+def test_the_prefix_cache_is_set_in_the_worker_section(tiny, tmp_path):
+    def with_cache(mib: int) -> str:
+        f = Path(_file(tmp_path, tiny))
+        f.write_text(f.read_text().replace("session_ttl = 120\n", f"session_ttl = 120\nprefix_cache_mib = {mib}\n"))
+        return str(f)
+
+    proc = dgr("deploy", "render", with_cache(0), "--systemd", str(tmp_path / "units"), "--prefix",
+               str(_prefix(tmp_path)))
+    assert proc.returncode == 0, proc.stderr
+    argv = _exec_start((tmp_path / "units" / "dgr-tiny-s0-r0.service").read_text())
+    assert argv[argv.index("--prefix-cache-mib") + 1] == "0"
+    proc = dgr("deploy", "render", with_cache(-1), "--systemd", str(tmp_path / "u2"))
+    assert proc.returncode != 0 and "prefix_cache_mib" in proc.stderr
 
 
 def test_a_free_port_picked_at_up_cannot_go_into_a_unit(tiny, tmp_path):

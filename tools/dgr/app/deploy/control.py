@@ -100,7 +100,8 @@ def worker_args(plan: Plan, w: WorkerPlan, bundle: Path, port: int) -> list[str]
             "--lane", w.host.lane, "--threads", str(o.threads), "--session-ttl", f"{o.session_ttl:g}",
             "--max-sessions", str(o.max_sessions), "--n-ctx", str(o.n_ctx),
             "--max-queued-steps", str(o.max_queued_steps), "--max-session-steps", str(o.max_session_steps),
-            "--drain-timeout", f"{o.drain_timeout:g}", *_tls_args(plan, w)]
+            "--drain-timeout", f"{o.drain_timeout:g}", "--prefix-cache-mib", str(o.prefix_cache_mib),
+            *_tls_args(plan, w)]
     return args + (["--insecure"] if o.insecure else [])
 
 

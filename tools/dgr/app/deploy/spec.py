@@ -25,6 +25,7 @@ from dgr.app.deploy import READY_TIMEOUT_S
 from dgr.core.constants import DEFAULT_MAX_SESSIONS, DEFAULT_N_CTX, LANES
 from dgr.core.contract import STRICT
 from dgr.core.errors import DgrError, first_field_error
+from dgr.runtime.wire.limits import Limits
 from dgr.toolchain.recipe import Size
 
 _NAME = re.compile(r"^[a-z0-9][a-z0-9_-]{0,47}$")
@@ -152,6 +153,8 @@ class WorkerOptions(BaseModel):
     max_queued_steps: int = Field(default=512, ge=1)
     max_session_steps: int = Field(default=128, ge=1)
     drain_timeout: float = Field(default=5.0, gt=0)
+    prefix_cache_mib: int = Field(default=Limits().prefix_cache_mib, ge=0,
+                                  description="each worker's prefix cache (docs/worker.md \"Prefix cache\"); 0: off")
     insecure: bool = Field(default=False, description="allow plaintext on non-loopback addresses")
 
     @field_validator("session_ttl", "drain_timeout", mode="before")
