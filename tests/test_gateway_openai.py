@@ -77,14 +77,28 @@ def test_chat_equals_the_route_for_the_rendered_prompt(gw, rc, stream):
     assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
 
 
+def test_dgr_generate_prints_no_end_of_generation_marker(route, rc):
+    """A chat-formatted prompt the model answers and ends with <|im_end|>: `dgr generate` prints the answer
+    without the marker (as the gateway), and `--no-prefix-cache` prints the same."""
+    prompt = "<|im_start|>user\nWhat is 2+2? Answer in one short sentence.<|im_end|>\n<|im_start|>assistant\n"
+    ref = rc.run(prompt, max_new_tokens=48)
+    eos = set(rc.hops[-1].eos_token_ids)
+    assert ref.token_ids[-1] in eos and "<|im_end|>" in ref.text     # the route drew the marker
+    outs = [subprocess.run([sys.executable, "-m", "dgr", "generate", "--route", route.route, "--max-tokens", "48",
+                            *flags, prompt], capture_output=True, text=True, timeout=120) for flags in ((), ("--no-prefix-cache",))]
+    assert all(o.returncode == 0 for o in outs), [o.stderr for o in outs]
+    assert outs[0].stdout == outs[1].stdout == _printed(ref, eos) + "\n"
+    assert "<|im_end|>" not in outs[0].stdout and outs[0].stdout.strip()
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_completion_equals_dgr_generate(gw, route, rc, stream):
     ref = rc.run(PROMPT, max_new_tokens=MAX)
     cli = subprocess.run([sys.executable, "-m", "dgr", "generate", "--route", route.route, "--max-tokens", str(MAX),
                           PROMPT], capture_output=True, text=True, timeout=120)
     assert cli.returncode == 0, cli.stderr
-    assert cli.stdout == ref.text + "\n"
     eos = set(rc.hops[-1].eos_token_ids)
+    assert cli.stdout == _printed(ref, eos) + "\n"            # no end-of-generation marker, as the gateway
     c = gw.client()
     if stream:
         chunks = list(c.completions.create(model=gw.backend.info.name, prompt=PROMPT, max_tokens=MAX,

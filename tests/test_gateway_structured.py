@@ -258,6 +258,24 @@ def test_a_repeated_prompt_is_restored_from_the_prefix_cache(gw):
     assert out.output_text == first.choices[0].message.content
 
 
+def test_cache_prompt_false_neither_restores_nor_keeps_the_prefix(gw):
+    """llama-server's per-request opt-out: the stages prefill the whole prompt and keep nothing of it."""
+    system = f"Session {uuid.uuid4().hex}. " + "You are a careful assistant who answers in one short sentence. " * 8
+    msgs = [{"role": "system", "content": system}, {"role": "user", "content": "What is the capital of Spain?"}]
+    off = {"cache_prompt": False}
+    first = _create(gw, messages=msgs, max_tokens=12, extra_body=off)
+    again = _create(gw, messages=msgs, max_tokens=12, extra_body=off)        # nothing was kept: cold again
+    assert first.usage.prompt_tokens_details.cached_tokens == again.usage.prompt_tokens_details.cached_tokens == 0
+    warm_on = _create(gw, messages=msgs, max_tokens=12)                      # the first that keeps it
+    assert warm_on.usage.prompt_tokens_details.cached_tokens == 0
+    assert _create(gw, messages=msgs, max_tokens=12, extra_body=off).usage.prompt_tokens_details.cached_tokens == 0
+    assert _create(gw, messages=msgs, max_tokens=12).usage.prompt_tokens_details.cached_tokens > 0
+    assert first.choices[0].message.content == again.choices[0].message.content == warm_on.choices[0].message.content
+    out = gw.client().responses.create(model=gw.backend.info.name, instructions=system, max_output_tokens=12,
+                                       input="What is the capital of Spain?", temperature=0, extra_body=off)
+    assert out.usage.input_tokens_details.cached_tokens == 0
+
+
 # ---------------------------------------------------------------------------------------------- refusals
 def _refused(call, **kw) -> dict:
     with pytest.raises(openai.BadRequestError) as e:

@@ -270,7 +270,7 @@ def create_app(backend: RouteBackend, metrics: GatewayMetrics | None = None, *,
         params = [Params(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
                          seed=seed, stops=stops, ignore_eos=req.ignore_eos, json_schema=json_schema,
                          logprobs=top_logprobs is not None, top_logprobs=top_logprobs or 0, speculate=source,
-                         draft_k=k) for seed in seeds]
+                         draft_k=k, prefix_cache=getattr(req, "cache_prompt", True)) for seed in seeds]
         run = Run(backend, ids, params, m, t0)
         # runs until the generations end, whoever serves the response (this coroutine or the stream)
         run.watch = asyncio.create_task(_cancel_when_gone(request, run))

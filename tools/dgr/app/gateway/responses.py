@@ -101,6 +101,7 @@ class ResponsesRequest(StrictRequest):
     top_k: int = Field(0, ge=0)
     ignore_eos: bool = False
     seed: int | None = None
+    cache_prompt: bool = True       # as on chat: false = no prefix cache for this request
     # hints to OpenAI's own service: accepted, no effect on what the route computes
     user: str | None = None
     metadata: dict[str, Any] | None = None

@@ -94,6 +94,7 @@ class Params:
     top_logprobs: int = 0
     speculate: str | None = None  # a draft source ("ngram", "mtp") whose drafts each ring verifies; None: none
     draft_k: int = 4
+    prefix_cache: bool = True     # restore and keep the prompt's prefix in the stages' caches (`cache_prompt`)
 
 
 @dataclass(frozen=True)
@@ -317,7 +318,7 @@ class Job:
                 it = c.generate(self.prompt_ids, max_new_tokens=p.max_tokens, temperature=temperature,
                                 top_k=p.top_k, top_p=top_p, seed=seed, stop_token_ids=stop_ids,
                                 json_schema=p.json_schema, logprobs=p.logprobs, top_logprobs=p.top_logprobs,
-                                speculate=p.speculate, draft_k=p.draft_k)
+                                speculate=p.speculate, draft_k=p.draft_k, prefix_cache=p.prefix_cache)
                 last = 0.0
                 try:
                     for ev in it:

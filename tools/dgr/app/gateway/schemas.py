@@ -68,6 +68,9 @@ class _Request(StrictRequest):
     # lookup), "mtp" (the model's MTP block, a bundle with include_mtp) or "none"; default: `dgr serve --speculate`
     speculate: Literal["none", "ngram", "mtp"] | None = None
     draft_k: int | None = Field(None, ge=1, le=MAX_DRAFT_K)
+    # dgr's extension, llama-server's name: false = the stages neither restore this prompt's prefix from their
+    # prefix caches nor keep it (the answer is the same either way: the cache is exact, docs/worker.md)
+    cache_prompt: bool = True
     # hints to OpenAI's own service: accepted, no effect on what the route computes
     user: str | None = None
     metadata: dict[str, Any] | None = None

@@ -60,6 +60,9 @@ def register(sub) -> None:
                         "model's MTP block on the last stage, a bundle built with bundle.include_mtp = true) "
                         "verified in the same trip round the ring; the same tokens, fewer rings")
     g.add_argument("--draft-k", type=int, default=4, metavar="K", help="most drafts per ring (with --speculate)")
+    g.add_argument("--no-prefix-cache", action="store_true",
+                   help="prefill the whole prompt and keep nothing of it in the stages' prefix caches (the text is "
+                        "the same: the cache is exact)")
     g.add_argument("prompt")
     g.set_defaults(func=_generate)
 
@@ -89,12 +92,15 @@ def _generate(args) -> int:
     with RouteClient(route, max_message_bytes=args.max_message_bytes, timeout=args.timeout,
                      chunk_tokens=args.chunk_tokens, tls=tls, hop_deadline=args.hop_deadline,
                      attempts=args.attempts, connect_wait=args.timeout) as client:
+        stops = [] if args.ignore_eos else list(client.hops[-1].eos_token_ids)
         for ev in client.generate(args.prompt, max_new_tokens=args.max_tokens, temperature=args.temperature,
                                   top_k=args.top_k, top_p=args.top_p, seed=args.seed,
                                   logits="last" if args.logits_out else "none", speculate=args.speculate,
-                                  draft_k=args.draft_k, stop_token_ids=[] if args.ignore_eos else None):
-            sys.stdout.write(ev.text)
-            sys.stdout.flush()
+                                  draft_k=args.draft_k, stop_token_ids=stops,
+                                  prefix_cache=not args.no_prefix_cache):
+            if ev.token_id not in stops:        # the end-of-generation token ends the text; it is not printed
+                sys.stdout.write(ev.text)       # (the gateway does the same)
+                sys.stdout.flush()
         sys.stdout.write("\n")
         if args.logits_out:
             import numpy as np
