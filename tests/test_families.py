@@ -23,18 +23,28 @@ def test_split_equals_whole_model_exactly(arch, stages, engine_lib, tmp_path):
     assert r.greedy_agree
 
 
+# what only a stage that keeps one running state per session (or none per position) cannot do
+ONE_STATE = {a for a in ARCHS if {"recurrent", "hybrid"} & set(features(a))} | {"deepseek4"}
+ROLLS_BACK_ITS_LAST_STEP = {"bailingmoe3", "deepseek4", "lfm2", "lfm2moe", "nemotron_h", "nemotron_h_moe", "qwen35",
+                            "qwen35moe"}      # hybrids whose cache keeps per-step snapshots (n_rs_seq)
+
+
 @pytest.mark.engine
 @pytest.mark.parametrize("arch", ARCHS)
-def test_a_kept_prefix_restored_and_cut_back_equals_the_cold_whole_model(arch, engine_lib, tmp_path, repo_root):
-    """The prefix cache's engine calls on every family, 3 stages: exact, or refused by name where a stage keeps
-    one running state per session; docs/families.md's "prefix cache" column says the same."""
-    from dgr.toolchain.synth.warm import run_warm_parity
+def test_a_kept_prefix_and_a_rollback_equal_the_cold_whole_model_or_are_refused_by_name(arch, engine_lib, tmp_path,
+                                                                                       repo_root):
+    """The engine calls of the prefix cache (restore whole and cut back) and of speculation's rollback on every
+    family, 3 stages: exact, or refused by name; docs/families.md's columns say the same."""
+    from dgr.toolchain.synth.features import run_features
 
-    r = run_warm_parity(arch, tmp_path, lib=engine_lib)
-    assert r.exact or r.refused, r.verdict
-    runs_one_state = bool({"recurrent", "hybrid"} & set(features(arch))) or arch == "deepseek4"
-    assert r.refused == runs_one_state, r.verdict      # nothing else is turned off: sliding windows are exact
-    assert read_table(repo_root / "docs" / "families.md")[arch]["prefix_cache"] == r.verdict
+    rs = run_features(arch, tmp_path, lib=engine_lib)
+    row = read_table(repo_root / "docs" / "families.md")[arch]
+    for name, r in rs.items():
+        assert r.exact or r.refused, f"{name}: {r.verdict}"
+        assert row[name.replace(" ", "_")] == r.verdict, name
+    assert rs["prefix cache"].refused == (arch in ONE_STATE), rs["prefix cache"].verdict   # sliding windows are exact
+    expect_refused = arch in ONE_STATE and arch not in ROLLS_BACK_ITS_LAST_STEP
+    assert rs["rollback"].refused == expect_refused, rs["rollback"].verdict
 
 
 def test_synth_list_names_every_architecture(capsys):
@@ -75,4 +85,5 @@ def test_docs_table_and_suite_agree(repo_root):
         cuts = choose_ranges(layer_kinds(arch, model_layers(arch)), 3)
         assert row["cuts"] == " ".join(f"[{a},{b})" for a, b in cuts), arch
         assert row["result"] == "exact", arch
-        assert row["prefix_cache"] == "exact" or row["prefix_cache"].startswith("refused: "), arch
+        for column in ("prefix_cache", "rollback"):
+            assert row[column] == "exact" or row[column].startswith("refused: "), (arch, column)

@@ -44,6 +44,11 @@ class CacheMiss(EngineError):
         self.expected = expected
 
 
+class Unsupported(EngineError):
+    """The engine cannot do this for this model, by design (DGR_E_UNSUPPORTED): e.g. a recurrent model's state
+    cannot drop positions. Not a fault: the caller refuses the feature by name."""
+
+
 class SchemaMismatch(EngineError):
     """A boundary's schema (streams, width, dtype, sideband) does not match the stage's."""
 

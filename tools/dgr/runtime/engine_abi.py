@@ -9,7 +9,7 @@ import os
 import threading
 from pathlib import Path
 
-from dgr.core.errors import CacheMiss, EngineError, SchemaMismatch
+from dgr.core.errors import CacheMiss, EngineError, SchemaMismatch, Unsupported
 from dgr.core.paths import default_engine_library
 
 ABI_VERSION = 6                 # worker/engine/dgr_engine.h's DGR_ABI_VERSION (tests/test_engine_abi.py holds them equal)
@@ -181,4 +181,6 @@ def _raise(h: C.CDLL, status: int) -> None:
         raise CacheMiss(msg, held=held.value, expected=expected.value)
     if status == E_SCHEMA:
         raise SchemaMismatch(msg)
+    if status == E_UNSUPPORTED:
+        raise Unsupported(msg)
     raise EngineError(msg)

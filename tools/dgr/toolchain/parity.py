@@ -91,13 +91,14 @@ def parse_ranges(text: str) -> list[tuple[int, int]]:
 
 def open_stages(paths: list[Path], *, n_ubatch: int, n_ctx: int, max_sessions: int,
                 ranges: list[tuple[int, int]] | None = None, lib: str | Path | None = None,
-                n_threads: int = 0, kv_dtype: str = "f16", fast_kernels: bool = False) -> list[Engine]:
+                n_threads: int = 0, kv_dtype: str = "f16", fast_kernels: bool = False,
+                n_draft_max: int = 0) -> list[Engine]:
     engines: list[Engine] = []
     try:
         for i, p in enumerate(paths):
             engines.append(Engine.open(p, layer_range=ranges[i] if ranges else None, n_ctx=n_ctx,
                                        max_sessions=max_sessions, n_ubatch=n_ubatch, n_threads=n_threads, lib=lib,
-                                       kv_dtype=kv_dtype, fast_kernels=fast_kernels))
+                                       kv_dtype=kv_dtype, fast_kernels=fast_kernels, n_draft_max=n_draft_max))
     except BaseException:
         for e in engines:
             e.close()

@@ -147,8 +147,8 @@ def cmd_parity_synth(args) -> int:
     import time
 
     from dgr.toolchain.synth.generic import known_archs
+    from dgr.toolchain.synth.features import run_features
     from dgr.toolchain.synth.parity import results_json, run_synth_parity, write_table
-    from dgr.toolchain.synth.warm import run_warm_parity
 
     archs = known_archs() if args.synth == "all" else [a.strip() for a in args.synth.split(",")]
     try:
@@ -157,7 +157,7 @@ def cmd_parity_synth(args) -> int:
         raise DgrError(f"--stages {args.stages!r}: a stage count, or several separated by commas (2,3,4)") from None
     t0 = time.perf_counter()
     by_arch: dict = {}
-    warm: dict[str, str] = {}
+    feats: dict[str, dict[str, str]] = {}
     failed = []
     with tempfile.TemporaryDirectory(prefix="dgr-synth-parity-") as tmp:
         for arch in archs:
@@ -176,26 +176,27 @@ def cmd_parity_synth(args) -> int:
                     failed.append(f"{arch} x{n}")
             if arch not in by_arch:
                 continue
-            try:    # the warm pass: a kept prefix restored (and cut back) on 3 stages against the cold whole model
-                w = run_warm_parity(arch, Path(tmp), lib=args.lib, n_threads=args.threads or 1)
+            try:    # a kept prefix restored (and cut back), and a rollback, on 3 stages against the cold whole model
+                rs = run_features(arch, Path(tmp), lib=args.lib, n_threads=args.threads or 1)
             except DgrError as err:
                 if len(archs) == 1:
                     raise
-                print(f"parity: {arch}: prefix cache: ERROR: {err}", flush=True)
-                failed.append(f"{arch} prefix cache (error)")
+                print(f"parity: {arch}: features: ERROR: {err}", flush=True)
+                failed.append(f"{arch} features (error)")
                 continue
-            warm[arch] = w.verdict
-            print(f"parity: {arch}: prefix cache (restore, cut back; 3 stages): {w.verdict.upper() if w.exact else w.verdict} "
-                  f"({w.seconds:.1f} s)", flush=True)
-            if not (w.exact or w.refused):
-                failed.append(f"{arch} prefix cache")
+            feats[arch] = {name: r.verdict for name, r in rs.items()}
+            for name, r in rs.items():
+                print(f"parity: {arch}: {name} (3 stages): {'EXACT' if r.exact else r.verdict} ({r.seconds:.1f} s)",
+                      flush=True)
+                if not (r.exact or r.refused):
+                    failed.append(f"{arch} {name}")
     seconds = time.perf_counter() - t0
     if args.table and not failed:
-        write_table(args.table, by_arch, seconds, warm)
+        write_table(args.table, by_arch, seconds, feats)
     elif args.table:
         print(f"parity: {args.table} not written: the table lists only passing runs", flush=True)
     if args.json:
-        args.json.write_text(results_json(by_arch, warm))
+        args.json.write_text(results_json(by_arch, feats))
     total = sum(len(v) for v in by_arch.values())
     if failed:
         from dgr.toolchain.parity import ParityError

@@ -132,18 +132,18 @@ def features(arch: str) -> tuple[str, ...]:
 
 
 # docs/families.md: written from a run, read back by the test that keeps it true.
-TABLE_HEAD = ("| architecture | features exercised | stages tried | cuts (3 stages) | result | prefix cache |\n"
-              "|---|---|---|---|---|---|\n")
-TABLE_COLUMNS = ("features", "stages", "cuts", "result", "prefix_cache")
+TABLE_HEAD = ("| architecture | features exercised | stages tried | cuts (3 stages) | result | prefix cache | rollback |\n"
+              "|---|---|---|---|---|---|---|\n")
+TABLE_COLUMNS = ("features", "stages", "cuts", "result", "prefix_cache", "rollback")
 
 
-def table_row(arch: str, results: list[SynthParity], warm: str) -> str:
+def table_row(arch: str, results: list[SynthParity], feats: dict[str, str]) -> str:
     stages = ", ".join(str(r.stages) for r in results)
     three = next((r for r in results if r.stages == 3), results[0])
     cuts = " ".join(f"[{a},{b})" for a, b in three.ranges)
     ok = all(r.exact for r in results)
     return (f"| {arch} | {', '.join(features(arch)) or '-'} | {stages} | {cuts} | {'exact' if ok else 'DIFFERS'} "
-            f"| {warm} |\n")
+            f"| {feats['prefix cache']} | {feats['rollback']} |\n")
 
 
 # Architectures whose results depend on the batch (docs/batching.md); the engine's own list is in
@@ -157,31 +157,39 @@ NOT_BATCH_INVARIANT = {
 
 # What a stage keeps in its prefix cache, per architecture (docs/worker.md "Prefix cache")
 PREFIX_CACHE_NOTE = (
-    "\n## Prefix cache\n\n"
-    "The last column is `dgr.toolchain.synth.warm` on the same tiny model split in three: a session loads what\n"
-    "an earlier one's layers held (all of it, and cut back to a shorter prefix: 24 of 48 positions, past the\n"
-    "sliding window and the ubatch), prefills the rest and decodes; `exact` = every logits row after the\n"
-    "restored prefix bit-identical to the whole model run cold. Sliding-window layers are in it: a saved state\n"
-    "keeps every cell of them (patch 0025), so the restored cells sit where the run that computed them left\n"
-    "them and the earlier window is there when a restore drops later positions (docs/worker.md \"Prefix cache\").\n\n"
-    "`refused` names what the engine cannot do; its workers keep nothing, say why in `Describe`\n"
-    "(`prefix_cache_off`, the same words, prefixed with the architecture) with `prefix_cache_capacity_bytes: 0`,\n"
-    "and every session on a route through such a stage prefills its whole prompt (a hop that keeps nothing bounds\n"
-    "what the whole route restores). A recurrent or hybrid stage keeps one running state per session, which\n"
-    "stands for exactly the positions it was saved at and cannot be cut back to a shorter prefix (the same\n"
-    "reason it cannot roll back speculative drafts); a state at block boundaries would serve it and is not kept\n"
-    "yet. A worker also keeps nothing with fast kernels (its results depend on the batch) or on an MTP stage.\n")
+    "\n## Prefix cache and rollback\n\n"
+    "The last two columns are `dgr.toolchain.synth.features` on the same tiny model split in three, every stage\n"
+    "doing what its worker does; `exact` = every logits row bit-identical to the whole model run cold (decode\n"
+    "fed its tokens).\n\n"
+    "- **prefix cache**: a session loads what an earlier one's layers held, all of it and cut back to a shorter\n"
+    "  prefix (24 of 48 positions, past the sliding window and the ubatch), prefills the rest and decodes.\n"
+    "  Sliding-window layers are in it: a saved state keeps every cell of them (patch 0025), so the restored\n"
+    "  cells sit where the run that computed them left them and the earlier window is there when a restore\n"
+    "  drops later positions (docs/worker.md \"Prefix cache\").\n"
+    "- **rollback** (speculative decoding, docs/speculation.md): a verification step carries four tokens, the\n"
+    "  third a wrong draft; every stage drops the last two positions and decoding goes on.\n\n"
+    "`refused` names what cannot be done. A stage refused the prefix cache keeps nothing and says why in\n"
+    "`Describe` (`prefix_cache_off`, the same words prefixed with the architecture, and\n"
+    "`prefix_cache_capacity_bytes: 0`); every session on a route through it prefills its whole prompt (a hop\n"
+    "that keeps nothing bounds what the whole route restores). A recurrent or hybrid stage keeps one running\n"
+    "state per session, which stands for exactly the positions it was saved at and cannot be cut back (a state\n"
+    "at block boundaries would serve it; it is not kept yet); those that keep per-step snapshots (llama.cpp's\n"
+    "`n_rs_seq`, `--draft-max`) roll back their last step exactly. Speculation is refused by the client and the\n"
+    "worker on a route with a stage that cannot roll back (`can_roll_back: false` in `Describe`). A worker also\n"
+    "keeps no prefixes with fast kernels (its results depend on the batch) or on an MTP stage.\n")
 
 
-def write_table(path: Path, by_arch: dict[str, list[SynthParity]], seconds: float, warm: dict[str, str]) -> Path:
-    """`warm`: arch -> the prefix cache's verdict (dgr.toolchain.synth.warm)."""
-    rows = "".join(table_row(a, by_arch[a], warm[a]) for a in sorted(by_arch))
+def write_table(path: Path, by_arch: dict[str, list[SynthParity]], seconds: float,
+                feats: dict[str, dict[str, str]]) -> Path:
+    """`feats`: arch -> feature -> verdict (dgr.toolchain.synth.features)."""
+    rows = "".join(table_row(a, by_arch[a], feats[a]) for a in sorted(by_arch))
     text = ("# Architectures: split equals whole\n\n"
             "Generated by `dgr parity --synth all --stages 2,3,4 --table docs/families.md` (do not edit by hand;\n"
             "`tests/test_families.py` fails when this table and the suite disagree). Each row: a fresh tiny\n"
             "random-weight model of the architecture (`dgr synth`), split at the cuts shown (chosen across\n"
             "the layer kinds), two sessions sharing each batch over several ubatches, then greedy decode;\n"
-            "`exact` = every logit bit-identical to the whole model; the prefix cache column is explained below.\n\n"
+            "`exact` = every logit bit-identical to the whole model; the prefix cache and rollback columns are\n"
+            "explained below.\n\n"
             f"{len(by_arch)} architectures, {sum(len(v) for v in by_arch.values())} splits, "
             f"{seconds:.0f} s on this run's machine.\n\n" + TABLE_HEAD + rows +
             "\n## Not batch invariant\n\n"
@@ -205,6 +213,7 @@ def read_table(path: Path) -> dict[str, dict[str, str]]:
     return out
 
 
-def results_json(by_arch: dict[str, list[SynthParity]], warm: dict[str, str] | None = None) -> str:
-    out = {a: {"splits": [asdict(r) for r in rs], "prefix_cache": (warm or {}).get(a)} for a, rs in sorted(by_arch.items())}
+def results_json(by_arch: dict[str, list[SynthParity]], feats: dict[str, dict[str, str]] | None = None) -> str:
+    out = {a: {"splits": [asdict(r) for r in rs], "features": (feats or {}).get(a, {})}
+           for a, rs in sorted(by_arch.items())}
     return json.dumps(out, indent=2)
