@@ -1,5 +1,19 @@
-"""Every ported architecture through real worker processes: a 3-stage bundle of its tiny model, one
-dgr-worker process per stage, generates the whole model's greedy tokens and logits exactly."""
+"""Every ported architecture through real worker processes, with the features that live in the worker.
+
+A 3-stage bundle of its tiny model, one dgr-worker process per stage and three replicas of the middle one,
+against the whole model run cold in this process (greedy tokens, every logits row bit for bit):
+
+- cold: the route with the prefix cache off;
+- recovery: the first middle replica kills itself (kill -9, the die-at hook) mid-generation; the client
+  re-prefills on the next one;
+- prefix cache: the prompt again, restoring what the recovered run's stages kept (where the family keeps
+  prefixes: docs/families.md's "prefix cache" column, which Describe's `prefix_cache_off` repeats);
+- recovery with the cache: a generation that restores its prefix, then loses the second middle replica
+  mid-generation and finishes on the third, which holds nothing of it.
+
+docs/families.md's in-process columns (tests/test_families.py) prove the same engine calls on every stage
+of a split; this proves the worker makes them, for every family.
+"""
 
 from __future__ import annotations
 
@@ -8,17 +22,29 @@ import pytest
 
 from dgr.toolchain.synth.generic import known_archs
 
+from support.route import die_at
+
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
+
+PROMPT_LEN = 70          # two whole prefix blocks (32) and the start of a third
+MAX_NEW = 6
+CHUNK = 16
+
+
+def _same(gen, ref, n_prompt: int, what: str) -> None:
+    assert gen.token_ids == ref.token_ids, what
+    for k, row in enumerate(ref.logits):
+        assert np.array_equal(gen.logits[n_prompt - 1 + k].view(np.uint32), row.view(np.uint32)), f"{what}: row {k}"
 
 
 @pytest.mark.parametrize("arch", known_archs())
-def test_three_worker_processes_equal_the_whole_model(arch, engine_lib, tmp_path):
+def test_every_family_through_worker_processes_cold_recovered_and_restored(arch, engine_lib, tmp_path, repo_root):
     from dgr.app.demo import whole_model_run
     from dgr.app.local import LocalRoute
     from dgr.runtime.engine import Engine
     from dgr.runtime.wire.client import RouteClient
     from dgr.toolchain.synth.generic import layer_kinds
-    from dgr.toolchain.synth.parity import choose_ranges, model_layers, synth_model
+    from dgr.toolchain.synth.parity import choose_ranges, model_layers, read_table, synth_model
 
     from support.engine import long_prompts, make_bundle
 
@@ -27,13 +53,33 @@ def test_three_worker_processes_equal_the_whole_model(arch, engine_lib, tmp_path
     bundle = make_bundle(whole, choose_ranges(layer_kinds(arch, layers), 3), tmp_path)
     eng = Engine.open(whole, lib=engine_lib, n_threads=1)
     try:
-        ids = long_prompts(eng.describe().n_vocab, lengths=(37,))[0]
-        ref = whole_model_run(eng, ids, 6, chunk_tokens=16)  # prefill in the chunks the route uses
+        ids = long_prompts(eng.describe().n_vocab, lengths=(PROMPT_LEN,))[0]
+        ref = whole_model_run(eng, ids, MAX_NEW, chunk_tokens=CHUNK)  # prefill in the chunks the route uses
     finally:
         eng.close()
+    cell = read_table(repo_root / "docs" / "families.md")[arch]["prefix_cache"]
+    keeps = cell == "exact"
+    faults = {(1, 0): die_at("victim", PROMPT_LEN, 3), (1, 1): die_at("victim2", PROMPT_LEN, 3)}
     args = [["--bundle", str(bundle.root), "--stage", str(i), "--threads", "1", "--n-ctx", "256"] for i in range(3)]
-    with LocalRoute(args, env={"DGR_ENGINE_LIB": str(engine_lib)}, timeout=300) as r, \
-            RouteClient(r.addresses, chunk_tokens=16) as c:
-        gen = c.run(ids, max_new_tokens=6, logits="last", stop_token_ids=[])
-    assert gen.token_ids == ref.token_ids
-    assert all(np.array_equal(gen.logits[len(ids) - 1 + k], row) for k, row in enumerate(ref.logits))
+    with LocalRoute(args, replicas=[1, 3, 1], env={"DGR_ENGINE_LIB": str(engine_lib)}, timeout=300,
+                    extra=lambda i, k: faults.get((i, k), [])) as r, \
+            RouteClient(r.replicas, chunk_tokens=CHUNK) as c:
+        d = c.describe()
+        assert [x.prefix_cache_off == "" for x in d] == [keeps] * 3
+        if not keeps:
+            assert d[0].prefix_cache_off == f"{arch} is a {cell.removeprefix('refused: ')}"
+        run = lambda **kw: c.run(ids, max_new_tokens=MAX_NEW, logits="last", stop_token_ids=[], **kw)  # noqa: E731
+        _same(run(prefix_cache=False), ref, PROMPT_LEN, "cold")
+
+        recovered = run(session_id="victim")          # cold (nothing kept yet), then kill -9 mid-generation
+        assert recovered.epochs == 2 and recovered.failures[0].stage == 1
+        _same(recovered, ref, PROMPT_LEN, "recovered")
+
+        warm = run()                                   # restores what the recovered session's stages kept
+        assert warm.cached_tokens == (64 if keeps else 0)
+        _same(warm, ref, PROMPT_LEN, "restored")
+
+        both = run(session_id="victim2")              # restores, then loses its middle replica
+        assert both.cached_tokens == (64 if keeps else 0)
+        assert both.epochs >= 2 and {f.stage for f in both.failures} == {1}   # (the dead first replica may be tried)
+        _same(both, ref, PROMPT_LEN, "restored, then recovered")

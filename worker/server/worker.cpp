@@ -25,9 +25,10 @@ StageWorker::StageWorker(const EngineLib & lib, dgr_engine * eng, StageIdentity 
     can_truncate_ = lib_.can_truncate(eng_) != 0;
     if (limits_.prefix_cache_mib <= 0) prefix_off_ = "--prefix-cache-mib 0";
     else if (!lib_.state_get || !lib_.state_set) prefix_off_ = "the engine library predates it";
-    else if (!can_truncate_) prefix_off_ = std::string(info_.arch) + " is a recurrent or hybrid model: a prefix of its state cannot be kept";
-    else if (info_.n_draft_max > 0 && !info_.has_mtp) {
-        prefix_off_ = std::string(info_.arch) + " rolls back only its last step (per-step snapshots, --draft-max), not to a kept prefix";
+    // a recurrent or hybrid model, also one that rolls back its last step (per-step snapshots, --draft-max):
+    // the engine's own words (dgr_session_state_set), as docs/families.md's "prefix cache" column has them
+    else if (!can_truncate_ || (info_.n_draft_max > 0 && !info_.has_mtp)) {
+        prefix_off_ = std::string(info_.arch) + " is a recurrent or hybrid model: a prefix of its state cannot be kept";
     }
     else if (!info_.batch_invariant) prefix_off_ = "the engine's results depend on the batch (fast kernels)";
     else if (info_.has_mtp) prefix_off_ = "a session's saved state does not hold its MTP context's cache";
