@@ -313,3 +313,23 @@ def test_status_says_up_degraded_or_down_per_worker_per_route_and_in_its_exit_st
     code, js, text = _status(f, run, lib_env)
     assert (code, js["state"], js["up"], js["routes"]) == (3, "down", False, [])
     assert text.startswith("tiny: down: not up")
+
+
+# 6: where `dgr status` and `dgr down` look without --run-dir
+
+
+def test_status_and_down_act_on_the_run_folder_of_the_latest_up(tmp_path, monkeypatch):
+    """`dgr up --run-dir D` records D in the default folder; `dgr status` and `dgr down` without --run-dir
+    look there (docs/your-model.md's commands, run by tests/test_your_model.py, rely on it)."""
+    monkeypatch.setenv("DGR_WORKSPACE", str(tmp_path / "ws"))
+    home = runstate.default_run_dir("tiny")
+    assert runstate.find_run_dir("tiny") == home
+    elsewhere = (tmp_path / "elsewhere").resolve()
+    runstate.record_run_dir("tiny", elsewhere)
+    assert runstate.find_run_dir("tiny") == home, "a recorded folder that holds no run (removed since) is not used"
+    runstate.write_json(runstate.run_dir("tiny", elsewhere) / "run.json", {"name": "tiny"})     # as `dgr up` does
+    assert runstate.find_run_dir("tiny") == elsewhere
+    assert runstate.find_run_dir("tiny", tmp_path / "given") == (tmp_path / "given").resolve(), "--run-dir wins"
+    assert runstate.find_run_dir("other") == runstate.default_run_dir("other"), "per deployment name"
+    runstate.record_run_dir("tiny", home)          # a later `dgr up` without --run-dir: the default again
+    assert runstate.find_run_dir("tiny") == home and not (home / runstate.ELSEWHERE).exists()

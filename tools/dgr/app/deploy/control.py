@@ -9,8 +9,9 @@ soon as the supervisor gives up on a worker (`supervise.give_up_after` crashes i
 when the supervisor exits, or at the ready timeout. `follow` keeps `dgr up --foreground` reporting
 afterwards. A signal to `dgr up` (SIGINT, SIGTERM, SIGHUP) stops what it started (`StopSignals`).
 `down` stops the supervisor (which drains the workers) and then makes sure no process of the run is
-left. `status` reads the run folder, asks each worker for its health and load, and says whether each
-worker, each route and the run is up, degraded or down (`dgr.app.deploy.condition`).
+left. `down` and `status` act on the run folder the latest `up` of the deployment used, unless given one
+(`runstate.find_run_dir`). `status` reads the run folder, asks each worker for its health and load, and
+says whether each worker, each route and the run is up, degraded or down (`dgr.app.deploy.condition`).
 """
 
 from __future__ import annotations
@@ -193,8 +194,9 @@ def up(path: str | Path, *, run_dir: str | Path | None = None, progress: bool = 
     d = runstate.run_dir(plan.name, run_dir)
     with locked(runstate.lock_path(d)):
         if _running(d):
-            raise DeployError(f"{plan.name} is already up (run folder {d}): `dgr status {path}` shows it, "
-                              f"`dgr down {path}` stops it")
+            there = "" if runstate.find_run_dir(plan.name) == d else f" --run-dir {d}"
+            raise DeployError(f"{plan.name} is already up (run folder {d}): `dgr status {path}{there}` shows it, "
+                              f"`dgr down {path}{there}` stops it")
         left = runstate.kill_all(d, 5.0)      # leftovers of a supervisor that was itself killed
         if left:
             raise DeployError(f"processes {left} of an earlier run of {plan.name} would not stop")
@@ -232,6 +234,7 @@ def up(path: str | Path, *, run_dir: str | Path | None = None, progress: bool = 
             "supervise": sup.model_dump(), "drain_timeout": plan.loaded.deployment.worker.drain_timeout,
             "bundle_id": plan.bundle.id})
         (d / "state.json").unlink(missing_ok=True)
+        runstate.record_run_dir(plan.name, d)   # `dgr status` and `dgr down` without --run-dir look here now
         env = {**os.environ, runstate.RUN_ENV: str(d), "PYTHONUNBUFFERED": "1"}
         proc = None
         try:
@@ -383,11 +386,19 @@ def _stop(d: Path, drain: float, proc: subprocess.Popen | None = None) -> list[i
     return left
 
 
+def up_run_dir(name_or_path: str | Path, run_dir: str | Path | None = None) -> Path:
+    """The run folder `up` uses: `run_dir` (--run-dir), else the default; never the one an earlier `up
+    --run-dir` recorded (where `down` and `status` look), which may be another run of the same file."""
+    from dgr.app.deploy.spec import load_deployment
+
+    return runstate.run_dir(load_deployment(name_or_path).deployment.name, run_dir)
+
+
 def down(name_or_path: str | Path, *, run_dir: str | Path | None = None) -> dict:
     from dgr.app.deploy.spec import load_deployment
 
     ld = load_deployment(name_or_path)
-    d = runstate.run_dir(ld.deployment.name, run_dir)
+    d = runstate.find_run_dir(ld.deployment.name, run_dir)
     with locked(runstate.lock_path(d)):
         before = runstate.run_processes(d)
         t0 = time.monotonic()
@@ -407,7 +418,7 @@ def status(path: str | Path, *, run_dir: str | Path | None = None, timeout: floa
     from dgr.app.deploy.spec import load_deployment
 
     ld = load_deployment(path)
-    d = runstate.run_dir(ld.deployment.name, run_dir)
+    d = runstate.find_run_dir(ld.deployment.name, run_dir)
     run, st = runstate.read_run(d), runstate.read_state(d) or {}
     if run is None:
         return {"name": ld.deployment.name, "state": condition.DOWN, "up": False, "supervised": False,
