@@ -18,7 +18,7 @@ import pytest
 from dgr.app.deploy import runstate
 from dgr.app.deploy.control import health
 
-from support.deploy import dgr, lib_env, not_a_library, tiny, tiny_deployment  # noqa: F401 (fixtures)
+from support.deploy import FAILING_WORKER_LINE, dgr, failing_worker, lib_env, tiny, tiny_deployment  # noqa: F401
 
 
 def test_free_ports_are_kept_across_a_restart_and_the_bundle_is_provisioned(tiny, lib_env, tmp_path):
@@ -51,14 +51,14 @@ def test_free_ports_are_kept_across_a_restart_and_the_bundle_is_provisioned(tiny
 
 
 def test_a_worker_that_keeps_crashing_is_retried_with_backoff_then_given_up_on_and_up_fails_with_its_log(
-        tiny, tmp_path):
+        tiny, lib_env, tmp_path):
     f, run = tiny_deployment(tmp_path, tiny, "backoff = 0.2\nmax_backoff = 0.5\ngive_up_after = 4"), tmp_path / "run"
-    # a library that exists but does not load: every worker dies at every start, the same way
-    bad = not_a_library(tmp_path)
+    # a dgr-worker that fails at every start: every worker dies at every start, the same way
+    bad = failing_worker(tmp_path, lib_env)
     up = dgr("up", f, "--run-dir", str(run), env=bad)      # fails at the first give-up (never hangs:
     assert up.returncode != 0                               # support.deploy.dgr's own timeout bounds it)
     assert "will not start: it exited 4 times in a row the same way" in up.stderr, up.stderr
-    assert "cannot load the engine library" in up.stderr, "the worker's own log says why"
+    assert FAILING_WORKER_LINE in up.stderr, "the worker's own log says why"
     assert runstate.run_processes(run) == [], "nothing left behind"
     log = (run / "logs" / "supervisor.log").read_text()
     for name in ("s0-r0", "s1-r0", "s2-r0"):
@@ -73,13 +73,13 @@ def test_a_worker_that_keeps_crashing_is_retried_with_backoff_then_given_up_on_a
     assert st["status"] in ("down", "failed") and st["workers"][gave_up[0]]["restarts"] == 3
 
 
-def test_a_deployment_that_never_serves_is_stopped_at_the_ready_timeout_with_its_logs(tiny, tmp_path):
+def test_a_deployment_that_never_serves_is_stopped_at_the_ready_timeout_with_its_logs(tiny, lib_env, tmp_path):
     f, run = tiny_deployment(tmp_path, tiny, "backoff = 0.2\nready_timeout = 5\ngive_up_after = 0"), tmp_path / "run"
-    bad = not_a_library(tmp_path)
+    bad = failing_worker(tmp_path, lib_env)
     up = dgr("up", f, "--run-dir", str(run), env=bad)
     assert up.returncode != 0
     assert "did not answer health SERVING within 5 s; the run is stopped" in up.stderr
-    assert "cannot load the engine library" in up.stderr, "each worker's log tail"
+    assert FAILING_WORKER_LINE in up.stderr, "each worker's log tail"
     assert runstate.run_processes(run) == [], "nothing left behind"
     assert runstate.read_state(run)["status"] == "down"
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -25,7 +26,8 @@ import pytest
 from dgr.app.deploy import runstate
 from dgr.app.deploy.spec import Supervise
 
-from support.deploy import REPO, dgr, lib_env, not_a_library, tiny, tiny_deployment  # noqa: F401 (fixtures)
+from support.deploy import (REPO, FAILING_WORKER_LINE, compiled_library, dgr, failing_worker, lib_env,  # noqa: F401
+                            not_a_library, tiny, tiny_deployment)
 
 READY_S = 300        # the ready timeout in these files: a `dgr up` that waited it out would fail BOUND_S
 BOUND_S = 120.0      # how long a test waits for something to happen before it fails
@@ -121,10 +123,66 @@ def test_up_with_a_missing_engine_library_fails_at_once_naming_it(tiny, tmp_path
     assert not (run / "logs" / "supervisor.log").exists(), "nothing was started"
 
 
-def test_a_worker_that_dies_the_same_way_at_every_start_is_given_up_on_and_up_fails_with_its_error(tiny, tmp_path):
+def _broken_library(kind: str, tmp_path: Path) -> tuple[Path, str]:
+    """An engine library that does not load, and the loader's own message for it (dlopen's, or dlsym's for
+    the C ABI's first symbol), asked of the loader here rather than written into the test."""
+    import ctypes
+
+    if kind == "not a shared library":
+        path = Path(not_a_library(tmp_path)["DGR_ENGINE_LIB"])
+    elif kind == "an undefined symbol":
+        path = compiled_library(tmp_path, "undefined", "void dgr_not_anywhere(void);\n"
+                                "int dgr_abi_version(void) { dgr_not_anywhere(); return 0; }\n")
+    else:
+        path = compiled_library(tmp_path, "not-dgrs", "int not_dgr(void) { return 0; }\n")
+    try:
+        getattr(ctypes.CDLL(str(path)), "dgr_abi_version")
+    except (OSError, AttributeError) as err:
+        return path, str(err)
+    raise AssertionError(f"{path} loads")
+
+
+@pytest.mark.parametrize("kind", ["not a shared library", "an undefined symbol", "no dgr_abi_version"])
+def test_up_with_an_engine_library_that_does_not_load_fails_at_once_with_the_loaders_message(tiny, tmp_path, kind):
+    f, run = _file(tmp_path, tiny), tmp_path / "run"
+    lib, loader_says = _broken_library(kind, tmp_path)
+    # as a user who points DGR_ENGINE_LIB at their own file: no DGR_WORKER_BIN, so no dgr-worker beside it
+    try:
+        up = dgr("up", f, "--run-dir", str(run), env={"DGR_ENGINE_LIB": str(lib), "DGR_WORKER_BIN": ""},
+                 timeout=BOUND_S)
+    finally:
+        _leaves_nothing(run)
+    assert up.returncode == 2, up.stderr
+    err = up.stderr.splitlines()[-1]
+    assert err.startswith(f"dgr: error: the workers cannot start: engine library {lib} (DGR_ENGINE_LIB) does not "
+                          "load: "), up.stderr
+    assert loader_says in err, (loader_says, up.stderr)
+    assert "dgr build-engine" in err and "nothing was started" in err, "it says what to do"
+    assert "no dgr-worker" not in up.stderr and "exited" not in up.stderr, "no worker was started to fail"
+    assert not (run / "logs" / "supervisor.log").exists(), "nothing was started"
+
+
+def test_up_with_no_dgr_worker_beside_the_engine_library_fails_at_once_naming_it(tiny, lib_env, tmp_path):
+    f, run = _file(tmp_path, tiny), tmp_path / "run"
+    lonely = tmp_path / "lonely" / "libdgr_engine.so"
+    lonely.parent.mkdir()
+    shutil.copy2(lib_env["DGR_ENGINE_LIB"], lonely)
+    try:
+        up = dgr("up", f, "--run-dir", str(run), env={"DGR_ENGINE_LIB": str(lonely), "DGR_WORKER_BIN": ""},
+                 timeout=BOUND_S)
+    finally:
+        _leaves_nothing(run)
+    assert up.returncode == 2, up.stderr
+    assert f"the workers cannot start: no dgr-worker beside the engine library {lonely}" in up.stderr, up.stderr
+    assert "DGR_WORKER_BIN" in up.stderr and "nothing was started" in up.stderr
+    assert not (run / "logs" / "supervisor.log").exists(), "nothing was started"
+
+
+def test_a_worker_that_dies_the_same_way_at_every_start_is_given_up_on_and_up_fails_with_its_error(
+        tiny, lib_env, tmp_path):
     f, run = _file(tmp_path, tiny), tmp_path / "run"
     try:
-        up = dgr("up", f, "--run-dir", str(run), env=not_a_library(tmp_path), timeout=BOUND_S)
+        up = dgr("up", f, "--run-dir", str(run), env=failing_worker(tmp_path, lib_env), timeout=BOUND_S)
     finally:
         _leaves_nothing(run)
     assert up.returncode == 2, up.stderr
@@ -132,14 +190,14 @@ def test_a_worker_that_dies_the_same_way_at_every_start_is_given_up_on_and_up_fa
     err = up.stderr.splitlines()[-1]
     assert re.search(rf"^dgr: error: workers? [\w, -]+ will not start: it exited {give_up} times in a row the "
                      r"same way \(exit code 1, .*\) and the supervisor gave up on it; its last log line: "
-                     r"dgr(-worker)?: error: cannot load the engine library.*not-an-engine\.so", err), err
+                     + re.escape(FAILING_WORKER_LINE), err), err
     assert "The run is stopped: fix that, then `dgr up" in err
     # progress while it waited: each exit told once, with the worker's last log line the first time
     for name in ("s0-r0", "s1-r0", "s1-r1", "s2-r0"):
         told = [x for x in up.stderr.splitlines() if x.startswith(f"dgr up: {name} exited")]
         assert 1 <= len(told) <= give_up, told                      # one line per exit: at most give_up_after
         assert re.search(r"exited with exit code 1 after [\d.]+ s; restarting in 0\.2 s; its last log line: "
-                         r"dgr(-worker)?: error: cannot load the engine library", told[0]), told[0]
+                         + re.escape(FAILING_WORKER_LINE), told[0]), told[0]
         assert all("exited again the same way (exit code 1" in x for x in told[1:-1]), told
     st = runstate.read_state(run)
     gave_up = [n for n, r in st["workers"].items() if r["gave_up"]]
@@ -147,7 +205,7 @@ def test_a_worker_that_dies_the_same_way_at_every_start_is_given_up_on_and_up_fa
     log = (run / "logs" / "supervisor.log").read_text()
     assert re.search(rf"{gave_up[0]}: exited with exit code 1 after [\d.]+ s, {give_up} times in a row the same "
                      r"way: not restarting it \(supervise.give_up_after = \d+; see .*\); its last log line: "
-                     r"dgr(-worker)?: error: cannot load the engine library", log), log
+                     + re.escape(FAILING_WORKER_LINE), log), log
 
 
 # 3: the ready timeout's default is told
@@ -163,17 +221,17 @@ def test_the_ready_timeouts_default_is_documented():
     assert "`give_up_after`" in doc and "--foreground" in doc
 
 
-def test_ready_timeout_flag_overrides_the_files(tiny, tmp_path):
+def test_ready_timeout_flag_overrides_the_files(tiny, lib_env, tmp_path):
     f, run = _file(tmp_path, tiny, "give_up_after = 0"), tmp_path / "run"     # never given up: waits out the bound
     try:
-        up = dgr("up", f, "--run-dir", str(run), "--ready-timeout", "4", env=not_a_library(tmp_path),
+        up = dgr("up", f, "--run-dir", str(run), "--ready-timeout", "4", env=failing_worker(tmp_path, lib_env),
                  timeout=BOUND_S)
     finally:
         _leaves_nothing(run)
     assert up.returncode == 2
     assert "did not answer health SERVING within 4 s; the run is stopped (a worker that needs longer to load: " \
            "raise supervise.ready_timeout or pass --ready-timeout)" in up.stderr
-    assert "cannot load the engine library" in up.stderr, "each worker's log tail"
+    assert FAILING_WORKER_LINE in up.stderr, "each worker's log tail"
     bad = dgr("up", f, "--run-dir", str(run), "--ready-timeout", "0")
     assert bad.returncode == 2 and "'0' is not a number of seconds above 0" in bad.stderr
 
@@ -182,9 +240,9 @@ def test_ready_timeout_flag_overrides_the_files(tiny, tmp_path):
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
-def test_a_signal_while_up_waits_stops_the_supervisor_and_the_workers(tiny, tmp_path, sig):
+def test_a_signal_while_up_waits_stops_the_supervisor_and_the_workers(tiny, lib_env, tmp_path, sig):
     f, run = _file(tmp_path, tiny, "give_up_after = 0"), tmp_path / "run"      # workers crash, never given up
-    up = _Up(f, "--run-dir", str(run), env=not_a_library(tmp_path))
+    up = _Up(f, "--run-dir", str(run), env=failing_worker(tmp_path, lib_env))
     try:
         deadline = time.monotonic() + BOUND_S           # it is waiting, its supervisor restarting workers
         while not any(r["last_exit"] for r in ((runstate.read_state(run) or {}).get("workers") or {}).values()):
@@ -313,3 +371,23 @@ def test_status_says_up_degraded_or_down_per_worker_per_route_and_in_its_exit_st
     code, js, text = _status(f, run, lib_env)
     assert (code, js["state"], js["up"], js["routes"]) == (3, "down", False, [])
     assert text.startswith("tiny: down: not up")
+
+
+# 6: where `dgr status` and `dgr down` look without --run-dir
+
+
+def test_status_and_down_act_on_the_run_folder_of_the_latest_up(tmp_path, monkeypatch):
+    """`dgr up --run-dir D` records D in the default folder; `dgr status` and `dgr down` without --run-dir
+    look there (docs/your-model.md's commands, run by tests/test_your_model.py, rely on it)."""
+    monkeypatch.setenv("DGR_WORKSPACE", str(tmp_path / "ws"))
+    home = runstate.default_run_dir("tiny")
+    assert runstate.find_run_dir("tiny") == home
+    elsewhere = (tmp_path / "elsewhere").resolve()
+    runstate.record_run_dir("tiny", elsewhere)
+    assert runstate.find_run_dir("tiny") == home, "a recorded folder that holds no run (removed since) is not used"
+    runstate.write_json(runstate.run_dir("tiny", elsewhere) / "run.json", {"name": "tiny"})     # as `dgr up` does
+    assert runstate.find_run_dir("tiny") == elsewhere
+    assert runstate.find_run_dir("tiny", tmp_path / "given") == (tmp_path / "given").resolve(), "--run-dir wins"
+    assert runstate.find_run_dir("other") == runstate.default_run_dir("other"), "per deployment name"
+    runstate.record_run_dir("tiny", home)          # a later `dgr up` without --run-dir: the default again
+    assert runstate.find_run_dir("tiny") == home and not (home / runstate.ELSEWHERE).exists()

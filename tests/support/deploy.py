@@ -55,12 +55,33 @@ store = "{tmp_path / 'store'}"
 
 
 def not_a_library(tmp_path: Path) -> dict:
-    """DGR_ENGINE_LIB at a file that exists but does not load: every worker (dgr-worker) dies at start, the
-    same way."""
-    from dgr.app.workerbin import worker_binary
+    """DGR_ENGINE_LIB at a file that exists but does not load (dlopen: "file too short"), and no DGR_WORKER_BIN
+    (as a user who points DGR_ENGINE_LIB at a file of their own: dgr-worker is looked for beside it)."""
+    return {"DGR_ENGINE_LIB": str(write(tmp_path / "not-an-engine.so", "not an ELF file\n")), "DGR_WORKER_BIN": ""}
 
-    return {"DGR_ENGINE_LIB": str(write(tmp_path / "not-an-engine.so", "not an ELF file\n")),
-            "DGR_WORKER_BIN": str(worker_binary())}
+
+def compiled_library(tmp_path: Path, name: str, source: str) -> Path:
+    """A shared library built from C `source` by the system's C compiler (the test skips without one)."""
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("no C compiler (cc) to build a stand-in library")
+    src = write(tmp_path / f"{name}.c", source)
+    out = tmp_path / f"{name}.so"
+    subprocess.run([cc, "-shared", "-fPIC", "-o", str(out), str(src)], check=True, capture_output=True)
+    return out
+
+
+# A stand-in for dgr-worker that fails at every start, the same way: what the supervisor's restarts and
+# give-ups are tested with (a library that does not load no longer gets that far: `dgr up` checks it first).
+FAILING_WORKER_LINE = "stand-in dgr-worker: error: fails at every start (tests/support/deploy.py)"
+
+
+def failing_worker(tmp_path: Path, lib_env: dict) -> dict:
+    """The environment of `lib_env` (a real engine library) with DGR_WORKER_BIN at a program that writes
+    FAILING_WORKER_LINE and exits 1: every worker dies at every start, the same way."""
+    script = write(tmp_path / "failing-worker", f"#!/bin/sh\necho '{FAILING_WORKER_LINE}' >&2\nexit 1\n")
+    script.chmod(0o755)
+    return {**lib_env, "DGR_WORKER_BIN": str(script)}
 
 
 def errors(proc: subprocess.CompletedProcess) -> list[str]:

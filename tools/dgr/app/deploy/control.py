@@ -1,7 +1,8 @@
 """`dgr up`, `dgr down`, `dgr status`: a deployment's local workers brought up supervised, stopped, reported.
 
 `up` plans the file (refusing it with every problem listed), checks that the workers' engine library is
-there, provisions the bundle into each local store (verifying), fixes the ports (the file's, or free
+there and loads and that there is a dgr-worker (`_check_engine`: saying why not before starting anything),
+provisions the bundle into each local store (verifying), fixes the ports (the file's, or free
 ones for port 0, kept across restarts), writes the run folder's `run.json`, starts the detached
 supervisor, and returns once every local worker answers gRPC health SERVING. While it waits it reports
 each worker that serves and each exit of one (with its last log line); it fails, stopping the run, as
@@ -9,8 +10,9 @@ soon as the supervisor gives up on a worker (`supervise.give_up_after` crashes i
 when the supervisor exits, or at the ready timeout. `follow` keeps `dgr up --foreground` reporting
 afterwards. A signal to `dgr up` (SIGINT, SIGTERM, SIGHUP) stops what it started (`StopSignals`).
 `down` stops the supervisor (which drains the workers) and then makes sure no process of the run is
-left. `status` reads the run folder, asks each worker for its health and load, and says whether each
-worker, each route and the run is up, degraded or down (`dgr.app.deploy.condition`).
+left. `down` and `status` act on the run folder the latest `up` of the deployment used, unless given one
+(`runstate.find_run_dir`). `status` reads the run folder, asks each worker for its health and load, and
+says whether each worker, each route and the run is up, degraded or down (`dgr.app.deploy.condition`).
 """
 
 from __future__ import annotations
@@ -164,9 +166,47 @@ def _running(d: Path) -> bool:
     return bool(st) and runstate.ours(st.get("supervisor_pid"), d)
 
 
+# Run in a child process by `_check_engine`: load the engine library as dgr-worker does (dlopen with
+# RTLD_NOW, then the C ABI's version and struct sizes) and print why it does not load: dlopen's or dlsym's own
+# message. A child, so that a library that crashes its loader (a build for another CPU) takes only the child.
+_LOAD_PROBE = """
+import ctypes, sys
+from pathlib import Path
+try:
+    h = ctypes.CDLL(sys.argv[1])            # ctypes dlopens with RTLD_NOW, as dgr-worker
+except OSError as err:
+    sys.exit(f"dlopen: {err}")
+from dgr.runtime.engine_abi import check_abi
+try:
+    check_abi(h, Path(sys.argv[1]))
+except AttributeError as err:               # a symbol of the C ABI it lacks (dlsym's message)
+    sys.exit(f"dlsym: {err}")
+except Exception as err:
+    sys.exit(str(err))
+"""
+
+
+def _load_error(path: Path) -> str | None:
+    """Why the engine library at `path` does not load in a worker (the loader's own message), or None."""
+    try:
+        p = subprocess.run([sys.executable, "-c", _LOAD_PROBE, str(path)], stdin=subprocess.DEVNULL,
+                           capture_output=True, text=True, timeout=120)
+    except subprocess.TimeoutExpired:
+        return "loading it did not finish within 120 s"
+    if p.returncode == 0:
+        return None
+    if p.returncode < 0:
+        return f"loading it killed the process with {signal.Signals(-p.returncode).name}"
+    lines = p.stderr.strip().splitlines()
+    return lines[-1] if lines else f"loading it failed (exit code {p.returncode})"
+
+
 def _check_engine(plan: Plan) -> None:
-    """The workers load the engine library `dgr up` would find (they inherit its environment): when there
-    is none, none of them can start, so say so now rather than after their restarts."""
+    """The workers load the engine library `dgr up` would find (they inherit its environment), and run the
+    dgr-worker it would find: when the library is missing or does not load, or there is no dgr-worker, none
+    of them can start, so say so now (the library, and the loader's message) rather than after their
+    restarts."""
+    from dgr.app.workerbin import worker_binary
     from dgr.core.errors import DgrError
     from dgr.runtime.engine import LIB_ENV, library_path
 
@@ -174,11 +214,19 @@ def _check_engine(plan: Plan) -> None:
         path = library_path()
     except DgrError as err:
         raise DeployError(f"the workers cannot start: {err}; nothing was started") from None
+    lanes = sorted({w.host.lane for w in plan.workers if w.local}) or ["cpu"]
+    fix = (f"set {LIB_ENV} to a built libdgr_engine for the {', '.join(lanes)} lane, or unset it to use the "
+           f"workspace's (`dgr build-engine --lane {lanes[0]}`); nothing was started")
     if not path.is_file():
-        lanes = sorted({w.host.lane for w in plan.workers if w.local})
-        raise DeployError(f"the workers cannot start: engine library {path} does not exist ({LIB_ENV}); "
-                          f"set {LIB_ENV} to a built libdgr_engine for the {', '.join(lanes)} lane, or unset it "
-                          f"to use the workspace's (`dgr build-engine --lane {lanes[0]}`); nothing was started")
+        raise DeployError(f"the workers cannot start: engine library {path} does not exist ({LIB_ENV}); {fix}")
+    why = _load_error(path)
+    if why:
+        where = f" ({LIB_ENV})" if os.environ.get(LIB_ENV) else ""
+        raise DeployError(f"the workers cannot start: engine library {path}{where} does not load: {why}; {fix}")
+    try:
+        worker_binary()
+    except DgrError as err:
+        raise DeployError(f"the workers cannot start: {err}; nothing was started") from None
 
 
 def up(path: str | Path, *, run_dir: str | Path | None = None, progress: bool = False,
@@ -193,8 +241,9 @@ def up(path: str | Path, *, run_dir: str | Path | None = None, progress: bool = 
     d = runstate.run_dir(plan.name, run_dir)
     with locked(runstate.lock_path(d)):
         if _running(d):
-            raise DeployError(f"{plan.name} is already up (run folder {d}): `dgr status {path}` shows it, "
-                              f"`dgr down {path}` stops it")
+            there = "" if runstate.find_run_dir(plan.name) == d else f" --run-dir {d}"
+            raise DeployError(f"{plan.name} is already up (run folder {d}): `dgr status {path}{there}` shows it, "
+                              f"`dgr down {path}{there}` stops it")
         left = runstate.kill_all(d, 5.0)      # leftovers of a supervisor that was itself killed
         if left:
             raise DeployError(f"processes {left} of an earlier run of {plan.name} would not stop")
@@ -232,6 +281,7 @@ def up(path: str | Path, *, run_dir: str | Path | None = None, progress: bool = 
             "supervise": sup.model_dump(), "drain_timeout": plan.loaded.deployment.worker.drain_timeout,
             "bundle_id": plan.bundle.id})
         (d / "state.json").unlink(missing_ok=True)
+        runstate.record_run_dir(plan.name, d)   # `dgr status` and `dgr down` without --run-dir look here now
         env = {**os.environ, runstate.RUN_ENV: str(d), "PYTHONUNBUFFERED": "1"}
         proc = None
         try:
@@ -383,11 +433,19 @@ def _stop(d: Path, drain: float, proc: subprocess.Popen | None = None) -> list[i
     return left
 
 
+def up_run_dir(name_or_path: str | Path, run_dir: str | Path | None = None) -> Path:
+    """The run folder `up` uses: `run_dir` (--run-dir), else the default; never the one an earlier `up
+    --run-dir` recorded (where `down` and `status` look), which may be another run of the same file."""
+    from dgr.app.deploy.spec import load_deployment
+
+    return runstate.run_dir(load_deployment(name_or_path).deployment.name, run_dir)
+
+
 def down(name_or_path: str | Path, *, run_dir: str | Path | None = None) -> dict:
     from dgr.app.deploy.spec import load_deployment
 
     ld = load_deployment(name_or_path)
-    d = runstate.run_dir(ld.deployment.name, run_dir)
+    d = runstate.find_run_dir(ld.deployment.name, run_dir)
     with locked(runstate.lock_path(d)):
         before = runstate.run_processes(d)
         t0 = time.monotonic()
@@ -407,7 +465,7 @@ def status(path: str | Path, *, run_dir: str | Path | None = None, timeout: floa
     from dgr.app.deploy.spec import load_deployment
 
     ld = load_deployment(path)
-    d = runstate.run_dir(ld.deployment.name, run_dir)
+    d = runstate.find_run_dir(ld.deployment.name, run_dir)
     run, st = runstate.read_run(d), runstate.read_state(d) or {}
     if run is None:
         return {"name": ld.deployment.name, "state": condition.DOWN, "up": False, "supervised": False,

@@ -1,6 +1,8 @@
 """A deployment's run folder: what to run (`run.json`), what runs (`state.json`), its lock, its logs.
 
-The folder is `<workspace>/deploy/<name>/` (dgr.core.paths; `--run-dir` picks another). `dgr up` writes
+The folder is `<workspace>/deploy/<name>/` (dgr.core.paths; `--run-dir` picks another, and `dgr up --run-dir`
+records it there, in `elsewhere.json`, so that `dgr status` and `dgr down` without `--run-dir` find the
+run the latest `dgr up` started: `find_run_dir`). `dgr up` writes
 `run.json` (every local worker: name, stage, address, command line, log file) and starts the
 supervisor; the supervisor alone writes `state.json` (its pid and status, each worker's pid, exits,
 restarts, last exit with its last log line, and whether it was given up on), each time atomically, so
@@ -24,9 +26,39 @@ RUN_ENV = "DGR_DEPLOY_RUN"
 
 
 def run_dir(name: str, override: str | Path | None = None) -> Path:
-    d = Path(override).resolve() if override else workspace() / "deploy" / name
+    d = Path(override).resolve() if override else default_run_dir(name)
     (d / "logs").mkdir(parents=True, exist_ok=True)
     return d
+
+
+# In the default folder: the folder the latest `dgr up` of the deployment used, when it was another one.
+ELSEWHERE = "elsewhere.json"
+
+
+def default_run_dir(name: str) -> Path:
+    return workspace() / "deploy" / name
+
+
+def record_run_dir(name: str, d: Path) -> None:
+    """Say where the latest `dgr up` of deployment `name` runs: `d`, in the default folder (a `dgr up` into
+    the default folder itself removes the record)."""
+    home = default_run_dir(name)
+    if d.resolve() == home.resolve():
+        (home / ELSEWHERE).unlink(missing_ok=True)
+        return
+    home.mkdir(parents=True, exist_ok=True)
+    write_json(home / ELSEWHERE, {"run_dir": str(d), "why": "the run folder of the latest `dgr up --run-dir` "
+                                  "of this deployment; `dgr status` and `dgr down` without --run-dir use it"})
+
+
+def find_run_dir(name: str, override: str | Path | None = None) -> Path:
+    """The run folder `dgr status` and `dgr down` act on: `override` (--run-dir) when given, else the one
+    the latest `dgr up` of `name` used (`record_run_dir`) while it still holds that run, else the default."""
+    if not override:
+        rec = (read_json(default_run_dir(name) / ELSEWHERE) or {}).get("run_dir")
+        if rec and (Path(rec) / "run.json").is_file():     # (a folder removed since is not made again)
+            override = rec
+    return run_dir(name, override)
 
 
 def lock_path(d: Path) -> Path:

@@ -90,7 +90,7 @@ def _seconds(text: str) -> float:
 def _up(args) -> int:
     import signal
 
-    from dgr.app.deploy.control import Interrupted, StopSignals, down, follow, up
+    from dgr.app.deploy.control import Interrupted, StopSignals, down, follow, up, up_run_dir
     from dgr.core.errors import DgrError
 
     def say(line: str) -> None:
@@ -120,7 +120,7 @@ def _up(args) -> int:
             try:
                 # `up` stopped what it had started before raising; this finds anything it could not know of
                 # (the signal came as it returned) and, after SERVING, stops the run
-                res = down(args.file, run_dir=args.run_dir)
+                res = down(args.file, run_dir=up_run_dir(args.file, args.run_dir))
             except DgrError:
                 res = {"stopped": [], "seconds": 0.0}   # it never got as far as a run folder
             if not started:
@@ -181,6 +181,8 @@ def register(sub) -> None:
     from dgr.app.deploy import READY_TIMEOUT_S, STATUS_TIMEOUT_S
 
     run_help = "the run folder (default: <workspace>/deploy/<name>)"
+    found_help = ("the run folder (default: the one the latest `dgr up` of the deployment used, its --run-dir "
+                  "or <workspace>/deploy/<name>)")
     d = sub.add_parser("deploy", help="deployments: plan a deployment file, render systemd units")
     dsub = d.add_subparsers(dest="deploy_command", metavar="ACTION", required=True)
     p = dsub.add_parser("plan", help="what goes where, what is missing, the routes; every problem listed")
@@ -216,7 +218,7 @@ def register(sub) -> None:
     p.set_defaults(func=_up)
     p = sub.add_parser("down", help="stop the deployment's supervisor and workers on this machine")
     p.add_argument("file")
-    p.add_argument("--run-dir", help=run_help)
+    p.add_argument("--run-dir", help=found_help)
     p.set_defaults(func=_down)
     p = sub.add_parser("status", help="up, degraded or down: the run, each local worker and each route; "
                        "health, load and restarts",
@@ -228,7 +230,7 @@ def register(sub) -> None:
     p.add_argument("--json", action="store_true",
                    help="state (up/degraded/down); per worker: name, stage, address, pid, health, state, why, "
                    "restarts, last_exit, gave_up, load; route_states; routes (those that can serve)")
-    p.add_argument("--run-dir", help=run_help)
+    p.add_argument("--run-dir", help=found_help)
     p.add_argument("--timeout", type=float, default=STATUS_TIMEOUT_S, metavar="S",
                    help="how long to wait for each worker's health and load answers (default: %(default)g s)")
     p.set_defaults(func=_status)
