@@ -43,7 +43,27 @@ def test_baseline_then_parity_is_exact(setup, capsys):
 def test_parity_without_a_baseline_runs_the_source(setup, capsys):
     d, whole, bundle, lib = setup
     assert main(["parity", str(bundle.root), "--steps", "3", "--lib", str(lib)]) == 0
-    assert "parity: EXACT" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "parity: EXACT" in out
+    assert "  prefix cache (restore, and cut back to" in out and "positions): exact" in out   # the warm pass
+
+
+def test_parity_warm_pass_fails_when_a_restore_is_wrong(setup, capsys, monkeypatch):
+    """The warm pass is a check: a saved state with one bit changed (in the last cell's values) fails `dgr parity`
+    (exit 1) while the split itself stays exact."""
+    d, whole, bundle, lib = setup
+    real = Engine.state_get
+
+    def one_bit_off(self, sid, epoch):
+        state, n = real(self, sid, epoch)
+        b = bytearray(state)
+        b[-8] ^= 0x01
+        return bytes(b), n
+    monkeypatch.setattr(Engine, "state_get", one_bit_off)
+    assert main(["parity", str(bundle.root), "--steps", "3", "--lib", str(lib)]) == 1
+    cap = capsys.readouterr()
+    assert "parity: EXACT" in cap.out                     # the split itself is still exact
+    assert "a restored prefix does not reproduce the split's cold run" in cap.err
 
 
 @pytest.mark.parametrize("stage", [0, 1])

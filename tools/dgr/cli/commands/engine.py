@@ -124,6 +124,7 @@ def cmd_parity(args) -> int:
         run = run_pipeline(engines, sched, perturb=perturb)
         stages = [f"[{e.describe().layer_begin},{e.describe().layer_end})" for e in engines]
         devices = [e.memory().device or "host" for e in engines]
+        warm = _warm_pass(engines, sched, run) if perturb is None else None
     finally:
         for e in engines:
             e.close()
@@ -138,8 +139,28 @@ def cmd_parity(args) -> int:
     print(f"  boundary bytes per seam: {run.boundary_bytes}")
     pre, dec = throughput(sched, run)
     print(f"  split run (one process): prefill {pre:.1f} tok/s, decode {dec:.1f} tok/s")
+    if warm is not None:
+        print(f"  prefix cache (restore, and cut back to {warm[0]} of {len(sched.prompts[0])} positions): {warm[1]}")
     print(f"parity: {verdict(c, args.tolerance)}")  # ParityError (exit 1) when it does not pass
+    if warm is not None and not (warm[1] == "exact" or warm[1].startswith("refused")):
+        from dgr.toolchain.parity import ParityError
+
+        raise ParityError(f"parity: a restored prefix does not reproduce the split's cold run: {warm[1]}")
     return 0
+
+
+def _warm_pass(engines, sched, run) -> tuple[int, str]:
+    """The prefix cache on the split (what every worker's cache does): session 0's prompt restored from a saved
+    state, whole and cut back to half, against the split's own cold run of it (bit for bit, decode fed the same
+    tokens). Returns (the kept positions, "exact" / "refused: ..." / "DIFFERS (...)")."""
+    from dgr.toolchain.synth.features import Case, check_features
+
+    prompt = sched.prompts[0]
+    keep = max(1, len(prompt) // 2)
+    tokens = sched.forced[0] if sched.forced else run.generated[0]
+    arch = engines[0].describe().arch
+    case = Case(engines, prompt, run.prefill_logits[0], run.decode_logits[0], tokens, keep, len(prompt))
+    return keep, check_features(case, arch, ("prefix cache",))["prefix cache"].verdict
 
 
 def cmd_parity_synth(args) -> int:

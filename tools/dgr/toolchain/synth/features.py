@@ -75,25 +75,33 @@ def _first_differing(got: np.ndarray, want: np.ndarray) -> int | None:
     return next((k for k in range(len(got)) if _differs(got[k], want[k])), None) if _differs(got, want) else None
 
 
-class _Case:
-    """One tiny model of `arch`, its whole model's cold run, and its 3-stage split opened as a worker would."""
+class Case:
+    """Stage engines of one model (opened as workers open them, one session at a time), a prompt, and the whole
+    model's cold run of it: `base_prefill` [n_prompt, vocab], `base_decode` [steps, vocab], `tokens` its greedy
+    tokens (after the prompt, then after each decode step). `keep`/`ran`: the prefix cases' lengths."""
 
-    def __init__(self, arch: str, workdir: Path, lib, n_threads: int):
+    def __init__(self, engines, prompt: list[int], base_prefill: np.ndarray, base_decode: np.ndarray,
+                 tokens: list[int], keep: int, ran: int):
+        self.engines, self.prompt, self.keep, self.ran = engines, list(prompt), keep, ran
+        self.base_prefill, self.base_decode, self.tokens = base_prefill, base_decode, list(tokens)
+
+    @classmethod
+    def synth(cls, arch: str, workdir: Path, lib, n_threads: int) -> "Case":
+        """A tiny model of `arch` split in three (parity's cuts); the caller closes the engines."""
         from dgr.toolchain.synth.generic import layer_kinds
         from dgr.toolchain.synth.parity import EMBD, N_UBATCH, choose_ranges, model_layers, synth_model
 
-        self.n_prompt, self.keep, n_ubatch, self.ran = _OWN.get(arch, (PROMPT, KEEP, N_UBATCH, RAN))
+        n_prompt, keep, n_ubatch, ran = _OWN.get(arch, (PROMPT, KEEP, N_UBATCH, RAN))
         layers = model_layers(arch)
         ranges = choose_ranges(layer_kinds(arch, layers, EMBD), 3)
         model = synth_model(arch, Path(workdir) / f"{arch}-{layers}L-features.gguf", layers=layers)
-        self.prompt = np.random.default_rng(11).integers(0, 256, size=self.n_prompt).tolist()
-        self.base: RunResult = run_baseline(model, Schedule(prompts=[self.prompt], steps=STEPS, n_ubatch=n_ubatch),
-                                            lib, n_threads)
-        self.tokens = self.base.generated[0]       # greedy: after the prompt, then after each decode step
+        prompt = np.random.default_rng(11).integers(0, 256, size=n_prompt).tolist()
+        base: RunResult = run_baseline(model, Schedule(prompts=[prompt], steps=STEPS, n_ubatch=n_ubatch), lib,
+                                       n_threads)
         # as a worker opens its engine: rollback depth from Limits().draft_max (V4's snapshots)
-        self.engines = open_stages([model] * 3, n_ubatch=n_ubatch, n_ctx=ctx_for([self.prompt], STEPS + 4),
-                                   max_sessions=2, ranges=ranges, lib=lib, n_threads=n_threads,
-                                   n_draft_max=Limits().draft_max)
+        engines = open_stages([model] * 3, n_ubatch=n_ubatch, n_ctx=ctx_for([prompt], STEPS + 4), max_sessions=2,
+                              ranges=ranges, lib=lib, n_threads=n_threads, n_draft_max=Limits().draft_max)
+        return cls(engines, prompt, base.prefill_logits[0], base.decode_logits[0], base.generated[0], keep, ran)
 
     def close(self) -> None:
         for e in self.engines:
@@ -119,14 +127,14 @@ class _Case:
     def decode(self, sid: str, start: int) -> str:
         """Decode steps `start`.. fed the cold run's tokens; '' when every row equals the cold run's."""
         n = len(self.prompt)
-        for t in range(start, STEPS):
+        for t in range(start, len(self.base_decode)):
             r = _chain(self.engines, sid, n + t, [self.tokens[t]], "last")
-            if _differs(r.logits[0], self.base.decode_logits[0][t]):
+            if _differs(r.logits[0], self.base_decode[t]):
                 return f"decode step {t} differs"
         return ""
 
 
-def _restore(case: _Case, ran: int, keep: int, tag: str) -> str:
+def _restore(case: Case, ran: int, keep: int, tag: str) -> str:
     with case.session(f"{tag}-saver") as saver:
         _chain(case.engines, saver, 0, case.prompt[:ran], "none")
         states = [e.state_get(saver, 0) for e in case.engines]
@@ -136,19 +144,19 @@ def _restore(case: _Case, ran: int, keep: int, tag: str) -> str:
                 return f"{tag}: a stage saved {n_pos} positions, the session ran {ran}"
             e.state_set(user, 0, state, n_pos, keep)
         r = _chain(case.engines, user, keep, case.prompt[keep:], "all")
-        bad = _first_differing(r.logits, case.base.prefill_logits[0][keep:])
+        bad = _first_differing(r.logits, case.base_prefill[keep:])
         if bad is not None:
             return f"{tag}: prefill row {keep + bad} differs"
         why = case.decode(user, 0)
         return f"{tag}: {why}" if why else ""
 
 
-def prefix_cache(case: _Case) -> str:
+def prefix_cache(case: Case) -> str:
     return "; ".join(w for w in (_restore(case, case.keep, case.keep, "restore"),
                                  _restore(case, case.ran, case.keep, "cut back")) if w)
 
 
-def rollback(case: _Case) -> str:
+def rollback(case: Case) -> str:
     """A verification step [t0, t1, wrong, t3] (t0, t1 accepted), every stage truncated to drop the last two,
     then decoding on from t2; rows after t0 and t1, and every later row, equal the cold run's."""
     n, toks = len(case.prompt), case.tokens
@@ -158,32 +166,36 @@ def rollback(case: _Case) -> str:
         r = _chain(case.engines, sid, n, [toks[0], toks[1], wrong, toks[3]], "all")
         for e in case.engines:
             e.truncate(sid, 0, n + 2)           # an engine that cannot roll back refuses here, by name
-        bad = _first_differing(r.logits[:2], case.base.decode_logits[0][:2])
+        bad = _first_differing(r.logits[:2], case.base_decode[:2])
         if bad is not None:
             return f"verification row {bad} differs"
         return case.decode(sid, 2)
 
 
-FEATURES: dict[str, Callable[[_Case], str]] = {"prefix cache": prefix_cache, "rollback": rollback}
+FEATURES: dict[str, Callable[[Case], str]] = {"prefix cache": prefix_cache, "rollback": rollback}
 
 
 def run_features(arch: str, workdir: Path, *, lib: str | Path | None = None, n_threads: int = 1,
                  features: tuple[str, ...] = tuple(FEATURES)) -> dict[str, FeatureResult]:
     """Every feature in `features` on `arch` split in three: feature -> result."""
-    out: dict[str, FeatureResult] = {}
-    t0 = time.perf_counter()
-    case = _Case(arch, workdir, lib, n_threads)
+    case = Case.synth(arch, workdir, lib, n_threads)
     try:
-        for name in features:
-            t = time.perf_counter()
-            try:
-                why = FEATURES[name](case)
-                verdict = "exact" if not why else f"DIFFERS ({why})"
-            except Unsupported as e:           # by design, by name; any other engine error is a failure
-                verdict = f"refused: {refusal(arch, str(e))}"
-            out[name] = FeatureResult(arch, name, verdict, time.perf_counter() - t + (t - t0 if not out else 0))
+        return check_features(case, arch, features)
     finally:
         case.close()
+
+
+def check_features(case: Case, arch: str, features: tuple[str, ...] = tuple(FEATURES)) -> dict[str, FeatureResult]:
+    """Each feature on `case`'s engines: feature -> result."""
+    out: dict[str, FeatureResult] = {}
+    for name in features:
+        t = time.perf_counter()
+        try:
+            why = FEATURES[name](case)
+            verdict = "exact" if not why else f"DIFFERS ({why})"
+        except Unsupported as e:           # by design, by name; any other engine error is a failure
+            verdict = f"refused: {refusal(arch, str(e))}"
+        out[name] = FeatureResult(arch, name, verdict, time.perf_counter() - t)
     return out
 
 
