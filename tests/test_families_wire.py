@@ -9,7 +9,10 @@ against the whole model run cold in this process (greedy tokens, every logits ro
 - prefix cache: the prompt again, restoring what the recovered run's stages kept (where the family keeps
   prefixes: docs/families.md's "prefix cache" column, which Describe's `prefix_cache_off` repeats);
 - recovery with the cache: a generation that restores its prefix, then loses the second middle replica
-  mid-generation and finishes on the third, which holds nothing of it.
+  mid-generation and finishes on the third, which holds nothing of it;
+- grammar replay: a generation under a grammar loses its last stage (where the grammar lives) mid-generation;
+  the next last stage replays the accepted tokens into its grammar and the text equals the undisturbed run's
+  (the synthetic vocabulary spells any ASCII text, so a grammar over letters constrains every family).
 
 docs/families.md's in-process columns (tests/test_families.py) prove the same engine calls on every stage
 of a split; this proves the worker makes them, for every family.
@@ -29,6 +32,9 @@ pytestmark = [pytest.mark.engine, pytest.mark.slow]
 PROMPT_LEN = 70          # two whole prefix blocks (32) and the start of a third
 MAX_NEW = 6
 CHUNK = 16
+# "q" once, first, then never again; not complete within the tokens asked (no end of generation is allowed):
+# a last stage that restarted the grammar instead of replaying it would write a second "q"
+GRAMMAR = 'root ::= "q" [a-pr-z ]{60}'
 
 
 def _same(gen, ref, n_prompt: int, what: str) -> None:
@@ -59,9 +65,10 @@ def test_every_family_through_worker_processes_cold_recovered_and_restored(arch,
         eng.close()
     cell = read_table(repo_root / "docs" / "families.md")[arch]["prefix_cache"]
     keeps = cell == "exact"
-    faults = {(1, 0): die_at("victim", PROMPT_LEN, 3), (1, 1): die_at("victim2", PROMPT_LEN, 3)}
+    faults = {(1, 0): die_at("victim", PROMPT_LEN, 3), (1, 1): die_at("victim2", PROMPT_LEN, 3),
+              (2, 0): die_at("victim3", PROMPT_LEN, 4)}
     args = [["--bundle", str(bundle.root), "--stage", str(i), "--threads", "1", "--n-ctx", "256"] for i in range(3)]
-    with LocalRoute(args, replicas=[1, 3, 1], env={"DGR_ENGINE_LIB": str(engine_lib)}, timeout=300,
+    with LocalRoute(args, replicas=[1, 3, 2], env={"DGR_ENGINE_LIB": str(engine_lib)}, timeout=300,
                     extra=lambda i, k: faults.get((i, k), [])) as r, \
             RouteClient(r.replicas, chunk_tokens=CHUNK) as c:
         d = c.describe()
@@ -83,3 +90,10 @@ def test_every_family_through_worker_processes_cold_recovered_and_restored(arch,
         assert both.cached_tokens == (64 if keeps else 0)
         assert both.epochs >= 2 and {f.stage for f in both.failures} == {1}   # (the dead first replica may be tried)
         _same(both, ref, PROMPT_LEN, "restored, then recovered")
+
+        plain = c.run(ids, max_new_tokens=MAX_NEW + 4, grammar=GRAMMAR, prefix_cache=False)
+        text = plain.text
+        assert len(plain.token_ids) == MAX_NEW + 4 and text[0] == "q" and set(text[1:]) <= set("abcdefghijklmnoprstuvwxyz "), text
+        replayed = c.run(ids, max_new_tokens=MAX_NEW + 4, grammar=GRAMMAR, session_id="victim3")
+        assert replayed.epochs >= 2 and {f.stage for f in replayed.failures} == {2}
+        assert (replayed.token_ids, replayed.text) == (plain.token_ids, text)
