@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from dgr.app.certify import CertifyError, mtp_off
+from dgr.app.certify import INCONCLUSIVE, CertifyError, mtp_off
+from dgr.app.certify.features import PREFIX_CHECK, RECOVERY_CHECK
 from dgr.core.certificate import (IDENTITY_FIELDS, Certificate, CertificateError, Identity, check, contract_hash,
                                   load_certificate)
 from dgr.core.hashing import file_blake3
@@ -26,7 +27,7 @@ from support.certify import dgr, tiny_llama_bundle, write_contract
 pytestmark = pytest.mark.engine       # ~15 s on 2 shared cores
 
 FIGURES = {"MTP off", "parity: greedy tokens", "parity: max |logit diff|", "stages in worker processes",
-           "speed: decode ratio", "speed: prefill ratio (48 tokens)"}
+           PREFIX_CHECK, "speed: decode ratio", "speed: prefill ratio (48 tokens)", RECOVERY_CHECK}
 
 
 @pytest.fixture(scope="module")
@@ -86,15 +87,26 @@ def test_certificate_names_the_exact_identity_the_host_the_contract_and_every_fi
     rows = {f.check: f for f in cert.figures}
     assert set(rows) == FIGURES
     assert all(f.passed and f.threshold for f in cert.figures) and cert.passed
-    # 2 prompts (one text, one of 40 random ids) x 6 greedy tokens, every logit bit-identical
+    # 2 prompts (one text, one of 80 random ids) x 6 greedy tokens, every logit bit-identical
     assert rows["parity: greedy tokens"].figure == "12/12"
     assert rows["parity: max |logit diff|"].figure == 0.0
     assert rows["parity: max |logit diff|"].threshold == "== 0"
     assert rows["stages in worker processes"].figure == 3
+    assert "a replica of stage 1" in rows["stages in worker processes"].detail
+    # the 80-token prompt again after its first 40 were kept: one whole block (32) restored, the cold run's
+    # tokens and logits bit for bit
+    assert rows[PREFIX_CHECK].figure == "32/80 restored, same tokens and logits"
+    assert "32 positions restored" in rows[PREFIX_CHECK].detail and "6 logits rows compared" in rows[PREFIX_CHECK].detail
+    # stage 1 of 3 killed itself after 3 of 6 tokens; its replica took over, the same tokens and logits
+    assert rows[RECOVERY_CHECK].figure == "same tokens and logits"
+    assert rows[RECOVERY_CHECK].detail.startswith("stage 1's first worker exited -9 about to compute position 82 "
+                                                  "(after 3 of 6 tokens of a 80-token prompt)")
+    assert "2 epoch(s)" in rows[RECOVERY_CHECK].detail
     # speed rows measured for real (finite, positive ratios); the test contract's thresholds are 0, which
     # any measurement meets: no test judges this machine's speed (tests/test_gate_alpha.py judges given numbers)
     for name in ("speed: decode ratio", "speed: prefill ratio (48 tokens)"):
-        assert isinstance(rows[name].figure, float) and math.isfinite(rows[name].figure) and rows[name].figure > 0
+        m = re.fullmatch(r"(\d+\.\d{3}) \(IQR (\d+\.\d{3})-(\d+\.\d{3})\)", rows[name].figure)
+        assert m and all(math.isfinite(float(x)) and float(x) > 0 for x in m.groups()), rows[name].figure
         assert rows[name].threshold == ">= 0.0" and "tok/s" in rows[name].detail
     # the printed table has every row, and the JSON is the certificate's canonical content
     for name in FIGURES:
@@ -164,16 +176,148 @@ def test_a_failing_speed_row_fails_the_run_and_the_certificate_is_not_valid(root
     assert rc == 1
     cert = load_certificate(out)
     rows = {f.check: f for f in cert.figures}
-    assert (rows["speed: decode ratio"].figure, rows["speed: decode ratio"].threshold) == (0.25, ">= 0.5")
+    assert (rows["speed: decode ratio"].figure, rows["speed: decode ratio"].threshold) == \
+        ("0.250 (IQR 0.250-0.250)", ">= 0.5")
     assert not rows["speed: decode ratio"].passed
     assert (rows["speed: prefill ratio (48 tokens)"].figure, rows["speed: prefill ratio (48 tokens)"].passed) == \
-        (2.0, True)
+        ("2.000 (IQR 2.000-2.000)", True)
     assert rows["parity: greedy tokens"].passed and rows["parity: max |logit diff|"].passed and not cert.passed
     assert [f.check for f in cert.figures if not f.passed] == ["speed: decode ratio"]
     assert "failed gate (speed: decode ratio)" in check(cert, _worker_identity(cert))
     out = capsys.readouterr().out
-    assert re.search(r"tiny-llama: speed: decode ratio +0\.25 +>= 0\.5 +NO", out), out
+    assert re.search(r"tiny-llama: speed: decode ratio +0\.250 \(IQR 0\.250-0\.250\) +>= 0\.5 +NO", out), out
     assert "FAILED" in out
+
+
+def test_an_inconclusive_speed_row_exits_3_and_the_certificate_is_not_valid(root, bundle, engine_lib, capsys,
+                                                                            monkeypatch):
+    """The speed numbers are given (three rounds whose prefill ratios straddle the contract's 1.0: a busy
+    machine), the rest runs for real: no row fails, `dgr certify` exits 3 and says why, and the certificate
+    it writes records the spread and is no pass."""
+    from dgr.app.certify import SpeedRuns, runner
+
+    given = SpeedRuns(prefill_tokens=48, threads=1, pipeline_decode=(30.0, 31.0, 29.0), whole_decode=(40.0,) * 3,
+                      pipeline_prefill=(95.0, 99.3, 104.0), whole_prefill=(100.0,) * 3)
+    monkeypatch.setattr(runner, "measure_speed", lambda c, client, eng, threads: given)
+    contract = write_contract(root / "busy.toml", decode=0.5, prefill=1.0)
+    out = root / "busy.json"
+    rc = dgr(["certify", "--bundle", str(bundle.root), "--out", str(out), "--contract", str(contract)])
+    printed = capsys.readouterr().out
+    assert rc == 3, printed
+    cert = load_certificate(out)
+    rows = {f.check: f for f in cert.figures}
+    busy = rows["speed: prefill ratio (48 tokens)"]
+    assert (busy.figure, busy.threshold, busy.passed) == ("0.993 (IQR 0.972-1.016)", ">= 1.0", False)
+    assert busy.detail.startswith(f"{INCONCLUSIVE}: the interquartile range of the per-round ratios covers the "
+                                  "threshold 1.0, so this row is not a pass")
+    assert "min 0.950, max 1.040" in busy.detail
+    assert [f.check for f in cert.figures if not f.passed] == ["speed: prefill ratio (48 tokens)"]
+    assert not cert.passed and "failed gate (speed: prefill ratio (48 tokens))" in check(cert, _worker_identity(cert))
+    assert re.search(r"tiny-llama: speed: prefill ratio \(48 tokens\) +0\.993 \(IQR 0\.972-1\.016\) +>= 1\.0 +"
+                     r"inconclusive\n", printed), printed
+    assert f"7/8 rows pass, 1 inconclusive: INCONCLUSIVE ({INCONCLUSIVE}: not a pass; rerun" in printed
+    assert f"(not valid: {INCONCLUSIVE}, a speed row could not decide; rerun on a quieter machine;" in printed
+
+
+def test_a_threshold_no_measurement_can_meet_fails_for_real(root, bundle, engine_lib, capsys):
+    """Measured for real, against a prefill threshold of 1000 (no pipeline is 1000 times the whole model): the
+    verdict is certain on any machine, loaded or not, and the exit code is 1."""
+    contract = write_contract(root / "impossible.toml", decode=0.0, prefill=1000.0)
+    out = root / "impossible.json"
+    rc = dgr(["certify", "--bundle", str(bundle.root), "--out", str(out), "--contract", str(contract)])
+    printed = capsys.readouterr().out
+    assert rc == 1, printed
+    rows = {f.check: f for f in load_certificate(out).figures}
+    assert [k for k, f in rows.items() if not f.passed] == ["speed: prefill ratio (48 tokens)"]
+    assert rows["speed: prefill ratio (48 tokens)"].threshold == ">= 1000.0"
+    assert not rows["speed: prefill ratio (48 tokens)"].detail.startswith(INCONCLUSIVE)
+    assert "7/8 rows pass: FAILED" in printed
+
+
+def test_a_replica_that_cannot_take_over_fails_recovery_and_a_stage_without_a_cache_refuses(root, bundle, engine_lib,
+                                                                                          capsys, monkeypatch):
+    """The route made wrong on purpose: the replica that should take over after the kill -9 takes its boundary
+    in bf16 (stage 0 sends f32: it refuses the session, and the client gives up), and stage 0 keeps no prefixes
+    (--prefix-cache-mib 0). The recovery row fails and says why, the prefix-cache row says refused and is not a
+    failure: exit 1, one failed row, the certificate written."""
+    from dgr.app.certify.features import Fault
+
+    planned = Fault.extra
+
+    def extra(self, stage, replica):
+        more = {(0, 0): ["--prefix-cache-mib", "0"], (self.stage, 1): ["--wire-dtype", "bf16"]}
+        return planned(self, stage, replica) + more.get((stage, replica), [])
+
+    monkeypatch.setattr(Fault, "extra", extra)
+    contract = write_contract(root / "broken.toml")
+    out = root / "broken.json"
+    rc = dgr(["certify", "--bundle", str(bundle.root), "--out", str(out), "--contract", str(contract)])
+    printed = capsys.readouterr().out
+    assert rc == 1, printed
+    cert = load_certificate(out)
+    rows = {f.check: f for f in cert.figures}
+    assert [k for k, f in rows.items() if not f.passed] == [RECOVERY_CHECK]
+    assert rows[RECOVERY_CHECK].figure == "gave up"
+    assert rows[RECOVERY_CHECK].detail.startswith("stage 1's first worker exited -9 about to compute position 82")
+    assert "the client gave up: " in rows[RECOVERY_CHECK].detail and "bf16" in rows[RECOVERY_CHECK].detail
+    refused = rows[PREFIX_CHECK]
+    assert refused.passed and refused.figure == "refused: --prefix-cache-mib 0", refused
+    assert refused.detail.startswith("stage(s) [0] keep no prefixes")
+    assert "failed gate (recovery: kill -9 of the middle stage mid-generation, replica)" in check(
+        cert, _worker_identity(cert))
+
+
+def _gen(tokens, rows, cached=0, epochs=1, failures=()):
+    import numpy as np
+
+    from dgr.runtime.wire.stats import Failure, Generation
+
+    g = Generation(prompt_ids=[1] * 10, token_ids=list(tokens), cached_tokens=cached, epochs=epochs,
+                   failures=[Failure(stage=s, address="a", hop="h", code="HOP_UNREACHABLE", why="", at=0.0, tokens=2)
+                             for s in failures])
+    g.logits = {9 + k: np.asarray(r, np.float32) for k, r in enumerate(rows)}
+    return g
+
+
+def test_the_feature_rows_decide_from_the_generations_they_are_given():
+    """The prefix-cache and recovery rows' decisions, fed generations: equal bit for bit passes; one token, one
+    logit's last bit, nothing restored, no kill or no second epoch fails, and says which."""
+    import numpy as np
+
+    from dgr.app.certify.features import Fault, differs, prefix_figure, recovery_figure
+
+    rows = [[0.5, -1.0, 2.0], [0.25, 3.0, -2.0], [1.0, 1.0, 0.0]]
+    cold = _gen([1, 1, 0], rows)
+    flipped = [list(r) for r in rows]
+    flipped[1][2] = float(np.nextafter(np.float32(-2.0), np.float32(0.0)))   # one ulp: the same argmax
+    assert differs(_gen([1, 1, 0], rows), cold) == ""
+    assert differs(_gen([1, 2, 0], rows), cold) == "token 1 differs (3 tokens, 3 undisturbed)"
+    assert differs(_gen([1, 1, 0], flipped), cold) == "the logits row at position 10 differs (max |diff| 1.19e-07)"
+    assert differs(_gen([1, 1, 0], rows[:2]), cold).startswith("logits rows at positions [9, 10], undisturbed")
+
+    ok = prefix_figure(_gen([1, 1, 0], rows, cached=32), cold, 80, 40)
+    assert (ok.figure, ok.passed) == ("32/80 restored, same tokens and logits", True)
+    bad = prefix_figure(_gen([1, 1, 0], flipped, cached=32), cold, 80, 40)
+    assert (bad.figure, bad.passed) == ("32/80 restored, DIFFERS", False)
+    assert bad.detail.endswith("; the logits row at position 10 differs (max |diff| 1.19e-07)")
+    cold_again = prefix_figure(_gen([1, 1, 0], rows, cached=0), cold, 40, 20)
+    assert not cold_again.passed and "nothing restored (a prompt shorter than 66 tokens" in cold_again.detail
+
+    fault = Fault.plan(3, 10, 6)
+    assert (fault.stage, fault.position, fault.tokens) == (1, 12, 3) and fault.replicas(3) == [1, 2, 1]
+    assert fault.extra(1, 0) == ["--test-die-at", "certify-recovery:1:12"] and fault.extra(1, 1) == []
+    assert Fault.plan(12, 150, 16).stage == 6 and Fault.plan(2, 150, 1).position == 149
+    recovered = _gen([1, 1, 0], rows, epochs=2, failures=[1])
+    good = recovery_figure(recovered, cold, -9, fault, 10, 6)
+    assert (good.figure, good.passed) == ("same tokens and logits", True)
+    assert recovery_figure(_gen([1, 1, 0], flipped, epochs=2, failures=[1]), cold, -9, fault, 10, 6).figure == "DIFFERS"
+    gave_up = recovery_figure(None, cold, -9, fault, 10, 6, "gave up after 6 failed attempt(s)")
+    assert (gave_up.figure, gave_up.passed) == ("gave up", False) and gave_up.detail.endswith(
+        "the client gave up: gave up after 6 failed attempt(s)")
+    never = recovery_figure(_gen([1, 1, 0], rows), cold, None, fault, 10, 6)
+    assert (never.figure, never.passed) == ("same tokens and logits, no kill, not recovered", False)
+    elsewhere = recovery_figure(_gen([1, 1, 0], rows, epochs=2, failures=[2]), cold, -9, fault, 10, 6)
+    assert (elsewhere.figure, elsewhere.passed) == ("same tokens and logits, not recovered", False)
 
 
 def _mtp_recipe(root: Path, src: Path) -> Path:

@@ -10,10 +10,12 @@ rejected-draft cost) must be measured and judged against the contract, not pass.
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 
 from dgr.app.certify import load_contract
+from dgr.app.certify.features import PREFIX_CHECK, RECOVERY_CHECK
 from dgr.core.certificate import load_certificate
 from dgr.core.paths import REPO_ROOT
 
@@ -61,8 +63,13 @@ def test_gate_beta_certifies_every_target_and_prints_its_table(tmp_path, engine_
     assert not any("MTP-on recipe refused" in k for k in rows)
     for t in lc.contract.mtp.targets:
         assert rows[f"{t}: MTP off"][2] == "yes"                         # alpha's rows, under beta
+        assert rows[f"{t}: {RECOVERY_CHECK}"][0] == "same tokens and logits"
         assert rows[f"{t}+mtp: MTP on = off: max |logit diff|"][:2] == ["0", "== 0"]
         assert rows[f"{t}+mtp: kill -9 of the last stage mid-draft, replica"][0] == "same text"
+        # DeepSeek V4 keeps no prefixes, with MTP off or on: the row says why and is not a failure
+        for name in (t, f"{t}+mtp"):
+            assert rows[f"{name}: {PREFIX_CHECK}"][0].startswith("refused: deepseek4 "), rows[f"{name}: {PREFIX_CHECK}"]
+    assert re.fullmatch(r"\d+/150 restored, same tokens and logits", rows[f"smollm2-135m-3stage: {PREFIX_CHECK}"][0])
     assert rows["deepseek4-tiny-2stage+mtp: soak with MTP on"][2] == "yes"
     trip = rows["mtp-speculation: MTP tokens per ring trip (drafts agreeing at 0.8)"]
     assert float(trip[0]) >= 2.0 and trip[2] == "yes"                   # a property of the model, not of speed
@@ -71,8 +78,10 @@ def test_gate_beta_certifies_every_target_and_prints_its_table(tmp_path, engine_
     [cost] = [f for f in spec.figures if f.check == COST.split(": ", 1)[1]]
     assert math.isfinite(cost.figure) and cost.figure > 0
     assert cost.passed == (cost.figure <= 1.05) and rows[COST][1] == "<= 1.05, same text"
+    # exit 0 when every row passes, 3 when the only others are inconclusive speed rows, 1 otherwise
     ok = sum(v[2] == "yes" for v in rows.values())
-    assert rc == (0 if ok == len(rows) else 1), out
+    busy = sum(v[2] == "inconclusive" for v in rows.values())
+    assert rc == (0 if ok == len(rows) else 3 if ok + busy == len(rows) else 1), out
     for t in [*(f"{t}+mtp" for t in lc.contract.mtp.targets), "mtp-speculation"]:
         cert = load_certificate(tmp_path / f"{t}.json")
         assert cert.contract.name == "beta" and cert.contract.path == "certification/beta.toml"

@@ -6,6 +6,8 @@ certificate whose rows are:
 
 - **MTP on = MTP off**: every parity prompt of the contract, greedy, with `--speculate mtp` and without,
   through the same worker processes: equal tokens and bit-identical logits, with drafts actually sent;
+- **prefix cache with MTP on**: dgr.app.certify.features' prefix-cache row with every run speculating (a
+  DeepSeek V4 stage keeps no prefixes today: `refused: <why>`, not a failure);
 - **kill -9 mid-draft**: the last stage has a replica; its first worker SIGKILLs itself about to compute
   the first speculative step of a session (`--test-die-at` at a drafted position: inside a draft step by
   construction); the client re-prefills on the replica and the text equals the text without the fault;
@@ -30,6 +32,7 @@ from pathlib import Path
 import numpy as np
 
 from dgr.app.certify.contract import LoadedContract, Synthetic
+from dgr.app.certify.features import prefix_cache_row
 from dgr.app.certify.host import host, usable_cores
 from dgr.app.certify.runner import _identity, _version, parity_prompts
 from dgr.core.certificate import Certificate, ContractRef, Figure, StageRange
@@ -162,6 +165,9 @@ def certify_mtp(spec: Synthetic, lc: LoadedContract, *, lane: str, lib: Path, ro
         identity = _identity(b, descs, lane, lib, lc.blake3)
         prompts = parity_prompts(c, client.tokenize, descs[0].n_vocab)
         figures = _on_equals_off(client, prompts, m.draft_k, c.parity.max_new_tokens)
+        # the prefix cache with MTP drafting (refused where a stage keeps no prefixes: DeepSeek V4 today)
+        figures.append(prefix_cache_row(client, descs, max(prompts, key=len), None, c.parity.max_new_tokens,
+                                        speculate="mtp", draft_k=m.draft_k))
         if soak:
             figures.append(_soak(route, route.addresses, m.soak, m.draft_k))
         figures.append(_kill_mid_draft(route, client, m.draft_k, c.parity.max_new_tokens))

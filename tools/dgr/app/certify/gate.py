@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from dgr.app.certify.contract import LoadedContract, load_contract
+from dgr.app.certify.verdict import INCONCLUSIVE, INCONCLUSIVE_RUN, is_inconclusive, mark, overall
 from dgr.core.certificate import Certificate, Figure
 from dgr.core.errors import DgrError
 from dgr.core.log import get_logger
@@ -39,6 +40,11 @@ class GateResult:
     def passed(self) -> bool:
         return bool(self.rows) and all(r.figure.passed for r in self.rows)
 
+    @property
+    def verdict(self) -> str:
+        """passed, failed, or inconclusive (no row failed, a speed row could not decide: dgr.app.certify.verdict)."""
+        return overall(r.figure for r in self.rows)
+
     def table(self) -> str:
         return format_table(self.rows, f"dgr gate {self.contract.contract.name} "
                             f"(contract {self.contract.ref_path}, blake3 {self.contract.blake3[:16]})")
@@ -51,10 +57,11 @@ def _fmt(v) -> str:
 
 
 def format_table(rows: list[Row], title: str = "") -> str:
-    """One line per row: check (target: what), figure, threshold, pass."""
+    """One line per row: check (target: what), figure, threshold, pass (yes, NO or inconclusive); then the
+    verdict: PASSED, FAILED, or INCONCLUSIVE when no row failed but a speed row could not decide."""
     cells = [("check", "figure", "threshold", "pass")]
-    cells += [(f"{r.target}: {r.figure.check}", _fmt(r.figure.figure), r.figure.threshold,
-               "yes" if r.figure.passed else "NO") for r in rows]
+    cells += [(f"{r.target}: {r.figure.check}", _fmt(r.figure.figure), r.figure.threshold, mark(r.figure))
+              for r in rows]
     widths = [max(len(c[i]) for c in cells) for i in range(4)]
     lines = [title] if title else []
     for k, c in enumerate(cells):
@@ -62,7 +69,10 @@ def format_table(rows: list[Row], title: str = "") -> str:
         if k == 0:
             lines.append("  ".join("-" * w for w in widths))
     ok = sum(r.figure.passed for r in rows)
-    lines.append(f"{ok}/{len(rows)} rows pass: {'PASSED' if rows and ok == len(rows) else 'FAILED'}")
+    busy = sum(is_inconclusive(r.figure) for r in rows)
+    v = overall(r.figure for r in rows)
+    lines.append(f"{ok}/{len(rows)} rows pass" + (f", {busy} inconclusive" if busy else "") + f": {v.upper()}" +
+                 (f" ({INCONCLUSIVE}: not a pass; rerun on a quieter machine)" if v == INCONCLUSIVE_RUN else ""))
     return "\n".join(lines)
 
 

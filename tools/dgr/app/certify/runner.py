@@ -6,10 +6,13 @@ greedy tokens and logits of every contract prompt, prefilled in the route's chun
 when the recipe quantized, the same recipe built as one stage (dgr.toolchain.bundle.baseline_model, as `dgr
 parity` does: the whole model with the bundle's weights); then one
 `dgr worker serve` process per stage (dgr.app.local.LocalRoute) serves the bundle on loopback and the
-same prompts run through the route; tokens must be equal and logits bit-identical. Where the contract's
-speed gate applies, pipeline and whole model alternate on the same host (measure_speed) and the
-ratios of each side's fastest run are judged by dgr.app.certify.speed.speed_figures, a pure function. The
-result is a dgr.core.certificate.Certificate, whose `passed` is every figure's.
+same prompts run through the route; tokens must be equal and logits bit-identical. Then the route's features
+(dgr.app.certify.features): the prefix cache (a kept prefix restored equals the cold run) and, last, recovery
+from a kill -9 of the middle stage (its replica started with the route). Where the contract's speed gate
+applies, pipeline and whole model run side by side on the same host, alternating which goes first
+(measure_speed), and the per-round ratios are judged by dgr.app.certify.speed.speed_figures, a pure function
+(passed, failed, or inconclusive when their spread covers the threshold). The result is a
+dgr.core.certificate.Certificate, whose `passed` is every figure's (dgr.app.certify.verdict: its verdict).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from dgr.app.certify.contract import Contract, LoadedContract, load_contract, mtp_refused
+from dgr.app.certify.features import Fault, prefix_cache_row, recovery_row
 from dgr.app.certify.host import host, usable_cores
 from dgr.app.certify.speed import SpeedRuns, speed_figures
 from dgr.core.certificate import Certificate, ContractRef, Figure, Identity, StageRange
@@ -172,28 +176,35 @@ def _processes(route, n_stages: int) -> Figure:
     alive = {p.pid for p in route.procs if p.poll() is None}
     return Figure(check="stages in worker processes", figure=len(alive), threshold=f"== {n_stages}",
                   passed=len(alive) == n_stages and len(set(route.addresses)) == n_stages,
-                  detail=f"one `dgr worker serve` per stage on {', '.join(route.addresses)}")
+                  detail=f"one `dgr worker serve` per stage on {', '.join(route.addresses)}" +
+                         "".join(f" (and a replica of stage {i} on {', '.join(r[1:])}, for the recovery row)"
+                                 for i, r in enumerate(route.replicas) if len(r) > 1))
 
 
 def measure_speed(c: Contract, client, eng, threads: int) -> SpeedRuns:
-    """Pipeline and whole model alternate on this host (after one untimed round): tok/s of each timed run.
-    What they are judged by is dgr.app.certify.speed.speed_figures."""
+    """Pipeline and whole model side by side on this host, one untimed round and then `repeats` timed ones,
+    alternating which goes first (the pipeline in even rounds): tok/s of each side in each timed round. What
+    they are judged by is dgr.app.certify.speed.speed_figures."""
     from dgr.app.demo import long_prompt, whole_model_run
 
     s = c.speed
     short = eng.tokenize(s.prompt)
     long_ids = long_prompt(eng.tokenize, s.prefill_tokens)
-    pd, wd, pp, wp = [], [], [], []
-    for k in range(s.repeats + 1):
-        g = client.run(short, max_new_tokens=s.decode_tokens, stop_token_ids=[])
-        w = whole_model_run(eng, short, s.decode_tokens, chunk_tokens=g.chunk_tokens)
-        gl = client.run(long_ids, max_new_tokens=1, stop_token_ids=[])
-        wl = whole_model_run(eng, long_ids, 1, chunk_tokens=gl.chunk_tokens)
-        if k:                                       # the first round warms both up and is not counted
-            pd.append(g.decode_tokens_per_s)
-            wd.append(w.decode_tokens_per_s)
-            pp.append(gl.prefill_tokens_per_s)
-            wp.append(wl.prefill_tokens_per_s)
+    chunk = client.chunk_tokens
+    measure = {                                     # each pair (decode, prefill) runs back to back
+        "pd": lambda: client.run(short, max_new_tokens=s.decode_tokens, stop_token_ids=[]).decode_tokens_per_s,
+        "wd": lambda: whole_model_run(eng, short, s.decode_tokens, chunk_tokens=chunk).decode_tokens_per_s,
+        "pp": lambda: client.run(long_ids, max_new_tokens=1, stop_token_ids=[]).prefill_tokens_per_s,
+        "wp": lambda: whole_model_run(eng, long_ids, 1, chunk_tokens=chunk).prefill_tokens_per_s,
+    }
+    got: dict[str, list[float]] = {key: [] for key in measure}
+    for k in range(s.repeats + 1):                  # the first round warms both up and is not counted
+        pipeline_first = k % 2 == 1                 # timed round k - 1: the pipeline first when it is even
+        for key in ("pd", "wd", "pp", "wp") if pipeline_first else ("wd", "pd", "wp", "pp"):
+            x = measure[key]()
+            if k:
+                got[key].append(x)
+    pd, wd, pp, wp = (got[key] for key in ("pd", "wd", "pp", "wp"))
     return SpeedRuns(prefill_tokens=len(long_ids), threads=threads, pipeline_decode=tuple(pd),
                      whole_decode=tuple(wd), pipeline_prefill=tuple(pp), whole_prefill=tuple(wp))
 
@@ -240,20 +251,30 @@ def certify(bundle_path: str | Path, *, contract: LoadedContract | str | Path | 
         baseline = {chunk: [whole_model_run(eng, ids, c.parity.max_new_tokens, chunk_tokens=chunk) for ids in prompts]}
         args = [["--bundle", str(b.root), "--stage", str(i), "--threads", str(threads), "--n-ctx", str(n_ctx)]
                 for i in range(n_stages)]
-        with LocalRoute(args, env={"DGR_ENGINE_LIB": str(lib)}, timeout=300, log_dir=log_dir) as route, \
+        # the feature rows run the longest parity prompt; the recovery row's victim is told where to die now
+        longest = max(range(len(prompts)), key=lambda k: len(prompts[k]))
+        fault = Fault.plan(n_stages, len(prompts[longest]), c.parity.max_new_tokens)
+        with LocalRoute(args, env={"DGR_ENGINE_LIB": str(lib)}, timeout=300, log_dir=log_dir,
+                        replicas=fault.replicas(n_stages), extra=fault.extra) as route, \
                 RouteClient(route.addresses, chunk_tokens=chunk, prefix_cache=False) as client:
-            identity = _identity(b, client.describe(), lane, lib, lc.blake3)
+            descs = client.describe()
+            identity = _identity(b, descs, lane, lib, lc.blake3)
             if client.chunk_tokens not in baseline:  # the message limit made the route's chunks smaller
                 baseline[client.chunk_tokens] = [whole_model_run(eng, ids, c.parity.max_new_tokens,
                                                                  chunk_tokens=client.chunk_tokens) for ids in prompts]
-            par = _Parity()
+            par, cold = _Parity(), []
             for ids, ref in zip(prompts, baseline[client.chunk_tokens]):
                 gen = client.run(ids, max_new_tokens=c.parity.max_new_tokens, logits="last", stop_token_ids=[])
                 _compare(par, gen, ids, ref)
+                cold.append(gen)                    # the route's own run, prefix cache off: what the rows compare with
             figures += _parity_figures(par, c, n_vocab, str(whole))
             figures.append(_processes(route, n_stages))
+            figures.append(prefix_cache_row(client, descs, prompts[longest], cold[longest], c.parity.max_new_tokens))
             if speed:
                 figures += speed_figures(measure_speed(c, client, eng, threads), c.speed)
+            # last: it leaves a worker dead
+            figures.append(recovery_row(route, fault, prompts[longest], cold[longest], c.parity.max_new_tokens,
+                                        client.chunk_tokens))
     finally:
         eng.close()
     cert = Certificate(

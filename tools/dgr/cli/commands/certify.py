@@ -1,4 +1,6 @@
-"""`dgr certify` and `dgr gate alpha|beta`: parse, call dgr.app.certify, print the table, exit 0 only if every row passes."""
+"""`dgr certify` and `dgr gate alpha|beta`: parse, call dgr.app.certify, print the table. Exit 0 when every row
+passes, 1 when one fails, 3 when none fails but a speed row is inconclusive (the machine was busy:
+dgr.app.certify.verdict), 2 for a refusal or an error."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ def _certify(args) -> int:
     from dgr.app.certify import certify, format_table, load_contract
     from dgr.app.certify.fixtures import bundle_for_recipe
     from dgr.app.certify.gate import Row
+    from dgr.app.certify.verdict import EXIT_CODES, FAILED, INCONCLUSIVE, INCONCLUSIVE_RUN, PASSED, overall
 
     lc = load_contract(args.contract)         # the contract first: a bad one fails before anything runs
     if args.recipe:
@@ -23,13 +26,16 @@ def _certify(args) -> int:
     print(format_table([Row(name, f) for f in cert.figures],
                        f"dgr certify: bundle {cert.identity.bundle_id[:16]} on {cert.hardware.cpu_model} "
                        f"({cert.hardware.cores} cores), contract {lc.ref_path}"))
-    print(f"certificate: {args.out} ({'valid' if cert.passed else 'records a FAILED gate'}; digest "
-          f"{cert.digest[:16]})")
-    return 0 if cert.passed else 1
+    v = overall(cert.figures)
+    what = {PASSED: "valid", FAILED: "records a FAILED gate",
+            INCONCLUSIVE_RUN: f"not valid: {INCONCLUSIVE}, a speed row could not decide; rerun on a quieter machine"}[v]
+    print(f"certificate: {args.out} ({what}; digest {cert.digest[:16]})")
+    return EXIT_CODES[v]
 
 
 def _gate(args) -> int:
     from dgr.app.certify import run_gate
+    from dgr.app.certify.verdict import EXIT_CODES
     from dgr.core.paths import REPO_ROOT
 
     contract = args.contract or REPO_ROOT / "certification" / f"{args.gate_name}.toml"
@@ -38,13 +44,19 @@ def _gate(args) -> int:
     where = sorted({str(p.parent) for p in res.certificates.values()})
     if where:
         print(f"certificates: {', '.join(where)}")
-    return 0 if res.passed else 1
+    return EXIT_CODES[res.verdict]
+
+
+EXIT_HELP = ("exit status: 0 every row passes; 1 a row fails; 3 no row fails but a speed row is inconclusive (the "
+             "spread of its per-round ratios covers the threshold: the machine was busy; not a pass, rerun); "
+             "2 refused or an error")
 
 
 def register(sub) -> None:
     """Add `dgr certify` and `dgr gate` to the `dgr` parser."""
     p = sub.add_parser("certify", help="certify a bundle: exact against its whole model in worker processes, "
-                                       "and the speed gate of a committed contract; writes a certificate")
+                                       "and the speed gate of a committed contract; writes a certificate",
+                       epilog=EXIT_HELP)
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--bundle", help="the bundle folder (or its manifest.json)")
     src.add_argument("--recipe", help="a recipe: read (an MTP-on recipe is refused), built into --store if "
@@ -63,14 +75,14 @@ def register(sub) -> None:
     g = sub.add_parser("gate", help="run a release gate (alpha, beta): certify its targets, print one table")
     gsub = g.add_subparsers(dest="gate_name", metavar="GATE", required=True)
     gates = {
-        "alpha": "SmolLM2 in 3 stages, tiny DeepSeek V4 in 2, 3 and 4 stages, the 12-stage scenario, MTP off: exit 0 "
-                 "only if every row passes",
+        "alpha": "SmolLM2 in 3 stages, tiny DeepSeek V4 in 2, 3 and 4 stages, the 12-stage scenario, MTP off: parity, "
+                 "the prefix cache, recovery from a kill -9, speed; exit 0 only if every row passes",
         "beta": "everything alpha checks, plus MTP on (include_mtp bundles of tiny DeepSeek V4 and the 12-stage "
                 "scenario): exact against MTP off, kill -9 of the last stage mid-draft with a replica, tokens per "
                 "ring trip and the rejected-draft cost, a soak: exit 0 only if every row passes",
     }
     for name, what in gates.items():
-        a = gsub.add_parser(name, help=what)
+        a = gsub.add_parser(name, help=what, epilog=EXIT_HELP)
         a.add_argument("--contract", help=f"the contract TOML (default certification/{name}.toml)")
         a.add_argument("--out-dir", help=f"where the certificates go (default: .dgr/certificates/{name})")
         a.add_argument("--lane", help="default: the contract's lane")
