@@ -288,6 +288,23 @@ def test_up_in_the_foreground_reports_restarts_and_stops_everything_when_told(ti
 # 5: `dgr status` says up, degraded or down, and its exit status says so too
 
 
+def test_prefix_cache_mib_from_the_worker_section_reaches_the_workers_and_status_says_why_it_is_off(tiny, lib_env,
+                                                                                                      tmp_path):
+    """`[worker] prefix_cache_mib = 0`: every worker `dgr up` starts keeps no prefixes, and `dgr status` says why
+    per worker (Describe's prefix_cache_off)."""
+    f, run = _file(tmp_path, tiny), tmp_path / "run"
+    Path(f).write_text(Path(f).read_text() + "\n[worker]\nprefix_cache_mib = 0\n")
+    up = dgr("up", f, "--run-dir", str(run), env=lib_env, timeout=BOUND_S + 60)
+    try:
+        assert up.returncode == 0, up.stderr
+        code, js, text = _status(f, run, lib_env)
+        assert code == 0 and [w["load"]["prefix_cache_off"] for w in js["workers"]] == ["--prefix-cache-mib 0"] * 4
+        assert text.count("; prefix cache off: --prefix-cache-mib 0") == 4, text
+    finally:
+        dgr("down", f, "--run-dir", str(run), env=lib_env, timeout=BOUND_S)
+        _leaves_nothing(run)
+
+
 def test_status_says_up_degraded_or_down_per_worker_per_route_and_in_its_exit_status(tiny, lib_env, tmp_path):
     f, run = _file(tmp_path, tiny, "give_up_after = 1"), tmp_path / "run"
     up = dgr("up", f, "--run-dir", str(run), env=lib_env, timeout=BOUND_S + 60)

@@ -12,7 +12,10 @@ against the whole model run cold in this process (greedy tokens, every logits ro
   mid-generation and finishes on the third, which holds nothing of it;
 - grammar replay: a generation under a grammar loses its last stage (where the grammar lives) mid-generation;
   the next last stage replays the accepted tokens into its grammar and the text equals the undisturbed run's
-  (the synthetic vocabulary spells any ASCII text, so a grammar over letters constrains every family).
+  (the synthetic vocabulary spells any ASCII text, so a grammar over letters constrains every family);
+- a lossy wire dtype (bf16, f16, q8_0 in turn over the families: a route has one; docs/wire-dtypes.md measures
+  every dtype on every family in-process): the route is not the whole model, but it is itself: a second cold
+  run, and a run restoring its kept prefix, equal its first bit for bit.
 
 docs/families.md's in-process columns (tests/test_families.py) prove the same engine calls on every stage
 of a split; this proves the worker makes them, for every family.
@@ -23,6 +26,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from dgr.runtime.wire.gen import stage_pb2 as pb
 from dgr.toolchain.synth.generic import known_archs
 
 from support.route import die_at
@@ -32,6 +36,7 @@ pytestmark = [pytest.mark.engine, pytest.mark.slow]
 PROMPT_LEN = 70          # two whole prefix blocks (32) and the start of a third
 MAX_NEW = 6
 CHUNK = 16
+LOSSY = ("bf16", "f16", "q8_0")
 # "q" once, first, then never again; not complete within the tokens asked (no end of generation is allowed):
 # a last stage that restarted the grammar instead of replaying it would write a second "q"
 GRAMMAR = 'root ::= "q" [a-pr-z ]{60}'
@@ -97,3 +102,19 @@ def test_every_family_through_worker_processes_cold_recovered_and_restored(arch,
         replayed = c.run(ids, max_new_tokens=MAX_NEW + 4, grammar=GRAMMAR, session_id="victim3")
         assert replayed.epochs >= 2 and {f.stage for f in replayed.failures} == {2}
         assert (replayed.token_ids, replayed.text) == (plain.token_ids, text)
+
+    dtype = LOSSY[known_archs().index(arch) % len(LOSSY)]
+    args = [[*a, "--wire-dtype", dtype] for a in args]
+    with LocalRoute(args, env={"DGR_ENGINE_LIB": str(engine_lib)}, timeout=300) as r, \
+            RouteClient(r.addresses, chunk_tokens=CHUNK) as c:
+        assert [x.schema_out.dtype for x in c.describe()[:2]] == [pb.Dtype.Value(dtype.upper())] * 2
+        run = lambda **kw: c.run(ids, max_new_tokens=MAX_NEW, logits="last", stop_token_ids=[], **kw)  # noqa: E731
+        first = run()
+        assert first.token_ids != ref.token_ids or any(   # the codecs really ran: not the whole model's bits
+            not np.array_equal(first.logits[PROMPT_LEN - 1 + k], row) for k, row in enumerate(ref.logits))
+        again, warm = run(prefix_cache=False), run()
+        assert warm.cached_tokens == (64 if keeps else 0)
+        for other, what in ((again, "lossy, again"), (warm, "lossy, restored")):
+            assert other.token_ids == first.token_ids, what
+            assert all(np.array_equal(other.logits[p].view(np.uint32), first.logits[p].view(np.uint32))
+                       for p in first.logits), what

@@ -135,7 +135,8 @@ def health(address: str, tls=None, timeout: float = 2.0) -> str:
 
 
 def describe_load(address: str, tls=None, timeout: float = 2.0) -> dict | None:
-    """The load a worker advertises (open sessions, queued steps, cached positions), or None."""
+    """The load a worker advertises (open sessions, queued steps, cached positions), and why it keeps no
+    prefixes (`prefix_cache_off`, "" where it does), or None."""
     import grpc
 
     from dgr.core.descriptor import Descriptor
@@ -149,7 +150,7 @@ def describe_load(address: str, tls=None, timeout: float = 2.0) -> dict | None:
             return None
     if not d.descriptor_json:
         return None
-    return Descriptor.model_validate_json(d.descriptor_json).load.model_dump()
+    return {**Descriptor.model_validate_json(d.descriptor_json).load.model_dump(), "prefix_cache_off": d.prefix_cache_off}
 
 
 @dataclass

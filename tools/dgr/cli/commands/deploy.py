@@ -163,6 +163,8 @@ def _status(args) -> int:
         load = w["load"] or {}
         ld = (f"; sessions {load.get('open_sessions', 0)}, queued {load.get('queued_steps', 0)}"
               if w["load"] else "")
+        if load.get("prefix_cache_off"):
+            ld += f"; prefix cache off: {load['prefix_cache_off']}"
         last = f", last exit: {w['last_exit']['how']}" if w["last_exit"] else ""
         why = "" if w["state"] == "up" else f": {w['why']}"
         print(f"  {w['name']:<7} stage {w['stage']}  {w['address']:<21} pid {w['pid'] or '-':<7} "

@@ -176,7 +176,14 @@ PREFIX_CACHE_NOTE = (
     "at block boundaries would serve it; it is not kept yet); those that keep per-step snapshots (llama.cpp's\n"
     "`n_rs_seq`, `--draft-max`) roll back their last step exactly. Speculation is refused by the client and the\n"
     "worker on a route with a stage that cannot roll back (`can_roll_back: false` in `Describe`). A worker also\n"
-    "keeps no prefixes with fast kernels (its results depend on the batch) or on an MTP stage.\n")
+    "keeps no prefixes with fast kernels (its results depend on the batch) or on an MTP stage.\n\n"
+    "## Through real workers\n\n"
+    "`tests/test_families_wire.py` runs every architecture above through real `dgr-worker` processes (3 stages,\n"
+    "replicas of the middle and last ones) against its whole model run cold: the route cold; after a kill -9 of\n"
+    "a middle replica mid-generation; restoring a kept prefix; restoring it and then losing a middle replica; a\n"
+    "grammar replayed into the next last stage after the last one dies; and one lossy wire dtype per family (in\n"
+    "turn), whose route must equal its own first run, cold and restored. Describe's `prefix_cache_off` must read\n"
+    "as the prefix cache column. The whole matrix, this table's runs included, takes about 5 minutes on 2 cores.\n")
 
 
 def write_table(path: Path, by_arch: dict[str, list[SynthParity]], seconds: float,
