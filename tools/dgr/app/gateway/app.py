@@ -4,8 +4,9 @@ Responses API (text), metrics.
 Every error answers OpenAI's shape `{"error": {"message", "type", "param", "code"}}`: 400 for a bad
 request (bad JSON, bad field, over-long prompt, n_ctx exceeded, a chat template that refuses the
 messages), 404 for an unknown model or URL, 502/503 for a route that fails (the typed WireError's
-message). A failure after a stream started arrives as one `data: {"error": ...}` event (on a Responses
-stream: an `error` event, then response.failed).
+message; an unreachable hop: 503 `hop_unreachable` + Retry-After, its gRPC details only in the log). A
+failure after a stream started arrives as one `data: {"error": ...}` event (on a Responses stream: an
+`error` event, then response.failed).
 
 A client that goes away (closes, times out, resets) stops its generation, streaming or not: every
 request's connection is checked every DISCONNECT_POLL_S on a timer of its own, whatever the tokens do,
@@ -28,6 +29,7 @@ import asyncio
 import json
 import time
 
+import grpc
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
@@ -35,7 +37,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from dgr import __version__
-from dgr.app.gateway import chat, schemas, structured
+from dgr.app.gateway import chat, limits, schemas, structured
 from dgr.app.gateway.limits import CANCEL_WAIT_S, DEFAULT_CHAT_MAX_TOKENS, DEFAULT_COMPLETION_TOKENS, DISCONNECT_POLL_S
 from dgr.app.gateway.metrics import GatewayMetrics, MetricsMiddleware
 from dgr.app.gateway.responses import InputRefused, ResponseShape, ResponsesRequest, sse, status_of
@@ -69,13 +71,18 @@ def route_error(err: Exception) -> GatewayError:
     if isinstance(err, Overloaded):
         after = max(1, round(err.retry_after_ms / 1000)) if err.retry_after_ms else 1
         return GatewayError(503, str(err), "server_error", code="overloaded", headers={"Retry-After": str(after)})
-    if isinstance(err, HopUnreachable):
-        return GatewayError(503, str(err), "server_error", code="hop_unreachable")
+    if isinstance(err, (HopUnreachable, grpc.RpcError)):     # RpcError: a call the route client did not map
+        log.warning("gateway: %s", err)                 # the route's message (gRPC's details) is for the log
+        after = limits.HOP_RETRY_AFTER_S
+        return GatewayError(503, f"{getattr(err, 'hop', '') or 'a stage of the route'} cannot be reached: its worker "
+                                 f"is down, restarting or not answering; retry after {after} s", "server_error",
+                            code="hop_unreachable", headers={"Retry-After": str(after)})
     if isinstance(err, StageError):
         return GatewayError(502, str(err), "server_error", code=err.code.lower())
     if isinstance(err, WireError):
         return GatewayError(502, str(err), "server_error", code="route_error")
-    return GatewayError(500, f"the gateway failed: {type(err).__name__}: {err}", "server_error", code="internal_error")
+    return GatewayError(500, f"the gateway failed ({type(err).__name__}); see its log", "server_error",
+                        code="internal_error")
 
 
 def schema_error(err: Exception, param: str) -> GatewayError | None:
@@ -146,9 +153,11 @@ def create_app(backend: RouteBackend, metrics: GatewayMetrics | None = None, *,
         return fail(GatewayError(err.status_code, str(err.detail)))
 
     @app.exception_handler(WireError)
-    async def _route_failed(request: Request, err: WireError):
+    @app.exception_handler(grpc.RpcError)
+    async def _route_failed(request: Request, err: Exception):
         return fail(route_error(err))
 
+    # anything else: a 500 that Starlette then re-raises, and uvicorn closes the connection (APIConnectionError)
     @app.exception_handler(Exception)
     async def _internal(request: Request, err: Exception):
         log.exception("gateway: %s %s failed", request.method, request.url.path)

@@ -15,3 +15,6 @@ MAX_CHOICES = 4
 # `POST /v1/responses/{id}/cancel` waits this long for the response's generation to stop and its session
 # to close on every stage (one decode step and one CloseSession along the route, normally) before it answers.
 CANCEL_WAIT_S = 30.0
+# The Retry-After (seconds) of a 503 `hop_unreachable`: a stage that died is restarted in place after about this
+# long (the systemd units' RestartSec=2, dgr.app.deploy.systemd; `dgr up`'s first backoff is shorter).
+HOP_RETRY_AFTER_S = 2

@@ -125,6 +125,13 @@ class RouteClient(Hops):
         if ch is not None:
             ch.close()
 
+    def _drop_hop(self, i: int) -> None:
+        """Stage i did not answer: describe it again, on a new channel, before its next use (its worker may be
+        back by then, restarted in place, and the old channel would still sit in gRPC's reconnect backoff)."""
+        self._forget(self.route[i])
+        if self._hops is not None:
+            self._hops[i] = None
+
     def hop(self, i: int) -> str:
         return hop_name(i, self.route[i])
 
@@ -137,18 +144,29 @@ class RouteClient(Hops):
         return self._hops
 
     # ------------------------------------------------------------------ control
-    def _vocab_stub(self) -> pb_grpc.StageStub:
-        for i, d in enumerate(self.hops):
-            if d.has_vocab:
-                return self._stub(self.route[i])
-        raise WireError("no stage of the route holds the vocabulary: cannot tokenize")
+    def _vocab_call(self, method: str, req, what: str):
+        """`method` (Tokenize, Detokenize) at the first stage that holds the vocabulary, under the liveness
+        watch as OpenSession is: a dead or stopped hop is HopUnreachable within the hop deadline (the RPC
+        itself may wait for the engine's lock behind a decode step, so its own deadline stays long)."""
+        i = next((i for i, d in enumerate(self.hops) if d.has_vocab), None)
+        if i is None:
+            raise WireError(f"no stage of the route holds the vocabulary: cannot {what}")
+        fut = getattr(self._stub(self.route[i]), method).future(req, timeout=30)
+        try:
+            return self._watch(lambda t: _result(fut, t), f"no answer to {method}", fut.cancel)
+        except grpc.RpcError as err:
+            dead = unreachable(self.hop(i), f"cannot {what}", err, tls=self.tls is not None)
+        except StageError as err:                       # the watch's probe: a hop that does not answer
+            dead = err
+        self._drop_hop(i if dead.stage is None else dead.stage)
+        raise dead
 
     def tokenize(self, text: str, add_special: bool = True) -> list[int]:
-        return list(self._vocab_stub().Tokenize(pb.TokenizeRequest(text=text, add_special=add_special),
-                                                timeout=30).token_ids)
+        return list(self._vocab_call("Tokenize", pb.TokenizeRequest(text=text, add_special=add_special),
+                                     "tokenize").token_ids)
 
     def detokenize(self, ids: list[int]) -> str:
-        return self._vocab_stub().Detokenize(pb.DetokenizeRequest(token_ids=ids), timeout=30).text
+        return self._vocab_call("Detokenize", pb.DetokenizeRequest(token_ids=ids), "detokenize").text
 
     def open(self, session_id: str, epoch: int, sampling: pb.Sampling, logits: int,
              prefix: Sequence[bytes] = ()) -> list[pb.StageDescription]:
@@ -183,6 +201,19 @@ class RouteClient(Hops):
         except (grpc.RpcError, ValueError):             # ValueError: the client was closed meanwhile
             pass                                        # best effort: workers free it on their own
 
+    def _close_failed(self, session_id: str, epoch: int, origin: str) -> None:
+        """Close a failed epoch from `origin`, from a thread of its own (never wait on a dead or stopped hop), on
+        a channel of its own: the origin may be the hop that failed, and the client's channel to it, dropped
+        (`_drop_hop`), must not come back in gRPC's reconnect backoff."""
+        ch = wtls.channel(origin, self.tls, self._opts)
+        try:
+            pb_grpc.StageStub(ch).CloseSession(pb.CloseSessionRequest(session_id=session_id, epoch=epoch, chain=True),
+                                               timeout=self.hop_deadline)
+        except grpc.RpcError:
+            pass                                        # best effort: workers free it on their own
+        finally:
+            ch.close()
+
     # ------------------------------------------------------------------ recovery
     def _recover(self, err: StageError, gen: Generation, budget: int) -> None:
         """Note a failed attempt, then re-route (raise when it cannot be recovered or attempts ran out)."""
@@ -197,6 +228,8 @@ class RouteClient(Hops):
         if not isinstance(err, RECOVERABLE) and not (permanent and spare):
             raise err
         if len(gen.failures) >= budget:
+            if isinstance(err, HopUnreachable):
+                self._drop_hop(stage or 0)
             raise gave_up(err, gen.failures, gen.routes) from None
         log.warning("%s; recovering (attempt %d of %d)", err, len(gen.failures), budget)
         if isinstance(err, (HopUnreachable, Overloaded)) or permanent:
@@ -305,9 +338,8 @@ class RouteClient(Hops):
                 failed = True
                 self._recover(err, gen, budget)
             finally:
-                if failed:                              # never wait on a dead or stopped hop to close
-                    threading.Thread(target=self.close_session, args=(sid, epoch, self.hop_deadline, origin),
-                                     daemon=True).start()
+                if failed:
+                    threading.Thread(target=self._close_failed, args=(sid, epoch, origin), daemon=True).start()
                 else:
                     ran = gen.prompt_ids + gen.token_ids if use_prefix else []
                     self.close_session(sid, epoch, keep=ran)
