@@ -161,6 +161,14 @@ def test_a_certificate_made_before_it_named_the_worker_binary_is_refused(certifi
                    "re-certify")
 
 
+def _certify(root, bundle, contract, capsys):
+    """`dgr certify` of `bundle` against `contract`: (exit code, what it printed, the certificate, its rows by check)."""
+    out = contract.with_suffix(".json")
+    rc = dgr(["certify", "--bundle", str(bundle.root), "--out", str(out), "--contract", str(contract)])
+    cert = load_certificate(out)
+    return rc, capsys.readouterr().out, cert, {f.check: f for f in cert.figures}
+
+
 def test_a_failing_speed_row_fails_the_run_and_the_certificate_is_not_valid(root, bundle, engine_lib, capsys,
                                                                             monkeypatch):
     """Parity runs for real; the speed numbers are given (decode at a quarter of the whole model's), so the
@@ -170,12 +178,8 @@ def test_a_failing_speed_row_fails_the_run_and_the_certificate_is_not_valid(root
     given = SpeedRuns(prefill_tokens=48, threads=1, pipeline_decode=(10.0,), whole_decode=(40.0,),
                       pipeline_prefill=(200.0,), whole_prefill=(100.0,))
     monkeypatch.setattr(runner, "measure_speed", lambda c, client, eng, threads: given)
-    contract = write_contract(root / "strict.toml", decode=0.5, prefill=1.0)
-    out = root / "strict.json"
-    rc = dgr(["certify", "--bundle", str(bundle.root), "--out", str(out), "--contract", str(contract)])
+    rc, out, cert, rows = _certify(root, bundle, write_contract(root / "strict.toml", decode=0.5, prefill=1.0), capsys)
     assert rc == 1
-    cert = load_certificate(out)
-    rows = {f.check: f for f in cert.figures}
     assert (rows["speed: decode ratio"].figure, rows["speed: decode ratio"].threshold) == \
         ("0.250 (IQR 0.250-0.250)", ">= 0.5")
     assert not rows["speed: decode ratio"].passed
@@ -184,7 +188,6 @@ def test_a_failing_speed_row_fails_the_run_and_the_certificate_is_not_valid(root
     assert rows["parity: greedy tokens"].passed and rows["parity: max |logit diff|"].passed and not cert.passed
     assert [f.check for f in cert.figures if not f.passed] == ["speed: decode ratio"]
     assert "failed gate (speed: decode ratio)" in check(cert, _worker_identity(cert))
-    out = capsys.readouterr().out
     assert re.search(r"tiny-llama: speed: decode ratio +0\.250 \(IQR 0\.250-0\.250\) +>= 0\.5 +NO", out), out
     assert "FAILED" in out
 
@@ -199,13 +202,9 @@ def test_an_inconclusive_speed_row_exits_3_and_the_certificate_is_not_valid(root
     given = SpeedRuns(prefill_tokens=48, threads=1, pipeline_decode=(30.0, 31.0, 29.0), whole_decode=(40.0,) * 3,
                       pipeline_prefill=(95.0, 99.3, 104.0), whole_prefill=(100.0,) * 3)
     monkeypatch.setattr(runner, "measure_speed", lambda c, client, eng, threads: given)
-    contract = write_contract(root / "busy.toml", decode=0.5, prefill=1.0)
-    out = root / "busy.json"
-    rc = dgr(["certify", "--bundle", str(bundle.root), "--out", str(out), "--contract", str(contract)])
-    printed = capsys.readouterr().out
+    rc, printed, cert, rows = _certify(root, bundle, write_contract(root / "busy.toml", decode=0.5, prefill=1.0),
+                                       capsys)
     assert rc == 3, printed
-    cert = load_certificate(out)
-    rows = {f.check: f for f in cert.figures}
     busy = rows["speed: prefill ratio (48 tokens)"]
     assert (busy.figure, busy.threshold, busy.passed) == ("0.993 (IQR 0.972-1.016)", ">= 1.0", False)
     assert busy.detail.startswith(f"{INCONCLUSIVE}: the interquartile range of the per-round ratios covers the "
@@ -222,12 +221,9 @@ def test_an_inconclusive_speed_row_exits_3_and_the_certificate_is_not_valid(root
 def test_a_threshold_no_measurement_can_meet_fails_for_real(root, bundle, engine_lib, capsys):
     """Measured for real, against a prefill threshold of 1000 (no pipeline is 1000 times the whole model): the
     verdict is certain on any machine, loaded or not, and the exit code is 1."""
-    contract = write_contract(root / "impossible.toml", decode=0.0, prefill=1000.0)
-    out = root / "impossible.json"
-    rc = dgr(["certify", "--bundle", str(bundle.root), "--out", str(out), "--contract", str(contract)])
-    printed = capsys.readouterr().out
+    rc, printed, _, rows = _certify(root, bundle, write_contract(root / "impossible.toml", decode=0.0, prefill=1000.0),
+                                    capsys)
     assert rc == 1, printed
-    rows = {f.check: f for f in load_certificate(out).figures}
     assert [k for k, f in rows.items() if not f.passed] == ["speed: prefill ratio (48 tokens)"]
     assert rows["speed: prefill ratio (48 tokens)"].threshold == ">= 1000.0"
     assert not rows["speed: prefill ratio (48 tokens)"].detail.startswith(INCONCLUSIVE)
@@ -249,13 +245,8 @@ def test_a_replica_that_cannot_take_over_fails_recovery_and_a_stage_without_a_ca
         return planned(self, stage, replica) + more.get((stage, replica), [])
 
     monkeypatch.setattr(Fault, "extra", extra)
-    contract = write_contract(root / "broken.toml")
-    out = root / "broken.json"
-    rc = dgr(["certify", "--bundle", str(bundle.root), "--out", str(out), "--contract", str(contract)])
-    printed = capsys.readouterr().out
+    rc, printed, cert, rows = _certify(root, bundle, write_contract(root / "broken.toml"), capsys)
     assert rc == 1, printed
-    cert = load_certificate(out)
-    rows = {f.check: f for f in cert.figures}
     assert [k for k, f in rows.items() if not f.passed] == [RECOVERY_CHECK]
     assert rows[RECOVERY_CHECK].figure == "gave up"
     assert rows[RECOVERY_CHECK].detail.startswith("stage 1's first worker exited -9 about to compute position 82")

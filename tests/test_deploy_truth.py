@@ -142,16 +142,21 @@ def _broken_library(kind: str, tmp_path: Path) -> tuple[Path, str]:
     raise AssertionError(f"{path} loads")
 
 
-@pytest.mark.parametrize("kind", ["not a shared library", "an undefined symbol", "no dgr_abi_version"])
-def test_up_with_an_engine_library_that_does_not_load_fails_at_once_with_the_loaders_message(tiny, tmp_path, kind):
+def _up_with_own_library(tmp_path: Path, tiny, lib: Path):
+    """`dgr up` as a user who points DGR_ENGINE_LIB at their own file: no DGR_WORKER_BIN, so dgr-worker is
+    looked for beside it. (the finished `dgr up`, its run folder), nothing of the run left."""
     f, run = _file(tmp_path, tiny), tmp_path / "run"
-    lib, loader_says = _broken_library(kind, tmp_path)
-    # as a user who points DGR_ENGINE_LIB at their own file: no DGR_WORKER_BIN, so no dgr-worker beside it
     try:
-        up = dgr("up", f, "--run-dir", str(run), env={"DGR_ENGINE_LIB": str(lib), "DGR_WORKER_BIN": ""},
-                 timeout=BOUND_S)
+        return dgr("up", f, "--run-dir", str(run), env={"DGR_ENGINE_LIB": str(lib), "DGR_WORKER_BIN": ""},
+                   timeout=BOUND_S), run
     finally:
         _leaves_nothing(run)
+
+
+@pytest.mark.parametrize("kind", ["not a shared library", "an undefined symbol", "no dgr_abi_version"])
+def test_up_with_an_engine_library_that_does_not_load_fails_at_once_with_the_loaders_message(tiny, tmp_path, kind):
+    lib, loader_says = _broken_library(kind, tmp_path)
+    up, run = _up_with_own_library(tmp_path, tiny, lib)
     assert up.returncode == 2, up.stderr
     err = up.stderr.splitlines()[-1]
     assert err.startswith(f"dgr: error: the workers cannot start: engine library {lib} (DGR_ENGINE_LIB) does not "
@@ -163,15 +168,10 @@ def test_up_with_an_engine_library_that_does_not_load_fails_at_once_with_the_loa
 
 
 def test_up_with_no_dgr_worker_beside_the_engine_library_fails_at_once_naming_it(tiny, lib_env, tmp_path):
-    f, run = _file(tmp_path, tiny), tmp_path / "run"
     lonely = tmp_path / "lonely" / "libdgr_engine.so"
     lonely.parent.mkdir()
     shutil.copy2(lib_env["DGR_ENGINE_LIB"], lonely)
-    try:
-        up = dgr("up", f, "--run-dir", str(run), env={"DGR_ENGINE_LIB": str(lonely), "DGR_WORKER_BIN": ""},
-                 timeout=BOUND_S)
-    finally:
-        _leaves_nothing(run)
+    up, _ = _up_with_own_library(tmp_path, tiny, lonely)
     assert up.returncode == 2, up.stderr
     assert f"the workers cannot start: no dgr-worker beside the engine library {lonely}" in up.stderr, up.stderr
     assert "DGR_WORKER_BIN" in up.stderr and "nothing was started" in up.stderr
