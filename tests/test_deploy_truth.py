@@ -171,7 +171,7 @@ def test_up_with_no_dgr_worker_beside_the_engine_library_fails_at_once_naming_it
     lonely = tmp_path / "lonely" / "libdgr_engine.so"
     lonely.parent.mkdir()
     shutil.copy2(lib_env["DGR_ENGINE_LIB"], lonely)
-    up, _ = _up_with_own_library(tmp_path, tiny, lonely)
+    up, run = _up_with_own_library(tmp_path, tiny, lonely)
     assert up.returncode == 2, up.stderr
     assert f"the workers cannot start: no dgr-worker beside the engine library {lonely}" in up.stderr, up.stderr
     assert "DGR_WORKER_BIN" in up.stderr and "nothing was started" in up.stderr
