@@ -218,3 +218,31 @@ def test_recurrent_and_hybrid_stages_keep_nothing_and_the_route_prefills_in_full
         first, again = _run(c, ids, max_new_tokens=4), _run(c, ids, max_new_tokens=4)
     assert first.cached_tokens == again.cached_tokens == 0
     _same(again, first)
+
+
+def test_a_k_quant_sliding_window_model_of_a_real_shape_restores_exactly(engine_lib, tmp_path):
+    """Issue 41's reproduction at a real model's shape: gemma3-like (18 layers, 5 local : 1 global, a 128-position
+    window, width 640), every matrix Q4_K by llama.cpp's quantizer, 3 workers. A long prompt cold; a shorter one
+    sharing its start; the long one again, restoring the shorter one's blocks (a restore cut back past the window);
+    the long one restored whole. Tokens and every logits row equal the cold run's."""
+    from dgr.runtime.engine import quantize
+    from dgr.toolchain.synth.generic import layer_kinds, synth
+    from dgr.toolchain.synth.parity import choose_ranges
+
+    from support.engine import make_bundle
+
+    f32 = synth("gemma3", 18, 640, 5, tmp_path / "g3.gguf", n_ff=1024, swa=128, swa_pattern=6, context=2048)
+    model = quantize(f32, tmp_path / "g3-q4k.gguf", "Q4_K", lib=engine_lib)
+    bundle = make_bundle(model, choose_ranges(layer_kinds("gemma3", 18, 640), 3), tmp_path)
+    args = [["--bundle", str(bundle.root), "--stage", str(i), "--threads", "1", "--n-ctx", "1024"] for i in range(3)]
+    with LocalRoute(args, env={"DGR_ENGINE_LIB": str(engine_lib)}, timeout=300) as r, \
+            RouteClient(r.addresses, chunk_tokens=64) as c:
+        long = [int(t) for t in np.random.default_rng(1).integers(0, c.hops[0].n_vocab, size=420)]
+        cold = _run(c, long, prefix_cache=False)
+        _run(c, long[:230])
+        after_short = _run(c, long)
+        assert after_short.cached_tokens == 224
+        _same(after_short, cold)
+        again = _run(c, long)
+        assert again.cached_tokens == 416
+        _same(again, cold)
