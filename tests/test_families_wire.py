@@ -13,6 +13,8 @@ against the whole model run cold in this process (greedy tokens, every logits ro
 - grammar replay: a generation under a grammar loses its last stage (where the grammar lives) mid-generation;
   the next last stage replays the accepted tokens into its grammar and the text equals the undisturbed run's
   (the synthetic vocabulary spells any ASCII text, so a grammar over letters constrains every family);
+- speculation (n-gram drafts from a prompt that repeats itself, so drafts are sent and some rejected, rolled back
+  on every stage): the same tokens and logits, or refused by name where a stage cannot roll back;
 - a lossy wire dtype (bf16, f16, q8_0 in turn over the families: a route has one; docs/wire-dtypes.md measures
   every dtype on every family in-process): the route is not the whole model, but it is itself: a second cold
   run, and a run restoring its kept prefix, equal its first bit for bit.
@@ -26,7 +28,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from dgr.core.errors import WireError
 from dgr.runtime.wire.gen import stage_pb2 as pb
+from dgr.runtime.wire.stats import draft_stats
 from dgr.toolchain.synth.generic import known_archs
 
 from support.route import die_at
@@ -37,9 +41,29 @@ PROMPT_LEN = 70          # two whole prefix blocks (32) and the start of a third
 MAX_NEW = 6
 CHUNK = 16
 LOSSY = ("bf16", "f16", "q8_0")
+SPEC_NEW = 12
 # "q" once, first, then never again; not complete within the tokens asked (no end of generation is allowed):
 # a last stage that restarted the grammar instead of replaying it would write a second "q"
 GRAMMAR = 'root ::= "q" [a-pr-z ]{60}'
+
+
+def _drafted_prompt(eng, ids, whole_model_run):
+    """A prompt repeating a piece of `ids` whose greedy continuation (the whole model's) repeats a pair of
+    tokens of its history, so n-gram drafting proposes drafts: (prompt, the whole model's run of it, True).
+    Some tiny random models never repeat a pair within SPEC_NEW tokens whatever the prompt: (the first
+    candidate, its run, False); their speculative run is still compared, with nothing drafted."""
+    first = None
+    for period in (7, 5, 3, 2, 1):
+        loop = (ids[:period] * PROMPT_LEN)[:PROMPT_LEN]
+        ref = whole_model_run(eng, loop, SPEC_NEW, chunk_tokens=CHUNK)
+        first = first or (loop, ref, False)
+        hist = loop + ref.token_ids
+        pairs = set(zip(hist, hist[1:PROMPT_LEN]))
+        for i in range(PROMPT_LEN, len(hist) - 4):      # with tokens left to draft after it
+            if (hist[i - 1], hist[i]) in pairs:
+                return loop, ref, True
+            pairs.add((hist[i - 1], hist[i]))
+    return first
 
 
 def _same(gen, ref, n_prompt: int, what: str) -> None:
@@ -66,6 +90,7 @@ def test_every_family_through_worker_processes_cold_recovered_and_restored(arch,
     try:
         ids = long_prompts(eng.describe().n_vocab, lengths=(PROMPT_LEN,))[0]
         ref = whole_model_run(eng, ids, MAX_NEW, chunk_tokens=CHUNK)  # prefill in the chunks the route uses
+        loop, loop_ref, drafts = _drafted_prompt(eng, ids, whole_model_run)
     finally:
         eng.close()
     cell = read_table(repo_root / "docs" / "families.md")[arch]["prefix_cache"]
@@ -77,6 +102,7 @@ def test_every_family_through_worker_processes_cold_recovered_and_restored(arch,
                     extra=lambda i, k: faults.get((i, k), [])) as r, \
             RouteClient(r.replicas, chunk_tokens=CHUNK) as c:
         d = c.describe()
+        rolls_back = all(x.can_roll_back for x in d)
         assert [x.prefix_cache_off == "" for x in d] == [keeps] * 3
         if not keeps:
             assert d[0].prefix_cache_off == f"{arch} is a {cell.removeprefix('refused: ')}"
@@ -95,6 +121,15 @@ def test_every_family_through_worker_processes_cold_recovered_and_restored(arch,
         assert both.cached_tokens == (64 if keeps else 0)
         assert both.epochs >= 2 and {f.stage for f in both.failures} == {1}   # (the dead first replica may be tried)
         _same(both, ref, PROMPT_LEN, "restored, then recovered")
+
+        if rolls_back:
+            spec = c.run(loop, max_new_tokens=SPEC_NEW, logits="last", stop_token_ids=[], speculate="ngram",
+                         prefix_cache=False)
+            _same(spec, loop_ref, PROMPT_LEN, "speculated")
+            assert draft_stats(spec)[0] > 0 or not drafts, "no drafts were verified"
+        else:
+            with pytest.raises(WireError, match="cannot roll back rejected drafts"):
+                c.run(loop, max_new_tokens=SPEC_NEW, speculate="ngram")
 
         plain = c.run(ids, max_new_tokens=MAX_NEW + 4, grammar=GRAMMAR, prefix_cache=False)
         text = plain.text

@@ -180,10 +180,11 @@ PREFIX_CACHE_NOTE = (
     "## Through real workers\n\n"
     "`tests/test_families_wire.py` runs every architecture above through real `dgr-worker` processes (3 stages,\n"
     "replicas of the middle and last ones) against its whole model run cold: the route cold; after a kill -9 of\n"
-    "a middle replica mid-generation; restoring a kept prefix; restoring it and then losing a middle replica; a\n"
+    "a middle replica mid-generation; restoring a kept prefix; restoring it and then losing a middle replica;\n"
+    "n-gram speculation on a prompt that repeats itself (refused by name where a stage cannot roll back); a\n"
     "grammar replayed into the next last stage after the last one dies; and one lossy wire dtype per family (in\n"
     "turn), whose route must equal its own first run, cold and restored. Describe's `prefix_cache_off` must read\n"
-    "as the prefix cache column. The whole matrix, this table's runs included, takes about 5 minutes on 2 cores.\n")
+    "as the prefix cache column. The whole matrix, this table's runs included, takes about 6 minutes on 2 cores.\n")
 
 
 def write_table(path: Path, by_arch: dict[str, list[SynthParity]], seconds: float,
