@@ -81,6 +81,15 @@ int32_t dgr_session_n_cached(dgr_engine * eng, const char * sid, int64_t epoch, 
     });
 }
 
+// A saved state keeps every cell of the sequence, sliding-window ones too (patch 0025): a restore lays them out
+// as the run that computed them had them and can drop later positions. An engine over pristine llama.cpp (the
+// reference build, tests/test_engine_reference.py) saves what llama.cpp saves.
+#ifdef LLAMA_STATE_SEQ_FLAGS_ALL_CELLS
+static constexpr llama_state_seq_flags DGR_STATE_FLAGS = LLAMA_STATE_SEQ_FLAGS_ALL_CELLS;
+#else
+static constexpr llama_state_seq_flags DGR_STATE_FLAGS = 0;
+#endif
+
 // A recurrent or hybrid model keeps one running state per sequence, not one cell per position: a
 // partial range of it cannot be dropped, so speculation (which rolls back rejected drafts) is refused.
 static bool can_truncate(const dgr_engine * eng) {
@@ -156,12 +165,10 @@ int32_t dgr_session_state_get(dgr_engine * eng, const char * sid, int64_t epoch,
             throw dgr_exc(DGR_E_ENGINE, fmt("session '%s' epoch %lld is not open", sid, (long long) epoch));
         }
         *n_positions = it->second.n_cached;
-        // every cell, sliding-window ones too (patch 0025): a restore then lays them out as the run that
-        // computed them did (the same sums in the same order) and can drop later positions
-        *size = llama_state_seq_get_size_ext(eng->ctx, it->second.seq, LLAMA_STATE_SEQ_FLAGS_ALL_CELLS);
+        *size = llama_state_seq_get_size_ext(eng->ctx, it->second.seq, DGR_STATE_FLAGS);
         if (buf && cap >= *size) {
             const size_t n = llama_state_seq_get_data_ext(eng->ctx, static_cast<uint8_t *>(buf), (size_t) cap,
-                                                          it->second.seq, LLAMA_STATE_SEQ_FLAGS_ALL_CELLS);
+                                                          it->second.seq, DGR_STATE_FLAGS);
             if (n != *size) throw dgr_exc(DGR_E_ENGINE, fmt("llama.cpp wrote %zu bytes of a %llu-byte session state", n,
                                                             (unsigned long long) *size));
         }
@@ -193,7 +200,7 @@ int32_t dgr_session_state_set(dgr_engine * eng, const char * sid, int64_t epoch,
         }
         llama_memory_t mem = llama_get_memory(eng->ctx);
         if (llama_state_seq_set_data_ext(eng->ctx, static_cast<const uint8_t *>(buf), (size_t) size, s.seq,
-                                         LLAMA_STATE_SEQ_FLAGS_ALL_CELLS) == 0) {
+                                         DGR_STATE_FLAGS) == 0) {
             llama_memory_seq_rm(mem, s.seq, -1, -1);
             throw dgr_exc(DGR_E_ENGINE, "llama.cpp could not load the saved session state (another engine's, or no room)");
         }
