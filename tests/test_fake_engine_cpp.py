@@ -348,7 +348,8 @@ def test_describe_is_the_fake_stage_and_the_flags(worker_bin, fake_lib):
                     max_sessions=info.max_sessions, max_message_bytes=codec.DEFAULT_MAX_MESSAGE_BYTES,
                     seam_bytes_per_token=codec.seam_bytes_per_token(schema_out), engine="fake", eos_token_ids=[EOS],
                     session_ttl_s=123.0, max_queued_steps=77, can_roll_back=info.can_truncate,
-                    batch_invariant=info.batch_invariant)
+                    batch_invariant=info.batch_invariant,
+                    prefix_cache_off="the engine library predates it")     # the fake engine keeps no states
         assert c.token_ids_in and info.n_vocab == model.vocab
         got = {f.name: v for f, v in d.ListFields() if f.name != "descriptor_json"}
         assert got == want, {k: (got.get(k), want.get(k)) for k in got.keys() | want.keys() if got.get(k) != want.get(k)}

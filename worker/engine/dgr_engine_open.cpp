@@ -356,8 +356,10 @@ int32_t dgr_engine_open(const char * path_c, const dgr_open_params * params, dgr
         in.has_vocab   = in.n_vocab > 0;
         in.n_ctx       = n_ctx_seq;
         in.max_sessions = max_sessions;
-        // without the hooks (an engine over the unpatched tree) the CPU backend keeps its fast kernels
-        in.batch_invariant = DGR_WITH_HOOKS && params->fast_kernels == 0 && !shared_kv;
+        // without the hooks (an engine over the unpatched tree) the CPU backend keeps its fast kernels; a GPU
+        // lane's kernels (and llama.cpp's offload of large batches to the GPU) are chosen by the batch's shape
+        const bool gpu_lane = std::strcmp(dgr_engine_lane(), "cpu") != 0;
+        in.batch_invariant = DGR_WITH_HOOKS && params->fast_kernels == 0 && !shared_kv && !gpu_lane;
         in.has_mtp     = eng->mtp != nullptr;
         in.n_draft_max = eng->n_rs_seq;
         for (int32_t s = max_sessions - 1; s >= 0; --s) {

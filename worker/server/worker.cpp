@@ -30,7 +30,7 @@ StageWorker::StageWorker(const EngineLib & lib, dgr_engine * eng, StageIdentity 
     else if (!can_truncate_ || (info_.n_draft_max > 0 && !info_.has_mtp)) {
         prefix_off_ = std::string(info_.arch) + " is a recurrent or hybrid model: a prefix of its state cannot be kept";
     }
-    else if (!info_.batch_invariant) prefix_off_ = "the engine's results depend on the batch (fast kernels)";
+    else if (!info_.batch_invariant) prefix_off_ = "the engine's results depend on the batch (fast kernels, or a GPU lane)";
     else if (info_.has_mtp) prefix_off_ = "a session's saved state does not hold its MTP context's cache";
     if (prefix_off_.empty()) prefix_ = std::make_unique<PrefixCache>(uint64_t(limits_.prefix_cache_mib) << 20);
     dtype_ = find_dtype(id_.wire_dtype);

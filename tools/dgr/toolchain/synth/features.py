@@ -143,6 +143,10 @@ def _restore(case: Case, ran: int, keep: int, tag: str) -> str:
             if n_pos != ran:
                 return f"{tag}: a stage saved {n_pos} positions, the session ran {ran}"
             e.state_set(user, 0, state, n_pos, keep)
+        if not all(e.describe().batch_invariant for e in case.engines):
+            # what the worker says too (prefix_cache_off): a restore prefills the rest in other batches than
+            # the cold run, and such an engine's rows depend on that
+            raise Unsupported("the engine's results depend on the batch (fast kernels, or a GPU lane)")
         r = _chain(case.engines, user, keep, case.prompt[keep:], "all")
         bad = _first_differing(r.logits, case.base_prefill[keep:])
         if bad is not None:
