@@ -176,7 +176,7 @@ PREFIX_CACHE_NOTE = (
     "at block boundaries would serve it; it is not kept yet); those that keep per-step snapshots (llama.cpp's\n"
     "`n_rs_seq`, `--draft-max`) roll back their last step exactly. Speculation is refused by the client and the\n"
     "worker on a route with a stage that cannot roll back (`can_roll_back: false` in `Describe`). A worker also\n"
-    "keeps no prefixes with fast kernels (its results depend on the batch) or on an MTP stage.\n\n"
+    "keeps no prefixes with fast kernels or on a GPU lane (its results depend on the batch) or on an MTP stage.\n\n"
     "## Through real workers\n\n"
     "`tests/test_families_wire.py` runs every architecture above through real `dgr-worker` processes (3 stages,\n"
     "replicas of the middle and last ones) against its whole model run cold: the route cold; after a kill -9 of\n"
@@ -205,7 +205,11 @@ def write_table(path: Path, by_arch: dict[str, list[SynthParity]], seconds: floa
             "its tokens are batched (docs/batching.md), except these; their workers say so in `Describe`\n"
             "(`batch_invariant: false`), and a client recovering on such a route replays the history the way it\n"
             "was first computed (the prompt in the same chunks, then each generated token as its own step).\n\n"
-            + "".join(f"- {a}: {why}\n" for a, why in sorted(NOT_BATCH_INVARIANT.items())) + PREFIX_CACHE_NOTE)
+            + "".join(f"- {a}: {why}\n" for a, why in sorted(NOT_BATCH_INVARIANT.items())) +
+            "\nOn the CPU lane, that is. On a GPU lane (Vulkan, CUDA) no architecture is: the backend's kernels are\n"
+            "chosen by the batch's shape (and llama.cpp offloads large batches), so those engines say\n"
+            "`batch_invariant: false` too (docs/build.md's lanes are compared with tolerances, not bit for bit).\n"
+            + PREFIX_CACHE_NOTE)
     Path(path).write_text(text)
     return Path(path)
 
