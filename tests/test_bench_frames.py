@@ -6,6 +6,7 @@ boundary), and that bad arguments and a stranger's certificate are refused with 
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -49,7 +50,10 @@ def test_a_peer_whose_certificate_another_ca_signed_is_refused(probe, certs):
     out = subprocess.run([str(probe), "--transport", "tls", "--stages", "2", "--rounds", "3", "--cert", str(cert),
                           "--key", str(key), "--ca", str(other_ca)], capture_output=True, text=True, timeout=60)
     assert out.returncode != 0
-    assert "TLS handshake" in out.stderr and "certificate verify failed" in out.stderr
+    # which side's handshake fails first is a race: this stage's own verdict on the peer's certificate, or the
+    # peer's refusal of this one arriving as an alert (each process exits at its first failure)
+    assert "TLS handshake" in out.stderr and re.search(r"certificate verify failed|unknown ca|bad certificate",
+                                                       out.stderr), out.stderr
     assert out.stdout == ""
 
 
