@@ -18,6 +18,7 @@ Describe uses (`prefix_cache_off`; `can_roll_back: false` for rollback).
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -107,22 +108,19 @@ class Case:
         for e in self.engines:
             e.close()
 
+    @contextmanager
     def session(self, sid: str):
-        case = self
-
-        class _S:
-            def __enter__(self):
-                for e in case.engines:
-                    e.open_session(sid, 0)
-                return sid
-
-            def __exit__(self, *exc):
-                for e in case.engines:
-                    try:
-                        e.close_session(sid, 0)
-                    except EngineError:
-                        pass
-        return _S()
+        """`sid` open on every stage for the block, closed after it."""
+        for e in self.engines:
+            e.open_session(sid, 0)
+        try:
+            yield sid
+        finally:
+            for e in self.engines:
+                try:
+                    e.close_session(sid, 0)
+                except EngineError:
+                    pass
 
     def decode(self, sid: str, start: int) -> str:
         """Decode steps `start`.. fed the cold run's tokens; '' when every row equals the cold run's."""
