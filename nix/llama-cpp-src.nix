@@ -42,6 +42,8 @@ stdenv.mkDerivation {
     python3 ${treehash} . --expect ${pin.tree_hash}
     ${builtins.concatStringsSep "\n" (map applyPatch patches)}
     cp -r . $out
+    # the patch series hash the engine's numerics name (docs/numerics.md; the worker package reads it)
+    python3 ${blake3sum} --series ${root + "/toolchains/llama.cpp.pin.json"} > $out/dgr-patch-series
     runHook postInstall
   '';
   passthru = {

@@ -106,8 +106,12 @@ stdenv.mkDerivation {
       "-DDGR_LLAMA_SRC=${llamaSrc}"
       "-DDGR_BLAKE3_SRC=${blake3Src}"
       "-DDGR_LANE=${lane}"
-      # Portable builds: no -march=native in a package.
-      "-DGGML_NATIVE=OFF"
+      # Portable builds: the CPU backend for the lane's declared baseline (worker/CMakeLists.txt's default,
+      # DGR_CPU_VARIANT=x86-64-v3), as Bazel and the checkout build it: the same numerics (docs/numerics.md).
+      "-DDGR_CPU_VARIANT=x86-64-v3"
+      # the pin as the engine's numerics name it; the series hash comes from llamaSrc (preConfigure)
+      "-DDGR_UPSTREAM_COMMIT=${builtins.substring 0 12 pin.commit}"
+      "-DDGR_UPSTREAM_PATCHES=${toString (builtins.length pin.patches)}"
       "-DGGML_CCACHE=OFF"
       "-DGGML_CUDA=${onOff useCuda}"
       "-DGGML_HIP=${onOff useRocm}"
@@ -117,6 +121,10 @@ stdenv.mkDerivation {
     ++ when useCuda [
       "-DCMAKE_CUDA_ARCHITECTURES=${builtins.concatStringsSep ";" cudaArchitectures}"
     ];
+
+  preConfigure = ''
+    cmakeFlagsArray+=("-DDGR_UPSTREAM_SERIES=$(cut -c1-12 ${llamaSrc}/dgr-patch-series)")
+  '';
 
   # CMake leaves dgr-worker out (saying why) when it finds no gRPC C++: here that is an error.
   installPhase = ''

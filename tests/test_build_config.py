@@ -92,3 +92,19 @@ def test_cmake_and_bazel_compile_the_same_files_of_llama_cpps_common():
     in_cmake = re.search(r"set\(DGR_COMMON_FILES ([^)]*)\)", cmake).group(1).split()
     in_bazel = re.findall(r'"([\w-]+\.cpp)"', bazel[bazel.index("DGR_COMMON_FILES = ["):].split("]")[0])
     assert in_cmake and sorted(in_cmake) == sorted(in_bazel)
+
+
+def test_cmake_and_bazel_compile_the_cpu_lane_for_one_declared_baseline():
+    """docs/numerics.md: the checkout's CMake engine and Bazel's (and so the release's) compile ggml's CPU backend
+    with the same one flag, so their workers compute the same bits and share a route."""
+    import re
+
+    from dgr.core.constants import CPU_VARIANTS
+
+    bzl = (REPO / "toolchains/lanes.bzl").read_text()
+    bazel_flag = re.search(r'"@bazel_tools//src/conditions:linux_x86_64": \["(-march=[^"]+)"\]', bzl).group(1)
+    cmake = (REPO / "worker/CMakeLists.txt").read_text()
+    assert re.search(r'set\(DGR_CPU_ARCH_FLAG "([^"]+)"\)', cmake).group(1) == bazel_flag == f"-march={CPU_VARIANTS[0]}"
+    assert re.search(r'set\(DGR_CPU_VARIANT "([^"]+)" CACHE', cmake).group(1) == CPU_VARIANTS[0]
+    # the flag goes on ggml-cpu alone, as Bazel's CPU_ARCH_COPTS do (ggml-base keeps the default target)
+    assert "target_compile_options(ggml-cpu PRIVATE ${DGR_CPU_ARCH_FLAG})" in cmake

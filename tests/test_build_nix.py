@@ -168,6 +168,7 @@ def test_the_source_and_patches_are_the_pins(standin):
 
 
 BLAKE3_PIN = json.loads((REPO / "worker" / "third_party" / "blake3.json").read_text())
+PIN = json.loads((REPO / "toolchains" / "llama.cpp.pin.json").read_text())
 
 
 def test_the_blake3_sources_are_the_pins(standin):
@@ -191,7 +192,7 @@ def test_each_lane_builds_the_cpp_dgr_worker(standin):
     got = eval_json(standin, f"packages.{SYSTEM}", """ps: builtins.mapAttrs (n: p: {
         build = map (d: d.name) p.buildInputs;
         native = map (d: d.name) p.nativeBuildInputs;
-        inherit (p) cmakeFlags cmakeDir installPhase installCheckPhase doInstallCheck;
+        inherit (p) cmakeFlags cmakeDir installPhase installCheckPhase doInstallCheck preConfigure;
         passthru = builtins.attrNames p.passthru;
         blake3Src = p.passthru.blake3Src.outPath;
         # every input the derivation is made of, as text: the dgr tool must not be among them
@@ -210,6 +211,11 @@ def test_each_lane_builds_the_cpp_dgr_worker(standin):
         assert {"cmake", "ninja", "pkg-config", "protobuf", "grpc"} <= set(p["native"]), "protoc, grpc_cpp_plugin"
         assert f"-DDGR_BLAKE3_SRC={blake3_src}" in p["cmakeFlags"] and p["blake3Src"] == blake3_src, lane
         assert f"-DDGR_LANE={lane}" in p["cmakeFlags"], "the engine reports the lane the module passes (--lane)"
+        # the numerics (docs/numerics.md): the lane's declared CPU baseline, and the pin as Bazel and CMake name it
+        assert "-DDGR_CPU_VARIANT=x86-64-v3" in p["cmakeFlags"] and "-DGGML_NATIVE=ON" not in p["cmakeFlags"]
+        assert f"-DDGR_UPSTREAM_COMMIT={PIN['commit'][:12]}" in p["cmakeFlags"], lane
+        assert f"-DDGR_UPSTREAM_PATCHES={len(PIN['patches'])}" in p["cmakeFlags"], lane
+        assert "/dgr-patch-series)" in p["preConfigure"] and "-DDGR_UPSTREAM_SERIES=" in p["preConfigure"]
         # CMake runs on worker/ with ../proto and ../toolchains beside it (worker/CMakeLists.txt)
         assert p["cmakeDir"] == "../worker"
         assert p["proto"] and p["pinJson"] and p["blake3Json"] and p["cmakeLists"] and p["server"], lane

@@ -71,12 +71,15 @@ def test_certificate_names_the_exact_identity_the_host_the_contract_and_every_fi
     cert = load_certificate(path)
     p = pin.load_pin()
     from dgr.app.workerbin import worker_binary
+    from dgr.runtime.engine_abi import load_library
 
     # the worker binary the stages ran (`dgr worker serve` execs dgr-worker), hashed here by Python
     assert cert.identity == Identity(model="tiny-llama", bundle_id=bundle.id, lane="cpu", upstream_commit=p.commit,
                                      patch_series=pin.patch_series(p), engine_blake3=file_blake3(engine_lib),
                                      worker_blake3=file_blake3(worker_binary()),
-                                     contract_blake3=file_blake3(contract))
+                                     contract_blake3=file_blake3(contract),
+                                     numerics=load_library(engine_lib).dgr_numerics_build().decode() +
+                                     " reference kv-f16 fa-auto")
     assert cert.contract.blake3 == contract_hash(contract) and cert.contract.name == "test"
     assert Path(cert.contract.path) == contract.resolve()
     cpuinfo = Path("/proc/cpuinfo").read_text()

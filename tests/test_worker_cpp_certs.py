@@ -36,7 +36,7 @@ def _identity(tiny, worker_bin) -> dict:
 
 def _cert(idn: dict, contract, blake3: str, *, passed=True, stage=(0, 0, 2), **change) -> Certificate:
     ident = {k: idn[k] for k in ("model", "bundle_id", "lane", "upstream_commit", "patch_series", "engine_blake3",
-                                 "worker_blake3")}
+                                 "worker_blake3", "numerics")}
     return Certificate(
         identity=Identity(**{**ident, **change}, contract_blake3=blake3),
         contract=ContractRef(path=str(contract), blake3=blake3, name="test"),
@@ -49,6 +49,7 @@ def _cert(idn: dict, contract, blake3: str, *, passed=True, stage=(0, 0, 2), **c
 
 OTHER_WORKER = "0123456789ab" * 5 + "cdef"       # another build of dgr-worker
 ANOTHER_WORKER = "fedcba987654" * 5 + "3210"     # and another
+OTHER_NUMERICS = "cpu/native-x86-64-v3+avx512 gcc-12.2.0 llama.cpp-0c1e57098bba+26.be657f93e91b fast kv-f16 fa-auto"
 
 
 @pytest.fixture(scope="module")
@@ -80,6 +81,7 @@ def certs(tmp_path_factory, tiny, worker_bin):
         raw = json.loads(good.canonical_json())
         del raw["identity"]["worker_blake3"]
         (out / "h-old.json").write_text(json.dumps(raw, indent=2) + "\n")
+        _cert(me, contract, now, numerics=OTHER_NUMERICS).save(out / "i-other-numerics.json")
         mine[kind] = worker, good.digest, str(out)
     return dirs, contract, mine
 
@@ -133,7 +135,11 @@ def test_the_matching_certificate_is_advertised_and_each_other_one_logged_with_i
         # a certificate made before certificates named the worker binary: refused, not crashed on
         f"ignoring certificate h-old.json (lane {lane}): certificate names no worker binary (it was made before "
         "certificates recorded worker_blake3): re-certify",
+        # measured on other numerics (docs/numerics.md): not this worker's figures
+        f"ignoring certificate i-other-numerics.json (lane {lane}): certificate is for numerics '{OTHER_NUMERICS}', "
+        f"this worker computes '{good.identity.numerics}'",
     ], "\n".join(log)
+    assert good.identity.numerics, "the worker's descriptor names its numerics"
 
 
 def test_a_certificate_for_another_worker_binary_is_not_advertised(certs, tiny, worker_bin):

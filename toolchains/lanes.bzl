@@ -126,6 +126,7 @@ def dgr_engine_lanes(srcs, hdrs, defines = []):
             local_defines = defines + ["DGR_LANE=" + lane],
             includes = ["."],
             deps = [
+                "@llama_cpp//:dgr_upstream",
                 "@llama_cpp//:json_schema_to_grammar",
                 "@llama_cpp//:llama",
                 "@llama_cpp//:ggml_" + lane,

@@ -204,6 +204,14 @@ def _llama_cpp_repository_impl(ctx):
               "\nFetch it again (`dgr upstream fetch`) or, if the pin changed on purpose, see docs/upstream.md.")
 
     patches = _check_patches(ctx, pin, root, python)
+    # The engine's numerics name the pin and its patch series (worker/engine/dgr_engine_numerics.cpp,
+    # dgr.core.hashing.series_hash): `dgr build-engine` passes the same three values to CMake.
+    series = _run(ctx, [python, ctx.path(ctx.attr._blake3sum), "--series", str(pin_path)], "the patch series hash").strip()
+    upstream_defines = [
+        "DGR_UPSTREAM_COMMIT=" + commit[:12],
+        "DGR_UPSTREAM_PATCHES=%d" % len(pin.get("patches", [])),
+        "DGR_UPSTREAM_SERIES=" + series[:12],
+    ]
     for entry, path in zip(pin.get("patches", []), patches):
         # ctx.patch errors name the patch file; the hint says how to regenerate it.
         ctx.patch(path, strip = 1)
@@ -233,6 +241,7 @@ def _llama_cpp_repository_impl(ctx):
         # The patches call into worker/engine/dgr_hooks.cpp, compiled into llama beside them.
         "%{HOOK_DEPS}": repr(["@//worker/engine:dgr_hooks"] if pin.get("patches") else []),
         "%{VULKAN_CONFIG}": repr(_vulkan_config(ctx)),
+        "%{DGR_UPSTREAM_DEFINES}": repr(upstream_defines),
     }, executable = False)
 
 llama_cpp_repository = repository_rule(

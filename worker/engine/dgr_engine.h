@@ -23,7 +23,7 @@ extern "C" {
 // A caller checks both when it loads a library and refuses one of another version or other struct sizes
 // (dgr-worker: worker/server/engine_lib.cpp). The fake engine (worker/fake), a test stand-in of the same
 // version, leaves out what its toy model has no use for: dgr_quantize, the session state, the grammar sampler.
-#define DGR_ABI_VERSION 6
+#define DGR_ABI_VERSION 7
 
 enum dgr_status {
     DGR_OK              = 0,
@@ -121,6 +121,15 @@ DGR_API int32_t      dgr_abi_version(void);
 DGR_API int32_t      dgr_abi_struct_size(const char * name);
 DGR_API int32_t      dgr_has_hooks(void);          // 1 when built over the patched tree
 DGR_API const char * dgr_engine_lane(void);        // the backend lane it was built for: "cpu", "vulkan", ...
+// The numerics of this build (docs/numerics.md): what decides the bits of a result besides the model and
+// the input, as one line: "<lane>/<isa> <compiler> llama.cpp-<commit>+<n patches>.<series>", e.g.
+// "cpu/x86-64-v3 gcc-12.2.0 llama.cpp-0c1e57098bba+26.1f2e3d4c5b6a". <isa> is what ggml's CPU backend
+// was compiled for (its ggml_cpu_has_* answers), "native-..." for a build for its build host's own CPU.
+DGR_API const char * dgr_numerics_build(void);
+// The numerics of an opened engine: the build's, then the switches of this open that change rounding
+// ("reference" or "fast" kernels, the KV cache type, flash attention). Two stages compute the same bits for
+// the same input only when these strings are equal. Owned by the engine.
+DGR_API const char * dgr_engine_numerics(dgr_engine * eng);
 DGR_API const char * dgr_last_error(void);
 // details of the last DGR_E_CACHE_MISS on this thread
 DGR_API void         dgr_last_cache_miss(int64_t * held, int64_t * expected);

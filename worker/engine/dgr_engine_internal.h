@@ -58,6 +58,8 @@ std::string take_log_errors();
 
 // llama.cpp's log callback and backend, set up once per process
 void init_backend_once();
+// dgr_engine_numerics of an engine opened with these switches (dgr_engine_numerics.cpp)
+std::string open_numerics(bool reference_kernels, bool kv_f32);
 
 // Runs f; no exception escapes: DGR_OK, or the error's code with dgr_last_error() set.
 template <typename F>
@@ -117,6 +119,7 @@ struct dgr_engine {
     int32_t n_embd_h = 0;           // width of h (llama_model_n_embd_out: V4's 4 streams)
     int32_t n_rs_seq = 0;           // the main context's rollback depth (llama_n_rs_seq)
     bool batch_token_ids = false;   // the main batch carries the ids (its graph reads them: the sideband)
+    std::string numerics;           // dgr_engine_numerics
 
     ~dgr_engine() {
         if (mtp)   llama_free(mtp);

@@ -361,6 +361,7 @@ int32_t dgr_engine_open(const char * path_c, const dgr_open_params * params, dgr
         const bool gpu_lane = std::strcmp(dgr_engine_lane(), "cpu") != 0;
         in.batch_invariant = DGR_WITH_HOOKS && params->fast_kernels == 0 && !shared_kv && !gpu_lane;
         in.has_mtp     = eng->mtp != nullptr;
+        eng->numerics  = open_numerics(DGR_WITH_HOOKS && params->fast_kernels == 0, params->kv_f32 != 0);
         in.n_draft_max = eng->n_rs_seq;
         for (int32_t s = max_sessions - 1; s >= 0; --s) {
             eng->free_seqs.push_back(s);

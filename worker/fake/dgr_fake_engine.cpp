@@ -57,6 +57,10 @@ DGR_API int32_t dgr_abi_version(void) { return DGR_ABI_VERSION; }
 DGR_API int32_t dgr_has_hooks(void) { return 0; }
 // the lane a fake stage advertises (dgr.app.stages.fake_stage: "cpu"); its identity's engine is "fake"
 DGR_API const char * dgr_engine_lane(void) { return "cpu"; }
+// Its arithmetic is plain C++ compiled with -ffp-contract=off (no fused multiply-add): the same bits from
+// any x86-64 compiler and flags, so every fake stage shares one numerics.
+DGR_API const char * dgr_numerics_build(void) { return "fake/fp-contract-off"; }
+DGR_API const char * dgr_engine_numerics(dgr_engine * eng) { return eng ? "fake/fp-contract-off" : ""; }
 DGR_API const char * dgr_last_error(void) { return g_last_error.c_str(); }
 
 DGR_API void dgr_last_cache_miss(int64_t * held, int64_t * expected) {

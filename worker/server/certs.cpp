@@ -122,7 +122,7 @@ J load(const std::string & path) {
         c["identity"] = validated(c["identity"], {{"model", STR, nullptr}, {"bundle_id", STR, nullptr}, {"lane", STR, nullptr},
                                                   {"upstream_commit", STR, nullptr}, {"patch_series", STR, nullptr},
                                                   {"engine_blake3", STR, nullptr}, {"worker_blake3", STR, &S_EMPTY},
-                                                  {"contract_blake3", STR, &S_EMPTY}}, "identity");
+                                                  {"contract_blake3", STR, &S_EMPTY}, {"numerics", STR, &S_EMPTY}}, "identity");
         c["contract"] = validated(c["contract"], {{"path", STR, nullptr}, {"blake3", STR, nullptr}, {"name", STR, &S_EMPTY}}, "contract");
         c["hardware"] = validated(c["hardware"], {{"cpu_model", STR, nullptr}, {"cores", INT, nullptr}, {"memory_bytes", INT, nullptr},
                                                   {"os", STR, nullptr}, {"machine", STR, &S_EMPTY}, {"gpu", STR, &S_EMPTY}}, "hardware");
@@ -149,6 +149,9 @@ std::string check(const J & c, const CertIdentity & me, const std::string & mine
         const std::string a = id[f];
         if (a != *mine) return std::string("certificate is for ") + f + " " + short_(a) + ", this worker has " + short_(*mine);
     }
+    const std::string numerics = id["numerics"];
+    if (!numerics.empty() && numerics != me.numerics)
+        return "certificate is for numerics '" + numerics + "', this worker computes '" + me.numerics + "'";
     const std::string worker = id["worker_blake3"];
     if (worker.empty()) return "certificate names no worker binary (it was made before certificates recorded worker_blake3): re-certify";
     if (worker != me.worker_blake3)

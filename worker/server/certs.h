@@ -13,6 +13,7 @@ namespace dgr {
 struct CertIdentity {
     std::string model, bundle_id, lane, upstream_commit, patch_series, engine_blake3;
     std::string worker_blake3;   // this dgr-worker executable's blake3: a certificate names the binary it measured
+    std::string numerics;        // the engine's numerics (docs/numerics.md): a certificate names what it measured
     int stage_index = 0, layer_begin = 0, layer_end = 0;
 };
 

@@ -73,6 +73,7 @@ EngineLib load(const std::string & self_dir, const char * env_name, const char *
     sym(struct_size, "dgr_abi_struct_size");
     check_struct_sizes(lib.path, struct_size);
     sym(lib.lane, "dgr_engine_lane");
+    sym(lib.numerics, "dgr_engine_numerics");
     sym(lib.last_error, "dgr_last_error");
     sym(lib.open, "dgr_engine_open");
     sym(lib.close, "dgr_engine_close");

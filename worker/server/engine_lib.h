@@ -15,6 +15,7 @@ struct EngineLib {
     std::string path;   // the file loaded (resolved)
     int32_t      (*abi_version)(void);
     const char * (*lane)(void);
+    const char * (*numerics)(dgr_engine *);   // dgr_engine_numerics: what decides the bits (docs/numerics.md)
     const char * (*last_error)(void);
     int32_t (*open)(const char *, const dgr_open_params *, dgr_engine **);
     void    (*close)(dgr_engine *);

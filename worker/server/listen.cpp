@@ -441,7 +441,8 @@ Serving serve(const Options & o, const Trust & trust, const Listen & l, Stage & 
     if (!o.certs.empty()) {                          // dgr.app.stages.held_certificates
         const dgr_stage_info & si = worker->info();
         dgr::CertIdentity me{s.id.model, s.id.bundle_id, s.id.lane, s.id.upstream_commit, s.id.patch_series,
-                             s.id.engine_blake3, s.id.worker_blake3, s.id.stage_index, si.layer_begin, si.layer_end};
+                             s.id.engine_blake3, s.id.worker_blake3, s.id.numerics, s.id.stage_index, si.layer_begin,
+                             si.layer_end};
         auto held = dgr::held_certificates(o.certs, me, o.contract);
         std::printf("dgr worker: %zu certificate(s) advertised from %s\n", held.size(), o.certs.c_str());
         worker->set_certificates(std::move(held));

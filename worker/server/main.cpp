@@ -53,7 +53,7 @@ const char * USAGE =
     "                  [--certs DIR [--contract FILE]]\n"
     "                  [--prefix-cache-mib N] [--prefix-cache-shared] [--draft-max N]\n"
     "                  [--max-grammar-bytes N] [--max-grammar-depth N] [--peer-allow CIDR,...] [--max-rpc-memory-mib N]\n"
-    "                  [--max-sessions-per-member N]\n"
+    "                  [--max-sessions-per-member N] [--fast-kernels]\n"
     "Serves one stage of a bundle (dgr.v1.Stage over gRPC, grpc.health.v1) as `dgr worker serve` does.\n"
     "TLS with --tls-cert/--tls-key (`dgr certs issue`); with --tls-ca, mutual TLS: peers need a certificate the CA\n"
     "signed, and a session's frames are taken only from the members that opened it (docs/worker.md).\n"
@@ -75,6 +75,9 @@ const char * USAGE =
     "--draft-max (8): the drafts one step may carry and still roll back where the cache keeps per-step snapshots\n"
     "(DeepSeek V4 and other hybrids llama.cpp rolls back; each is one more copy of the recurrent state): speculation\n"
     "and MTP drafts (docs/speculation.md). 0: such a stage cannot roll back.\n"
+    "--fast-kernels: llama.cpp's shape-dependent fast CPU kernels instead of the batch-invariant reference ones\n"
+    "(faster prefill; a session's results then depend on the batch). Its numerics say so (Describe's\n"
+    "identity.numerics, docs/numerics.md): clients refuse a route that mixes it with reference-kernel stages.\n"
     "--certs DIR: advertise the certificates (`dgr certify`, DIR/*.json) for exactly this worker's identity, whose\n"
     "contract (--contract FILE, else the path each records) is unchanged and whose figures all passed; others are\n"
     "logged with the reason and ignored. --metrics-listen: Prometheus text at http(s)://HOST:PORT/metrics (https,\n"
@@ -194,6 +197,7 @@ Options parse(int argc, char ** argv) {
         if (a == "--insecure") { o.insecure = true; continue; }
         if (a == "--no-verify") { o.no_verify = true; continue; }
         if (a == "--prefix-cache-shared") { o.limits.prefix_cache_shared = true; continue; }
+        if (a == "--fast-kernels") { o.fast_kernels = true; continue; }
         std::string flag = a, value;
         bool inline_value = false;
         if (auto eq = a.find('='); a.rfind("--", 0) == 0 && eq != std::string::npos) {

@@ -28,6 +28,7 @@ void StageWorker::describe_msg(pb::StageDescription * d) {
     idn->set_patch_series(id_.patch_series);
     idn->set_lane(id_.lane);
     idn->set_arch(i.arch);
+    idn->set_numerics(id_.numerics);
     d->set_is_first(i.is_first);
     d->set_is_last(i.is_last);
     d->set_has_vocab(i.has_vocab);
@@ -135,7 +136,7 @@ std::string StageWorker::descriptor_json() {
                       {"n_layer", i.n_layer}, {"upstream_commit", id_.upstream_commit},
                       {"patch_series", id_.patch_series}, {"lane", id_.lane}, {"arch", i.arch},
                       {"engine", id_.engine}, {"engine_blake3", id_.engine_blake3}, {"worker_blake3", id_.worker_blake3},
-                      {"wire_dtype", id_.wire_dtype}}},
+                      {"wire_dtype", id_.wire_dtype}, {"numerics", id_.numerics}}},
         {"capacity", {{"max_sessions", i.max_sessions}, {"n_ctx", i.n_ctx},
                       {"max_queued_steps", limits_.max_queued_steps}, {"max_session_steps", limits_.max_session_steps},
                       {"max_batch_tokens", limits_.max_batch_tokens}, {"max_message_bytes", max_message_bytes_},

@@ -148,8 +148,10 @@ void open_stage(const Options & o, Stage & s) {
     p.n_threads = int32_t(o.threads);
     p.n_gpu_layers = -1;
     p.n_draft_max = int32_t(o.draft_max);        // V4 and other snapshot caches: how far a step rolls back
+    p.fast_kernels = o.fast_kernels ? 1 : 0;
     int32_t st = s.lib.open(file.c_str(), &p, &s.eng);
     if (st != DGR_OK) throw std::runtime_error(s.lib.error(st));
+    s.id.numerics = s.lib.numerics(s.eng);
     dgr_stage_info info{};
     st = s.lib.describe(s.eng, &info);
     if (st != DGR_OK) throw std::runtime_error(s.lib.error(st));
@@ -239,6 +241,7 @@ void open_fake_stage(const Options & o, Stage & s) {
     dgr_open_params p{};
     int32_t st = s.lib.open(open.c_str(), &p, &s.eng);
     if (st != DGR_OK) throw std::runtime_error(s.lib.error(st));
+    s.id.numerics = s.lib.numerics(s.eng);
     dgr_stage_info info{};
     st = s.lib.describe(s.eng, &info);
     if (st != DGR_OK) throw std::runtime_error(s.lib.error(st));

@@ -88,6 +88,7 @@ struct StageIdentity {
     std::string chat_template;
     std::string engine_blake3;
     std::string worker_blake3;   // blake3 of this dgr-worker executable (/proc/self/exe), read once at start
+    std::string numerics;        // the engine's dgr_engine_numerics: stages of one route must compute alike
 };
 
 // A wire dtype (dgr.core.contract.WIRE_DTYPES): `block_bytes` bytes for every `block` values.

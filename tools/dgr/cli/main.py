@@ -32,13 +32,37 @@ class _Version(argparse.Action):
         from dgr.toolchain.buildinfo import build_info
 
         print(build_info().describe())
+        print(_numerics_line())
         parser.exit()
 
 
+def _numerics_line() -> str:
+    """What the engine library this dgr would load computes with (docs/numerics.md), or why it cannot say."""
+    from dgr.core.errors import EngineError
+    from dgr.runtime.engine_abi import library_path, load_library
+
+    try:
+        path = library_path()
+        return f"numerics {load_library(path).dgr_numerics_build().decode()} ({path})"
+    except (EngineError, OSError, AttributeError) as err:
+        return f"numerics unknown: {err}"
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser, except that a closed output pipe is not swallowed: argparse ignores an OSError while
+    it prints (help, usage), so a help text longer than stdout's buffer, cut off by `| head`, would exit 0
+    having printed part of it. Here it reaches main(), which exits EXIT_CLOSED_PIPE. Subparsers inherit it."""
+
+    def _print_message(self, message, file=None):
+        if message:
+            (file or sys.stderr).write(message)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="dgr", description="Distributed GGUF runtime")
+    parser = _Parser(prog="dgr", description="Distributed GGUF runtime")
     parser.add_argument("--version", action=_Version, nargs=0,
-                        help="the version, the llama.cpp commit and the patch series this dgr carries")
+                        help="the version, the llama.cpp commit and the patch series this dgr carries, and the numerics "
+                        "of the engine library it would load")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for area in AREAS:
         importlib.import_module(f"dgr.cli.commands.{area}").register(sub)

@@ -39,6 +39,8 @@ class Identity(_Frozen):
     worker_blake3: str = ""      # blake3 of the worker binary (dgr-worker) that served them; "" in a certificate
                                  # made before certificates recorded it (never valid: re-certify)
     contract_blake3: str = ""    # blake3 of the contract file; "" in a worker's own identity (not compared)
+    numerics: str = ""           # the engine's numerics the figures were measured with (docs/numerics.md); ""
+                                 # in a certificate made before certificates named it (not compared then)
 
 
 class Hardware(_Frozen):
@@ -153,6 +155,8 @@ def check(cert: Certificate, identity: Identity, contract_path: str | Path | Non
         a, b = getattr(mine, f), getattr(theirs, f)
         if a != b:
             return f"certificate is for {f} {_short(a)}, this worker has {_short(b)}"
+    if mine.numerics and mine.numerics != theirs.numerics:
+        return f"certificate is for numerics {mine.numerics!r}, this worker computes {theirs.numerics!r}"
     if not mine.worker_blake3:
         return "certificate names no worker binary (it was made before certificates recorded worker_blake3): re-certify"
     if mine.worker_blake3 != theirs.worker_blake3:

@@ -37,6 +37,9 @@ DEFAULT_MAX_SESSIONS = 8    # concurrent sessions per engine
 
 # Backend lanes (Bazel --config, Nix packages, manifests).
 LANES = ("cpu", "cuda", "rocm", "vulkan", "metal")
+# The CPU backend's instruction set (docs/numerics.md): the lane's declared baseline first (every build system
+# compiles it by default, so their workers share a route), then "native", the build machine's own CPU.
+CPU_VARIANTS = ("x86-64-v3", "native")
 
 # The workspace: fetched upstream, builds and caches live here, ignored by git.
 # Override with DGR_WORKSPACE (e.g. to share builds between clones).

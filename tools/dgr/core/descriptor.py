@@ -49,6 +49,10 @@ class CompatIdentity(BaseModel):
                                                "/proc/self/exe at start): a certificate names it; '' from the "
                                                "Python worker (tests only)")
     wire_dtype: str = Field(description="the dtype this worker's boundaries travel in")
+    numerics: str = Field("", description="what decides the bits this stage computes: lane and instruction set, "
+                                         "compiler, pin and patch series, kernel switches (the engine's "
+                                         "dgr_engine_numerics, docs/numerics.md); a route is exact only when "
+                                         "every stage's is equal")
 
     @model_validator(mode="after")
     def _check(self) -> "CompatIdentity":

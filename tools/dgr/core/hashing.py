@@ -77,3 +77,10 @@ class ChunkHasher:
             self.chunk = blake3.blake3()
             self.fill = 0
         return self.whole.hexdigest(), self.chunks
+
+
+def series_hash(patches: list[tuple[str, str]]) -> str:
+    """The hash over the ordered patch stack (blake3 of `file NUL blake3 LF` per patch): with the commit,
+    it names the engine a worker runs. Here (stdlib + blake3) so that the Bazel repository rule computes the
+    same one (toolchains/bazel/blake3sum.py --series) before anything is built."""
+    return bytes_blake3("".join(f"{f}\0{b}\n" for f, b in patches).encode())

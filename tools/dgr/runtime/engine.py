@@ -217,6 +217,13 @@ class Engine:
         """The backend lane the library was built for (cpu, vulkan, cuda, ...)."""
         return self._lib.dgr_engine_lane().decode()
 
+    @property
+    def numerics(self) -> str:
+        """What decides the bits this engine computes (docs/numerics.md): the build's lane and instruction set,
+        compiler, pin and patch series, then this open's kernel switches. Runs compare bit for bit only
+        when these are equal."""
+        return self._lib.dgr_engine_numerics(self._handle()).decode()
+
     def _check(self, status: int) -> None:
         if status != OK:
             _raise(self._lib, status)

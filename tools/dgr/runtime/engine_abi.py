@@ -12,7 +12,7 @@ from pathlib import Path
 from dgr.core.errors import CacheMiss, EngineError, SchemaMismatch, Unsupported
 from dgr.core.paths import default_engine_library
 
-ABI_VERSION = 6                 # worker/engine/dgr_engine.h's DGR_ABI_VERSION (tests/test_engine_abi.py holds them equal)
+ABI_VERSION = 7                 # worker/engine/dgr_engine.h's DGR_ABI_VERSION (tests/test_engine_abi.py holds them equal)
 LIB_ENV = "DGR_ENGINE_LIB"
 
 OK, E_ENGINE, E_CACHE_MISS, E_SCHEMA, E_ARTIFACT, E_UNSUPPORTED = range(6)
@@ -116,6 +116,9 @@ def load_library(lib: str | Path | None = None) -> C.CDLL:
         check_abi(h, path)
         h.dgr_has_hooks.restype = C.c_int32
         h.dgr_engine_lane.restype = C.c_char_p
+        h.dgr_numerics_build.restype = C.c_char_p
+        h.dgr_engine_numerics.restype = C.c_char_p
+        h.dgr_engine_numerics.argtypes = [C.c_void_p]
         h.dgr_last_error.restype = C.c_char_p
         h.dgr_last_cache_miss.argtypes = [C.POINTER(C.c_int64), C.POINTER(C.c_int64)]
         h.dgr_engine_open.argtypes = [C.c_char_p, C.POINTER(_OpenParams), C.POINTER(C.c_void_p)]

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from dgr import __version__
 from dgr.core.paths import REPO_ROOT
-from dgr.toolchain.pin import series_hash
+from dgr.core.hashing import series_hash
 
 
 @dataclass(frozen=True)

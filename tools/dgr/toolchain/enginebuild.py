@@ -24,9 +24,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from dgr.core.constants import LANES
+from dgr.core.constants import CPU_VARIANTS, LANES
 from dgr.core.errors import EngineError
-from dgr.core.hashing import file_blake3
+from dgr.core.hashing import file_blake3, series_hash
 from dgr.core.locks import locked
 from dgr.core.log import get_logger
 from dgr.core.paths import ENGINE_LIBRARY, REPO_ROOT, engine_build_dir
@@ -81,15 +81,33 @@ def check_tools() -> dict[str, str]:
     return tools
 
 
-def build_dir(lane: str = "cpu", ws: Path | None = None, *, pristine: bool = False) -> Path:
+# The CPU backend's instruction set (worker/CMakeLists.txt DGR_CPU_VARIANT, docs/numerics.md): the lane's declared
+# baseline, as Bazel, Nix and the release build it, so every build's workers share a route; or "native", this
+# machine's own CPU, into build/<lane>-native, with numerics of its own.
+DEFAULT_CPU_VARIANT = CPU_VARIANTS[0]
+
+
+def build_dir(lane: str = "cpu", ws: Path | None = None, *, pristine: bool = False,
+              cpu_variant: str = DEFAULT_CPU_VARIANT) -> Path:
     """<workspace>/build/<lane> (`dgr.core.paths.engine_build_dir`, where the runtime looks for the library),
-    or build/<lane>-pristine for the engine over unpatched llama.cpp; `ws` is another workspace (tests)."""
-    name = f"{lane}-pristine" if pristine else lane
+    build/<lane>-pristine for the engine over unpatched llama.cpp, build/<lane>-native for a build for this
+    machine's own CPU; `ws` is another workspace (tests)."""
+    name = lane + ("-pristine" if pristine else "") + ("-native" if cpu_variant == "native" else "")
     return engine_build_dir(name) if ws is None else Path(ws) / "build" / name
 
 
-def cmake_args(lane: str, worker_dir: Path, bdir: Path, llama_src: Path, blake3_src: Path | None = None) -> list[str]:
+def upstream_defines(pin: Pin, *, pristine: bool = False) -> list[str]:
+    """The pin as the engine's numerics name it (worker/engine/dgr_engine_numerics.cpp); Bazel's repository rule
+    (toolchains/llama_cpp.bzl) defines the same three."""
+    patches = [] if pristine else [(p.file, p.blake3) for p in pin.patches]
+    return [f"-DDGR_UPSTREAM_COMMIT={pin.commit[:12]}", f"-DDGR_UPSTREAM_PATCHES={len(patches)}",
+            f"-DDGR_UPSTREAM_SERIES={series_hash(patches)[:12]}"]
+
+
+def cmake_args(lane: str, worker_dir: Path, bdir: Path, llama_src: Path, blake3_src: Path | None = None,
+               cpu_variant: str = DEFAULT_CPU_VARIANT) -> list[str]:
     return [
+        f"-DDGR_CPU_VARIANT={cpu_variant}",
         "-S", str(worker_dir), "-B", str(bdir), "-G", "Ninja",
         "-DCMAKE_BUILD_TYPE=Release",
         "-DGGML_CCACHE=ON",
@@ -166,16 +184,19 @@ def ensure_engine(
     pristine: bool = False,
     defines: dict[str, str] | None = None,
     progress: bool = True,
+    cpu_variant: str = DEFAULT_CPU_VARIANT,
 ) -> Path:
     """Build (or reuse) the engine library for `lane`; returns the library's path.
 
     `pristine=True` builds over the verified but unpatched tree (a reference build; pass the
     engine's own switch for that in `defines`, e.g. {"DGR_WITH_HOOKS": "OFF"}) into
     build/<lane>-pristine. `defines` are extra -D cache entries, part of the cached inputs.
-    `progress` shows a bar of Ninja's steps on a terminal.
+    `progress` shows a bar of Ninja's steps on a terminal. `cpu_variant`: CPU_VARIANTS.
     """
     if lane not in LANE_FLAGS:
         raise EngineError(f"unknown lane {lane!r}; lanes: {', '.join(LANE_FLAGS)}")
+    if cpu_variant not in CPU_VARIANTS:
+        raise EngineError(f"unknown CPU variant {cpu_variant!r}; variants: {', '.join(CPU_VARIANTS)}")
     pin = pin or load_pin()
     worker_dir = Path(worker_dir) if worker_dir else WORKER_DIR
     if not (worker_dir / "CMakeLists.txt").exists():
@@ -191,10 +212,11 @@ def ensure_engine(
     # project without the pin gets none)
     blake3_pin = worker_dir / "third_party" / "blake3.json"
     blake3_src = upstream.fetch_vendored(ws=ws, pin_path=blake3_pin) if blake3_pin.is_file() else None
-    bdir = build_dir(lane, ws, pristine=pristine)
+    bdir = build_dir(lane, ws, pristine=pristine, cpu_variant=cpu_variant)
     lib = bdir / LIBRARY
     stamp_path = bdir / "dgr-build.stamp.json"
-    args = cmake_args(lane, worker_dir, bdir, llama_src, blake3_src) + [f"-D{k}={v}" for k, v in sorted((defines or {}).items())]
+    args = cmake_args(lane, worker_dir, bdir, llama_src, blake3_src, cpu_variant) + \
+        upstream_defines(pin, pristine=pristine) + [f"-D{k}={v}" for k, v in sorted((defines or {}).items())]
     inputs = _inputs(lane, pin, worker_dir, args, tools)
     # Edits in the patched tree (patch development) are invisible to the stamp: let Ninja decide.
     dirty = [] if pristine else upstream.local_changes(llama_src)

@@ -25,8 +25,11 @@ from typing import Callable
 import numpy as np
 
 from dgr.core.errors import DgrError, EngineError
+from dgr.core.log import get_logger
 from dgr.runtime.engine import Engine
 from dgr.runtime.engine_api import Step
+
+log = get_logger(__name__)
 
 DEFAULT_PROMPT = "The quick brown fox jumps over the lazy dog. Once upon a time, in a land far away,"
 DEFAULT_STEPS = 8          # greedy decode steps per session
@@ -56,6 +59,7 @@ class RunResult:
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
     boundary_bytes: list[int] = field(default_factory=list)  # per seam, bytes that crossed it
+    numerics: str = ""                       # what the engines computed with (docs/numerics.md)
 
 
 def ctx_for(prompts: list[list[int]], steps: int) -> int:
@@ -158,6 +162,10 @@ def run_pipeline(engines: list[Engine], sched: Schedule, *,
     adds delta to one value of that stage's output boundary in the prefill (negative controls).
     `boundary_transform(stage, session, boundary)` replaces every boundary a stage gives (prefill and
     decode) before the next stage takes it: dgr.app.dtypes runs each through a wire dtype's codec."""
+    numerics = {e.numerics for e in engines}
+    if len(numerics) != 1:
+        raise DgrError(f"the stages compute different numerics ({', '.join(sorted(numerics))}): open them from one "
+                       "engine library with the same switches (docs/numerics.md)")
     n = len(sched.prompts)
     sids = [f"s{k}" for k in range(n)]
     for eng in engines:
@@ -192,7 +200,8 @@ def run_pipeline(engines: list[Engine], sched: Schedule, *,
     vocab = engines[-1].describe().n_vocab
     return RunResult(prefill_logits=prefill,
                      decode_logits=[np.stack(d) if d else np.zeros((0, vocab), np.float32) for d in dec],
-                     generated=gen, prefill_seconds=t1 - t0, decode_seconds=t2 - t1, boundary_bytes=seam[:-1])
+                     generated=gen, prefill_seconds=t1 - t0, decode_seconds=t2 - t1, boundary_bytes=seam[:-1],
+                     numerics=numerics.pop())
 
 
 def run_baseline(model: str | Path, sched: Schedule, lib: str | Path | None = None, n_threads: int = 0,
@@ -254,7 +263,20 @@ def baseline_meta(model: str | Path, sched: Schedule, res: RunResult, kv_dtype: 
     """What a baseline file records beside the logits: the model, its run's size and speed, the KV type."""
     n_pre, n_dec = token_counts(sched)
     return {"model": str(model), "prefill_tokens": n_pre, "decode_tokens": n_dec, "kv_dtype": kv_dtype,
-            "device": device, "prefill_seconds": res.prefill_seconds, "decode_seconds": res.decode_seconds}
+            "device": device, "prefill_seconds": res.prefill_seconds, "decode_seconds": res.decode_seconds,
+            "numerics": res.numerics}
+
+
+def check_baseline_numerics(what: str, made: str | None, run: str) -> None:
+    """A baseline compares bit for bit only with a run of its own numerics (docs/numerics.md): refuse another.
+    `made` None: a baseline file from before baselines recorded it (compared, with a warning)."""
+    if made is None:
+        log.warning("%s records no numerics (made before baselines did): if it was computed by another build, "
+                    "instruction set or kernel switch, its logits differ in the low bits", what)
+    elif made != run:
+        raise DgrError(f"{what} was computed with numerics {made!r}, this run computes {run!r}: their results "
+                       "differ in the low bits, so comparing them proves nothing. Make the baseline with the same "
+                       "engine library and switches (`dgr baseline ... --lib`), docs/numerics.md")
 
 
 def baseline_kv_dtype(path: str | Path, meta: dict, requested: str | None) -> str:

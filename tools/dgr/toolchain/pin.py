@@ -19,7 +19,7 @@ from pydantic import BaseModel, Field, PrivateAttr, ValidationError, field_valid
 from dgr.core.constants import LANES
 from dgr.core.contract import STRICT
 from dgr.core.errors import UpstreamError
-from dgr.core.hashing import bytes_blake3
+from dgr.core.hashing import series_hash
 from dgr.core.paths import REPO_ROOT
 
 PIN_PATH = REPO_ROOT / "toolchains" / "llama.cpp.pin.json"
@@ -177,12 +177,6 @@ class Pin(BaseModel):
     @property
     def patch_dir(self) -> Path:
         return self.root / PATCH_DIR_REL
-
-
-def series_hash(patches: list[tuple[str, str]]) -> str:
-    """The hash over the ordered patch stack (blake3 of `file NUL blake3 LF` per patch): with the commit,
-    it names the engine a worker runs."""
-    return bytes_blake3("".join(f"{f}\0{b}\n" for f, b in patches).encode())
 
 
 def patch_series(pin: Pin) -> str:

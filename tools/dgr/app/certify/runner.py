@@ -152,9 +152,17 @@ def _parity_figures(p: _Parity, c: Contract, n_vocab: int, baseline: str) -> lis
     ]
 
 
-def _identity(bundle, descs, lane: str, lib: Path, chash: str) -> Identity:
-    """The identity the workers advertise (Describe), checked against the bundle and this host's engine."""
+def _identity(bundle, descs, lane: str, lib: Path, chash: str, whole_numerics: str | None = None) -> Identity:
+    """The identity the workers advertise (Describe), checked against the bundle and this host's engine: every
+    stage and the whole-model baseline (`whole_numerics`, where there is one) must compute the same numerics
+    (docs/numerics.md), or the rows would compare unlike with unlike."""
     first = descs[0].identity
+    numerics = first.numerics if whole_numerics is None else whole_numerics
+    for i, d in enumerate(descs):
+        if d.identity.numerics != numerics:
+            raise CertifyError(f"stage {i} computes {d.identity.numerics!r}, " +
+                               ("stage 0" if whole_numerics is None else "the whole-model baseline") +
+                               f" {numerics!r}: a certificate holds for one numerics (docs/numerics.md)")
     for i, d in enumerate(descs):
         idn = d.identity
         got = (idn.bundle_id, idn.stage_index, idn.lane, idn.model, idn.upstream_commit, idn.patch_series)
@@ -168,7 +176,7 @@ def _identity(bundle, descs, lane: str, lib: Path, chash: str) -> Identity:
                            "worker_blake3): certify needs every stage served by one and the same dgr-worker")
     return Identity(model=first.model, bundle_id=bundle.id, lane=lane, upstream_commit=first.upstream_commit,
                     patch_series=first.patch_series, engine_blake3=file_blake3(lib), worker_blake3=workers[0],
-                    contract_blake3=chash)
+                    contract_blake3=chash, numerics=numerics)
 
 
 def _processes(route, n_stages: int) -> Figure:
@@ -258,7 +266,7 @@ def certify(bundle_path: str | Path, *, contract: LoadedContract | str | Path | 
                         replicas=fault.replicas(n_stages), extra=fault.extra) as route, \
                 RouteClient(route.addresses, chunk_tokens=chunk, prefix_cache=False) as client:
             descs = client.describe()
-            identity = _identity(b, descs, lane, lib, lc.blake3)
+            identity = _identity(b, descs, lane, lib, lc.blake3, eng.numerics)
             if client.chunk_tokens not in baseline:  # the message limit made the route's chunks smaller
                 baseline[client.chunk_tokens] = [whole_model_run(eng, ids, c.parity.max_new_tokens,
                                                                  chunk_tokens=client.chunk_tokens) for ids in prompts]

@@ -129,10 +129,11 @@ def create_app(backend: RouteBackend, metrics: GatewayMetrics | None = None, *,
         raise ValueError(f"--speculate {speculate}: {info.cannot_speculate(speculate)}")
     check_k(draft_k)
     m = metrics or GatewayMetrics(info.name)
-    fingerprint = f"dgr-{info.bundle_id[:12]}"
+    fingerprint = info.fingerprint
+    m.exact.set(1 if info.exact else 0)
     app = FastAPI(title="dgr gateway", version=__version__, docs_url=None, redoc_url=None)
     app.state.backend, app.state.metrics = backend, m
-    app.add_middleware(MetricsMiddleware, metrics=m)
+    app.add_middleware(MetricsMiddleware, metrics=m, exact=info.exact)
 
     def fail(err: GatewayError) -> JSONResponse:
         m.error(err.code or err.type)

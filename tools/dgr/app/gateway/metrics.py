@@ -46,6 +46,8 @@ class GatewayMetrics:
         self.cancelled = Counter(p + "cancelled", "generations stopped by POST /v1/responses/{id}/cancel",
                                  registry=r)
         self.errors = Counter(p + "errors", "error responses (and errors inside streams) by code", ["code"], registry=r)
+        self.exact = Gauge(p + "route_exact", "1: every stage computes the same numerics (results match the whole "
+                           "model); 0: mixed numerics allowed (docs/numerics.md)", registry=r)
         info = Gauge(p + "info", "what this gateway serves", ["model"], registry=r)
         info.labels(model=model).set(1)
 
@@ -66,10 +68,12 @@ def endpoint_of(path: str) -> str:
 
 class MetricsMiddleware:
     """Pure ASGI: counts every HTTP request by endpoint and the status it answered, and times it
-    (streams are timed to their last byte)."""
+    (streams are timed to their last byte). Every response carries `X-Dgr-Exact` (`exact`: whether the route's
+    stages all compute the same numerics, docs/numerics.md)."""
 
-    def __init__(self, app, metrics: GatewayMetrics):
+    def __init__(self, app, metrics: GatewayMetrics, exact: bool = True):
         self.app, self.metrics = app, metrics
+        self.exact_header = (b"x-dgr-exact", b"true" if exact else b"false")
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -79,6 +83,7 @@ class MetricsMiddleware:
         async def send_wrapped(message):
             if message["type"] == "http.response.start":
                 status[0] = message["status"]
+                message = {**message, "headers": [*message.get("headers", []), self.exact_header]}
             await send(message)
 
         try:

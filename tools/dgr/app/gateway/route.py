@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from dgr.app.gateway.metrics import GatewayMetrics
 from dgr.app.gateway.stops import StopScanner
 from dgr.core.errors import WireError
+from dgr.core.hashing import bytes_blake3
 from dgr.core.log import get_logger
 from dgr.runtime.wire import tls as wtls
 from dgr.runtime.wire.client import PrefixRoutes, RouteClient, parse_route
@@ -53,6 +54,18 @@ class ModelInfo:
     # speculative decoding the route can do, each source -> why not ("" when it can): "ngram" needs every hop
     # to roll back rejected drafts, "mtp" also an MTP block on the last stage (docs/speculation.md)
     speculation: tuple[tuple[str, str], ...] = ()
+    # each stage's numerics (docs/numerics.md) when the gateway first described the route. A route that mixes
+    # them is refused unless `dgr serve --allow-mixed-numerics`; with that, `exact` is False (a recovery may move
+    # any stage onto other numerics) and every response says so.
+    numerics: tuple[str, ...] = ()
+    exact: bool = True
+
+    @property
+    def fingerprint(self) -> str:
+        """OpenAI's system_fingerprint: the backend configuration that decides the results, the bundle and the
+        numerics every stage computes with (docs/numerics.md), or "mixed" where the operator allowed a mix."""
+        numerics = bytes_blake3("\n".join(self.numerics).encode())[:8]
+        return f"dgr-{self.bundle_id[:12]}-{numerics if self.exact else 'mixed'}"
 
     def cannot_speculate(self, source: str) -> str:
         """Why this route cannot draft with `source` ("" when it can)."""
@@ -125,9 +138,9 @@ class RouteBackend:
     def __init__(self, route: str | Sequence[Sequence[str]], *, tls: wtls.TlsConfig | None = None,
                  timeout: float = 120.0, hop_deadline: float | None = None, attempts: int | None = None,
                  model_name: str | None = None, chat_template: str | None = None,
-                 chat_template_source: str | None = None):
+                 chat_template_source: str | None = None, allow_mixed_numerics: bool = False):
         self.replicas = parse_route(route) if isinstance(route, str) else [list(r) for r in route]
-        self._kw = {"tls": tls, "timeout": timeout}
+        self._kw = {"tls": tls, "timeout": timeout, "allow_mixed_numerics": allow_mixed_numerics}
         if hop_deadline is not None:
             self._kw["hop_deadline"] = hop_deadline
         if attempts is not None:
@@ -187,9 +200,16 @@ class RouteBackend:
         info = ModelInfo(name=model_name or ident.model or ident.bundle_id, bundle_id=ident.bundle_id, n_ctx=n_ctx,
                          eos_ids=eos_ids, chat_template=template, chat_template_source=source, bos_token=bos_token,
                          eos_token=eos_token, stages=len(hops), created=int(time.time()),
-                         speculation=(("ngram", roll), ("mtp", mtp)))
+                         speculation=(("ngram", roll), ("mtp", mtp)),
+                         numerics=tuple(h.identity.numerics for h in hops),
+                         # an operator who allows a mix may get one on any recovery: then nothing is called exact
+                         exact=not self._kw["allow_mixed_numerics"] and len({h.identity.numerics for h in hops}) == 1)
         log.info("gateway: route of %d stage(s) serves %s (bundle %s, n_ctx %d); stops at token ids %s",
                  info.stages, info.name, info.bundle_id[:16], n_ctx, list(eos_ids) or "(none: only max_tokens)")
+        if not info.exact:
+            log.warning("gateway: mixed numerics allowed (now: %s): results may match no whole-model run, and every "
+                        "response says so (header X-Dgr-Exact: false, system_fingerprint dgr-...-mixed)",
+                        "; ".join(f"stage {i}: {n}" for i, n in enumerate(info.numerics)))
         if template:
             log.info("gateway: chat template from %s (first line: %s)", source, _first_line(template))
         else:

@@ -71,6 +71,7 @@ def cmd_baseline(args) -> int:
     pre, dec = throughput(sched, res)
     print(f"  prefill {pre:.1f} tok/s, decode {dec:.1f} tok/s")
     print(f"  greedy: {res.generated}")
+    print(f"  numerics: {res.numerics}")
     return 0
 
 
@@ -81,7 +82,8 @@ def cmd_parity(args) -> int:
         raise DgrError("dgr parity: give a bundle folder (or a whole GGUF with --ranges), or --synth ARCH")
     if args.source and (args.ranges or args.baseline):
         raise DgrError("--source names a bundle's source for the whole-model run; drop it with --ranges or --baseline")
-    from dgr.toolchain.parity import (baseline_kv_dtype, bundle_source, compare, ctx_for, largest_logit, load_baseline,
+    from dgr.toolchain.parity import (baseline_kv_dtype, bundle_source, check_baseline_numerics, compare, ctx_for,
+                                      largest_logit, load_baseline,
                                       make_schedule, open_stages, open_tokenizer, parse_ranges, perturbation,
                                       run_baseline, run_pipeline, throughput, verdict)
 
@@ -120,6 +122,8 @@ def cmd_parity(args) -> int:
                           max_sessions=len(sched.prompts), ranges=ranges, lib=args.lib, n_threads=args.threads,
                           kv_dtype=kv_dtype)
     try:
+        made = meta.get("numerics") if args.baseline else base.numerics
+        check_baseline_numerics(f"the baseline {what}", made, engines[0].numerics)
         perturb = None if args.perturb_boundary is None else perturbation(args.perturb_boundary, len(engines))
         run = run_pipeline(engines, sched, perturb=perturb)
         stages = [f"[{e.describe().layer_begin},{e.describe().layer_end})" for e in engines]
@@ -133,6 +137,7 @@ def cmd_parity(args) -> int:
           f"prompt {[len(p) for p in sched.prompts]} tokens, {sched.steps} decode steps, {c.n_values} logits compared")
     print(f"  baseline: {what}")
     print(f"  weights on: {' '.join(devices)}; KV cache {kv_dtype}")
+    print(f"  numerics: {run.numerics}")
     print(f"  max abs difference: {c.max_abs_diff:g} (largest |logit| of the baseline: {largest_logit(base):g})")
     print(f"  first diverging: {c.diverging_text()}")
     print(f"  greedy tokens agree: {c.greedy_agree}")

@@ -72,7 +72,7 @@ def _serve(args) -> int:
     tls = TlsConfig.from_args(args.tls_cert, args.tls_key, args.tls_ca)
     backend = RouteBackend(args.route, tls=tls, timeout=args.timeout, hop_deadline=args.hop_deadline,
                            attempts=args.attempts, model_name=args.model_name, chat_template=template,
-                           chat_template_source=source)
+                           chat_template_source=source, allow_mixed_numerics=args.allow_mixed_numerics)
     try:
         app = create_app(backend, max_tokens_default=max_tokens, speculate=args.speculate, draft_k=args.draft_k)
     except ValueError as err:

@@ -93,7 +93,7 @@ def _bump(args) -> int:
 
 def _build_engine(args) -> int:
     from dgr.toolchain import enginebuild
-    print(enginebuild.ensure_engine(args.lane, jobs=args.jobs, force=args.force))
+    print(enginebuild.ensure_engine(args.lane, jobs=args.jobs, force=args.force, cpu_variant=args.cpu_variant))
     return 0
 
 
@@ -137,10 +137,15 @@ def register(sub) -> None:
     bp.add_argument("--json", action="store_true", help="also print the report as JSON")
     bp.set_defaults(func=_bump)
 
-    from dgr.core.constants import LANES
+    from dgr.core.constants import CPU_VARIANTS, LANES
 
     b = sub.add_parser("build-engine", help="build the ShardEngine library for a lane (cached)")
     b.add_argument("--lane", default="cpu", choices=LANES)
     b.add_argument("-j", "--jobs", type=int, default=None, help="parallel compile jobs (default: min(2, cpus))")
     b.add_argument("--force", action="store_true", help="run CMake even when the inputs are unchanged")
+    b.add_argument("--cpu-variant", default=CPU_VARIANTS[0], choices=CPU_VARIANTS,
+                   help="the CPU backend's instruction set: x86-64-v3, the lane's baseline that every build shares "
+                   "(default), or native, this machine's own CPU, into <workspace>/build/<lane>-native: faster "
+                   "where it has AVX-512, but its results differ and its workers cannot share a route with the "
+                   "baseline's (docs/numerics.md)")
     b.set_defaults(func=_build_engine)

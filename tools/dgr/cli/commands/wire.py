@@ -32,6 +32,10 @@ def add_route_args(p, *, waits_for_route: bool = False) -> None:
     p.add_argument("--tls-cert", metavar="FILE", help="this client's certificate (TLS to the route)")
     p.add_argument("--tls-key", metavar="FILE", help="its key")
     p.add_argument("--tls-ca", metavar="FILE", help="the CA the workers' certificates come from (mTLS)")
+    p.add_argument("--allow-mixed-numerics", action="store_true",
+                   help="run a route whose stages compute different bits (other builds, instruction sets or kernel "
+                        "switches: docs/numerics.md) instead of refusing it; its results then match no whole-model "
+                        "run, and every result says it is not exact")
 
 
 def register(sub) -> None:
@@ -91,7 +95,8 @@ def _generate(args) -> int:
     # a user who just (re)started a worker gets a wait within --timeout, not "connection refused"
     with RouteClient(route, max_message_bytes=args.max_message_bytes, timeout=args.timeout,
                      chunk_tokens=args.chunk_tokens, tls=tls, hop_deadline=args.hop_deadline,
-                     attempts=args.attempts, connect_wait=args.timeout) as client:
+                     attempts=args.attempts, connect_wait=args.timeout,
+                     allow_mixed_numerics=args.allow_mixed_numerics) as client:
         stops = [] if args.ignore_eos else list(client.hops[-1].eos_token_ids)
         for ev in client.generate(args.prompt, max_new_tokens=args.max_tokens, temperature=args.temperature,
                                   top_k=args.top_k, top_p=args.top_p, seed=args.seed,
@@ -102,6 +107,9 @@ def _generate(args) -> int:
                 sys.stdout.write(ev.text)       # (the gateway does the same)
                 sys.stdout.flush()
         sys.stdout.write("\n")
+        if not client.last.exact:
+            print("dgr: not exact: this route mixes numerics (" + "; ".join(
+                f"stage {i}: {n}" for i, n in enumerate(client.last.numerics)) + ")", file=sys.stderr)
         if args.logits_out:
             import numpy as np
 

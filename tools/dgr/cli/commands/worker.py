@@ -99,6 +99,10 @@ def register(sub) -> None:
                    "outgoing link before it is failed (default: dgr-worker's)")
     s.add_argument("--handshake-timeout", type=float, metavar="S", help="a connection that has not finished its "
                    "TLS handshake and HTTP/2 preface by then is closed (default: dgr-worker's)")
+    s.add_argument("--fast-kernels", action="store_true", help="llama.cpp's shape-dependent fast CPU kernels instead "
+                   "of the batch-invariant reference ones: faster prefill, but a session's results depend on the batch "
+                   "and the stage's numerics say \"fast\", so clients refuse to mix it into a route of reference-kernel "
+                   "stages (docs/numerics.md)")
     s.add_argument("--prefix-cache-shared", action="store_true", help="under mutual TLS, let any member's "
                    "session at stage 0 start from a prefix another member's session left (keys are hashed from what "
                    "ran, so no member can poison it; a hit tells a member that someone sent that prefix: "

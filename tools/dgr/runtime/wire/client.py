@@ -65,14 +65,16 @@ class RouteClient(Hops):
     none of whose replicas is up yet (connection refused, no answer: a worker starting or restarted in
     place), retrying with a growing pause and logging one line per stage and reason; then the error names
     the stage. 0 (the default) fails at once, as a gateway or a benchmark wants; `dgr generate` waits up
-    to its `--timeout`. A TLS refusal or a wrong stage is never waited for."""
+    to its `--timeout`. A TLS refusal or a wrong stage is never waited for. `allow_mixed_numerics`: accept
+    stages (and replicas) whose engines compute different bits (MixedNumerics otherwise); `exact` and each
+    Generation's `exact` then say whether the route mixed them."""
 
     def __init__(self, route: str | Sequence[str | Sequence[str]], *,
                  max_message_bytes: int = codec.DEFAULT_MAX_MESSAGE_BYTES, timeout: float = 120.0,
                  chunk_tokens: int = 64, tls: wtls.TlsConfig | None = None,
                  hop_deadline: float = DEFAULT_HOP_DEADLINE, attempts: int = DEFAULT_ATTEMPTS,
                  route_source: RouteSource | None = None, connect_wait: float = 0.0, prefix_cache: bool = True,
-                 prefix_routes: PrefixRoutes | None = None):
+                 prefix_routes: PrefixRoutes | None = None, allow_mixed_numerics: bool = False):
         reps = parse_route(route) if isinstance(route, str) else \
             [[r] if isinstance(r, str) else list(dict.fromkeys(r)) for r in route]
         if not reps or not all(reps):
@@ -100,6 +102,11 @@ class RouteClient(Hops):
         self.cached_tokens = 0                          # the last open's: positions restored from prefix caches
         self._hops: list[pb.StageDescription | None] | None = None
         self._ident: list[tuple | None] = [None] * len(reps)   # what each stage must serve (first seen)
+        # the route's numerics (the first stage described: (stage, numerics)); a hop of others is refused unless
+        # `allow_mixed_numerics` (docs/numerics.md), and then `exact` is False and every Generation says so
+        self.allow_mixed_numerics = allow_mixed_numerics
+        self._numerics: tuple[int, str] | None = None
+        self._mixed_seen: set[tuple[int, str]] = set()
 
     def close(self) -> None:
         for c in self._channels.values():
@@ -330,6 +337,8 @@ class RouteClient(Hops):
                 cached = self.cached_tokens if use_prefix else 0
                 if epoch == 1:
                     gen.cached_tokens = cached
+                gen.numerics = self.numerics
+                gen.exact = gen.exact and self.exact
                 yield from self._run_epoch(gen, sid, epoch, max_new_tokens, stop_token_ids,
                                            pb.Generate(draft_source=speculate or "", draft_k=draft_k if speculate else 0),
                                            start=cached)

@@ -45,6 +45,13 @@ class WrongRange(StageError):
     code = "WRONG_RANGE"
 
 
+class MixedNumerics(StageError):
+    """A hop computes other bits than the rest of the route (docs/numerics.md): refused unless the client
+    allows mixed numerics. Raised by the client itself; no worker sends it."""
+
+    code = "MIXED_NUMERICS"
+
+
 class UnknownSession(StageError):
     code = "UNKNOWN_SESSION"
 

@@ -11,7 +11,7 @@ import grpc
 
 from dgr.core.log import get_logger
 from dgr.runtime.wire import codec
-from dgr.runtime.wire.errors import HopUnreachable, StageError, WrongStage
+from dgr.runtime.wire.errors import HopUnreachable, MixedNumerics, StageError, WrongStage
 from dgr.runtime.wire.gen import stage_pb2 as pb
 from dgr.runtime.wire.routes import no_answer, not_up, unreachable
 
@@ -87,7 +87,7 @@ class Hops:
                     down[address] = why
                     self._forget(address)
                 continue
-            if (bad := self._check_identity(i, d)) is not None:
+            if (bad := self._check_identity(i, d) or self._check_numerics(i, d)) is not None:
                 errors.append(bad)
                 continue
             return d, errors, down
@@ -104,6 +104,39 @@ class Hops:
             return WrongStage(f"this replica serves stage {got[1]} [{got[2]}, {got[3]}) of bundle {got[0]}, "
                               f"not stage {s} [{lo}, {hi}) of bundle {b}", hop=self.hop(i))
         return None
+
+    def _check_numerics(self, i: int, d: pb.StageDescription) -> StageError | None:
+        """Every stage and replica of a route must compute the same bits (docs/numerics.md): the first stage
+        described sets the route's numerics, and a hop of others is refused (so recovery never moves a stage
+        onto a replica of other numerics), unless the client allows mixed numerics: then it is logged once
+        and `exact` says the route is not."""
+        got = d.identity.numerics
+        if self._numerics is None:
+            self._numerics = (i, got)
+            return None
+        j, want = self._numerics
+        if got == want:
+            return None
+        if self.allow_mixed_numerics:
+            if (i, got) not in self._mixed_seen:
+                self._mixed_seen.add((i, got))
+                log.warning("%s computes %r, stage %d computes %r: mixed numerics allowed, so this route's results "
+                            "are not exact (they match no whole-model run)", self.hop(i), got, j, want)
+            return None
+        return MixedNumerics(f"computes {got or 'unknown numerics'!r}, but stage {j} computes {want or 'unknown'!r}: "
+                             "their results differ, so the route would reproduce no whole-model run. Serve every "
+                             "stage from one build (docs/numerics.md), or allow it (--allow-mixed-numerics: every "
+                             "result is then labelled not exact)", hop=self.hop(i))
+
+    @property
+    def numerics(self) -> list[str]:
+        """Each stage's numerics on the current route (described on first use)."""
+        return [d.identity.numerics for d in self.hops]
+
+    @property
+    def exact(self) -> bool:
+        """Every stage of the current route computes the same bits (always so unless mixed numerics are allowed)."""
+        return len(set(self.numerics)) == 1
 
     # ------------------------------------------------------------------ liveness
     def probe(self) -> HopUnreachable | None:

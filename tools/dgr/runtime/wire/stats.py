@@ -57,6 +57,8 @@ class Generation:
     cached_tokens: int = 0               # prompt positions every hop restored from its prefix cache (not prefilled)
     failures: list[Failure] = field(default_factory=list)         # recovered from (or the last: gave up)
     routes: list[str] = field(default_factory=list)               # the route of every epoch, in order
+    numerics: list[str] = field(default_factory=list)             # each stage's numerics (the last epoch's route)
+    exact: bool = True                   # every epoch's stages computed alike (False only with mixed numerics allowed)
     t_start: float = 0.0
     t_first: float = 0.0
     t_last: float = 0.0

@@ -76,7 +76,7 @@ class BoundarySchema(_message.Message):
     def __init__(self, n_streams: _Optional[int] = ..., n_embd: _Optional[int] = ..., dtype: _Optional[_Union[Dtype, str]] = ..., token_ids: _Optional[bool] = ..., bundle_id: _Optional[str] = ..., layer: _Optional[int] = ...) -> None: ...
 
 class Identity(_message.Message):
-    __slots__ = ("model", "bundle_id", "stage_index", "stage_count", "layer_begin", "layer_end", "n_layer", "upstream_commit", "patch_series", "lane", "arch")
+    __slots__ = ("model", "bundle_id", "stage_index", "stage_count", "layer_begin", "layer_end", "n_layer", "upstream_commit", "patch_series", "lane", "arch", "numerics")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     BUNDLE_ID_FIELD_NUMBER: _ClassVar[int]
     STAGE_INDEX_FIELD_NUMBER: _ClassVar[int]
@@ -88,6 +88,7 @@ class Identity(_message.Message):
     PATCH_SERIES_FIELD_NUMBER: _ClassVar[int]
     LANE_FIELD_NUMBER: _ClassVar[int]
     ARCH_FIELD_NUMBER: _ClassVar[int]
+    NUMERICS_FIELD_NUMBER: _ClassVar[int]
     model: str
     bundle_id: str
     stage_index: int
@@ -99,7 +100,8 @@ class Identity(_message.Message):
     patch_series: str
     lane: str
     arch: str
-    def __init__(self, model: _Optional[str] = ..., bundle_id: _Optional[str] = ..., stage_index: _Optional[int] = ..., stage_count: _Optional[int] = ..., layer_begin: _Optional[int] = ..., layer_end: _Optional[int] = ..., n_layer: _Optional[int] = ..., upstream_commit: _Optional[str] = ..., patch_series: _Optional[str] = ..., lane: _Optional[str] = ..., arch: _Optional[str] = ...) -> None: ...
+    numerics: str
+    def __init__(self, model: _Optional[str] = ..., bundle_id: _Optional[str] = ..., stage_index: _Optional[int] = ..., stage_count: _Optional[int] = ..., layer_begin: _Optional[int] = ..., layer_end: _Optional[int] = ..., n_layer: _Optional[int] = ..., upstream_commit: _Optional[str] = ..., patch_series: _Optional[str] = ..., lane: _Optional[str] = ..., arch: _Optional[str] = ..., numerics: _Optional[str] = ...) -> None: ...
 
 class DescribeRequest(_message.Message):
     __slots__ = ()

@@ -1,0 +1,121 @@
+// The numerics of this build and of an opened engine (dgr_engine.h, docs/numerics.md): the things that
+// decide the bits of a result besides the model and the input. ggml's kernels round differently per
+// instruction set (an FMA or a wider vector sums in another order), per compiler and per kernel switch,
+// so two stages of one route compute the whole model's bits only when these strings are equal.
+#include "dgr_engine.h"
+#include "dgr_engine_internal.h"
+
+#include "ggml-backend.h"
+#include "ggml-cpu.h"
+
+#include <string>
+#include <vector>
+
+// Set by the build (worker/CMakeLists.txt from `dgr build-engine`, Bazel from the verified pin: the
+// @llama_cpp//:dgr_upstream library): the pinned commit (12 hex), the number of patches applied and the
+// patch series hash (dgr.core.hashing.series_hash, 12 hex). DGR_CPU_VARIANT: "x86-64-v3" (the lane's
+// declared baseline, the default everywhere) or "native" (built for the build host's own CPU).
+#ifndef DGR_UPSTREAM_COMMIT
+#define DGR_UPSTREAM_COMMIT unknown
+#endif
+#ifndef DGR_UPSTREAM_PATCHES
+#define DGR_UPSTREAM_PATCHES 0
+#endif
+#ifndef DGR_UPSTREAM_SERIES
+#define DGR_UPSTREAM_SERIES none
+#endif
+#ifndef DGR_CPU_VARIANT
+#define DGR_CPU_VARIANT baseline
+#endif
+#define DGR_NSTR2(x) #x
+#define DGR_NSTR(x) DGR_NSTR2(x)
+
+using namespace dgr_engine_detail;
+
+namespace {
+
+// What ggml's CPU backend was compiled for (every lane computes some ops there). Its ggml_cpu_has_*
+// answer from the compiler's own macros: this is what runs, whatever flags were meant.
+std::string cpu_isa() {
+    std::string isa;
+#if defined(__x86_64__) || defined(_M_X64)
+    const bool v3 = ggml_cpu_has_avx2() && ggml_cpu_has_fma() && ggml_cpu_has_f16c() && ggml_cpu_has_bmi2();
+    isa = v3 ? "x86-64-v3" : ggml_cpu_has_avx() ? "x86-64-avx" : ggml_cpu_has_ssse3() ? "x86-64-ssse3" : "x86-64";
+    const struct { int (*has)(void); const char * name; } extra[] = {
+        {ggml_cpu_has_avx_vnni, "avxvnni"}, {ggml_cpu_has_avx512, "avx512"},
+        {ggml_cpu_has_avx512_vbmi, "avx512vbmi"}, {ggml_cpu_has_avx512_vnni, "avx512vnni"},
+        {ggml_cpu_has_avx512_bf16, "avx512bf16"}, {ggml_cpu_has_amx_int8, "amxint8"},
+    };
+    for (const auto & e : extra) {
+        if (e.has()) isa += "+" + std::string(e.name);
+    }
+#elif defined(__aarch64__)
+    isa = "arm64";
+    const struct { int (*has)(void); const char * name; } extra[] = {
+        {ggml_cpu_has_neon, "neon"}, {ggml_cpu_has_fp16_va, "fp16"}, {ggml_cpu_has_dotprod, "dotprod"},
+        {ggml_cpu_has_matmul_int8, "i8mm"}, {ggml_cpu_has_sve, "sve"}, {ggml_cpu_has_sme, "sme"},
+    };
+    for (const auto & e : extra) {
+        if (e.has()) isa += "+" + std::string(e.name);
+    }
+#else
+    isa = "generic";
+#endif
+    const std::string variant = DGR_NSTR(DGR_CPU_VARIANT);
+    return variant == "native" ? "native-" + isa : isa;
+}
+
+std::string compiler() {
+#if defined(__clang__)
+    return "clang-" DGR_NSTR(__clang_major__) "." DGR_NSTR(__clang_minor__) "." DGR_NSTR(__clang_patchlevel__);
+#elif defined(__GNUC__)
+    return "gcc-" DGR_NSTR(__GNUC__) "." DGR_NSTR(__GNUC_MINOR__) "." DGR_NSTR(__GNUC_PATCHLEVEL__);
+#else
+    return "cc-unknown";
+#endif
+}
+
+// A GPU lane's device rounds as that device does (lavapipe is not an RTX): its description, spaces as '_'.
+std::string gpu_device() {
+    for (size_t i = 0; i < ggml_backend_dev_count(); ++i) {
+        ggml_backend_dev_t dev = ggml_backend_dev_get(i);
+        if (ggml_backend_dev_type(dev) == GGML_BACKEND_DEVICE_TYPE_CPU) continue;
+        std::string d = ggml_backend_dev_description(dev);
+        for (char & c : d) {
+            if (c == ' ') c = '_';
+        }
+        return d;
+    }
+    return "no-device";
+}
+
+}  // namespace
+
+extern "C" {
+
+const char * dgr_numerics_build(void) {
+    static const std::string s = [] {
+        init_backend_once();
+        std::string lane = dgr_engine_lane();
+        std::string head = lane == "cpu" ? "cpu/" + cpu_isa() : lane + "(" + gpu_device() + ")/" + cpu_isa();
+        return head + " " + compiler() + " llama.cpp-" DGR_NSTR(DGR_UPSTREAM_COMMIT) "+" DGR_NSTR(DGR_UPSTREAM_PATCHES)
+               "." DGR_NSTR(DGR_UPSTREAM_SERIES);
+    }();
+    return s.c_str();
+}
+
+const char * dgr_engine_numerics(dgr_engine * eng) {
+    return eng ? eng->numerics.c_str() : "";
+}
+
+}  // extern "C"
+
+namespace dgr_engine_detail {
+
+std::string open_numerics(bool reference_kernels, bool kv_f32) {
+    // flash attention stays llama.cpp's default (auto) in every engine; named so that a switch would show
+    return std::string(dgr_numerics_build()) + (reference_kernels ? " reference" : " fast") +
+           (kv_f32 ? " kv-f32" : " kv-f16") + " fa-auto";
+}
+
+}  // namespace dgr_engine_detail
