@@ -97,18 +97,23 @@ def _serving_address(proc: subprocess.Popen, timeout: float) -> str:
 
 @pytest.mark.slow
 @pytest.mark.engine
-def test_release_serves_where_no_python3_exists_and_its_dgr_runs_on_a_bare_python(tmp_path, engine_lib):
+def test_release_serves_where_no_python3_exists_and_its_dgr_runs_on_a_bare_python(tmp_path, engine_lib, smollm2_gguf):
     """The CPU release, extracted into an empty folder: its `bin/dgr-worker` serves the 3 stages of SmolLM2
     with no python3 on PATH and a clean environment (no checkout, nothing of the workspace), and a route
-    through them generates the same tokens as the checkout's own workers. `bin/dgr --version`, run by the
+    through them, one through the checkout's own workers, and one mixing the two (a release's stage 0, the
+    checkout's 1 and 2: one numerics, docs/numerics.md) all generate the whole model's tokens and logits,
+    bit for bit. `bin/dgr --version`, run by the
     system's bare /usr/bin/python3 (no PYTHONPATH, no site-packages: only what the archive carries),
     reports the release's own pin."""
     import shutil
     import tarfile
     import time
 
-    from dgr.app.demo import ensure_bundle
+    import numpy as np
+
+    from dgr.app.demo import ensure_bundle, whole_model_run
     from dgr.app.local import LocalRoute
+    from dgr.runtime.engine import Engine
     from dgr.runtime.wire.client import RouteClient
     from dgr.toolchain.buildinfo import build_info
 
@@ -144,19 +149,36 @@ def test_release_serves_where_no_python3_exists_and_its_dgr_runs_on_a_bare_pytho
     procs = [subprocess.Popen([str(top / "bin/dgr-worker"), "serve", "--bundle", str(bundle.root), "--stage", str(i),
                                "--listen", "127.0.0.1:0", "--threads", "1", "--n-ctx", "512"], env=env, cwd=tmp_path,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(3)]
+    args = [["--bundle", str(bundle.root), "--stage", str(i), "--threads", "1", "--n-ctx", "512"] for i in range(3)]
     try:
         addresses = [_serving_address(p, 300) for p in procs]
         to_serving = time.monotonic() - t0
         print(f"release: 3 workers from the extracted archive to SERVING in {to_serving:.1f} s")
         with RouteClient(addresses) as c:
-            release_gen = c.run(PROMPT, max_new_tokens=16)
+            release_gen = c.run(PROMPT, max_new_tokens=16, logits="last", stop_token_ids=[])
+        with LocalRoute(args, env={"DGR_ENGINE_LIB": str(engine_lib)}, timeout=300) as r:
+            with RouteClient(r.addresses) as c:
+                checkout_gen = c.run(PROMPT, max_new_tokens=16, logits="last", stop_token_ids=[])
+            # one numerics (docs/numerics.md): a release's worker and a checkout's share a route, and it is exact
+            mixed_route = [addresses[0], r.addresses[1], r.addresses[2]]
+            with RouteClient(mixed_route) as c:
+                mixed_gen = c.run(PROMPT, max_new_tokens=16, logits="last", stop_token_ids=[])
+                numerics = c.numerics
     finally:
         for p in procs:
             p.terminate()
         for p in procs:
             p.wait(timeout=60)
-    args = [["--bundle", str(bundle.root), "--stage", str(i), "--threads", "1", "--n-ctx", "512"] for i in range(3)]
-    with LocalRoute(args, env={"DGR_ENGINE_LIB": str(engine_lib)}, timeout=300) as r, RouteClient(r.addresses) as c:
-        checkout_gen = c.run(PROMPT, max_new_tokens=16)
-    assert release_gen.token_ids == checkout_gen.token_ids
+    assert len(set(numerics)) == 1 and numerics[0].startswith("cpu/x86-64-v3 "), numerics
+    ids = release_gen.prompt_ids
+    eng = Engine.open(smollm2_gguf, lib=engine_lib, n_threads=1, n_ctx=512)
+    try:
+        whole = whole_model_run(eng, ids, 16)
+    finally:
+        eng.close()
+    for gen in (release_gen, checkout_gen, mixed_gen):
+        assert gen.token_ids == whole.token_ids
+        rows = [gen.logits[len(ids) - 1 + k] for k in range(16)]
+        assert all(np.array_equal(a, b) for a, b in zip(rows, whole.logits)), \
+            f"max |logit diff| {max(float(np.max(np.abs(a - b))) for a, b in zip(rows, whole.logits))}"
     assert release_gen.text == checkout_gen.text and release_gen.text

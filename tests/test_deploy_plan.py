@@ -119,6 +119,24 @@ def test_absent_certificates_and_plaintext_off_loopback_are_named(tiny, tmp_path
     assert f"dgr certs issue {tmp_path / 'certs'} s0-r0 --host 192.0.2.7" in errs[1]
 
 
+def test_hosts_of_other_numerics_are_a_problem_unless_the_file_allows_a_mix(tiny, tmp_path):
+    """docs/numerics.md: a lane and a CPU variant decide the bits a worker computes; one route needs one of each."""
+    stages = "".join(f'[[stages]]\nlayers = [{b}, {e}]\nhost = "{h}"\nport = {7500 + b}\n\n'
+                     for h, (b, e) in zip("aab", [(0, 2), (2, 4), (4, 6)]))
+    hosts = "".join(f'[[hosts]]\nname = "{n}"\naddress = "127.0.0.1"\nstore = "{tmp_path / "s"}"\n{extra}\n'
+                    for n, extra in (("a", ""), ("b", 'cpu_variant = "native"')))
+    errs = errors(dgr("deploy", "plan", str(write(tmp_path / "mix.toml", _by_id(tiny, tmp_path / "s", stages, hosts)))))
+    assert errs == ["the workers would compute different numerics: cpu/x86-64-v3: s0-r0 on a, s1-r0 on a; "
+                    "cpu/native: s2-r0 on b: their results differ, so the route would reproduce no whole-model run "
+                    "(clients refuse it). Give every host one lane and cpu_variant, or set allow_mixed_numerics = "
+                    "true (results are then labelled not exact)"], errs
+    allowed = _by_id(tiny, tmp_path / "s", stages, hosts, "allow_mixed_numerics = true")
+    assert dgr("deploy", "plan", str(write(tmp_path / "ok.toml", allowed))).returncode == 0
+    bad = hosts.replace('"native"', '"avx9000"')
+    proc = dgr("deploy", "plan", str(write(tmp_path / "bad.toml", _by_id(tiny, tmp_path / "s", stages, bad))))
+    assert proc.returncode != 0 and "cpu_variant 'avx9000' is not one of ['x86-64-v3', 'native']" in proc.stderr
+
+
 def test_a_malformed_file_names_the_field(tmp_path):
     f = write(tmp_path / "x.toml", f'name = "x"\n[bundle]\nrecipe = "r"\n[[hosts]]\nname = "a"\naddress = "127.0.0.1"\n'
               f'store = "{tmp_path}"\nlane = "tpu"\n')

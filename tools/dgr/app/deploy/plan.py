@@ -113,6 +113,7 @@ def make_plan(path_or_loaded: str | Path | LoadedDeployment) -> Plan:
                     local=is_this_machine(h.address)))
                 k += 1
     _check_hosts(plan)
+    _check_numerics(plan)
     _check_security(plan)
     _todo(plan)
     return plan
@@ -212,6 +213,21 @@ def _check_hosts(plan: Plan) -> None:
             names = [w.name for w in ws if w.port == p]
             plan.problems.append(f"host {h.name}: port {p} is given to {', '.join(names)}; give each stage "
                                  "its own port range (replica k listens on port + k)")
+
+
+def _check_numerics(plan: Plan) -> None:
+    """Every worker of the route computes alike (docs/numerics.md): one lane and one CPU variant, unless the file
+    allows a mix (then every result of the route says it is not exact)."""
+    if plan.loaded.deployment.allow_mixed_numerics:
+        return
+    kinds: dict[str, list[str]] = {}
+    for w in plan.workers:
+        kinds.setdefault(f"{w.host.lane}/{w.host.cpu_variant}", []).append(f"{w.name} on {w.host.name}")
+    if len(kinds) > 1:
+        plan.problems.append(
+            "the workers would compute different numerics: " + "; ".join(f"{k}: {', '.join(v)}" for k, v in kinds.items())
+            + ": their results differ, so the route would reproduce no whole-model run (clients refuse it). Give every "
+            "host one lane and cpu_variant, or set allow_mixed_numerics = true (results are then labelled not exact)")
 
 
 def _check_security(plan: Plan) -> None:

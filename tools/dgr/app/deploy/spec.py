@@ -22,7 +22,7 @@ from typing import Any
 from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
 
 from dgr.app.deploy import READY_TIMEOUT_S
-from dgr.core.constants import DEFAULT_MAX_SESSIONS, DEFAULT_N_CTX, LANES
+from dgr.core.constants import CPU_VARIANTS, DEFAULT_MAX_SESSIONS, DEFAULT_N_CTX, LANES
 from dgr.core.contract import STRICT
 from dgr.core.errors import DgrError, first_field_error
 from dgr.runtime.wire.limits import Limits
@@ -91,6 +91,8 @@ class Host(BaseModel):
     listen: str | None = Field(default=None, description="the address workers bind (default: address)")
     store: str = Field(description="the store folder bundles are provisioned into (a data drive, never /home)")
     lane: str = "cpu"
+    cpu_variant: str = Field(default=CPU_VARIANTS[0], description="the instruction set its engine's CPU backend is "
+                             "built for (docs/numerics.md): the lane's baseline, or native (its own CPU)")
     capacity: Capacity = Capacity()
 
     @field_validator("name")
@@ -103,6 +105,13 @@ class Host(BaseModel):
     def _lane(cls, v: str) -> str:
         if v not in LANES:
             raise ValueError(f"lane {v!r} is not one of {list(LANES)}")
+        return v
+
+    @field_validator("cpu_variant")
+    @classmethod
+    def _variant(cls, v: str) -> str:
+        if v not in CPU_VARIANTS:
+            raise ValueError(f"cpu_variant {v!r} is not one of {list(CPU_VARIANTS)}")
         return v
 
     @field_validator("address", "listen")
@@ -206,6 +215,9 @@ class Deployment(BaseModel):
     worker: WorkerOptions = WorkerOptions()
     tls: Tls | None = None
     supervise: Supervise = Supervise()
+    allow_mixed_numerics: bool = Field(default=False, description="let stages on hosts of other lanes or CPU "
+                                       "variants share a route (docs/numerics.md): results then match no "
+                                       "whole-model run")
 
     @field_validator("name")
     @classmethod
