@@ -176,3 +176,19 @@ def test_a_certificate_holds_only_for_the_numerics_it_was_measured_on():
     assert check(cert, Identity(**ident, numerics="cpu/x86-64-v3 fast")) == (
         "certificate is for numerics 'cpu/x86-64-v3 reference', this worker computes 'cpu/x86-64-v3 fast'")
     assert "numerics" not in (check(cert, Identity(**ident, numerics="cpu/x86-64-v3 reference")) or "")
+
+
+def test_bench_numerics_compares_variants_at_the_same_positions(engine_lib, smollm2_gguf):
+    """`dgr bench numerics`' comparison: the reference against itself is 0 and never diverges; every row is
+    compared (the reference's tokens fed to each variant), and each row names the numerics it ran."""
+    from dgr.app.numerics import Variant, compare, table
+
+    rows = compare([("smollm2", smollm2_gguf)], [Variant("ref", engine_lib), Variant("fast", engine_lib, True)],
+                   tokens=8, prompts=("The three primary colors are", "Once upon a time"), prefill_tokens=64,
+                   rounds=1)
+    ref, fast = rows
+    assert (ref.max_abs_diff, ref.diverged, ref.first_divergence) == (0.0, 0, [None, None])
+    assert ref.rows == fast.rows == 2 * 8
+    assert ref.numerics.endswith(" reference kv-f16 fa-auto") and fast.numerics.endswith(" fast kv-f16 fa-auto")
+    assert ref.prefill_tok_s > 0 and fast.decode_tok_s > 0
+    assert "| smollm2 | fast |" in table(rows)

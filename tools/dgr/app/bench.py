@@ -365,6 +365,7 @@ def rounded(obj, digits: int = 4):
 
 def _report(setup: Setup, acc: _Acc, lengths, tokens, rounds, sessions, chunk, wire, payload, dtype,
             seconds: float) -> dict:
+    from dgr.runtime.engine_abi import build_numerics
     from dgr.runtime.wire.codec import DTYPE_NAMES
 
     S = setup.stages
@@ -375,7 +376,8 @@ def _report(setup: Setup, acc: _Acc, lengths, tokens, rounds, sessions, chunk, w
     return rounded({
         "bench": {"model": setup.label, "bundle": str(setup.bundle.root), "bundle_id": setup.bundle.id,
                   "arch": setup.bundle.manifest.model.arch, "stages": S, "threads": setup.threads,
-                  "engine_lib": str(setup.lib), "tokens": tokens, "prompt_lengths": list(lengths),
+                  "engine_lib": str(setup.lib), "numerics": build_numerics(setup.lib),
+                  "tokens": tokens, "prompt_lengths": list(lengths),
                   "rounds": rounds, "chunk_tokens": chunk, "cpus": os.cpu_count(), "seconds": round(seconds, 1),
                   "worker": "dgr-worker",
                   "wire_dtype": DTYPE_NAMES.get(dtype.dtype) if dtype is not None else None},

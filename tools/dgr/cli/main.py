@@ -39,11 +39,11 @@ class _Version(argparse.Action):
 def _numerics_line() -> str:
     """What the engine library this dgr would load computes with (docs/numerics.md), or why it cannot say."""
     from dgr.core.errors import EngineError
-    from dgr.runtime.engine_abi import library_path, load_library
+    from dgr.runtime.engine_abi import build_numerics, library_path
 
     try:
         path = library_path()
-        return f"numerics {load_library(path).dgr_numerics_build().decode()} ({path})"
+        return f"numerics {build_numerics(path)} ({path})"
     except (EngineError, OSError, AttributeError) as err:
         return f"numerics unknown: {err}"
 

@@ -187,3 +187,8 @@ def _raise(h: C.CDLL, status: int) -> None:
     if status == E_UNSUPPORTED:
         raise Unsupported(msg)
     raise EngineError(msg)
+
+
+def build_numerics(lib: str | Path | None = None) -> str:
+    """What the engine library computes with, before any open's switches (dgr_numerics_build, docs/numerics.md)."""
+    return load_library(lib).dgr_numerics_build().decode()

@@ -1,8 +1,8 @@
 """`dgr bench`: the whole model against the pipeline side by side (the bare command), plus the sections of
 issue 15 (`--wan-rtt-ms`, `--dtypes`, `--speculate`); subcommands `soak` (concurrent sessions for
 minutes, errors and RSS), `tls` (what mutual TLS costs per hop against plaintext), `frames` (gRPC against
-hand-framed TCP and TLS per hop) and `conversation` (what
-the prefix cache buys a chat, issue 23)."""
+hand-framed TCP and TLS per hop), `conversation` (what
+the prefix cache buys a chat, issue 23) and `numerics` (how far apart the numerics this machine runs are)."""
 
 from __future__ import annotations
 
@@ -62,6 +62,27 @@ def _conversation(args) -> int:
         with open(args.json, "w") as f:
             json.dump(rep.as_dict(), f, indent=2)
     return 0 if rep.as_dict()["same_text"] else 1
+
+
+def _numerics(args) -> int:
+    from dgr.app.numerics import Variant, as_json, compare, default_models, table
+    from dgr.core.paths import workspace
+    from dgr.runtime.engine_abi import library_path
+
+    libs = [tuple(x.split("=", 1)) for x in args.lib] if args.lib else \
+        [("x86-64-v3", str(library_path()))] + \
+        ([("native", str(n))] if (n := workspace() / "build" / "cpu-native" / "libdgr_engine.so").is_file() else [])
+    if any(len(x) != 2 or not Path(x[1]).is_file() for x in libs):
+        raise DgrError("--lib LABEL=PATH: give a label and a built engine library (e.g. native=.dgr/build/cpu-native/"
+                       "libdgr_engine.so from `dgr build-engine --cpu-variant native`)")
+    variants = [Variant(f"{label} {k}", Path(path), k == "fast") for label, path in libs for k in ("reference", "fast")]
+    models = default_models(workspace() / "bench-numerics", variants[0].lib)
+    rows = compare(models, variants, tokens=args.tokens, threads=args.threads, rounds=args.rounds)
+    print(table(rows))
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(as_json(rows, args.tokens), indent=2) + "\n")
+    return 0
 
 
 # ---------------------------------------------------------------------------------------- the sections
@@ -284,3 +305,14 @@ def register(sub) -> None:
     c.add_argument("--threads", type=int, default=1, help="engine threads per worker (default 1)")
     c.add_argument("--json", metavar="FILE", help="also write the figures as JSON")
     c.set_defaults(func=_conversation)
+
+    n = bsub.add_parser("numerics", help="how far apart the numerics this machine can run are (docs/numerics.md): "
+                                         "logit differences, greedy divergence within --tokens, and speed, side by side")
+    n.add_argument("--lib", action="append", metavar="LABEL=PATH", help="an engine library to compare, each with the "
+                   "reference and the fast kernels; the first is the reference (default: the workspace's CPU build, "
+                   "then its native build if `dgr build-engine --cpu-variant native` made one)")
+    n.add_argument("--tokens", type=int, default=64, help="greedy tokens per prompt (default 64)")
+    n.add_argument("--threads", type=int, default=1, help="engine threads (default 1)")
+    n.add_argument("--rounds", type=int, default=3, help="timed rounds, alternating the variants' order (default 3)")
+    n.add_argument("--json", metavar="FILE", help="also write the rows as JSON")
+    n.set_defaults(func=_numerics)
