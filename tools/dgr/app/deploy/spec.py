@@ -100,18 +100,12 @@ class Host(BaseModel):
     def _n(cls, v: str) -> str:
         return _name(v)
 
-    @field_validator("lane")
+    @field_validator("lane", "cpu_variant")
     @classmethod
-    def _lane(cls, v: str) -> str:
-        if v not in LANES:
-            raise ValueError(f"lane {v!r} is not one of {list(LANES)}")
-        return v
-
-    @field_validator("cpu_variant")
-    @classmethod
-    def _variant(cls, v: str) -> str:
-        if v not in CPU_VARIANTS:
-            raise ValueError(f"cpu_variant {v!r} is not one of {list(CPU_VARIANTS)}")
+    def _one_of(cls, v: str, info) -> str:
+        allowed = LANES if info.field_name == "lane" else CPU_VARIANTS
+        if v not in allowed:
+            raise ValueError(f"{info.field_name} {v!r} is not one of {list(allowed)}")
         return v
 
     @field_validator("address", "listen")
