@@ -19,6 +19,7 @@ from dgr.app.certify import (DEFAULT_CONTRACT, INCONCLUSIVE, GateResult, Judged,
                               is_inconclusive, judge, load_contract, overall, speed_figures)
 from dgr.app.certify.features import PREFIX_CHECK, RECOVERY_CHECK
 from dgr.core.certificate import Figure, check, load_certificate
+from dgr.runtime.engine_abi import build_numerics
 
 from support.certify import dgr, table_rows as _rows
 
@@ -173,7 +174,7 @@ def test_a_failing_row_fails_the_gate_its_table_and_its_exit_code(monkeypatch, c
         out = capsys.readouterr().out
         assert out == res.table() + "\n"
         lines = out.splitlines()
-        assert lines[0] == f"dgr gate alpha (contract certification/alpha.toml, blake3 {lc.blake3[:16]})"
+        assert lines[0] == f"dgr gate alpha (contract certification/alpha.toml, blake3 {lc.blake3[:16]}; numerics unknown)"
         assert lines[1].split() == ["check", "figure", "threshold", "pass"] and lines[-1] == summary
         rows = _rows(out)
         assert rows["t: parity: max |logit diff|"] == ["0", "== 0", "yes"]
@@ -213,7 +214,8 @@ def test_gate_alpha_certifies_every_target_and_prints_its_table(tmp_path, engine
     print(out)
     lc = load_contract()
     lines = out.splitlines()
-    assert lines[0] == f"dgr gate alpha (contract certification/alpha.toml, blake3 {lc.blake3[:16]})"
+    assert lines[0] == (f"dgr gate alpha (contract certification/alpha.toml, blake3 {lc.blake3[:16]}; "
+                        f"numerics {build_numerics(engine_lib)})")
     assert lines[1].split() == ["check", "figure", "threshold", "pass"]
     rows = _rows(out)
     speed = {k for k in rows if ": speed: " in k}

@@ -18,6 +18,7 @@ from dgr.app.certify import load_contract
 from dgr.app.certify.features import PREFIX_CHECK, RECOVERY_CHECK
 from dgr.core.certificate import load_certificate
 from dgr.core.paths import REPO_ROOT
+from dgr.runtime.engine_abi import build_numerics
 
 from support.certify import dgr, table_rows as _rows
 
@@ -55,7 +56,8 @@ def test_gate_beta_certifies_every_target_and_prints_its_table(tmp_path, engine_
     print(out)
     lc = load_contract(BETA)
     lines = out.splitlines()
-    assert lines[0] == f"dgr gate beta (contract certification/beta.toml, blake3 {lc.blake3[:16]})"
+    assert lines[0] == (f"dgr gate beta (contract certification/beta.toml, blake3 {lc.blake3[:16]}; "
+                        f"numerics {build_numerics(engine_lib)})")
     rows = _rows(out)
     speed = {k for k in rows if ": speed: " in k} | {COST}
     # every row but the speed rows passes on any machine, loaded or not

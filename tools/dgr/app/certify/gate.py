@@ -35,6 +35,7 @@ class GateResult:
     contract: LoadedContract
     rows: list[Row] = field(default_factory=list)
     certificates: dict[str, Path] = field(default_factory=dict)
+    numerics: str = ""           # the engine library's (docs/numerics.md): every certificate names it with its switches
 
     @property
     def passed(self) -> bool:
@@ -47,7 +48,8 @@ class GateResult:
 
     def table(self) -> str:
         return format_table(self.rows, f"dgr gate {self.contract.contract.name} "
-                            f"(contract {self.contract.ref_path}, blake3 {self.contract.blake3[:16]})")
+                            f"(contract {self.contract.ref_path}, blake3 {self.contract.blake3[:16]}; "
+                            f"numerics {self.numerics or 'unknown'})")
 
 
 def _fmt(v) -> str:
@@ -89,6 +91,7 @@ def run_gate(contract: str | Path | None = None, *, out_dir: str | Path | None =
     (default: the workspace's certificates/<contract name>/)."""
     from dgr.app.certify import fixtures
     from dgr.app.certify.runner import certify, engine_library
+    from dgr.runtime.engine_abi import build_numerics
 
     lc = load_contract(contract)
     c = lc.contract
@@ -105,6 +108,7 @@ def run_gate(contract: str | Path | None = None, *, out_dir: str | Path | None =
                            f"not one of gate.synthetic {sorted(by_name)}")
         res.rows.append(Row(spec.name, fixtures.mtp_refusal(spec, root)))
     lib = engine_library(lane, lib)
+    res.numerics = build_numerics(lib)
 
     # 2. Committed recipes (real weights), 3. synthetic targets.
     targets = [(Path(r).parent.name if Path(r).name == "recipe.toml" else Path(r).stem,
