@@ -84,27 +84,37 @@ class StopSignals:
         self.release()
 
 
-def _tls_args(plan: Plan, w: WorkerPlan) -> list[str]:
+def tls_files(plan: Plan, w: WorkerPlan) -> dict[str, Path]:
+    """Worker `w`'s TLS flags and the files of the deployment's tls.dir they name (none without [tls];
+    no --tls-ca without mutual TLS)."""
     t = plan.loaded.deployment.tls
     if t is None:
-        return []
+        return {}
     d = plan.loaded.resolve(t.dir)
-    args = ["--tls-cert", str(d / f"{w.name}.pem"), "--tls-key", str(d / f"{w.name}.key")]
-    return args + (["--tls-ca", str(d / "ca.pem")] if t.mutual else [])
+    files = {"--tls-cert": d / f"{w.name}.pem", "--tls-key": d / f"{w.name}.key"}
+    return files | ({"--tls-ca": d / "ca.pem"} if t.mutual else {})
 
 
-def worker_args(plan: Plan, w: WorkerPlan, bundle: Path, port: int) -> list[str]:
-    """The `worker serve ...` arguments of worker `w` (the same for `dgr up` and the systemd units)."""
+def worker_args(plan: Plan, w: WorkerPlan, bundle: Path | str, port: int, *, bind: str | None = None,
+                tls: dict[str, str] | None = None, insecure: bool | None = None) -> list[str]:
+    """The `worker serve ...` arguments of worker `w`: the same for `dgr up`, the systemd units and the
+    Kubernetes pods. Where the worker runs elsewhere, `bind` (default: the host's), `tls` (flag -> the
+    file as the worker sees it, for the flags `tls_files` gives; default: those files) and `insecure`
+    (default: the file's worker.insecure) say what differs there."""
     o = plan.loaded.deployment.worker
-    bind = w.bind
+    bind = bind or w.bind
     listen = f"[{bind}]:{port}" if ":" in bind else f"{bind}:{port}"
+    files = tls_files(plan, w)
+    if tls is not None and set(tls) != set(files):
+        raise ValueError(f"worker_args: tls gives {sorted(tls)}, the deployment's TLS flags are {sorted(files)}")
+    paths = tls if tls is not None else {flag: str(f) for flag, f in files.items()}
     args = ["serve", "--bundle", str(bundle), "--stage", str(w.stage), "--listen", listen,
             "--lane", w.host.lane, "--threads", str(o.threads), "--session-ttl", f"{o.session_ttl:g}",
             "--max-sessions", str(o.max_sessions), "--n-ctx", str(o.n_ctx),
             "--max-queued-steps", str(o.max_queued_steps), "--max-session-steps", str(o.max_session_steps),
             "--drain-timeout", f"{o.drain_timeout:g}", "--prefix-cache-mib", str(o.prefix_cache_mib),
-            *_tls_args(plan, w)]
-    return args + (["--insecure"] if o.insecure else [])
+            *(a for flag in files for a in (flag, paths[flag]))]
+    return args + (["--insecure"] if (o.insecure if insecure is None else insecure) else [])
 
 
 def client_tls(plan_or_run: Plan | dict, worker: str):
