@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from dgr.app.deploy.control import tls_files, worker_args
+from dgr.app.deploy.argv import tls_files, worker_args
 from dgr.app.deploy.plan import MEMORY_HEADROOM, Plan, WorkerPlan
 from dgr.app.deploy.spec import DeployError
 
