@@ -4,15 +4,14 @@ validates offline against Kubernetes K8S's schemas (`kubernetes-validate`, stric
 an error) and against what the schemas cannot say (names, selectors, mounts, ports); the render is the
 same bytes twice; and the rendered pods run here (a stand-in kubelet, tests/support/kubelet.py: their
 command, arguments and environment as rendered, the init container first) form a route, with mutual TLS
-from the Secrets `secrets.sh` makes, that generates what a route of the same workers started the normal
-way generates, and so does the rendered gateway over it."""
+from the Secrets `secrets.sh` makes and in plaintext, that generates what a route of the same workers
+started the normal way generates, and so does the rendered gateway over it."""
 
 from __future__ import annotations
 
 import base64
 import re
 import subprocess
-import sys
 import time
 from pathlib import Path
 
