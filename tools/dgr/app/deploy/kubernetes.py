@@ -69,7 +69,7 @@ class Options:
 
 
 @dataclass(frozen=True)
-class ReplicaSet:
+class StageSet:
     """The workers of one stage on one host: one StatefulSet, pod k is workers[k]."""
 
     stage: int
@@ -98,7 +98,7 @@ def _base(plan: Plan) -> str:
     return _dns(plan.name, "deployment name")
 
 
-def replica_sets(plan: Plan) -> list[ReplicaSet]:
+def stage_sets(plan: Plan) -> list[StageSet]:
     """The StatefulSets: per stage, one per host its workers run on (in the file's order)."""
     base = _base(plan)
     out = []
@@ -109,14 +109,14 @@ def replica_sets(plan: Plan) -> list[ReplicaSet]:
         port = ws[0].port or DEFAULT_PORT
         for h in hosts:
             name = service if len(hosts) == 1 else f"{service}-{h}"
-            out.append(ReplicaSet(i, h, _dns(name, "StatefulSet", _MAX_STS), service, port,
+            out.append(StageSet(i, h, _dns(name, "StatefulSet", _MAX_STS), service, port,
                                   tuple(w for w in ws if w.host.name == h)))
     return out
 
 
 def route(plan: Plan) -> str:
     """The route the gateway is given: `<pod>.<service>:<port>`, stages in order, replicas joined by '|'."""
-    sets = replica_sets(plan)
+    sets = stage_sets(plan)
     return ",".join("|".join(rs.address(k) for rs in sets if rs.stage == i for k in range(len(rs.workers)))
                     for i in range(plan.stage_count()))
 
@@ -149,7 +149,7 @@ _HARDENED = {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
              "capabilities": {"drop": ["ALL"]}}
 
 
-def _probe(rs: ReplicaSet, tcp: bool, period: int, failures: int) -> dict:
+def _probe(rs: StageSet, tcp: bool, period: int, failures: int) -> dict:
     how = {"tcpSocket": {"port": "grpc"}} if tcp else {"grpc": {"port": rs.port}}
     return {**how, "periodSeconds": period, "timeoutSeconds": 5, "failureThreshold": failures}
 
@@ -171,7 +171,7 @@ def secret_name(pod: str) -> str:
     return _dns(f"{pod}-tls", "Secret", 253)
 
 
-def stateful_set(plan: Plan, rs: ReplicaSet, o: Options) -> dict:
+def stateful_set(plan: Plan, rs: StageSet, o: Options) -> dict:
     d = plan.loaded.deployment
     w0 = rs.workers[0]
     bundle = _bundle_folder(plan)
@@ -236,14 +236,14 @@ def stateful_set(plan: Plan, rs: ReplicaSet, o: Options) -> dict:
                     "initContainers": [verify], "containers": [worker], "volumes": volumes}}}}
 
 
-def stage_service(plan: Plan, stage: int, rs: ReplicaSet, o: Options) -> dict:
+def stage_service(plan: Plan, stage: int, rs: StageSet, o: Options) -> dict:
     return {"apiVersion": "v1", "kind": "Service",
             "metadata": _meta(plan, o, rs.service, _labels(plan, "stage", stage=str(stage))),
             "spec": {"clusterIP": "None", "selector": _labels(plan, "stage", stage=str(stage)),
                      "ports": [{"name": "grpc", "port": rs.port, "targetPort": "grpc", "protocol": "TCP"}]}}
 
 
-def disruption_budget(plan: Plan, stage: int, rs: ReplicaSet, o: Options) -> dict:
+def disruption_budget(plan: Plan, stage: int, rs: StageSet, o: Options) -> dict:
     # one pod of a stage at a time: with replicas the others carry the route; a stage of one pod still
     # lets a node drain (the route waits for it to come back, as for a restart in place)
     return {"apiVersion": "policy/v1", "kind": "PodDisruptionBudget",
@@ -308,7 +308,7 @@ def manifests(plan: Plan, o: Options) -> list[dict]:
     StatefulSets and budget, then the gateway."""
     plan.check()
     out = [store_claim(plan, o)]
-    sets = replica_sets(plan)
+    sets = stage_sets(plan)
     for i in range(plan.stage_count()):
         mine = [rs for rs in sets if rs.stage == i]
         out += [stage_service(plan, i, mine[0], o), *(stateful_set(plan, rs, o) for rs in mine),
@@ -319,7 +319,7 @@ def manifests(plan: Plan, o: Options) -> list[dict]:
 def members(plan: Plan) -> list[tuple[str, str, list[str]]]:
     """(Secret, member, the DNS names its certificate must hold) per pod and for the gateway."""
     out = []
-    for rs in replica_sets(plan):
+    for rs in stage_sets(plan):
         for k, w in enumerate(rs.workers):
             out.append((secret_name(rs.pod(k)), w.name, [f"{rs.pod(k)}.{rs.service}"]))
     gw = _dns(f"{_base(plan)}-gateway", "Deployment")
