@@ -88,6 +88,26 @@ def test_verify_resumes_where_it_stopped(tmp_path):
     assert verify_bundle(b.root).chunks_read == total
 
 
+def test_verify_of_one_stage_reads_its_file_alone_and_resumes(tmp_path, capsys):
+    # what a pod's init container runs before its worker (docs/deploy.md "Kubernetes"): its own stage only
+    b = make_bundle(tmp_path)
+    n1 = len(b.manifest.stages[1].chunks)
+    p0 = b.stage_paths[0]
+    data = bytearray(p0.read_bytes())
+    data[0] ^= 0x01
+    p0.write_bytes(bytes(data))                       # stage 0 corrupt: not stage 1's business
+    first = verify_bundle(b.root, stages=[1], max_chunks=n1 // 2)
+    assert not first.complete and first.chunks_total == n1
+    rest = verify_bundle(b.root, stages=[1])
+    assert rest.complete and rest.chunks_skipped == n1 // 2 and rest.chunks_read == n1 - n1 // 2
+    assert main(["bundle", "verify", str(b.root), "--stage", "1", "--expect-id", b.id[:12], "-q"]) == 0
+    assert f"{n1} chunks of stage(s) 1 verified" in capsys.readouterr().out
+    with pytest.raises(BundleError, match=f"{b.manifest.stages[0].file}: chunk 0 "):
+        verify_bundle(b.root, stages=[0, 1])
+    assert main(["bundle", "verify", str(b.root), "--stage", "2", "-q"]) != 0
+    assert "no stage 2: the bundle's stages are 0-1" in capsys.readouterr().err
+
+
 def test_verify_rechecks_a_file_changed_since_the_interrupted_run(tmp_path):
     b = make_bundle(tmp_path)
     n0 = len(b.manifest.stages[0].chunks)

@@ -1,4 +1,5 @@
-"""Deployments: a TOML file of hosts and stages, planned, brought up and supervised here, or rendered as units.
+"""Deployments: a TOML file of hosts and stages, planned, brought up and supervised here, or rendered as units
+or Kubernetes objects.
 
 One job per module:
 
@@ -12,8 +13,10 @@ One job per module:
   one that keeps crashing the same way;
 - `events`: what happened to the workers since the last look, one line each (`dgr up`'s progress);
 - `condition`: up, degraded or down, of a worker, a route and a run (`dgr status` and its exit status);
+- `argv`: a worker's command line, the same for `dgr up`, the units and the pods;
 - `control`: `dgr up`, `dgr down`, `dgr status`;
-- `systemd`: `dgr deploy render --systemd`, one unit per worker.
+- `systemd`: `dgr deploy render --systemd`, one unit per worker;
+- `kubernetes`: `dgr deploy render --kubernetes`, StatefulSets, Services, budgets, the claim and the gateway.
 
 dgr.app.deploy sits beside dgr.app: it composes the toolchain (bundles, recipes, the planner) and the
 wire's client side (health, Describe); the runtime never imports it.

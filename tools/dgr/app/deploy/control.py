@@ -28,9 +28,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dgr.app.deploy import STATUS_TIMEOUT_S, condition, runstate
+from dgr.app.deploy.argv import worker_args
 from dgr.app.deploy.events import Watcher
 from dgr.app.deploy.local import free_port, port_free
-from dgr.app.deploy.plan import Plan, WorkerPlan, make_plan
+from dgr.app.deploy.plan import Plan, make_plan
 from dgr.app.deploy.spec import DeployError
 from dgr.core.locks import locked
 from dgr.core.log import get_logger
@@ -82,29 +83,6 @@ class StopSignals:
 
     def __exit__(self, *exc) -> None:
         self.release()
-
-
-def _tls_args(plan: Plan, w: WorkerPlan) -> list[str]:
-    t = plan.loaded.deployment.tls
-    if t is None:
-        return []
-    d = plan.loaded.resolve(t.dir)
-    args = ["--tls-cert", str(d / f"{w.name}.pem"), "--tls-key", str(d / f"{w.name}.key")]
-    return args + (["--tls-ca", str(d / "ca.pem")] if t.mutual else [])
-
-
-def worker_args(plan: Plan, w: WorkerPlan, bundle: Path, port: int) -> list[str]:
-    """The `worker serve ...` arguments of worker `w` (the same for `dgr up` and the systemd units)."""
-    o = plan.loaded.deployment.worker
-    bind = w.bind
-    listen = f"[{bind}]:{port}" if ":" in bind else f"{bind}:{port}"
-    args = ["serve", "--bundle", str(bundle), "--stage", str(w.stage), "--listen", listen,
-            "--lane", w.host.lane, "--threads", str(o.threads), "--session-ttl", f"{o.session_ttl:g}",
-            "--max-sessions", str(o.max_sessions), "--n-ctx", str(o.n_ctx),
-            "--max-queued-steps", str(o.max_queued_steps), "--max-session-steps", str(o.max_session_steps),
-            "--drain-timeout", f"{o.drain_timeout:g}", "--prefix-cache-mib", str(o.prefix_cache_mib),
-            *_tls_args(plan, w)]
-    return args + (["--insecure"] if o.insecure else [])
 
 
 def client_tls(plan_or_run: Plan | dict, worker: str):

@@ -17,6 +17,10 @@ from dgr.app.deploy.resolve import BundleInfo, fill_from_model, resolve_bundle
 from dgr.app.deploy.spec import DeployError, Host, LoadedDeployment, load_deployment
 from dgr.core.errors import DgrError
 
+# Beside its weights and prefix cache a worker holds its KV cache and the engine's compute buffers: what a
+# unit's MemoryMax and a pod's memory request leave for them.
+MEMORY_HEADROOM = 1 << 30
+
 
 @dataclass(frozen=True)
 class WorkerPlan:
@@ -64,6 +68,13 @@ class Plan:
 
         hops = ["|".join(addr(w) for w in self.workers if w.stage == i) for i in range(self.stage_count())]
         return ",".join(hops)
+
+    def memory_estimate(self, w: WorkerPlan) -> int:
+        """The bytes worker `w` needs: its stage's weights (the manifest's, or the planner's from the model;
+        0 when neither is known yet), its prefix cache and MEMORY_HEADROOM."""
+        weights = self.bundle.weights
+        held = weights[w.stage] if weights and w.stage < len(weights) else 0
+        return held + (self.loaded.deployment.worker.prefix_cache_mib << 20) + MEMORY_HEADROOM
 
     def check(self) -> None:
         """Raise one DeployError listing every problem (what `dgr up` and `dgr deploy render` refuse)."""

@@ -4,8 +4,9 @@ Each unit runs the release's worker (`<prefix>/bin/dgr-worker serve ...`, a rele
 `--prefix`, default /opt/dgr) with the same flags `dgr up` gives, restarts on failure, stops with
 SIGTERM within the drain bound, and runs as a dynamic user with no access to home directories
 (`ProtectHome`: models live in stores on data drives), a read-only system, a private /tmp, and limits
-on memory (the stage's weights plus headroom for KV and compute, or the host's capacity shared among
-its workers), open files and tasks. TLS keys reach the unprivileged user through `LoadCredential`.
+on memory (the host's capacity shared among its workers plus headroom for KV and compute, or without a
+capacity `Plan.memory_estimate`: the stage's weights, its prefix cache and that headroom), open files
+and tasks. TLS keys reach the unprivileged user through `LoadCredential`.
 The worker's own state (resumable verification) goes to its `StateDirectory`.
 """
 
@@ -13,12 +14,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from dgr.app.deploy.control import worker_args
-from dgr.app.deploy.plan import Plan, WorkerPlan
+from dgr.app.deploy.argv import tls_files, worker_args
+from dgr.app.deploy.plan import MEMORY_HEADROOM, Plan, WorkerPlan
 from dgr.app.deploy.spec import DeployError
 
 DEFAULT_PREFIX = "/opt/dgr"
-_HEADROOM = 1 << 30   # KV cache, compute buffers and the Python process beside the weights
+# the credential each TLS flag's file is loaded as (the worker reads it at %d/<name>)
+_CREDENTIALS = {"--tls-cert": "tls.pem", "--tls-key": "tls.key", "--tls-ca": "ca.pem"}
 
 
 def unit_name(plan: Plan, w: WorkerPlan) -> str:
@@ -41,9 +43,8 @@ def _memory_max(plan: Plan, w: WorkerPlan) -> int:
     cap = w.host.capacity.memory
     if cap is not None:
         n = sum(1 for x in plan.workers if x.host.name == w.host.name)
-        return int(cap) // n + _HEADROOM
-    weights = plan.bundle.weights
-    return (weights[w.stage] if weights else 0) + _HEADROOM
+        return int(cap) // n + MEMORY_HEADROOM
+    return plan.memory_estimate(w)
 
 
 def render_unit(plan: Plan, w: WorkerPlan, prefix: str = DEFAULT_PREFIX) -> str:
@@ -56,15 +57,10 @@ def render_unit(plan: Plan, w: WorkerPlan, prefix: str = DEFAULT_PREFIX) -> str:
         raise DeployError(f"{info.label}: its id is not known yet (the units name the bundle folder "
                           f"<store>/<name>-<id12>): build it first (`dgr recipe build {info.recipe_path} --store "
                           f"{w.store}`, or `dgr up`), or give bundle.id")
-    args = worker_args(plan, w, bundle, w.port)
-    creds = []
-    if plan.loaded.deployment.tls is not None:
-        # the key is readable by root alone; systemd hands a copy to the dynamic user at %d/<name>
-        for flag, cred in (("--tls-cert", "tls.pem"), ("--tls-key", "tls.key"), ("--tls-ca", "ca.pem")):
-            if flag in args:
-                i = args.index(flag)
-                creds.append(f"LoadCredential={cred}:{args[i + 1]}")
-                args[i + 1] = f"%d/{cred}"
+    # the key is readable by root alone; systemd hands a copy to the dynamic user at %d/<name>
+    files = tls_files(plan, w)
+    creds = [f"LoadCredential={_CREDENTIALS[flag]}:{path}" for flag, path in files.items()]
+    args = worker_args(plan, w, bundle, w.port, tls={flag: f"%d/{_CREDENTIALS[flag]}" for flag in files})
     exec_start = " ".join([_quote(f"{prefix}/bin/dgr-worker")] +
                           [a if a.startswith("%d/") else _quote(a) for a in args])
     state = f"dgr-{plan.name}-{w.name}"

@@ -99,8 +99,9 @@ def _verify(args) -> int:
 
     if args.expect_id:
         check_id(load_bundle(args.bundle), args.expect_id)  # before hashing: a wrong bundle fails at once
-    rep = verify_bundle(args.bundle, resume=not args.fresh, progress=not args.quiet)
-    print(f"ok: bundle {rep.bundle_id}: {rep.chunks_total} chunks verified "
+    rep = verify_bundle(args.bundle, resume=not args.fresh, progress=not args.quiet, stages=args.stage)
+    which = f" of stage(s) {', '.join(map(str, sorted(set(args.stage))))}" if args.stage else ""
+    print(f"ok: bundle {rep.bundle_id}: {rep.chunks_total} chunks{which} verified "
           f"({rep.chunks_read} read now, {rep.chunks_skipped} verified by an earlier interrupted run)")
     return 0
 
@@ -195,6 +196,9 @@ def register(sub) -> None:
     p = bsub.add_parser("verify", help="check every chunk of a bundle (resumes an interrupted check)")
     p.add_argument("bundle")
     p.add_argument("--fresh", action="store_true", help="ignore an interrupted run's progress")
+    p.add_argument("--stage", type=int, action="append", metavar="N",
+                   help="check only stage N's file (repeat for more; default: every stage): what a worker serving "
+                   "stage N reads")
     p.add_argument("--expect-id", metavar="ID", help="fail unless this is the bundle's id: the whole id, its 12-digit "
                    "short form, any prefix of 8 or more hex digits, or the store folder's NAME-ID12")
     p.add_argument("-q", "--quiet", action="store_true")

@@ -67,11 +67,30 @@ def _render(args) -> int:
     from pathlib import Path
 
     from dgr.app.deploy.plan import make_plan
-    from dgr.app.deploy.systemd import DEFAULT_PREFIX, render
+    from dgr.app.deploy.spec import DeployError
 
-    files = render(make_plan(args.file), Path(args.systemd), prefix=args.prefix or DEFAULT_PREFIX, host=args.host)
+    if args.kubernetes:
+        from dgr.app.deploy import kubernetes
+
+        if args.host:
+            raise DeployError("--host goes with --systemd (a Kubernetes render holds every host's workers)")
+        plan = make_plan(args.file)
+        o = kubernetes.Options.default(args.image, args.tools_image, args.namespace, args.prefix)
+        files = kubernetes.render(plan, Path(args.kubernetes), o)
+        notes = kubernetes.notes(plan)
+    else:
+        from dgr.app.deploy.systemd import DEFAULT_PREFIX, render
+
+        given = [f for f, v in (("--image", args.image), ("--tools-image", args.tools_image),
+                                ("--namespace", args.namespace)) if v]
+        if given:
+            raise DeployError(f"{', '.join(given)}: for --kubernetes only")
+        files = render(make_plan(args.file), Path(args.systemd), prefix=args.prefix or DEFAULT_PREFIX, host=args.host)
+        notes = []
     for f in files:
         print(f)
+    for note in notes:
+        print(f"dgr: note: {note}", file=sys.stderr, flush=True)
     return 0
 
 
@@ -185,18 +204,31 @@ def register(sub) -> None:
     run_help = "the run folder (default: <workspace>/deploy/<name>)"
     found_help = ("the run folder (default: the one the latest `dgr up` of the deployment used, its --run-dir "
                   "or <workspace>/deploy/<name>)")
-    d = sub.add_parser("deploy", help="deployments: plan a deployment file, render systemd units")
+    d = sub.add_parser("deploy", help="deployments: plan a deployment file, render systemd units or Kubernetes "
+                       "objects")
     dsub = d.add_subparsers(dest="deploy_command", metavar="ACTION", required=True)
     p = dsub.add_parser("plan", help="what goes where, what is missing, the routes; every problem listed")
     p.add_argument("file", help="a deployment file (TOML; docs/deploy.md)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_plan)
-    p = dsub.add_parser("render", help="write one systemd unit per worker (and a target grouping them)")
+    p = dsub.add_parser("render", help="write one systemd unit per worker (and a target grouping them), or the "
+                        "Kubernetes objects of the deployment",
+                        description="Write one systemd unit per worker and a target grouping them (--systemd), or "
+                        "one YAML file per Kubernetes object (--kubernetes): per stage a headless Service, a "
+                        "StatefulSet per host and a PodDisruptionBudget, the bundle's store as a read-only claim, "
+                        "the gateway as a Deployment and a Service, and under [tls] secrets.sh making each pod's "
+                        "Secret (docs/deploy.md).")
     p.add_argument("file")
-    p.add_argument("--systemd", required=True, metavar="DIR", help="folder to write the units into")
-    p.add_argument("--prefix", help="where the release is extracted on the hosts (default /opt/dgr: "
-                   "dgr.app.deploy.systemd.DEFAULT_PREFIX); units run <prefix>/bin/dgr-worker")
-    p.add_argument("--host", help="only this host's workers (default: every host's)")
+    where = p.add_mutually_exclusive_group(required=True)
+    where.add_argument("--systemd", metavar="DIR", help="folder to write the units into")
+    where.add_argument("--kubernetes", metavar="OUT", help="folder to write the Kubernetes objects into")
+    p.add_argument("--prefix", help="where the release is extracted on the hosts, or in the images (default /opt/dgr: "
+                   "dgr.app.deploy.systemd.DEFAULT_PREFIX); units and pods run <prefix>/bin/dgr-worker")
+    p.add_argument("--host", help="--systemd: only this host's workers (default: every host's)")
+    p.add_argument("--image", help="--kubernetes: the workers' image (default dgr-worker:<dgr version>)")
+    p.add_argument("--tools-image", help="--kubernetes: the image of the bundle check and the gateway, which run "
+                   "<prefix>/bin/dgr (default dgr:<dgr version>)")
+    p.add_argument("--namespace", help="--kubernetes: the objects' namespace (default: none named, kubectl's own)")
     p.set_defaults(func=_render)
 
     p = sub.add_parser("up", help="provision, start and supervise the deployment's workers on this machine",

@@ -56,8 +56,9 @@ def _load_state(path: Path, resume: bool) -> dict:
 
 
 def verify_bundle(path: str | Path, *, resume: bool = True, max_chunks: int | None = None,
-                  progress: bool = False) -> VerifyReport:
-    """Check every chunk of every stage file; raise BundleError naming the first bad file and chunk.
+                  progress: bool = False, stages: list[int] | None = None) -> VerifyReport:
+    """Check every chunk of every stage file (of `stages` alone when given: a worker that serves one stage
+    reads only its own); raise BundleError naming the first bad file and chunk.
 
     Progress is recorded after each chunk, so an interrupted run resumes where it stopped; a file whose
     size or mtime changed since is checked again from its start. `max_chunks` stops early (a budget).
@@ -66,14 +67,20 @@ def verify_bundle(path: str | Path, *, resume: bool = True, max_chunks: int | No
 
     b = load_bundle(path)
     m = b.manifest
+    if stages is not None:
+        unknown = sorted(set(stages) - {s.index for s in m.stages})
+        if unknown:
+            raise BundleError(f"{b.root}: no stage {', '.join(map(str, unknown))}: the bundle's stages are "
+                              f"0-{len(m.stages) - 1}")
+    todo = [s for s in m.stages if stages is None or s.index in stages]
     chunk = m.chunk_size
     spath = _state_path(b, "verify")
     state = _load_state(spath, resume)
-    rep = VerifyReport(bundle_id=b.id, chunks_total=sum(len(s.chunks) for s in m.stages))
+    rep = VerifyReport(bundle_id=b.id, chunks_total=sum(len(s.chunks) for s in todo))
     stop_after = int(os.environ.get("DGR_TEST_VERIFY_STOP_AFTER") or 0)
     bar = tqdm(total=rep.chunks_total, unit="chunk", desc="verify", disable=not progress)
     try:
-        for s in m.stages:
+        for s in todo:
             p = b.root / s.file
             if not p.is_file():
                 raise BundleError(f"{p}: stage {s.index} file is missing; re-provision the bundle")
@@ -107,5 +114,11 @@ def verify_bundle(path: str | Path, *, resume: bool = True, max_chunks: int | No
     finally:
         bar.close()
     rep.complete = True
-    spath.unlink(missing_ok=True)  # a finished check starts afresh next time
+    # a finished check starts afresh next time (the progress of stages it did not check is kept)
+    for s in todo:
+        state.pop(s.file, None)
+    if state:
+        _save_state(spath, state)
+    else:
+        spath.unlink(missing_ok=True)
     return rep

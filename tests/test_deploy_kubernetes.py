@@ -1,0 +1,384 @@
+"""`dgr deploy render FILE --kubernetes OUT`: every object of deploy/local-3stage.toml's render and of a
+12-stage fleet's (two hosts, one of them CUDA, a stage with replicas on both, mutual TLS, a namespace)
+validates offline against Kubernetes K8S's schemas (`kubernetes-validate`, strict: an unknown field is
+an error) and against what the schemas cannot say (names, selectors, mounts, ports); the render is the
+same bytes twice; and the rendered pods run here (a stand-in kubelet, tests/support/kubelet.py: their
+command, arguments and environment as rendered, the init container first) form a route, with mutual TLS
+from the Secrets `secrets.sh` makes and in plaintext, that generates what a route of the same workers
+started the normal way generates, and so does the rendered gateway over it."""
+
+from __future__ import annotations
+
+import base64
+import re
+import subprocess
+import time
+from pathlib import Path
+
+import kubernetes_validate as kv
+import pytest
+import requests
+import yaml
+
+from dgr import __version__
+from dgr.app.deploy.control import health
+from dgr.app.local import LocalRoute
+from dgr.runtime.wire.client import RouteClient
+from dgr.runtime.wire.tls import TlsConfig
+
+from support.deploy import dgr, lib_env, tiny, write  # noqa: F401 (module fixtures)
+from support.engine import make_bundle, synth_model
+from support.kubelet import Kubectl, Pod
+
+K8S = "1.30.0"          # the schemas the objects are checked against: gRPC probes are GA from 1.27
+FILE = "deploy/local-3stage.toml"
+PREFIX = "/opt/dgr"
+PROMPT = "Once upon a time"
+_DNS = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+
+
+def _objects(out: Path) -> list[dict]:
+    return [yaml.safe_load(p.read_text()) for p in sorted(out.glob("*.yaml"))]
+
+
+def _by_kind(objs: list[dict], kind: str) -> list[dict]:
+    return [o for o in objs if o["kind"] == kind]
+
+
+def _check(objs: list[dict]) -> None:
+    """The schemas, then what they do not check: names are DNS labels (a StatefulSet's at most 52), every
+    selector picks a rendered pod template, every mount names a volume, every claim is rendered, every
+    probe and Service port names a container port, every StatefulSet's Service is headless."""
+    for o in objs:
+        assert kv.validate(o, K8S, strict=True) == K8S.rsplit(".", 1)[0], o["metadata"]["name"]
+    templates = [t["spec"]["template"] for t in _by_kind(objs, "StatefulSet") + _by_kind(objs, "Deployment")]
+    claims = {o["metadata"]["name"] for o in _by_kind(objs, "PersistentVolumeClaim")}
+    for o in objs:
+        name = o["metadata"]["name"]
+        assert _DNS.match(name) and len(name) <= (52 if o["kind"] == "StatefulSet" else 63), name
+        sel = o["spec"].get("selector")
+        if sel is not None:
+            sel = sel.get("matchLabels", sel)
+            assert any(sel.items() <= t["metadata"]["labels"].items() for t in templates), name
+    for s in _by_kind(objs, "StatefulSet") + _by_kind(objs, "Deployment"):
+        pod = s["spec"]["template"]["spec"]
+        assert s["spec"]["selector"]["matchLabels"].items() <= s["spec"]["template"]["metadata"]["labels"].items()
+        volumes = {v["name"]: v for v in pod["volumes"]}
+        assert claims >= {v["persistentVolumeClaim"]["claimName"] for v in volumes.values()
+                          if "persistentVolumeClaim" in v}
+        for c in pod.get("initContainers", []) + pod["containers"]:
+            assert all(m["name"] in volumes for m in c.get("volumeMounts", [])), c["name"]
+            ports = {p["name"]: p["containerPort"] for p in c.get("ports", [])}
+            for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+                if probe in c:
+                    how = c[probe].get("grpc") or c[probe].get("tcpSocket") or c[probe].get("httpGet")
+                    assert how["port"] in ports or how["port"] in ports.values(), (c["name"], probe)
+        if s["kind"] == "StatefulSet":
+            [svc] = [x for x in _by_kind(objs, "Service") if x["metadata"]["name"] == s["spec"]["serviceName"]]
+            assert svc["spec"]["clusterIP"] == "None"
+
+
+def _render(file: str, out: Path, *args: str) -> subprocess.CompletedProcess:
+    proc = dgr("deploy", "render", file, "--kubernetes", str(out), *args)
+    assert proc.returncode == 0, proc.stderr
+    return proc
+
+
+def test_the_validator_is_real():
+    # strict: an unknown field is refused (a render with a misspelled field would fail _check)
+    with pytest.raises(kv.ValidationError):
+        kv.validate({"apiVersion": "v1", "kind": "Service", "metadata": {"name": "x"},
+                     "spec": {"clusterIp": "None"}}, K8S, strict=True)
+
+
+@pytest.fixture(scope="module")
+def local_3stage(smollm2_gguf):
+    """The committed file's bundle built into its store (the pods name its folder), as `dgr up` builds it."""
+    from dgr.app.deploy.plan import make_plan
+    from dgr.app.deploy.provision import provision_local
+
+    plan = make_plan(FILE)
+    if not plan.bundle.copies:
+        provision_local(plan)
+    return make_plan(FILE)
+
+
+def test_the_local_file_renders_valid_objects_without_tls(local_3stage, tmp_path):
+    proc = _render(FILE, tmp_path / "a")
+    objs = _objects(tmp_path / "a")
+    _check(objs)
+    name = "local-3stage"
+    assert [f.name for f in sorted((tmp_path / "a").iterdir())] == sorted(
+        [f"{name}-store.persistentvolumeclaim.yaml", f"{name}-gateway.deployment.yaml", f"{name}-gateway.service.yaml"]
+        + [f"{name}-s{i}.{k}.yaml" for i in range(3) for k in ("service", "statefulset", "poddisruptionbudget")])
+    assert "no [tls]" in proc.stderr and "--insecure" in proc.stderr
+    sets = {s["metadata"]["name"]: s for s in _by_kind(objs, "StatefulSet")}
+    assert {n: s["spec"]["replicas"] for n, s in sets.items()} == {f"{name}-s0": 1, f"{name}-s1": 2, f"{name}-s2": 1}
+    pod = sets[f"{name}-s1"]["spec"]["template"]["spec"]
+    [c] = pod["containers"]
+    assert c["command"] == [f"{PREFIX}/bin/dgr-worker"] and c["image"] == f"dgr-worker:{__version__}"
+    # the argv `dgr up` and the units give, on the pod's wildcard address, plaintext (no [tls])
+    plan = local_3stage
+    w = next(w for w in plan.workers if w.name == "s1-r0")
+    from dgr.app.deploy.argv import worker_args
+
+    folder = f"/var/lib/dgr/store/{plan.bundle.name}-{plan.bundle.id[:12]}"
+    assert c["args"] == worker_args(plan, w, folder, 7110, bind="0.0.0.0", insecure=True) + [
+        "--advertise", f"$(POD_NAME).{name}-s1"]
+    assert c["readinessProbe"]["grpc"] == {"port": 7110} and c["livenessProbe"]["grpc"] == {"port": 7110}
+    assert c["resources"]["requests"] == {"cpu": "1", "memory": f"{-(-plan.memory_estimate(w) // 2**20)}Mi"}
+    [init] = pod["initContainers"]
+    assert init["command"] == [f"{PREFIX}/bin/dgr", "bundle", "verify", folder, "--stage", "1", "--expect-id",
+                               plan.bundle.id, "-q"]
+    store = next(m for m in init["volumeMounts"] if m["name"] == "store")
+    assert store["readOnly"] is True and {"name": "store", "persistentVolumeClaim": {
+        "claimName": f"{name}-store", "readOnly": True}} in pod["volumes"]
+    [gw] = _by_kind(objs, "Deployment")
+    args = gw["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert args[args.index("--route") + 1] == (f"{name}-s0-0.{name}-s0:7100,{name}-s1-0.{name}-s1:7110|"
+                                               f"{name}-s1-1.{name}-s1:7110,{name}-s2-0.{name}-s2:7120")
+    assert [p["spec"]["maxUnavailable"] for p in _by_kind(objs, "PodDisruptionBudget")] == [1, 1, 1]
+    _render(FILE, tmp_path / "b")
+    assert [p.read_bytes() for p in sorted((tmp_path / "a").iterdir())] == \
+        [p.read_bytes() for p in sorted((tmp_path / "b").iterdir())]
+
+
+def test_render_takes_one_of_systemd_or_kubernetes(tmp_path):
+    proc = dgr("deploy", "render", FILE)
+    assert proc.returncode == 2 and "one of the arguments --systemd --kubernetes is required" in proc.stderr
+    proc = dgr("deploy", "render", FILE, "--systemd", str(tmp_path / "u"), "--kubernetes", str(tmp_path / "k"))
+    assert proc.returncode == 2 and "not allowed with argument" in proc.stderr
+
+
+# -- a 12-stage fleet ---------------------------------------------------------------------------------------
+
+TWELVE = [(i, i + 1) for i in range(12)]
+
+
+@pytest.fixture(scope="module")
+def twelve(tmp_path_factory):
+    root = tmp_path_factory.mktemp("twelve")
+    return make_bundle(synth_model(root, "llama", layers=12, embd=64), TWELVE, root / "build", name="fleet")
+
+
+def _fleet_file(tmp_path: Path, b, tls_dir: Path) -> str:
+    stages = []
+    for i, (lo, hi) in enumerate(TWELVE):
+        where = 'hosts = ["gpu-a", "cpu-b"]\nreplicas = 2' if i == 5 else f'host = "{"gpu-a" if i % 2 else "cpu-b"}"'
+        stages.append(f"[[stages]]\nlayers = [{lo}, {hi}]\n{where}\nport = {7000 + 10 * i}\n")
+    return str(write(tmp_path / "fleet.toml", f"""name = "fleet"
+[bundle]
+id = "{b.id}"
+source = "{b.root}"
+
+[[hosts]]
+name = "gpu-a"
+address = "10.0.0.1"
+store = "/srv/dgr/store"
+lane = "cuda"
+
+[[hosts]]
+name = "cpu-b"
+address = "10.0.0.2"
+store = "/srv/dgr/store"
+
+{chr(10).join(stages)}
+[worker]
+threads = 4
+n_ctx = 8192
+
+[tls]
+dir = "{tls_dir}"
+"""))
+
+
+def _issue(tls_dir: Path, members: list[str]) -> None:
+    from dgr.app import certs
+
+    certs.init(tls_dir)
+    for m in members:
+        certs.issue(tls_dir, m, ["127.0.0.1"])
+
+
+def test_a_12_stage_fleet_with_mutual_tls_renders_valid_objects_and_its_secrets(twelve, tmp_path):
+    workers = [f"s{i}-r{k}" for i in range(12) for k in range(4 if i == 5 else 1)]
+    _issue(tmp_path / "ca", [*workers, "gateway"])
+    f = _fleet_file(tmp_path, twelve, tmp_path / "ca")
+    proc = _render(f, tmp_path / "out", "--namespace", "dgr-fleet", "--image", "registry.local/dgr-worker:t")
+    assert "the probes are TCP connects" in proc.stderr
+    objs = _objects(tmp_path / "out")
+    _check(objs)
+    assert all(o["metadata"]["namespace"] == "dgr-fleet" for o in objs)
+    sets = {s["metadata"]["name"]: s for s in _by_kind(objs, "StatefulSet")}
+    assert len(sets) == 13 and len(_by_kind(objs, "PodDisruptionBudget")) == 12
+    assert len([s for s in _by_kind(objs, "Service") if s["spec"].get("clusterIP") == "None"]) == 12
+    assert sets["fleet-s5-gpu-a"]["spec"]["replicas"] == sets["fleet-s5-cpu-b"]["spec"]["replicas"] == 2
+    assert {s["spec"]["serviceName"] for n, s in sets.items() if n.startswith("fleet-s5-")} == {"fleet-s5"}
+    for n, s in sets.items():
+        pod = s["spec"]["template"]["spec"]
+        [c] = pod["containers"]
+        assert c["image"] == "registry.local/dgr-worker:t"
+        gpu = c["resources"]["limits"].get("nvidia.com/gpu")
+        assert gpu == ("1" if n in ("fleet-s5-gpu-a", *(f"fleet-s{i}" for i in range(1, 12, 2))) else None), n
+        assert c["readinessProbe"]["tcpSocket"] == {"port": "grpc"} and "grpc" not in c["livenessProbe"]
+        assert c["resources"]["requests"]["cpu"] == "4" and "--insecure" not in c["args"]
+        a = c["args"]
+        assert [a[a.index(x) + 1] for x in ("--tls-cert", "--tls-key", "--tls-ca")] == [
+            "/etc/dgr/tls/tls.crt", "/etc/dgr/tls/tls.key", "/etc/dgr/tls/ca.crt"]
+        assert {"name": "tls", "mountPath": "/etc/dgr/tls", "subPathExpr": "$(POD_NAME)", "readOnly": True} in \
+            c["volumeMounts"]
+        [tls] = [v for v in pod["volumes"] if v["name"] == "tls"]
+        assert [src["secret"]["name"] for src in tls["projected"]["sources"]] == [
+            f"{n}-{k}-tls" for k in range(s["spec"]["replicas"])]
+    [gw] = _by_kind(objs, "Deployment")
+    args = gw["spec"]["template"]["spec"]["containers"][0]["args"]
+    hops = args[args.index("--route") + 1].split(",")
+    assert len(hops) == 12 and hops[5] == ("fleet-s5-gpu-a-0.fleet-s5:7050|fleet-s5-gpu-a-1.fleet-s5:7050|"
+                                           "fleet-s5-cpu-b-0.fleet-s5:7050|fleet-s5-cpu-b-1.fleet-s5:7050")
+    assert "--insecure" not in args and "--https-cert" in args
+
+    # secrets.sh, with kubectl standing in: one valid kubernetes.io/tls Secret per pod and the gateway's
+    script = (tmp_path / "out" / "secrets.sh").read_text()
+    assert f"#   dgr certs issue {tmp_path / 'ca'} s5-r3 --host fleet-s5-cpu-b-1.fleet-s5 " \
+        "--host fleet-s5-cpu-b-1.fleet-s5.dgr-fleet.svc\n" in script
+    kubectl = Kubectl(tmp_path / "kubectl")
+    ran = kubectl.run(tmp_path / "out" / "secrets.sh")
+    assert ran.returncode == 0, ran.stderr
+    secrets = kubectl.secrets()
+    pods = [f"{n}-{k}" for n, s in sets.items() for k in range(s["spec"]["replicas"])]
+    assert sorted(secrets) == sorted([f"{p}-tls" for p in pods] + ["fleet-gateway-tls"])
+    # pod k of a stage's second host is the stage's worker after the first host's: its certificate
+    cert = secrets["fleet-s5-cpu-b-1-tls"]["data"]["tls.crt"]
+    assert base64.b64decode(cert) == (tmp_path / "ca" / "s5-r3.pem").read_bytes()
+    for s in secrets.values():
+        kv.validate(s, K8S, strict=True)
+        assert s["type"] == "kubernetes.io/tls" and sorted(s["data"]) == ["ca.crt", "tls.crt", "tls.key"]
+        assert s["metadata"]["namespace"] == "dgr-fleet"
+
+
+def test_the_gateways_certificate_must_be_issued(twelve, tmp_path):
+    workers = [f"s{i}-r{k}" for i in range(12) for k in range(4 if i == 5 else 1)]
+    _issue(tmp_path / "ca", workers)
+    proc = dgr("deploy", "render", _fleet_file(tmp_path, twelve, tmp_path / "ca"), "--kubernetes", str(tmp_path / "o"))
+    assert proc.returncode != 0
+    assert f"no {tmp_path / 'ca' / 'gateway.pem'}; issue it with `dgr certs issue {tmp_path / 'ca'} gateway " \
+        "--host fleet-gateway`" in proc.stderr
+
+
+# -- the rendered pods, run here ----------------------------------------------------------------------------
+
+def _tiny_file(tmp_path: Path, tiny, tls_dir: Path | None) -> str:
+    stages = "".join(f'[[stages]]\nlayers = [{b}, {e}]\nhost = "a"\nport = {7500 + 10 * i}\n'
+                     + ("replicas = 2\n" if i == 1 else "") + "\n"
+                     for i, (b, e) in enumerate([(0, 2), (2, 4), (4, 6)]))
+    return str(write(tmp_path / "tiny.toml", f"""name = "tiny"
+[bundle]
+id = "{tiny.id}"
+source = "{tiny.root}"
+
+[[hosts]]
+name = "a"
+address = "127.0.0.1"
+store = "{tmp_path / 'unused-store'}"
+
+{stages}
+[worker]
+threads = 1
+n_ctx = 512
+""" + (f'\n[tls]\ndir = "{tls_dir}"\n' if tls_dir else "")))
+
+
+def _wait_serving(address: str, tls, proc: subprocess.Popen, log: Path, timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while health(address, tls, timeout=0.5) != "SERVING":
+        assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+        time.sleep(0.2)
+
+
+def _stop(procs: list[subprocess.Popen]) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
+    for p in procs:
+        try:
+            p.wait(15)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tls", [True, False], ids=["mutual-tls", "plaintext"])
+def test_the_rendered_pods_form_a_route_that_generates_the_normal_routes_tokens(tiny, lib_env, tmp_path, tls):
+    from dgr.toolchain.bundle import provision
+
+    ca = tmp_path / "ca"
+    if tls:
+        _issue(ca, ["s0-r0", "s1-r0", "s1-r1", "s2-r0", "gateway", "client"])
+    _render(_tiny_file(tmp_path, tiny, ca if tls else None), tmp_path / "out")
+    objs = _objects(tmp_path / "out")
+    _check(objs)
+    # the claim: a store the bundle was provisioned into (`dgr bundle provision BUNDLE --to STORE`)
+    claim = tmp_path / "claim"
+    assert provision(tiny.root, claim).complete
+    kubectl = Kubectl(tmp_path / "kubectl")
+    assert (tmp_path / "out" / "secrets.sh").exists() == tls
+    if tls:
+        assert kubectl.run(tmp_path / "out" / "secrets.sh").returncode == 0
+    secrets = kubectl.secrets()
+    pods: dict[str, Pod] = {}                           # `<pod>.<service>:<port>`, as the route names it -> the pod
+    for sts in _by_kind(objs, "StatefulSet"):
+        name, spec = sts["metadata"]["name"], sts["spec"]
+        for k in range(spec["replicas"]):
+            pod = Pod(f"{name}-{k}", spec["template"]["spec"], tmp_path / "pods" / f"{name}-{k}",
+                      {"tiny-store": claim}, secrets)
+            [port] = pod.ports
+            pods[f"{pod.name}.{spec['serviceName']}:{port}"] = pod
+    assert [p.name for p in pods.values()] == ["tiny-s0-0", "tiny-s1-0", "tiny-s1-1", "tiny-s2-0"]
+    local = {name: f"127.0.0.1:{next(iter(p.ports.values()))}" for name, p in pods.items()}   # the stand-in DNS
+    # plaintext: what the kubelet's gRPC probe asks (health of ""); under TLS its TCP probe passes once this does
+    client = TlsConfig(ca / "client.pem", ca / "client.key", ca / "ca.pem") if tls else None
+    procs: list[subprocess.Popen] = []
+    try:
+        for p in pods.values():                         # the init container, then the worker
+            init = p.popen("verify-bundle", PREFIX, lib_env)
+            assert init.wait(120) == 0, p.log("verify-bundle").read_text()
+            assert "ok: bundle" in p.log("verify-bundle").read_text()
+            procs.append(p.popen("worker", PREFIX, lib_env))
+        for (name, p), proc in zip(pods.items(), procs):
+            _wait_serving(local[name], client, proc, p.log("worker"))
+        [gw_obj] = _by_kind(objs, "Deployment")
+        args = gw_obj["spec"]["template"]["spec"]["containers"][0]["args"]
+        route = args[args.index("--route") + 1]
+        for name, addr in local.items():
+            route = route.replace(name, addr)
+        with RouteClient(route, tls=client) as c:
+            assert all(d.mutual_tls == tls for d in c.describe())
+            got = c.run(PROMPT, max_new_tokens=24, stop_token_ids=[])
+            text = c.run(PROMPT, max_new_tokens=16)
+        # the rendered gateway over those pods (under TLS: HTTPS with its member certificate, mTLS to the route)
+        gw = Pod("tiny-gateway-0", gw_obj["spec"]["template"]["spec"], tmp_path / "pods" / "gateway", {}, secrets)
+        procs.append(gw.popen("gateway", PREFIX, lib_env, resolve=local))
+        url = f"{'https' if tls else 'http'}://127.0.0.1:{gw.ports[8000]}"
+        verify = str(ca / "ca.pem") if tls else True
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                up = requests.get(f"{url}/health", verify=verify, timeout=2)
+                if up.ok:
+                    break
+            except requests.ConnectionError:
+                pass
+            assert procs[-1].poll() is None and time.monotonic() < deadline, gw.log("gateway").read_text()[-3000:]
+            time.sleep(0.3)
+        r = requests.post(f"{url}/v1/completions", verify=verify, timeout=120,
+                          json={"model": up.json()["model"], "prompt": PROMPT, "max_tokens": 16, "temperature": 0})
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["text"] == text.text
+    finally:
+        _stop(procs)
+    # the same workers started the normal way (`dgr worker serve`, plaintext on loopback)
+    stage_args = [["--bundle", str(tiny.root), "--stage", str(i), "--threads", "1", "--n-ctx", "512"] for i in range(3)]
+    with LocalRoute(stage_args, replicas=[1, 2, 1], env=lib_env) as r, RouteClient(r.route) as c:
+        want = c.run(PROMPT, max_new_tokens=24, stop_token_ids=[])
+    assert got.token_ids == want.token_ids and len(got.token_ids) == 24
