@@ -137,6 +137,7 @@ def test_the_local_file_renders_valid_objects_without_tls(local_3stage, tmp_path
     args = gw["spec"]["template"]["spec"]["containers"][0]["args"]
     assert args[args.index("--route") + 1] == (f"{name}-s0-0.{name}-s0:7100,{name}-s1-0.{name}-s1:7110|"
                                                f"{name}-s1-1.{name}-s1:7110,{name}-s2-0.{name}-s2:7120")
+    assert "--allow-mixed-numerics" not in args, "one lane, one CPU variant: the route is exact"
     assert [p["spec"]["maxUnavailable"] for p in _by_kind(objs, "PodDisruptionBudget")] == [1, 1, 1]
     _render(FILE, tmp_path / "b")
     assert [p.read_bytes() for p in sorted((tmp_path / "a").iterdir())] == \
@@ -166,7 +167,9 @@ def _fleet_file(tmp_path: Path, b, tls_dir: Path) -> str:
     for i, (lo, hi) in enumerate(TWELVE):
         where = 'hosts = ["gpu-a", "cpu-b"]\nreplicas = 2' if i == 5 else f'host = "{"gpu-a" if i % 2 else "cpu-b"}"'
         stages.append(f"[[stages]]\nlayers = [{lo}, {hi}]\n{where}\nport = {7000 + 10 * i}\n")
+    # CUDA and CPU hosts compute different numerics (docs/numerics.md): the file says it means to mix them
     return str(write(tmp_path / "fleet.toml", f"""name = "fleet"
+allow_mixed_numerics = true
 [bundle]
 id = "{b.id}"
 source = "{b.root}"
@@ -236,6 +239,7 @@ def test_a_12_stage_fleet_with_mutual_tls_renders_valid_objects_and_its_secrets(
     assert len(hops) == 12 and hops[5] == ("fleet-s5-gpu-a-0.fleet-s5:7050|fleet-s5-gpu-a-1.fleet-s5:7050|"
                                            "fleet-s5-cpu-b-0.fleet-s5:7050|fleet-s5-cpu-b-1.fleet-s5:7050")
     assert "--insecure" not in args and "--https-cert" in args
+    assert "--allow-mixed-numerics" in args, "the file planned CUDA and CPU stages in one route"
 
     # secrets.sh, with kubectl standing in: one valid kubernetes.io/tls Secret per pod and the gateway's
     script = (tmp_path / "out" / "secrets.sh").read_text()

@@ -269,6 +269,8 @@ def gateway(plan: Plan, o: Options) -> list[dict]:
         args += ["--tls-cert", cert, "--tls-key", key, "--tls-ca", ca, "--https-cert", cert, "--https-key", key]
     else:
         args += ["--insecure"]
+    if d.allow_mixed_numerics:                   # the file planned a mix (docs/numerics.md): the gateway must allow it
+        args += ["--allow-mixed-numerics"]
     http = {"httpGet": {"path": "/health", "port": "http", "scheme": "HTTPS" if tls else "HTTP"},
             "timeoutSeconds": 5}
     select = _labels(plan, "gateway")
