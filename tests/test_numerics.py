@@ -139,6 +139,19 @@ def test_the_gateway_refuses_a_mix_and_labels_an_allowed_one(mixed):
         assert metric(requests.get(g.url + "/metrics").text, "dgr_gateway_route_exact") == 0
 
 
+def test_the_gateway_checks_every_replica_when_it_starts(mixed):
+    """A spare replica of other numerics is named when the gateway starts, not found at a recovery."""
+    from support.gateway import gateway
+
+    addresses, ref_last = mixed
+    with pytest.raises(MixedNumerics) as err:
+        with gateway(f"{addresses[0]},{addresses[1]},{ref_last}|{addresses[2]}"):
+            pass
+    assert str(err.value).startswith(f"stage 2 replica {addresses[2]}: computes ") and "fast kv-f16" in str(err.value)
+    with gateway(f"{addresses[0]},{addresses[1]},{ref_last}|{addresses[2]}", allow_mixed_numerics=True) as g:
+        assert requests.get(g.url + "/v1/models").headers["x-dgr-exact"] == "false"
+
+
 def test_parity_refuses_a_baseline_of_other_numerics(engine_lib, smollm2_gguf, tmp_path):
     """`dgr baseline` records its numerics; `dgr parity` compares a split only with a baseline of its own."""
     base = tmp_path / "fast.npz"

@@ -181,6 +181,8 @@ class RouteBackend:
             # at start, a worker still loading (`dgr serve` right after `dgr up`) is waited for within --timeout
             c.describe(missing_only=True, wait=self._kw["timeout"])
             hops = c.hops
+            for line in c.check_replicas():             # every replica computes the route's numerics (or says so)
+                log.warning("gateway: %s", line)
             ident = hops[0].identity
             eos_ids = tuple(hops[-1].eos_token_ids)
             if chat_template is not None:

@@ -105,7 +105,7 @@ class Hops:
                               f"not stage {s} [{lo}, {hi}) of bundle {b}", hop=self.hop(i))
         return None
 
-    def _check_numerics(self, i: int, d: pb.StageDescription) -> StageError | None:
+    def _check_numerics(self, i: int, d: pb.StageDescription, where: str = "") -> StageError | None:
         """Every stage and replica of a route must compute the same bits (docs/numerics.md): the first stage
         described sets the route's numerics, and a hop of others is refused (so recovery never moves a stage
         onto a replica of other numerics), unless the client allows mixed numerics: then it is logged once
@@ -121,12 +121,33 @@ class Hops:
             if (i, got) not in self._mixed_seen:
                 self._mixed_seen.add((i, got))
                 log.warning("%s computes %r, stage %d computes %r: mixed numerics allowed, so this route's results "
-                            "are not exact (they match no whole-model run)", self.hop(i), got, j, want)
+                            "are not exact (they match no whole-model run)", where or self.hop(i), got, j, want)
             return None
         return MixedNumerics(f"computes {got or 'unknown numerics'!r}, but stage {j} computes {want or 'unknown'!r}: "
                              "their results differ, so the route would reproduce no whole-model run. Serve every "
                              "stage from one build (docs/numerics.md), or allow it (--allow-mixed-numerics: every "
-                             "result is then labelled not exact)", hop=self.hop(i))
+                             "result is then labelled not exact)", hop=where or self.hop(i))
+
+    def check_replicas(self) -> list[str]:
+        """Describe every replica of every stage, not only those in use (a gateway does this when it starts):
+        a replica of other numerics is refused now, by name, rather than at a recovery (MixedNumerics, unless
+        mixed numerics are allowed). A replica that does not answer is left for later (recovery describes it
+        again); returns what was said of each, one line per replica that did not answer."""
+        _ = self.hops                                   # the route's numerics are set by the stages in use
+        skipped = []
+        for i, reps in enumerate(self.replicas):
+            for address in reps:
+                if address == self.route[i]:
+                    continue
+                try:
+                    d = self._stub(address).Describe(pb.DescribeRequest(), timeout=self.hop_deadline)
+                except grpc.RpcError as err:
+                    skipped.append(f"stage {i} replica {address}: {err.code().name} (checked when a recovery needs it)")
+                    continue
+                bad = self._check_numerics(i, d, where=f"stage {i} replica {address}")
+                if bad is not None:
+                    raise bad
+        return skipped
 
     @property
     def numerics(self) -> list[str]:
