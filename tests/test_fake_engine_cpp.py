@@ -340,7 +340,7 @@ def test_describe_is_the_fake_stage_and_the_flags(worker_bin, fake_lib):
         assert (begin, end) == (c.layer_begin, c.layer_end) == (2, 5)
         ident = pb.Identity(model=f"fake:{model.to_spec()}", bundle_id=model.bundle_id, stage_index=1,
                                  stage_count=len(model.ranges), layer_begin=begin, layer_end=end, n_layer=model.layers,
-                                 lane="cpu", arch=info.arch)
+                                 lane="cpu", arch=info.arch, numerics="fake/fp-contract-off")
         schema = dict(n_streams=c.n_streams, n_embd=c.n_embd, dtype=pb.F32, bundle_id=model.bundle_id)
         schema_out = pb.BoundarySchema(**schema, token_ids=True, layer=end)     # token ids always travel on
         want = dict(identity=ident, schema_in=pb.BoundarySchema(**schema, token_ids=c.token_ids_in, layer=begin),
