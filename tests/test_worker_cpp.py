@@ -153,7 +153,7 @@ def expected_description(bundle: Path, stage: int, engine: Engine, *, n_ctx: int
         identity=pb.Identity(model=m.recipe.name, bundle_id=bid, stage_index=stage, stage_count=len(m.stages),
                              layer_begin=entry.layer_begin, layer_end=entry.layer_end, n_layer=m.model.n_layer,
                              upstream_commit=pin.commit, patch_series=pin.patch_series, lane=engine.lane,
-                             arch=m.model.arch),
+                             arch=m.model.arch, numerics=engine.numerics),
         is_first=stage == 0, is_last=stage == len(m.stages) - 1, has_vocab=True, n_vocab=info.n_vocab,
         n_ctx=n_ctx, max_sessions=max_sessions, max_message_bytes=MAX_MESSAGE_BYTES, engine="llama.cpp",
         eos_token_ids=list(engine.vocab().stop_ids), session_ttl_s=SESSION_TTL_S, max_queued_steps=MAX_QUEUED_STEPS,
@@ -194,7 +194,8 @@ def expected_descriptor(bundle: Path, stage: int, engine: Engine, engine_lib: Pa
             model=i.model, bundle_id=i.bundle_id, stage_index=i.stage_index, stage_count=i.stage_count,
             layer_begin=i.layer_begin, layer_end=i.layer_end, n_layer=i.n_layer, upstream_commit=i.upstream_commit,
             patch_series=i.patch_series, lane=i.lane, arch=i.arch, engine="llama.cpp",
-            engine_blake3=file_blake3(engine_lib), worker_blake3=file_blake3(worker_bin), wire_dtype=wire),
+            engine_blake3=file_blake3(engine_lib), worker_blake3=file_blake3(worker_bin), wire_dtype=wire,
+            numerics=i.numerics),
         capacity=dd.Capacity(
             max_sessions=d.max_sessions, n_ctx=d.n_ctx, max_queued_steps=MAX_QUEUED_STEPS,
             max_session_steps=MAX_SESSION_STEPS, max_batch_tokens=MAX_BATCH_TOKENS,

@@ -49,7 +49,7 @@ def _cert(idn: dict, contract, blake3: str, *, passed=True, stage=(0, 0, 2), **c
 
 OTHER_WORKER = "0123456789ab" * 5 + "cdef"       # another build of dgr-worker
 ANOTHER_WORKER = "fedcba987654" * 5 + "3210"     # and another
-OTHER_NUMERICS = "cpu/native-x86-64-v3+avx512 gcc-12.2.0 llama.cpp-0c1e57098bba+26.be657f93e91b fast kv-f16 fa-auto"
+OTHER_NUMERICS = "cpu/native-x86-64-v3+avx512 gcc-12.2.0 llama.cpp-0123456789ab+26.0123456789ab fast kv-f16 fa-auto"
 
 
 @pytest.fixture(scope="module")
