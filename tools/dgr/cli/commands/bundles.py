@@ -32,8 +32,17 @@ def _synth(args) -> int:
         for name in known_archs():
             print(name)
         return 0
+    if args.shape:
+        from dgr.toolchain.synth.shapes import synth_shape
+
+        if args.arch or not args.output:
+            raise DgrError("dgr synth --shape NAME: give -o FILE, and no --arch (the shape names its architecture)")
+        print(synth_shape(args.shape, args.output, seed=args.seed, layers=args.layers_given))
+        return 0
     if not args.arch or not args.output:
-        raise DgrError("dgr synth: give --arch ARCH and -o FILE (or --list to see the architectures)")
+        raise DgrError("dgr synth: give --arch ARCH and -o FILE (or --list to see the architectures, or --shape "
+                       "llama-7b for a model of a real shape)")
+    args.layers = args.layers_given or 4
 
     agree = getattr(args, "mtp_agree", None)
     if agree is not None and args.arch != "deepseek4":
@@ -147,7 +156,11 @@ def register(sub) -> None:
     p = sub.add_parser("synth", help="write a tiny random-weight GGUF model")
     p.add_argument("--arch", help="the architecture (llama.cpp's name for it); --list names them all")
     p.add_argument("--list", action="store_true", help="print every architecture --arch can write, one per line")
-    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--shape", metavar="NAME", help="a random-weight model of a real model's shape and size (llama-7b, "
+                   "qwen2-7b: dgr.toolchain.synth.shapes.SHAPES), in llama.cpp's Q4_K_M mix, written one tensor at a "
+                   "time (about 4 GB for llama-7b)")
+    p.add_argument("--layers", type=int, default=None, dest="layers_given",
+                   help="blocks (default 4; with --shape: the shape's own, fewer for a quick try)")
     p.add_argument("--embd", type=int, help="width (default 64; 272 with --mtp-agree)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tied", action=argparse.BooleanOptionalAction, default=None, help="tie the LM head to the embedding")
