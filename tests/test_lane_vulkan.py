@@ -70,7 +70,8 @@ def tiny(tmp_path_factory) -> tuple[Path, Path]:
 
 
 def parity(model: Path, ref: Path, ranges: str, *extra: str, check: bool = True) -> subprocess.CompletedProcess:
-    return dgr("parity", str(model), "--ranges", ranges, "--baseline", str(ref),
+    # Vulkan against the CPU reference: two numerics (docs/numerics.md), compared within a tolerance on purpose
+    return dgr("parity", str(model), "--ranges", ranges, "--baseline", str(ref), "--allow-mixed-numerics",
                "--tolerance", str(VULKAN_TOLERANCE), *extra, env=LAVAPIPE, check=check)
 
 
@@ -86,6 +87,7 @@ def test_vulkan_matches_the_f32_reference_whole_and_split(tiny, ranges):
     # every stage's weights on the Vulkan device, not silently on the host
     assert f"weights on: {' '.join(['Vulkan0'] * n)}" in out, out
     assert "parity: WITHIN TOLERANCE" in out or "parity: EXACT" in out, out
+    assert "numerics: vulkan(llvmpipe" in out, out
     assert max_diff(out) <= VULKAN_TOLERANCE
     assert "greedy tokens agree: True" in out, out
     # a GPU lane's kernels depend on the batch's shape: a restored prefix is not the cold run, so its workers keep
@@ -108,6 +110,16 @@ def test_on_vulkan_the_split_is_exact_against_the_whole_model(tiny, tmp_path):
     assert "weights on Vulkan0, KV cache f32" in made, made
     out = dgr("parity", str(model), "--ranges", "0:2,2:4", "--baseline", str(base), env=LAVAPIPE).stdout
     assert "weights on: Vulkan0 Vulkan0" in out and "parity: EXACT" in out, out
+
+
+def test_vulkan_against_the_cpu_reference_is_refused_unless_allowed(tiny):
+    """The reference ran with no device (numerics vulkan(no-device)/...), the run on lavapipe: another numerics,
+    so parity refuses to compare them bit for bit unless told it means to (docs/numerics.md)."""
+    model, ref = tiny
+    out = dgr("parity", str(model), "--ranges", "0:2,2:4", "--baseline", str(ref), "--tolerance",
+              str(VULKAN_TOLERANCE), env=LAVAPIPE, check=False)
+    assert out.returncode != 0 and "was computed with numerics 'vulkan(no-device)/" in out.stderr, out.stderr
+    assert "this run computes 'vulkan(llvmpipe" in out.stderr and "--allow-mixed-numerics" in out.stderr
 
 
 def test_a_perturbed_seam_on_vulkan_fails_the_tolerance(tiny):

@@ -128,11 +128,11 @@ def test_build_progress_is_a_bar_on_a_terminal_and_the_total_is_logged(tmp_path,
     monkeypatch.setattr(sys.stderr, "isatty", lambda: tty)
     log = tmp_path / "build.log"
     with caplog.at_level(logging.INFO, logger="dgr"):
-        enginebuild._run_logged([sys.executable, str(script), "0"], log, "build cpu", progress=True)
+        enginebuild.run_logged([sys.executable, str(script), "0"], log, "build cpu", progress=True)
     assert "[3/3] step 3" in log.read_text()  # the whole output is in the log
     assert "build cpu: 3/3 steps" in caplog.text  # the same final information either way
     err = capsys.readouterr().err
     assert ("build cpu" in err and "/3 [" in err) == tty  # a bar (tqdm's "n/3 [time]") only on a terminal
     with pytest.raises(EngineError, match=r"build cpu failed \(exit 1\)(.|\n)*\[3/3\] step 3"):
-        enginebuild._run_logged([sys.executable, str(script), "1"], log, "build cpu", progress=False)
+        enginebuild.run_logged([sys.executable, str(script), "1"], log, "build cpu", progress=False)
     assert "/3 [" not in capsys.readouterr().err  # progress=False: no bar, even on a terminal

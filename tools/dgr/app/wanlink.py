@@ -178,6 +178,8 @@ class Link:
         bdp = int(mbit * 1e6 / 8 * one_way_ms / 1e3) if mbit else 0
         self.queue_bytes = queue_bytes or (max(MIN_PACED_QUEUE_BYTES, 2 * bdp) if mbit else UNPACED_QUEUE_BYTES)
         self.down, self.up = Direction(), Direction()
+        self.turns = 0                                  # direction changes: a request then its reply is 2
+        self._last: Direction | None = None
         self.stall = stall
         self.arrived_down = 0                           # bytes read towards the target (for `stall`)
         self.held_until_ns = 0                          # nothing is released before this (a stall)
@@ -218,7 +220,12 @@ class Link:
                 self.pipes.add(_Pipe(self, b, a, self.up, f"{self.address}-{n}-up"))
 
     def _arrived(self, pipe: _Pipe, n: int, now: int) -> None:
-        """Count bytes read towards the target and start the one stall when they pass its threshold."""
+        """Count turns (data in the other direction than the last: half a round trip), the bytes read towards
+        the target, and start the one stall when they pass its threshold."""
+        with self.lock:
+            if pipe.stats is not self._last:
+                self._last = pipe.stats
+                self.turns += 1
         if self.stall is None or pipe.stats is not self.down:
             return
         with self.lock:
@@ -302,6 +309,10 @@ class WanLinks:
     def bytes(self) -> list[tuple[int, int]]:
         """(down, up) bytes per link: towards its worker and back from it."""
         return [(link.down.bytes, link.up.bytes) for link in self.links]
+
+    def turns(self) -> list[int]:
+        """Per link, how often the data changed direction (a request and its reply: 2): round trips x 2."""
+        return [link.turns for link in self.links]
 
     def late_ms_median(self) -> float:
         """The median time chunks were released after they were due, over both directions of every link."""

@@ -146,7 +146,7 @@ def ninja_step(line: str) -> tuple[int, int] | None:
     return int(done), int(total)
 
 
-def _run_logged(cmd: list[str], logfile: Path, what: str, progress: bool, env: dict[str, str] | None = None) -> None:
+def run_logged(cmd: list[str], logfile: Path, what: str, progress: bool, env: dict[str, str] | None = None) -> None:
     """Run a build step, teeing its output to `logfile`; Ninja's steps drive a progress bar on a terminal."""
     from tqdm import tqdm
 
@@ -266,7 +266,7 @@ def _build(lane: str, bdir: Path, lib: Path, stamp_path: Path, args: list[str], 
     t0 = time.monotonic()
     configured = bdir / "dgr-configure.json"
     if not (bdir / "build.ninja").exists() or not configured.exists() or json.loads(configured.read_text()) != args:
-        _run_logged(["cmake", *args], logfile, f"configure {lane}", progress=False)
+        run_logged(["cmake", *args], logfile, f"configure {lane}", progress=False)
         configured.write_text(json.dumps(args))
     jobs = jobs or min(2, os.cpu_count() or 1)
     # ccache keys on paths relative to the workspace, so a second clone or workspace hits its cache.
@@ -275,7 +275,7 @@ def _build(lane: str, bdir: Path, lib: Path, stamp_path: Path, args: list[str], 
     if WORKER_TARGET not in targets:
         log.warning("dgr-worker is not built for %s: CMake found no gRPC C++ (see %s; Debian: apt-get install "
                     "libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler)", lane, logfile)
-    _run_logged(["cmake", "--build", str(bdir), "-j", str(jobs), "--target", *targets], logfile,
+    run_logged(["cmake", "--build", str(bdir), "-j", str(jobs), "--target", *targets], logfile,
                 f"build {lane}", progress=progress, env=env)
     if not lib.exists():
         found = sorted(bdir.rglob(LIBRARY))

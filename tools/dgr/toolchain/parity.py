@@ -267,16 +267,21 @@ def baseline_meta(model: str | Path, sched: Schedule, res: RunResult, kv_dtype: 
             "numerics": res.numerics}
 
 
-def check_baseline_numerics(what: str, made: str | None, run: str) -> None:
-    """A baseline compares bit for bit only with a run of its own numerics (docs/numerics.md): refuse another.
-    `made` None: a baseline file from before baselines recorded it (compared, with a warning)."""
-    if made is None:
+def check_baseline_numerics(what: str, made: str | None, run: str, *, allow: bool = False) -> None:
+    """A baseline compares bit for bit only with a run of its own numerics (docs/numerics.md): refuse another,
+    unless `allow` (a comparison across lanes within a tolerance: said on stderr). `made` None: a baseline file
+    from before baselines recorded it (compared, with a warning)."""
+    if made is not None and made != run and allow:
+        log.warning("%s was computed with numerics %r, this run computes %r: compared across numerics (allowed), so "
+                    "only within the tolerance", what, made, run)
+    elif made is None:
         log.warning("%s records no numerics (made before baselines did): if it was computed by another build, "
                     "instruction set or kernel switch, its logits differ in the low bits", what)
     elif made != run:
         raise DgrError(f"{what} was computed with numerics {made!r}, this run computes {run!r}: their results "
                        "differ in the low bits, so comparing them proves nothing. Make the baseline with the same "
-                       "engine library and switches (`dgr baseline ... --lib`), docs/numerics.md")
+                       "engine library and switches (`dgr baseline ... --lib`), or compare across numerics within a "
+                       "tolerance (--allow-mixed-numerics --tolerance T), docs/numerics.md")
 
 
 def baseline_kv_dtype(path: str | Path, meta: dict, requested: str | None) -> str:

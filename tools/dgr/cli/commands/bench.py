@@ -85,6 +85,22 @@ def _numerics(args) -> int:
     return 0
 
 
+def _peers(args) -> int:
+    from dgr.app.peers import bench_peers, plot, table
+
+    rtts = [float(x) for x in args.rtt_ms.split(",")]
+    prompts = [int(x) for x in args.prompt_lengths.split(",")]
+    rep = bench_peers(Path(args.model) if args.model else None, hosts=args.hosts, rtts=rtts, prompts=prompts,
+                      tokens=args.tokens, threads=args.threads)
+    print(table(rep))
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(rep, indent=2) + "\n")
+    if args.plot:
+        print(f"plot: {plot(rep, args.plot)}")
+    return 0
+
+
 # ---------------------------------------------------------------------------------------- the sections
 def _section(module: str, name: str, call):
     """Run `module.name` through `call(fn)`; a module or function not built yet, or a section that fails
@@ -316,3 +332,17 @@ def register(sub) -> None:
     n.add_argument("--rounds", type=int, default=3, help="timed rounds, alternating the variants' order (default 3)")
     n.add_argument("--json", metavar="FILE", help="also write the rows as JSON")
     n.set_defaults(func=_numerics)
+
+    pe = bsub.add_parser("peers", help="a dgr route against llama.cpp's own RPC backend (rpc-server, built from the "
+                                       "pinned tree): the same model, hosts and threads, through emulated links")
+    pe.add_argument("--model", metavar="GGUF", help="the model (default: the embedded SmolLM2; `dgr synth --shape "
+                    "llama-7b` writes one of a real size)")
+    pe.add_argument("--hosts", type=int, default=3, help="processes the layers are split over (default 3)")
+    pe.add_argument("--rtt-ms", default="0,1,5,20", help="round trips per link to measure at (default 0,1,5,20)")
+    pe.add_argument("--prompt-lengths", default="64,512,2048", help="TTFT prompts (default 64,512,2048; those "
+                    "longer than the model's context are left out)")
+    pe.add_argument("--tokens", type=int, default=32, help="decode tokens (default 32)")
+    pe.add_argument("--threads", type=int, default=1, help="compute threads per process (default 1)")
+    pe.add_argument("--json", metavar="FILE", help="also write the report as JSON")
+    pe.add_argument("--plot", metavar="FILE.png", help="TPOT against the round trip, both sides")
+    pe.set_defaults(func=_peers)

@@ -37,6 +37,9 @@ def register(sub) -> None:
     p.add_argument("--tolerance", type=float, default=0.0,
                    help="largest |logit difference| that passes (default 0: bit-exact). For another backend "
                         "than the baseline's (Vulkan vs a CPU baseline), which rounds differently: docs/build.md")
+    p.add_argument("--allow-mixed-numerics", action="store_true",
+                   help="compare with a baseline of other numerics (another lane, build or kernel switch: "
+                   "docs/numerics.md), within --tolerance; refused without it, since such logits differ in the low bits")
     p.set_defaults(func=cmd_parity)
 
 
@@ -123,7 +126,7 @@ def cmd_parity(args) -> int:
                           kv_dtype=kv_dtype)
     try:
         made = meta.get("numerics") if args.baseline else base.numerics
-        check_baseline_numerics(f"the baseline {what}", made, engines[0].numerics)
+        check_baseline_numerics(f"the baseline {what}", made, engines[0].numerics, allow=args.allow_mixed_numerics)
         perturb = None if args.perturb_boundary is None else perturbation(args.perturb_boundary, len(engines))
         run = run_pipeline(engines, sched, perturb=perturb)
         stages = [f"[{e.describe().layer_begin},{e.describe().layer_end})" for e in engines]
