@@ -84,14 +84,17 @@ def split_bundle(model: Path, hosts: int, store: Path):
     from dgr.core.hashing import file_blake3
     from dgr.toolchain.bundle import build, load_bundle
 
+    import re
+
     ranges = even_ranges(_layers(model), hosts)
-    out = store / f"{model.stem}-{hosts}"
+    name = re.sub(r"[^a-z0-9._-]", "-", model.stem.lower())[:60] + f"-{hosts}"
+    out = store / name
     if (out / "manifest.json").is_file():
         return load_bundle(out)
     store.mkdir(parents=True, exist_ok=True)
-    recipe = store / f"{model.stem}-{hosts}.toml"
+    recipe = store / f"{name}.toml"
     pairs = ", ".join(f"[{a}, {b}]" for a, b in ranges)
-    recipe.write_text(f'name = "{model.stem}-{hosts}"\n\n[source]\nuri = "{model}"\nblake3 = "{file_blake3(model)}"\n\n'
+    recipe.write_text(f'name = "{name}"\n\n[source]\nuri = "{model}"\nblake3 = "{file_blake3(model)}"\n\n'
                       f"[placement]\nstages = [{pairs}]\n")
     return build(recipe, out)
 
