@@ -1,4 +1,4 @@
-"""`dgr` subcommands of the build area: `dgr release verify|build` (the work is in dgr.toolchain.release)."""
+"""`dgr` subcommands of the build area: `dgr release verify|build|image` (the work is in dgr.toolchain.release)."""
 
 from __future__ import annotations
 
@@ -17,6 +17,18 @@ def _build(args) -> int:
     from dgr.toolchain.release import build_release
 
     print(build_release(args.lane))
+    return 0
+
+
+def _image(args) -> int:
+    from dgr.toolchain.release import write_image
+
+    record, (layout, tar, manifest) = write_image(args.release, args.out)
+    print(f"ok: {record['ref']} ({record['lane']} lane, {record['architecture']}) {record['digest']}, "
+          f"{record['size'] / 1e6:.1f} MB in {len(record['layers'])} layers")
+    print(f"  {layout}/  the OCI image layout")
+    print(f"  {tar}  the same as one tar: docker load -i / podman load -i")
+    print(f"  {manifest}  the digest, the release it was made from, the layers and libraries")
     return 0
 
 
@@ -44,6 +56,11 @@ def register(sub) -> None:
     b = rsub.add_parser("build", help="bazel build //:release_<lane>, verify it, print its path")
     b.add_argument("--lane", choices=LANES, default="cpu")
     b.set_defaults(func=_build)
+    i = rsub.add_parser("image", help="the OCI image of a release's dgr-worker: no shell, no Python, the libraries "
+                        "it loads from this host (docs/deploy.md, Container image)")
+    i.add_argument("--release", required=True, help="release_<lane>.tar.gz (`dgr release build`)")
+    i.add_argument("--out", required=True, help="folder for image_<lane>/, image_<lane>.tar and image_<lane>.MANIFEST.json")
+    i.set_defaults(func=_image)
     d = rsub.add_parser("python-deps", help="put the locked wheels a release carries into the workspace "
                         "(sha256-checked; Bazel's @dgr_python_deps reads them)")
     d.add_argument("--lock", action="store_true", help="first re-lock: the closure of pyproject's "
