@@ -18,24 +18,26 @@ logit, and the worker answers grpc.health.v1. Where podman and runc are installe
 
 from __future__ import annotations
 
+import hashlib
+import io
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
 import tarfile
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from dgr.toolchain import image as oci
-from support.images import Process, container_command, image_config, require_root, synthetic_release, unpack
+from dgr.toolchain import rootfs
+from support.images import (Process, container_command, health, image_config, require_root, routes_around,
+                            same_generation, synthetic_release, unpack)
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "tools/dgr/toolchain/image.py"
-PROMPT = "The three primary colors are"
-MAX_NEW = 16
 
 
 def _build_script(release: Path, out: Path, *extra_env: tuple[str, str]) -> subprocess.CompletedProcess:
@@ -80,7 +82,7 @@ def test_two_builds_of_one_release_are_the_same_bytes(stand_in, tmp_path):
     # each blob is its digest's, and the tar is the layout
     for path, data in a.items():
         if path.startswith("layout/blobs/sha256/"):
-            assert oci.hashlib.sha256(data).hexdigest() == path.rsplit("/", 1)[1]
+            assert hashlib.sha256(data).hexdigest() == path.rsplit("/", 1)[1]
     with tarfile.open(one / "image.tar") as tar:
         assert sorted(m.name for m in tar.getmembers() if m.isfile()) == sorted(p[7:] for p in a if p.startswith("layout/"))
     # SOURCE_DATE_EPOCH moves the times, and only them
@@ -110,8 +112,8 @@ def test_the_layers_are_deterministic_tars_of_the_worker_its_engine_and_their_li
     assert "dgr:x:65532:65532:" in system.extractfile(s["etc/passwd"]).read().decode()
     assert d["opt/dgr/bin/dgr-worker"].mode == 0o755 and d["opt/dgr/lib/libdgr_engine.so"].isfile()
     # every library the host's loader names for the worker and the engine is there, at its path
-    loader = oci.elf_interpreter(Path(worker_bin).read_bytes())
-    needed = oci.library_closure([str(worker_bin), str(engine_lib)], loader)
+    loader = rootfs.elf_interpreter(Path(worker_bin).read_bytes())
+    needed = rootfs.library_closure([str(worker_bin), str(engine_lib)], loader)
     assert len(needed) > 20
     for lib in needed:
         real = os.path.realpath(lib).lstrip("/")
@@ -149,8 +151,6 @@ def test_the_paths_are_those_the_deploy_renders_use():
 
 
 def test_lanes_without_an_image_are_refused_by_name_with_what_they_need(tmp_path, worker_bin, engine_lib, capsys):
-    import re
-
     from dgr.cli.main import main
     from dgr.core.constants import LANES
 
@@ -173,6 +173,46 @@ def test_lanes_without_an_image_are_refused_by_name_with_what_they_need(tmp_path
         assert not (tmp_path / f"out-{lane}").exists()
 
 
+def _bazel_genrules() -> dict[str, dict]:
+    """The genrules `dgr_images()` of toolchains/lanes.bzl declares, by name: the .bzl file run as the Python it
+    is written in, with Bazel's `native`, `struct` and `select` stood in for (no Bazel run here)."""
+    import types
+
+    rules: dict[str, dict] = {}
+    native = types.SimpleNamespace(genrule=lambda **kw: rules.__setitem__(kw["name"], kw))
+    text = "\n".join(ln for ln in (REPO / "toolchains/lanes.bzl").read_text().splitlines() if not ln.startswith("load("))
+    scope = {"native": native, "struct": types.SimpleNamespace, "select": dict}
+    exec(compile(text, "lanes.bzl", "exec"), scope)
+    scope["dgr_images"]()
+    return rules
+
+
+def test_the_bazel_targets_run_image_py_over_the_release(stand_in, tmp_path):
+    """//:image_cpu's command, its $(location)s filled in as Bazel would, makes what image.py makes; the
+    declared lanes' targets are manual and refuse, saying why."""
+    import shlex
+
+    rules = _bazel_genrules()
+    assert sorted(rules) == sorted(f"image_{lane}" for lane in oci.LANE_IMAGES)
+    cpu = rules["image_cpu"]
+    assert cpu["srcs"] == [":release_cpu.tar.gz"] and cpu["outs"] == ["image_cpu.tar", "image_cpu.MANIFEST.json"]
+    assert "manual" not in cpu["tags"]
+    release, one = stand_in
+    where = {"//tools/dgr:toolchain/image.py": str(SCRIPT), ":release_cpu.tar.gz": str(release),
+             "image_cpu.tar": str(tmp_path / "image_cpu.tar"), "image_cpu.MANIFEST.json": str(tmp_path / "m.json")}
+    cmd = re.sub(r"\$\(location ([^)]+)\)", lambda m: shlex.quote(where[m.group(1)]), cpu["cmd"])
+    proc = subprocess.run(cmd, shell=True, capture_output=True, text=True, env={"PATH": "/bin:/usr/bin:/usr/local/bin"})
+    assert proc.returncode == 0, proc.stderr
+    assert (tmp_path / "image_cpu.tar").read_bytes() == (one / "image.tar").read_bytes()
+    assert (tmp_path / "m.json").read_bytes() == (one / "image.MANIFEST.json").read_bytes()
+    for lane in ("cuda", "vulkan", "rocm", "metal"):
+        rule = rules[f"image_{lane}"]
+        assert "manual" in rule["tags"] and "srcs" not in rule
+        cmd = rule["cmd"].replace("$(location //tools/dgr:toolchain/image.py)", str(SCRIPT))
+        proc = subprocess.run(cmd, shell=True, capture_output=True, text=True, env={"PATH": "/bin:/usr/bin"})
+        assert proc.returncode == 1 and oci.LANE_IMAGES[lane][:40] in proc.stderr, proc.stderr
+
+
 def test_a_damaged_release_is_refused(tmp_path, worker_bin, engine_lib, capsys):
     from dgr.cli.main import main
 
@@ -187,7 +227,7 @@ def test_a_damaged_release_is_refused(tmp_path, worker_bin, engine_lib, capsys):
         for name, data in files.items():
             info = tarfile.TarInfo(name)
             info.size = len(data)
-            tar.addfile(info, oci.io.BytesIO(data))
+            tar.addfile(info, io.BytesIO(data))
     assert main(["release", "image", "--release", str(damaged), "--out", str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err
     assert "lib/libdgr_engine.so does not match the release's MANIFEST.json" in err
@@ -221,55 +261,13 @@ def release_image(release_cpu_tar, tmp_path_factory) -> tuple[Path, dict]:
 def test_the_release_image_is_reproducible_and_its_manifest_names_the_release(release_image, release_cpu_tar):
     out, record = release_image
     manifest = json.loads(tarfile.open(release_cpu_tar).extractfile("dgr-cpu/MANIFEST.json").read())
-    assert record["release"]["sha256"] == oci.hashlib.sha256(release_cpu_tar.read_bytes()).hexdigest()
+    assert record["release"]["sha256"] == hashlib.sha256(release_cpu_tar.read_bytes()).hexdigest()
     assert record["release"]["upstream"] == manifest["upstream"]
     assert record["files"]["/opt/dgr/bin/dgr-worker"] == manifest["files"]["bin/dgr-worker"]
     assert record["files"]["/opt/dgr/lib/libdgr_engine.so"] == manifest["files"]["lib/libdgr_engine.so"]
     assert record["digest"] == json.loads((out / "image_cpu/index.json").read_text())["manifests"][0]["digest"]
     assert record["ref"] == f"dgr-worker:{manifest['version']}"
     assert all(v["package"] for v in record["libraries"].values()), "every library's Debian package is named"
-
-
-def _routes(bundle: Path, engine_lib: Path, middle: Process, check, timeout: float = 300):
-    """A route of three ordinary workers, and one of stages 0 and 2 as ordinary workers around `middle`
-    (stage 1); `check(address)` looks at `middle` while it serves, and it is stopped (drained) before the others."""
-    from dgr.app.local import LocalRoute
-    from dgr.runtime.wire.client import RouteClient
-
-    args = [["--bundle", str(bundle), "--stage", str(i), "--threads", "1", "--n-ctx", "512"] for i in range(3)]
-    env = {"DGR_ENGINE_LIB": str(engine_lib)}
-    with LocalRoute(args, env=env, timeout=timeout) as r:
-        with RouteClient(r.addresses) as c:
-            ordinary = c.run(PROMPT, max_new_tokens=MAX_NEW, logits="last", stop_token_ids=[])
-        address = middle.wait_ready(timeout)
-        route = [r.addresses[0], address, r.addresses[2]]
-        try:
-            with RouteClient(route) as c:
-                mixed = c.run(PROMPT, max_new_tokens=MAX_NEW, logits="last", stop_token_ids=[])
-                numerics = c.numerics
-            check(address)
-        finally:
-            rc = middle.stop()
-    print(middle.log)
-    assert rc == 0 and "drained and stopped" in middle.log, middle.log
-    return ordinary, mixed, numerics
-
-
-def _health(address: str) -> str:
-    import grpc
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-    with grpc.insecure_channel(address, options=[("grpc.enable_http_proxy", 0)]) as ch:
-        reply = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=10)
-    return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
-
-
-def _same_generation(ordinary, mixed, numerics) -> None:
-    assert len(set(numerics)) == 1 and numerics[0].startswith("cpu/x86-64-v3 "), numerics
-    assert mixed.token_ids == ordinary.token_ids and mixed.text == ordinary.text and mixed.text
-    n = len(mixed.prompt_ids)
-    rows = [k for k in range(n - 1, n - 1 + MAX_NEW)]
-    assert all(np.array_equal(mixed.logits[k], ordinary.logits[k]) for k in rows)
 
 
 @pytest.mark.slow
@@ -290,13 +288,13 @@ def test_the_image_serves_a_stage_in_a_chroot_of_its_layers_that_joins_a_route(r
     worker = Process(argv)
 
     def check(address: str) -> None:
-        assert _health(address) == "SERVING"
+        assert health(address) == "SERVING"
         status = Path(f"/proc/{worker.proc.pid}/status").read_text()
         assert "\nUid:\t65532\t65532\t65532\t65532\n" in status and "\nGid:\t65532\t" in status
         assert os.readlink(f"/proc/{worker.proc.pid}/root") == str(root), "it runs in the chroot of the image"
         assert f"{oci.PREFIX}/lib/libdgr_engine.so" in Path(f"/proc/{worker.proc.pid}/maps").read_text()
 
-    _same_generation(*_routes(bundle, engine_lib, worker, check))
+    same_generation(*routes_around(bundle, engine_lib, worker, check))
 
 
 @pytest.mark.slow
@@ -324,9 +322,9 @@ def test_the_image_serves_a_stage_under_podman_that_joins_a_route(release_image,
     worker = Process(argv)
 
     def check(address: str) -> None:
-        assert _health(address) == "SERVING"
+        assert health(address) == "SERVING"
 
     try:
-        _same_generation(*_routes(bundle, engine_lib, worker, check))
+        same_generation(*routes_around(bundle, engine_lib, worker, check))
     finally:
         subprocess.run(["podman", "rmi", "-f", ref], capture_output=True, timeout=120)

@@ -218,16 +218,17 @@ def dgr_images():
 
     Outputs image_<lane>.tar (an OCI image layout with Docker's manifest.json: `docker load -i`, `podman load -i`)
     and image_<lane>.MANIFEST.json (the image's digest and the release archive it was made from), written by
-    tools/dgr/toolchain/image.py. The shared libraries come from the building host (`ld.so --list`), as the
+    tools/dgr/toolchain/image.py (with rootfs.py). The shared libraries come from the building host (`ld.so --list`), as the
     release's own binaries were linked against them. A lane without an image fails, saying why (manual)."""
     script = "//tools/dgr:toolchain/image.py"
+    tools = [script, "//tools/dgr:image_tool"]
     for lane, info in LANES.items():
         if lane not in IMAGE_LANES:
             native.genrule(
                 name = "image_" + lane,
                 outs = ["image_%s.tar" % lane],
                 cmd = "python3 $(location %s) --refuse-lane %s" % (script, lane),
-                tools = [script],
+                tools = tools,
                 tags = info.tags + ([] if "manual" in info.tags else ["manual"]),
             )
             continue
@@ -241,7 +242,7 @@ def dgr_images():
                 "--tar $(location image_%s.tar)" % lane,
                 "--manifest $(location image_%s.MANIFEST.json)" % lane,
             ]),
-            tools = [script],
+            tools = tools,
             tags = info.tags,
             visibility = ["//visibility:public"],
         )

@@ -5,7 +5,9 @@ the last) and its entrypoint run in a chroot of that folder, with what an OCI ru
 nothing else of the host: its own mount namespace (`unshare -m`: the mounts die with the process), /proc,
 a /dev holding null, zero, random and urandom, the volumes bind-mounted at their paths (read-only where
 asked), the image's Env alone (`env -i`), and its User (`chroot --userspec`). The network is the host's (as
-`--network host`): workers on loopback reach it and it reaches them.
+`--network host`): workers on loopback reach it and it reaches them. `routes_around` joins such a worker,
+serving stage 1 of SmolLM2, to ordinary workers serving stages 0 and 2, beside a route of three ordinary
+workers; `same_generation` holds the two routes to the same tokens and logits.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ import tarfile
 import threading
 import time
 from pathlib import Path
+
+import numpy as np
 
 HOST_PATH = "/usr/sbin:/usr/bin:/sbin:/bin"
 DEVICES = ("null", "zero", "random", "urandom")
@@ -142,3 +146,53 @@ class Process:
         if self._reader:
             self._reader.join(timeout=10)
         return rc
+
+
+# ---- a stage of SmolLM2 served from elsewhere, joined to a route of ordinary workers
+
+PROMPT = "The three primary colors are"
+MAX_NEW = 16
+
+
+def routes_around(bundle: Path, engine_lib: Path, middle: Process, check, timeout: float = 300):
+    """A route of three ordinary workers, and one of stages 0 and 2 as ordinary workers around `middle`
+    (stage 1); `check(address)` looks at `middle` while it serves, and it is stopped (drained) before the others."""
+    from dgr.app.local import LocalRoute
+    from dgr.runtime.wire.client import RouteClient
+
+    args = [["--bundle", str(bundle), "--stage", str(i), "--threads", "1", "--n-ctx", "512"] for i in range(3)]
+    env = {"DGR_ENGINE_LIB": str(engine_lib)}
+    with LocalRoute(args, env=env, timeout=timeout) as r:
+        with RouteClient(r.addresses) as c:
+            ordinary = c.run(PROMPT, max_new_tokens=MAX_NEW, logits="last", stop_token_ids=[])
+        address = middle.wait_ready(timeout)
+        route = [r.addresses[0], address, r.addresses[2]]
+        try:
+            with RouteClient(route) as c:
+                mixed = c.run(PROMPT, max_new_tokens=MAX_NEW, logits="last", stop_token_ids=[])
+                numerics = c.numerics
+            check(address)
+        finally:
+            rc = middle.stop()
+    print(middle.log)
+    assert rc == 0 and "drained and stopped" in middle.log, middle.log
+    return ordinary, mixed, numerics
+
+
+def health(address: str) -> str:
+    """grpc.health.v1's answer for the worker at `address` (SERVING once its stage is loaded)."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with grpc.insecure_channel(address, options=[("grpc.enable_http_proxy", 0)]) as ch:
+        reply = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=10)
+    return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+
+
+def same_generation(ordinary, mixed, numerics) -> None:
+    """One numerics on the route (docs/numerics.md), and the same tokens, text and logits as the ordinary route."""
+    assert len(set(numerics)) == 1 and numerics[0].startswith("cpu/x86-64-v3 "), numerics
+    assert mixed.token_ids == ordinary.token_ids and mixed.text == ordinary.text and mixed.text
+    n = len(mixed.prompt_ids)
+    rows = [k for k in range(n - 1, n - 1 + MAX_NEW)]
+    assert all(np.array_equal(mixed.logits[k], ordinary.logits[k]) for k in rows)

@@ -30,28 +30,37 @@ Outputs: the OCI image layout (oci-layout, index.json, blobs/sha256/...) plus Do
 folder (--layout) and as one tar of that folder (--tar): `docker load -i`, `podman load -i` and
 `skopeo copy oci-archive:` all take it.
 
-Standard library only: run by path by the Bazel target `//:image_<lane>` (toolchains/lanes.bzl, plain
-python3, no dgr installed) and imported by `dgr release image`. The blake3 checks use the release's own
-dgr-worker (`--blake3`), as toolchains/bazel/release.py does.
+Standard library only (with dgr.toolchain.rootfs, which takes the host's files): run by path by the Bazel
+target `//:image_<lane>` (toolchains/lanes.bzl, plain python3, no dgr installed) and imported by `dgr
+release image`. The blake3 checks use the release's own dgr-worker (`--blake3`), as release.py does.
 """
 
 from __future__ import annotations
 
-import argparse
-import gzip
-import hashlib
-import io
-import json
 import os
-import re
-import shutil
-import struct
-import subprocess
 import sys
-import tarfile
-import tempfile
-import time
-from dataclasses import dataclass, field
+
+if __name__ == "__main__" and not __package__:
+    # Run as a script (Bazel's //:image_<lane>), where dgr is not installed: import dgr.toolchain.rootfs from
+    # the source tree (the package's __init__ files import nothing). The script's own folder leaves sys.path:
+    # it holds dgr's modules, whose names must not stand in for the standard library's.
+    _here = os.path.dirname(os.path.realpath(__file__))
+    sys.path[:] = [p for p in sys.path if os.path.realpath(p or ".") != _here]
+    sys.path.insert(0, os.path.dirname(os.path.dirname(_here)))  # tools/
+
+import argparse  # noqa: E402
+import gzip  # noqa: E402
+import hashlib  # noqa: E402
+import io  # noqa: E402
+import json  # noqa: E402
+import subprocess  # noqa: E402
+import tarfile  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+from dataclasses import dataclass  # noqa: E402
+
+from dgr.toolchain.rootfs import (ImageError, Tree, debian_packages, elf_arch, elf_interpreter,  # noqa: E402
+                                  library_closure)
 
 PREFIX = "/opt/dgr"                    # = dgr.app.deploy.systemd.DEFAULT_PREFIX (a test holds them equal)
 USER = 65532                           # = dgr.app.deploy.kubernetes.USER
@@ -90,10 +99,6 @@ PASSWD = f"root:x:0:0:root:/root:/sbin/nologin\n{USER_NAME}:x:{USER}:{USER}:dgr 
 GROUP = f"root:x:0:\n{USER_NAME}:x:{USER}:\n"
 # glibc's own defaults, written down: names from /etc/hosts (which runtimes mount), then DNS
 NSSWITCH = "passwd: files\ngroup: files\nhosts: files dns\n"
-
-
-class ImageError(Exception):
-    """The message says what is wrong and what to do; `dgr release image` prints it."""
 
 
 # ---- the release
@@ -141,176 +146,6 @@ def refusal(lane: str) -> str:
     if lane not in LANE_IMAGES:
         return f"no lane {lane!r}: the lanes are {', '.join(LANE_IMAGES)}"
     return LANE_IMAGES[lane]
-
-
-# ---- ELF: the machine, the loader, the libraries
-
-ARCH = {0x3E: "amd64", 0xB7: "arm64"}  # e_machine -> the OCI architecture
-
-
-def elf_arch(data: bytes, what: str) -> str:
-    if data[:4] != b"\x7fELF" or data[4] != 2:
-        raise ImageError(f"{what}: not a 64-bit ELF file")
-    machine = struct.unpack_from("<H", data, 18)[0]
-    if machine not in ARCH:
-        raise ImageError(f"{what}: ELF machine {machine:#x} has no image architecture here (known: {ARCH})")
-    return ARCH[machine]
-
-
-def elf_interpreter(data: bytes) -> str | None:
-    """PT_INTERP of a 64-bit little-endian ELF file (an executable's dynamic loader), or None (a library)."""
-    phoff = struct.unpack_from("<Q", data, 32)[0]
-    phentsize, phnum = struct.unpack_from("<HH", data, 54)
-    for i in range(phnum):
-        p_type, _, p_offset, _, _, p_filesz = struct.unpack_from("<IIQQQQ", data, phoff + i * phentsize)
-        if p_type == 3:
-            return data[p_offset:p_offset + p_filesz].rstrip(b"\0").decode()
-    return None
-
-
-_NEEDS = re.compile(r"^\s*(\S+) => (.+?)(?: \(0x[0-9a-f]+\))?$")
-_LOADER = re.compile(r"^\s*(/\S+) \(0x[0-9a-f]+\)$")
-
-
-def library_closure(paths: list[str], loader: str) -> list[str]:
-    """Every shared library the ELF files at `paths` load, as the host's `loader` finds them
-    (`ld.so --list`, what ldd runs), the loader included: absolute host paths, sorted."""
-    found: set[str] = set()
-    for p in paths:
-        out = subprocess.run([loader, "--list", p], capture_output=True, text=True, env={"LC_ALL": "C"})
-        if out.returncode != 0:
-            raise ImageError(f"{loader} --list {p} failed ({out.returncode}): {out.stderr.strip()}")
-        for line in out.stdout.splitlines():
-            m = _NEEDS.match(line)
-            if m:
-                if m.group(2) == "not found":
-                    raise ImageError(f"{os.path.basename(p)} needs {m.group(1)}, which this host does not have: "
-                                     "install it (Debian: `apt-file search` names the package) and build again")
-                found.add(m.group(2))
-                continue
-            m = _LOADER.match(line)
-            if m:
-                found.add(m.group(1))
-    return sorted(found)
-
-
-# ---- the file tree of a layer
-
-@dataclass
-class Node:
-    kind: str                          # "dir", "file" or "link"
-    mode: int = 0o755
-    data: bytes = b""
-    target: str = ""                   # a link's
-    uid: int = 0
-
-
-@dataclass
-class Tree:
-    """Paths (relative to /, '/'-separated) -> nodes; parents are added as root-owned 0755 folders."""
-
-    nodes: dict[str, Node] = field(default_factory=dict)
-
-    def _parents(self, path: str) -> None:
-        parts = path.split("/")[:-1]
-        for i in range(1, len(parts) + 1):
-            d = "/".join(parts[:i])
-            n = self.nodes.setdefault(d, Node("dir"))
-            if n.kind != "dir":
-                raise ImageError(f"/{d} is a {n.kind} in the image, but /{path} is inside it")
-
-    def put(self, path: str, node: Node) -> None:
-        path = path.strip("/")
-        self._parents(path)
-        old = self.nodes.get(path)
-        if old is None or old == node or old == Node("dir") and node.kind == "dir":
-            self.nodes[path] = node              # (a folder made as a parent takes the mode it is given later)
-        elif not (node == Node("dir") and old.kind == "dir"):
-            raise ImageError(f"/{path} would be put in the image twice, differently ({old.kind}, {node.kind})")
-
-    def file(self, path: str, data: bytes, executable: bool = False) -> None:
-        self.put(path, Node("file", 0o755 if executable else 0o644, data))
-
-    def dir(self, path: str, mode: int = 0o755, uid: int = 0) -> None:
-        self.put(path, Node("dir", mode, uid=uid))
-
-    def host_path(self, path: str) -> None:
-        """The host's file at `path` at the same path, every symlink on the way (in the folders or at
-        the end) kept as the same symlink: what a library's path means on the host, it means here."""
-        real = self._host_dir(os.path.dirname(path))
-        p = os.path.join(real, os.path.basename(path))
-        if os.path.islink(p):
-            target = os.readlink(p)
-            self.put(p, Node("link", 0o777, target=target))
-            self.host_path(os.path.normpath(os.path.join(real, target)))
-        elif os.path.isfile(p):
-            st = os.stat(p)
-            with open(p, "rb") as f:
-                self.file(p, f.read(), executable=bool(st.st_mode & 0o111))
-        else:
-            raise ImageError(f"{p}: not a file on this host (a library the loader named)")
-
-    def _host_dir(self, d: str) -> str:
-        """`d` with its symlinks followed, each one put in the tree; returns the real folder."""
-        if d in ("/", ""):
-            return "/"
-        real_parent = self._host_dir(os.path.dirname(d))
-        p = os.path.join(real_parent, os.path.basename(d))
-        if os.path.islink(p):
-            target = os.readlink(p)
-            self.put(p, Node("link", 0o777, target=target))
-            return self._host_dir(os.path.normpath(os.path.join(real_parent, target)))
-        return p
-
-    def layer(self, mtime: int) -> bytes:
-        """The tree as an uncompressed ustar archive: sorted, fixed times and owners, no names."""
-        raw = io.BytesIO()
-        with tarfile.open(fileobj=raw, mode="w", format=tarfile.USTAR_FORMAT) as tar:
-            for path in sorted(self.nodes):
-                n = self.nodes[path]
-                info = tarfile.TarInfo(path + ("/" if n.kind == "dir" else ""))
-                info.mtime, info.mode, info.uid, info.gid = mtime, n.mode, n.uid, n.uid
-                info.uname = info.gname = ""
-                if n.kind == "dir":
-                    info.type = tarfile.DIRTYPE
-                    tar.addfile(info)
-                elif n.kind == "link":
-                    info.type, info.linkname = tarfile.SYMTYPE, n.target
-                    tar.addfile(info)
-                else:
-                    info.size = len(n.data)
-                    tar.addfile(info, io.BytesIO(n.data))
-        return raw.getvalue()
-
-
-# ---- Debian: which package each library came from (licenses, and the image manifest's list)
-
-def debian_packages(paths: list[str]) -> dict[str, tuple[str, str]]:
-    """path -> (package, version) of the Debian package that installed it, for those dpkg knows ({} off
-    Debian). dpkg knows a file by the path its package installed it at (/lib/... or /usr/lib/..., either
-    side of merged /usr), so each path is asked as given, resolved, and across /usr. Two dpkg-query calls."""
-    if not shutil.which("dpkg-query"):
-        return {}
-    tries: dict[str, list[str]] = {}
-    for path in paths:
-        ts = [path, os.path.realpath(path)]
-        ts += [t[4:] if t.startswith("/usr/") else "/usr" + t for t in ts]
-        tries[path] = list(dict.fromkeys(ts))
-    asked = sorted({t for ts in tries.values() for t in ts})
-    # exit 1 when some path is no package's: the others are still listed
-    out = subprocess.run(["dpkg-query", "-S", *asked], capture_output=True, text=True, env={"LC_ALL": "C"}).stdout
-    owner = {}
-    for line in out.splitlines():
-        pkgs, _, p = line.partition(": ")
-        if p in asked and "diversion" not in pkgs:
-            owner[p] = pkgs.split(",")[0].strip().split(":")[0]
-    found = {path: next(owner[t] for t in ts if t in owner) for path, ts in tries.items() if any(t in owner for t in ts)}
-    if not found:
-        return {}
-    out = subprocess.run(["dpkg-query", "-W", "-f=${Package}\t${Version}\n", *sorted(set(found.values()))],
-                         capture_output=True, text=True, check=True, env={"LC_ALL": "C"}).stdout
-    versions = dict(line.split("\t", 1) for line in out.splitlines())
-    return {path: (pkg, versions[pkg]) for path, pkg in found.items()}
 
 
 # ---- the image
@@ -385,13 +220,14 @@ def source_date_epoch() -> int:
     return int(v)
 
 
-def build(release: Release, *, mtime: int = 0, repository: str = REPOSITORY) -> Image:
-    """The image of `release` (its lane must have one), its libraries taken from this host."""
-    why = refusal(release.lane)
-    if why:
-        raise ImageError(f"{release.name}: {why}")
-    worker, engine = release.files["bin/dgr-worker"], release.files["lib/libdgr_engine.so"]
-    sums = _blake3(worker, {"bin/dgr-worker": worker, "lib/libdgr_engine.so": engine})
+BINARIES = ("bin/dgr-worker", "lib/libdgr_engine.so")
+
+
+def check_release(release: Release) -> str:
+    """The release's worker and engine match its MANIFEST.json and are built for one machine; returns it
+    (the OCI architecture, which is also Debian's name for it)."""
+    worker, engine = (release.files[b] for b in BINARIES)
+    sums = _blake3(worker, {b: release.files[b] for b in BINARIES})
     for rel, got in sums.items():
         want = release.manifest.get("files", {}).get(rel, {}).get("blake3")
         if got != want:
@@ -400,17 +236,32 @@ def build(release: Release, *, mtime: int = 0, repository: str = REPOSITORY) -> 
     arch = elf_arch(worker, "bin/dgr-worker")
     if elf_arch(engine, "lib/libdgr_engine.so") != arch:
         raise ImageError(f"{release.name}: bin/dgr-worker and lib/libdgr_engine.so are built for different machines")
+    return arch
+
+
+def release_libraries(release: Release) -> list[str]:
+    """The loader and every shared library the release's worker and engine load, as this host has them."""
+    worker = release.files["bin/dgr-worker"]
     loader = elf_interpreter(worker)
     if not loader or not os.path.exists(loader):
-        raise ImageError(f"bin/dgr-worker's loader {loader} is not on this host: build the image where the release runs")
-
+        raise ImageError(f"bin/dgr-worker's loader {loader} is not on this host: build where the release runs")
     with tempfile.TemporaryDirectory() as tmp:
         paths = []
-        for rel, data in (("dgr-worker", worker), ("libdgr_engine.so", engine)):
-            paths.append(os.path.join(tmp, rel))
+        for rel in BINARIES:
+            paths.append(os.path.join(tmp, os.path.basename(rel)))
             with open(paths[-1], "wb") as f:
-                f.write(data)
-        libraries = library_closure(paths, loader)
+                f.write(release.files[rel])
+        return library_closure(paths, loader)
+
+
+def build(release: Release, *, mtime: int = 0, repository: str = REPOSITORY) -> Image:
+    """The image of `release` (its lane must have one), its libraries taken from this host."""
+    why = refusal(release.lane)
+    if why:
+        raise ImageError(f"{release.name}: {why}")
+    arch = check_release(release)
+    worker, engine = (release.files[b] for b in BINARIES)
+    libraries = release_libraries(release)
 
     system = Tree()
     debian = debian_packages(libraries)
@@ -520,7 +371,7 @@ def build(release: Release, *, mtime: int = 0, repository: str = REPOSITORY) -> 
                     "upstream": release.manifest.get("upstream", {})},
         "layers": [{**layer, "diff_id": d, "created_by": h["created_by"]}
                    for layer, d, h in zip(layers, diff_ids, history)],
-        "files": {f"{PREFIX}/{rel}": release.manifest["files"][rel] for rel in sorted(sums)},
+        "files": {f"{PREFIX}/{rel}": release.manifest["files"][rel] for rel in BINARIES},
         "libraries": owners,
     }
     return Image(blobs, index, docker, digest, record)

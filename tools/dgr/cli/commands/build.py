@@ -1,4 +1,5 @@
-"""`dgr` subcommands of the build area: `dgr release verify|build|image` (the work is in dgr.toolchain.release)."""
+"""`dgr` subcommands of the build area: `dgr release verify|build|image|deb` (the work is in dgr.toolchain.release
+and, for the Debian package, dgr.app.deploy.debian)."""
 
 from __future__ import annotations
 
@@ -32,6 +33,14 @@ def _image(args) -> int:
     return 0
 
 
+def _deb(args) -> int:
+    from dgr.app.deploy.debian import build_deb
+
+    deb = build_deb(args.release, args.out)
+    print(f"ok: {deb} ({deb.stat().st_size / 1e6:.1f} MB): `dpkg -i {deb.name}`, then docs/deploy.md \"Debian package\"")
+    return 0
+
+
 def _python_deps(args) -> int:
     from dgr.toolchain.pydeps import LOCK_PATH, fetch_locked, wheel_dir, write_lock
 
@@ -61,6 +70,11 @@ def register(sub) -> None:
     i.add_argument("--release", required=True, help="release_<lane>.tar.gz (`dgr release build`)")
     i.add_argument("--out", required=True, help="folder for image_<lane>/, image_<lane>.tar and image_<lane>.MANIFEST.json")
     i.set_defaults(func=_image)
+    e = rsub.add_parser("deb", help="the Debian package of a release's dgr-worker: /opt/dgr, the unit template "
+                        "dgr-worker@.service, its user and folders (docs/deploy.md, Debian package)")
+    e.add_argument("--release", required=True, help="release_cpu.tar.gz (`dgr release build`)")
+    e.add_argument("--out", required=True, help="folder for dgr-worker_<version>_<arch>.deb")
+    e.set_defaults(func=_deb)
     d = rsub.add_parser("python-deps", help="put the locked wheels a release carries into the workspace "
                         "(sha256-checked; Bazel's @dgr_python_deps reads them)")
     d.add_argument("--lock", action="store_true", help="first re-lock: the closure of pyproject's "
