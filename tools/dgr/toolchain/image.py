@@ -79,8 +79,7 @@ LANE_IMAGES = {
              "own library, which an image must not carry (the NVIDIA Container Toolkit mounts the driver's into "
              "the container, with the device nodes: `--gpus`, or the nvidia.com/gpu device plugin), while the "
              "CUDA runtime it also links (libcudart, libcublas, libcublasLt) must come from the toolkit release "
-             "it was built with; and no CUDA host is here to run one. Build it on a CUDA host from an "
-             "nvidia/cuda runtime base of the same CUDA version"),
+             "it was built with. Build it on a CUDA host from an nvidia/cuda runtime base of that CUDA version"),
     "vulkan": ("the Vulkan lane's image is declared, not built: the Vulkan loader (libvulkan.so.1) finds its "
                "driver at run time (an ICD: Mesa's lavapipe or radv, or the GPU vendor's, named by a JSON file in "
                "/usr/share/vulkan/icd.d) and dlopens it, so the loader's closure that makes this image misses it; "
@@ -119,7 +118,8 @@ WANTED = ("bin/dgr-worker", "lib/libdgr_engine.so", "release.json", "upstream.js
 def read_release(path: str) -> Release:
     """The files of a release archive (toolchains/bazel/release.py) that an image carries."""
     try:
-        data = open(path, "rb").read()
+        with open(path, "rb") as f:
+            data = f.read()
         tar = tarfile.open(fileobj=io.BytesIO(data), mode="r:gz")
     except (OSError, tarfile.TarError) as err:
         raise ImageError(f"{path}: not a readable release archive ({err}); build one with `dgr release build`") from err
