@@ -58,3 +58,16 @@ def engine_lib() -> Path:
     lib = ensure_engine("cpu")
     os.environ["DGR_ENGINE_LIB"] = str(lib)  # engines and worker processes opened later find the same one
     return lib
+
+
+# release: the CPU release archive the image and the Debian package are made from: $DGR_RELEASE_TAR (one
+# built already), else `bazel build //:release_cpu` in this checkout (cached after the first build).
+@pytest.fixture(scope="session")
+def release_cpu_tar() -> Path:
+    env = os.environ.get("DGR_RELEASE_TAR")
+    if env:
+        assert Path(env).is_file(), f"DGR_RELEASE_TAR={env}: no such file"
+        return Path(env)
+    from dgr.toolchain.release import build_release
+
+    return build_release("cpu")

@@ -7,6 +7,7 @@ same targets, made by the macros below from the `LANES` table:
   //worker:libdgr_engine_<lane>.so    the engine (C ABI) as a shared library
   //worker:engine_<lane>              the same as a cc_library (for cc_test and other C++ users)
   //:release_<lane>                   dgr-worker + engine + MANIFEST.json (blake3 of each file), a .tar
+  //:image_<lane>                     the worker's OCI image made from the release (IMAGE_LANES only)
 
 `--config=<lane>` (.bazelrc) points the unsuffixed aliases (//worker:engine, //:release) at one lane.
 Lanes that need hardware this machine lacks are tagged `manual` (so `bazel test //...` skips them)
@@ -206,3 +207,42 @@ def dgr_releases():
             visibility = ["//visibility:public"],
         )
     lane_alias("release", ":release_%s", visibility = None)
+
+# Lanes with a worker image. Why the others have none, and what theirs would need, is said once, by
+# tools/dgr/toolchain/image.py (LANE_IMAGES), which their image_<lane> targets run (tests/test_build_image.py
+# holds the two lists equal).
+IMAGE_LANES = ["cpu"]
+
+def dgr_images():
+    """At the top level: `image_<lane>` for every lane, from `release_<lane>` (docs/deploy.md, "Container image").
+
+    Outputs image_<lane>.tar (an OCI image layout with Docker's manifest.json: `docker load -i`, `podman load -i`)
+    and image_<lane>.MANIFEST.json (the image's digest and the release archive it was made from), written by
+    tools/dgr/toolchain/image.py (with rootfs.py). The shared libraries come from the building host (`ld.so --list`), as the
+    release's own binaries were linked against them. A lane without an image fails, saying why (manual)."""
+    script = "//tools/dgr:toolchain/image.py"
+    tools = [script, "//tools/dgr:image_tool"]
+    for lane, info in LANES.items():
+        if lane not in IMAGE_LANES:
+            native.genrule(
+                name = "image_" + lane,
+                outs = ["image_%s.tar" % lane],
+                cmd = "python3 $(location %s) --refuse-lane %s" % (script, lane),
+                tools = tools,
+                tags = info.tags + ([] if "manual" in info.tags else ["manual"]),
+            )
+            continue
+        native.genrule(
+            name = "image_" + lane,
+            srcs = [":release_%s.tar.gz" % lane],
+            outs = ["image_%s.tar" % lane, "image_%s.MANIFEST.json" % lane],
+            cmd = " ".join([
+                "python3 $(location %s)" % script,
+                "--release $(location :release_%s.tar.gz)" % lane,
+                "--tar $(location image_%s.tar)" % lane,
+                "--manifest $(location image_%s.MANIFEST.json)" % lane,
+            ]),
+            tools = tools,
+            tags = info.tags,
+            visibility = ["//visibility:public"],
+        )

@@ -2,7 +2,8 @@
 
 A release (`bazel build //:release_<lane>`, written by toolchains/bazel/release.py) is a .tar.gz whose
 `dgr-<lane>/MANIFEST.json` gives the size and blake3 of every other file. `verify_release` checks an
-archive against it, as an operator does before deploying a worker (docs/build.md).
+archive against it, as an operator does before deploying a worker (docs/build.md). `write_image` makes the
+worker's OCI image of one (dgr.toolchain.image, which Bazel's `//:image_<lane>` runs as a script).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Any
 from dgr.core.errors import ReleaseError
 from dgr.core.hashing import bytes_blake3
 from dgr.core.paths import REPO_ROOT
+from dgr.toolchain import image as oci
 
 MANIFEST = "MANIFEST.json"
 
@@ -69,3 +71,29 @@ def build_release(lane: str) -> Path:
     archive = Path(out) / f"release_{lane}.tar.gz"
     verify_release(archive)
     return archive
+
+
+def write_image(archive: str | Path, out: str | Path) -> tuple[dict[str, Any], list[Path]]:
+    """The OCI image of release `archive` (docs/deploy.md, "Container image") in `out`: image_<lane>/ (an OCI
+    layout, also holding Docker's manifest.json), image_<lane>.tar (that folder as one tar: `docker load`,
+    `podman load`) and image_<lane>.MANIFEST.json (the digest, the release, the layers, the libraries).
+    Returns that manifest and the three paths. An existing image_<lane>/ is replaced, anything else there refused."""
+    out = Path(out)
+    try:
+        release = oci.read_release(str(archive))
+        mtime = oci.source_date_epoch()
+        image = oci.build(release, mtime=mtime)
+    except oci.ImageError as err:
+        raise ReleaseError(str(err)) from err
+    layout = out / f"image_{release.lane}"
+    if layout.exists():
+        if not (layout / "oci-layout").is_file():
+            raise ReleaseError(f"{layout} exists and is not an OCI image layout: move it away or give another --out")
+        shutil.rmtree(layout)
+    out.mkdir(parents=True, exist_ok=True)
+    image.write_layout(str(layout))
+    tar = out / f"image_{release.lane}.tar"
+    tar.write_bytes(image.tar(mtime))
+    manifest = out / f"image_{release.lane}.MANIFEST.json"
+    manifest.write_bytes(oci.record_bytes(image))
+    return image.record, [layout, tar, manifest]

@@ -17,6 +17,8 @@ One job per module:
 - `control`: `dgr up`, `dgr down`, `dgr status`;
 - `systemd`: `dgr deploy render --systemd`, one unit per worker;
 - `kubernetes`: `dgr deploy render --kubernetes`, StatefulSets, Services, budgets, the claim and the gateway.
+- `debian`: `dgr release deb`, the Debian package of a release's worker (the unit template dgr-worker@.service,
+  its user and folders, the configuration check); its text files beside it.
 
 dgr.app.deploy sits beside dgr.app: it composes the toolchain (bundles, recipes, the planner) and the
 wire's client side (health, Describe); the runtime never imports it.

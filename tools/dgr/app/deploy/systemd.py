@@ -47,6 +47,28 @@ def _memory_max(plan: Plan, w: WorkerPlan) -> int:
     return plan.memory_estimate(w)
 
 
+def hardening(*, read_only: str | None, lane: str, memory_max: int | None) -> list[str]:
+    """A worker service's sandbox and limits: the rendered units' and the Debian package's unit template's
+    (dgr.app.deploy.debian), which has no bundle path or memory bound of its own to give (None)."""
+    return [
+        "ProtectHome=yes",
+        "ProtectSystem=strict",
+        *([f"ReadOnlyPaths={read_only}"] if read_only else []),
+        "PrivateTmp=yes",
+        "PrivateDevices=yes" if lane == "cpu" else "# devices stay visible: the lane's GPU",
+        "NoNewPrivileges=yes",
+        "ProtectKernelTunables=yes",
+        "ProtectControlGroups=yes",
+        *([f"MemoryMax={memory_max}"] if memory_max else []),
+        "LimitNOFILE=65536",
+        "LimitCORE=0",
+        "TasksMax=512",
+    ]
+
+
+RESTART = ["Restart=on-failure", "RestartSec=2", "KillSignal=SIGTERM"]
+
+
 def render_unit(plan: Plan, w: WorkerPlan, prefix: str = DEFAULT_PREFIX) -> str:
     info = plan.bundle
     if not w.port:
@@ -81,23 +103,10 @@ def render_unit(plan: Plan, w: WorkerPlan, prefix: str = DEFAULT_PREFIX) -> str:
         f"Environment=DGR_WORKSPACE=%S/{state}",
         f"StateDirectory={state}",
         *creds,
-        "Restart=on-failure",
-        "RestartSec=2",
-        "KillSignal=SIGTERM",
+        *RESTART,
         f"TimeoutStopSec={int(o.drain_timeout) + 5}",
         "DynamicUser=yes",
-        "ProtectHome=yes",
-        "ProtectSystem=strict",
-        f"ReadOnlyPaths={_quote(str(bundle))}",
-        "PrivateTmp=yes",
-        "PrivateDevices=yes" if w.host.lane == "cpu" else "# devices stay visible: the lane's GPU",
-        "NoNewPrivileges=yes",
-        "ProtectKernelTunables=yes",
-        "ProtectControlGroups=yes",
-        f"MemoryMax={_memory_max(plan, w)}",
-        "LimitNOFILE=65536",
-        "LimitCORE=0",
-        "TasksMax=512",
+        *hardening(read_only=_quote(str(bundle)), lane=w.host.lane, memory_max=_memory_max(plan, w)),
         "",
         "[Install]",
         f"WantedBy={target_name(plan)}",

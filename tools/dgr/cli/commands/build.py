@@ -1,4 +1,5 @@
-"""`dgr` subcommands of the build area: `dgr release verify|build` (the work is in dgr.toolchain.release)."""
+"""`dgr` subcommands of the build area: `dgr release verify|build|image|deb` (the work is in dgr.toolchain.release
+and, for the Debian package, dgr.app.deploy.debian)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,26 @@ def _build(args) -> int:
     from dgr.toolchain.release import build_release
 
     print(build_release(args.lane))
+    return 0
+
+
+def _image(args) -> int:
+    from dgr.toolchain.release import write_image
+
+    record, (layout, tar, manifest) = write_image(args.release, args.out)
+    print(f"ok: {record['ref']} ({record['lane']} lane, {record['architecture']}) {record['digest']}, "
+          f"{record['size'] / 1e6:.1f} MB in {len(record['layers'])} layers")
+    print(f"  {layout}/  the OCI image layout")
+    print(f"  {tar}  the same as one tar: docker load -i / podman load -i")
+    print(f"  {manifest}  the digest, the release it was made from, the layers and libraries")
+    return 0
+
+
+def _deb(args) -> int:
+    from dgr.app.deploy.debian import build_deb
+
+    deb = build_deb(args.release, args.out)
+    print(f"ok: {deb} ({deb.stat().st_size / 1e6:.1f} MB): `dpkg -i {deb.name}`, then docs/deploy.md \"Debian package\"")
     return 0
 
 
@@ -44,6 +65,16 @@ def register(sub) -> None:
     b = rsub.add_parser("build", help="bazel build //:release_<lane>, verify it, print its path")
     b.add_argument("--lane", choices=LANES, default="cpu")
     b.set_defaults(func=_build)
+    i = rsub.add_parser("image", help="the OCI image of a release's dgr-worker: no shell, no Python, the libraries "
+                        "it loads from this host (docs/deploy.md, Container image)")
+    i.add_argument("--release", required=True, help="release_<lane>.tar.gz (`dgr release build`)")
+    i.add_argument("--out", required=True, help="folder for image_<lane>/, image_<lane>.tar and image_<lane>.MANIFEST.json")
+    i.set_defaults(func=_image)
+    e = rsub.add_parser("deb", help="the Debian package of a release's dgr-worker: /opt/dgr, the unit template "
+                        "dgr-worker@.service, its user and folders (docs/deploy.md, Debian package)")
+    e.add_argument("--release", required=True, help="release_cpu.tar.gz (`dgr release build`)")
+    e.add_argument("--out", required=True, help="folder for dgr-worker_<version>_<arch>.deb")
+    e.set_defaults(func=_deb)
     d = rsub.add_parser("python-deps", help="put the locked wheels a release carries into the workspace "
                         "(sha256-checked; Bazel's @dgr_python_deps reads them)")
     d.add_argument("--lock", action="store_true", help="first re-lock: the closure of pyproject's "
