@@ -51,9 +51,11 @@ def test_a_peer_whose_certificate_another_ca_signed_is_refused(probe, certs):
                           "--key", str(key), "--ca", str(other_ca)], capture_output=True, text=True, timeout=60)
     assert out.returncode != 0
     # which side's handshake fails first is a race: this stage's own verdict on the peer's certificate, or the
-    # peer's refusal of this one arriving as an alert (each process exits at its first failure)
-    assert "TLS handshake" in out.stderr and re.search(r"certificate verify failed|unknown ca|bad certificate",
-                                                       out.stderr), out.stderr
+    # peer's refusal of this one arriving as an alert (each process exits at its first failure). Both CAs carry
+    # the same name, so a verifier may find "its" CA and fail the signature: OpenSSL's alert is then 51,
+    # "decrypt error" (CI saw it once), a refusal all the same.
+    assert "TLS handshake" in out.stderr and re.search(
+        r"certificate verify failed|unknown ca|bad certificate|decrypt error", out.stderr), out.stderr
     assert out.stdout == ""
 
 
