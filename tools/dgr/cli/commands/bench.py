@@ -64,6 +64,13 @@ def _conversation(args) -> int:
     return 0 if rep.as_dict()["same_text"] else 1
 
 
+def _write_json(path: str | None, obj) -> None:
+    """--json FILE: the report, indented (nothing when not asked for)."""
+    if path:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps(obj, indent=2) + "\n")
+
+
 def _numerics(args) -> int:
     from dgr.app.numerics import Variant, as_json, compare, default_models, table
     from dgr.core.paths import workspace
@@ -79,9 +86,7 @@ def _numerics(args) -> int:
     models = default_models(workspace() / "bench-numerics", variants[0].lib)
     rows = compare(models, variants, tokens=args.tokens, threads=args.threads, rounds=args.rounds)
     print(table(rows))
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(as_json(rows, args.tokens), indent=2) + "\n")
+    _write_json(args.json, as_json(rows, args.tokens))
     return 0
 
 
@@ -93,9 +98,7 @@ def _peers(args) -> int:
     rep = bench_peers(Path(args.model) if args.model else None, hosts=args.hosts, rtts=rtts, prompts=prompts,
                       tokens=args.tokens, threads=args.threads)
     print(table(rep))
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(rep, indent=2) + "\n")
+    _write_json(args.json, rep)
     if args.plot:
         print(f"plot: {plot(rep, args.plot)}")
     return 0

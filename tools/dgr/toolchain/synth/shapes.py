@@ -19,7 +19,7 @@ from dgr.core.errors import DgrError
 from dgr.core.log import get_logger
 from dgr.toolchain.synth.generic import ARCHS, _add_kv, layer_dims
 from dgr.toolchain.synth.spec import BIAS, NORM
-from dgr.toolchain.synth.tokenizer import SPECIALS, tokenizer_vocab
+from dgr.toolchain.synth.tokenizer import add_tokenizer
 
 log = get_logger(__name__)
 
@@ -74,16 +74,6 @@ def _qtype(tensor: gguf.MODEL_TENSOR) -> Q:
     return Q.Q6_K if tensor in _Q6K else Q.Q4_K
 
 
-def _tokens(vocab: int) -> tuple[list[str], list[int], list[str]]:
-    """The synthetic byte-level BPE tokenizer padded to `vocab` entries (the head's real width)."""
-    tokens, types, merges = tokenizer_vocab()
-    if vocab < len(tokens):
-        raise DgrError(f"a vocabulary of {vocab} is smaller than the synthetic tokenizer's {len(tokens)} tokens")
-    pad = vocab - len(tokens)
-    return (tokens + [f"<|unused_{k}|>" for k in range(pad)],
-            types + [int(gguf.TokenType.NORMAL)] * pad, merges)
-
-
 def synth_shape(name: str, path: str | Path, *, seed: int = 0, layers: int | None = None) -> Path:
     """Write the `name` shape (SHAPES) to `path`; `layers` writes fewer layers of the same width (tests)."""
     if name not in SHAPES:
@@ -105,15 +95,7 @@ def synth_shape(name: str, path: str | Path, *, seed: int = 0, layers: int | Non
           gguf.Keys.Rope.FREQ_BASE: s.rope_base, KA.LAYERNORM_RMS_EPS: 1e-6, KL.VOCAB_SIZE: s.vocab}
     for key, val in kv.items():
         _add_kv(w, key.format(arch=s.arch), val)
-    tokens, types, merges = _tokens(s.vocab)
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("default")
-    w.add_token_list(tokens)
-    w.add_token_types(types)
-    w.add_token_merges(merges)
-    w.add_bos_token_id(tokens.index(SPECIALS[0]))
-    w.add_eos_token_id(tokens.index(SPECIALS[0]))
-    w.add_add_bos_token(False)
+    add_tokenizer(w, vocab=s.vocab)
 
     # (name, numpy shape, kind): every tensor's info goes first, then the data one tensor at a time
     plan: list[tuple[str, tuple[int, ...], gguf.MODEL_TENSOR | None]] = \

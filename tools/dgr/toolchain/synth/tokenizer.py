@@ -29,9 +29,15 @@ def tokenizer_vocab() -> tuple[list[str], list[int], list[str]]:
     return tokens, [int(t) for t in types], [f"{a} {b}" for a, b in _MERGES]
 
 
-def add_tokenizer(w: gguf.GGUFWriter) -> None:
-    """Write the synthetic byte-level BPE tokenizer's metadata (shared by every synthetic writer)."""
+def add_tokenizer(w: gguf.GGUFWriter, vocab: int | None = None) -> None:
+    """Write the synthetic byte-level BPE tokenizer's metadata (shared by every synthetic writer); `vocab` pads the
+    token list with unused tokens to a real model's head width (dgr.toolchain.synth.shapes)."""
     tokens, types, merges = tokenizer_vocab()
+    if vocab is not None:
+        if vocab < len(tokens):
+            raise ValueError(f"a vocabulary of {vocab} is smaller than the synthetic tokenizer's {len(tokens)} tokens")
+        pad = vocab - len(tokens)
+        tokens, types = tokens + [f"<|unused_{k}|>" for k in range(pad)], types + [int(gguf.TokenType.NORMAL)] * pad
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("default")
     w.add_token_list(tokens)
