@@ -356,6 +356,52 @@ def test_one_member_cannot_hold_every_session_slot(tiny, worker_bin, pki):
             print(p.stop()[-3000:])
 
 
+def test_one_member_cannot_fill_the_step_queue(tiny, worker_bin, pki, route):
+    """--max-queued-steps-per-member 2 at stage 0, batches held back (--hold-batch 2) so that steps stay queued:
+    a member's third queued step is refused (OVERLOADED, naming the flag) while another member's step is taken;
+    closing the member's session frees its share; and another member's route is served exactly."""
+    want, _ = _run([p.address for p in route], pki["client"], VICTIM[:20], prefix_cache=False)
+    procs = _route(tiny, worker_bin, pki, lambda i: ("--max-queued-steps-per-member", "2", "--hold-batch", "2") if i == 0 else ())
+    addresses = [p.address for p in procs]
+
+    def queued():
+        return describe(addresses[0], pki["client"]).queued_steps
+
+    try:
+        hops = route_hops(addresses, _descs(addresses, pki["intruder"]))
+        ch, s0 = stub(addresses[0], pki["intruder"])
+        cch, c0 = stub(addresses[0], pki["client"])
+        with ch, cch:
+            raw, other = RawStream(addresses[0], pki["intruder"]), RawStream(addresses[0], pki["client"])
+            try:
+                for sid in ("q1", "q2"):
+                    assert not s0.OpenSession(pb.OpenSessionRequest(session_id=sid, epoch=1, route=hops),
+                                              timeout=30).HasField("error")
+                    for k in range(2):
+                        assert raw.ask(prefill_frame(sid, 1, ATTACKER[4 * k:4 * k + 4], start=4 * k), expect_reply=False) is None
+                    r = raw.ask(prefill_frame(sid, 1, ATTACKER[8:12], start=8))
+                    assert r.error.code == pb.OVERLOADED and r.error.retry_after_ms > 0, r
+                    assert "this member has 2 steps queued here (--max-queued-steps-per-member 2)" in r.error.message, r
+                    if sid == "q1":                 # another member's step is taken, and runs beside the first
+                        assert not c0.OpenSession(pb.OpenSessionRequest(session_id="v", epoch=1, route=hops),
+                                                  timeout=30).HasField("error")
+                        assert other.ask(prefill_frame("v", 1, VICTIM[:4]), expect_reply=False) is None
+                        assert wait_for(lambda: queued() == 1, 30), queued()
+                    # the member's session closed: its queued steps go, and with them its share
+                    s0.CloseSession(pb.CloseSessionRequest(session_id=sid, epoch=1, chain=True), timeout=30)
+                    assert queued() == 0
+                c0.CloseSession(pb.CloseSessionRequest(session_id="v", epoch=1, chain=True), timeout=30)
+            finally:
+                raw.close()
+                other.close()
+        got, _ = _run(addresses, pki["client"], VICTIM[:20], prefix_cache=False)
+        _same(got, want)
+        _serves(procs, pki)
+    finally:
+        for p in procs:
+            print(p.stop()[-3000:])
+
+
 def test_addresses_a_member_names_leave_no_channel_behind(tiny, worker_bin, pki, tmp_path):
     """A member opens sessions whose next hop is each time another address (ports nobody serves): every
     attempt fails, and the channels the worker opened to them are dropped again, so naming ever new addresses

@@ -397,7 +397,7 @@ Serving serve(const Options & o, const Trust & trust, const Listen & l, Stage & 
     // bounds (docs/worker.md): gRPC's threads; calls per connection; connections with calls in progress are
     // counted by the worker (--max-connections); idle connections are closed after 10 minutes
     grpc::ResourceQuota quota("dgr-worker");
-    quota.SetMaxThreads(int(o.max_rpc_threads));
+    quota.SetMaxThreads(int(o.limits.max_rpc_threads));
     // gRPC's buffers, every connection together (--max-rpc-memory-mib): under pressure gRPC shrinks its reads
     // and drops idle connections, so a flood of connections or of streams (the rapid reset class) cannot grow
     // the process without bound

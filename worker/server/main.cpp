@@ -48,16 +48,17 @@ const char * USAGE =
     "                  [--max-batch-sessions N] [--hold-batch N] [--session-ttl S] [--max-queued-steps N]\n"
     "                  [--max-session-steps N] [--rpc-timeout S] [--link-keepalive-timeout S] [--drain-timeout S]\n"
     "                  [--tls-cert PEM --tls-key PEM [--tls-ca PEM]] [--insecure]\n"
-    "                  [--advertise HOST[:PORT]] [--max-connections N] [--max-rpc-threads N] [--send-timeout S]\n"
-    "                  [--max-send-queue-bytes N] [--handshake-timeout S] [--metrics-listen HOST:PORT]\n"
+    "                  [--advertise HOST[:PORT]] [--max-connections N] [--max-rpc-threads N] [--max-rpc-per-member N]\n"
+    "                  [--send-timeout S] [--max-send-queue-bytes N] [--handshake-timeout S] [--metrics-listen HOST:PORT]\n"
     "                  [--certs DIR [--contract FILE]]\n"
     "                  [--prefix-cache-mib N] [--prefix-cache-shared] [--draft-max N]\n"
     "                  [--max-grammar-bytes N] [--max-grammar-depth N] [--peer-allow CIDR,...] [--max-rpc-memory-mib N]\n"
-    "                  [--max-sessions-per-member N] [--fast-kernels]\n"
+    "                  [--max-sessions-per-member N] [--max-queued-steps-per-member N] [--fast-kernels]\n"
     "Serves one stage of a bundle (dgr.v1.Stage over gRPC, grpc.health.v1) as `dgr worker serve` does.\n"
     "TLS with --tls-cert/--tls-key (`dgr certs issue`); with --tls-ca, mutual TLS: peers need a certificate the CA\n"
     "signed, and a session's frames are taken only from the members that opened it (docs/worker.md).\n"
-    "Bounds: --max-connections (256) connections with a Frames stream, --max-rpc-threads (256) gRPC threads,\n"
+    "Bounds: --max-connections (256) connections with a Frames stream, --max-rpc-threads (256) unary calls at once,\n"
+    "--max-rpc-per-member (64) one member's unary calls running or waiting,\n"
     "--max-message-bytes both ways, --max-queued-steps/--max-session-steps, --max-send-queue-bytes (64 MiB) per\n"
     "reply stream and link, --send-timeout (10 s) for one write: a peer that stops reading fails its own stream;\n"
     "--handshake-timeout (10 s): a connection that has not finished its TLS handshake and HTTP/2 preface is closed.\n"
@@ -72,6 +73,7 @@ const char * USAGE =
     "--max-grammar-bytes (262144), --max-grammar-depth (64): the largest Sampling.grammar or json_schema a session\n"
     "may ask for, and how deeply it may nest, checked before it is parsed. --max-sessions-per-member (0: off): the\n"
     "sessions one member (the certificate that opened them here, under mutual TLS) may hold at once.\n"
+    "--max-queued-steps-per-member (0: off): the steps one member's sessions may have queued here at once.\n"
     "--draft-max (8): the drafts one step may carry and still roll back where the cache keeps per-step snapshots\n"
     "(DeepSeek V4 and other hybrids llama.cpp rolls back; each is one more copy of the recurrent state): speculation\n"
     "and MTP drafts (docs/speculation.md). 0: such a stage cannot roll back.\n"
@@ -157,6 +159,8 @@ Options parse(int argc, char ** argv) {
         {"--session-ttl", [&](auto & v) { o.limits.session_ttl_s = std::max(0.0, to_float("--session-ttl", v)); }},
         {"--max-queued-steps", [&](auto & v) { o.limits.max_queued_steps = to_int("--max-queued-steps", v); }},
         {"--max-session-steps", [&](auto & v) { o.limits.max_session_steps = to_int("--max-session-steps", v); }},
+        {"--max-queued-steps-per-member", [&](auto & v) {
+             o.limits.max_queued_steps_per_member = std::max<int64_t>(0, to_int("--max-queued-steps-per-member", v)); }},
         {"--rpc-timeout", [&](auto & v) { o.limits.rpc_timeout_s = to_float("--rpc-timeout", v); }},
         {"--link-keepalive-timeout", [&](auto & v) { o.limits.link_keepalive_timeout_s = to_float("--link-keepalive-timeout", v); }},
         {"--drain-timeout", [&](auto & v) { o.limits.drain_timeout_s = to_float("--drain-timeout", v); }},
@@ -168,7 +172,8 @@ Options parse(int argc, char ** argv) {
         {"--contract", [&](auto & v) { o.contract = v; }},
         {"--advertise", [&](auto & v) { o.advertise = v; }},
         {"--max-connections", [&](auto & v) { o.limits.max_connections = to_int("--max-connections", v); }},
-        {"--max-rpc-threads", [&](auto & v) { o.max_rpc_threads = to_int("--max-rpc-threads", v); }},
+        {"--max-rpc-threads", [&](auto & v) { o.limits.max_rpc_threads = to_int("--max-rpc-threads", v); }},
+        {"--max-rpc-per-member", [&](auto & v) { o.limits.max_rpc_per_member = to_int("--max-rpc-per-member", v); }},
         {"--send-timeout", [&](auto & v) { o.limits.send_timeout_s = to_float("--send-timeout", v); }},
         {"--handshake-timeout", [&](auto & v) { o.handshake_timeout_s = to_float("--handshake-timeout", v); }},
         {"--max-send-queue-bytes", [&](auto & v) { o.limits.max_send_queue_bytes = to_int("--max-send-queue-bytes", v); }},
@@ -236,7 +241,8 @@ int run(int argc, char ** argv) {
                              {"--max-connections", o.limits.max_connections},
                              {"--max-grammar-bytes", o.limits.max_grammar_bytes},
                              {"--max-grammar-depth", o.limits.max_grammar_depth},
-                             {"--max-rpc-threads", o.max_rpc_threads}}) {
+                             {"--max-rpc-threads", o.limits.max_rpc_threads},
+                             {"--max-rpc-per-member", o.limits.max_rpc_per_member}}) {
         if (v < 1) throw std::runtime_error(std::string(flag) + " must be at least 1");
     }
     if (o.max_rpc_memory_mib < 16 || o.max_rpc_memory_mib > 1048576) {

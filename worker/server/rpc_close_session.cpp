@@ -30,6 +30,7 @@ void StageWorker::close_local(const std::string & sid, uint64_t epoch) {
         auto it = pending_.find(Key{sid, epoch});   // its queued steps are forgotten
         if (it != pending_.end()) {
             n_pending_ -= int64_t(it->second.size());
+            pending_gone(it->first, int64_t(it->second.size()));
             pending_.erase(it);
         }
         // nothing of a session outlives it: its id along the route, its latest epoch once no epoch is open,
@@ -52,7 +53,7 @@ void StageWorker::close_local(const std::string & sid, uint64_t epoch) {
     }
 }
 
-void StageWorker::close_chained(const std::string & sid, uint64_t epoch, const grpc::ServerContext * ctx,
+void StageWorker::close_chained(const std::string & sid, uint64_t epoch, const grpc::ServerContextBase * ctx,
                                 pb::CloseSessionReply * reply, const std::pair<std::vector<std::string>, uint32_t> * keep) {
     std::vector<pb::Hop> route;
     uint32_t hop_index = 0;
@@ -115,7 +116,12 @@ void StageWorker::close_chained(const std::string & sid, uint64_t epoch, const g
     }
 }
 
-grpc::Status StageWorker::CloseSession(grpc::ServerContext * ctx, const pb::CloseSessionRequest * req, pb::CloseSessionReply * reply) {
+grpc::ServerUnaryReactor * StageWorker::CloseSession(Ctx * ctx, const pb::CloseSessionRequest * req, pb::CloseSessionReply * reply) {
+    return unary(ctx, [=] { return close_session_rpc(ctx, req, reply); });
+}
+
+grpc::Status StageWorker::close_session_rpc(const grpc::ServerContextBase * ctx, const pb::CloseSessionRequest * req,
+                                            pb::CloseSessionReply * reply) {
     return guarded("CloseSession", [&] {
         // the caller's own session: its namespace (owners.cpp); another member's id names nothing here, so
         // no member can close another's

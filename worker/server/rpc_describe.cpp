@@ -164,7 +164,11 @@ std::string StageWorker::descriptor_json() {
     return d.dump(-1, ' ', false, J::error_handler_t::replace);
 }
 
-grpc::Status StageWorker::Describe(grpc::ServerContext *, const pb::DescribeRequest *, pb::StageDescription * d) {
+grpc::ServerUnaryReactor * StageWorker::Describe(Ctx * ctx, const pb::DescribeRequest *, pb::StageDescription * d) {
+    return unary(ctx, [=] { return describe_rpc(d); });
+}
+
+grpc::Status StageWorker::describe_rpc(pb::StageDescription * d) {
     return guarded("Describe", [&] {
         describe_msg(d);
         try {                                        // a liveness probe never fails on the descriptor

@@ -27,7 +27,12 @@ uint32_t StageWorker::session_retry_ms() {
     return uint32_t(std::min(ttl, std::max(0.1, ttl - idle)) * 1000);
 }
 
-grpc::Status StageWorker::OpenSession(grpc::ServerContext * ctx, const pb::OpenSessionRequest * req, pb::OpenSessionReply * reply) {
+grpc::ServerUnaryReactor * StageWorker::OpenSession(Ctx * ctx, const pb::OpenSessionRequest * req, pb::OpenSessionReply * reply) {
+    return unary(ctx, [=] { return open_session_rpc(ctx, req, reply); });
+}
+
+grpc::Status StageWorker::open_session_rpc(const grpc::ServerContextBase * ctx, const pb::OpenSessionRequest * req,
+                                           pb::OpenSessionReply * reply) {
     return guarded("OpenSession", [&] {
         auto fail = [&](pb::ErrorCode code, const std::string & msg, uint32_t retry = 0) {
             *reply->mutable_error() = err(code, msg, retry);

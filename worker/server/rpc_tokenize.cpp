@@ -12,7 +12,15 @@ namespace dgr {
 namespace pb = dgr::v1;
 using Clock = std::chrono::steady_clock;
 
-grpc::Status StageWorker::Tokenize(grpc::ServerContext *, const pb::TokenizeRequest * req, pb::TokenizeReply * out) {
+grpc::ServerUnaryReactor * StageWorker::Tokenize(Ctx * ctx, const pb::TokenizeRequest * req, pb::TokenizeReply * out) {
+    return unary(ctx, [=] { return tokenize_rpc(req, out); });
+}
+
+grpc::ServerUnaryReactor * StageWorker::Detokenize(Ctx * ctx, const pb::DetokenizeRequest * req, pb::DetokenizeReply * out) {
+    return unary(ctx, [=] { return detokenize_rpc(req, out); });
+}
+
+grpc::Status StageWorker::tokenize_rpc(const pb::TokenizeRequest * req, pb::TokenizeReply * out) {
     return guarded("Tokenize", [&] {
         if (!info_.has_vocab) return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION, hop() + " holds no vocabulary");
         const std::string & text = req->text();
@@ -32,7 +40,7 @@ grpc::Status StageWorker::Tokenize(grpc::ServerContext *, const pb::TokenizeRequ
     });
 }
 
-grpc::Status StageWorker::Detokenize(grpc::ServerContext *, const pb::DetokenizeRequest * req, pb::DetokenizeReply * out) {
+grpc::Status StageWorker::detokenize_rpc(const pb::DetokenizeRequest * req, pb::DetokenizeReply * out) {
     return guarded("Detokenize", [&] {
         if (!info_.has_vocab) return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION, hop() + " holds no vocabulary");
         std::vector<int32_t> ids(req->token_ids().begin(), req->token_ids().end());

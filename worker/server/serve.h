@@ -31,7 +31,6 @@ struct Options {
     int64_t draft_max = DGR_MTP_MAX_K;
     dgr::Limits limits;
     std::string tls_cert, tls_key, tls_ca, metrics_listen, certs, contract, advertise;
-    int64_t max_rpc_threads = 256;
     // --handshake-timeout: a connection that has not finished its TLS handshake and HTTP/2 preface by then is
     // closed (gRPC's own default is 120 s: idle half-open connections would hold descriptors that long)
     double handshake_timeout_s = 10.0;

@@ -43,6 +43,11 @@ void StageWorker::enqueue(Work w, const SessionPtr & sess, bool own) {
         auto it = pending_.find(key);
         if (!own && n_pending_ >= limits_.max_queued_steps) {
             why = std::to_string(n_pending_) + " steps are queued (--max-queued-steps " + std::to_string(limits_.max_queued_steps) + ")";
+        } else if (const int64_t cap = limits_.max_queued_steps_per_member;
+                   !own && cap > 0 && [&] { auto m = pending_by_member_.find(owner_of(key.first));
+                                            return m != pending_by_member_.end() && m->second >= cap; }()) {
+            why = "this member has " + std::to_string(cap) + " steps queued here (--max-queued-steps-per-member " +
+                  std::to_string(cap) + ")";
         } else if (!own && it != pending_.end() && int64_t(it->second.size()) >= limits_.max_session_steps) {
             why = "session " + wire_of(key.first) + " has " + std::to_string(it->second.size()) + " steps queued (--max-session-steps " +
                   std::to_string(limits_.max_session_steps) + ")";
@@ -55,6 +60,7 @@ void StageWorker::enqueue(Work w, const SessionPtr & sess, bool own) {
             const int64_t positions = w.frame.step().positions_size();
             it->second.push_back(std::move(w));
             ++n_pending_;
+            ++pending_by_member_[owner_of(key.first)];
             if (!run_inline(positions)) {
                 wake_.notify_all();
                 return;
@@ -89,6 +95,11 @@ void StageWorker::run_guarded(std::vector<Work> & batch) {
     }
 }
 
+void StageWorker::pending_gone(const Key & key, int64_t n) {   // mu_ held
+    auto m = pending_by_member_.find(owner_of(key.first));
+    if (m != pending_by_member_.end() && (m->second -= n) <= 0) pending_by_member_.erase(m);
+}
+
 bool StageWorker::held_back() {   // mu_ held; --hold-batch (tests: force sharing)
     const int64_t hold = limits_.hold_batch;
     const int64_t need = int64_t(opened_total_) < hold ? hold : std::min<int64_t>(hold, int64_t(sessions_.size()));
@@ -112,6 +123,7 @@ std::vector<StageWorker::Work> StageWorker::ready_batch() {   // mu_ held
         it->second.pop_front();
         tokens += n;
         --n_pending_;
+        pending_gone(key, 1);
         if (it->second.empty()) pending_.erase(it);
         else served.push_back(key);
     }

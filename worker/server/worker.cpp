@@ -23,6 +23,8 @@ StageWorker::StageWorker(const EngineLib & lib, dgr_engine * eng, StageIdentity 
     st = lib_.memory(eng_, &memory_);
     if (st != DGR_OK) throw std::runtime_error(lib_.error(st));
     can_truncate_ = lib_.can_truncate(eng_) != 0;
+    calls_ = std::make_unique<UnaryCalls>(UnaryCalls::Bounds{size_t(limits_.max_rpc_threads), size_t(limits_.max_rpc_threads),
+                                                             size_t(limits_.max_rpc_per_member)});
     if (limits_.prefix_cache_mib <= 0) prefix_off_ = "--prefix-cache-mib 0";
     else if (!lib_.state_get || !lib_.state_set) prefix_off_ = "the engine library predates it";
     // a recurrent or hybrid model, also one that rolls back its last step (per-step snapshots, --draft-max):
@@ -84,7 +86,11 @@ pb::WireError StageWorker::err(pb::ErrorCode code, const std::string & message, 
     return e;
 }
 
-std::chrono::system_clock::time_point StageWorker::chain_deadline(size_t hops_after, const grpc::ServerContext * ctx) const {
+grpc::ServerUnaryReactor * StageWorker::unary(Ctx * ctx, UnaryCalls::Body body) {
+    return calls_->start(ctx, peer_identity(ctx).value_or(""), hop(), std::move(body));
+}
+
+std::chrono::system_clock::time_point StageWorker::chain_deadline(size_t hops_after, const grpc::ServerContextBase * ctx) const {
     // one rpc_timeout per hop still to go (the hop nearest a fault times out first), never past the
     // caller's own deadline (less 0.2 s to answer), at least 0.1 s
     double t = limits_.rpc_timeout_s * double(std::max<size_t>(1, hops_after));

@@ -32,6 +32,7 @@
 #include "drafts.h"
 #include "engine_lib.h"
 #include "prefix_cache.h"
+#include "unary_calls.h"
 #include "metrics.h"
 #include "net_policy.h"
 #include "tls.h"
@@ -66,6 +67,13 @@ struct Limits {
     // --max-sessions-per-member: the sessions one member (under mutual TLS: the certificate that opened them
     // here) may hold at once; 0: only --max-sessions bounds them (a gateway is one member: docs/security.md)
     int64_t max_sessions_per_member = 0;
+    // --max-queued-steps-per-member: the steps one member's sessions may have queued here at once; 0: only
+    // --max-queued-steps and --max-session-steps bound them (past stage 0 the member is the previous hop)
+    int64_t max_queued_steps_per_member = 0;
+    // --max-rpc-threads, --max-rpc-per-member: the unary calls (Describe, Tokenize, Detokenize, OpenSession,
+    // CloseSession) running at once, and one member's running or waiting (unary_calls.h)
+    int64_t max_rpc_threads = 256;
+    int64_t max_rpc_per_member = 64;
     // --test-die-at SESSION:EPOCH:POSITION (tests only): SIGKILL itself about to run that step
     std::set<std::tuple<std::string, uint64_t, int64_t>> die_at;
     // --test-stop-at SESSION:EPOCH:POSITION (tests only): SIGSTOP itself about to run that step (a hung
@@ -200,7 +208,9 @@ class Link final : public grpc::ClientBidiReactor<dgr::v1::Frame, dgr::v1::Frame
     std::string failed_;                             // why this side failed the link (a bound), else ""
 };
 
-class StageWorker final : public dgr::v1::Stage::WithCallbackMethod_Frames<dgr::v1::Stage::Service> {
+// Every RPC is served through gRPC's callback API: the unary ones are handed to `calls_` (unary_calls.h: a
+// bounded pool; gRPC 1.51's sync server queued every call, reset or not, without bound), Frames to its reactor.
+class StageWorker final : public dgr::v1::Stage::CallbackService {
     friend class Link;
     friend class FramesReactor;
 
@@ -208,11 +218,12 @@ class StageWorker final : public dgr::v1::Stage::WithCallbackMethod_Frames<dgr::
     StageWorker(const EngineLib & lib, dgr_engine * eng, StageIdentity identity, std::string address,
                 uint64_t max_message_bytes, Limits limits);
 
-    grpc::Status Describe(grpc::ServerContext *, const dgr::v1::DescribeRequest *, dgr::v1::StageDescription *) override;
-    grpc::Status Tokenize(grpc::ServerContext *, const dgr::v1::TokenizeRequest *, dgr::v1::TokenizeReply *) override;
-    grpc::Status Detokenize(grpc::ServerContext *, const dgr::v1::DetokenizeRequest *, dgr::v1::DetokenizeReply *) override;
-    grpc::Status OpenSession(grpc::ServerContext *, const dgr::v1::OpenSessionRequest *, dgr::v1::OpenSessionReply *) override;
-    grpc::Status CloseSession(grpc::ServerContext *, const dgr::v1::CloseSessionRequest *, dgr::v1::CloseSessionReply *) override;
+    using Ctx = grpc::CallbackServerContext;
+    grpc::ServerUnaryReactor * Describe(Ctx *, const dgr::v1::DescribeRequest *, dgr::v1::StageDescription *) override;
+    grpc::ServerUnaryReactor * Tokenize(Ctx *, const dgr::v1::TokenizeRequest *, dgr::v1::TokenizeReply *) override;
+    grpc::ServerUnaryReactor * Detokenize(Ctx *, const dgr::v1::DetokenizeRequest *, dgr::v1::DetokenizeReply *) override;
+    grpc::ServerUnaryReactor * OpenSession(Ctx *, const dgr::v1::OpenSessionRequest *, dgr::v1::OpenSessionReply *) override;
+    grpc::ServerUnaryReactor * CloseSession(Ctx *, const dgr::v1::CloseSessionRequest *, dgr::v1::CloseSessionReply *) override;
     grpc::ServerBidiReactor<dgr::v1::Frame, dgr::v1::Frame> * Frames(grpc::CallbackServerContext * ctx) override;
 
     const dgr_stage_info & info() const { return info_; }
@@ -347,7 +358,7 @@ class StageWorker final : public dgr::v1::Stage::WithCallbackMethod_Frames<dgr::
     void client_gone(const ReplyPtr & out);
     void stream_done(const ReplyPtr & out);        // a Frames call's OnDone: client_gone on a thread of its own
     // `keep`: the prefix blocks (and their size) the next hops keep the session's state under (keep_prefix's)
-    void close_chained(const std::string & sid, uint64_t epoch, const grpc::ServerContext * ctx, dgr::v1::CloseSessionReply * reply,
+    void close_chained(const std::string & sid, uint64_t epoch, const grpc::ServerContextBase * ctx, dgr::v1::CloseSessionReply * reply,
                        const std::pair<std::vector<std::string>, uint32_t> * keep = nullptr);
     // Owners (issue 35, docs/security.md): under mutual TLS a session lives in the namespace of the member that
     // opened it here; this worker's key for it is qualify(member, id as named). Plaintext: one tenant, the id.
@@ -369,7 +380,16 @@ class StageWorker final : public dgr::v1::Stage::WithCallbackMethod_Frames<dgr::
     void count_error(dgr::v1::ErrorCode code);
     void close_local(const std::string & sid, uint64_t epoch);
     uint32_t session_retry_ms();
-    std::chrono::system_clock::time_point chain_deadline(size_t hops_after, const grpc::ServerContext * ctx) const;
+    std::chrono::system_clock::time_point chain_deadline(size_t hops_after, const grpc::ServerContextBase * ctx) const;
+    // the unary RPCs' bodies, run on calls_' threads
+    grpc::ServerUnaryReactor * unary(Ctx * ctx, UnaryCalls::Body body);
+    grpc::Status describe_rpc(dgr::v1::StageDescription * d);
+    grpc::Status tokenize_rpc(const dgr::v1::TokenizeRequest * req, dgr::v1::TokenizeReply * out);
+    grpc::Status detokenize_rpc(const dgr::v1::DetokenizeRequest * req, dgr::v1::DetokenizeReply * out);
+    grpc::Status open_session_rpc(const grpc::ServerContextBase * ctx, const dgr::v1::OpenSessionRequest * req,
+                                  dgr::v1::OpenSessionReply * reply);
+    grpc::Status close_session_rpc(const grpc::ServerContextBase * ctx, const dgr::v1::CloseSessionRequest * req,
+                                   dgr::v1::CloseSessionReply * reply);
     std::shared_ptr<dgr::v1::Stage::Stub> link(const std::string & address);
 
     // --max-connections: connections (gRPC peers) with calls in progress
@@ -426,6 +446,8 @@ class StageWorker final : public dgr::v1::Stage::WithCallbackMethod_Frames<dgr::
     std::map<Key, std::deque<Work>> pending_;        // queued steps per session
     std::deque<Key> order_;                          // sessions with queued steps, round robin
     int64_t n_pending_ = 0;
+    std::map<std::string, int64_t> pending_by_member_;   // queued steps per owner (a member at 0 is erased)
+    void pending_gone(const Key & key, int64_t n);     // mu_ held: n of key's queued steps left the queue
     std::deque<std::function<void()>> jobs_;         // engine-thread work after a forward (detokenizing)
     std::condition_variable wake_;
     double batch_ms_ = 1.0;                          // moving average of one engine batch (retry hints)
@@ -434,6 +456,8 @@ class StageWorker final : public dgr::v1::Stage::WithCallbackMethod_Frames<dgr::
     int64_t gone_running_ = 0;                       // stream_done's threads still closing sessions
     bool engine_busy_ = false;                      // a thread (the engine's, or a reader running a lone step) runs a batch
     std::thread engine_thread_;
+    // last: it goes first, so no unary call runs on a worker being taken apart
+    std::unique_ptr<UnaryCalls> calls_;
 };
 
 }  // namespace dgr

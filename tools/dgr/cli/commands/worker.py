@@ -91,8 +91,10 @@ def register(sub) -> None:
                    "advertised and named in errors (for a wildcard --listen; default: the host name)")
     s.add_argument("--max-connections", type=int, metavar="N", help="connections with a Frames stream open; the "
                    "next is refused RESOURCE_EXHAUSTED (default: dgr-worker's)")
-    s.add_argument("--max-rpc-threads", type=int, metavar="N", help="gRPC's threads for the unary calls "
-                   "(default: dgr-worker's)")
+    s.add_argument("--max-rpc-threads", type=int, metavar="N", help="unary calls (Describe, OpenSession, ...) "
+                   "running at once; as many more may wait (default: dgr-worker's)")
+    s.add_argument("--max-rpc-per-member", type=int, metavar="N", help="unary calls one member may have running or "
+                   "waiting here; the next is refused RESOURCE_EXHAUSTED (default: dgr-worker's)")
     s.add_argument("--send-timeout", type=float, metavar="S", help="the send deadline: a write to a peer that "
                    "waits longer fails that peer's stream or link (default: dgr-worker's)")
     s.add_argument("--max-send-queue-bytes", type=int, metavar="N", help="bytes queued per reply stream and per "
@@ -114,6 +116,9 @@ def register(sub) -> None:
     s.add_argument("--max-sessions-per-member", type=int, metavar="N", help="the sessions one member (the "
                    "certificate that opened them, under mutual TLS) may hold here at once (default: dgr-worker's, 0: "
                    "only --max-sessions bounds them)")
+    s.add_argument("--max-queued-steps-per-member", type=int, metavar="N", help="the steps one member's sessions "
+                   "may have queued here at once; the next is refused OVERLOADED (default: dgr-worker's, 0: only "
+                   "--max-queued-steps and --max-session-steps bound them)")
     s.add_argument("--max-rpc-memory-mib", type=int, metavar="N", help="gRPC's buffers, all connections together "
                    "(default: dgr-worker's)")
     s.add_argument("--peer-allow", metavar="CIDR,...", help="the networks a route's hops and origins may be in; a "
