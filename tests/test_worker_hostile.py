@@ -9,6 +9,7 @@ the victim's tokens and logits bit for bit against an undisturbed run, and that 
 
 from __future__ import annotations
 
+import json
 import os
 import queue
 import signal
@@ -304,6 +305,28 @@ def test_a_deeply_nested_grammar_is_refused_by_name_and_kills_nothing(route, pki
     r = _last_stage_open(addresses, descs, pki["intruder"], sampling)
     assert r.HasField("error") and r.error.code == pb.ENGINE, r
     assert "nest" in r.error.message and "--max-grammar-depth" in r.error.message, r.error.message
+    _serves(route, pki)
+    want, _ = _run(addresses, pki["client"], VICTIM[:20], prefix_cache=False)
+    assert len(want.token_ids) == MAX_NEW
+
+
+@pytest.mark.parametrize("what", ["grammar", "json_schema"])
+def test_a_grammar_whose_repetitions_expand_without_end_is_refused_and_costs_nothing(route, pki, what):
+    """157 KB of `"a"{0,2000}` took llama.cpp's parser 34 s and 5 GB: a few at once would kill the last stage.
+    Refused by name before it is parsed (the repetitions' expansion over DGR_GRAMMAR_MAX_EXPANSION), at once,
+    and the worker's memory stays where it was."""
+    addresses = [p.address for p in route]
+    descs = _descs(addresses, pki["intruder"])
+    if what == "grammar":
+        sampling = pb.Sampling(grammar="root ::= " + ' "a"{0,2000}' * 15000)
+    else:                                            # minLength/maxLength become {m,n} in the GBNF
+        props = {f"p{i}": {"type": "string", "minLength": 1, "maxLength": 2000} for i in range(2000)}
+        sampling = pb.Sampling(json_schema=json.dumps({"type": "object", "properties": props, "required": list(props)}))
+    rss0 = route[2].rss_kib()
+    r = _last_stage_open(addresses, descs, pki["intruder"], sampling)
+    assert r.HasField("error") and r.error.code == pb.ENGINE, r
+    assert "repetitions" in r.error.message and "expand to more than 500000 elements" in r.error.message, r.error.message
+    assert route[2].rss_kib() - rss0 < 256 * 1024, (rss0, route[2].rss_kib())
     _serves(route, pki)
     want, _ = _run(addresses, pki["client"], VICTIM[:20], prefix_cache=False)
     assert len(want.token_ids) == MAX_NEW

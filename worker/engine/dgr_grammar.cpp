@@ -10,6 +10,8 @@
 #include "json-schema-to-grammar.h"
 #include "llama.h"
 
+#include <algorithm>
+#include <cctype>
 #include <cmath>
 #include <cstring>
 #include <string>
@@ -41,6 +43,53 @@ std::string schema_to_gbnf(const char * schema) {
     }
 }
 
+// How many elements the GBNF's repetitions expand to in llama.cpp's parser (an upper estimate): each {m},
+// {m,} or {m,n} copies the element before it n times (m + 1 when unbounded); a literal or a character class
+// counts its bytes, a group or a rule name one (the parser makes a group a rule of its own). Stops past `limit`.
+uint64_t repeat_expansion(const std::string & g, uint64_t limit) {
+    uint64_t total = 0, last = 1;
+    size_t i = 0;
+    const size_t n = g.size();
+    auto number = [&](uint64_t & v) {
+        bool any = false;
+        v = 0;
+        while (i < n && g[i] >= '0' && g[i] <= '9') {
+            v = std::min<uint64_t>(v * 10 + uint64_t(g[i] - '0'), UINT64_C(1) << 40);
+            ++i;
+            any = true;
+        }
+        return any;
+    };
+    while (i < n && total <= limit) {
+        const char c = g[i];
+        if (c == '#') {                              // a comment, to the end of its line
+            while (i < n && g[i] != '\n' && g[i] != '\r') ++i;
+        } else if (c == '"' || c == '[') {           // a literal or a class: its bytes, escapes included
+            const char end = c == '"' ? '"' : ']';
+            const size_t start = i++;
+            while (i < n && g[i] != end) i += g[i] == '\\' ? 2 : 1;
+            last = uint64_t(std::min(i, n) - start);
+            ++i;
+        } else if (c == '{') {
+            ++i;
+            uint64_t m = 0, most = 0;
+            number(m);
+            most = m;
+            if (i < n && g[i] == ',') {
+                ++i;
+                if (!number(most)) most = m + 1;
+            }
+            total += std::max<uint64_t>(most, 1) * std::max<uint64_t>(last, 1);
+            while (i < n && g[i] != '}') ++i;
+            ++i;
+        } else {
+            if (c == ')' || std::isalnum((unsigned char) c) || c == '_' || c == '-') last = 1;
+            ++i;
+        }
+    }
+    return total;
+}
+
 }  // namespace
 
 extern "C" {
@@ -68,6 +117,12 @@ int32_t dgr_grammar_open(dgr_engine * eng, const char * gbnf, const char * json_
         const llama_vocab * vocab = dgr_engine_llama_vocab(eng);
         if (!vocab) throw dgr_engine_error(DGR_E_UNSUPPORTED, "this stage has no vocabulary to constrain (not the last stage?)");
         const std::string text = has_g ? std::string(gbnf) : schema_to_gbnf(json_schema);
+        if (const uint64_t x = repeat_expansion(text, DGR_GRAMMAR_MAX_EXPANSION); x > DGR_GRAMMAR_MAX_EXPANSION) {
+            throw dgr_engine_error(DGR_E_ENGINE, std::string(has_g ? "grammar" : "json_schema") + ": its repetitions " +
+                                                     (has_g ? "({m,n})" : "(minItems/maxItems, minLength/maxLength, {m,n} in patterns)") +
+                                                     " expand to more than " + std::to_string(DGR_GRAMMAR_MAX_EXPANSION) +
+                                                     " elements, the most this engine parses: use smaller or fewer counts");
+        }
         dgr_engine_take_log_errors();
         llama_sampler * smpl = llama_sampler_init_grammar(vocab, text.c_str(), "root");
         if (!smpl) {

@@ -129,7 +129,19 @@ grpc::Status StageWorker::open_session_rpc(const grpc::ServerContextBase * ctx, 
                 std::string refused;
                 {
                     // outside the engine lock: a grammar reads only the vocabulary, which no step changes, so a
-                    // slow conversion holds up this request alone
+                    // slow conversion holds up this request alone; at most GRAMMARS_AT_ONCE at once (memory)
+                    {
+                        std::unique_lock<std::mutex> lk(grammar_mu_);
+                        grammar_cv_.wait(lk, [&] { return grammars_running_ < GRAMMARS_AT_ONCE; });
+                        ++grammars_running_;
+                    }
+                    struct Done {
+                        StageWorker * w;
+                        ~Done() {
+                            { std::lock_guard<std::mutex> g(w->grammar_mu_); --w->grammars_running_; }
+                            w->grammar_cv_.notify_one();
+                        }
+                    } done{this};
                     int32_t st = lib_.grammar_open(eng_, sp.grammar().empty() ? nullptr : sp.grammar().c_str(),
                                                    sp.json_schema().empty() ? nullptr : sp.json_schema().c_str(), &g);
                     if (st != DGR_OK) refused = lib_.error(st);

@@ -429,6 +429,12 @@ class StageWorker final : public dgr::v1::Stage::CallbackService {
     std::vector<HeldCertificate> certificates_;      // fixed once serving
 
     std::mutex engine_mu_;                           // the engine is never called from two threads at once
+    // grammar conversions running at once (rpc_open_session.cpp): within DGR_GRAMMAR_MAX_EXPANSION one takes
+    // up to ~0.3 s and ~100 MiB, so at most GRAMMARS_AT_ONCE run and the rest wait (a leaf lock)
+    static constexpr int GRAMMARS_AT_ONCE = 2;
+    std::mutex grammar_mu_;
+    std::condition_variable grammar_cv_;
+    int grammars_running_ = 0;
     std::mutex mu_;                                  // everything below
     std::map<Key, SessionPtr> sessions_;
     std::map<std::string, uint64_t> latest_epoch_;   // of ids with an open epoch (pruned with their last one)
