@@ -127,10 +127,20 @@ def test_the_unit_template_verifies_and_has_the_rendered_units_hardening(tmp_pat
 
 # ---- dgr-worker-check-config
 
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 @pytest.fixture
-def check(tmp_path, worker_bin):
+def check(tmp_path, worker_bin, engine_lib):
     """Run the package's check script (its prefix: a folder whose bin/dgr-worker is the checkout's) on an
-    instance file; returns (exit status, output)."""
+    instance file for stage 1 of a tiny real bundle; returns (exit status, output). In the instance text,
+    @BUNDLE@ is the bundle, @PORT@ a free port, @TLS@ the flags of a member certificate, @TMP@ the folder."""
+    from support.engine import make_bundle, synth_model
+    from support.worker import make_ca, tls_flags
+
     prefix = tmp_path / "prefix"
     (prefix / "bin").mkdir(parents=True)
     (prefix / "bin/dgr-worker").symlink_to(worker_bin)
@@ -139,50 +149,68 @@ def check(tmp_path, worker_bin):
     conf = tmp_path / "etc"
     conf.mkdir()
     (conf / "worker.conf").write_text((debian.HERE / "worker.conf").read_text())
-    bundle = tmp_path / "srv/bundle"
-    bundle.mkdir(parents=True)
-    (bundle / "manifest.json").write_text("{}")
-    (tmp_path / "ca.pem").write_text("x")
+    bundle = make_bundle(synth_model(tmp_path, "llama", layers=6), [(0, 2), (2, 4), (4, 6)], tmp_path / "srv").root
+    tls = " ".join(map(str, tls_flags(make_ca(tmp_path / "pki", ["w1"])["w1"])))
+    port = _free_port()
 
     def run(text: str, instance: str = "1") -> tuple[int, str]:
-        (conf / f"worker-{instance}.conf").write_text(text.replace("@BUNDLE@", str(bundle)).replace("@TMP@", str(tmp_path)))
-        proc = subprocess.run(["sh", str(script), instance], capture_output=True, text=True, timeout=60,
-                              env={"PATH": os.environ["PATH"], "DGR_CONF_DIR": str(conf)})
+        for k, v in {"@BUNDLE@": str(bundle), "@PORT@": str(port), "@TLS@": tls, "@TMP@": str(tmp_path)}.items():
+            text = text.replace(k, v)
+        (conf / f"worker-{instance}.conf").write_text(text)
+        proc = subprocess.run(["sh", str(script), instance], capture_output=True, text=True, timeout=120,
+                              env={"PATH": os.environ["PATH"], "DGR_CONF_DIR": str(conf),
+                                   "DGR_ENGINE_LIB": str(engine_lib)})
         return proc.returncode, proc.stdout + proc.stderr
 
+    run.bundle = bundle
     return run
 
 
-GOOD = "# stage 1\nDGR_BUNDLE=@BUNDLE@\nDGR_STAGE=1\nDGR_LISTEN=127.0.0.1:7101\nDGR_ARGS=\"--threads 2 --n-ctx 512\"\n"
+GOOD = "# stage 1\nDGR_BUNDLE=@BUNDLE@\nDGR_STAGE=1\nDGR_LISTEN=127.0.0.1:@PORT@\nDGR_ARGS=\"--threads 1 --n-ctx 256\"\n"
 
 
 def test_check_config_accepts_a_good_instance(check):
+    """dgr-worker --check-config itself checks the stage file and opens the stage; nothing is served."""
     rc, out = check(GOOD)
     assert rc == 0, out
-    assert out.startswith("ok: dgr-worker@1: stage 1 of ") and "every flag parses" in out
-    rc, out = check(GOOD.replace("127.0.0.1:7101", "10.0.0.2:7101") +
-                    "DGR_ARGS='--tls-cert @TMP@/ca.pem --tls-key @TMP@/ca.pem --tls-ca @TMP@/ca.pem'\n")
-    assert rc == 0 and "3 file(s) named by flags readable" in out, out
+    assert out.startswith("ok: dgr-worker@1: stage 1 [2, 4) of ") and "the stage file matches the manifest" in out, out
+    assert "(plaintext)" in out and "0 file(s) named by flags readable" in out, out
+    rc, out = check(GOOD.replace("127.0.0.1", "0.0.0.0") + "DGR_ARGS='--threads 1 @TLS@'\n")
+    assert rc == 0 and "(mutual TLS)" in out and "3 file(s) named by flags readable" in out, out
 
 
 @pytest.mark.parametrize("change, says", [
     (lambda t: t.replace("DGR_STAGE=1\n", ""), "DGR_STAGE is not set"),
     (lambda t: t.replace("DGR_STAGE=1", "DGR_STAGE=one"), "DGR_STAGE=one: a stage number"),
-    (lambda t: t.replace(":7101", ":0"), "a fixed port from 1 to 65535"),
-    (lambda t: t.replace(":7101", ""), "DGR_LISTEN=127.0.0.1: HOST:PORT"),
+    (lambda t: t.replace(":@PORT@", ":0"), "a fixed port from 1 to 65535"),
+    (lambda t: t.replace(":@PORT@", ""), "DGR_LISTEN=127.0.0.1: HOST:PORT"),
     (lambda t: t.replace("@BUNDLE@", "/home/me/bundle"), "ProtectHome hides it"),
     (lambda t: t.replace("@BUNDLE@", "@BUNDLE@-missing"), "no such folder"),
     (lambda t: t.replace("@BUNDLE@", "@TMP@"), "no manifest.json"),
-    (lambda t: t.replace("127.0.0.1", "10.0.0.2"), "is not loopback: give mutual TLS"),
     (lambda t: t + "DGR_THREADS=4\n", "DGR_THREADS is not a setting"),
     (lambda t: t + "DGR_ARGS=--tls-ca @TMP@/missing.pem\n", "--tls-ca @TMP@/missing.pem: not readable"),
-    (lambda t: t.replace("--threads 2", "--threads two"), "dgr-worker refuses the flags: argument --threads"),
-    (lambda t: t.replace("--threads 2", "--no-such-flag"), "unrecognized argument: --no-such-flag"),
+    # dgr-worker's own checks, through --check-config
+    (lambda t: t.replace("127.0.0.1", "0.0.0.0"), "dgr-worker refuses this configuration: refusing to listen on 0.0.0.0:"),
+    (lambda t: t.replace("--threads 1", "--threads two"), "dgr-worker refuses this configuration: argument --threads"),
+    (lambda t: t.replace("--threads 1", "--no-such-flag"), "unrecognized argument: --no-such-flag"),
+    (lambda t: t.replace("DGR_STAGE=1", "DGR_STAGE=7"), "has 3 stages (0..2); there is no stage 7"),
+    (lambda t: t + "DGR_ARGS='--tls-cert @TMP@/etc/worker.conf --tls-key @TMP@/etc/worker.conf'\n",
+     "dgr-worker refuses this configuration: "),
 ])
 def test_check_config_refuses_a_bad_instance_naming_it(check, tmp_path, change, says):
     rc, out = check(change(GOOD))
     assert rc == 1, out
     assert out.startswith("dgr-worker-check-config: ") and says.replace("@TMP@", str(tmp_path)) in out, out
+
+
+def test_check_config_finds_a_stage_file_that_is_not_the_manifests(check):
+    """A changed byte in the stage file: the worker would refuse to start, so the check refuses it first."""
+    f = check.bundle / "stage-01-of-03.gguf"
+    data = bytearray(f.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    f.write_bytes(bytes(data))
+    rc, out = check(GOOD)
+    assert rc == 1 and "dgr-worker refuses this configuration: " in out and "stage-01-of-03.gguf" in out, out
 
 
 def test_check_config_without_the_instance_file_says_what_to_copy(check, tmp_path):

@@ -50,7 +50,7 @@ const char * USAGE =
     "                  [--tls-cert PEM --tls-key PEM [--tls-ca PEM]] [--insecure]\n"
     "                  [--advertise HOST[:PORT]] [--max-connections N] [--max-rpc-threads N] [--max-rpc-per-member N]\n"
     "                  [--send-timeout S] [--max-send-queue-bytes N] [--handshake-timeout S] [--metrics-listen HOST:PORT]\n"
-    "                  [--certs DIR [--contract FILE]]\n"
+    "                  [--certs DIR [--contract FILE]] [--check-config]\n"
     "                  [--prefix-cache-mib N] [--prefix-cache-shared] [--draft-max N]\n"
     "                  [--max-grammar-bytes N] [--max-grammar-depth N] [--peer-allow CIDR,...] [--max-rpc-memory-mib N]\n"
     "                  [--max-sessions-per-member N] [--max-queued-steps-per-member N] [--fast-kernels]\n"
@@ -86,6 +86,9 @@ const char * USAGE =
     "and client certificates under --tls-ca, with TLS).\n"
     "The stage file is checked against the bundle manifest, chunk by chunk (BLAKE3), before the engine loads it;\n"
     "--no-verify checks only its size (for `dgr worker serve`, which has just verified the bundle).\n"
+    "--check-config: check everything a start checks (the flags, the address and its trust, the TLS files, the\n"
+    "bundle's stage file against its manifest, the engine opening the stage), print one line and exit 0, serving\n"
+    "nothing; else exit 1 (2 for a flag) saying what is wrong.\n"
     "The engine library is $DGR_ENGINE_LIB, else libdgr_engine.so beside this program.\n"
     "--fake-engine SPEC --stage N (instead of --bundle): stage N of the fake model SPEC (tests; docs/worker.md \"The\n"
     "fake engine\") on $DGR_FAKE_ENGINE_LIB, else libdgr_fake_engine.so beside this program.\n";
@@ -201,6 +204,7 @@ Options parse(int argc, char ** argv) {
         }
         if (a == "--insecure") { o.insecure = true; continue; }
         if (a == "--no-verify") { o.no_verify = true; continue; }
+        if (a == "--check-config") { o.check_config = true; continue; }
         if (a == "--prefix-cache-shared") { o.limits.prefix_cache_shared = true; continue; }
         if (a == "--fast-kernels") { o.fast_kernels = true; continue; }
         std::string flag = a, value;
@@ -272,6 +276,19 @@ int run(int argc, char ** argv) {
     else open_fake_stage(o, s);
     // this program's own bytes (docs/certification.md): a certificate names the worker binary it measured
     s.id.worker_blake3 = dgr::blake3_file("/proc/self/exe");
+    if (o.check_config) {                            // everything a start checks has passed: say so, serve nothing
+        dgr_stage_info info{};
+        if (int32_t st = s.lib.describe(s.eng, &info); st != DGR_OK) throw std::runtime_error(s.lib.error(st));
+        std::printf("ok: stage %d [%d, %d) of %s (bundle %.12s), %s lane, numerics '%s'; would serve on %s (%s); "
+                    "every flag parses, %s\n", s.id.stage_index, info.layer_begin, info.layer_end,
+                    o.fake_engine.empty() ? o.bundle.c_str() : ("fake model " + o.fake_engine).c_str(), s.id.bundle_id.c_str(),
+                    s.id.lane.c_str(), s.id.numerics.c_str(), o.listen.c_str(),
+                    trust.mutual ? "mutual TLS" : trust.tls ? "TLS" : "plaintext",
+                    o.fake_engine.empty() ? (o.no_verify ? "the stage file's size matches the manifest (--no-verify)"
+                                                         : "the stage file matches the manifest")
+                                          : "the fake engine opened");
+        return 0;
+    }
 
     Serving sv = serve(o, trust, l, s);
     serve_until_signal(o, s, sv);                    // drains, then leaves the process

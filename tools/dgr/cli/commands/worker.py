@@ -101,6 +101,9 @@ def register(sub) -> None:
                    "outgoing link before it is failed (default: dgr-worker's)")
     s.add_argument("--handshake-timeout", type=float, metavar="S", help="a connection that has not finished its "
                    "TLS handshake and HTTP/2 preface by then is closed (default: dgr-worker's)")
+    s.add_argument("--check-config", action="store_true", help="check everything a start checks (flags, address and "
+                   "trust, TLS files, the stage file against the manifest, the engine opening it), print one line and "
+                   "exit 0 without serving; else exit 1 saying what is wrong")
     s.add_argument("--fast-kernels", action="store_true", help="llama.cpp's shape-dependent fast CPU kernels instead "
                    "of the batch-invariant reference ones: faster prefill, but a session's results depend on the batch "
                    "and the stage's numerics say \"fast\", so clients refuse to mix it into a route of reference-kernel "
