@@ -10,6 +10,7 @@ started the normal way generates, and so does the rendered gateway over it."""
 from __future__ import annotations
 
 import base64
+import os
 import re
 import subprocess
 import time
@@ -70,7 +71,12 @@ def _check(objs: list[dict]) -> None:
             assert all(m["name"] in volumes for m in c.get("volumeMounts", [])), c["name"]
             ports = {p["name"]: p["containerPort"] for p in c.get("ports", [])}
             for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
-                if probe in c:
+                if probe in c and "exec" in c[probe]:     # dgr-worker --probe 127.0.0.1:PORT, the container's port
+                    cmd = c[probe]["exec"]["command"]
+                    assert cmd[0] == c["command"][0] and cmd[1] == "--probe", (c["name"], probe)
+                    assert int(cmd[2].rsplit(":", 1)[1]) in ports.values(), (c["name"], probe)
+                    assert not any("$(" in a for a in cmd), "the kubelet does not expand an exec probe's command"
+                elif probe in c:
                     how = c[probe].get("grpc") or c[probe].get("tcpSocket") or c[probe].get("httpGet")
                     assert how["port"] in ports or how["port"] in ports.values(), (c["name"], probe)
         if s["kind"] == "StatefulSet":
@@ -208,7 +214,7 @@ def test_a_12_stage_fleet_with_mutual_tls_renders_valid_objects_and_its_secrets(
     _issue(tmp_path / "ca", [*workers, "gateway"])
     f = _fleet_file(tmp_path, twelve, tmp_path / "ca")
     proc = _render(f, tmp_path / "out", "--namespace", "dgr-fleet", "--image", "registry.local/dgr-worker:t")
-    assert "the probes are TCP connects" in proc.stderr
+    assert "under mutual TLS the probes run `dgr-worker --probe`" in proc.stderr
     objs = _objects(tmp_path / "out")
     _check(objs)
     assert all(o["metadata"]["namespace"] == "dgr-fleet" for o in objs)
@@ -223,7 +229,10 @@ def test_a_12_stage_fleet_with_mutual_tls_renders_valid_objects_and_its_secrets(
         assert c["image"] == "registry.local/dgr-worker:t"
         gpu = c["resources"]["limits"].get("nvidia.com/gpu")
         assert gpu == ("1" if n in ("fleet-s5-gpu-a", *(f"fleet-s{i}" for i in range(1, 12, 2))) else None), n
-        assert c["readinessProbe"]["tcpSocket"] == {"port": "grpc"} and "grpc" not in c["livenessProbe"]
+        assert c["readinessProbe"]["exec"]["command"] == c["livenessProbe"]["exec"]["command"] == [
+            c["command"][0], "--probe", f"127.0.0.1:{c['ports'][0]['containerPort']}", "--tls-cert",
+            "/etc/dgr/tls/tls.crt", "--tls-key", "/etc/dgr/tls/tls.key", "--tls-ca", "/etc/dgr/tls/ca.crt",
+            "--rpc-timeout", "4"]
         assert c["resources"]["requests"]["cpu"] == "4" and "--insecure" not in c["args"]
         a = c["args"]
         assert [a[a.index(x) + 1] for x in ("--tls-cert", "--tls-key", "--tls-ca")] == [
@@ -351,6 +360,10 @@ def test_the_rendered_pods_form_a_route_that_generates_the_normal_routes_tokens(
             procs.append(p.popen("worker", PREFIX, lib_env))
         for (name, p), proc in zip(pods.items(), procs):
             _wait_serving(local[name], client, proc, p.log("worker"))
+            if tls:                                     # the pod's exec probe, as the kubelet runs it
+                probe = p.probe_argv(p.container("worker"), "readinessProbe", PREFIX)
+                r = subprocess.run(probe, capture_output=True, text=True, timeout=30, env={**os.environ, **lib_env})
+                assert r.returncode == 0 and r.stdout == "SERVING\n", (probe, r.stdout, r.stderr)
         [gw_obj] = _by_kind(objs, "Deployment")
         args = gw_obj["spec"]["template"]["spec"]["containers"][0]["args"]
         route = args[args.index("--route") + 1]

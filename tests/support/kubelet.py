@@ -167,6 +167,15 @@ class Pod:
             out = [a.replace(name, local) for a in out]
         return out
 
+    def probe_argv(self, c: dict, probe: str, prefix: str) -> list[str]:
+        """A container's exec probe as a local command line: no `$(VAR)` expansion (the kubelet does none
+        there), mount paths mapped, `127.0.0.1:PORT` to this pod's local port."""
+        raw = c[probe]["exec"]["command"]
+        out = programs(prefix)[raw[0]] + [self._path(c, a) for a in raw[1:]]
+        for port, local in self.ports.items():
+            out = [a.replace(f"127.0.0.1:{port}", f"127.0.0.1:{local}") for a in out]
+        return out
+
     def log(self, name: str) -> Path:
         return self.root / f"{name}.log"
 

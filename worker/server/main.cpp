@@ -29,6 +29,7 @@
 #include <vector>
 
 #include "blake3.h"
+#include "probe.h"
 #include "serve.h"
 
 namespace {
@@ -51,6 +52,7 @@ const char * USAGE =
     "                  [--advertise HOST[:PORT]] [--max-connections N] [--max-rpc-threads N] [--max-rpc-per-member N]\n"
     "                  [--send-timeout S] [--max-send-queue-bytes N] [--handshake-timeout S] [--metrics-listen HOST:PORT]\n"
     "                  [--certs DIR [--contract FILE]] [--check-config]\n"
+    "       dgr-worker --probe HOST:PORT [--tls-cert PEM --tls-key PEM --tls-ca PEM] [--rpc-timeout S]\n"
     "                  [--prefix-cache-mib N] [--prefix-cache-shared] [--draft-max N]\n"
     "                  [--max-grammar-bytes N] [--max-grammar-depth N] [--peer-allow CIDR,...] [--max-rpc-memory-mib N]\n"
     "                  [--max-sessions-per-member N] [--max-queued-steps-per-member N] [--fast-kernels]\n"
@@ -86,6 +88,8 @@ const char * USAGE =
     "and client certificates under --tls-ca, with TLS).\n"
     "The stage file is checked against the bundle manifest, chunk by chunk (BLAKE3), before the engine loads it;\n"
     "--no-verify checks only its size (for `dgr worker serve`, which has just verified the bundle).\n"
+    "--probe HOST:PORT: ask that worker's health service (exit 0 and SERVING, else 1), presenting the TLS files\n"
+    "given and checking its certificate under the first host theirs names (a pod's exec probe of itself).\n"
     "--check-config: check everything a start checks (the flags, the address and its trust, the TLS files, the\n"
     "bundle's stage file against its manifest, the engine opening the stage), print one line and exit 0, serving\n"
     "nothing; else exit 1 (2 for a flag) saying what is wrong.\n"
@@ -139,6 +143,7 @@ Options parse(int argc, char ** argv) {
         {"--bundle", [&](auto & v) { o.bundle = v; }},
         {"--blake3", [&](auto & v) { o.blake3_files.push_back(v); }},
         {"--test-peer-address", [&](auto & v) { peer_addresses.push_back(v); }},
+        {"--probe", [&](auto & v) { o.probe = v; }},
         {"--fake-engine", [&](auto & v) { o.fake_engine = v; }},
         {"--stage", [&](auto & v) { o.stage = int(to_int("--stage", v)); o.stage_given = true; }},
         {"--listen", [&](auto & v) { o.listen = v; }},
@@ -220,7 +225,7 @@ Options parse(int argc, char ** argv) {
         }
         it->second(value);
     }
-    if (!o.blake3_files.empty() || !peer_addresses.empty()) return o;
+    if (!o.blake3_files.empty() || !peer_addresses.empty() || !o.probe.empty()) return o;
     if (!o.stage_given) throw UsageError("the following arguments are required: --stage");
     return o;
 }
@@ -231,6 +236,7 @@ int run(int argc, char ** argv) {
         for (auto & f : o.blake3_files) std::printf("%s  %s\n", dgr::blake3_file(f).c_str(), f.c_str());
         return 0;
     }
+    if (!o.probe.empty()) return dgr::probe_health(o.probe, dgr::TlsFiles{o.tls_cert, o.tls_key, o.tls_ca}, o.limits.rpc_timeout_s);
     if (!peer_addresses.empty()) {
         for (auto & a : peer_addresses) {
             const std::string why = dgr::refuse_peer_address(a, o.net);

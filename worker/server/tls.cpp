@@ -1,6 +1,8 @@
 #include "tls.h"
 
 #include <openssl/pem.h>
+#include <openssl/x509v3.h>
+#include <arpa/inet.h>
 #include <openssl/x509.h>
 #include <sys/stat.h>
 
@@ -52,6 +54,36 @@ std::string cert_common_name(const std::string & pem) {
     std::sort(names.begin(), names.end());
     std::string out;
     for (auto & n : names) out += (out.empty() ? "" : ",") + n;
+    return out;
+}
+
+std::string cert_first_host(const std::string & pem) {
+    std::unique_ptr<BIO, decltype(&BIO_free)> bio(BIO_new_mem_buf(pem.data(), int(pem.size())), BIO_free);
+    if (!bio) return "";
+    std::unique_ptr<X509, decltype(&X509_free)> cert(PEM_read_bio_X509(bio.get(), nullptr, nullptr, nullptr),
+                                                     X509_free);
+    if (!cert) return "";
+    std::string out;
+    auto * names = static_cast<GENERAL_NAMES *>(X509_get_ext_d2i(cert.get(), NID_subject_alt_name, nullptr, nullptr));
+    for (int i = 0; names && out.empty() && i < sk_GENERAL_NAME_num(names); ++i) {
+        const GENERAL_NAME * g = sk_GENERAL_NAME_value(names, i);
+        if (g->type == GEN_DNS) {
+            out.assign(reinterpret_cast<const char *>(ASN1_STRING_get0_data(g->d.dNSName)),
+                       size_t(ASN1_STRING_length(g->d.dNSName)));
+        } else if (g->type == GEN_IPADD) {
+            const int n = ASN1_STRING_length(g->d.iPAddress);
+            char text[INET6_ADDRSTRLEN] = {0};
+            if ((n == 4 || n == 16) && inet_ntop(n == 4 ? AF_INET : AF_INET6, ASN1_STRING_get0_data(g->d.iPAddress),
+                                                 text, sizeof text)) {
+                out = text;
+            }
+        }
+    }
+    if (names) GENERAL_NAMES_free(names);
+    if (out.empty()) {
+        out = cert_common_name(pem);
+        if (size_t comma = out.find(','); comma != std::string::npos) out.resize(comma);
+    }
     return out;
 }
 

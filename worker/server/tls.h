@@ -34,6 +34,10 @@ Trust tls_trust(const TlsFiles & f);
 // "" when it has none or cannot be read.
 std::string cert_common_name(const std::string & pem);
 
+// The first host a PEM certificate is issued for: its first DNS name or IP address among the subject
+// alternative names (`dgr certs issue --host`), else its common name; "" when it cannot be read.
+std::string cert_first_host(const std::string & pem);
+
 // Who is on the other end of an RPC: the common name of its verified client certificate
 // (dgr.runtime.wire.tls.peer_identity), nullopt without one (plaintext, or TLS without client certificates).
 std::optional<std::string> peer_identity(const grpc::ServerContextBase * ctx);

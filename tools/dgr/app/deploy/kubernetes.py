@@ -11,10 +11,12 @@ file and the bundle's id (`dgr bundle verify --stage N --expect-id ID`, resumabl
 pod's state volume, which outlives a restart of the container); a gateway (`dgr serve`) Deployment and
 Service whose route names the pods by those DNS names, replicas joined by '|'.
 
-Probes: the kubelet's gRPC probe on the worker's grpc.health.v1 service (SERVING once the stage is loaded,
-NOT_SERVING while it drains). The kubelet's probe cannot present a client certificate and speaks plaintext,
-so under [tls] the probes are TCP connects instead: the worker opens its port only once its stage is
-loaded. A startup probe gives a large stage an hour to verify and load before liveness counts.
+Probes: the worker's grpc.health.v1 service (SERVING once the stage is loaded, NOT_SERVING while it
+drains). In plaintext the kubelet's own gRPC probe asks it. That probe cannot present a client certificate,
+so under mutual TLS an exec probe asks instead: `dgr-worker --probe 127.0.0.1:PORT` with the pod's own member
+certificate, checking the worker's certificate under the pod's name (the first host its certificate names).
+Under server-only TLS the probes are TCP connects: the worker opens its port only once its stage is loaded.
+A startup probe gives a large stage an hour to verify and load before liveness counts.
 
 Trust: under [tls] each pod presents its own member certificate (worker `s<i>-r<k>`'s files of tls.dir,
 issued by `dgr certs issue` for the pod's DNS name) from a Secret of its own, `<pod>-tls` (tls.crt,
@@ -149,9 +151,21 @@ _HARDENED = {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
              "capabilities": {"drop": ["ALL"]}}
 
 
-def _probe(rs: StageSet, tcp: bool, period: int, failures: int) -> dict:
-    how = {"tcpSocket": {"port": "grpc"}} if tcp else {"grpc": {"port": rs.port}}
+def _probe(how: dict, period: int, failures: int) -> dict:
     return {**how, "periodSeconds": period, "timeoutSeconds": 5, "failureThreshold": failures}
+
+
+def probe_action(rs: StageSet, tls: dict[str, str], mutual: bool, prefix: str) -> dict:
+    """How the kubelet asks a worker's health: its gRPC probe in plaintext; under mutual TLS the worker's own
+    `--probe` with the pod's certificate (no $(VAR) in it: the kubelet does not expand an exec probe's command);
+    under server-only TLS a TCP connect."""
+    if not tls:
+        return {"grpc": {"port": rs.port}}
+    if not mutual:
+        return {"tcpSocket": {"port": "grpc"}}
+    flags = [x for flag in ("--tls-cert", "--tls-key", "--tls-ca") for x in (flag, tls[flag])]
+    return {"exec": {"command": [f"{prefix}/bin/dgr-worker", "--probe", f"127.0.0.1:{rs.port}", *flags,
+                                 "--rpc-timeout", "4"]}}
 
 
 def _bundle_folder(plan: Plan) -> str:
@@ -177,8 +191,8 @@ def stateful_set(plan: Plan, rs: StageSet, o: Options) -> dict:
     bundle = _bundle_folder(plan)
     files = tls_files(plan, w0)
     tls = d.tls is not None
-    args = worker_args(plan, w0, bundle, rs.port, bind="0.0.0.0",
-                       tls={flag: f"{TLS_MOUNT}/{TLS_KEYS[flag]}" for flag in files},
+    tls_paths = {flag: f"{TLS_MOUNT}/{TLS_KEYS[flag]}" for flag in files}
+    args = worker_args(plan, w0, bundle, rs.port, bind="0.0.0.0", tls=tls_paths,
                        insecure=d.worker.insecure or not _mutual(plan))
     # peers and errors name the pod as the route does, never its bare host name (which other pods cannot resolve)
     args += ["--advertise", f"$(POD_NAME).{rs.service}"]
@@ -190,14 +204,15 @@ def stateful_set(plan: Plan, rs: StageSet, o: Options) -> dict:
            {"name": "DGR_WORKSPACE", "value": STATE_MOUNT}]
     mounts = [{"name": "store", "mountPath": STORE_MOUNT, "readOnly": True},
               {"name": "state", "mountPath": STATE_MOUNT}, {"name": "tmp", "mountPath": "/tmp"}]
+    health = probe_action(rs, tls_paths if tls else {}, tls and _mutual(plan), o.prefix)
     tls_mount = [{"name": "tls", "mountPath": TLS_MOUNT, "subPathExpr": "$(POD_NAME)", "readOnly": True}] if tls else []
     worker = {
         "name": "worker", "image": o.image, "imagePullPolicy": "IfNotPresent",
         "command": [f"{o.prefix}/bin/dgr-worker"], "args": args, "env": env,
         "ports": [{"name": "grpc", "containerPort": rs.port, "protocol": "TCP"}],
-        "startupProbe": _probe(rs, tls, 5, STARTUP_S // 5),
-        "readinessProbe": _probe(rs, tls, 5, 2),
-        "livenessProbe": _probe(rs, tls, 10, 3),
+        "startupProbe": _probe(health, 5, STARTUP_S // 5),
+        "readinessProbe": _probe(health, 5, 2),
+        "livenessProbe": _probe(health, 10, 3),
         "resources": {"requests": {"cpu": str(d.worker.threads or 1), "memory": memory}, "limits": limits},
         "securityContext": _HARDENED, "volumeMounts": mounts + tls_mount,
     }
@@ -363,8 +378,10 @@ def notes(plan: Plan) -> list[str]:
     else:
         if not d.tls.mutual:
             out.append("tls.mutual = false: the workers serve any client on the pod network (--insecure)")
-        out.append("under [tls] the probes are TCP connects (the kubelet's gRPC probe cannot present a member "
-                   "certificate); secrets.sh makes each pod's Secret from tls.dir")
+        out.append(("under mutual TLS the probes run `dgr-worker --probe` in the pod with its own certificate (the "
+                    "kubelet's gRPC probe cannot present one)" if d.tls.mutual else
+                    "under server-only TLS the probes are TCP connects") +
+                   "; secrets.sh makes each pod's Secret from tls.dir")
     for lane in sorted({w.host.lane for w in plan.workers} - {"cpu", *GPU}):
         hosts = ", ".join(sorted({w.host.name for w in plan.workers if w.host.lane == lane}))
         out.append(f"host(s) {hosts}: lane {lane}: no device resource is requested; add your device plugin's "
