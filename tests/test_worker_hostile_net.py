@@ -227,10 +227,33 @@ def test_a_member_holding_its_unary_calls_is_refused_more_and_others_are_served(
     """--max-rpc-per-member 2: a member holds two OpenSession calls that wait on a next hop that never answers
     (a TCP port that accepts and says nothing); its third call, of any kind, is refused at once by name, while
     another member is served, and once the two are over the member is served again."""
-    silent = socket.socket()
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    silent = socket.socket()                        # accepts every connection and never says a word
     silent.bind(("127.0.0.1", 0))
     silent.listen(16)
-    w = Worker(worker_bin, *tls_flags(pki["w0"]), "--max-rpc-per-member", "2", "--rpc-timeout", "6")
+    held_open: list[socket.socket] = []
+
+    def accept():
+        try:
+            while True:
+                held_open.append(silent.accept()[0])
+        except OSError:
+            pass
+
+    threading.Thread(target=accept, daemon=True).start()
+    w = Worker(worker_bin, *tls_flags(pki["w0"]), "--max-rpc-per-member", "2", "--rpc-timeout", "6",
+               "--metrics-listen", "127.0.0.1:0")
+    ctx = ssl.create_default_context(cafile=str(pki["member"].ca))
+    ctx.load_cert_chain(str(pki["member"].cert), str(pki["member"].key))
+
+    def metric(name: str) -> float:
+        with urllib.request.urlopen(w.metrics, context=ctx, timeout=10) as r:
+            text = r.read().decode()
+        return next(s.value for f in text_string_to_metric_families(text) for s in f.samples if s.name == name)
+
     try:
         d = _describe(w.address, pki["member"])
         hops = [pb.Hop(address=w.address, bundle_id=d.identity.bundle_id, stage_index=0, layer_begin=0, layer_end=2),
@@ -240,19 +263,17 @@ def test_a_member_holding_its_unary_calls_is_refused_more_and_others_are_served(
                                  options=[("grpc.use_local_subchannel_pool", 1)])
         with ch:
             s = pb_grpc.StageStub(ch)
-            held = [s.OpenSession.future(pb.OpenSessionRequest(session_id=f"hold-{k}", epoch=1, route=hops), timeout=60)
-                    for k in range(2)]
-            def third():
-                try:
-                    s.Describe(pb.DescribeRequest(), timeout=10)
-                    return None
-                except grpc.RpcError as err:
-                    return err
-            assert wait_for(lambda: third() is not None, 10), "the member's third call was not refused"
-            err = third()
-            assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, err
+            chans = [grpc.secure_channel(w.address, pki["attacker"].channel_credentials(),
+                                         options=[("grpc.use_local_subchannel_pool", 1)]) for _ in range(2)]
+            held = [pb_grpc.StageStub(c).OpenSession.future(
+                pb.OpenSessionRequest(session_id=f"hold-{k}", epoch=1, route=hops), timeout=60) for k, c in enumerate(chans)]
+            assert wait_for(lambda: metric("dgr_worker_unary_calls_running") == 2, 10), "the two calls never ran"
+            with pytest.raises(grpc.RpcError) as refused:
+                s.Describe(pb.DescribeRequest(), timeout=10)
+            assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, refused.value
             assert "this member has 2 calls running or waiting here, the most one member may (--max-rpc-per-member 2)" \
-                in err.details(), err.details()
+                in refused.value.details(), refused.value.details()
+            assert metric("dgr_worker_unary_calls_refused_total") == 1
             assert _describe(w.address, pki["member"]).member == "w0"      # another member: served meanwhile
             for f in held:
                 r = f.result()
@@ -260,6 +281,8 @@ def test_a_member_holding_its_unary_calls_is_refused_more_and_others_are_served(
             assert s.Describe(pb.DescribeRequest(), timeout=10).member == "w0"
     finally:
         silent.close()
+        for c in held_open:
+            c.close()
         print(w.stop()[-3000:])
 
 

@@ -95,6 +95,13 @@ std::string StageWorker::metrics_text() {
     gauge("max_frame_bytes_sent", "largest frame sent so far", double(max_frame_bytes_sent_));
     gauge("outgoing_channels", "channels and links to other workers this worker holds (pruned when unused)",
           double(links_.size() + out_links_.size() + dead_links_.size()));
+    const UnaryCalls::Counts calls = calls_->counts();   // (its own lock, a leaf: never taken the other way)
+    gauge("unary_calls_running", "unary calls (Describe, OpenSession, ...) running", double(calls.running));
+    gauge("unary_calls_waiting", "unary calls waiting for a thread", double(calls.queued));
+    gauge("unary_calls_members", "members with unary calls running or waiting", double(calls.members));
+    prom_family(o, "dgr_worker_unary_calls_refused", "counter",
+                "unary calls refused at once (--max-rpc-per-member, --max-rpc-threads)");
+    prom_sample(o, "dgr_worker_unary_calls_refused_total", "", double(calls.refused));
     prom_family(o, "dgr_worker_sessions_reaped", "counter", "sessions closed after --session-ttl idle");
     prom_sample(o, "dgr_worker_sessions_reaped_total", "", double(reaped_));
     prom_family(o, "dgr_worker_overloaded", "counter", "requests answered OVERLOADED");

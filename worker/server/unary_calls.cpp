@@ -37,7 +37,9 @@ grpc::ServerUnaryReactor * UnaryCalls::start(grpc::CallbackServerContext * ctx, 
         } else {
             ++mine;
             q_.push_back(Call{ctx, r, member, std::move(body)});
-            if (waiting_threads_ == 0 && threads_ < b_.threads) {
+            // a thread for every call no idle thread will take (an idle thread already woken for an earlier
+            // call still counts as waiting until it runs, so compare the queue with them, never test for 0)
+            if (q_.size() > waiting_threads_ && threads_ < b_.threads) {
                 ++threads_;
                 spawn = true;
             }
