@@ -55,7 +55,8 @@ extern "C" {
 
 DGR_API int32_t dgr_abi_version(void) { return DGR_ABI_VERSION; }
 DGR_API int32_t dgr_has_hooks(void) { return 0; }
-// the lane a fake stage advertises (dgr.app.stages.fake_stage: "cpu"); its identity's engine is "fake"
+// the lane a fake stage advertises ("cpu", read by open_fake_stage in worker/server/stage_open.cpp); its
+// identity's engine is "fake"
 DGR_API const char * dgr_engine_lane(void) { return "cpu"; }
 // Its arithmetic is plain C++ compiled with -ffp-contract=off (no fused multiply-add): the same bits from
 // any x86-64 compiler and flags, so every fake stage shares one numerics.

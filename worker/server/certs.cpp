@@ -1,5 +1,5 @@
-// dgr-worker's certificates (certs.h): dgr.core.certificate (load_certificate, check, Certificate.digest) and
-// dgr.app.stages.held_certificates in C++, message for message, so both workers log the same reasons.
+// dgr-worker's certificates (certs.h): dgr.core.certificate (load_certificate, check, Certificate.digest) in
+// C++, message for message: the worker logs each reason in check's words.
 #include "certs.h"
 
 #include <dirent.h>

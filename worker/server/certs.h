@@ -1,5 +1,5 @@
 // The certificates (`dgr certify`, DIR/*.json, schema dgr.certificate/v1) dgr-worker advertises (--certs,
-// --contract): dgr.app.stages.held_certificates and dgr.core.certificate.check, ported. A certificate is held
+// --contract): dgr.core.certificate.check, ported, over every file of DIR. A certificate is held
 // only when its identity equals this worker's exactly, it covers this stage, its contract file still has
 // the blake3 it records and every figure passed; every other one is logged with the reason and ignored.
 #pragma once

@@ -53,7 +53,7 @@ struct Stage {
     dgr::StageIdentity id;
 };
 
-// The bundle's stage on the engine, and the identity the Python side builds (dgr.app.stages.bundle_stage).
+// The bundle's stage on the engine, and the identity it advertises (stage_open.cpp says how).
 void open_stage(const Options & o, Stage & s);
 // Stage --stage of the fake model --fake-engine SPEC on the fake engine library (stage_open.cpp says how).
 void open_fake_stage(const Options & o, Stage & s);

@@ -206,8 +206,8 @@ void check_stage(Stage & s, const dgr_stage_info & info) {
 }
 
 // Stage `--stage` of the fake model `--fake-engine SPEC` on the fake engine library (worker/fake), and the
-// identity the Python side builds for it (dgr.app.stages.fake_stage): the model "fake:" + the canonical
-// spec, the bundle id "fake-" + its sha256 (FakeModel.bundle_id), the cpu lane, the engine "fake". The
+// identity it advertises: the model "fake:" + the canonical spec, the bundle id "fake-" + its sha256
+// (dgr.testing.fake_engine.FakeModel.bundle_id), the library's lane (cpu), the engine "fake". The
 // spec's ctx= and sessions= are the stage's n_ctx and max_sessions (--n-ctx, --max-sessions and --threads
 // are not the fake's, as in `dgr worker serve --fake-engine`).
 void open_fake_stage(const Options & o, Stage & s) {
