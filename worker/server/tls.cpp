@@ -33,12 +33,21 @@ bool is_file(const std::string & p) {
 
 }  // namespace
 
-std::string cert_common_name(const std::string & pem) {
-    // OpenSSL reads the certificate; every commonName of its subject, sorted and joined by ","
+namespace {
+
+using X509Ptr = std::unique_ptr<X509, decltype(&X509_free)>;
+
+// The first certificate of a PEM text, read by OpenSSL (null when there is none)
+X509Ptr read_cert(const std::string & pem) {
     std::unique_ptr<BIO, decltype(&BIO_free)> bio(BIO_new_mem_buf(pem.data(), int(pem.size())), BIO_free);
-    if (!bio) return "";
-    std::unique_ptr<X509, decltype(&X509_free)> cert(PEM_read_bio_X509(bio.get(), nullptr, nullptr, nullptr),
-                                                     X509_free);
+    return X509Ptr(bio ? PEM_read_bio_X509(bio.get(), nullptr, nullptr, nullptr) : nullptr, X509_free);
+}
+
+}  // namespace
+
+std::string cert_common_name(const std::string & pem) {
+    // every commonName of its subject, sorted and joined by ","
+    X509Ptr cert = read_cert(pem);
     if (!cert) return "";
     X509_NAME * subject = X509_get_subject_name(cert.get());
     std::vector<std::string> names;
@@ -58,10 +67,7 @@ std::string cert_common_name(const std::string & pem) {
 }
 
 std::string cert_first_host(const std::string & pem) {
-    std::unique_ptr<BIO, decltype(&BIO_free)> bio(BIO_new_mem_buf(pem.data(), int(pem.size())), BIO_free);
-    if (!bio) return "";
-    std::unique_ptr<X509, decltype(&X509_free)> cert(PEM_read_bio_X509(bio.get(), nullptr, nullptr, nullptr),
-                                                     X509_free);
+    X509Ptr cert = read_cert(pem);
     if (!cert) return "";
     std::string out;
     auto * names = static_cast<GENERAL_NAMES *>(X509_get_ext_d2i(cert.get(), NID_subject_alt_name, nullptr, nullptr));
