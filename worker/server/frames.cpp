@@ -198,6 +198,14 @@ void StageWorker::stream_done(const ReplyPtr & out) {
     std::lock_guard<std::mutex> g(mu_);
     streams_.erase(out);
     if (threads_stopped_) return;                    // stop() closed every session already
+    bool orphans = false;                            // a stream that carried no session (a Describe-like
+    for (auto & kv : sessions_) {                    //   probe, a reset stream) needs no thread
+        if (kv.second->client == out && !kv.second->done) {
+            orphans = true;
+            break;
+        }
+    }
+    if (!orphans) return;
     ++gone_running_;
     std::thread([this, out] {
         try {
