@@ -81,9 +81,19 @@ let
         echo "dgr ${name} shell: scripts/test, bazel test //... --config=${pkg.passthru.lane or "cpu"}"
       '';
     };
+  # the worker's OCI image per Linux lane (nix/image.nix; metal has no container)
+  images = builtins.listToAttrs (
+    map (lane: {
+      name = "image-${lane}";
+      value = pkgs.callPackage ./image.nix {
+        worker = lanes.${lane};
+        inherit (dgr) version;
+      };
+    }) [ "cpu" "cuda" "rocm" "vulkan" ]
+  );
 in
 {
-  packages = lanes // {
+  packages = lanes // images // {
     default = worker;
     inherit dgr;
     llama-cpp-src = llamaSrc;

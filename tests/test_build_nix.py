@@ -84,6 +84,14 @@ let
       @CUDA_PACKAGES@
     ]);
     rocmPackages = { clr = tool "clr"; hipblas = tool "hipblas"; rocblas = tool "rocblas"; };
+    runCommand = name: env: script: drv name { };
+    # what the image was asked for, kept for the tests (nixpkgs' builds the layers from the contents' closure)
+    dockerTools.buildLayeredImage = args: builtins.seq (forceNames args.contents) (drv "${args.name}.tar.gz" {
+      imageName = args.name;
+      imageTag = args.tag;
+      imageConfig = args.config;
+      contentNames = map (d: d.name) args.contents;
+    });
   } // builtins.listToAttrs (map (n: { name = n; value = tool n; }) [
     @TOOLS@
   ]);
@@ -135,7 +143,8 @@ def standin(tmp_path_factory) -> Path:
 
 def test_packages_and_shells_exist_per_lane_and_instantiate(standin):
     drvs = eval_json(standin, f"packages.{SYSTEM}", "ps: builtins.mapAttrs (n: p: p.drvPath) ps")
-    assert set(drvs) == set(LANES) | {"default", "dgr", "llama-cpp-src", "blake3-src"}
+    images = {f"image-{lane}" for lane in LANES if lane != "metal"}
+    assert set(drvs) == set(LANES) | images | {"default", "dgr", "llama-cpp-src", "blake3-src"}
     assert all(p.endswith(".drv") for p in drvs.values())
     names = eval_json(standin, f"packages.{SYSTEM}", "ps: builtins.mapAttrs (n: p: p.name) ps")
     release = upstream.load_pin().raw.get("release", "")
@@ -152,6 +161,30 @@ def test_packages_and_shells_exist_per_lane_and_instantiate(standin):
     for shell, got in inputs.items():
         assert got["from"] == [drvs["cpu" if shell == "default" else shell]], shell
         assert "nlohmann_json" in got["build"], shell
+
+
+def test_each_linux_lane_has_an_image_of_its_worker(standin):
+    """nix/image.nix: dockerTools' layered image of the lane's package, configured as `dgr release image`
+    configures its own (tools/dgr/toolchain/image.py): user 65532, dgr-worker as the entrypoint, the engine by
+    name, the state folder, nothing of Python."""
+    from dgr.toolchain import image as oci
+
+    got = eval_json(standin, f"packages.{SYSTEM}", "ps: builtins.mapAttrs (n: p: { inherit (p) imageName imageTag "
+                    "imageConfig contentNames; worker = ps.${builtins.substring 6 (-1) n}.outPath; }) "
+                    "(builtins.removeAttrs ps (builtins.filter (n: builtins.substring 0 6 n != \"image-\") "
+                    "(builtins.attrNames ps)))")
+    assert set(got) == {f"image-{lane}" for lane in LANES if lane != "metal"}
+    version = eval_json(standin, f"packages.{SYSTEM}.dgr.version")
+    for name, img in got.items():
+        lane = name[len("image-"):]
+        c = img["imageConfig"]
+        assert img["imageName"] == "dgr-worker" and img["imageTag"] == f"{version}-{lane}", img
+        assert c["User"] == f"{oci.USER}:{oci.USER}" and c["WorkingDir"] == oci.STATE, c
+        assert c["Entrypoint"] == [f"{img['worker']}/bin/dgr-worker"], c
+        assert c["Env"] == [f"DGR_ENGINE_LIB={img['worker']}/lib/libdgr_engine.so"], c
+        assert c["ExposedPorts"] == {f"{oci.PORT}/tcp": {}} and c["Labels"]["dgr.lane"] == lane, c
+        assert "--probe" in c["Labels"]["dgr.health"]
+        assert not any("python" in n for n in img["contentNames"]), img["contentNames"]
 
 
 def test_the_source_and_patches_are_the_pins(standin):
@@ -203,7 +236,7 @@ def test_each_lane_builds_the_cpp_dgr_worker(standin):
         cmakeLists = builtins.pathExists (p.src + "/worker/CMakeLists.txt");
         server = builtins.pathExists (p.src + "/worker/server/main.cpp");
         tools = builtins.pathExists (p.src + "/tools");
-      }) (removeAttrs ps [ "dgr" "llama-cpp-src" "blake3-src" ])""")
+      }) (removeAttrs ps [ "dgr" "llama-cpp-src" "blake3-src" "image-cpu" "image-cuda" "image-rocm" "image-vulkan" ])""")
     dgr_out = eval_json(standin, f"packages.{SYSTEM}.dgr.outPath")
     for lane in LANES:
         p = got[lane]

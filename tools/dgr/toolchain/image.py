@@ -315,8 +315,8 @@ def build(release: Release, *, mtime: int = 0, repository: str = REPOSITORY) -> 
         "dgr.mounts": f"the bundle's store read-only at {STORE}, TLS files at {TLS}, state at {STATE}, /tmp writable",
         # Docker's HEALTHCHECK runs a command in the container; this image has none to run
         "dgr.health": "grpc.health.v1 on the --listen port (SERVING once the stage is loaded, NOT_SERVING while it "
-                      "drains): a Kubernetes grpc probe, or grpc_health_probe from outside; TCP connect under "
-                      "mutual TLS (the port opens only once the stage is loaded)",
+                      "drains): a Kubernetes grpc probe in plaintext; under mutual TLS the exec probe `dgr-worker "
+                      "--probe 127.0.0.1:PORT` with the pod's certificate",
     }
     config = {
         "created": created,
