@@ -394,8 +394,10 @@ Serving serve(const Options & o, const Trust & trust, const Listen & l, Stage & 
     grpc::ServerBuilder b;
     int bound = 0;
     b.AddListeningPort(o.listen, trust.tls ? trust.server : grpc::InsecureServerCredentials(), &bound);
-    // bounds (docs/worker.md): gRPC's threads; calls per connection; connections with calls in progress are
-    // counted by the worker (--max-connections); idle connections are closed after 10 minutes
+    // bounds (docs/worker.md): calls per connection; connections with calls in progress are counted by the
+    // worker (--max-connections); idle connections are closed after 10 minutes. Every RPC is a callback one:
+    // the unary calls' threads are UnaryCalls' (--max-rpc-threads); the quota's thread bound covers what gRPC
+    // still serves synchronously (nothing of dgr's; kept at the same number)
     grpc::ResourceQuota quota("dgr-worker");
     quota.SetMaxThreads(int(o.limits.max_rpc_threads));
     // gRPC's buffers, every connection together (--max-rpc-memory-mib): under pressure gRPC shrinks its reads
