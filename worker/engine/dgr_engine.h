@@ -216,9 +216,9 @@ DGR_API double  dgr_uniform(uint64_t seed, int64_t position);
 // apply sets every logit the grammar forbids next to -INFINITY (DGR_E_ENGINE when it forbids all of them);
 // accept advances the grammar over a token, refusing (and changing nothing) when the grammar forbids it.
 // open refuses (DGR_E_ENGINE) a grammar whose repetitions ({m}, {m,}, {m,n}) would expand to more than
-// DGR_GRAMMAR_MAX_EXPANSION elements: llama.cpp's parser copies what a repetition repeats up to n times, so
-// 157 KB of `"a"{0,2000}` took 34 s and 5 GB (it refuses one count over 2000, never their sum).
-#define DGR_GRAMMAR_MAX_EXPANSION 500000
+// DGR_GRAMMAR_MAX_EXPANSION (dgr_grammar.cpp: 500,000) elements: llama.cpp's parser copies what a repetition
+// repeats up to n times, so 157 KB of `"a"{0,2000}` took 34 s and 5 GB (it refuses one count over 2000,
+// never their sum).
 typedef struct dgr_grammar dgr_grammar;
 DGR_API int32_t dgr_grammar_open  (dgr_engine * eng, const char * gbnf, const char * json_schema, dgr_grammar ** out);
 DGR_API void    dgr_grammar_close (dgr_grammar * g);

@@ -27,6 +27,9 @@ struct dgr_grammar {
     }
 };
 
+// The most elements a grammar's repetitions may expand to (dgr_engine.h, dgr_grammar_open)
+#define DGR_GRAMMAR_MAX_EXPANSION 500000
+
 namespace {
 
 std::string schema_to_gbnf(const char * schema) {
