@@ -60,7 +60,7 @@ void StageWorker::enqueue(Work w, const SessionPtr & sess, bool own) {
             const int64_t positions = w.frame.step().positions_size();
             it->second.push_back(std::move(w));
             ++n_pending_;
-            ++pending_by_member_[owner_of(key.first)];
+            if (limits_.max_queued_steps_per_member > 0) ++pending_by_member_[owner_of(key.first)];   // (off: no count)
             if (!run_inline(positions)) {
                 wake_.notify_all();
                 return;
@@ -96,6 +96,7 @@ void StageWorker::run_guarded(std::vector<Work> & batch) {
 }
 
 void StageWorker::pending_gone(const Key & key, int64_t n) {   // mu_ held
+    if (limits_.max_queued_steps_per_member <= 0) return;      // counted only under the bound
     auto m = pending_by_member_.find(owner_of(key.first));
     if (m != pending_by_member_.end() && (m->second -= n) <= 0) pending_by_member_.erase(m);
 }
