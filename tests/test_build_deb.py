@@ -347,7 +347,10 @@ def test_the_package_installs_into_a_minimal_root_and_its_unit_serves_a_stage_th
     checked = subprocess.run(container_command(root, config, [], volumes=volumes, entrypoint=pre),
                              capture_output=True, text=True, timeout=120, env={"PATH": "/usr/sbin:/usr/bin:/sbin:/bin"})
     assert checked.returncode == 0, checked.stdout + checked.stderr
-    assert checked.stdout.startswith(f"ok: dgr-worker@1: stage 1 of {inside} on 127.0.0.1:{port}"), checked.stdout
+    # dgr-worker --check-config ran in the root, as the unit's user: the stage file checked, the engine opened
+    assert checked.stdout.startswith(f"ok: dgr-worker@1: stage 1 [10, 20) of {inside} (bundle "), checked.stdout
+    assert f"would serve on 127.0.0.1:{port} (plaintext)" in checked.stdout, checked.stdout
+    assert "the stage file matches the manifest" in checked.stdout, checked.stdout
     print("ExecStartPre:", shlex.join(pre), "->", checked.stdout.strip())
 
     start = _systemd_words(service["ExecStart"], env, specifiers)
