@@ -49,12 +49,12 @@ class UnaryCalls {
     Counts counts() const;
 
   private:
+    class Reactor;                                   // one call (unary_calls.cpp)
     struct Call {
-        grpc::CallbackServerContext * ctx;
-        grpc::ServerUnaryReactor * reactor;
+        Reactor * reactor;
         std::string member;
-        Body body;
     };
+    void submit(Reactor * r);                        // after gRPC bound the call: queue it, or refuse it
     void loop();
     void done(const std::string & member);           // under mu_
 
