@@ -20,9 +20,9 @@ Link::Link(StageWorker * w, std::string address_, std::string label_, uint64_t m
     args.SetMaxSendMessageSize(limit);
     args.SetMaxReceiveMessageSize(limit);
     args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
-    args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 200);
-    args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 200);
-    args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 2000);
+    args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, RECONNECT_INITIAL_MS);
+    args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, CONNECT_TIMEOUT_MS);   // gRPC's name for it (frames_internal.h)
+    args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, RECONNECT_MAX_MS);
     args.SetInt(GRPC_ARG_KEEPALIVE_TIME_MS, LINK_KEEPALIVE_MS);
     args.SetInt(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, int(w->limits_.link_keepalive_timeout_s * 1000));
     args.SetInt(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);

@@ -3,6 +3,8 @@
 // handler has its file (rpc_*.cpp), the data path its own (frames.cpp lists them).
 #include "worker.h"
 
+#include "frames_internal.h"
+
 #include <grpcpp/grpcpp.h>
 
 #include <algorithm>
@@ -113,6 +115,9 @@ std::shared_ptr<pb::Stage::Stub> StageWorker::link(const std::string & address) 
         args.SetMaxReceiveMessageSize(limit);
         // its own connection: a peer restarted in place is not stuck behind a shared connection's backoff
         args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
+        args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, RECONNECT_INITIAL_MS);   // as the links (frames_internal.h)
+        args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, CONNECT_TIMEOUT_MS);
+        args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, RECONNECT_MAX_MS);
         stub = pb::Stage::NewStub(grpc::CreateCustomChannel(address, channel_credentials(), args));
     }
     return stub;

@@ -30,7 +30,7 @@ from dgr.runtime.wire.errors import (RECOVERABLE, HopUnreachable, Overloaded, Re
                                      WrongRange, WrongStage, from_proto, gave_up)
 from dgr.runtime.wire.gen import stage_pb2 as pb, stage_pb2_grpc as pb_grpc
 from dgr.runtime.wire.hops import Hops
-from dgr.runtime.wire.limits import MAX_TOP_LOGPROBS
+from dgr.runtime.wire.limits import MAX_TOP_LOGPROBS, reconnect_options
 from dgr.runtime.wire.prefix import PREFIX_BLOCK_TOKENS, PrefixRoutes, block_hashes, prompt_blocks
 from dgr.runtime.wire.routes import parse_route, unreachable
 from dgr.runtime.wire.stats import Failure, Generation, TokenEvent
@@ -94,8 +94,7 @@ class RouteClient(Hops):
         limit = max_message_bytes + codec.FRAME_OVERHEAD
         # reconnect soon to a worker restarted in place (gRPC's default backoff starts at 1 s, grows to 120 s)
         self._opts = [("grpc.max_send_message_length", limit), ("grpc.max_receive_message_length", limit),
-                      ("grpc.initial_reconnect_backoff_ms", 200), ("grpc.min_reconnect_backoff_ms", 200),
-                      ("grpc.max_reconnect_backoff_ms", 2000)]
+                      *reconnect_options()]
         self._channels: dict[str, grpc.Channel] = {}
         self._stubs: dict[str, pb_grpc.StageStub] = {}
         self.max_frame_bytes_sent = 0

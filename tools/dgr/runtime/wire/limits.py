@@ -10,6 +10,23 @@ from dataclasses import dataclass
 # (StageWorker::MAX_TOP_LOGPROBS, worker/server/worker.h; tests/test_wire_grammar.py holds the two equal).
 MAX_TOP_LOGPROBS = 20
 
+# Reconnecting to a worker (the client's channels and dgr-worker's links alike: worker/server/frames_internal.h
+# holds the same three, tests/test_wire_limits.py checks). After a failed attempt the next starts
+# RECONNECT_INITIAL_MS later, the pause growing to RECONNECT_MAX_MS, so a worker restarted in place is found
+# again soon; one attempt (TCP, TLS, HTTP/2's SETTINGS) may take CONNECT_TIMEOUT_MS. gRPC reads that from
+# "grpc.min_reconnect_backoff_ms": 200 ms there made a busy or far worker unreachable (a TSan-built worker on
+# a 2-core host, CI 2026-12-05).
+RECONNECT_INITIAL_MS = 200
+RECONNECT_MAX_MS = 2000
+CONNECT_TIMEOUT_MS = 5000
+
+
+def reconnect_options() -> list[tuple[str, int]]:
+    """gRPC channel options for the reconnect pauses and the connection attempt's timeout above."""
+    return [("grpc.initial_reconnect_backoff_ms", RECONNECT_INITIAL_MS),
+            ("grpc.min_reconnect_backoff_ms", CONNECT_TIMEOUT_MS),
+            ("grpc.max_reconnect_backoff_ms", RECONNECT_MAX_MS)]
+
 
 @dataclass(frozen=True)
 class Limits:
