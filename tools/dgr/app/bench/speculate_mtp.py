@@ -2,7 +2,7 @@
 
 Three DeepSeek V4 models, each a 4-stage bundle built with `bundle.include_mtp = true` (the MTP block on the
 last stage), each served by real worker processes, first on loopback, then through emulated links of
-`rtt_ms` round trip per hop (dgr.app.wanlink):
+`rtt_ms` round trip per hop (dgr.app.bench.wan_link):
 
 - `tiny`: the tiny random-weight V4 as `dgr synth --arch deepseek4` writes it. Its MTP block is random too:
   what it gives is reported, whatever it is (drafts are seldom accepted);
@@ -113,8 +113,8 @@ def measure_mtp(*, stages: int = 4, k: int = 4, tokens: int = 64, rounds: int = 
                 agree: float = 0.8, threads: int = 1, root: Path | None = None) -> dict:
     """The table of the module docstring, as a dict: `rows` (one per model, network and mode) and `cost`
     (the rejected-draft cost on `agree 0`, per network)."""
+    from dgr.app.bench.wan_link import WanLinks
     from dgr.app.local import LocalRoute, engine_library
-    from dgr.app.wanlink import WanLinks
     from dgr.core.paths import workspace
     from dgr.runtime.wire.client import RouteClient
 
