@@ -55,8 +55,8 @@ def source(root: Path, agree: float | None = None) -> Path:
 
 def mtp_bundle(src: Path, stages: int, root: Path):
     """`src` split into `stages` stages with bundle.include_mtp = true (built once under `root`)."""
-    from dgr.app.certify.fixtures import bundle_for_recipe
     from dgr.core.hashing import file_blake3
+    from dgr.toolchain.bundle import find_or_build
 
     d = root / f"{src.stem}-{stages}"
     recipe = d / "recipe.toml"
@@ -67,7 +67,7 @@ def mtp_bundle(src: Path, stages: int, root: Path):
     if not recipe.is_file() or recipe.read_text() != text:
         recipe.write_text(text)
     # found again in the store by the recipe's blake3, else built there
-    return bundle_for_recipe(recipe, d / "store", allow_mtp=True)
+    return find_or_build(recipe, d / "store")
 
 
 def _prompt(n: int = 32) -> list[int]:
