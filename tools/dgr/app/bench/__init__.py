@@ -14,5 +14,5 @@ What `dgr bench ...` runs (tools/dgr/cli/commands/bench.py) and where:
 
 Benchmarks measure; certification (dgr.app.certify) judges. The gate may run a benchmark's measurement
 (`dgr gate beta`'s speculation rows run speculate_mtp's), never the other way round: nothing here imports
-dgr.app.certify (.importlinter, "bench-below-certify"). What both need lives below both.
+dgr.app.certify (.importlinter, contract "bench-below-certify"). What both need lives below both.
 """
