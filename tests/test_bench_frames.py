@@ -12,14 +12,14 @@ import sys
 
 import pytest
 
-from dgr.app import framecost
+from dgr.app.bench import frame_cost
 from dgr.app.certs import init, issue
 from dgr.toolchain.enginebuild import ensure_tool
 
 
 @pytest.fixture(scope="module")
 def probe():
-    return ensure_tool(framecost.PROBE)
+    return ensure_tool(frame_cost.PROBE)
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +36,7 @@ def certs(tmp_path_factory):
 @pytest.mark.parametrize("handoff", [False, True])
 def test_the_probe_passes_frames_round_a_ring_and_reports_every_boundary(probe, certs, transport, handoff):
     cert, key, ca, _ = certs
-    rep = framecost.run_probe(probe, transport=transport, stages=4, nbytes=3000, compute_us=50, rounds=30,
+    rep = frame_cost.run_probe(probe, transport=transport, stages=4, nbytes=3000, compute_us=50, rounds=30,
                               handoff=handoff, certs=(cert, key, ca))
     assert (rep["transport"], rep["handoff"], rep["stages"], rep["bytes"], rep["rounds"]) == (transport, handoff, 4, 3000, 30)
     assert [(b["from"], b["to"]) for b in rep["boundaries"]] == [(0, 1), (1, 2), (2, 3), (3, 0)]
@@ -79,8 +79,8 @@ def test_bench_frames_measures_every_kind_side_by_side(tmp_path):
                           "--layers-per-stage", "3", "--json", str(rep_file)], capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     rep = json.loads(rep_file.read_text())
-    assert set(rep["per_hop_ms"]) == set(framecost.KINDS)
-    for kind in framecost.KINDS:
+    assert set(rep["per_hop_ms"]) == set(frame_cost.KINDS)
+    for kind in frame_cost.KINDS:
         assert len(rep["per_round"][kind]) == 2
         assert all(x > 0 for x in rep["per_round"][kind])
     assert rep["stages"] == 2 and rep["boundary_bytes"] == 4 * 576 and rep["compute_us"] > 0

@@ -72,7 +72,7 @@ def test_bench_on_a_tiny_model_reports_every_figure_and_the_plot(tmp_path, capsy
     progress: list[str] = []
     handler = logging.Handler()
     handler.emit = lambda record: progress.append(record.getMessage())
-    lg = logging.getLogger("dgr.app.bench")
+    lg = logging.getLogger("dgr.app.bench.pipeline")
     level = lg.level
     lg.setLevel(logging.INFO)
     lg.addHandler(handler)
@@ -111,9 +111,9 @@ def test_bench_smollm2_three_stages(tmp_path, engine_lib):
 def test_a_section_not_built_yet_says_so(tmp_path, capsys):
     got = bench._section("dgr.app.no_such_module", "measure", lambda f: f())
     assert "not built yet" in got["error"] and "dgr.app.no_such_module" in got["error"]
-    got = bench._section("dgr.app.bench", "no_such_function", lambda f: f())
-    assert "dgr.app.bench.no_such_function is not built yet" in got["error"]
-    got = bench._section("dgr.app.bench", "prepare", lambda f: f(bundle="x", synth="llama"))
+    got = bench._section("dgr.app.bench.pipeline", "no_such_function", lambda f: f())
+    assert "dgr.app.bench.pipeline.no_such_function is not built yet" in got["error"]
+    got = bench._section("dgr.app.bench.pipeline", "prepare", lambda f: f(bundle="x", synth="llama"))
     assert got == {"error": "dgr bench: give --bundle or --synth, not both"}
 
 
@@ -130,7 +130,7 @@ def test_nothing_to_run_is_refused():
 def test_hop_figures_add_up_to_the_ring():
     """Boundaries (sender's send + transit + receiver's queue; the last: send + return + stage 0's queue) plus
     the origin's remainder are exactly ring minus compute, token by token."""
-    from dgr.app.bench import hop_figures
+    from dgr.app.bench.pipeline import hop_figures
     from dgr.runtime.wire.stats import Generation, TokenEvent
 
     ms = 1_000_000
@@ -183,7 +183,7 @@ def test_bench_conversation_reports_every_turn_on_both_networks_with_the_same_te
 
 
 def test_the_loopback_floor_is_a_real_round_trip_between_two_processes():
-    from dgr.app.floor import one_way_ms
+    from dgr.app.bench.loopback_floor import one_way_ms
 
     fl = one_way_ms(1.0, n=5)                                       # a second process answers each stamp
     assert fl["messages"] == 5 and fl["gap_ms"] == 1.0 and fl["one_way_p90_ms"] >= fl["one_way_ms"] > 0

@@ -10,7 +10,7 @@ pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
 
 def test_peers_measures_both_sides_and_counts_what_each_link_carries(tmp_path, smollm2_gguf):
-    from dgr.app.peers import bench_peers, plot, table
+    from dgr.app.bench.peers import bench_peers, plot, table
     from dgr.runtime.engine import Engine
 
     eng = Engine.open(smollm2_gguf, n_threads=1, n_ctx=64)

@@ -119,6 +119,27 @@ def test_two_builds_are_identical(tmp_path):
     assert man["recipe"]["text"] == r.read_text() and man["stages"][1]["boundary_in"]["dtype"] == "f32"
 
 
+def test_find_or_build_finds_the_recipes_bundle_again_and_builds_only_what_is_missing(tmp_path, monkeypatch):
+    """What the gate and the benchmarks share: the bundle of a recipe is found in the store by the recipe's
+    blake3 (no second build); a foreign or half-written folder of the same name is skipped; an edited recipe
+    is built anew beside it."""
+    from dgr.toolchain.bundle import builder, find_or_build
+
+    model = synth("qwen3", 4, 64, 11, tmp_path / "m.gguf")
+    r = write_recipe(tmp_path, model, "stages = [[0, 2], [2, 4]]")
+    store = tmp_path / "store"
+    (store / "t-half").mkdir(parents=True)
+    (store / "t-half" / MANIFEST_NAME).write_text("{")           # half-written: not a match, not an error
+    a = find_or_build(r, store)
+    built: list[Path] = []
+    monkeypatch.setattr(builder, "build", lambda *a, **k: built.append(a[0]) or pytest.fail("built again"))
+    assert find_or_build(r, store).root == a.root and built == []
+    monkeypatch.undo()
+    r2 = write_recipe(tmp_path, model, "stages = [[0, 1], [1, 4]]")
+    b = find_or_build(r2, store)
+    assert b.root != a.root and b.manifest.recipe.blake3 != a.manifest.recipe.blake3 and a.root.is_dir()
+
+
 def test_smollm2_build_twice_same_id(tmp_path, smollm2_gguf):
     r = REPO / "recipes" / "smollm2-135m-planned" / "recipe.toml"
     a, b = build(r, tmp_path / "s1"), build(r, tmp_path / "s2")

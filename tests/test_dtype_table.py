@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from dgr.app.dtypes import DTYPES, STEPS, parse_markdown, read_table, run_dtype_table
+from dgr.app.bench.dtypes import DTYPES, STEPS, parse_markdown, read_table, run_dtype_table
 from dgr.toolchain.recipe import POOR_AGREEMENT, WIRE_DTYPE_TABLE, boundary_dtype_warning
 
 from support.engine import b3, synth_model

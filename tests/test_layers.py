@@ -1,5 +1,6 @@
 """The import rules of `.importlinter` hold on the tree (one rule per boundary, over folders: cli > app >
-toolchain > runtime > gguf > core; the test doubles; the wire without an engine; the gateway as a client),
+toolchain > runtime > gguf > core; the test doubles; the wire without an engine; the gateway as a client;
+the benchmarks below certification),
 no two modules import each other (directly, through others, or inside functions), and each rule is real:
 the same check fails on a copy of the package with one deliberately wrong import."""
 
@@ -106,7 +107,10 @@ def _with_import(tree: Path, tmp_path: Path, module: str, line: str) -> Path:
      "dgr.runtime.wire.client -> dgr.runtime.engine"),
     ("app/gateway/route.py", "import dgr.app.demo", "The gateway is only a client of a route",
      "dgr.app.gateway.route -> dgr.app.demo"),
-], ids=["core-above", "runtime-toolchain", "toolchain-app", "test-doubles", "wire-engine", "gateway-app"])
+    ("app/bench/speculate_mtp.py", "import dgr.app.certify.fixtures", "Benchmarks measure, certification judges",
+     "dgr.app.bench.speculate_mtp -> dgr.app.certify.fixtures"),
+], ids=["core-above", "runtime-toolchain", "toolchain-app", "test-doubles", "wire-engine", "gateway-app",
+        "bench-certify"])
 def test_each_rule_can_fail(tree, tmp_path, module, line, rule, shown):
     proc = lint_imports(_with_import(tree, tmp_path, module, line + "  # deliberately wrong"))
     assert proc.returncode != 0

@@ -194,7 +194,7 @@ def test_a_certificate_holds_only_for_the_numerics_it_was_measured_on():
 def test_bench_numerics_compares_variants_at_the_same_positions(engine_lib, smollm2_gguf):
     """`dgr bench numerics`' comparison: the reference against itself is 0 and never diverges; every row is
     compared (the reference's tokens fed to each variant), and each row names the numerics it ran."""
-    from dgr.app.numerics import Variant, compare, table
+    from dgr.app.bench.numerics import Variant, compare, table
 
     rows = compare([("smollm2", smollm2_gguf)], [Variant("ref", engine_lib), Variant("fast", engine_lib, True)],
                    tokens=8, prompts=("The three primary colors are", "Once upon a time"), prefill_tokens=64,

@@ -1,4 +1,4 @@
-"""The emulated WAN (dgr.app.wanlink, dgr.app.wan): every byte delayed by the one-way delay each way,
+"""The emulated WAN (dgr.app.bench.wan_link, dgr.app.bench.wan): every byte delayed by the one-way delay each way,
 bandwidth kept (bytes in flight at once) or paced to `mbit`, connections closed through; a route through
 the links gives the loopback text, its traffic (worker to worker included) crosses them, and each token
 pays at least S one-way delays."""
@@ -12,7 +12,7 @@ import time
 import pytest
 
 from dgr.app.local import FakeRoute, LocalRoute
-from dgr.app.wan import Link, WanLinks, measure_wan, raw_overhead, table
+from dgr.app.bench.wan import Link, WanLinks, measure_wan, raw_overhead, table
 from dgr.runtime.wire.client import RouteClient
 
 from support.wan import connect, echo_server, recv_exactly, sink_server

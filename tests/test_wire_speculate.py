@@ -190,7 +190,7 @@ def _engine_route(engine_lib, root, stages):
 @pytest.mark.slow
 def test_smollm2_over_three_worker_processes_speculative_equals_plain(engine_lib):
     from dgr.app.demo import ensure_bundle
-    from dgr.app.speculate import WORKLOADS
+    from dgr.app.bench.speculate_ngram import WORKLOADS
 
     b = ensure_bundle(3, progress=False)[0]
     with _engine_route(engine_lib, b.root, 3) as r, RouteClient(r.addresses) as c:

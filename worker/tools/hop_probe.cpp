@@ -14,7 +14,7 @@
 // certificate --ca signed (the files `dgr certs` makes). Frames: a 16-byte header (magic, length, send
 // time) then the payload, written as one write (one TLS record). This is a probe of the transport, not a
 // data path: no sessions, checks or bounds. Output: one JSON object on stdout (medians and p90 in ms, per
-// boundary and over all). Used by `dgr bench frames` (dgr.app.framecost).
+// boundary and over all). Used by `dgr bench frames` (dgr.app.bench.frame_cost).
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>

@@ -161,7 +161,7 @@ def run_pipeline(engines: list[Engine], sched: Schedule, *,
     """Run `sched` through `engines` (stages in order). `perturb` = (stage, session, flat index, delta)
     adds delta to one value of that stage's output boundary in the prefill (negative controls).
     `boundary_transform(stage, session, boundary)` replaces every boundary a stage gives (prefill and
-    decode) before the next stage takes it: dgr.app.dtypes runs each through a wire dtype's codec."""
+    decode) before the next stage takes it: dgr.app.bench.dtypes runs each through a wire dtype's codec."""
     numerics = {e.numerics for e in engines}
     if len(numerics) != 1:
         raise DgrError(f"the stages compute different numerics ({', '.join(sorted(numerics))}): open them from one "

@@ -269,7 +269,7 @@ def load_recipe(path: str | Path) -> LoadedRecipe:
 # ------------------------------------------------------------------ the boundary dtype against its measured loss
 
 # The measured loss of every wire dtype per architecture, written by `dgr bench --dtypes`
-# (dgr.app.dtypes) beside docs/wire-dtypes.md, which renders the same rows.
+# (dgr.app.bench.dtypes) beside docs/wire-dtypes.md, which renders the same rows.
 WIRE_DTYPE_TABLE = REPO_ROOT / "docs" / "wire-dtypes.json"
 # A lossy boundary whose greedy tokens agree with f32's less often than this is called poor.
 POOR_AGREEMENT = 0.9

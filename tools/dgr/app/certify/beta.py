@@ -15,10 +15,10 @@ certificate whose rows are:
   than `errors_max`, every repeat of a prompt the same text, and each worker's RSS growth (after a warm-up
   round) under `rss_growth_max_mib`;
 
-and one more certificate, for the speculation rows (dgr.app.mtpbench, loopback, MTP against none): tokens per
-ring trip on a synthetic V4 whose drafts agree with its trunk at `speculation.agree` (at least
-`tokens_per_trip_min`), and the rejected-draft cost, TPOT with MTP over TPOT without on one whose drafts never
-agree (at most `rejected_cost_max`, with no draft accepted).
+and one more certificate, for the speculation rows (dgr.app.bench.speculate_mtp's measurement, loopback, MTP
+against none): tokens per ring trip on a synthetic V4 whose drafts agree with its trunk at `speculation.agree` (at
+least `tokens_per_trip_min`), and the rejected-draft cost, TPOT with MTP over TPOT without on one whose drafts
+never agree (at most `rejected_cost_max`, with no draft accepted).
 """
 
 from __future__ import annotations
@@ -94,7 +94,7 @@ def _kill_mid_draft(route, client, k: int, max_new: int) -> Figure:
 
 
 def _soak(route, addresses, m, k: int) -> Figure:
-    from dgr.app.soak import proc_memory
+    from dgr.app.bench.soak import proc_memory
     from dgr.runtime.wire.client import RouteClient
 
     prompts = [np.random.default_rng(30 + i).integers(1, 250, size=24 + 8 * i).tolist() for i in range(4)]
@@ -175,8 +175,8 @@ def certify_mtp(spec: Synthetic, lc: LoadedContract, *, lane: str, lib: Path, ro
 
 
 def certify_speculation(lc: LoadedContract, *, lane: str, lib: Path, root: Path) -> Certificate:
-    """Tokens per trip with good drafts and the rejected-draft cost (dgr.app.mtpbench), one certificate."""
-    from dgr.app import mtpbench
+    """Tokens per trip with good drafts and the rejected-draft cost (dgr.app.bench.speculate_mtp), one certificate."""
+    from dgr.app.bench import speculate_mtp
     from dgr.app.local import LocalRoute
     from dgr.runtime.wire.client import RouteClient
 
@@ -184,15 +184,15 @@ def certify_speculation(lc: LoadedContract, *, lane: str, lib: Path, root: Path)
     prompt = np.random.default_rng(7).integers(3, 250, size=32).tolist()
     got, identity, first = {}, None, None
     for rate in (s.agree, 0.0):
-        b = mtpbench.mtp_bundle(mtpbench.source(root / "mtp", rate), s.stages, root / "mtp")
+        b = speculate_mtp.mtp_bundle(speculate_mtp.source(root / "mtp", rate), s.stages, root / "mtp")
         first = first or b
         args = [["--bundle", str(b.root), "--stage", str(i), "--threads", "1"] for i in range(s.stages)]
         with LocalRoute(args, env={"DGR_ENGINE_LIB": str(lib)}, timeout=300) as route, \
                 RouteClient(route.addresses, prefix_cache=False) as client:
             if identity is None:
                 identity = _identity(b, client.describe(), lane, lib, lc.blake3)
-            got[rate] = mtpbench.mode_rows(client, prompt, tokens=s.tokens, rounds=s.rounds, k=k, modes=("none", "mtp"),
-                                           label=f"gate beta, agree {rate:g},")
+            got[rate] = speculate_mtp.mode_rows(client, prompt, tokens=s.tokens, rounds=s.rounds, k=k,
+                                                modes=("none", "mtp"), label=f"gate beta, agree {rate:g},")
     good, bad = got[s.agree], got[0.0]
     cost = bad["mtp"]["tpot_ms"] / bad["none"]["tpot_ms"] if bad["none"]["tpot_ms"] else float("inf")
     how = f"{s.stages} stages on loopback, k={k}, {s.rounds} rounds of {s.tokens} greedy tokens, medians"

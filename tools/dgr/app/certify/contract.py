@@ -79,8 +79,8 @@ class Gate(BaseModel):
 
 
 class MtpSpeculation(BaseModel):
-    """What the ring does with MTP drafts (dgr.app.mtpbench): tokens per trip on a synthetic V4 whose drafts agree
-    with its trunk at `agree`, and the rejected-draft cost on one whose drafts never agree."""
+    """What the ring does with MTP drafts (dgr.app.bench.speculate_mtp): tokens per trip on a synthetic V4 whose
+    drafts agree with its trunk at `agree`, and the rejected-draft cost on one whose drafts never agree."""
 
     model_config = _STRICT
     agree: float = Field(0.8, gt=0.0, le=1.0)

@@ -16,10 +16,7 @@ from dgr.app.certify.contract import Synthetic, mtp_refused
 from dgr.core.certificate import Figure
 from dgr.core.errors import RecipeError
 from dgr.core.hashing import file_blake3
-from dgr.core.log import get_logger
 from dgr.core.paths import REPO_ROOT, workspace
-
-log = get_logger(__name__)
 
 
 def certify_root() -> Path:
@@ -35,8 +32,8 @@ def bundle_for_recipe(recipe_path: str | Path, store: Path | None = None, *, pro
                       allow_mtp: bool = False):
     """The bundle of a recipe: read it first (an MTP-on recipe raises RecipeError here, before anything
     is written: alpha certifies MTP off; beta's MTP rows pass `allow_mtp`), then find it in `store` by the
-    recipe's blake3, or build it there."""
-    from dgr.toolchain.bundle import build, load_bundle
+    recipe's blake3, or build it there (dgr.toolchain.bundle.find_or_build)."""
+    from dgr.toolchain.bundle import find_or_build
     from dgr.toolchain.recipe import load_recipe
 
     p = Path(recipe_path)
@@ -45,16 +42,7 @@ def bundle_for_recipe(recipe_path: str | Path, store: Path | None = None, *, pro
     recipe = load_recipe(p / "recipe.toml" if p.is_dir() else p)
     if recipe.recipe.bundle.include_mtp and not allow_mtp:
         raise RecipeError(mtp_refused(str(recipe.path)))
-    store = store or default_store()
-    for manifest in sorted(store.glob(f"{recipe.recipe.name}-*/manifest.json")):
-        try:
-            b = load_bundle(manifest.parent)
-        except Exception:   # a half-written or foreign folder: not ours, build a fresh one
-            continue
-        if b.manifest.recipe.blake3 == recipe.blake3:
-            return b
-    log.info("certify: building bundle %s into %s", recipe.recipe.name, store)
-    return build(recipe.path, store, progress=progress)
+    return find_or_build(recipe.path, store or default_store(), progress=progress)
 
 
 def synth_source(spec: Synthetic, root: Path | None = None) -> Path:

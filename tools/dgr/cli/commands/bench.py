@@ -19,7 +19,7 @@ log = get_logger(__name__)
 
 
 def _soak(args) -> int:
-    from dgr.app.soak import run_soak, write_json
+    from dgr.app.bench.soak import run_soak, write_json
 
     rep = run_soak(args.minutes, stages=args.stages, sessions=args.sessions, fake=args.fake,
                    max_tokens=args.max_tokens, threads=args.threads, hostile=args.hostile)
@@ -30,7 +30,7 @@ def _soak(args) -> int:
 
 
 def _tls(args) -> int:
-    from dgr.app.tlscost import measure
+    from dgr.app.bench.tls_cost import measure
 
     rep = measure(stages=args.stages, tokens=args.max_tokens, rounds=args.rounds, threads=args.threads)
     print(rep.table())
@@ -41,7 +41,7 @@ def _tls(args) -> int:
 
 
 def _frames(args) -> int:
-    from dgr.app.framecost import measure
+    from dgr.app.bench.frame_cost import measure
 
     rep = measure(stages=args.stages, tokens=args.max_tokens, rounds=args.rounds, layers_per_stage=args.layers_per_stage)
     print(rep.table())
@@ -52,7 +52,7 @@ def _frames(args) -> int:
 
 
 def _conversation(args) -> int:
-    from dgr.app.conversation import measure_conversation
+    from dgr.app.bench.conversation import measure_conversation
 
     rep = measure_conversation(stages=args.stages, turns=args.turns, rtt_ms=args.wan_rtt_ms, max_tokens=args.max_tokens,
                                conversations=args.conversations, threads=args.threads)
@@ -72,7 +72,7 @@ def _write_json(path: str | None, obj) -> None:
 
 
 def _numerics(args) -> int:
-    from dgr.app.numerics import Variant, as_json, compare, default_models, table
+    from dgr.app.bench.numerics import Variant, as_json, compare, default_models, table
     from dgr.core.paths import workspace
     from dgr.runtime.engine_abi import library_path
 
@@ -91,7 +91,7 @@ def _numerics(args) -> int:
 
 
 def _peers(args) -> int:
-    from dgr.app.peers import bench_peers, plot, table
+    from dgr.app.bench.peers import bench_peers, plot, table
 
     rtts = [float(x) for x in args.rtt_ms.split(",")]
     prompts = [int(x) for x in args.prompt_lengths.split(",")]
@@ -141,7 +141,7 @@ def _extras(args, bundle, stages: int) -> dict:
     if args.wan_rtt_ms is not None:
         log.info("bench: the emulated WAN, %g ms RTT%s", args.wan_rtt_ms,
                  f", {args.wan_mbit:g} Mbit/s" if args.wan_mbit else "")
-        out["wan"] = _section("dgr.app.wan", "measure_wan", lambda f: f(
+        out["wan"] = _section("dgr.app.bench.wan", "measure_wan", lambda f: f(
             stages=stages, bundle=bundle, rtt_ms=args.wan_rtt_ms, mbit=args.wan_mbit, threads=args.threads))
         w = out["wan"]
         if "error" not in w:
@@ -152,22 +152,22 @@ def _extras(args, bundle, stages: int) -> dict:
         kw = {"n_threads": args.threads, **({"lib": args.lib} if args.lib else {})}
         if args.dtypes_out:
             kw["out"] = Path(args.dtypes_out)
-        rows = _section("dgr.app.dtypes", "run_dtype_table", lambda f: f(**kw))
+        rows = _section("dgr.app.bench.dtypes", "run_dtype_table", lambda f: f(**kw))
         out["dtypes"] = rows if isinstance(rows, dict) else {"rows": rows}
         if not isinstance(rows, dict):
             print("dtypes:\n" + _dtype_summary(rows))
     if args.speculate == "mtp":
         log.info("bench: MTP drafts against n-gram drafts and none on DeepSeek V4, k=%d", args.draft_k)
-        out["mtp"] = _section("dgr.app.mtpbench", "measure_mtp", lambda f: f(
+        out["mtp"] = _section("dgr.app.bench.speculate_mtp", "measure_mtp", lambda f: f(
             stages=args.stages or 4, k=args.draft_k, rounds=args.rounds, tokens=args.tokens,
             rtt_ms=20.0 if args.wan_rtt_ms is None else args.wan_rtt_ms, agree=args.mtp_agree, threads=args.threads or 1))
         if "error" not in out["mtp"]:
-            from dgr.app.mtpbench import table
+            from dgr.app.bench.speculate_mtp import table
 
             print("mtp:\n" + table(out["mtp"]))
     elif args.speculate:
         log.info("bench: speculation (%s drafts, k=%d)", args.speculate, args.draft_k)
-        out["spec"] = _section("dgr.app.speculate", "measure_speculation", lambda f: f(
+        out["spec"] = _section("dgr.app.bench.speculate_ngram", "measure_speculation", lambda f: f(
             stages=stages, bundle=bundle, threads=args.threads, k=args.draft_k))
         s = out["spec"]
         if "error" not in s:
@@ -175,7 +175,7 @@ def _extras(args, bundle, stages: int) -> dict:
                   f"TPOT with/without on the other {s.get('tpot_ratio_plain', 0):.3f}")
     if args.tls:
         log.info("bench: mutual TLS beside plaintext, %d rounds", args.rounds)
-        out["tls"] = _section("dgr.app.tlscost", "measure", lambda f: f(
+        out["tls"] = _section("dgr.app.bench.tls_cost", "measure", lambda f: f(
             stages=stages, bundle=_bundle_of(bundle), tokens=args.tokens, rounds=args.rounds,
             threads=args.threads).as_dict())
         t = out["tls"]
@@ -199,8 +199,8 @@ def _bundle_of(bundle):
 
 
 def _main(args) -> int:
-    from dgr.app.bench import prepare, rounded, run_bench, synth_bundle
-    from dgr.app.benchplot import plot, table
+    from dgr.app.bench.pipeline import prepare, rounded, run_bench, synth_bundle
+    from dgr.app.bench.pipeline_report import plot, table
 
     if args.lib:
         os.environ["DGR_ENGINE_LIB"] = str(Path(args.lib).resolve())   # worker processes load the same one

@@ -7,7 +7,8 @@ One job per module:
 - `quantize`: target types from the recipe's rules (never for tensors llama.cpp never quantizes), whether
   the engine can run them, and conversions the `gguf` package can make;
 - `writer`: the stage GGUF writer (header, tensor table, data, in that order only);
-- `builder`: `build`, plan -> write stage files (hashing as they are written) -> seal manifest -> move into the store;
+- `builder`: `build`, plan -> write stage files (hashing as they are written) -> seal manifest -> move into the store,
+  and `find_or_build` (the recipe's bundle found in a store by its blake3, built there when it is not);
 - `verify`: `verify_bundle`, resumable chunk-by-chunk verification;
 - `store`: `provision`, a verified, resumable copy into a store, and `refuse_home` (where stores may live).
 
@@ -28,7 +29,7 @@ _EXPORTS = {
     "quantize": ("Choice", "can_dequantize", "can_quantize", "check_target", "choose", "convert",
                  "never_quantized", "target_type"),
     "writer": ("StageWriter", "pack_kv"),
-    "builder": ("build",),
+    "builder": ("build", "find_or_build"),
     "verify": ("VerifyReport", "verify_bundle"),
     "store": ("ProvisionReport", "provision", "refuse_home"),
     "baseline": ("Baseline", "baseline_model"),

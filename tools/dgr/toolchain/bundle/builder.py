@@ -1,4 +1,5 @@
-"""`build`: a recipe into a bundle folder in a store, streaming and deterministic.
+"""`build`: a recipe into a bundle folder in a store, streaming and deterministic; `find_or_build`: the same
+bundle found again in the store by its recipe's blake3, built only when it is not there.
 
 The steps run in order: plan, write each stage file (hashing as it is written), seal the manifest,
 move the folder into place.
@@ -178,3 +179,18 @@ def build(recipe_path: str | Path, store: str | Path, *, progress: bool = False)
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return load_bundle(final)
+
+
+def find_or_build(recipe_path: str | Path, store: str | Path, *, progress: bool = False) -> Bundle:
+    """The recipe's bundle in `store`: a folder `<name>-*` there whose manifest names the recipe's blake3, or
+    else `build` it there. A half-written or foreign folder of that name is not a match (it is skipped)."""
+    recipe = load_recipe(recipe_path)
+    for manifest in sorted(Path(store).glob(f"{recipe.recipe.name}-*/{MANIFEST_NAME}")):
+        try:
+            b = load_bundle(manifest.parent)
+        except Exception:   # a half-written or foreign folder: not ours, build a fresh one
+            continue
+        if b.manifest.recipe.blake3 == recipe.blake3:
+            return b
+    log.info("building bundle %s into %s", recipe.recipe.name, store)
+    return build(recipe.path, store, progress=progress)

@@ -4,7 +4,7 @@ the same route on loopback, in one run.
 One set of worker processes serves several routes at once: direct (loopback), through forwarders with
 no delay and no bandwidth limit (what the emulator itself costs), through forwarders with no delay at
 `mbit` (only when `mbit` is given: relaying plus serialization) and through forwarders with the one-way
-delay `rtt_ms / 2` (and `mbit`) on every hop (dgr.app.wanlink). Every hop crosses a link: the route a
+delay `rtt_ms / 2` (and `mbit`) on every hop (dgr.app.bench.wan_link). Every hop crosses a link: the route a
 client opens carries the forwarders' addresses, and each worker reaches the next hop, and the last stage
 the origin, through the addresses of that route. Decode rounds alternate between the routes so all see
 the same machine load. The figures (all from this run):
@@ -33,7 +33,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from dgr.app.wanlink import Link, WanLinks, raw_overhead
+from dgr.app.bench.wan_link import Link, WanLinks, raw_overhead
 from dgr.core.errors import WireError
 from dgr.core.log import get_logger
 

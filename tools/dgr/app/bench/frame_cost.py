@@ -17,8 +17,8 @@ hand-framed frames"). Each round measures, one after the other so all see the sa
 The probe carries no sessions, checks or bounds: its figures are what a hand-framed path could reach at best
 on this machine, not what one would measure once it had everything gRPC has.
 
-Each round also takes the loopback floor (`dgr.app.floor`, as `dgr bench` does): one bare 8-byte TCP message
-between two processes after an idle gap as long as the gRPC route's median ring time, which is how long a
+Each round also takes the loopback floor (`dgr.app.bench.loopback_floor`, as `dgr bench` does): one bare 8-byte
+TCP message between two processes after an idle gap as long as the gRPC route's median ring time, which is how long a
 decode hop's receiver has slept. `layers_per_stage` sets how much each stage computes (the fake engine's work
 grows with its layers; the boundary stays `4 * embd` bytes): 2 by default, about 14 for SmolLM2's timing on a
 2-vCPU machine, where a stage computes 4-5 ms and its receiver sleeps about twice that.
@@ -92,7 +92,7 @@ def run_probe(exe: Path, *, transport: str, stages: int, nbytes: int, compute_us
 
 def measure(*, stages: int = 3, tokens: int = 64, rounds: int = 3, embd: int = 576, layers_per_stage: int = 2) -> FrameCost:
     """Every kind of KINDS, `rounds` times, alternating, and the loopback floor; see the module's text."""
-    from dgr.app.floor import MESSAGES_PER_ROUND, one_way_ms
+    from dgr.app.bench.loopback_floor import MESSAGES_PER_ROUND, one_way_ms
     from dgr.app.certs import init, issue
     from dgr.app.local import FakeRoute
     from dgr.runtime.wire.client import RouteClient

@@ -2,7 +2,7 @@
 
 Three DeepSeek V4 models, each a 4-stage bundle built with `bundle.include_mtp = true` (the MTP block on the
 last stage), each served by real worker processes, first on loopback, then through emulated links of
-`rtt_ms` round trip per hop (dgr.app.wanlink):
+`rtt_ms` round trip per hop (dgr.app.bench.wan_link):
 
 - `tiny`: the tiny random-weight V4 as `dgr synth --arch deepseek4` writes it. Its MTP block is random too:
   what it gives is reported, whatever it is (drafts are seldom accepted);
@@ -55,8 +55,8 @@ def source(root: Path, agree: float | None = None) -> Path:
 
 def mtp_bundle(src: Path, stages: int, root: Path):
     """`src` split into `stages` stages with bundle.include_mtp = true (built once under `root`)."""
-    from dgr.app.certify.fixtures import bundle_for_recipe
     from dgr.core.hashing import file_blake3
+    from dgr.toolchain.bundle import find_or_build
 
     d = root / f"{src.stem}-{stages}"
     recipe = d / "recipe.toml"
@@ -67,7 +67,7 @@ def mtp_bundle(src: Path, stages: int, root: Path):
     if not recipe.is_file() or recipe.read_text() != text:
         recipe.write_text(text)
     # found again in the store by the recipe's blake3, else built there
-    return bundle_for_recipe(recipe, d / "store", allow_mtp=True)
+    return find_or_build(recipe, d / "store")
 
 
 def _prompt(n: int = 32) -> list[int]:
@@ -113,8 +113,8 @@ def measure_mtp(*, stages: int = 4, k: int = 4, tokens: int = 64, rounds: int = 
                 agree: float = 0.8, threads: int = 1, root: Path | None = None) -> dict:
     """The table of the module docstring, as a dict: `rows` (one per model, network and mode) and `cost`
     (the rejected-draft cost on `agree 0`, per network)."""
+    from dgr.app.bench.wan_link import WanLinks
     from dgr.app.local import LocalRoute, engine_library
-    from dgr.app.wanlink import WanLinks
     from dgr.core.paths import workspace
     from dgr.runtime.wire.client import RouteClient
 

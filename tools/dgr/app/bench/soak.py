@@ -8,7 +8,7 @@ memory (VmRSS from /proc; VmHWM is the peak) of every process at the start and t
 
 `hostile` > 0 (docs/security.md): the route runs under mutual TLS with a CA made for the run, every honest
 session thread is a member of its own, and `hostile` more members attack the route in a loop beside them
-(dgr.app.hostile: prefix-cache poisoning, slot hogging, a grammar bomb, scans, forged tokens, bare-connection
+(dgr.app.bench.hostile: prefix-cache poisoning, slot hogging, a grammar bomb, scans, forged tokens, bare-connection
 bursts), while a prober opens a new connection to every stage twice a second. Each honest prompt's tokens
 are then compared with the same prompt's run before any attacker started (`mismatched`).
 """
@@ -157,7 +157,7 @@ def run_soak(minutes: float, *, stages: int = 3, sessions: int = 4, fake: bool =
     attacking members beside them, under mutual TLS)."""
     import tempfile
 
-    from dgr.app import hostile as attack
+    from dgr.app.bench import hostile as attack
     from dgr.app.local import LocalRoute
     from dgr.runtime.wire.client import RouteClient
 

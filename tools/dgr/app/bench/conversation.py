@@ -5,7 +5,7 @@ Two sets of worker processes serve the same bundle: one with the prefix cache (t
 in this process). A conversation of `turns` turns goes through both gateways turn by turn, alternating which
 goes first, with the official `openai` client streaming each answer: time to first token per turn, and the
 answers must be identical. The same conversation runs on loopback, then through emulated WAN links in front
-of every stage (dgr.app.wanlink, `rtt_ms` round trip per hop).
+of every stage (dgr.app.bench.wan_link, `rtt_ms` round trip per hop).
 
 Then, on a third set whose cache holds only part of what `conversations` conversations leave, they run
 interleaved (one turn of each in turn): the workers' own counters give the hit rate (sessions that restored
@@ -141,11 +141,11 @@ def _prefix_stats(addresses: list[str]) -> list:
 def measure_conversation(*, stages: int = 4, turns: int = 10, rtt_ms: float = 20.0, max_tokens: int = 16,
                          conversations: int = 8, interleaved_turns: int = 4, threads: int = 1,
                          bundle=None) -> Report:
+    from dgr.app.bench.wan_link import WanLinks
     from dgr.app.demo import ensure_bundle
     from dgr.app.gateway.app import create_app
     from dgr.app.gateway.route import RouteBackend
     from dgr.app.gateway.server import GatewayServer
-    from dgr.app.wanlink import WanLinks
     from dgr.runtime.wire.client import RouteClient
 
     if turns < 2 or turns > len(QUESTIONS):

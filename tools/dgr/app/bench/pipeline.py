@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from dgr.app.floor import MESSAGES_PER_ROUND as FLOOR_MESSAGES
+from dgr.app.bench.loopback_floor import MESSAGES_PER_ROUND as FLOOR_MESSAGES
 from dgr.core.errors import DgrError
 from dgr.core.log import get_logger
 
@@ -198,7 +198,7 @@ class _Acc:
     multi_unbatched: list[float] = field(default_factory=list)     # same M sessions, --max-batch-sessions 1
     whole_prefill_fast: list[float] = field(default_factory=list)  # longest prompt, llama.cpp's fast kernels
     same: list[bool] = field(default_factory=list)
-    floor: list[dict] = field(default_factory=list)   # the loopback floor after each round's ring gap (floor.py)
+    floor: list[dict] = field(default_factory=list)   # the loopback floor after each round's ring gap (loopback_floor.py)
 
 
 def _concurrent(addresses: list[str], prompts: list[list[int]], tokens: int) -> float:
@@ -241,7 +241,7 @@ def run_bench(setup: Setup, *, tokens: int = 64, prompt_lengths=PROMPT_LENGTHS, 
               rounds: int = 3) -> dict:
     """Measure `setup` (see the module docstring); progress goes to the log (stderr)."""
     from dgr.app.demo import long_prompt, whole_model_run
-    from dgr.app.floor import one_way_ms
+    from dgr.app.bench.loopback_floor import one_way_ms
     from dgr.app.local import LocalRoute
     from dgr.core.constants import DEFAULT_N_CTX
     from dgr.runtime.engine import Engine
@@ -414,7 +414,7 @@ def _report(setup: Setup, acc: _Acc, lengths, tokens, rounds, sessions, chunk, w
                   "one_way_p90_ms": _med(f["one_way_p90_ms"] for f in acc.floor),
                   "per_hop_over_floor": _ratio([hop["per_hop_ms"]], [_med(f["one_way_ms"] for f in acc.floor)]),
                   "how": f"each round, {FLOOR_MESSAGES} 8-byte TCP loopback messages between two Python processes, "
-                         "each sent after an idle gap of the round's median ring time (dgr.app.floor)"},
+                         "each sent after an idle gap of the round's median ring time (dgr.app.bench.loopback_floor)"},
         # what batch invariance costs: batching stays (its sessions are exact), the CPU backend runs its
         # reference kernels; the whole model's prefill of the longest prompt with llama.cpp's fast ones
         "invariance": {"prefill_len": lengths[-1], "whole_prefill_tok_s": _med(acc.whole_prefill[lengths[-1]]),

@@ -8,7 +8,7 @@ Both split the model's layers over S hosts, one process each, one compute thread
   S-1 `rpc-server` processes holding the others (`-ngl`, `--tensor-split`); the client sends each server its part
   of every step and waits, so a token crosses 2(S-1) links, and the last server ships the logits row back.
 
-Every link (dgr: each hop; RPC: client to each server) goes through an emulated WAN link (dgr.app.wanlink) of the
+Every link (dgr: each hop; RPC: client to each server) goes through an emulated WAN link (dgr.app.bench.wan_link) of the
 given round trip, which also counts the bytes and the turns (a reply after a request: round trips) it carries.
 Per-token bytes and round trips are the difference between two runs of different lengths, so loading, warm-up
 and prefill cancel out. Figures: TPOT (decode), TTFT per prompt length (prefill of that many tokens, one chunk
@@ -102,8 +102,8 @@ def split_bundle(model: Path, hosts: int, store: Path):
 # ------------------------------------------------------------------ dgr's side
 
 def _dgr_side(bundle, rtt_ms: float, prompts: list[int], tokens: int, vocab: int, lib: Path, threads: int) -> SideFigures:
+    from dgr.app.bench.wan_link import WanLinks
     from dgr.app.local import LocalRoute
-    from dgr.app.wanlink import WanLinks
     from dgr.runtime.wire.client import RouteClient
 
     n = len(bundle.manifest.stages)
@@ -173,8 +173,8 @@ def _batched_bench(exe: Path, model: Path, servers: list[str], n_layer: int, ran
 
 def _rpc_side(exes: dict[str, Path], model: Path, hosts: int, rtt_ms: float, prompts: list[int], tokens: int,
               threads: int) -> SideFigures:
+    from dgr.app.bench.wan_link import WanLinks
     from dgr.app.deploy.local import free_port
-    from dgr.app.wanlink import WanLinks
 
     n_layer = _layers(model)
     ranges = even_ranges(n_layer, hosts)

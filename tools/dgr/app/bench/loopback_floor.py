@@ -35,7 +35,7 @@ def _recv_exact(s: socket.socket, n: int) -> bytes | None:
 
 
 def _serve() -> None:
-    """The receiver (`python -m dgr.app.floor`): print its port, then answer each stamp with its own."""
+    """The receiver (`python -m dgr.app.bench.loopback_floor`): print its port, then answer each stamp with its own."""
     srv = socket.socket()
     srv.bind(("127.0.0.1", 0))
     srv.listen(1)
@@ -51,7 +51,7 @@ def one_way_ms(gap_ms: float, n: int = 100) -> dict[str, float]:
     """Median and p90 (ms) of `n` one-way loopback messages, each sent after `gap_ms` of idle."""
     if n < 1 or gap_ms < 0:
         raise ValueError(f"one_way_ms needs n >= 1 and gap_ms >= 0, got n={n}, gap_ms={gap_ms}")
-    proc = subprocess.Popen([sys.executable, "-m", "dgr.app.floor"], stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([sys.executable, "-m", "dgr.app.bench.loopback_floor"], stdout=subprocess.PIPE, text=True)
     try:
         port = int(proc.stdout.readline())
         with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
