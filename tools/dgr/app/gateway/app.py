@@ -37,12 +37,13 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from dgr import __version__
-from dgr.app.gateway import chat, limits, schemas, structured
+from dgr.app.gateway import chat, limits, structured
 from dgr.app.gateway.limits import CANCEL_WAIT_S, DEFAULT_CHAT_MAX_TOKENS, DEFAULT_COMPLETION_TOKENS, DISCONNECT_POLL_S
 from dgr.app.gateway.metrics import GatewayMetrics, MetricsMiddleware
-from dgr.app.gateway.responses import InputRefused, ResponseShape, ResponsesRequest, sse, status_of
+from dgr.app.gateway.schemas import common, completions as schemas
+from dgr.app.gateway.schemas.responses import InputRefused, ResponseShape, ResponsesRequest, sse, status_of
 from dgr.app.gateway.route import ModelInfo, Params, RouteBackend, Run, choice_seeds
-from dgr.app.gateway.schemas import Answer
+from dgr.app.gateway.schemas.completions import Answer
 from dgr.core.errors import DgrError, WireError
 from dgr.core.log import get_logger
 from dgr.runtime.wire.drafts import DEFAULT_DRAFT_K, check_k
@@ -61,7 +62,7 @@ class GatewayError(DgrError):
         self.headers = headers or {}
 
     def body(self) -> dict:
-        return schemas.error_body(self.message, self.type, self.param, self.code)
+        return common.error_body(self.message, self.type, self.param, self.code)
 
 
 def route_error(err: Exception) -> GatewayError:
@@ -167,12 +168,12 @@ def create_app(backend: RouteBackend, metrics: GatewayMetrics | None = None, *,
     # ------------------------------------------------------------------ read-only
     @app.get("/v1/models")
     async def models():
-        return schemas.model_list(info.name, info.created)
+        return common.model_list(info.name, info.created)
 
     @app.get("/v1/models/{model:path}")
     async def model(model: str):
         _check_model(model)
-        return schemas.model_list(info.name, info.created)["data"][0]
+        return common.model_list(info.name, info.created)["data"][0]
 
     @app.get("/metrics")
     async def metrics_text():

@@ -27,8 +27,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from dgr.app.gateway.schemas import NAME_PATTERN, StrictRequest, content_logprobs
-from dgr.runtime.wire.limits import MAX_TOP_LOGPROBS
+from dgr.app.gateway.schemas.common import NAME_PATTERN, StrictRequest, content_logprobs, top_bound
 
 Status = Literal["completed", "incomplete", "cancelled", "failed", "in_progress"]
 
@@ -128,9 +127,7 @@ class ResponsesRequest(StrictRequest):
     @field_validator("top_logprobs")
     @classmethod
     def _top(cls, v):
-        if v is not None and v > MAX_TOP_LOGPROBS:
-            raise ValueError(f"at most {MAX_TOP_LOGPROBS} most likely tokens per position (the route's bound), got {v}")
-        return v
+        return top_bound(v)
 
     def refused(self) -> tuple[str, ...] | None:
         found = super().refused()
