@@ -31,20 +31,21 @@ import time
 
 from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
-from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
 
 from dgr import __version__
-from dgr.app.gateway import chat, errors, structured
+from dgr.app.gateway import chat, errors, inputs, structured
 from dgr.app.gateway.errors import GatewayError, route_error, schema_error
 from dgr.app.gateway.limits import CANCEL_WAIT_S, DEFAULT_CHAT_MAX_TOKENS, DEFAULT_COMPLETION_TOKENS, DISCONNECT_POLL_S
 from dgr.app.gateway.metrics import GatewayMetrics, MetricsMiddleware
-from dgr.app.gateway.schemas import common, completions as schemas
+from dgr.app.gateway.schemas import completions as schemas
 from dgr.app.gateway.schemas.responses import InputRefused, ResponseShape, ResponsesRequest, sse, status_of
-from dgr.app.gateway.route import ModelInfo, Params, RouteBackend, Run, choice_seeds
+from dgr.app.gateway.route import Params, RouteBackend, Run, choice_seeds
+from dgr.app.gateway.routes import models, ops
 from dgr.app.gateway.schemas.completions import Answer
+from dgr.app.gateway.state import GatewayState
 from dgr.core.log import get_logger
-from dgr.runtime.wire.drafts import DEFAULT_DRAFT_K, check_k
+from dgr.runtime.wire.drafts import DEFAULT_DRAFT_K
 
 log = get_logger(__name__)
 
@@ -71,127 +72,32 @@ async def _cancel_when_gone(request: Request, run: Run) -> None:
 def create_app(backend: RouteBackend, metrics: GatewayMetrics | None = None, *,
                max_tokens_default: int = DEFAULT_CHAT_MAX_TOKENS, speculate: str | None = None,
                draft_k: int = DEFAULT_DRAFT_K) -> FastAPI:
-    """`max_tokens_default`: the budget of a chat request that gives no max_tokens (0: up to n_ctx).
-    `speculate`, `draft_k`: the draft source of a request that names none ("ngram", "mtp"; None: none); a
-    request may choose another with `speculate` ("none" turns it off), and one with a JSON schema or tools
-    runs without the default (speculation with a grammar is not supported)."""
-    if max_tokens_default < 0:
-        raise ValueError(f"max_tokens_default must be >= 0 (0: up to the context), got {max_tokens_default}")
-    info: ModelInfo = backend.info
-    speculate = None if speculate in (None, "none") else speculate
-    if speculate and info.cannot_speculate(speculate):
-        raise ValueError(f"--speculate {speculate}: {info.cannot_speculate(speculate)}")
-    check_k(draft_k)
-    m = metrics or GatewayMetrics(info.name)
+    """The gateway over `backend`. `max_tokens_default`, `speculate`, `draft_k`: the server's defaults
+    (dgr.app.gateway.state.GatewayState)."""
+    st = GatewayState.of(backend, metrics, max_tokens_default=max_tokens_default, speculate=speculate,
+                         draft_k=draft_k)
+    info, m, speculate, draft_k = st.info, st.metrics, st.speculate, st.draft_k
     fingerprint = info.fingerprint
-    m.exact.set(1 if info.exact else 0)
     app = FastAPI(title="dgr gateway", version=__version__, docs_url=None, redoc_url=None)
-    app.state.backend, app.state.metrics = backend, m
+    app.state.gateway = st
     app.add_middleware(MetricsMiddleware, metrics=m, exact=info.exact)
 
     errors.install(app, m)
-
-    # ------------------------------------------------------------------ read-only
-    @app.get("/v1/models")
-    async def models():
-        return common.model_list(info.name, info.created)
-
-    @app.get("/v1/models/{model:path}")
-    async def model(model: str):
-        _check_model(model)
-        return common.model_list(info.name, info.created)["data"][0]
-
-    @app.get("/metrics")
-    async def metrics_text():
-        return Response(m.render(), media_type=m.content_type)
-
-    @app.get("/health")
-    async def health():
-        return {"status": "ok", "model": info.name, "stages": info.stages,
-                "chat_template": info.chat_template_source, "stop_token_ids": list(info.eos_ids),
-                "max_tokens_default": max_tokens_default or None, "speculate": speculate or "none",
-                "draft_k": draft_k if speculate else None}
+    app.include_router(models.router)
+    app.include_router(ops.router)
 
     # ------------------------------------------------------------------ generation
-    def _check_model(name: str) -> None:
-        if name not in (info.name, info.bundle_id):
-            raise GatewayError(404, f"The model `{name}` does not exist: this gateway serves `{info.name}`",
-                               param="model", code="model_not_found")
-
     async def _parse(request: Request, cls):
-        raw = await request.body()
-        try:
-            data = json.loads(raw)
-        except (ValueError, UnicodeDecodeError) as err:
-            raise GatewayError(400, f"We could not parse the JSON body of your request ({err}). The body "
-                                    "must be a JSON object.", code="invalid_json") from None
-        if not isinstance(data, dict):
-            raise GatewayError(400, "The body of your request must be a JSON object.", code="invalid_json")
-        try:
-            req = cls.model_validate(data)
-        except ValidationError as err:
-            e = err.errors()[0]
-            param = ".".join(str(x) for x in e["loc"]) or None
-            if e["type"] == "extra_forbidden":
-                raise GatewayError(400, f"Unknown parameter: '{param}'.", param=param,
-                                   code="unknown_parameter") from None
-            code = "missing_required_parameter" if e["type"] == "missing" else "invalid_value"
-            raise GatewayError(400, f"Invalid value for '{param}': {e['msg']}" if param else e["msg"],
-                               param=param, code=code) from None
-        _check_model(req.model)
-        refused = req.refused()
-        if refused:
-            code = refused[2] if len(refused) > 2 else "unsupported_parameter"
-            raise GatewayError(400, refused[1], param=refused[0], code=code)
-        return req
+        return await inputs.parse(request, cls, info)
 
-    def _budget(max_tokens: int | None, n_prompt: int, param: str, default: int | None,
-                max_param: str = "max_tokens") -> int:
-        room = info.n_ctx - n_prompt
-        if room <= 0:
-            raise GatewayError(400, f"This model's maximum context length is {info.n_ctx} tokens; your prompt is "
-                                    f"{n_prompt} tokens. Shorten the prompt.", param=param,
-                               code="context_length_exceeded")
-        if max_tokens is None:
-            return room if default is None else min(default, room)
-        if n_prompt + max_tokens > info.n_ctx:
-            raise GatewayError(400, f"This model's maximum context length is {info.n_ctx} tokens. However, you "
-                                    f"requested {n_prompt + max_tokens} tokens ({n_prompt} in the {param}, "
-                                    f"{max_tokens} in the completion). Reduce the length of the {param} or "
-                                    f"of the completion ({max_param}).", param=max_param,
-                               code="context_length_exceeded")
-        return max_tokens
+    def _budget(*args, **kw) -> int:
+        return inputs.budget(info, *args, **kw)
 
     def _completion_ids(req: schemas.CompletionRequest) -> list[int]:
-        p = req.prompt
-        if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
-            p = p[0]
-        if isinstance(p, list) and p and not all(isinstance(t, int) for t in p):
-            raise GatewayError(400, "one prompt per request: give a string or a list of token ids", param="prompt")
-        ids = backend.tokenize(p, add_special=True) if isinstance(p, str) else list(p)
-        if not ids:
-            raise GatewayError(400, "the prompt is empty", param="prompt")
-        return ids
+        return inputs.completion_ids(backend, req)
 
-    def _chat_ids(messages: list[dict], param: str, add_generation_prompt: bool = True,
-                  tools: list[dict] | None = None) -> list[int]:
-        """The token ids of `messages` rendered by the model's chat template (`tools`: given to it as OpenAI
-        sends them, for a template that renders them)."""
-        if not info.chat_template:
-            raise GatewayError(400, f"the model `{info.name}` has no chat template (tokenizer.chat_template): "
-                                    "use /v1/completions, or start `dgr serve` with --chat-template FILE",
-                               param=param, code="chat_template_missing")
-        try:
-            text = chat.render(info.chat_template, messages, add_generation_prompt=add_generation_prompt,
-                               special_tokens={"bos_token": info.bos_token, "eos_token": info.eos_token},
-                               tools=tools)
-        except (chat.TemplateRefused, ValueError) as err:
-            raise GatewayError(400, str(err), param=param, code="invalid_messages") from None
-        except chat.TemplateBroken as err:
-            raise GatewayError(500, str(err), "server_error", code="chat_template_broken") from None
-        # a template that writes the BOS itself: do not add a second one
-        add_special = not (info.bos_token and text.startswith(info.bos_token))
-        return backend.tokenize(text, add_special=add_special)
+    def _chat_ids(*args, **kw) -> list[int]:
+        return inputs.chat_ids(backend, *args, **kw)
 
     def _start(request: Request, req, ids: list[int], max_tokens: int, t0: float, n: int = 1, *,
                json_schema: str = "", top_logprobs: int | None = None) -> Run:
@@ -331,8 +237,7 @@ def create_app(backend: RouteBackend, metrics: GatewayMetrics | None = None, *,
                                plan=plan, top_logprobs=(req.top_logprobs or 0) if req.logprobs else None)
 
     # ------------------------------------------------------------------ the Responses API
-    live: dict[str, tuple[Run, ResponseShape]] = {}     # streamed responses still running, by id
-    app.state.live_responses = live
+    live = st.live                  # streamed responses still running, by id
 
     @app.post("/v1/responses")
     async def responses(request: Request):
