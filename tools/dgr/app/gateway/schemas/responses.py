@@ -19,7 +19,6 @@ answer 400 naming the field, as do tools, reasoning, other `include` items and `
 
 from __future__ import annotations
 
-import json
 import re
 import time
 import uuid
@@ -189,10 +188,6 @@ def _message(item: dict, where: str) -> dict:
                                                         "this model takes text (input_text) only")
         texts.append(part["text"])
     return {"role": _ROLES[role], "content": "".join(texts)}
-
-
-def sse(event: dict) -> str:
-    return f"event: {event['type']}\ndata: {json.dumps(event, ensure_ascii=False)}\n\n"
 
 
 class ResponseShape:
