@@ -66,10 +66,10 @@ def start(st: GatewayState, request: Request, req, ids: list[int], max_tokens: i
 
 
 async def answer(st: GatewayState, run: Run, *, stream: bool, whole: Callable[[list], dict],
-                 events: streaming.StreamFormat, refused: Callable[[Exception], GatewayError | None] | None = None,
+                 fmt: streaming.StreamFormat, refused: Callable[[Exception], GatewayError | None] | None = None,
                  track: AbstractContextManager | None = None):
     """The answer to a request whose generations `run` is: `whole(finishes)` once every choice has ended (each
-    choice's finish reason, in index order), or (`stream`) its pieces as `events` writes them. A route that
+    choice's finish reason, in index order), or (`stream`) its pieces as `fmt` writes them. A route that
     fails before the first piece is an error status: `refused(err)` when it is the request's fault (a schema
     the last stage refuses), else the route's. `track`: held while a stream is open."""
     pieces = run.events()
@@ -83,7 +83,7 @@ async def answer(st: GatewayState, run: Run, *, stream: bool, whole: Callable[[l
                 return Response(status_code=499)    # nobody reads it: the client has gone
             if stream:
                 streaming_now = True
-                return StreamingResponse(streaming.stream(run, pieces, (index, what, payload), events, st.metrics,
+                return StreamingResponse(streaming.stream(run, pieces, (index, what, payload), fmt, st.metrics,
                                                           track),
                                          media_type=streaming.MEDIA_TYPE, headers=streaming.HEADERS)
             if what == "done":

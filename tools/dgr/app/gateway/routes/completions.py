@@ -78,7 +78,7 @@ async def _generate(st: GatewayState, request: Request, shapes: Shapes, req, ids
         return shapes.full(answers, len(ids), run.completion_tokens, run.jobs[0].cached_tokens)
 
     return await generation.answer(st, run, stream=req.stream, whole=whole,
-                                   events=CompletionEvents(run, shapes, req, len(ids), plan, logprobs),
+                                   fmt=CompletionEvents(run, shapes, req, len(ids), plan, logprobs),
                                    refused=(lambda err: schema_error(err, plan.param)) if plan else None)
 
 

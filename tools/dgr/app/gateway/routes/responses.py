@@ -49,7 +49,7 @@ async def responses(request: Request, st: StateDep):
         job = run.jobs[0]
         return shape.body(status_of(finishes[0], False), job.text, finishes[0], _tokens(job), toks=job.toks)
 
-    return await generation.answer(st, run, stream=req.stream, whole=whole, events=ResponseEvents(run, shape),
+    return await generation.answer(st, run, stream=req.stream, whole=whole, fmt=ResponseEvents(run, shape),
                                    refused=(lambda err: schema_error(err, "text.format")) if schema is not None
                                    else None,
                                    track=_live(st, run, shape))
