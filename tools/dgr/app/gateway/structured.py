@@ -29,7 +29,7 @@ import re
 import uuid
 from dataclasses import dataclass
 
-from dgr.app.gateway.schemas import ChatRequest, ResponseFormat, Tool
+from dgr.app.gateway.schemas.completions import ChatRequest, ResponseFormat, Tool
 from dgr.runtime.wire.errors import StageError
 
 # response_format {"type": "json_object"}: any JSON object

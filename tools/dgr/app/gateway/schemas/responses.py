@@ -19,7 +19,6 @@ answer 400 naming the field, as do tools, reasoning, other `include` items and `
 
 from __future__ import annotations
 
-import json
 import re
 import time
 import uuid
@@ -27,8 +26,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from dgr.app.gateway.schemas import NAME_PATTERN, StrictRequest, content_logprobs
-from dgr.runtime.wire.limits import MAX_TOP_LOGPROBS
+from dgr.app.gateway.schemas.common import NAME_PATTERN, StrictRequest, content_logprobs, top_bound
 
 Status = Literal["completed", "incomplete", "cancelled", "failed", "in_progress"]
 
@@ -128,9 +126,7 @@ class ResponsesRequest(StrictRequest):
     @field_validator("top_logprobs")
     @classmethod
     def _top(cls, v):
-        if v is not None and v > MAX_TOP_LOGPROBS:
-            raise ValueError(f"at most {MAX_TOP_LOGPROBS} most likely tokens per position (the route's bound), got {v}")
-        return v
+        return top_bound(v)
 
     def refused(self) -> tuple[str, ...] | None:
         found = super().refused()
@@ -192,10 +188,6 @@ def _message(item: dict, where: str) -> dict:
                                                         "this model takes text (input_text) only")
         texts.append(part["text"])
     return {"role": _ROLES[role], "content": "".join(texts)}
-
-
-def sse(event: dict) -> str:
-    return f"event: {event['type']}\ndata: {json.dumps(event, ensure_ascii=False)}\n\n"
 
 
 class ResponseShape:

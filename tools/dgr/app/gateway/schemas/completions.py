@@ -1,4 +1,4 @@
-"""The OpenAI wire shapes the gateway reads and writes: request models (pydantic) and response bodies.
+"""The wire shapes of /v1/completions and /v1/chat/completions: request models (pydantic) and response bodies.
 
 Requests accept OpenAI's fields plus two common extensions, `top_k` and `ignore_eos`. Nothing is silently
 ignored: an OpenAI field dgr does not do yet is accepted only at its neutral value (a penalty of 0, no
@@ -6,7 +6,7 @@ logit bias, ...) and otherwise answers 400 `unsupported_parameter` naming it (`r
 OpenAI does not have answers 400 `unknown_parameter` naming it. Fields that are only hints to OpenAI's
 own service (`user`, `metadata`, `service_tier`, ...) are accepted. Responses are plain dicts in the shapes
 the official `openai` client parses: completions, chat completions, their stream chunks, usage and errors
-(the Responses API's shapes are in dgr.app.gateway.responses). `logprobs`/`top_logprobs`, `response_format`
+(the Responses API's are in dgr.app.gateway.schemas.responses, what both share in .common). `logprobs`/`top_logprobs`, `response_format`
 and `tools`/`tool_choice` are validated here; what they do is in dgr.app.gateway.structured and docs/gateway.md.
 """
 
@@ -15,34 +15,17 @@ from __future__ import annotations
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any, ClassVar, Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from dgr.app.gateway.limits import MAX_CHOICES
+from dgr.app.gateway.schemas.common import NAME_PATTERN, StrictRequest, content_logprobs, top_bound
 from dgr.runtime.wire.drafts import MAX_DRAFT_K
-from dgr.runtime.wire.limits import MAX_TOP_LOGPROBS
 
 # "not asked for": the values of an unsupported field that are accepted
 _UNSET: tuple = (None,)
 _OFF: tuple = (None, 0, False, "", [], {})
-
-
-class StrictRequest(BaseModel):
-    """A request body: unknown fields are refused (`extra_forbidden`, answered as `unknown_parameter`);
-    `UNSUPPORTED` maps an OpenAI field dgr does not do to (the values accepted, why not)."""
-
-    model_config = ConfigDict(extra="forbid")
-    UNSUPPORTED: ClassVar[dict[str, tuple[tuple, str]]] = {}
-
-    def refused(self) -> tuple[str, ...] | None:
-        """(param, message) of the first unsupported field the request asks for, else None; a subclass that
-        also refuses combinations may add the error code: (param, message, code)."""
-        for name, (accepted, why) in self.UNSUPPORTED.items():
-            if getattr(self, name) not in accepted:
-                return name, f"Unsupported parameter: '{name}': {why}"
-        return None
-
 
 _PENALTY = "dgr's route samples with temperature, top_p and top_k only (no repetition penalties); give 0 or omit it"
 _COMMON_UNSUPPORTED = {
@@ -125,21 +108,11 @@ class CompletionRequest(_Request):
     @field_validator("logprobs")
     @classmethod
     def _logprobs(cls, v):
-        return _top_bound(v)
-
-
-def _top_bound(v: int | None) -> int | None:
-    if v is not None and v > MAX_TOP_LOGPROBS:
-        raise ValueError(f"at most {MAX_TOP_LOGPROBS} most likely tokens per position (the route's bound), got {v}")
-    return v
+        return top_bound(v)
 
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
-
-
-# `name` as OpenAI restricts it: a tool name is also what the model writes back in a call
-NAME_PATTERN = r"^[a-zA-Z0-9_-]{1,64}$"
 
 
 class JsonSchemaFormat(_Strict):
@@ -246,7 +219,7 @@ class ChatRequest(_Request):
     @field_validator("top_logprobs")
     @classmethod
     def _top_logprobs(cls, v):
-        return _top_bound(v)
+        return top_bound(v)
 
     @field_validator("tool_choice")
     @classmethod
@@ -323,32 +296,7 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) ->
             "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
-def error_body(message: str, type_: str = "invalid_request_error", param: str | None = None,
-               code: str | None = None) -> dict:
-    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
-
-
-def model_list(name: str, created: int, owner: str = "dgr") -> dict:
-    return {"object": "list", "data": [{"id": name, "object": "model", "created": created, "owned_by": owner}]}
-
-
 FinishReason = Literal["stop", "length", "tool_calls"] | None
-
-
-# ---------------------------------------------------------------------------------------------- logprobs
-# A token as the gateway reports it (dgr.app.gateway.route.Tok): `.text` (its own text, detokenized alone),
-# `.logprob`, `.top` ((text, logprob) of the most likely tokens, most likely first), `.offset` (where its
-# text starts in the choice's printed text).
-
-def token_entry(text: str, logprob: float) -> dict:
-    """{token, logprob, bytes}: `bytes` are the UTF-8 of the token's own text."""
-    return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
-
-
-def content_logprobs(toks) -> list[dict]:
-    """Chat's `logprobs.content` (and the Responses API's `logprobs`): one entry per token."""
-    return [{**token_entry(t.text, t.logprob), "top_logprobs": [token_entry(x, lp) for x, lp in t.top]}
-            for t in toks]
 
 
 def completion_logprobs(toks, base: int) -> dict:
