@@ -1,6 +1,6 @@
-"""The docs cite no issue numbers: the tracker they would point at is not in the repository, so "issue 21"
-tells a reader of a clone nothing. A doc names the capability instead ("the per-hop goal", "the prefix
-cache"), or the doc section that explains it. Code comments are not checked here."""
+"""The docs and CHANGELOG.md cite no issue numbers: the tracker they would point at is not in the
+repository, so "issue 21" tells a reader of a clone nothing. A doc names the capability instead ("the
+per-hop goal", "the prefix cache"), or the doc section that explains it. Code comments are not checked here."""
 from __future__ import annotations
 
 import re
@@ -13,7 +13,7 @@ CITATION = re.compile(r"\bissues?\s+#?\d+", re.I)
 
 
 def doc_files() -> list[Path]:
-    return [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]
+    return [REPO / "README.md", REPO / "CHANGELOG.md", *sorted((REPO / "docs").rglob("*.md"))]
 
 
 def citations(text: str) -> list[str]:

@@ -1,5 +1,5 @@
-"""Docs follow the tree: every repository path that README.md, docs/*.md and docs/TEAM.md name in
-backticks exists (issue 25: a moved file whose docs still send a reader to the old place fails here).
+"""Docs follow the tree: every repository path that README.md, CHANGELOG.md, docs/*.md and docs/TEAM.md name
+in backticks exists (issue 25: a moved file whose docs still send a reader to the old place fails here).
 
 A path counts when it starts with one of the repository's top-level folders. `{a,b}` lists expand,
 `*` and `**` globs must match something, and `<placeholder>` / `NNNN` / `...` parts stand for names
@@ -28,7 +28,7 @@ TICKED = re.compile(r"`([^`\s]+)`")
 
 
 def doc_files() -> list[Path]:
-    return [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]
+    return [REPO / "README.md", REPO / "CHANGELOG.md", *sorted((REPO / "docs").rglob("*.md"))]
 
 
 def as_glob(path: str) -> str:
