@@ -186,7 +186,8 @@ void StageWorker::stop() {
         for (auto & kv : sessions_) open.emplace_back(kv.first, kv.second);
         streams = streams_;
     }
-    // tell the clients (through the origin) first, so they re-route (docs/worker.md, phase 4)
+    // tell the clients (through the origin) first, so they re-route (docs/worker.md, "Failures, drain, speculation,
+    // metrics")
     const std::string bye = hop() + " is shutting down (SIGTERM): the session is closed; use another replica";
     for (auto & [k, sess] : open) {
         try {

@@ -47,8 +47,8 @@ def register(sub) -> None:
                    help=argparse.SUPPRESS)   # tests: SIGKILL itself about to run that step (Limits.die_at)
     s.add_argument("--test-stop-at", action="append", default=[], metavar="SESSION:EPOCH:POSITION",
                    help=argparse.SUPPRESS)   # tests: SIGSTOP itself about to run that step (a hung worker)
-    # tests, dgr-worker only (docs/worker.md "Phase 4"): about to run that step, drop the session's engine cache
-    # (the step answers CACHE_MISS there), or fail the link to the session's origin
+    # tests, dgr-worker only (docs/worker.md "Failures, drain, speculation, metrics"): about to run that step,
+    # drop the session's engine cache (the step answers CACHE_MISS there), or fail the link to the session's origin
     s.add_argument("--test-evict-at", action="append", default=[], metavar="SESSION:EPOCH:POSITION",
                    help=argparse.SUPPRESS)
     s.add_argument("--test-break-origin-link-at", action="append", default=[], metavar="SESSION:EPOCH:POSITION",
