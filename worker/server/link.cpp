@@ -29,6 +29,7 @@ Link::Link(StageWorker * w, std::string address_, std::string label_, uint64_t m
     args.SetInt(GRPC_ARG_HTTP2_MAX_PINGS_WITHOUT_DATA, 0);
     stub_ = pb::Stage::NewStub(grpc::CreateCustomChannel(address, w->channel_credentials(), args));
     stub_->async()->Frames(&ctx_, this);
+    ordered();                                       // every field above is set before gRPC may react
     StartRead(&in_);
     StartCall();
 }
@@ -101,6 +102,7 @@ void Link::OnWriteDone(bool ok) {
 }
 
 void Link::OnReadDone(bool ok) {
+    ordered();
     if (!ok) {                                       // the peer ended the stream: OnDone follows
         std::lock_guard<std::mutex> g(mu_);
         broken_ = true;
@@ -117,6 +119,7 @@ void Link::OnReadDone(bool ok) {
 }
 
 void Link::OnDone(const grpc::Status & st) {
+    ordered();
     // the sessions' origins hear that the stream ended, never gRPC's reason (refused, timed out, TLS refused:
     // whether a port is open is not a route owner's business); this worker's log has it
     if (!st.ok()) fprintf(stderr, "dgr-worker: link to %s ended: %s: %s\n", address.c_str(),

@@ -193,6 +193,11 @@ class Link final : public grpc::ClientBidiReactor<dgr::v1::Frame, dgr::v1::Frame
 
   private:
     void cancel_locked(const std::string & why);     // mu_ held
+    // gRPC runs this link's reactions on its own threads and orders them with its own (uninstrumented)
+    // atomics: the constructor, before it starts an operation, and every reaction take mu_ once, so the order
+    // gRPC keeps is one TSan sees too (a reaction read `address` as a race, CI 2026-12-05; FramesReactor
+    // does the same). OnWriteDone takes mu_ first anyway.
+    void ordered() { std::lock_guard<std::mutex> g(mu_); }
     StageWorker * w_;
     std::unique_ptr<dgr::v1::Stage::Stub> stub_;
     grpc::ClientContext ctx_;
