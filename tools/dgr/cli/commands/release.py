@@ -1,5 +1,5 @@
-"""`dgr` subcommands of the build area: `dgr release verify|build|image|deb` (the work is in dgr.toolchain.release
-and, for the Debian package, dgr.app.deploy.debian)."""
+"""`dgr release verify|build|image|deb|python-deps`: a release of the worker (the work is in dgr.toolchain.release,
+dgr.toolchain.pydeps and, for the Debian package, dgr.app.deploy.debian)."""
 
 from __future__ import annotations
 
@@ -54,7 +54,7 @@ def _python_deps(args) -> int:
 
 
 def register(sub) -> None:
-    """Add this area's subcommands to the `dgr` parser."""
+    """Add `dgr release` to the `dgr` parser."""
     from dgr.core.constants import LANES
 
     p = sub.add_parser("release", help="build or verify a release of the worker (Bazel, docs/build.md)")
