@@ -1,7 +1,7 @@
-"""`dgr` subcommands of the upstream area: `dgr upstream ...` and `dgr build-engine` (parse, call, print).
+"""`dgr upstream fetch|verify|patch|status|pin-patches|bump`: the pinned llama.cpp (parse, call, print).
 
-The work is in dgr.toolchain.upstream (fetch, verify, patch, status; bump in dgr.toolchain.upstream.bump), dgr.toolchain.pin and
-dgr.toolchain.enginebuild.
+The work is in dgr.toolchain.upstream (fetch, verify, patch, status; bump in dgr.toolchain.upstream.bump) and
+dgr.toolchain.pin.
 """
 
 from __future__ import annotations
@@ -91,14 +91,8 @@ def _bump(args) -> int:
     return 0 if res.passed else 1
 
 
-def _build_engine(args) -> int:
-    from dgr.toolchain import enginebuild
-    print(enginebuild.ensure_engine(args.lane, jobs=args.jobs, force=args.force, cpu_variant=args.cpu_variant))
-    return 0
-
-
 def register(sub) -> None:
-    """Add this area's subcommands to the `dgr` parser."""
+    """Add `dgr upstream` to the `dgr` parser."""
     up = sub.add_parser("upstream", help="the pinned llama.cpp: fetch, verify, patch, status, bump")
     usub = up.add_subparsers(dest="upstream_command", metavar="ACTION", required=True)
     usub.add_parser("fetch", help="download a pinned source and extract the verified tree").set_defaults(func=_fetch)
@@ -136,16 +130,3 @@ def register(sub) -> None:
     bp.add_argument("--scratch", help="the scratch folder (default <workspace>/upstream-bump/<version or tree-commit>)")
     bp.add_argument("--json", action="store_true", help="also print the report as JSON")
     bp.set_defaults(func=_bump)
-
-    from dgr.core.constants import CPU_VARIANTS, LANES
-
-    b = sub.add_parser("build-engine", help="build the ShardEngine library for a lane (cached)")
-    b.add_argument("--lane", default="cpu", choices=LANES)
-    b.add_argument("-j", "--jobs", type=int, default=None, help="parallel compile jobs (default: min(2, cpus))")
-    b.add_argument("--force", action="store_true", help="run CMake even when the inputs are unchanged")
-    b.add_argument("--cpu-variant", default=CPU_VARIANTS[0], choices=CPU_VARIANTS,
-                   help="the CPU backend's instruction set: x86-64-v3, the lane's baseline that every build shares "
-                   "(default), or native, this machine's own CPU, into <workspace>/build/<lane>-native: faster "
-                   "where it has AVX-512, but its results differ and its workers cannot share a route with the "
-                   "baseline's (docs/numerics.md)")
-    b.set_defaults(func=_build_engine)
