@@ -12,7 +12,7 @@ log = get_logger(__name__)
 
 def register(sub) -> None:
     """Add `dgr serve` to the `dgr` parser."""
-    from dgr.cli.commands.wire import add_route_args
+    from dgr.cli.shared import add_route_args
 
     s = sub.add_parser("serve", help="an OpenAI-compatible HTTP gateway (/v1/chat/completions, ...) over a route")
     add_route_args(s)
