@@ -1,7 +1,11 @@
 """What several `dgr` commands parse the same way (each command's own module is dgr.cli.commands.<command>):
-the flags of a client of a route (`dgr generate`, `dgr serve`)."""
+the flags of a client of a route (`dgr generate`, `dgr serve`) and of a parity run's schedule (`dgr baseline`,
+`dgr parity`)."""
 
 from __future__ import annotations
+
+import argparse
+from pathlib import Path
 
 
 def add_route_args(p, *, waits_for_route: bool = False) -> None:
@@ -31,3 +35,21 @@ def add_route_args(p, *, waits_for_route: bool = False) -> None:
                    help="run a route whose stages compute different bits (other builds, instruction sets or kernel "
                         "switches: docs/numerics.md) instead of refusing it; its results then match no whole-model "
                         "run, and every result says it is not exact")
+
+
+def add_schedule_args(p: argparse.ArgumentParser) -> None:
+    """What a parity run feeds the model (`dgr baseline`, `dgr parity`): the prompts, the decode steps, the
+    batch, and the engine library, its threads and KV cache type."""
+    from dgr.toolchain.parity import DEFAULT_N_UBATCH, DEFAULT_PROMPT, DEFAULT_STEPS
+
+    p.add_argument("--prompt", action="append", help=f"prompt text; repeat for several sessions sharing each batch "
+                   f"(default: {DEFAULT_PROMPT[:30]!r}...)")
+    p.add_argument("--steps", type=int, default=DEFAULT_STEPS, help=f"greedy decode steps (default {DEFAULT_STEPS})")
+    p.add_argument("--n-ubatch", type=int, default=DEFAULT_N_UBATCH,
+                   help=f"physical batch size (default {DEFAULT_N_UBATCH})")
+    p.add_argument("--threads", type=int, default=0, help="CPU threads per engine (default: all cores; "
+                   "use fewer on a shared machine, spinning threads then cost more than they give)")
+    p.add_argument("--lib", type=Path, help="engine library (default: $DGR_ENGINE_LIB or the cached CPU build)")
+    p.add_argument("--kv-dtype", choices=("f16", "f32"), default=None,
+                   help="KV cache type (default f16, llama.cpp's; f32 with an all-F32 model makes an all-F32 "
+                        "reference; parity takes the baseline's)")

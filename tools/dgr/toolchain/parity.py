@@ -9,8 +9,8 @@ baseline's greedy tokens (teacher forcing), so every step is compared even after
 The baseline is the whole model through the same library with no range (plain llama.cpp path, no
 stage code), with the bundle's weights: its source GGUF, or the recipe built as one stage when the recipe
 quantized (dgr.toolchain.bundle.baseline_model); parity is exact when every logit is bit-for-bit equal
-(docs/engine.md). `dgr baseline` and `dgr parity` (dgr.cli.commands.engine) only parse arguments and print
-what this module decides.
+(docs/engine.md). `dgr baseline` and `dgr parity` (dgr.cli.commands.baseline and .parity) only parse arguments
+and print what this module decides.
 """
 
 from __future__ import annotations

@@ -1,24 +1,19 @@
-"""`dgr` subcommands of the engine area: baseline (whole model) and parity (split vs whole).
+"""`dgr parity`: a bundle's stages run in one process and compared with the whole model (or, with --synth,
+fresh tiny models of every architecture split and compared).
 
 Parsing and printing only: what runs and what passes is dgr.toolchain.parity's.
 """
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 
+from dgr.cli.shared import add_schedule_args
 from dgr.core.errors import DgrError
 
 
 def register(sub) -> None:
-    """Add this area's subcommands to the `dgr` parser."""
-    p = sub.add_parser("baseline", help="run a whole model alone: reference logits and greedy steps, with its speed")
-    p.add_argument("model", type=Path, help="a whole-model GGUF")
-    _schedule_args(p)
-    p.add_argument("-o", "--output", type=Path, required=True, help="where to write the baseline (.npz)")
-    p.set_defaults(func=cmd_baseline)
-
+    """Add `dgr parity` to the `dgr` parser."""
     p = sub.add_parser("parity", help="run a bundle's stages in one process and compare with the whole model")
     p.add_argument("bundle", type=Path, nargs="?", help="a bundle folder (or a whole GGUF with --ranges)")
     p.add_argument("--synth", metavar="ARCH", help="instead of a bundle: write a fresh tiny ARCH model (dgr synth), "
@@ -31,7 +26,7 @@ def register(sub) -> None:
     p.add_argument("--source", type=Path, help="the bundle's source GGUF, when its manifest's source URI does not "
                    "resolve here (a path relative to the recipe's folder); checked against the manifest's blake3")
     p.add_argument("--ranges", help="with a whole GGUF: split it in this process, e.g. 0:10,10:30")
-    _schedule_args(p)
+    add_schedule_args(p)
     p.add_argument("--perturb-boundary", type=int, metavar="STAGE",
                    help="negative control: add 1.0 to one value of STAGE's output boundary (parity must fail)")
     p.add_argument("--tolerance", type=float, default=0.0,
@@ -41,41 +36,6 @@ def register(sub) -> None:
                    help="compare with a baseline of other numerics (another lane, build or kernel switch: "
                    "docs/numerics.md), within --tolerance; refused without it, since such logits differ in the low bits")
     p.set_defaults(func=cmd_parity)
-
-
-def _schedule_args(p: argparse.ArgumentParser) -> None:
-    from dgr.toolchain.parity import DEFAULT_N_UBATCH, DEFAULT_PROMPT, DEFAULT_STEPS
-
-    p.add_argument("--prompt", action="append", help=f"prompt text; repeat for several sessions sharing each batch "
-                   f"(default: {DEFAULT_PROMPT[:30]!r}...)")
-    p.add_argument("--steps", type=int, default=DEFAULT_STEPS, help=f"greedy decode steps (default {DEFAULT_STEPS})")
-    p.add_argument("--n-ubatch", type=int, default=DEFAULT_N_UBATCH,
-                   help=f"physical batch size (default {DEFAULT_N_UBATCH})")
-    p.add_argument("--threads", type=int, default=0, help="CPU threads per engine (default: all cores; "
-                   "use fewer on a shared machine, spinning threads then cost more than they give)")
-    p.add_argument("--lib", type=Path, help="engine library (default: $DGR_ENGINE_LIB or the cached CPU build)")
-    p.add_argument("--kv-dtype", choices=("f16", "f32"), default=None,
-                   help="KV cache type (default f16, llama.cpp's; f32 with an all-F32 model makes an all-F32 "
-                        "reference; parity takes the baseline's)")
-
-
-def cmd_baseline(args) -> int:
-    from dgr.toolchain.parity import (baseline_meta, make_schedule, open_tokenizer, run_baseline, save_baseline,
-                                      throughput)
-
-    with open_tokenizer(args.model, args.lib) as tok:
-        sched = make_schedule(tok, args.prompt, args.steps, args.n_ubatch)
-        device = tok.memory().device or "host"  # the same model and library as the baseline run
-    kv_dtype = args.kv_dtype or "f16"
-    res = run_baseline(args.model, sched, args.lib, args.threads, kv_dtype)
-    save_baseline(args.output, sched, res, baseline_meta(args.model, sched, res, kv_dtype, device))
-    print(f"baseline: {args.model} ({len(sched.prompts)} session(s), prompt {[len(p) for p in sched.prompts]} tokens, "
-          f"{sched.steps} steps, weights on {device}, KV cache {kv_dtype}) -> {args.output}")
-    pre, dec = throughput(sched, res)
-    print(f"  prefill {pre:.1f} tok/s, decode {dec:.1f} tok/s")
-    print(f"  greedy: {res.generated}")
-    print(f"  numerics: {res.numerics}")
-    return 0
 
 
 def cmd_parity(args) -> int:
