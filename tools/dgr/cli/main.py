@@ -22,8 +22,8 @@ from dgr.core.errors import DgrError
 from dgr.core.log import setup as setup_logging
 
 # Areas, in the order their commands are listed in `dgr --help`.
-AREAS = ("bundles", "upstream", "build_engine", "baseline", "parity", "worker", "generate", "demo", "wire", "serve",
-         "certs", "certify", "bench", "release", "deploy")
+AREAS = ("inspect", "synth", "recipe", "bundle", "upstream", "build_engine", "baseline", "parity", "worker", "generate",
+         "demo", "wire", "serve", "certs", "certify", "bench", "release", "deploy")
 
 
 class _Version(argparse.Action):
