@@ -1,6 +1,6 @@
 """What several `dgr` commands parse the same way (each command's own module is dgr.cli.commands.<command>):
-the flags of a client of a route (`dgr generate`, `dgr serve`) and of a parity run's schedule (`dgr baseline`,
-`dgr parity`)."""
+the flags of a client of a route (`dgr generate`, `dgr serve`), of a parity run's schedule (`dgr baseline`,
+`dgr parity`), and the exit statuses of a certification (`dgr certify`, `dgr gate`)."""
 
 from __future__ import annotations
 
@@ -53,3 +53,9 @@ def add_schedule_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-dtype", choices=("f16", "f32"), default=None,
                    help="KV cache type (default f16, llama.cpp's; f32 with an all-F32 model makes an all-F32 "
                         "reference; parity takes the baseline's)")
+
+
+# what `dgr certify` and `dgr gate` exit with (dgr.app.certify.verdict.EXIT_CODES), told under their --help
+VERDICT_EXIT_HELP = ("exit status: 0 every row passes; 1 a row fails; 3 no row fails but a speed row is "
+                     "inconclusive (the spread of its per-round ratios covers the threshold: the machine was busy; "
+                     "not a pass, rerun); 2 refused or an error")

@@ -1,10 +1,12 @@
-"""`dgr certify` and `dgr gate alpha|beta`: parse, call dgr.app.certify, print the table. Exit 0 when every row
-passes, 1 when one fails, 3 when none fails but a speed row is inconclusive (the machine was busy:
+"""`dgr certify`: parse, call dgr.app.certify, print the table and write the certificate. Exit 0 when every
+row passes, 1 when one fails, 3 when none fails but a speed row is inconclusive (the machine was busy:
 dgr.app.certify.verdict), 2 for a refusal or an error."""
 
 from __future__ import annotations
 
 from pathlib import Path
+
+from dgr.cli.shared import VERDICT_EXIT_HELP
 
 
 def _certify(args) -> int:
@@ -33,30 +35,11 @@ def _certify(args) -> int:
     return EXIT_CODES[v]
 
 
-def _gate(args) -> int:
-    from dgr.app.certify import run_gate
-    from dgr.app.certify.verdict import EXIT_CODES
-    from dgr.core.paths import REPO_ROOT
-
-    contract = args.contract or REPO_ROOT / "certification" / f"{args.gate_name}.toml"
-    res = run_gate(contract, out_dir=args.out_dir, lane=args.lane, lib=args.engine_lib)
-    print(res.table())
-    where = sorted({str(p.parent) for p in res.certificates.values()})
-    if where:
-        print(f"certificates: {', '.join(where)}")
-    return EXIT_CODES[res.verdict]
-
-
-EXIT_HELP = ("exit status: 0 every row passes; 1 a row fails; 3 no row fails but a speed row is inconclusive (the "
-             "spread of its per-round ratios covers the threshold: the machine was busy; not a pass, rerun); "
-             "2 refused or an error")
-
-
 def register(sub) -> None:
-    """Add `dgr certify` and `dgr gate` to the `dgr` parser."""
+    """Add `dgr certify` to the `dgr` parser."""
     p = sub.add_parser("certify", help="certify a bundle: exact against its whole model in worker processes, "
                                        "and the speed gate of a committed contract; writes a certificate",
-                       epilog=EXIT_HELP)
+                       epilog=VERDICT_EXIT_HELP)
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--bundle", help="the bundle folder (or its manifest.json)")
     src.add_argument("--recipe", help="a recipe: read (an MTP-on recipe is refused), built into --store if "
@@ -71,20 +54,3 @@ def register(sub) -> None:
     p.add_argument("--threads", type=int, default=0,
                    help="compute threads per process (default: the contract's rule)")
     p.set_defaults(func=_certify)
-
-    g = sub.add_parser("gate", help="run a release gate (alpha, beta): certify its targets, print one table")
-    gsub = g.add_subparsers(dest="gate_name", metavar="GATE", required=True)
-    gates = {
-        "alpha": "SmolLM2 in 3 stages, tiny DeepSeek V4 in 2, 3 and 4 stages, the 12-stage scenario, MTP off: parity, "
-                 "the prefix cache, recovery from a kill -9, speed; exit 0 only if every row passes",
-        "beta": "everything alpha checks, plus MTP on (include_mtp bundles of tiny DeepSeek V4 and the 12-stage "
-                "scenario): exact against MTP off, kill -9 of the last stage mid-draft with a replica, tokens per "
-                "ring trip and the rejected-draft cost, a soak: exit 0 only if every row passes",
-    }
-    for name, what in gates.items():
-        a = gsub.add_parser(name, help=what, epilog=EXIT_HELP)
-        a.add_argument("--contract", help=f"the contract TOML (default certification/{name}.toml)")
-        a.add_argument("--out-dir", help=f"where the certificates go (default: .dgr/certificates/{name})")
-        a.add_argument("--lane", help="default: the contract's lane")
-        a.add_argument("--engine-lib", help="the engine library (default $DGR_ENGINE_LIB or the lane's build)")
-        a.set_defaults(func=_gate)
