@@ -23,7 +23,8 @@ from dgr.core.log import setup as setup_logging
 
 # Areas, in the order their commands are listed in `dgr --help`.
 AREAS = ("inspect", "synth", "recipe", "bundle", "upstream", "build_engine", "baseline", "parity", "worker", "generate",
-         "demo", "wire", "serve", "certs", "certify", "gate", "bench", "release", "deploy")
+         "demo", "wire", "serve", "certs", "certify", "gate", "bench", "release", "deploy", "up", "down",
+         "status")
 
 
 class _Version(argparse.Action):

@@ -1,6 +1,7 @@
 """What several `dgr` commands parse the same way (each command's own module is dgr.cli.commands.<command>):
 the flags of a client of a route (`dgr generate`, `dgr serve`), of a parity run's schedule (`dgr baseline`,
-`dgr parity`), and the exit statuses of a certification (`dgr certify`, `dgr gate`)."""
+`dgr parity`), the exit statuses of a certification (`dgr certify`, `dgr gate`) and where the run of a
+deployment is found (`dgr down`, `dgr status`)."""
 
 from __future__ import annotations
 
@@ -59,3 +60,8 @@ def add_schedule_args(p: argparse.ArgumentParser) -> None:
 VERDICT_EXIT_HELP = ("exit status: 0 every row passes; 1 a row fails; 3 no row fails but a speed row is "
                      "inconclusive (the spread of its per-round ratios covers the threshold: the machine was busy; "
                      "not a pass, rerun); 2 refused or an error")
+
+
+# --run-dir of a command that finds a deployment's run (`dgr down`, `dgr status`); `dgr up` makes it
+FOUND_RUN_DIR_HELP = ("the run folder (default: the one the latest `dgr up` of the deployment used, its --run-dir "
+                      "or <workspace>/deploy/<name>)")
