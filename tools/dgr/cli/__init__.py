@@ -1,1 +1,2 @@
-"""The `dgr` command (`main`) and its subcommands (`commands`, one module per area): the top layer."""
+"""The `dgr` command (`main`) and its subcommands (`commands`, one module per command, named after it;
+`shared`, what several of them parse the same way): the top layer."""

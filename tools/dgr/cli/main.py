@@ -1,7 +1,9 @@
 """The `dgr` command line: thin. Parses, calls the library, prints; typed errors become exit codes.
 
-Each area registers its own subcommands from `dgr.cli.commands.<area>` (one file per area, so areas grow
-independently). A command handler takes the parsed args and returns an exit code.
+Each command is registered, and handled, by the module named after it: `dgr build-engine` by
+`dgr.cli.commands.build_engine` (one file per command, '-' in its name '_' in the module's, so commands grow
+independently and the tree says where each one is; tests/test_cli_layout.py checks). What several commands
+parse the same way is `dgr.cli.shared`'s. A command handler takes the parsed args and returns an exit code.
 
 Output into a pipe that closes early (`dgr status FILE | head`) stops quietly with exit status 141, as
 the Python docs recommend (https://docs.python.org/3/library/signal.html#note-on-sigpipe): Python
@@ -21,10 +23,10 @@ import sys
 from dgr.core.errors import DgrError
 from dgr.core.log import setup as setup_logging
 
-# Areas, in the order their commands are listed in `dgr --help`.
-AREAS = ("inspect", "synth", "recipe", "bundle", "upstream", "build_engine", "baseline", "parity", "worker", "generate",
-         "demo", "wire", "serve", "certs", "certify", "gate", "bench", "release", "deploy", "up", "down",
-         "status")
+# The commands, in the order `dgr --help` lists them; each one's module is dgr.cli.commands.<command, '-' as '_'>.
+COMMANDS = ("inspect", "synth", "recipe", "bundle", "upstream", "build-engine", "baseline", "parity", "worker",
+            "generate", "demo", "wire", "serve", "certs", "certify", "gate", "bench", "release", "deploy", "up", "down",
+            "status")
 
 
 class _Version(argparse.Action):
@@ -66,8 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="the version, the llama.cpp commit and the patch series this dgr carries, and the numerics "
                         "of the engine library it would load")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for area in AREAS:
-        importlib.import_module(f"dgr.cli.commands.{area}").register(sub)
+    for command in COMMANDS:
+        importlib.import_module(f"dgr.cli.commands.{command.replace('-', '_')}").register(sub)
     return parser
 
 
