@@ -440,7 +440,7 @@ Serving serve(const Options & o, const Trust & trust, const Listen & l, Stage & 
     worker = std::make_unique<dgr::StageWorker>(s.lib, s.eng, s.id, name + ":" + port, o.max_message_bytes, o.limits);
     worker->set_trust(trust);
     worker->set_net_policy(o.net);
-    if (!o.certs.empty()) {                          // certs.h
+    if (!o.certs.empty()) {                          // certification.h
         const dgr_stage_info & si = worker->info();
         dgr::CertIdentity me{s.id.model, s.id.bundle_id, s.id.lane, s.id.upstream_commit, s.id.patch_series,
                              s.id.engine_blake3, s.id.worker_blake3, s.id.numerics, s.id.stage_index, si.layer_begin,

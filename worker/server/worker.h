@@ -28,7 +28,7 @@
 #include <future>
 
 #include "dgr/v1/stage.grpc.pb.h"
-#include "certs.h"
+#include "certification.h"
 #include "drafts.h"
 #include "engine_lib.h"
 #include "prefix_cache.h"
@@ -252,7 +252,7 @@ class StageWorker final : public dgr::v1::Stage::CallbackService {
     // Describe's descriptor reports
     std::string metrics_text();
     void set_metrics_url(const std::string & url);
-    // the certificates it advertises (certs.h: already checked against its identity); set before serving
+    // the certificates of certification it advertises (certification.h: already checked against its identity); set before serving
     void set_certificates(std::vector<HeldCertificate> c) { certificates_ = std::move(c); }
     // where it may connect (--peer-allow; net_policy.h); set before serving
     void set_net_policy(NetPolicy p) { net_ = std::move(p); }

@@ -3,7 +3,7 @@
 A row passes or not (`Figure.passed`). A speed row that could not decide, because the spread of its per-round
 ratios covers its threshold (dgr.app.certify.speed.judge), is not a pass either: `passed` is false and its
 detail begins with INCONCLUSIVE. The certificate format stays dgr.certificate/v1 (dgr-worker reads it too,
-worker/server/certs.cpp, and refuses fields it does not know), so the detail is where that is said.
+worker/server/certification.cpp, and refuses fields it does not know), so the detail is where that is said.
 
 - passed: every row passed (exit 0);
 - failed: a row failed outright (exit 1), whatever else was inconclusive;

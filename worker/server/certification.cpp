@@ -1,6 +1,6 @@
-// dgr-worker's certificates (certs.h): dgr.core.certificate (load_certificate, check, Certificate.digest) in
+// dgr-worker's certificates of certification (certification.h): dgr.core.certificate (load_certificate, check, Certificate.digest) in
 // C++, message for message: the worker logs each reason in check's words.
-#include "certs.h"
+#include "certification.h"
 
 #include <dirent.h>
 #include <sys/stat.h>

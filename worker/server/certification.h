@@ -1,7 +1,8 @@
-// The certificates (`dgr certify`, DIR/*.json, schema dgr.certificate/v1) dgr-worker advertises (--certs,
-// --contract): dgr.core.certificate.check, ported, over every file of DIR. A certificate is held
-// only when its identity equals this worker's exactly, it covers this stage, its contract file still has
-// the blake3 it records and every figure passed; every other one is logged with the reason and ignored.
+// The certificates of certification (`dgr certify`, DIR/*.json, schema dgr.certificate/v1) dgr-worker
+// advertises (--certs, --contract): dgr.core.certificate.check, ported, over every file of DIR. A certificate
+// is held only when its identity equals this worker's exactly, it covers this stage, its contract file still
+// has the blake3 it records and every figure passed; every other one is logged with the reason and ignored.
+// (The TLS certificates that `dgr certs` makes are tls.h's.)
 #pragma once
 
 #include <string>
