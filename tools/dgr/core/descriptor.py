@@ -197,7 +197,7 @@ class Descriptor(BaseModel):
             every = ", ".join(f"{k} {v}" for k, v in seam.bytes_per_token.items())
             cost = f"{seam.bytes_per_token[seam.wire_dtype]} B/token out at layer {seam.layer} ({seam.wire_dtype}; {every})"
         errs = ", ".join(f"{k} {v}" for k, v in sorted(h.errors.items())) or "none"
-        certs = "; ".join(f"{x.id} ({x.contract}: {x.summary})" for x in self.certificates) or "none"
+        held = "; ".join(f"{x.id} ({x.contract}: {x.summary})" for x in self.certificates) or "none"
         sec = "mutual TLS" if self.security.mutual_tls else "TLS" if self.security.tls else "plaintext"
         mem = c.memory
         return "\n".join([
@@ -215,7 +215,7 @@ class Descriptor(BaseModel):
             f"  health: {'serving' if h.serving else 'draining'}, up {h.uptime_s:.0f} s, errors {errs}, reaped "
             f"{h.reaped_sessions}, overloaded {h.overloaded}, restarts {h.restarts}",
             f"  security: {sec}{f', member {self.security.member}' if self.security.member else ''}",
-            f"  certificates: {certs}",
+            f"  certificates: {held}",
             *([f"  metrics: {self.metrics}"] if self.metrics else []),
         ])
 

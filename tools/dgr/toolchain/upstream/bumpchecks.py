@@ -247,9 +247,9 @@ def check_certificates(ctx: Context, step: Step) -> None:
     from dgr.core.hashing import file_blake3
 
     series = patch_series(ctx.pin)
-    new_certs = sorted((ctx.scratch / "certificates").glob("*.json"))
+    new_certificates = sorted((ctx.scratch / "certificates").glob("*.json"))
     wrong = []
-    for path in new_certs:
+    for path in new_certificates:
         idn = load_certificate(path).identity
         if (idn.upstream_commit, idn.patch_series) != (ctx.pin.commit, series):
             wrong.append(f"{path.name} names llama.cpp {idn.upstream_commit[:12]}, "
@@ -270,17 +270,17 @@ def check_certificates(ctx: Context, step: Step) -> None:
                                           "engine_blake3": engine or mine.engine_blake3, "contract_blake3": ""})
         why = check(cert, new_idn)
         stops.append(f"{path.relative_to(old_dir)}: {why or 'STILL MATCHES'}")
-    step.lines = [f"new: {p.name} names llama.cpp {ctx.pin.commit[:12]}" for p in new_certs] + \
+    step.lines = [f"new: {p.name} names llama.cpp {ctx.pin.commit[:12]}" for p in new_certificates] + \
                  [f"old: {s}" for s in stops]
     still = [s for s in stops if s.endswith("STILL MATCHES")]
     if wrong or (still and ctx.pin.commit != ctx.old_pin.commit):
         step.fail("; ".join(wrong + still))
         return
     if ctx.pin.commit == ctx.old_pin.commit:
-        step.ok(f"{len(new_certs)} new certificate(s); the commit is unchanged, so certificates made under the "
+        step.ok(f"{len(new_certificates)} new certificate(s); the commit is unchanged, so certificates made under the "
                 "current pin keep matching where the engine is the same")
         return
-    step.ok(f"{len(new_certs)} new certificate(s) name llama.cpp {ctx.pin.commit[:12]}; "
+    step.ok(f"{len(new_certificates)} new certificate(s) name llama.cpp {ctx.pin.commit[:12]}; "
             + (f"{len(stops)} made under {ctx.old_pin.commit[:12]} stop matching ({stops[0].split(': ', 1)[1]})"
                if stops else f"no certificate made under {ctx.old_pin.commit[:12]} is in {old_dir}; any would stop "
                "matching (a certificate names the upstream commit and patch series it was made with)"))

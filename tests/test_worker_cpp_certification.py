@@ -53,10 +53,10 @@ OTHER_NUMERICS = "cpu/native-x86-64-v3+avx512 gcc-12.2.0 llama.cpp-0123456789ab+
 
 
 @pytest.fixture(scope="module")
-def certs(tmp_path_factory, tiny, worker_bin):
+def certificates(tmp_path_factory, tiny, worker_bin):
     """({"cpp": DIR, "other": DIR}, contract, {kind: (its worker_blake3, a-good's digest, DIR)}): the same
     certificates, written for this dgr-worker's binary and for another build's."""
-    d = tmp_path_factory.mktemp("cpp-certs")
+    d = tmp_path_factory.mktemp("cpp-certification")
     idn = _identity(tiny, worker_bin)
     # the descriptor names the binary that is running: Python's blake3 of the file says the same
     assert idn["worker_blake3"] == file_blake3(worker_bin, threads=False)
@@ -100,9 +100,9 @@ def _short(h: str) -> str:
 
 
 @pytest.mark.parametrize("with_contract", [False, True])
-def test_the_matching_certificate_is_advertised_and_each_other_one_logged_with_its_reason(certs, tiny, worker_bin,
-                                                                                        with_contract):
-    dirs, contract, mine = certs
+def test_the_matching_certificate_is_advertised_and_each_other_one_logged_with_its_reason(certificates, tiny,
+                                                                                        worker_bin, with_contract):
+    dirs, contract, mine = certificates
     out = dirs["cpp"]
     flags = ["--certs", str(out), *(["--contract", str(contract)] if with_contract else [])]
     held, log = _served(cpp(worker_bin, tiny, 0, *flags))
@@ -142,10 +142,10 @@ def test_the_matching_certificate_is_advertised_and_each_other_one_logged_with_i
     assert good.identity.numerics, "the worker's descriptor names its numerics"
 
 
-def test_a_certificate_for_another_worker_binary_is_not_advertised(certs, tiny, worker_bin):
+def test_a_certificate_for_another_worker_binary_is_not_advertised(certificates, tiny, worker_bin):
     """dgr-worker given the certificates written for another build's binary: none is advertised, and each one
     whose identity and stage match says the worker binary differs."""
-    dirs, contract, mine = certs
+    dirs, contract, mine = certificates
     held, log = _served(cpp(worker_bin, tiny, 0, "--certs", str(dirs["other"])))
     assert held == []
     line = next(x for x in log if "a-good.json" in x)
@@ -153,8 +153,8 @@ def test_a_certificate_for_another_worker_binary_is_not_advertised(certs, tiny, 
                     f"this worker is {mine['cpp'][0][:12]}: re-certify")
 
 
-def test_a_missing_certs_directory_or_contract_is_refused_in_one_line(certs, tiny, worker_bin, tmp_path):
-    dirs, contract, _ = certs
+def test_a_missing_certs_directory_or_contract_is_refused_in_one_line(certificates, tiny, worker_bin, tmp_path):
+    dirs, contract, _ = certificates
     out = dirs["cpp"]
     for flags, why in ((["--certs", str(tmp_path / "none")],
                         f"--certs {tmp_path / 'none'}: no such directory (put the certificates `dgr certify` wrote "
