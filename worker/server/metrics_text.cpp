@@ -88,7 +88,7 @@ std::string StageWorker::metrics_text() {
         prom_sample(o, std::string("dgr_worker_") + name, "", v);
     };
     gauge("sessions_open", "open sessions", double(sessions_.size()));
-    gauge("queued_steps", "steps queued for the engine", double(n_pending_));
+    gauge("queued_steps", "steps queued for the engine", double(steps_.steps()));
     gauge("cached_positions", "positions held over all open sessions", double(held));
     gauge("uptime_seconds", "seconds since the worker started",
           std::chrono::duration<double>(std::chrono::steady_clock::now() - started_).count());

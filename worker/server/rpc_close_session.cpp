@@ -27,12 +27,7 @@ void StageWorker::close_local(const std::string & sid, uint64_t epoch) {
             wire = s->second->wire_down;
             sessions_.erase(s);
         }
-        auto it = pending_.find(Key{sid, epoch});   // its queued steps are forgotten
-        if (it != pending_.end()) {
-            n_pending_ -= int64_t(it->second.size());
-            pending_gone(it->first, int64_t(it->second.size()));
-            pending_.erase(it);
-        }
+        steps_.drop(Key{sid, epoch});               // its queued steps are forgotten
         // nothing of a session outlives it: its id along the route, its latest epoch once no epoch is open,
         // the links' note of it
         bool open = false;
@@ -144,7 +139,7 @@ int StageWorker::reap() {
         std::lock_guard<std::mutex> g(mu_);
         auto now = Clock::now();
         for (auto & kv : sessions_) {
-            if (std::chrono::duration<double>(now - kv.second->last_used).count() > ttl && !pending_.count(kv.first)) {
+            if (std::chrono::duration<double>(now - kv.second->last_used).count() > ttl && !steps_.has(kv.first)) {
                 idle.push_back(kv.first);
                 told.push_back(kv.second);
             }

@@ -65,7 +65,7 @@ void StageWorker::describe_msg(pb::StageDescription * d) {
     }
     {
         std::lock_guard<std::mutex> g(mu_);
-        d->set_queued_steps(uint32_t(n_pending_));
+        d->set_queued_steps(uint32_t(steps_.steps()));
         d->set_max_frame_bytes_sent(max_frame_bytes_sent_);
         uint64_t cached = 0;
         for (auto & kv : sessions_) cached += kv.second->held;
@@ -121,7 +121,7 @@ std::string StageWorker::descriptor_json() {
         std::lock_guard<std::mutex> g(mu_);
         for (auto & e : errors_) errors[e.first] = e.second;
         open = sessions_.size();
-        queued = n_pending_;
+        queued = steps_.steps();
         for (auto & kv : sessions_) cached += kv.second->held;
         reaped = reaped_;
         overloaded = overloaded_;

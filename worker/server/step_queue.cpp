@@ -24,13 +24,13 @@ struct Busy {
     ~Busy() {
         if (!l.owns_lock()) l.lock();
         w->engine_busy_ = false;
-        if (w->n_pending_ || !w->jobs_.empty() || w->threads_stopped_) w->wake_.notify_all();
+        if (w->steps_.steps() || !w->jobs_.empty() || w->threads_stopped_) w->wake_.notify_all();
     }
 };
 constexpr int64_t INLINE_MAX_POSITIONS = 16;   // decode and speculation's verification steps; prefill chunks are longer
 
 uint32_t StageWorker::retry_after_ms() {   // mu_ held
-    return uint32_t(std::min(5000.0, std::max(50.0, batch_ms_ * double(1 + n_pending_))));
+    return uint32_t(std::min(5000.0, std::max(50.0, batch_ms_ * double(1 + steps_.steps()))));
 }
 
 void StageWorker::enqueue(Work w, const SessionPtr & sess, bool own) {
@@ -40,36 +40,35 @@ void StageWorker::enqueue(Work w, const SessionPtr & sess, bool own) {
     std::vector<Work> batch;
     {
         std::unique_lock<std::mutex> g(mu_);
-        auto it = pending_.find(key);
-        if (!own && n_pending_ >= limits_.max_queued_steps) {
-            why = std::to_string(n_pending_) + " steps are queued (--max-queued-steps " + std::to_string(limits_.max_queued_steps) + ")";
-        } else if (const int64_t cap = limits_.max_queued_steps_per_member;
-                   !own && cap > 0 && [&] { auto m = pending_by_member_.find(owner_of(key.first));
-                                            return m != pending_by_member_.end() && m->second >= cap; }()) {
-            why = "this member has " + std::to_string(cap) + " steps queued here (--max-queued-steps-per-member " +
-                  std::to_string(cap) + ")";
-        } else if (!own && it != pending_.end() && int64_t(it->second.size()) >= limits_.max_session_steps) {
-            why = "session " + wire_of(key.first) + " has " + std::to_string(it->second.size()) + " steps queued (--max-session-steps " +
-                  std::to_string(limits_.max_session_steps) + ")";
-        }
-        if (why.empty()) {                           // (--session-ttl counts steps run, not steps asked for)
-            if (it == pending_.end()) {
-                order_.push_back(key);
-                it = pending_.emplace(key, std::deque<Work>()).first;
-            }
-            const int64_t positions = w.frame.step().positions_size();
-            it->second.push_back(std::move(w));
-            ++n_pending_;
-            if (limits_.max_queued_steps_per_member > 0) ++pending_by_member_[owner_of(key.first)];   // (off: no count)
-            if (!run_inline(positions)) {
-                wake_.notify_all();
+        using Refused = StepQueue<Key, Work>::Refused;
+        const int64_t positions = w.frame.step().positions_size();
+        const auto pushed = steps_.push(key, owner_of(key.first), std::move(w), positions, own);
+        switch (pushed.refused) {
+            case Refused::none:
+                if (!run_inline(positions)) {
+                    wake_.notify_all();
+                    return;
+                }
+                {
+                    batch = ready_batch();
+                    Busy busy(this, g);
+                    g.unlock();
+                    run_guarded(batch);
+                }
                 return;
+            case Refused::worker_full:
+                why = std::to_string(pushed.queued) + " steps are queued (--max-queued-steps " + std::to_string(limits_.max_queued_steps) + ")";
+                break;
+            case Refused::member_full: {
+                const int64_t cap = limits_.max_queued_steps_per_member;
+                why = "this member has " + std::to_string(cap) + " steps queued here (--max-queued-steps-per-member " +
+                      std::to_string(cap) + ")";
+                break;
             }
-            batch = ready_batch();
-            Busy busy(this, g);
-            g.unlock();
-            run_guarded(batch);
-            return;
+            case Refused::session_full:           // (--session-ttl counts steps run, not steps asked for)
+                why = "session " + wire_of(key.first) + " has " + std::to_string(pushed.queued) + " steps queued (--max-session-steps " +
+                      std::to_string(limits_.max_session_steps) + ")";
+                break;
         }
         ++overloaded_;
         retry = retry_after_ms();
@@ -95,42 +94,15 @@ void StageWorker::run_guarded(std::vector<Work> & batch) {
     }
 }
 
-void StageWorker::pending_gone(const Key & key, int64_t n) {   // mu_ held
-    if (limits_.max_queued_steps_per_member <= 0) return;      // counted only under the bound
-    auto m = pending_by_member_.find(owner_of(key.first));
-    if (m != pending_by_member_.end() && (m->second -= n) <= 0) pending_by_member_.erase(m);
-}
-
 bool StageWorker::held_back() {   // mu_ held; --hold-batch (tests: force sharing)
     const int64_t hold = limits_.hold_batch;
     const int64_t need = int64_t(opened_total_) < hold ? hold : std::min<int64_t>(hold, int64_t(sessions_.size()));
-    return hold > 0 && int64_t(pending_.size()) < need;
+    return hold > 0 && int64_t(steps_.sessions()) < need;
 }
 
 std::vector<StageWorker::Work> StageWorker::ready_batch() {   // mu_ held
-    std::vector<Work> batch;
-    if (threads_stopped_ || !n_pending_ || held_back()) return batch;
-    int64_t tokens = 0;
-    std::deque<Key> kept, served;                    // round robin: served sessions go to the back
-    for (auto & key : order_) {
-        auto it = pending_.find(key);
-        if (it == pending_.end() || it->second.empty()) continue;   // closed while queued
-        const int64_t n = it->second.front().frame.step().positions_size();
-        if (!batch.empty() && (tokens + n > limits_.max_batch_tokens || int64_t(batch.size()) >= limits_.max_batch_sessions)) {
-            kept.push_back(key);
-            continue;
-        }
-        batch.push_back(std::move(it->second.front()));
-        it->second.pop_front();
-        tokens += n;
-        --n_pending_;
-        pending_gone(key, 1);
-        if (it->second.empty()) pending_.erase(it);
-        else served.push_back(key);
-    }
-    kept.insert(kept.end(), served.begin(), served.end());
-    order_.swap(kept);
-    return batch;
+    if (threads_stopped_ || !steps_.steps() || held_back()) return {};
+    return steps_.take(limits_.max_batch_tokens, limits_.max_batch_sessions);
 }
 
 void StageWorker::engine_loop() {
@@ -138,7 +110,7 @@ void StageWorker::engine_loop() {
         try {
             std::vector<Work> batch;
             std::unique_lock<std::mutex> l(mu_);
-            while (!threads_stopped_ && (engine_busy_ || ((!n_pending_ || held_back()) && jobs_.empty()))) {
+            while (!threads_stopped_ && (engine_busy_ || ((!steps_.steps() || held_back()) && jobs_.empty()))) {
                 wake_.wait_for(l, std::chrono::milliseconds(500));
             }
             if (threads_stopped_) return;

@@ -19,7 +19,8 @@ using Clock = std::chrono::steady_clock;
 StageWorker::StageWorker(const EngineLib & lib, dgr_engine * eng, StageIdentity identity, std::string address,
                          uint64_t max_message_bytes, Limits limits)
     : lib_(lib), eng_(eng), id_(std::move(identity)), address_(std::move(address)),
-      max_message_bytes_(max_message_bytes), limits_(limits), started_(Clock::now()) {
+      max_message_bytes_(max_message_bytes), limits_(limits), started_(Clock::now()),
+      steps_(StepBounds{limits.max_queued_steps, limits.max_session_steps, limits.max_queued_steps_per_member}) {
     int32_t st = lib_.describe(eng_, &info_);
     if (st != DGR_OK) throw std::runtime_error(lib_.error(st));
     st = lib_.memory(eng_, &memory_);

@@ -31,6 +31,7 @@
 #include "certification.h"
 #include "drafts.h"
 #include "engine_lib.h"
+#include "engine_loop/step_queue.h"
 #include "prefix_cache.h"
 #include "unary_calls.h"
 #include "metrics.h"
@@ -339,7 +340,7 @@ class StageWorker final : public dgr::v1::Stage::CallbackService {
     dgr::v1::Frame next_step(Session & s, const std::string & sid, uint64_t epoch, int64_t pos, int32_t token, bool after_drafts);
     void enqueue(Work w, const SessionPtr & sess, bool own);
     uint32_t retry_after_ms();
-    bool held_back();
+    bool held_back();                                // mu_ held
     std::vector<Work> ready_batch();                 // mu_ held
     bool run_inline(int64_t positions);              // mu_ held
     void run_guarded(std::vector<Work> & batch);
@@ -454,11 +455,9 @@ class StageWorker final : public dgr::v1::Stage::CallbackService {
     std::vector<std::shared_ptr<Link>> dead_links_;             // broken ones, joined at stop
     std::map<Key, std::shared_future<void>> closing_;           // sessions being closed along the route now
     std::set<ReplyPtr> streams_;                     // reply queues of the incoming Frames calls
-    std::map<Key, std::deque<Work>> pending_;        // queued steps per session
-    std::deque<Key> order_;                          // sessions with queued steps, round robin
-    int64_t n_pending_ = 0;
-    std::map<std::string, int64_t> pending_by_member_;   // queued steps per owner (a member at 0 is erased)
-    void pending_gone(const Key & key, int64_t n);     // mu_ held: n of key's queued steps left the queue
+    // queued steps per session, bounded, taken round robin: a part with its own (leaf) lock
+    // (engine_loop/step_queue.h); mu_ is held around it where its answer and the worker's state go together
+    StepQueue<Key, Work> steps_;
     std::deque<std::function<void()>> jobs_;         // engine-thread work after a forward (detokenizing)
     std::condition_variable wake_;
     double batch_ms_ = 1.0;                          // moving average of one engine batch (retry hints)
