@@ -100,9 +100,10 @@ def declared_mutexes(text: str) -> list[str]:
 
 
 def code_locks(root: Path = SERVER) -> set[tuple[str, str]]:
-    """(Owner::name, path from the repository) of every mutex declared in worker/server/*.h and *.cpp."""
+    """(Owner::name, path from the repository) of every mutex declared in worker/server/ and its parts'
+    folders (*.h, *.cpp; not the parts' *_test.cpp)."""
     out = set()
-    for p in sorted([*root.glob("*.h"), *root.glob("*.cpp")]):
+    for p in sorted(q for q in [*root.rglob("*.h"), *root.rglob("*.cpp")] if not q.name.endswith("_test.cpp")):
         for name in declared_mutexes(p.read_text()):
             out.add((name, p.relative_to(REPO).as_posix() if p.is_relative_to(REPO) else p.name))
     return out
