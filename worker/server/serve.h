@@ -11,7 +11,7 @@
 
 #include "engine_lib.h"
 #include "metrics.h"
-#include "net_policy.h"
+#include "trust/net_policy.h"
 #include "tls.h"
 #include "worker.h"
 
@@ -36,7 +36,7 @@ struct Options {
     // --handshake-timeout: a connection that has not finished its TLS handshake and HTTP/2 preface by then is
     // closed (gRPC's own default is 120 s: idle half-open connections would hold descriptors that long)
     double handshake_timeout_s = 10.0;
-    // --peer-allow CIDR,...: where outgoing links and chained calls may go (net_policy.h)
+    // --peer-allow CIDR,...: where outgoing links and chained calls may go (trust/net_policy.h)
     dgr::NetPolicy net;
     // --max-rpc-memory-mib: gRPC's own buffers (ResourceQuota::Resize): what a flood of connections and streams
     // can make the transport hold

@@ -35,7 +35,7 @@
 #include "prefix_cache.h"
 #include "unary_calls.h"
 #include "metrics.h"
-#include "net_policy.h"
+#include "trust/net_policy.h"
 #include "tls.h"
 
 namespace dgr {
@@ -255,7 +255,7 @@ class StageWorker final : public dgr::v1::Stage::CallbackService {
     void set_metrics_url(const std::string & url);
     // the certificates of certification it advertises (certification.h: already checked against its identity); set before serving
     void set_certificates(std::vector<HeldCertificate> c) { certificates_ = std::move(c); }
-    // where it may connect (--peer-allow; net_policy.h); set before serving
+    // where it may connect (--peer-allow; trust/net_policy.h); set before serving
     void set_net_policy(NetPolicy p) { net_ = std::move(p); }
 
   private:

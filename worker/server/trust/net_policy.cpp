@@ -1,11 +1,11 @@
-// net_policy.h: where a worker may connect.
+// trust/net_policy.h: where a worker may connect.
 //
 // A route's addresses come from whoever opens a session (a member of the mesh, not trusted: issue 35). gRPC
 // reads a target string as a URI: "unix:/run/x", "unix-abstract:x", "vsock:2:80", "ipv4:10.0.0.1:80" or
 // even "dns:80" would reach what the route's owner chose, not a TCP peer; so only a plain HOST:PORT passes.
 // Refusals name the address and the rule and say what to give instead; nothing here connects, so no answer
 // depends on whether something listens there.
-#include "net_policy.h"
+#include "trust/net_policy.h"
 
 #include <arpa/inet.h>
 #include <netdb.h>
@@ -71,8 +71,11 @@ Net parse_net(const std::string & entry) {
         }
         n.bits = std::stoi(b);
     }
-    unmap(n.family, n.a);
-    if (n.family == AF_INET && n.bits > 32) n.bits -= 96;       // ::ffff:a.b.c.d/120 is a.b.c.d/24
+    // ::ffff:a.b.c.d/120 is a.b.c.d/24; under /96 the ffff is host bits, refused below as an IPv6 network
+    if (n.family == AF_INET6 && n.bits >= 96) {
+        unmap(n.family, n.a);
+        if (n.family == AF_INET) n.bits -= 96;
+    }
     // the host bits must be zero (10.0.0.1/8 is a typo for one address or for 10.0.0.0/8: say which)
     Net zero = n;
     for (int i = 0; i < 16; ++i) {
@@ -179,7 +182,14 @@ std::string refuse_peer_address(const std::string & address, const NetPolicy & p
         if (host.find(':') != std::string::npos) {
             // "unix:x:1", "vsock:2:80", or an IPv6 address without its brackets
             in6_addr a6;
-            if (inet_pton(AF_INET6, host.c_str(), &a6) == 1) return refuse("an IPv6 address goes in brackets", "give [" + host + "]:" + port);
+            const bool numeric_port = !port.empty() && port.find_first_not_of("0123456789") == std::string::npos;
+            if (numeric_port && inet_pton(AF_INET6, host.c_str(), &a6) == 1) {
+                return refuse("an IPv6 address goes in brackets", "give [" + host + "]:" + port);
+            }
+            // "::1", "fd00::1", "::ffff:10.0.0.1": an IPv6 address alone, not a scheme
+            if (inet_pton(AF_INET6, address.c_str(), &a6) == 1) {
+                return refuse("an IPv6 address goes in brackets, with a :PORT after it", "give [" + address + "]:PORT");
+            }
             return refuse("peers are reached over TCP only, never by a gRPC target with a scheme (unix:, dns:, "
                           "ipv4:, vsock:, ...)");
         }
