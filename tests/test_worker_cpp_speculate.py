@@ -1,10 +1,10 @@
 """dgr-worker's speculative decoding (issue 21 phase 4, docs/worker.md): n-gram drafts at the origin
-(worker/server/drafts.cpp, the port of dgr.runtime.wire.drafts), verified by the last stage in the same ring, rejected
-drafts rolled back on every stage. A route of dgr-workers with speculation generates exactly what it does
-without (tokens, text, bit-identical logits) and what the whole model does in process (dgr.runtime.engine.Engine:
-greedy, or sampled with the engine library's own sampler, dgr_sample); a route cut differently speculates
-alike; and its rings are the ones dgr.runtime.wire.drafts.NgramDrafts predicts on the tokens generated (the same
-drafts, accepted at the same tokens).
+(worker/server/speculation/drafts.cpp, the port of dgr.runtime.wire.drafts), verified by the last stage in the
+same ring, rejected drafts rolled back on every stage. A route of dgr-workers with speculation generates exactly
+what it does without (tokens, text, bit-identical logits) and what the whole model does in process
+(dgr.runtime.engine.Engine: greedy, or sampled with the engine library's own sampler, dgr_sample); a route cut
+differently speculates alike; and its rings are the ones dgr.runtime.wire.drafts.NgramDrafts predicts on the
+tokens generated (the same drafts, accepted at the same tokens).
 
 Real processes on loopback, the real engine, a tiny synthetic bundle (3 stages; the same model in 2 stages).
 """

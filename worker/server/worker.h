@@ -29,7 +29,7 @@
 
 #include "dgr/v1/stage.grpc.pb.h"
 #include "certification.h"
-#include "drafts.h"
+#include "speculation/drafts.h"
 #include "engine_lib.h"
 #include "engine_loop/step_queue.h"
 #include "prefix_cache.h"

@@ -1,5 +1,5 @@
-// dgr.runtime.wire.drafts in C++ (drafts.h): the n-gram draft source and its back-off, line for line.
-#include "drafts.h"
+// dgr.runtime.wire.drafts in C++ (speculation/drafts.h): the n-gram draft source and its back-off, line for line.
+#include "speculation/drafts.h"
 
 #include <algorithm>
 #include <stdexcept>
