@@ -33,7 +33,7 @@ def test_the_worker_and_the_client_reconnect_alike():
 def test_every_channel_the_worker_opens_sets_the_three():
     """A channel made without them gets gRPC's defaults (1 s first pause, 120 s at most), so a peer restarted
     in place would wait behind a long backoff; one with a literal would drift from the client."""
-    for path in sorted(SERVER.glob("*.cpp")):
+    for path in sorted(SERVER.rglob("*.cpp")):
         text = path.read_text()
         if "CreateCustomChannel" not in text or path.name == "probe.cpp":   # --probe: one attempt, its own deadline
             continue
