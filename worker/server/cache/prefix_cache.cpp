@@ -1,4 +1,4 @@
-#include "prefix_cache.h"
+#include "prefix_cache.h"   // its own folder: Bazel's dgr-worker compiles without -Iworker/server
 
 #include <algorithm>
 #include <cstring>

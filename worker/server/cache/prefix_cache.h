@@ -7,6 +7,10 @@
 // dtype that arrived from the previous stage). One saved state (llama.cpp's session bytes for n positions) serves
 // every block it covers: a later session restores it whole and keeps the first (j+1) * block_tokens
 // positions. Bounded by bytes (--prefix-cache-mib), least recently used first out. Thread-safe.
+//
+// A part of the worker (docs/worker.md "Parts and their owners"): it owns its entries, index and LRU list under
+// its one lock (mu_), and nothing of gRPC or the engine is in it; session_prefix.cpp and rpc_open_session.cpp
+// are the worker's glue.
 #pragma once
 
 #include <cstdint>
