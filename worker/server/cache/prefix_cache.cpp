@@ -57,7 +57,6 @@ size_t PrefixCache::put(const std::string & seed, const std::vector<std::string>
     if (n == 0) return 0;
     std::lock_guard<std::mutex> g(mu_);
     if (state.size() > capacity_) return 0;
-    while (bytes_ + state.size() > capacity_ && !lru_.empty()) evict_one();
     const uint64_t id = next_++;
     Entry & e = entries_[id];
     e.state = std::make_shared<const std::string>(std::move(state));
@@ -83,6 +82,8 @@ size_t PrefixCache::put(const std::string & seed, const std::vector<std::string>
         bytes_ -= it->second.state->size();
         it = entries_.erase(it);
     }
+    // then room, least recently used out: after the states this one replaced have given theirs back
+    while (bytes_ > capacity_ && lru_.back() != id) evict_one();
     ++stats_.kept;
     return n;
 }

@@ -1,8 +1,8 @@
 // The prefix cache alone (prefix_cache.h): what the worker relies on when it files a closing session's state and
 // looks one up for a new session. Entries answer the same prefix blocks and no others, never another owner's
 // seed (docs/security.md "The prefix cache cannot be poisoned or read across members"), block_hashes is the
-// Python chain, the byte budget evicts least recently used first, a newer state replaces an older one, a
-// budget of 0 keeps nothing, a hit outlives its entry, and threads share it.
+// Python chain, the byte budget evicts least recently used first, a newer state replaces an older one without
+// costing a third, a budget of 0 keeps nothing, a hit outlives its entry, and threads share it.
 // No gRPC, no engine: `bazel test //worker/server:prefix_cache_test`, or the CMake target dgr-worker-unit-tests
 // (tests/test_worker_units.py builds and runs it).
 #include "cache/prefix_cache.h"
@@ -192,6 +192,17 @@ void a_newer_state_replaces_the_older_one() {
     CHECK(state_of(h) == "turn two!" && h.n_keep == 64 && h.n_positions == 96);
     h = c.find(s, b3, BT);
     CHECK(state_of(h) == "turn two!" && h.n_keep == 96);
+
+    // A full cache: replacing an entry frees its own bytes; it must not push out an unrelated one first
+    PrefixCache f(200);
+    const auto u = blocks_of(seq(5000, 32)), a = blocks_of(seq(6000, 32));
+    f.put(s, u, BT, std::string(100, 'u'), 32);     // the least recently used
+    f.put(s, a, BT, std::string(100, 'a'), 32);
+    CHECK(f.put(s, a, BT, std::string(100, 'A'), 32) == 1);   // a again, newer
+    CHECK(state_of(f.find(s, a, BT)) == std::string(100, 'A'));
+    CHECK(found(f, s, u));
+    st = f.stats();
+    CHECK(st.entries == 2 && st.bytes == 200 && st.evicted == 0);
 }
 
 void a_budget_of_zero_keeps_nothing() {
