@@ -8,7 +8,9 @@
 namespace dgr {
 
 std::string PrefixCache::key(const std::string & seed, uint32_t block_tokens, const std::string & block) {
-    return seed + '\0' + std::to_string(block_tokens) + '\0' + block;
+    // the seed's length first: a seed holds any bytes (a member's name is its certificate's commonName), and
+    // none may end where another seed's key goes on
+    return std::to_string(seed.size()) + ':' + seed + std::to_string(block_tokens) + ':' + block;
 }
 
 PrefixCache::Hit PrefixCache::find(const std::string & seed, const std::vector<std::string> & blocks, uint32_t block_tokens) {

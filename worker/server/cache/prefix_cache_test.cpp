@@ -132,6 +132,13 @@ void an_owner_never_gets_another_owners_entry() {
     CHECK(state_of(c.find("alice|1/0", blocks, BT)) == "alice's");   // replaces nothing of alice's
     CHECK(state_of(c.find("bob|1/0", blocks, BT)) == "bob's");
     CHECK(c.stats().entries == 2);
+
+    // The cache's own promise is about seeds, whatever bytes they hold (a member's name is its certificate's
+    // commonName, which may hold any byte): a seed that ends in the key's separators must not reach another
+    // seed's entry. Seed "a", block size 1, block "2\0X" against seed "a\0" "1", block size 2, block "X".
+    PrefixCache d(1 << 20);
+    CHECK(d.put("a", {std::string("2\0X", 3)}, 1, "a's", 1) == 1);
+    CHECK(state_of(d.find(std::string("a\0" "1", 3), {"X"}, 2)) == "");
 }
 
 void the_budget_evicts_the_least_recently_used() {
