@@ -58,7 +58,7 @@ size_t PrefixCache::put(const std::string & seed, const std::vector<std::string>
     const size_t n = std::min(blocks.size(), size_t(n_positions) / block_tokens);
     if (n == 0) return 0;
     std::lock_guard<std::mutex> g(mu_);
-    if (state.size() > capacity_) return 0;
+    if (!capacity_ || state.size() > capacity_) return 0;
     const uint64_t id = next_++;
     Entry & e = entries_[id];
     e.state = std::make_shared<const std::string>(std::move(state));

@@ -38,7 +38,7 @@ class PrefixCache {
     Hit find(const std::string & seed, const std::vector<std::string> & blocks, uint32_t block_tokens);
     // Keep `state` (n_positions positions) for the blocks it covers (at most n_positions / block_tokens of
     // them), replacing what those blocks pointed to, then evicting the least recently used for room. A state
-    // larger than the whole capacity is not kept. Returns the blocks indexed.
+    // larger than the whole capacity is not kept, nor anything at capacity 0. Returns the blocks indexed.
     size_t put(const std::string & seed, const std::vector<std::string> & blocks, uint32_t block_tokens,
                std::string state, int32_t n_positions, std::vector<int32_t> tokens = {});
     // The chain of hashes over every whole block of `ids` (dgr.runtime.wire.prefix.block_hashes: BLAKE3 over

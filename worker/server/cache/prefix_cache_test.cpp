@@ -216,6 +216,7 @@ void a_budget_of_zero_keeps_nothing() {
     PrefixCache c(0);
     const auto b = blocks_of(seq(0, 64));
     CHECK(c.put("m|1/0", b, BT, "s", 64) == 0);
+    CHECK(c.put("m|1/0", b, BT, "", 64) == 0);      // not even a state of no bytes
     CHECK(!found(c, "m|1/0", b));
     auto st = c.stats();
     CHECK(st.capacity == 0 && st.bytes == 0 && st.entries == 0 && st.hits == 0 && st.lookups == 1);
