@@ -1,4 +1,4 @@
-// What the prefix cache (prefix_cache.h) keeps of a closing session, and what a state depends on besides
+// What the prefix cache (cache/prefix_cache.h) keeps of a closing session, and what a state depends on besides
 // its tokens.
 #include "worker.h"
 

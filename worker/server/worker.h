@@ -32,7 +32,7 @@
 #include "speculation/drafts.h"
 #include "engine_lib.h"
 #include "engine_loop/step_queue.h"
-#include "prefix_cache.h"
+#include "cache/prefix_cache.h"
 #include "unary_calls.h"
 #include "metrics.h"
 #include "trust/net_policy.h"
@@ -417,7 +417,7 @@ class StageWorker final : public dgr::v1::Stage::CallbackService {
     dgr_stage_info info_{};
     dgr_memory memory_{};
     bool can_truncate_ = false;
-    // the prefix cache (prefix_cache.h); null where off (--prefix-cache-mib 0, or an engine that cannot keep a
+    // the prefix cache (cache/prefix_cache.h); null where off (--prefix-cache-mib 0, or an engine that cannot keep a
     // prefix of a session: no truncation, results that depend on the batch, an engine built before it)
     std::unique_ptr<PrefixCache> prefix_;
     std::string prefix_off_;                         // why it is off ("" when on)

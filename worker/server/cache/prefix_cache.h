@@ -7,6 +7,10 @@
 // dtype that arrived from the previous stage). One saved state (llama.cpp's session bytes for n positions) serves
 // every block it covers: a later session restores it whole and keeps the first (j+1) * block_tokens
 // positions. Bounded by bytes (--prefix-cache-mib), least recently used first out. Thread-safe.
+//
+// A part of the worker (docs/worker.md "Parts and their owners"): it owns its entries, index and LRU list under
+// its one lock (mu_), and nothing of gRPC or the engine is in it; session_prefix.cpp and rpc_open_session.cpp
+// are the worker's glue. Its test: cache/prefix_cache_test.cpp.
 #pragma once
 
 #include <cstdint>
@@ -33,7 +37,8 @@ class PrefixCache {
     // The longest prefix of `blocks` (block_tokens each) that a kept state covers; n_keep 0 when none.
     Hit find(const std::string & seed, const std::vector<std::string> & blocks, uint32_t block_tokens);
     // Keep `state` (n_positions positions) for the blocks it covers (at most n_positions / block_tokens of
-    // them). A state larger than the whole capacity is not kept. Returns the blocks indexed.
+    // them), replacing what those blocks pointed to, then evicting the least recently used for room. A state
+    // larger than the whole capacity is not kept, nor anything at capacity 0. Returns the blocks indexed.
     size_t put(const std::string & seed, const std::vector<std::string> & blocks, uint32_t block_tokens,
                std::string state, int32_t n_positions, std::vector<int32_t> tokens = {});
     // The chain of hashes over every whole block of `ids` (dgr.runtime.wire.prefix.block_hashes: BLAKE3 over

@@ -1,4 +1,4 @@
-#include "prefix_cache.h"
+#include "cache/prefix_cache.h"
 
 #include <algorithm>
 #include <cstring>
@@ -8,7 +8,9 @@
 namespace dgr {
 
 std::string PrefixCache::key(const std::string & seed, uint32_t block_tokens, const std::string & block) {
-    return seed + '\0' + std::to_string(block_tokens) + '\0' + block;
+    // the seed's length first: a seed holds any bytes (a member's name is its certificate's commonName), and
+    // none may end where another seed's key goes on
+    return std::to_string(seed.size()) + ':' + seed + std::to_string(block_tokens) + ':' + block;
 }
 
 PrefixCache::Hit PrefixCache::find(const std::string & seed, const std::vector<std::string> & blocks, uint32_t block_tokens) {
@@ -56,8 +58,7 @@ size_t PrefixCache::put(const std::string & seed, const std::vector<std::string>
     const size_t n = std::min(blocks.size(), size_t(n_positions) / block_tokens);
     if (n == 0) return 0;
     std::lock_guard<std::mutex> g(mu_);
-    if (state.size() > capacity_) return 0;
-    while (bytes_ + state.size() > capacity_ && !lru_.empty()) evict_one();
+    if (!capacity_ || state.size() > capacity_) return 0;
     const uint64_t id = next_++;
     Entry & e = entries_[id];
     e.state = std::make_shared<const std::string>(std::move(state));
@@ -83,6 +84,8 @@ size_t PrefixCache::put(const std::string & seed, const std::vector<std::string>
         bytes_ -= it->second.state->size();
         it = entries_.erase(it);
     }
+    // then room, least recently used out: after the states this one replaced have given theirs back
+    while (bytes_ > capacity_ && lru_.back() != id) evict_one();
     ++stats_.kept;
     return n;
 }
