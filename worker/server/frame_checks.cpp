@@ -57,7 +57,7 @@ void StageWorker::on_frame(pb::Frame frame, const ReplyPtr & reply, const std::o
     const bool returning = kind == pb::Frame::kToken || kind == pb::Frame::kLogits || kind == pb::Frame::kError;
     if (peer) {
         if (!returning) {
-            frame.set_session_id(qualify(*peer, named));
+            frame.set_session_id(names_.key(*peer, named));
         } else {
             std::lock_guard<std::mutex> g(mu_);
             frame.set_session_id(info_.is_first ? origin_key(named) : std::string());

@@ -16,7 +16,7 @@ using Clock = std::chrono::steady_clock;
 void StageWorker::deliver_to_client(pb::Frame frame) {
     SessionPtr sess = session(Key{frame.session_id(), frame.epoch()});
     if (!sess || !info_.is_first) return;
-    frame.set_session_id(wire_of(sess->sid));        // what the client gets names the session as it did
+    frame.set_session_id(names_.wire_of(sess->sid));        // what the client gets names the session as it did
     ReplyPtr client;
     {
         std::lock_guard<std::mutex> g(mu_);

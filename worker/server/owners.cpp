@@ -1,12 +1,6 @@
-// Owners (issue 35, docs/security.md): under mutual TLS every session lives in the namespace of the member
-// that opened it at this worker, so no other member can name, step, evict or close it at any epoch, and
-// what a request may ask of the worker is bounded before any parser sees it.
-//
-// This worker's key for a session is qualify(opener, id as the opener named it): "<member>/<id>", the
-// member's '%' and '/' escaped, so two members' keys never meet. Stage 0 names each session to the route's
-// later hops and its origin by an id of its own (Session::wire_down: the client's id and 128 random bits),
-// which no member off the route can guess; every later stage passes on the id it got. Without mutual TLS
-// the worker has one tenant and a key is the id itself.
+// Owners (docs/security.md): what a request may ask of the worker, bounded before any parser sees it, and the
+// origin's map from the ids stage 0 gave its sessions to this worker's keys. Whose a session is, from its key,
+// is the part sessions/names.h.
 #include <fcntl.h>
 #include <unistd.h>
 
@@ -21,69 +15,16 @@ namespace dgr {
 
 namespace pb = dgr::v1;
 
-std::string StageWorker::qualify(const std::optional<std::string> & member, const std::string & sid) const {
-    if (!trust_.mutual) return sid;
-    std::string out;
-    for (char c : member.value_or("")) {
-        if (c == '%') out += "%25";
-        else if (c == '/') out += "%2F";
-        else out += c;
-    }
-    return out + "/" + sid;
-}
-
-std::string StageWorker::wire_of(const std::string & key) const {
-    if (!trust_.mutual) return key;
-    const size_t slash = key.find('/');
-    return slash == std::string::npos ? key : key.substr(slash + 1);
-}
-
-std::string StageWorker::owner_of(const std::string & key) const {
-    if (!trust_.mutual) return "";
-    const size_t slash = key.find('/');
-    return slash == std::string::npos ? "" : key.substr(0, slash);
-}
-
 std::string StageWorker::origin_key(const std::string & wire) const {
     if (!trust_.mutual) return wire;
     auto it = down_.find(wire);
     return it == down_.end() ? std::string() : it->second;
 }
 
-// The tests' hooks (--test-die-at SESSION:...) name a session as its client did: the id without its owner
-// (and, past stage 0, without the random part stage 0 added)
+// The tests' hooks (--test-die-at SESSION:...) name a session as its client did (SessionNames::client_name)
 bool StageWorker::hook_at(const std::set<std::tuple<std::string, uint64_t, int64_t>> & at, const std::string & key,
                           uint64_t epoch, int64_t p) const {
-    if (at.empty()) return false;
-    std::string name = key;
-    if (trust_.mutual) {
-        if (size_t slash = name.rfind('/'); slash != std::string::npos) name = name.substr(slash + 1);
-        if (size_t hash = name.rfind('#'); hash != std::string::npos) name = name.substr(0, hash);
-    }
-    return at.count({name, epoch, p}) > 0;
-}
-
-// 128 bits from the kernel, as hex: stage 0's part of a session's wire_down id
-std::string random_hex16() {
-    unsigned char b[16];
-    size_t got = 0;
-    int fd = open("/dev/urandom", O_RDONLY | O_CLOEXEC);
-    if (fd >= 0) {
-        while (got < sizeof b) {
-            ssize_t n = read(fd, b + got, sizeof b - got);
-            if (n <= 0) break;
-            got += size_t(n);
-        }
-        close(fd);
-    }
-    if (got != sizeof b) throw std::runtime_error("could not read /dev/urandom for a session id");
-    static const char * HEX = "0123456789abcdef";
-    std::string out;
-    for (unsigned char c : b) {
-        out += HEX[c >> 4];
-        out += HEX[c & 15];
-    }
-    return out;
+    return !at.empty() && at.count({names_.client_name(key), epoch, p}) > 0;
 }
 
 namespace {

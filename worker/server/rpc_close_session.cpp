@@ -120,7 +120,7 @@ grpc::Status StageWorker::close_session_rpc(const grpc::ServerContextBase * ctx,
     return guarded("CloseSession", [&] {
         // the caller's own session: its namespace (owners.cpp); another member's id names nothing here, so
         // no member can close another's
-        const std::string sid = qualify(trust_.mutual ? peer_identity(ctx) : std::nullopt, req->session_id());
+        const std::string sid = names_.key(trust_.mutual ? peer_identity(ctx) : std::nullopt, req->session_id());
         std::pair<std::vector<std::string>, uint32_t> keep{{}, req->prefix_block_tokens()};
         if (req->prefix_blocks_size() > 0) keep.first = keep_prefix(sid, req->epoch(), *req);
         if (req->chain()) close_chained(sid, req->epoch(), ctx, reply, &keep);
@@ -160,9 +160,9 @@ int StageWorker::reap() {
             char ttl_s[32];
             snprintf(ttl_s, sizeof ttl_s, "%g", ttl);
             pb::Frame f;
-            f.set_session_id(wire_of(k.first));
+            f.set_session_id(names_.wire_of(k.first));
             f.set_epoch(k.second);
-            *f.mutable_error() = err(pb::UNKNOWN_SESSION, "session " + wire_of(k.first) + " epoch " + std::to_string(k.second) +
+            *f.mutable_error() = err(pb::UNKNOWN_SESSION, "session " + names_.wire_of(k.first) + " epoch " + std::to_string(k.second) +
                                                               " was closed after " + ttl_s + " s idle (--session-ttl): open it again");
             client->put(std::move(f));
         }

@@ -155,10 +155,10 @@ grpc::Status StageWorker::open_session_rpc(const grpc::ServerContextBase * ctx, 
             }
         }
         // the session in the caller's own namespace (owners.cpp): no other member's id can be named here
-        const std::string sid = qualify(trust_.mutual ? peer_identity(ctx) : std::nullopt, req->session_id());
+        const std::string sid = names_.key(trust_.mutual ? peer_identity(ctx) : std::nullopt, req->session_id());
         const Key key{sid, req->epoch()};
         // the id the route's later hops know it by: stage 0 adds 128 random bits under mutual TLS
-        const std::string wire_down = trust_.mutual && info_.is_first ? req->session_id() + "#" + random_hex16() : wire_of(sid);
+        const std::string wire_down = trust_.mutual && info_.is_first ? SessionNames::wire_down(req->session_id()) : names_.wire_of(sid);
         std::vector<Key> old;
         {
             std::unique_lock<std::mutex> g(mu_);
@@ -170,9 +170,9 @@ grpc::Status StageWorker::open_session_rpc(const grpc::ServerContextBase * ctx, 
             }
             for (auto k = sessions_.lower_bound(Key{sid, 0}); k != sessions_.end() && k->first.first == sid; ++k) old.push_back(k->first);
             if (limits_.max_sessions_per_member > 0) {
-                const std::string owner = owner_of(sid);
+                const std::string owner = names_.owner_of(sid);
                 int64_t held = 0;
-                for (auto & kv : sessions_) held += owner_of(kv.first.first) == owner && kv.first.first != sid;
+                for (auto & kv : sessions_) held += names_.owner_of(kv.first.first) == owner && kv.first.first != sid;
                 if (held >= limits_.max_sessions_per_member) {
                     ++overloaded_;
                     g.unlock();
@@ -203,7 +203,7 @@ grpc::Status StageWorker::open_session_rpc(const grpc::ServerContextBase * ctx, 
         int32_t restored = 0;
         size_t matched = 0;
         std::vector<int32_t> ran;
-        const std::string prefix_owner = info_.is_first && limits_.prefix_cache_shared ? std::string("*") : owner_of(sid);
+        const std::string prefix_owner = info_.is_first && limits_.prefix_cache_shared ? std::string("*") : names_.owner_of(sid);
         const std::string seed = prefix_owner + "|" + prefix_seed(req->upstream());
         if (prefix_ && req->prefix_blocks_size() > 0 && req->prefix_block_tokens() > 0) {
             PrefixCache::Hit hit = prefix_->find(seed, prefix_blocks(req->prefix_blocks()), req->prefix_block_tokens());

@@ -107,7 +107,7 @@ void StageWorker::run_batch(std::vector<Work> & batch) {
                 held = int32_t(expect);
             }
             if (uint64_t(held) != expect) {
-                pb::WireError e = err(pb::CACHE_MISS, "session " + wire_of(key.first) + " epoch "+ std::to_string(key.second) + " holds " +
+                pb::WireError e = err(pb::CACHE_MISS, "session " + names_.wire_of(key.first) + " epoch "+ std::to_string(key.second) + " holds " +
                                                           std::to_string(held) + " positions here but the frame expects " +
                                                           std::to_string(expect) + ": re-prefill at a new epoch");
                 e.set_held(uint64_t(held));

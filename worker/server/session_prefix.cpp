@@ -48,7 +48,7 @@ std::vector<std::string> StageWorker::keep_prefix(const std::string & sid, uint6
         state.resize(size);
         st = lib_.state_get(eng_, sid.c_str(), int64_t(epoch), state.data(), size, &size, &n);
         if (st != DGR_OK) {
-            fprintf(stderr, "dgr-worker: keeping session %s's prefix: %s\n", wire_of(sid).c_str(), lib_.error(st).c_str());
+            fprintf(stderr, "dgr-worker: keeping session %s's prefix: %s\n", names_.wire_of(sid).c_str(), lib_.error(st).c_str());
             return {};
         }
     }

@@ -42,7 +42,7 @@ void StageWorker::enqueue(Work w, const SessionPtr & sess, bool own) {
         std::unique_lock<std::mutex> g(mu_);
         using Refused = StepQueue<Key, Work>::Refused;
         const int64_t positions = w.frame.step().positions_size();
-        const auto pushed = steps_.push(key, owner_of(key.first), std::move(w), positions, own);
+        const auto pushed = steps_.push(key, names_.owner_of(key.first), std::move(w), positions, own);
         switch (pushed.refused) {
             case Refused::none:
                 if (!run_inline(positions)) {
@@ -66,7 +66,7 @@ void StageWorker::enqueue(Work w, const SessionPtr & sess, bool own) {
                 break;
             }
             case Refused::session_full:           // (--session-ttl counts steps run, not steps asked for)
-                why = "session " + wire_of(key.first) + " has " + std::to_string(pushed.queued) + " steps queued (--max-session-steps " +
+                why = "session " + names_.wire_of(key.first) + " has " + std::to_string(pushed.queued) + " steps queued (--max-session-steps " +
                       std::to_string(limits_.max_session_steps) + ")";
                 break;
         }

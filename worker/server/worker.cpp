@@ -64,7 +64,10 @@ void StageWorker::set_address(const std::string & address) {
     address_ = address;
 }
 
-void StageWorker::set_trust(Trust trust) { trust_ = std::move(trust); }
+void StageWorker::set_trust(Trust trust) {
+    trust_ = std::move(trust);
+    names_ = SessionNames(trust_.mutual);
+}
 
 std::shared_ptr<grpc::ChannelCredentials> StageWorker::channel_credentials() const {
     return trust_.channel ? trust_.channel : grpc::InsecureChannelCredentials();
@@ -172,7 +175,7 @@ StageWorker::SessionPtr StageWorker::session(const Key & key) {
 void StageWorker::reply_error(const ReplyPtr & reply, const pb::Frame & frame, pb::WireError e, bool as_named) {
     if (!reply) return;
     pb::Frame f;
-    f.set_session_id(as_named ? frame.session_id() : wire_of(frame.session_id()));
+    f.set_session_id(as_named ? frame.session_id() : names_.wire_of(frame.session_id()));
     f.set_epoch(frame.epoch());
     *f.mutable_error() = std::move(e);
     reply->put(std::move(f));
@@ -193,7 +196,7 @@ void StageWorker::stop() {
     for (auto & [k, sess] : open) {
         try {
             pb::Frame f;
-            f.set_session_id(info_.is_first ? wire_of(k.first) : sess->wire_down);
+            f.set_session_id(info_.is_first ? names_.wire_of(k.first) : sess->wire_down);
             f.set_epoch(k.second);
             *f.mutable_error() = err(pb::HOP_UNREACHABLE, bye);
             if (info_.is_first) {

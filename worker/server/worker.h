@@ -32,6 +32,7 @@
 #include "speculation/drafts.h"
 #include "engine_lib.h"
 #include "engine_loop/step_queue.h"
+#include "sessions/names.h"
 #include "cache/prefix_cache.h"
 #include "unary_calls.h"
 #include "metrics.h"
@@ -124,7 +125,6 @@ std::string schema_str(const dgr::v1::BoundarySchema & s);
 std::string utf8_replace(const std::string & bytes);
 
 // 128 random bits as 32 hex digits (owners.cpp: stage 0's part of a session's id along the route)
-std::string random_hex16();
 
 // The replies of one incoming Frames call (errors, and at the origin the client's tokens), written by
 // gRPC's callback API: the thread that puts a frame (the engine thread, or the one that read a frame) starts
@@ -262,7 +262,7 @@ class StageWorker final : public dgr::v1::Stage::CallbackService {
     // Sampling.top_logprobs: the most alternatives a draw reports (OpenAI's bound; dgr.runtime.wire.limits.MAX_TOP_LOGPROBS)
     static constexpr uint32_t MAX_TOP_LOGPROBS = 20;
     struct Session {
-        std::string sid;                             // this worker's key for it (owners.cpp: qualify)
+        std::string sid;                             // this worker's key for it (sessions/names.h: key)
         std::vector<dgr::v1::Hop> route;
         uint32_t hop_index = 0;
         std::chrono::steady_clock::time_point last_used;
@@ -366,11 +366,10 @@ class StageWorker final : public dgr::v1::Stage::CallbackService {
     // `keep`: the prefix blocks (and their size) the next hops keep the session's state under (keep_prefix's)
     void close_chained(const std::string & sid, uint64_t epoch, const grpc::ServerContextBase * ctx, dgr::v1::CloseSessionReply * reply,
                        const std::pair<std::vector<std::string>, uint32_t> * keep = nullptr);
-    // Owners (issue 35, docs/security.md): under mutual TLS a session lives in the namespace of the member that
-    // opened it here; this worker's key for it is qualify(member, id as named). Plaintext: one tenant, the id.
-    std::string qualify(const std::optional<std::string> & member, const std::string & sid) const;
-    std::string wire_of(const std::string & key) const;          // the id as its opener named it
-    std::string owner_of(const std::string & key) const;         // the (escaped) member it belongs to
+    // Owners (docs/security.md): under mutual TLS a session lives in the namespace of the member that opened
+    // it here; this worker's key for it is names_.key(member, id as named). Plaintext: one tenant, the id.
+    SessionNames names_;                             // whose a session is, from its key (sessions/names.h); set
+                                                     //   with the trust, before serving
     // stage 0: this worker's key of a session that the route's hops name by its wire_down id ("" if none)
     std::string origin_key(const std::string & wire) const;      // mu_ held
     bool hook_at(const std::set<std::tuple<std::string, uint64_t, int64_t>> & at, const std::string & key, uint64_t epoch, int64_t p) const;
