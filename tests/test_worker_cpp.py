@@ -20,6 +20,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -74,8 +75,21 @@ class Proc:
                 break
         assert self.address, f"{cmd} did not serve within 120 s:\n{''.join(self.log)}"
         self.ready_s = time.monotonic() - self.t0
+        # keep reading its output: a worker that logs into a full pipe nobody reads blocks there, holding
+        # whatever lock it logged under (docs/worker.md "Locks and their order")
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
         self.channel = grpc.insecure_channel(self.address)
         self.stub = pb_grpc.StageStub(self.channel)
+
+    def _read(self) -> None:
+        for line in self.p.stdout:
+            self.log.append(line)
+
+    def output(self, timeout: float = 30) -> str:
+        """Everything the worker wrote, once it has exited (or `timeout` s after asking)."""
+        self._reader.join(timeout)
+        return "".join(self.log)
 
     def rss_kib(self) -> int:
         for line in Path(f"/proc/{self.p.pid}/status").read_text().splitlines():
@@ -92,7 +106,7 @@ class Proc:
             except subprocess.TimeoutExpired:
                 self.p.kill()
                 self.p.wait()
-        return "".join(self.log) + (self.p.stdout.read() or "")
+        return self.output()
 
 
 def cpp(worker_bin: Path, bundle: Path, stage: int, *extra: str) -> Proc:
@@ -430,7 +444,7 @@ def test_sigterm_drains_and_exits(worker_bin, tiny):
     c = cpp(worker_bin, tiny, 0)
     c.p.send_signal(signal.SIGTERM)
     assert c.p.wait(timeout=30) == 0
-    assert "drained and stopped" in c.p.stdout.read()
+    assert "drained and stopped" in c.output()
 
 
 def test_dgr_worker_serve_runs_dgr_worker_with_its_flags(worker_bin, tiny, tmp_path, monkeypatch):

@@ -80,7 +80,7 @@ def test_kill_9_of_a_middle_stage_at_an_exact_step_recovers_to_the_same_text(tin
             gen = c.run(PROMPT_IDS, max_new_tokens=max_new, stop_token_ids=[], logits="last", session_id="victim",
                         **SAMPLED)
         assert a.p.wait(timeout=30) == -signal.SIGKILL
-        log = a.p.stdout.read()
+        log = a.output()
         assert f"--test-die-at victim:1:{victim_step} reached: SIGKILL" in log, log[-2000:]
         _same(gen, want)
         assert len(gen.token_ids) == max_new
@@ -122,7 +122,7 @@ def test_sigterm_while_a_generation_streams_exits_within_the_bound_and_the_clien
                 if k == 2:                                    # the ring runs through `a` right now
                     rc, took = _sigterm_mid_ring(a.p, bound + 30)   # generous: the watchdog holds the bound
             gen = c.last
-        log = a.p.stdout.read()
+        log = a.output()
         print(f"SIGTERM to exit: {took:.2f} s (bound {bound} s)")
         assert rc == 0 and "drained and stopped" in log, log[-2000:]
         assert took <= bound + 1.0, log[-2000:]

@@ -13,6 +13,7 @@ import json
 import queue
 import socket
 import threading
+import time
 
 import grpc
 import numpy as np
@@ -316,18 +317,14 @@ def test_a_flood_of_queued_steps_is_overloaded_and_other_sessions_lose_nothing(t
 
 
 def _wait_line(proc, text: str, timeout: float) -> bool:
-    """Read the worker's output (kept in proc.log) until a line holds `text`; False after `timeout` s."""
-    found = threading.Event()
-
-    def read():
-        for line in proc.p.stdout:
-            proc.log.append(line)
-            if text in line:
-                found.set()
-                return
-
-    threading.Thread(target=read, daemon=True).start()
-    return found.wait(timeout)
+    """Wait until a line of the worker's output (proc.log, which Proc keeps reading) holds `text`; False
+    after `timeout` s."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if any(text in line for line in list(proc.log)):
+            return True
+        time.sleep(0.05)
+    return False
 
 
 def test_a_peer_that_stops_reading_fails_only_its_own_stream(tiny, worker_bin, plain):
