@@ -190,6 +190,58 @@ def test_a_member_cannot_evict_another_members_session_by_opening_its_id_at_a_ne
     _serves(route, pki)
 
 
+def _crafted(pki, name: str, common_names: list[str]):
+    """A certificate of the route's own CA whose subject holds `common_names` (dgr certs never issues such a
+    name, but another tool over the same CA may): as a TlsConfig."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+    from dgr.app import certs
+
+    d = pki["client"].ca.parent
+    ca_key = serialization.load_pem_private_key((d / certs.CA_KEY).read_bytes(), password=None)
+    ca_cert = x509.load_pem_x509_certificate((d / certs.CA_CERT).read_bytes())
+    key = ec.generate_private_key(ec.SECP256R1())
+    now = ca_cert.not_valid_before_utc
+    cert = (x509.CertificateBuilder()
+            .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, n) for n in common_names]))
+            .issuer_name(ca_cert.subject).public_key(key.public_key()).serial_number(x509.random_serial_number())
+            .not_valid_before(now).not_valid_after(ca_cert.not_valid_after_utc)
+            .add_extension(x509.SubjectAlternativeName([x509.IPAddress(__import__("ipaddress").ip_address("127.0.0.1"))]),
+                           critical=False)
+            .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.CLIENT_AUTH, ExtendedKeyUsageOID.SERVER_AUTH]),
+                           critical=False)
+            .sign(ca_key, hashes.SHA256()))
+    (d / f"{name}.pem").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    (d / f"{name}.key").write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                                      serialization.NoEncryption()))
+    return type(pki["client"])(d / f"{name}.pem", d / f"{name}.key", pki["client"].ca)
+
+
+def test_two_members_whose_common_names_join_alike_are_two_members(route, pki):
+    """A member's name is its certificate's common name as gRPC reports it for the peer. A certificate naming
+    "a" and "b" and another naming "a,b" (names a join of several common names would confuse) are two
+    members: one cannot close the other's session, which generates as an undisturbed run does."""
+    addresses = [p.address for p in route]
+    victim, intruder = _crafted(pki, "two-names", ["a", "b"]), _crafted(pki, "one-name", ["a,b"])
+    want, _ = _run(addresses, pki["client"], VICTIM[:20], prefix_cache=False)
+    hops = route_hops(addresses, _descs(addresses, victim))
+    ch, s0 = stub(addresses[0], victim)
+    with ch:
+        assert not s0.OpenSession(pb.OpenSessionRequest(session_id="joined", epoch=1, route=hops), timeout=30).HasField("error")
+    ch, s = stub(addresses[0], intruder)
+    with ch:
+        s.CloseSession(pb.CloseSessionRequest(session_id="joined", epoch=1, chain=True), timeout=30)
+    owner = RawStream(addresses[0], victim)
+    try:
+        assert _generate(owner, "joined", 1, VICTIM[:20]) == want.token_ids
+    finally:
+        owner.close()
+    _serves(route, pki)
+
+
 # ---------------------------------------------------------------------------------------- links
 
 class EvilStage(pb_grpc.StageServicer):
