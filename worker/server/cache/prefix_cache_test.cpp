@@ -5,6 +5,7 @@
 // costing a third, a budget of 0 keeps nothing, a hit outlives its entry, and threads share it.
 // No gRPC, no engine: `bazel test //worker/server:prefix_cache_test`, or the CMake target dgr-worker-unit-tests
 // (tests/test_worker_units.py builds and runs it).
+#include "unit_check.h"
 #include "cache/prefix_cache.h"
 
 #include <atomic>
@@ -15,16 +16,6 @@
 #include <vector>
 
 namespace {
-
-int failures = 0;
-
-#define CHECK(cond)                                                                        \
-    do {                                                                                   \
-        if (!(cond)) {                                                                     \
-            std::fprintf(stderr, "%s:%d: CHECK failed: %s\n", __FILE__, __LINE__, #cond); \
-            ++failures;                                                                    \
-        }                                                                                  \
-    } while (0)
 
 using dgr::PrefixCache;
 constexpr uint32_t BT = 32;                          // PREFIX_BLOCK_TOKENS
@@ -300,10 +291,5 @@ int main() {
     a_hit_outlives_its_entry();
     the_counters_count();
     threads_share_it();
-    if (failures) {
-        std::fprintf(stderr, "prefix_cache_test: %d check(s) failed\n", failures);
-        return 1;
-    }
-    std::printf("prefix_cache_test: all checks passed\n");
-    return 0;
+    return dgr::unit::finish("prefix_cache_test");
 }

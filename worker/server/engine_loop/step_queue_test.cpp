@@ -1,6 +1,7 @@
 // The step queue alone (step_queue.h): its bounds, its round robin, its batches' budget, a dropped session.
 // No gRPC, no engine: `bazel test //worker/server:step_queue_test`, or the CMake target dgr-worker-unit-tests
 // (tests/test_worker_units.py builds and runs it).
+#include "unit_check.h"
 #include "engine_loop/step_queue.h"
 
 #include <cstdio>
@@ -11,16 +12,6 @@
 #include <vector>
 
 namespace {
-
-int failures = 0;
-
-#define CHECK(cond)                                                                        \
-    do {                                                                                   \
-        if (!(cond)) {                                                                     \
-            std::fprintf(stderr, "%s:%d: CHECK failed: %s\n", __FILE__, __LINE__, #cond); \
-            ++failures;                                                                    \
-        }                                                                                  \
-    } while (0)
 
 using Key = std::pair<std::string, uint64_t>;
 struct Step {
@@ -133,10 +124,5 @@ int main() {
     a_batch_keeps_its_budget_and_never_starves();
     a_dropped_session_leaves_nothing_behind();
     threads_share_it();
-    if (failures) {
-        std::fprintf(stderr, "step_queue_test: %d check(s) failed\n", failures);
-        return 1;
-    }
-    std::printf("step_queue_test: all checks passed\n");
-    return 0;
+    return dgr::unit::finish("step_queue_test");
 }

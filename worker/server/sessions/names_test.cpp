@@ -1,5 +1,6 @@
 // Session names alone (names.h): under mutual TLS no two members' keys meet, whatever their names; a key
 // gives back its owner and the id as named; the plaintext worker has one tenant.
+#include "unit_check.h"
 #include "sessions/names.h"
 
 #include <cstdio>
@@ -9,16 +10,6 @@
 #include <vector>
 
 namespace {
-
-int failures = 0;
-
-#define CHECK(cond)                                                                        \
-    do {                                                                                   \
-        if (!(cond)) {                                                                     \
-            std::fprintf(stderr, "%s:%d: CHECK failed: %s\n", __FILE__, __LINE__, #cond); \
-            ++failures;                                                                    \
-        }                                                                                  \
-    } while (0)
 
 using dgr::SessionNames;
 
@@ -78,10 +69,5 @@ int main() {
     no_two_members_keys_meet();
     plaintext_has_one_tenant();
     stage0_names_a_session_by_an_id_no_one_guesses();
-    if (failures) {
-        std::fprintf(stderr, "names_test: %d check(s) failed\n", failures);
-        return 1;
-    }
-    std::printf("names_test: all checks passed\n");
-    return 0;
+    return dgr::unit::finish("names_test");
 }

@@ -4,6 +4,7 @@
 // the sources and bounds by name, and the Python twin's drafts (dgr.runtime.wire.drafts.NgramDrafts) on fixed
 // cases. No gRPC, no engine: `bazel test //worker/server:drafts_test`, or the CMake target dgr-unit-drafts_test
 // (tests/test_worker_units.py builds and runs it).
+#include "unit_check.h"
 #include "speculation/drafts.h"
 
 #include <algorithm>
@@ -14,16 +15,6 @@
 #include <vector>
 
 namespace {
-
-int failures = 0;
-
-#define CHECK(cond)                                                                        \
-    do {                                                                                   \
-        if (!(cond)) {                                                                     \
-            std::fprintf(stderr, "%s:%d: CHECK failed: %s\n", __FILE__, __LINE__, #cond); \
-            ++failures;                                                                    \
-        }                                                                                  \
-    } while (0)
 
 using dgr::MtpDrafts;
 using dgr::NgramDrafts;
@@ -40,7 +31,7 @@ std::string show(const V & v) {
 void check_drafts(const V & got, const V & want, const char * file, int line, const char * what) {
     if (got == want) return;
     std::fprintf(stderr, "%s:%d: CHECK failed: %s is %s, not %s\n", file, line, what, show(got).c_str(), show(want).c_str());
-    ++failures;
+    ++dgr::unit::failures;
 }
 
 // what a new source proposes for `history` (a source's history only grows: another history, another source)
@@ -344,7 +335,7 @@ void the_python_twin_drafts_the_same() {
             if (got[i] == c.drafts[i]) continue;
             std::fprintf(stderr, "twin rings '%s', ring %zu: %s, not %s\n", c.name.c_str(), i, show(got[i]).c_str(),
                          show(c.drafts[i]).c_str());
-            ++failures;
+            ++dgr::unit::failures;
             break;
         }
     }
@@ -370,10 +361,5 @@ int main() {
     mtp_hands_out_what_the_last_stage_drafted_once();
     mtp_backs_off_while_its_drafts_miss();
     the_python_twin_drafts_the_same();
-    if (failures) {
-        std::fprintf(stderr, "drafts_test: %d check(s) failed\n", failures);
-        return 1;
-    }
-    std::printf("drafts_test: all checks passed\n");
-    return 0;
+    return dgr::unit::finish("drafts_test");
 }

@@ -3,6 +3,7 @@
 // which addresses lie inside them, literal or a name resolved here. No gRPC, no engine, no network: the only
 // name looked up is `localhost`. `bazel test //worker/server:net_policy_test`, or the CMake target
 // dgr-unit-net_policy_test (tests/test_worker_units.py builds and runs it).
+#include "unit_check.h"
 #include "trust/net_policy.h"
 
 #include <cstdio>
@@ -12,16 +13,6 @@
 #include <vector>
 
 namespace {
-
-int failures = 0;
-
-#define CHECK(cond)                                                                        \
-    do {                                                                                   \
-        if (!(cond)) {                                                                     \
-            std::fprintf(stderr, "%s:%d: CHECK failed: %s\n", __FILE__, __LINE__, #cond); \
-            ++failures;                                                                    \
-        }                                                                                  \
-    } while (0)
 
 using dgr::NetPolicy;
 using dgr::parse_peer_allow;
@@ -314,10 +305,5 @@ int main() {
     peer_allow_bounds_literal_addresses();
     the_form_is_checked_before_peer_allow();
     a_name_must_resolve_inside_peer_allow();
-    if (failures) {
-        std::fprintf(stderr, "net_policy_test: %d check(s) failed\n", failures);
-        return 1;
-    }
-    std::printf("net_policy_test: all checks passed\n");
-    return 0;
+    return dgr::unit::finish("net_policy_test");
 }
