@@ -41,7 +41,8 @@ import numpy as np
 from dgr.core.constants import DEFAULT_N_CTX
 from dgr.core.contract import StageContract
 from dgr.core.errors import EngineError
-from dgr.runtime.engine import OK, Engine, _raise, load_library
+from dgr.runtime.engine import OK, Engine, load_library
+from dgr.runtime.engine_abi import raise_status
 from dgr.runtime.engine_api import MemoryReport, StageInfo, Step, StepResult
 
 BOS, EOS, BYTE0 = 1, 2, 3
@@ -244,7 +245,7 @@ class FakeEngine(Engine):
         out = C.c_void_p()
         st = lib.dgr_engine_open(spec.encode(), None, C.byref(out))
         if st != OK:
-            _raise(lib, st)
+            raise_status(lib, st)
         super().__init__(out, lib, Path(f"fake:{spec}"))
 
     def _describe(self) -> StageInfo:
