@@ -181,12 +181,12 @@ def synth_case(arch: str, workdir: Path) -> tuple[Path, list[tuple[int, int]], l
     """(model, ranges, prompts, n_ubatch) of a fresh tiny `arch` model, cut as dgr.toolchain.synth.parity cuts it: one
     prompt of random ids (more would share batches, where an MoE kernel lets sessions touch)."""
     from dgr.toolchain.synth.generic import layer_kinds
-    from dgr.toolchain.synth.parity import _OWN_SCHEDULES, EMBD, SEED, choose_ranges, model_layers, synth_model
+    from dgr.toolchain.synth.parity import EMBD, OWN_SCHEDULES, SEED, choose_ranges, model_layers, synth_model
 
     layers = model_layers(arch)
     ranges = choose_ranges(layer_kinds(arch, layers, EMBD), N_STAGES)
     model = synth_model(arch, Path(workdir) / f"{arch}-{layers}L-s{SEED}.gguf", layers=layers, seed=SEED)
-    lengths, n_ubatch = _OWN_SCHEDULES.get(arch, ((PROMPT_LEN,), 512))
+    lengths, n_ubatch = OWN_SCHEDULES.get(arch, ((PROMPT_LEN,), 512))
     prompt = np.random.default_rng(3).integers(0, 256, size=lengths[0]).tolist()
     return model, ranges, [prompt], n_ubatch
 

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
+from dgr import __version__
 from dgr.app.certify.contract import Contract, LoadedContract, load_contract, mtp_refused
 from dgr.app.certify.features import Fault, prefix_cache_row, recovery_row
 from dgr.app.certify.host import host, usable_cores
@@ -152,7 +153,7 @@ def _parity_figures(p: _Parity, c: Contract, n_vocab: int, baseline: str) -> lis
     ]
 
 
-def _identity(bundle, descs, lane: str, lib: Path, chash: str, whole_numerics: str | None = None) -> Identity:
+def checked_identity(bundle, descs, lane: str, lib: Path, chash: str, whole_numerics: str | None = None) -> Identity:
     """The identity the workers advertise (Describe), checked against the bundle and this host's engine: every
     stage and the whole-model baseline (`whole_numerics`, where there is one) must compute the same numerics
     (docs/numerics.md), or the rows would compare unlike with unlike."""
@@ -266,7 +267,7 @@ def certify(bundle_path: str | Path, *, contract: LoadedContract | str | Path | 
                         replicas=fault.replicas(n_stages), extra=fault.extra) as route, \
                 RouteClient(route.addresses, chunk_tokens=chunk, prefix_cache=False) as client:
             descs = client.describe()
-            identity = _identity(b, descs, lane, lib, lc.blake3, eng.numerics)
+            identity = checked_identity(b, descs, lane, lib, lc.blake3, eng.numerics)
             if client.chunk_tokens not in baseline:  # the message limit made the route's chunks smaller
                 baseline[client.chunk_tokens] = [whole_model_run(eng, ids, c.parity.max_new_tokens,
                                                                  chunk_tokens=client.chunk_tokens) for ids in prompts]
@@ -290,11 +291,6 @@ def certify(bundle_path: str | Path, *, contract: LoadedContract | str | Path | 
         stages=tuple(StageRange(stage=s.index, layer_begin=s.layer_begin, layer_end=s.layer_end)
                      for s in b.manifest.stages),
         figures=tuple(figures), passed=all(f.passed for f in figures),
-        created_at=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), dgr_version=_version())
+        created_at=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), dgr_version=__version__)
     log.info("certify: %s: %s", b.root.name, "passed" if cert.passed else "FAILED")
     return cert
-
-
-def _version() -> str:
-    from dgr import __version__
-    return __version__

@@ -148,7 +148,7 @@ def synth(
     kv.update(spec.extra_kv(dims))
     for key, val in kv.items():
         if val is not None:
-            _add_kv(w, key.format(arch=arch), val)
+            add_kv(w, key.format(arch=arch), val)
     add_tokenizer(w)
 
     w.add_tensor(gguf.TENSOR_NAMES[T.TOKEN_EMBD] + ".weight", values(lt(T.TOKEN_EMBD, None), (dims["V"], embd)))
@@ -196,7 +196,7 @@ def layer_kinds(arch: str, layers: int, embd: int = 64) -> list[str]:
     return [spec.kind(il, dims) if spec.kind else "layer" for il in range(layers)]
 
 
-def _add_kv(w: gguf.GGUFWriter, key: str, val) -> None:
+def add_kv(w: gguf.GGUFWriter, key: str, val) -> None:
     """int -> u32, float -> f32, bool, str, list -> array (of its first element's type); Typed as given."""
     if isinstance(val, Typed):
         w.add_key_value(key, val.value, val.type, sub_type=val.sub_type)

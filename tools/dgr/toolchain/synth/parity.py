@@ -27,7 +27,7 @@ STEPS = 4
 SEED = 7
 EMBD = 64
 # deepseek4's compressed attention needs longer prompts to reach its 4x and 128x compressors
-_OWN_SCHEDULES = {"deepseek4": ((150, 133), 64)}
+OWN_SCHEDULES = {"deepseek4": ((150, 133), 64)}
 
 
 @dataclass
@@ -110,7 +110,7 @@ def run_synth_parity(arch: str, n_stages: int, workdir: Path, *, lib: str | Path
     kinds = layer_kinds(arch, layers, EMBD)
     ranges = choose_ranges(kinds, n_stages)
     model = synth_model(arch, Path(workdir) / f"{arch}-{layers}L-s{seed}.gguf", layers=layers, seed=seed)
-    lengths, n_ubatch = _OWN_SCHEDULES.get(arch, (PROMPT_LENGTHS, N_UBATCH))
+    lengths, n_ubatch = OWN_SCHEDULES.get(arch, (PROMPT_LENGTHS, N_UBATCH))
     rng = np.random.default_rng(3)
     sched = Schedule(prompts=[rng.integers(0, 256, size=n).tolist() for n in lengths], steps=STEPS,
                      n_ubatch=n_ubatch)

@@ -38,7 +38,7 @@ from dgr.toolchain.upstream.apply import GIT_ENV
 from dgr.toolchain.upstream.extract import extract
 from dgr.toolchain.upstream.fetchtree import staged_dir
 from dgr.toolchain.upstream.layout import layout
-from dgr.toolchain.upstream.sources import _sdist_url
+from dgr.toolchain.upstream.sources import sdist_url
 
 log = get_logger(__name__)
 
@@ -226,7 +226,7 @@ def _pip_download(package: str, version: str, downloads: Path) -> Path:
             os.replace(got[0], dest)
             return dest
         name = f"{package.replace('-', '_')}-{version}.tar.gz"
-        url = _sdist_url(proc.stdout + proc.stderr, name)
+        url = sdist_url(proc.stdout + proc.stderr, name)
         if url is None:
             tail = (proc.stderr or proc.stdout).strip().splitlines()[-5:]
             raise UpstreamError(f"pip download {package}=={version} gave no sdist (exit {proc.returncode}): "
