@@ -14,14 +14,17 @@ status becomes a dgr.core.errors type; the engine never crashes on bad input.
 from __future__ import annotations
 
 import ctypes as C
+import json
 from pathlib import Path
 
+import gguf
 import numpy as np
 from pydantic import ValidationError
 
 from dgr.core.constants import DEFAULT_MAX_SESSIONS, DEFAULT_N_CTX
 from dgr.core.contract import StageContract
-from dgr.core.errors import EngineError, SchemaMismatch
+from dgr.core.errors import EngineError, GGUFError, SchemaMismatch
+from dgr.gguf.model import read_header
 # LIB_ENV, OK, library_path and load_library are part of this module's face (callers import them from here)
 from dgr.runtime.engine_abi import (E_ENGINE, LIB_ENV, OK, WANT_LOGITS, CMemory, COpenParams, CStageInfo,  # noqa: F401
                                     CStep, CStepOut, CVocabInfo, library_path, load_library, raise_status)
@@ -66,8 +69,6 @@ def logprobs(logits, *, chosen: int = -1, top: int = 0,
 def json_schema_to_grammar(schema: str | dict, *, lib: str | Path | C.CDLL | None = None) -> str:
     """The GBNF the pinned llama.cpp's json_schema_to_grammar makes of a JSON Schema (what the last stage
     constrains a `json_schema` session with). Raises EngineError saying why a schema is refused."""
-    import json
-
     h = lib if isinstance(lib, C.CDLL) else load_library(lib)
     if not hasattr(h, "dgr_json_schema_to_grammar"):
         raise EngineError("this engine library has no grammar support; rebuild it (`dgr build-engine`)")
@@ -152,11 +153,6 @@ def _refuse_what_llama_aborts_on(path: Path) -> None:
     id_to_token.size() == token_to_id.size()). llama.cpp reads each token as a C string, so two tokens
     that agree up to a NUL byte are the same token to it. A header dgr cannot read is left to the
     engine's own checks, which answer with typed errors."""
-    import gguf
-
-    from dgr.core.errors import GGUFError
-    from dgr.gguf.model import read_header
-
     try:
         tokens = read_header(path).get(gguf.Keys.Tokenizer.LIST)
     except GGUFError:
