@@ -16,6 +16,7 @@ import gguf
 import numpy as np
 
 from dgr.core.errors import DgrError
+from dgr.toolchain.synth.families import family_specs
 from dgr.toolchain.synth.registry import OWN_WRITERS
 from dgr.toolchain.synth.spec import (ATTN, BIAS, F32, FFN, KA, KL, MLA_ATTN, MOE, NORM, QK_NORM, QKV_BIAS, ArchSpec, T,
                                       Typed, after_lead, dense_lead, dense_moe_kind, lt, moe_kv, only, swa_kind, swa_kv)
@@ -64,8 +65,6 @@ CORE: dict[str, ArchSpec] = {
 
 
 def _registry() -> dict[str, ArchSpec]:
-    from dgr.toolchain.synth.families import family_specs
-
     out = dict(CORE)
     for name, spec in family_specs().items():
         if name in out:
