@@ -32,13 +32,18 @@ from pathlib import Path
 import numpy as np
 
 from dgr import __version__
+from dgr.app.bench import speculate_mtp
+from dgr.app.bench.soak import proc_memory
 from dgr.app.certify.contract import LoadedContract, Synthetic
 from dgr.app.certify.features import prefix_cache_row
+from dgr.app.certify.fixtures import synthetic_bundle
 from dgr.app.certify.host import host, usable_cores
 from dgr.app.certify.runner import checked_identity, parity_prompts
+from dgr.app.local import LocalRoute
 from dgr.core.certificate import Certificate, ContractRef, Figure, StageRange
 from dgr.core.errors import DgrError
 from dgr.core.log import get_logger
+from dgr.runtime.wire.client import RouteClient
 
 log = get_logger(__name__)
 
@@ -95,9 +100,6 @@ def _kill_mid_draft(route, client, k: int, max_new: int) -> Figure:
 
 
 def _soak(route, addresses, m, k: int) -> Figure:
-    from dgr.app.bench.soak import proc_memory
-    from dgr.runtime.wire.client import RouteClient
-
     prompts = [np.random.default_rng(30 + i).integers(1, 250, size=24 + 8 * i).tolist() for i in range(4)]
     pids = [w.proc.pid for w in route.all if w.proc.poll() is None]
     errors: list[str] = []
@@ -145,10 +147,6 @@ def _soak(route, addresses, m, k: int) -> Figure:
 def certify_mtp(spec: Synthetic, lc: LoadedContract, *, lane: str, lib: Path, root: Path | None = None,
                 soak: bool = False) -> Certificate:
     """The MTP rows of one target (the module docstring), in one certificate."""
-    from dgr.app.certify.fixtures import synthetic_bundle
-    from dgr.app.local import LocalRoute
-    from dgr.runtime.wire.client import RouteClient
-
     c, m = lc.contract, lc.contract.mtp
     b = synthetic_bundle(spec, root, include_mtp=True)
     n = len(b.manifest.stages)
@@ -177,10 +175,6 @@ def certify_mtp(spec: Synthetic, lc: LoadedContract, *, lane: str, lib: Path, ro
 
 def certify_speculation(lc: LoadedContract, *, lane: str, lib: Path, root: Path) -> Certificate:
     """Tokens per trip with good drafts and the rejected-draft cost (dgr.app.bench.speculate_mtp), one certificate."""
-    from dgr.app.bench import speculate_mtp
-    from dgr.app.local import LocalRoute
-    from dgr.runtime.wire.client import RouteClient
-
     s, k = lc.contract.mtp.speculation, lc.contract.mtp.draft_k
     prompt = np.random.default_rng(7).integers(3, 250, size=32).tolist()
     got, identity, first = {}, None, None
