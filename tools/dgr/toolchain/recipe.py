@@ -381,7 +381,7 @@ def _from_model(model: Path, recipe_dir: Path, ctx: dict[str, str]) -> dict[str,
 def scaffold(output_dir: str | Path, values: dict[str, Any], *, interactive: bool = False) -> Path:
     """Write the template with `values` (from `scaffold_values`) into `output_dir/<name>/`; the recipe's path.
     An existing folder of that name is refused (nothing is overwritten)."""
-    # lazy: cookiecutter.main costs 101 ms at start-up (python -X importtime, 2026-12-05): `dgr recipe new` only
+    # lazy: cookiecutter.main costs 94 ms at start-up (python -X importtime, 2026-12-05): `dgr recipe new` only
     from cookiecutter.exceptions import CookiecutterException
     from cookiecutter.main import cookiecutter
 

@@ -117,7 +117,7 @@ def _stream_ttft(client, model: str, messages: list[dict], max_tokens: int) -> t
 
 
 def _conversation(gws: dict, turns: int, max_tokens: int, label: str) -> list[Turn]:
-    # lazy: openai costs 273 ms at start-up (python -X importtime, 2026-12-05); a test extra, not a dependency
+    # lazy: openai costs 286 ms at start-up (python -X importtime, 2026-12-05); a test extra, not a dependency
     import openai
 
     clients = {k: openai.OpenAI(base_url=g.url + "/v1", api_key="unused", max_retries=0, timeout=600)

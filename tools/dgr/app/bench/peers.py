@@ -291,11 +291,11 @@ def table(rep: dict) -> str:
 
 
 def plot(rep: dict, path: str | Path) -> Path:
-    # lazy: matplotlib costs 93 ms at start-up (python -X importtime, 2026-12-05); only --plot draws
+    # lazy: matplotlib costs 88 ms at start-up (python -X importtime, 2026-12-05); only --plot draws
     import matplotlib
 
     matplotlib.use("Agg")
-    # lazy: matplotlib.pyplot costs 273 ms at start-up (python -X importtime, 2026-12-05)
+    # lazy: matplotlib.pyplot costs 278 ms at start-up (python -X importtime, 2026-12-05)
     import matplotlib.pyplot as plt
 
     rtts = [r["rtt_ms"] for r in rep["runs"]]

@@ -17,13 +17,12 @@ from dgr.core.errors import DgrError
 from dgr.core.log import get_logger
 from dgr.core.paths import workspace
 from dgr.runtime.engine_abi import library_path
-from dgr.toolchain.bundle import load_bundle
 
 log = get_logger(__name__)
 
 
 def _soak(args) -> int:
-    # lazy: dgr.app.bench.soak costs 185 ms at start-up (python -X importtime, 2026-12-05)
+    # lazy: dgr.app.bench.soak costs 187 ms at start-up (python -X importtime, 2026-12-05)
     from dgr.app.bench.soak import run_soak, write_json
 
     rep = run_soak(args.minutes, stages=args.stages, sessions=args.sessions, fake=args.fake,
@@ -35,7 +34,7 @@ def _soak(args) -> int:
 
 
 def _tls(args) -> int:
-    # lazy: dgr.app.bench.tls_cost costs 184 ms at start-up (python -X importtime, 2026-12-05)
+    # lazy: dgr.app.bench.tls_cost costs 181 ms at start-up (python -X importtime, 2026-12-05)
     from dgr.app.bench.tls_cost import measure
 
     rep = measure(stages=args.stages, tokens=args.max_tokens, rounds=args.rounds, threads=args.threads)
@@ -47,7 +46,7 @@ def _tls(args) -> int:
 
 
 def _frames(args) -> int:
-    # lazy: dgr.app.bench.frame_cost costs 155 ms at start-up (python -X importtime, 2026-12-05)
+    # lazy: dgr.app.bench.frame_cost costs 154 ms at start-up (python -X importtime, 2026-12-05)
     from dgr.app.bench.frame_cost import measure
 
     rep = measure(stages=args.stages, tokens=args.max_tokens, rounds=args.rounds, layers_per_stage=args.layers_per_stage)
@@ -59,7 +58,7 @@ def _frames(args) -> int:
 
 
 def _conversation(args) -> int:
-    # lazy: dgr.app.bench.conversation costs 354 ms at start-up (python -X importtime, 2026-12-05)
+    # lazy: dgr.app.bench.conversation costs 364 ms at start-up (python -X importtime, 2026-12-05)
     from dgr.app.bench.conversation import measure_conversation
 
     rep = measure_conversation(stages=args.stages, turns=args.turns, rtt_ms=args.wan_rtt_ms, max_tokens=args.max_tokens,
@@ -80,7 +79,7 @@ def _write_json(path: str | None, obj) -> None:
 
 
 def _numerics(args) -> int:
-    # lazy: dgr.app.bench.numerics costs 190 ms at start-up (python -X importtime, 2026-12-05)
+    # lazy: dgr.app.bench.numerics costs 196 ms at start-up (python -X importtime, 2026-12-05)
     from dgr.app.bench.numerics import Variant, as_json, compare, default_models, table
 
     libs = [tuple(x.split("=", 1)) for x in args.lib] if args.lib else \
@@ -98,7 +97,7 @@ def _numerics(args) -> int:
 
 
 def _peers(args) -> int:
-    # lazy: dgr.app.bench.peers costs 171 ms at start-up (python -X importtime, 2026-12-05)
+    # lazy: dgr.app.bench.peers costs 164 ms at start-up (python -X importtime, 2026-12-05)
     from dgr.app.bench.peers import bench_peers, plot, table
 
     rtts = [float(x) for x in args.rtt_ms.split(",")]
@@ -170,7 +169,7 @@ def _extras(args, bundle, stages: int) -> dict:
             stages=args.stages or 4, k=args.draft_k, rounds=args.rounds, tokens=args.tokens,
             rtt_ms=20.0 if args.wan_rtt_ms is None else args.wan_rtt_ms, agree=args.mtp_agree, threads=args.threads or 1))
         if "error" not in out["mtp"]:
-            # lazy: dgr.app.bench.speculate_mtp costs 213 ms at start-up (python -X importtime, 2026-12-05)
+            # lazy: dgr.app.bench.speculate_mtp costs 196 ms at start-up (python -X importtime, 2026-12-05)
             from dgr.app.bench.speculate_mtp import table
 
             print("mtp:\n" + table(out["mtp"]))
@@ -202,11 +201,14 @@ def _bundle_of(bundle):
     """A Bundle from what the sections get (a folder, a Bundle, or None: the embedded SmolLM2)."""
     if bundle is None or hasattr(bundle, "manifest"):
         return bundle
+    # lazy: dgr.toolchain.bundle.manifest costs 5 ms at start-up (python -X importtime, 2026-12-05)
+    from dgr.toolchain.bundle import load_bundle
+
     return load_bundle(bundle)
 
 
 def _main(args) -> int:
-    # lazy: dgr.app.bench.pipeline costs 209 ms at start-up (python -X importtime, 2026-12-05)
+    # lazy: dgr.app.bench.pipeline costs 202 ms at start-up (python -X importtime, 2026-12-05)
     from dgr.app.bench.pipeline import prepare, rounded, run_bench, synth_bundle
 
     if args.lib:

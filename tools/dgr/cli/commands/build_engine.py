@@ -7,7 +7,7 @@ from dgr.core.constants import CPU_VARIANTS, LANES
 
 
 def _build_engine(args) -> int:
-    # lazy: dgr.toolchain.enginebuild costs 82 ms at start-up (python -X importtime, 2026-12-05)
+    # lazy: dgr.toolchain.enginebuild costs 80 ms at start-up (python -X importtime, 2026-12-05)
     from dgr.toolchain import enginebuild
 
     print(enginebuild.ensure_engine(args.lane, jobs=args.jobs, force=args.force, cpu_variant=args.cpu_variant))

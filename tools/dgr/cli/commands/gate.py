@@ -9,7 +9,7 @@ from dgr.core.paths import REPO_ROOT
 
 
 def _gate(args) -> int:
-    # lazy: dgr.app.certify costs 267 ms at start-up (python -X importtime, 2026-12-05)
+    # lazy: dgr.app.certify costs 263 ms at start-up (python -X importtime, 2026-12-05)
     from dgr.app.certify import run_gate
     from dgr.app.certify.verdict import EXIT_CODES
 

@@ -47,7 +47,7 @@ def cmd_parity(args) -> int:
         raise DgrError("dgr parity: give a bundle folder (or a whole GGUF with --ranges), or --synth ARCH")
     if args.source and (args.ranges or args.baseline):
         raise DgrError("--source names a bundle's source for the whole-model run; drop it with --ranges or --baseline")
-    # lazy: dgr.toolchain.parity costs 101 ms at start-up (python -X importtime, 2026-12-05)
+    # lazy: dgr.toolchain.parity costs 102 ms at start-up (python -X importtime, 2026-12-05)
     from dgr.toolchain.parity import (ParityError, baseline_kv_dtype, bundle_source, check_baseline_numerics, compare,
                                       ctx_for, largest_logit, load_baseline, make_schedule, open_stages, open_tokenizer,
                                       parse_ranges, perturbation, run_baseline, run_pipeline, throughput, verdict)
@@ -61,7 +61,7 @@ def cmd_parity(args) -> int:
         source = args.bundle
         what = f"the whole GGUF {source}"
     else:
-        # lazy: dgr.toolchain.bundle.baseline costs 121 ms at start-up (python -X importtime, 2026-12-05)
+        # lazy: dgr.toolchain.bundle.baseline costs 120 ms at start-up (python -X importtime, 2026-12-05)
         from dgr.toolchain.bundle import baseline_model, load_bundle
 
         b = load_bundle(args.bundle)
@@ -122,7 +122,7 @@ def _warm_pass(engines, sched, run) -> tuple[int, str]:
     """The prefix cache on the split (what every worker's cache does): session 0's prompt restored from a saved
     state, whole and cut back to half, against the split's own cold run of it (bit for bit, decode fed the same
     tokens). Returns (the kept positions, "exact" / "refused: ..." / "DIFFERS (...)")."""
-    # lazy: dgr.toolchain.synth.features costs 133 ms at start-up (python -X importtime, 2026-12-05)
+    # lazy: dgr.toolchain.synth.features costs 138 ms at start-up (python -X importtime, 2026-12-05)
     from dgr.toolchain.synth.features import Case, check_features
 
     prompt = sched.prompts[0]
@@ -134,7 +134,7 @@ def _warm_pass(engines, sched, run) -> tuple[int, str]:
 
 
 def cmd_parity_synth(args) -> int:
-    # lazy: dgr.toolchain.synth costs 79 ms at start-up (python -X importtime, 2026-12-05)
+    # lazy: dgr.toolchain.synth costs 81 ms at start-up (python -X importtime, 2026-12-05)
     from dgr.toolchain.parity import ParityError
     from dgr.toolchain.synth.features import run_features
     from dgr.toolchain.synth.generic import known_archs

@@ -19,7 +19,7 @@ def _recipe_path(p: str) -> Path:
 
 
 def _plan(args) -> int:
-    # lazy: dgr.toolchain.bundle.plan costs 105 ms at start-up (python -X importtime, 2026-12-05)
+    # lazy: dgr.toolchain.bundle.plan costs 99 ms at start-up (python -X importtime, 2026-12-05)
     from dgr.toolchain.bundle import make_plan
     from dgr.toolchain.recipe import load_recipe
 
@@ -36,7 +36,7 @@ def _plan(args) -> int:
 
 
 def _build(args) -> int:
-    # lazy: dgr.toolchain.bundle.builder costs 114 ms at start-up (python -X importtime, 2026-12-05)
+    # lazy: dgr.toolchain.bundle.builder costs 107 ms at start-up (python -X importtime, 2026-12-05)
     from dgr.toolchain.bundle import build
 
     b = build(_recipe_path(args.recipe), args.store, progress=not args.quiet)
@@ -50,7 +50,7 @@ def _build(args) -> int:
 
 
 def _new(args) -> int:
-    # lazy: dgr.toolchain.recipe costs 59 ms at start-up (python -X importtime, 2026-12-05)
+    # lazy: dgr.toolchain.recipe costs 68 ms at start-up (python -X importtime, 2026-12-05)
     from dgr.toolchain.recipe import scaffold, scaffold_values
 
     values: dict[str, str] = {}

@@ -4,10 +4,12 @@ dgr.toolchain.pydeps and, for the Debian package, dgr.app.deploy.debian)."""
 from __future__ import annotations
 
 from dgr.core.constants import LANES
-from dgr.toolchain.release import build_release, verify_release, write_image
 
 
 def _verify(args) -> int:
+    # lazy: dgr.toolchain.release costs 11 ms at start-up (python -X importtime, 2026-12-05)
+    from dgr.toolchain.release import verify_release
+
     manifest = verify_release(args.archive)
     up = manifest.get("upstream", {})
     print(f"ok: {args.archive}: lane {manifest.get('lane')}, {len(manifest.get('files', {}))} files match "
@@ -16,11 +18,17 @@ def _verify(args) -> int:
 
 
 def _build(args) -> int:
+    # lazy: dgr.toolchain.release costs 11 ms at start-up (python -X importtime, 2026-12-05)
+    from dgr.toolchain.release import build_release
+
     print(build_release(args.lane))
     return 0
 
 
 def _image(args) -> int:
+    # lazy: dgr.toolchain.release costs 11 ms at start-up (python -X importtime, 2026-12-05)
+    from dgr.toolchain.release import write_image
+
     record, (layout, tar, manifest) = write_image(args.release, args.out)
     print(f"ok: {record['ref']} ({record['lane']} lane, {record['architecture']}) {record['digest']}, "
           f"{record['size'] / 1e6:.1f} MB in {len(record['layers'])} layers")
@@ -31,7 +39,7 @@ def _image(args) -> int:
 
 
 def _deb(args) -> int:
-    # lazy: dgr.app.deploy.debian costs 161 ms at start-up (python -X importtime, 2026-12-05)
+    # lazy: dgr.app.deploy.debian costs 135 ms at start-up (python -X importtime, 2026-12-05)
     from dgr.app.deploy.debian import build_deb
 
     deb = build_deb(args.release, args.out)

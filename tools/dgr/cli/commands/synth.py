@@ -9,7 +9,7 @@ from dgr.core.errors import DgrError
 
 
 def _synth(args) -> int:
-    # lazy: dgr.toolchain.synth costs 79 ms at start-up (python -X importtime, 2026-12-05)
+    # lazy: dgr.toolchain.synth costs 81 ms at start-up (python -X importtime, 2026-12-05)
     from dgr.toolchain.synth.generic import ARCHS, known_archs, synth
 
     if args.list:
@@ -17,7 +17,7 @@ def _synth(args) -> int:
             print(name)
         return 0
     if args.shape:
-        # lazy: dgr.toolchain.synth costs 79 ms at start-up (python -X importtime, 2026-12-05)
+        # lazy: dgr.toolchain.synth costs 81 ms at start-up (python -X importtime, 2026-12-05)
         from dgr.toolchain.synth.shapes import synth_shape
 
         if args.arch or not args.output:
@@ -35,7 +35,7 @@ def _synth(args) -> int:
     embd = args.embd if args.embd is not None else 64
     if args.arch == "deepseek4" and "deepseek4" not in ARCHS:
         # V4 has its own writer (not a table row)
-        # lazy: dgr.toolchain.synth costs 79 ms at start-up (python -X importtime, 2026-12-05)
+        # lazy: dgr.toolchain.synth costs 81 ms at start-up (python -X importtime, 2026-12-05)
         from dgr.toolchain.synth.deepseek4 import synth_deepseek4
 
         kw = {}
@@ -43,7 +43,7 @@ def _synth(args) -> int:
             kw["compress_ratios"] = [int(x) for x in args.compress_ratios.split(",")]
         if agree is not None:
             # MTP drafts that agree with the trunk at rate `agree` (lookup-table weights, orthonormal embeddings)
-            # lazy: dgr.toolchain.synth costs 79 ms at start-up (python -X importtime, 2026-12-05)
+            # lazy: dgr.toolchain.synth costs 81 ms at start-up (python -X importtime, 2026-12-05)
             from dgr.toolchain.synth.deepseek4_agree import DEFAULT_EMBD, synth_deepseek4_agreeing
 
             out = synth_deepseek4_agreeing(args.output, agree=agree, layers=args.layers, seed=args.seed,

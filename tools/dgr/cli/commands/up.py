@@ -22,7 +22,7 @@ def _seconds(text: str) -> float:
 
 
 def _up(args) -> int:
-    # lazy: dgr.app.deploy.control costs 176 ms at start-up (python -X importtime, 2026-12-05)
+    # lazy: dgr.app.deploy.control costs 157 ms at start-up (python -X importtime, 2026-12-05)
     from dgr.app.deploy.control import Interrupted, StopSignals, down, follow, up, up_run_dir
 
     def say(line: str) -> None:

