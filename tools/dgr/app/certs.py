@@ -14,9 +14,14 @@ import os
 import re
 from pathlib import Path
 
-from dgr.core.errors import DgrError
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-CA_CERT = "ca.pem"
+from dgr.core.errors import DgrError
+from dgr.runtime.wire.tls import CA_CERT
+
 CA_KEY = "ca.key"
 VALID_DAYS = 825
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
@@ -42,14 +47,10 @@ def _write_public(path: Path, data: bytes) -> None:
 
 
 def _key():
-    from cryptography.hazmat.primitives.asymmetric import ec
-
     return ec.generate_private_key(ec.SECP256R1())
 
 
 def _pem_key(key) -> bytes:
-    from cryptography.hazmat.primitives import serialization
-
     return key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
                              serialization.NoEncryption())
 
@@ -60,10 +61,6 @@ def _now() -> dt.datetime:
 
 def init(directory: str | Path, *, name: str = "dgr mesh CA", force: bool = False) -> Path:
     """Make a CA in `directory` (refuses to replace one unless `force`); returns the CA certificate."""
-    from cryptography import x509
-    from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.x509.oid import NameOID
-
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
     if (d / CA_KEY).exists() and not force:
@@ -87,8 +84,6 @@ def init(directory: str | Path, *, name: str = "dgr mesh CA", force: bool = Fals
 
 
 def _san(host: str):
-    from cryptography import x509
-
     try:
         return x509.IPAddress(ipaddress.ip_address(host.strip("[]")))
     except ValueError:
@@ -97,10 +92,6 @@ def _san(host: str):
 
 def issue(directory: str | Path, name: str, hosts: list[str]) -> tuple[Path, Path]:
     """A key and certificate for member `name`, valid for `hosts`, signed by the CA in `directory`."""
-    from cryptography import x509
-    from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
-
     d = Path(directory)
     if not _NAME.match(name) or name in ("ca",):
         raise CertError(f"member name {name!r}: use letters, digits, '.', '_' or '-' (not 'ca')")

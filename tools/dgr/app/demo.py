@@ -15,9 +15,18 @@ from pathlib import Path
 
 import numpy as np
 
+from dgr.app.local import LocalRoute
 from dgr.core.errors import WireError
 from dgr.core.log import get_logger
 from dgr.core.paths import REPO_ROOT, workspace
+from dgr.runtime.engine import Engine
+from dgr.runtime.engine_api import Step
+from dgr.runtime.wire.client import RouteClient
+from dgr.runtime.wire.stats import hop_overhead_ms, summarize
+from dgr.toolchain.bundle import build, load_bundle
+from dgr.toolchain.enginebuild import ensure_engine
+from dgr.toolchain.recipe import load_recipe
+from dgr.toolchain.source import resolve
 
 log = get_logger(__name__)
 
@@ -34,8 +43,6 @@ def whole_model_run(engine, ids: list[int], max_new: int, stop_ids: tuple[int, .
                     session: str = "whole", chunk_tokens: int = 0) -> WholeRun:
     """Greedy generation on one engine holding every layer: the independent baseline. `chunk_tokens`
     prefills in chunks of that size (as a route does), 0 in one step."""
-    from dgr.runtime.engine_api import Step
-
     engine.open_session(session, 1)
     try:
         t0 = time.perf_counter()
@@ -64,9 +71,6 @@ def whole_model_run(engine, ids: list[int], max_new: int, stop_ids: tuple[int, .
 
 def ensure_bundle(stages: int, *, progress: bool = True):
     """The SmolLM2 bundle of `recipes/smollm2-135m-<N>stage`, built into the workspace store if missing."""
-    from dgr.toolchain.bundle import build, load_bundle
-    from dgr.toolchain.recipe import load_recipe
-
     recipe_dir = REPO_ROOT / "recipes" / f"smollm2-135m-{stages}stage"
     if not recipe_dir.exists():
         raise WireError(f"no recipe {recipe_dir}: the demo has SmolLM2 recipes for 2, 3 and 4 stages")
@@ -85,8 +89,6 @@ def ensure_bundle(stages: int, *, progress: bool = True):
 
 
 def source_gguf(recipe) -> Path:
-    from dgr.toolchain.source import resolve
-
     src = recipe.recipe.source
     return resolve(src.uri, src.blake3, base_dir=recipe.path.parent, progress=False)
 
@@ -104,12 +106,6 @@ def long_prompt(tokenize, n: int) -> list[int]:
 
 def run_demo(*, stages: int = 3, max_tokens: int = 32, prompt: str = "The capital of France is",
              prefill_tokens: int = 256, threads: int = 0) -> int:
-    from dgr.app.local import LocalRoute
-    from dgr.runtime.engine import Engine
-    from dgr.runtime.wire.client import RouteClient
-    from dgr.runtime.wire.stats import hop_overhead_ms, summarize
-    from dgr.toolchain.enginebuild import ensure_engine
-
     lib = ensure_engine("cpu")
     os.environ["DGR_ENGINE_LIB"] = str(lib)
     bundle, recipe = ensure_bundle(stages)

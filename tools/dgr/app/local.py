@@ -4,6 +4,7 @@ replica, which tests can kill, stop, resume and restart in place), or fake-model
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import signal
@@ -14,7 +15,12 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from dgr.app.workerbin import worker_binary
 from dgr.core.errors import WireError
+from dgr.runtime.wire.limits import Limits
+from dgr.testing import fake_engine
+from dgr.testing.fake_engine import FakeModel
+from dgr.toolchain.enginebuild import ensure_engine
 
 _READY = re.compile(r"serving on (\S+)")
 
@@ -178,9 +184,6 @@ class _FakeWorker(_Worker):
     milliseconds rather than the ~0.4 s of `dgr worker serve`)."""
 
     def start(self, listen: str = "127.0.0.1:0") -> None:
-        from dgr.app.workerbin import worker_binary
-        from dgr.testing import fake_engine
-
         env = {**os.environ, **(self.env or {}), fake_engine.LIB_ENV: str(fake_engine.library_path())}
         cmd = [str(worker_binary()), "--listen", listen, *self.args]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
@@ -199,10 +202,6 @@ _LIMIT_FLAGS = {
 def limit_flags(limits) -> list[str]:
     """A `dgr.runtime.wire.limits.Limits` as dgr-worker flags (the fields that differ from the defaults); a field that
     has no flag is refused, never dropped."""
-    import dataclasses
-
-    from dgr.runtime.wire.limits import Limits
-
     out: list[str] = []
     if limits is None:
         return out
@@ -243,8 +242,6 @@ class FakeRoute(LocalRoute):
     @classmethod
     def of(cls, spec: str, **kw) -> FakeRoute:
         """Every stage of one fake model, in order."""
-        from dgr.testing.fake_engine import FakeModel
-
         return cls([(spec, i) for i in range(len(FakeModel.from_spec(spec).ranges))], **kw)
 
 
@@ -255,6 +252,5 @@ def engine_library(lib: str | Path | None = None) -> Path:
         return Path(lib)
     if os.environ.get("DGR_ENGINE_LIB"):
         return Path(os.environ["DGR_ENGINE_LIB"])
-    from dgr.toolchain.enginebuild import ensure_engine
 
     return ensure_engine("cpu")

@@ -5,12 +5,14 @@ from __future__ import annotations
 from pathlib import Path
 
 from dgr.core.errors import WireError
+from dgr.core.locks import locked
+from dgr.core.paths import workspace
+from dgr.toolchain.buildinfo import build_info
+from dgr.toolchain.bundle import load_bundle, verify_bundle
 
 
 def patch_series() -> tuple[str, str]:
     """(upstream commit, hash over the ordered patch stack): the release's metadata, or the checkout's pin."""
-    from dgr.toolchain.buildinfo import build_info
-
     info = build_info()
     return info.commit, info.patch_series
 
@@ -18,10 +20,6 @@ def patch_series() -> tuple[str, str]:
 def checked_bundle(path: str | Path, stage: int, *, verify: bool = True):
     """The bundle at `path`, once `stage` is one of its stages and (`verify`) its files match the
     manifest's hashes; WireError saying which otherwise."""
-    from dgr.core.locks import locked
-    from dgr.core.paths import workspace
-    from dgr.toolchain.bundle import load_bundle, verify_bundle
-
     b = load_bundle(path)
     n = len(b.manifest.stages)
     if not 0 <= stage < n:

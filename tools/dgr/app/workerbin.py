@@ -7,6 +7,8 @@ import os
 from pathlib import Path
 
 from dgr.core.errors import WireError
+from dgr.core.paths import env_path
+from dgr.runtime.engine_abi import library_path
 
 WORKER_BIN_ENV = "DGR_WORKER_BIN"
 
@@ -14,9 +16,6 @@ WORKER_BIN_ENV = "DGR_WORKER_BIN"
 def worker_binary() -> Path:
     """`dgr-worker`: $DGR_WORKER_BIN, else the one beside the engine library (a CMake build folder, a
     release's lib/ has it in ../bin); WireError saying how to get one otherwise."""
-    from dgr.core.paths import env_path
-    from dgr.runtime.engine import library_path
-
     env = os.environ.get(WORKER_BIN_ENV)
     if env:
         path = env_path(env).resolve()

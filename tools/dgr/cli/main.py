@@ -20,8 +20,9 @@ import importlib
 import os
 import sys
 
-from dgr.core.errors import DgrError
+from dgr.core.errors import DgrError, EngineError
 from dgr.core.log import setup as setup_logging
+from dgr.runtime.engine_abi import build_numerics, library_path
 
 # The commands, in the order `dgr --help` lists them; each one's module is dgr.cli.commands.<command, '-' as '_'>.
 COMMANDS = ("inspect", "synth", "recipe", "bundle", "upstream", "build-engine", "baseline", "parity", "worker",
@@ -33,6 +34,7 @@ class _Version(argparse.Action):
     """`dgr --version`: computed only when asked (it reads the release's metadata or the pin)."""
 
     def __call__(self, parser, namespace, values, option_string=None):
+        # lazy: dgr.toolchain.buildinfo costs 7 ms at start-up (python -X importtime, 2026-12-05)
         from dgr.toolchain.buildinfo import build_info
 
         print(build_info().describe())
@@ -42,9 +44,6 @@ class _Version(argparse.Action):
 
 def _numerics_line() -> str:
     """What the engine library this dgr would load computes with (docs/numerics.md), or why it cannot say."""
-    from dgr.core.errors import EngineError
-    from dgr.runtime.engine_abi import build_numerics, library_path
-
     try:
         path = library_path()
         return f"numerics {build_numerics(path)} ({path})"

@@ -8,13 +8,14 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from dgr.core.constants import DEFAULT_N_UBATCH, DEFAULT_PROMPT, DEFAULT_STEPS
+from dgr.runtime.wire.client import DEFAULT_ATTEMPTS, DEFAULT_HOP_DEADLINE
+
 
 def add_route_args(p, *, waits_for_route: bool = False) -> None:
     """What every client of a route takes (`dgr generate`, `dgr serve`): the route with its replicas,
     how long to wait, how often to recover, and TLS to the workers. `waits_for_route`: --timeout also
     bounds the wait for stages that are not up yet when the route is opened (RouteClient.connect_wait)."""
-    from dgr.runtime.wire.client import DEFAULT_ATTEMPTS, DEFAULT_HOP_DEADLINE
-
     p.add_argument("--route", required=True,
                    help="HOST:PORT,... stage 0 first; replicas of a stage in preference order separated by "
                         "'|' (quote it: \"A,B1|B2,C\")")
@@ -41,8 +42,6 @@ def add_route_args(p, *, waits_for_route: bool = False) -> None:
 def add_schedule_args(p: argparse.ArgumentParser) -> None:
     """What a parity run feeds the model (`dgr baseline`, `dgr parity`): the prompts, the decode steps, the
     batch, and the engine library, its threads and KV cache type."""
-    from dgr.toolchain.parity import DEFAULT_N_UBATCH, DEFAULT_PROMPT, DEFAULT_STEPS
-
     p.add_argument("--prompt", action="append", help=f"prompt text; repeat for several sessions sharing each batch "
                    f"(default: {DEFAULT_PROMPT[:30]!r}...)")
     p.add_argument("--steps", type=int, default=DEFAULT_STEPS, help=f"greedy decode steps (default {DEFAULT_STEPS})")

@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from dgr.core.errors import DgrError
 from dgr.core.hashing import bytes_blake3, file_blake3
+from dgr.core.paths import REPO_ROOT
 
 SCHEMA = "dgr.certificate/v1"
 
@@ -139,7 +140,6 @@ def resolve_contract(ref: str | Path, base: Path | None = None) -> Path:
     if p.is_absolute():
         return p
     if base is None:
-        from dgr.core.paths import REPO_ROOT
         base = REPO_ROOT
     return base / p
 

@@ -35,6 +35,12 @@ DEFAULT_CHUNK_SIZE = 8 * 1024 * 1024
 DEFAULT_N_CTX = 4096        # positions a session may hold
 DEFAULT_MAX_SESSIONS = 8    # concurrent sessions per engine
 
+# A parity run's schedule (`dgr baseline`, `dgr parity`: dgr.toolchain.parity), here so that the flags'
+# defaults and help need no engine binding.
+DEFAULT_PROMPT = "The quick brown fox jumps over the lazy dog. Once upon a time, in a land far away,"
+DEFAULT_STEPS = 8           # greedy decode steps per session
+DEFAULT_N_UBATCH = 512      # physical batch size (llama.cpp's default)
+
 # Backend lanes (Bazel --config, Nix packages, manifests).
 LANES = ("cpu", "cuda", "rocm", "vulkan", "metal")
 # The CPU backend's instruction set (docs/numerics.md): the lane's declared baseline first (every build system

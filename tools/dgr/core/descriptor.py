@@ -19,6 +19,7 @@ from pathlib import Path
 from pydantic import BaseModel, Field, field_validator, model_validator
 
 from dgr.core.contract import STRICT, WIRE_DTYPES, BoundarySchema
+from dgr.core.paths import REPO_ROOT
 
 # Bump when a field changes meaning or goes away (adding a field is a new schema, same version).
 SCHEMA_VERSION = 1
@@ -233,7 +234,6 @@ __all__ = ["SCHEMA_PATH", "SCHEMA_VERSION", "Capacity", "CompatIdentity", "Descr
 def write_schema(root: Path | None = None) -> Path:
     """Write the schema file of this model into the checkout at `root` (default: this one)."""
     if root is None:
-        from dgr.core.paths import REPO_ROOT
         root = REPO_ROOT
     path = Path(root) / SCHEMA_PATH
     path.parent.mkdir(parents=True, exist_ok=True)

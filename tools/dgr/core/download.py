@@ -10,6 +10,11 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import requests
+from requests.adapters import HTTPAdapter
+from tqdm import tqdm
+from urllib3.util.retry import Retry
+
 from dgr.core.errors import DgrError, SourceError
 from dgr.core.log import get_logger
 
@@ -20,10 +25,6 @@ RETRIES = 5
 
 
 def _session():
-    import requests
-    from requests.adapters import HTTPAdapter
-    from urllib3.util.retry import Retry
-
     retry = Retry(total=RETRIES, connect=RETRIES, read=RETRIES, backoff_factor=0.5,
                   status_forcelist=(429, 500, 502, 503, 504), allowed_methods=("GET",),
                   raise_on_status=False)
@@ -40,9 +41,6 @@ def part_path(dest: Path) -> Path:
 def download(url: str, dest: str | Path, *, progress: bool = True, timeout: float = 60.0,
              error: type[DgrError] = SourceError, what: str | None = None) -> Path:
     """Stream `url` to `dest` (resuming `dest.part`); raises `error` naming `what` (default: the URL)."""
-    import requests
-    from tqdm import tqdm
-
     dest = Path(dest)
     what = what or url
     part = part_path(dest)

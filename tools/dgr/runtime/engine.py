@@ -14,17 +14,20 @@ status becomes a dgr.core.errors type; the engine never crashes on bad input.
 from __future__ import annotations
 
 import ctypes as C
+import json
 from pathlib import Path
 
+import gguf
 import numpy as np
 from pydantic import ValidationError
 
 from dgr.core.constants import DEFAULT_MAX_SESSIONS, DEFAULT_N_CTX
 from dgr.core.contract import StageContract
-from dgr.core.errors import EngineError, SchemaMismatch
+from dgr.core.errors import EngineError, GGUFError, SchemaMismatch
+from dgr.gguf.model import read_header
 # LIB_ENV, OK, library_path and load_library are part of this module's face (callers import them from here)
-from dgr.runtime.engine_abi import (_WANT, E_ENGINE, LIB_ENV, OK, _Memory, _OpenParams, _raise,  # noqa: F401
-                                    _StageInfo, _Step, _StepOut, _VocabInfo, library_path, load_library)
+from dgr.runtime.engine_abi import (E_ENGINE, LIB_ENV, OK, WANT_LOGITS, CMemory, COpenParams, CStageInfo,  # noqa: F401
+                                    CStep, CStepOut, CVocabInfo, library_path, load_library, raise_status)
 from dgr.runtime.engine_api import MemoryReport, StageInfo, Step, StepResult, VocabInfo
 
 
@@ -66,8 +69,6 @@ def logprobs(logits, *, chosen: int = -1, top: int = 0,
 def json_schema_to_grammar(schema: str | dict, *, lib: str | Path | C.CDLL | None = None) -> str:
     """The GBNF the pinned llama.cpp's json_schema_to_grammar makes of a JSON Schema (what the last stage
     constrains a `json_schema` session with). Raises EngineError saying why a schema is refused."""
-    import json
-
     h = lib if isinstance(lib, C.CDLL) else load_library(lib)
     if not hasattr(h, "dgr_json_schema_to_grammar"):
         raise EngineError("this engine library has no grammar support; rebuild it (`dgr build-engine`)")
@@ -77,7 +78,7 @@ def json_schema_to_grammar(schema: str | dict, *, lib: str | Path | C.CDLL | Non
         buf = C.create_string_buffer(cap)
         n = h.dgr_json_schema_to_grammar(raw, buf, cap)
         if n < 0:
-            _raise(h, E_ENGINE)
+            raise_status(h, E_ENGINE)
         if n <= cap:
             return buf.raw[:n].decode()
         cap = n
@@ -94,13 +95,13 @@ class Grammar:
         row = np.array(logits, dtype=np.float32, copy=True)
         status = self._lib.dgr_grammar_apply(self._h, row.ctypes.data_as(C.POINTER(C.c_float)), row.size)
         if status:
-            _raise(self._lib, status)
+            raise_status(self._lib, status)
         return row
 
     def accept(self, token: int) -> None:
         status = self._lib.dgr_grammar_accept(self._h, int(token))
         if status:
-            _raise(self._lib, status)
+            raise_status(self._lib, status)
 
     def close(self) -> None:
         if self._h:
@@ -116,10 +117,10 @@ def _vocab(h: C.CDLL, call) -> VocabInfo:
     a second call when the vocabulary marks more end-of-generation ids than the first array held."""
     cap = 64
     while True:
-        info, eog = _VocabInfo(), (C.c_int32 * cap)()
+        info, eog = CVocabInfo(), (C.c_int32 * cap)()
         st = call(C.byref(info), eog, cap)
         if st != OK:
-            _raise(h, st)
+            raise_status(h, st)
         if info.n_eog <= cap:
             break
         cap = info.n_eog
@@ -152,11 +153,6 @@ def _refuse_what_llama_aborts_on(path: Path) -> None:
     id_to_token.size() == token_to_id.size()). llama.cpp reads each token as a C string, so two tokens
     that agree up to a NUL byte are the same token to it. A header dgr cannot read is left to the
     engine's own checks, which answer with typed errors."""
-    import gguf
-
-    from dgr.core.errors import GGUFError
-    from dgr.gguf.model import read_header
-
     try:
         tokens = read_header(path).get(gguf.Keys.Tokenizer.LIST)
     except GGUFError:
@@ -195,7 +191,7 @@ class Engine:
             raise EngineError(f"{path}: no such stage file")
         if kv_dtype not in ("f16", "f32"):
             raise EngineError(f"kv_dtype must be f16 or f32, got {kv_dtype!r}")
-        p = _OpenParams(n_ctx=n_ctx, max_sessions=max_sessions, n_ubatch=n_ubatch, n_threads=n_threads,
+        p = COpenParams(n_ctx=n_ctx, max_sessions=max_sessions, n_ubatch=n_ubatch, n_threads=n_threads,
                         layer_begin=layer_range[0] if layer_range else 0,
                         layer_end=layer_range[1] if layer_range else 0, n_gpu_layers=n_gpu_layers,
                         kv_f32=int(kv_dtype == "f32"), fast_kernels=int(fast_kernels), n_draft_max=n_draft_max)
@@ -205,7 +201,7 @@ class Engine:
         out = C.c_void_p()
         st = h.dgr_engine_open(str(path).encode(), C.byref(p), C.byref(out))
         if st != OK:
-            _raise(h, st)
+            raise_status(h, st)
         return cls(out, h, path)
 
     @property
@@ -226,7 +222,7 @@ class Engine:
 
     def _check(self, status: int) -> None:
         if status != OK:
-            _raise(self._lib, status)
+            raise_status(self._lib, status)
 
     def _handle(self) -> C.c_void_p:
         if self._h is None:
@@ -254,7 +250,7 @@ class Engine:
         return list(out[: int(k)])
 
     def _describe(self) -> StageInfo:
-        s = _StageInfo()
+        s = CStageInfo()
         self._check(self._lib.dgr_engine_describe(self._handle(), C.byref(s)))
         self._raw = s
         # The C side applies the sideband rule (worker/engine/dgr_contract.h) and states first/last; the
@@ -322,8 +318,8 @@ class Engine:
         if not steps:
             raise EngineError("forward needs at least one step")
         width = info.n_streams * info.n_embd
-        c_steps = (_Step * len(steps))()
-        c_outs = (_StepOut * len(steps))()
+        c_steps = (CStep * len(steps))()
+        c_outs = (CStepOut * len(steps))()
         keep: list[np.ndarray] = []   # arrays the C side reads or writes, alive until the call returns
         outs: list[tuple[np.ndarray | None, np.ndarray | None]] = []
         for k, s in enumerate(steps):
@@ -353,9 +349,9 @@ class Engine:
                 cs.boundary = b.ctypes.data_as(C.POINTER(C.c_float))
                 cs.boundary_width = width
                 keep.append(b)
-            if s.want_logits not in _WANT:
-                raise EngineError(f"step {k}: want_logits must be one of {sorted(_WANT)}, got {s.want_logits!r}")
-            cs.want_logits = _WANT[s.want_logits]
+            if s.want_logits not in WANT_LOGITS:
+                raise EngineError(f"step {k}: want_logits must be one of {sorted(WANT_LOGITS)}, got {s.want_logits!r}")
+            cs.want_logits = WANT_LOGITS[s.want_logits]
             bout = lout = None
             if not info.is_last:
                 bout = np.empty((n, info.n_streams, info.n_embd), dtype=np.float32)
@@ -383,7 +379,7 @@ class Engine:
             buf = (C.c_int32 * cap)()
             n = self._lib.dgr_tokenize(self._handle(), raw, int(add_special), buf, cap)
             if n < 0:
-                _raise(self._lib, E_ENGINE)
+                raise_status(self._lib, E_ENGINE)
             if n <= cap:
                 return list(buf[:n])
             cap = n
@@ -395,7 +391,7 @@ class Engine:
             buf = C.create_string_buffer(cap)
             n = self._lib.dgr_detokenize(self._handle(), arr, len(ids), buf, cap)
             if n < 0:
-                _raise(self._lib, E_ENGINE)
+                raise_status(self._lib, E_ENGINE)
             if n <= cap:
                 return buf.raw[:n].decode(errors="replace")
             cap = n
@@ -415,7 +411,7 @@ class Engine:
         return _vocab(self._lib, lambda info, eog, cap: self._lib.dgr_engine_vocab(h, info, eog, cap))
 
     def memory(self) -> MemoryReport:
-        m = _Memory()
+        m = CMemory()
         self._check(self._lib.dgr_engine_memory(self._handle(), C.byref(m)))
         info = self._info
         layers = tuple(range(info.layer_begin, info.layer_end)) if m.kv_bytes else ()
@@ -463,5 +459,5 @@ def quantize(src: str | Path, dst: str | Path, qtype: str, *, n_threads: int = 0
     h.dgr_quantize.restype = C.c_int32
     st = h.dgr_quantize(str(src).encode(), str(dst).encode(), QUANT_FTYPES[qtype], n_threads)
     if st != OK:
-        _raise(h, st)
+        raise_status(h, st)
     return Path(dst)

@@ -16,17 +16,17 @@ ABI_VERSION = 7                 # worker/engine/dgr_engine.h's DGR_ABI_VERSION (
 LIB_ENV = "DGR_ENGINE_LIB"
 
 OK, E_ENGINE, E_CACHE_MISS, E_SCHEMA, E_ARTIFACT, E_UNSUPPORTED = range(6)
-_WANT = {"none": 0, "last": 1, "all": 2}
+WANT_LOGITS = {"none": 0, "last": 1, "all": 2}  # Step.want_logits -> enum dgr_want_logits (dgr_engine.h)
 
 
-class _OpenParams(C.Structure):
+class COpenParams(C.Structure):
     _fields_ = [("n_ctx", C.c_int32), ("max_sessions", C.c_int32), ("n_ubatch", C.c_int32),
                 ("n_threads", C.c_int32), ("layer_begin", C.c_int32), ("layer_end", C.c_int32),
                 ("n_gpu_layers", C.c_int32), ("kv_f32", C.c_int32), ("fast_kernels", C.c_int32),
                 ("n_draft_max", C.c_int32)]
 
 
-class _StageInfo(C.Structure):
+class CStageInfo(C.Structure):
     _fields_ = [("arch", C.c_char * 64),
                 ("layer_begin", C.c_int32), ("layer_end", C.c_int32), ("n_layer", C.c_int32),
                 ("n_embd", C.c_int32), ("n_streams", C.c_int32), ("n_vocab", C.c_int32),
@@ -35,32 +35,32 @@ class _StageInfo(C.Structure):
                 ("batch_invariant", C.c_int32), ("has_mtp", C.c_int32), ("n_draft_max", C.c_int32)]
 
 
-class _Step(C.Structure):
+class CStep(C.Structure):
     _fields_ = [("session_id", C.c_char_p), ("epoch", C.c_int64), ("n_tokens", C.c_int32),
                 ("positions", C.POINTER(C.c_int32)), ("token_ids", C.POINTER(C.c_int32)),
                 ("boundary", C.POINTER(C.c_float)), ("boundary_width", C.c_int32),
                 ("want_logits", C.c_int32)]
 
 
-class _StepOut(C.Structure):
+class CStepOut(C.Structure):
     _fields_ = [("boundary", C.POINTER(C.c_float)), ("logits", C.POINTER(C.c_float)),
                 ("n_logit_rows", C.c_int32), ("next_token", C.c_int32), ("n_cached", C.c_int32)]
 
 
-class _Memory(C.Structure):
+class CMemory(C.Structure):
     _fields_ = [("weights_bytes", C.c_uint64), ("kv_bytes", C.c_uint64), ("compute_bytes", C.c_uint64),
                 ("device_weights_bytes", C.c_uint64), ("device", C.c_char * 64)]
 
 
-class _VocabInfo(C.Structure):
+class CVocabInfo(C.Structure):
     _fields_ = [("n_vocab", C.c_int32), ("bos", C.c_int32), ("eos", C.c_int32), ("eot", C.c_int32),
                 ("n_eog", C.c_int32)]
 
 
 # The structs this binding shares with the library, by their C names (dgr_abi_struct_size answers for each).
 STRUCTS: dict[str, type[C.Structure]] = {
-    "dgr_open_params": _OpenParams, "dgr_stage_info": _StageInfo, "dgr_step": _Step, "dgr_step_out": _StepOut,
-    "dgr_memory": _Memory, "dgr_vocab_info": _VocabInfo}
+    "dgr_open_params": COpenParams, "dgr_stage_info": CStageInfo, "dgr_step": CStep, "dgr_step_out": CStepOut,
+    "dgr_memory": CMemory, "dgr_vocab_info": CVocabInfo}
 
 
 def check_abi(h: C.CDLL, path: Path) -> None:
@@ -121,19 +121,19 @@ def load_library(lib: str | Path | None = None) -> C.CDLL:
         h.dgr_engine_numerics.argtypes = [C.c_void_p]
         h.dgr_last_error.restype = C.c_char_p
         h.dgr_last_cache_miss.argtypes = [C.POINTER(C.c_int64), C.POINTER(C.c_int64)]
-        h.dgr_engine_open.argtypes = [C.c_char_p, C.POINTER(_OpenParams), C.POINTER(C.c_void_p)]
+        h.dgr_engine_open.argtypes = [C.c_char_p, C.POINTER(COpenParams), C.POINTER(C.c_void_p)]
         h.dgr_engine_close.argtypes = [C.c_void_p]
         h.dgr_engine_close.restype = None
-        h.dgr_engine_describe.argtypes = [C.c_void_p, C.POINTER(_StageInfo)]
-        h.dgr_engine_memory.argtypes = [C.c_void_p, C.POINTER(_Memory)]
+        h.dgr_engine_describe.argtypes = [C.c_void_p, C.POINTER(CStageInfo)]
+        h.dgr_engine_memory.argtypes = [C.c_void_p, C.POINTER(CMemory)]
         for name in ("dgr_session_open", "dgr_session_close"):
             getattr(h, name).argtypes = [C.c_void_p, C.c_char_p, C.c_int64]
         h.dgr_session_n_cached.argtypes = [C.c_void_p, C.c_char_p, C.c_int64, C.POINTER(C.c_int32)]
-        h.dgr_forward.argtypes = [C.c_void_p, C.c_int32, C.POINTER(_Step), C.POINTER(_StepOut)]
+        h.dgr_forward.argtypes = [C.c_void_p, C.c_int32, C.POINTER(CStep), C.POINTER(CStepOut)]
         h.dgr_tokenize.argtypes = [C.c_void_p, C.c_char_p, C.c_int32, C.POINTER(C.c_int32), C.c_int32]
         h.dgr_detokenize.argtypes = [C.c_void_p, C.POINTER(C.c_int32), C.c_int32, C.c_char_p, C.c_int32]
-        h.dgr_vocab_read.argtypes = [C.c_char_p, C.POINTER(_VocabInfo), C.POINTER(C.c_int32), C.c_int32]
-        h.dgr_engine_vocab.argtypes = [C.c_void_p, C.POINTER(_VocabInfo), C.POINTER(C.c_int32), C.c_int32]
+        h.dgr_vocab_read.argtypes = [C.c_char_p, C.POINTER(CVocabInfo), C.POINTER(C.c_int32), C.c_int32]
+        h.dgr_engine_vocab.argtypes = [C.c_void_p, C.POINTER(CVocabInfo), C.POINTER(C.c_int32), C.c_int32]
         # speculation's rollback: the fake engine of an older checkout may lack it (cannot roll back)
         if hasattr(h, "dgr_session_truncate"):
             h.dgr_session_truncate.argtypes = [C.c_void_p, C.c_char_p, C.c_int64, C.c_int32]
@@ -176,7 +176,8 @@ def load_library(lib: str | Path | None = None) -> C.CDLL:
         return h
 
 
-def _raise(h: C.CDLL, status: int) -> None:
+def raise_status(h: C.CDLL, status: int) -> None:
+    """Raise the dgr.core.errors type of a failed call's status, with the library's last error message."""
     msg = (h.dgr_last_error() or b"").decode(errors="replace") or f"engine status {status}"
     if status == E_CACHE_MISS:
         held, expected = C.c_int64(), C.c_int64()

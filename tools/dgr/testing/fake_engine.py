@@ -41,7 +41,10 @@ import numpy as np
 from dgr.core.constants import DEFAULT_N_CTX
 from dgr.core.contract import StageContract
 from dgr.core.errors import EngineError
-from dgr.runtime.engine import OK, Engine, _raise, load_library
+from dgr.core.locks import locked
+from dgr.core.paths import REPO_ROOT, default_engine_library, env_path, workspace
+from dgr.runtime.engine import LIB_ENV as ENGINE_ENV, OK, Engine, load_library
+from dgr.runtime.engine_abi import raise_status
 from dgr.runtime.engine_api import MemoryReport, StageInfo, Step, StepResult
 
 BOS, EOS, BYTE0 = 1, 2, 3
@@ -129,15 +132,11 @@ _find_lock = threading.Lock()
 
 
 def _repo_root() -> Path:
-    from dgr.core.paths import REPO_ROOT
-
     return REPO_ROOT
 
 
 def _from_env(value: str) -> Path:
     """$DGR_FAKE_ENGINE_LIB: a path, or under Bazel a runfiles path."""
-    from dgr.core.paths import env_path
-
     path = env_path(value)
     if not path.is_file():
         raise EngineError(f"{LIB_ENV}={value}: no such file; unset it (the fake engine is then built on demand) "
@@ -148,9 +147,6 @@ def _from_env(value: str) -> Path:
 def _beside_engine() -> Path | None:
     """libdgr_fake_engine.so beside the engine library ($DGR_ENGINE_LIB, else the workspace's CPU build),
     when it is at least as new as every source it is built from (a stale one is passed over)."""
-    from dgr.core.paths import default_engine_library
-    from dgr.runtime.engine import LIB_ENV as ENGINE_ENV
-
     env = os.environ.get(ENGINE_ENV)
     for engine in ([Path(env)] if env else []) + [default_engine_library("cpu")]:
         lib = engine.parent / LIBRARY
@@ -174,9 +170,6 @@ def _compiler() -> str:
 def build_library() -> Path:
     """Compile the fake engine with the system C++ compiler into the workspace (once per source hash,
     under a file lock); its path."""
-    from dgr.core.locks import locked
-    from dgr.core.paths import workspace
-
     root = _repo_root()
     rels = sources(root)
     srcs = [root / s for s in rels]
@@ -244,7 +237,7 @@ class FakeEngine(Engine):
         out = C.c_void_p()
         st = lib.dgr_engine_open(spec.encode(), None, C.byref(out))
         if st != OK:
-            _raise(lib, st)
+            raise_status(lib, st)
         super().__init__(out, lib, Path(f"fake:{spec}"))
 
     def _describe(self) -> StageInfo:

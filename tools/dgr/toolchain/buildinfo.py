@@ -14,8 +14,9 @@ from functools import lru_cache
 from pathlib import Path
 
 from dgr import __version__
-from dgr.core.paths import REPO_ROOT
 from dgr.core.hashing import series_hash
+from dgr.core.paths import REPO_ROOT
+from dgr.toolchain import pin
 
 
 @dataclass(frozen=True)
@@ -55,7 +56,6 @@ def build_info() -> BuildInfo:
         facts = json.loads(packaged.read_text())
         return BuildInfo(version=__version__, source="installed", commit=facts["commit"],
                          patches=tuple((p["file"], p["blake3"]) for p in facts["patches"]))
-    from dgr.toolchain import pin
     p = pin.load_pin()
     return BuildInfo(version=__version__, source="checkout", commit=p.commit,
                      patches=tuple((e.file, e.blake3) for e in p.patches))

@@ -24,6 +24,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from tqdm import tqdm
+
 from dgr.core.constants import CPU_VARIANTS, LANES
 from dgr.core.errors import EngineError
 from dgr.core.hashing import file_blake3, series_hash
@@ -148,8 +150,6 @@ def ninja_step(line: str) -> tuple[int, int] | None:
 
 def run_logged(cmd: list[str], logfile: Path, what: str, progress: bool, env: dict[str, str] | None = None) -> None:
     """Run a build step, teeing its output to `logfile`; Ninja's steps drive a progress bar on a terminal."""
-    from tqdm import tqdm
-
     log.info("%s: %s ... (log: %s)", what, " ".join(cmd[:4]), logfile)
     step: tuple[int, int] | None = None
     bar = tqdm(desc=what, unit="step", disable=not (progress and sys.stderr.isatty()), leave=False)

@@ -17,8 +17,9 @@ import gguf
 
 from dgr.core.constants import Keys
 from dgr.core.contract import WIRE_DTYPES
-from dgr.core.errors import GGUFError
+from dgr.core.errors import EngineError, GGUFError
 from dgr.gguf.model import INPUT, OUTPUT, SHARED, model_info
+from dgr.runtime.engine import read_vocab
 
 GK = gguf.Keys
 
@@ -104,8 +105,6 @@ def _special_tokens(path: str | Path, h) -> dict[str, Any]:
                                                          ("eot", GK.Tokenizer.EOT_ID), ("eom", GK.Tokenizer.EOM_ID))}
     if not isinstance(tokens, list):
         return {**declared, "eog": None, "from": "header", "note": "the file has no vocabulary"}
-    from dgr.core.errors import EngineError
-    from dgr.runtime.engine import read_vocab
 
     try:
         v = read_vocab(path)

@@ -24,16 +24,16 @@ from typing import Callable
 
 import numpy as np
 
+from dgr.core.constants import DEFAULT_N_UBATCH, DEFAULT_PROMPT, DEFAULT_STEPS
 from dgr.core.errors import DgrError, EngineError
+from dgr.core.hashing import file_blake3
 from dgr.core.log import get_logger
 from dgr.runtime.engine import Engine
 from dgr.runtime.engine_api import Step
+from dgr.toolchain.source import resolve
 
 log = get_logger(__name__)
 
-DEFAULT_PROMPT = "The quick brown fox jumps over the lazy dog. Once upon a time, in a land far away,"
-DEFAULT_STEPS = 8          # greedy decode steps per session
-DEFAULT_N_UBATCH = 512     # physical batch size (llama.cpp's default)
 TOKENIZER_N_CTX = 64       # an engine opened only to tokenize prompts needs no real context
 
 
@@ -221,9 +221,6 @@ def run_baseline(model: str | Path, sched: Schedule, lib: str | Path | None = No
 
 def bundle_source(b, given: str | Path | None = None) -> Path:
     """The bundle's source GGUF, verified by the blake3 its manifest records: `given` (--source), or its URI."""
-    from dgr.core.hashing import file_blake3
-    from dgr.toolchain.source import resolve
-
     want = b.manifest.source.blake3
     if given is not None:
         given = Path(given)

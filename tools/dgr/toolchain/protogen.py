@@ -14,6 +14,8 @@ import importlib.resources
 import tempfile
 from pathlib import Path
 
+from grpc_tools import protoc  # build-time dependency only
+
 from dgr.core.errors import WireError
 from dgr.core.paths import REPO_ROOT
 
@@ -25,8 +27,6 @@ HEADER = "# Generated from proto/{src} by `dgr wire protoc` (grpc_tools). DO NOT
 
 def generate() -> dict[str, str]:
     """Run protoc on the protos; return {file name: content} of the stubs as they should be committed."""
-    from grpc_tools import protoc  # build-time dependency only
-
     include = str(importlib.resources.files("grpc_tools") / "_proto")
     out: dict[str, str] = {}
     with tempfile.TemporaryDirectory() as tmp:

@@ -16,8 +16,11 @@ import json
 import subprocess
 import sys
 import tempfile
+import tomllib
 from importlib import metadata
 from pathlib import Path
+
+from packaging.requirements import Requirement
 
 from dgr.core.errors import ReleaseError
 from dgr.core.log import get_logger
@@ -33,16 +36,12 @@ def _norm(name: str) -> str:
 
 def top_level() -> list[str]:
     """`[tool.dgr.release] python-deps` of pyproject.toml: what the worker and the client import."""
-    import tomllib
-
     data = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())
     return list(data["tool"]["dgr"]["release"]["python-deps"])
 
 
 def closure(names: list[str]) -> dict[str, str]:
     """name -> installed version, for `names` and everything they require on this platform."""
-    from packaging.requirements import Requirement
-
     seen: dict[str, str] = {}
     todo = list(names)
     while todo:

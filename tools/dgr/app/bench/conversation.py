@@ -20,8 +20,17 @@ import statistics
 import time
 from dataclasses import dataclass, field
 
+from dgr.app.bench.wan_link import WanLinks
+from dgr.app.demo import ensure_bundle
+from dgr.app.gateway.app import create_app
+from dgr.app.gateway.chat import render
+from dgr.app.gateway.route import RouteBackend
+from dgr.app.gateway.server import GatewayServer
+from dgr.app.local import LocalRoute, engine_library
 from dgr.core.errors import WireError
 from dgr.core.log import get_logger
+from dgr.runtime.wire.client import RouteClient
+from dgr.runtime.wire.gen import stage_pb2 as pb
 
 log = get_logger(__name__)
 
@@ -90,8 +99,6 @@ class Report:
 
 
 def _route(bundle, stages: int, threads: int, *flags: str):
-    from dgr.app.local import LocalRoute, engine_library
-
     return LocalRoute([["--bundle", str(bundle.root), "--stage", str(i), "--threads", str(threads),
                         "--n-ctx", "2048", *flags] for i in range(stages)],
                       env={"DGR_ENGINE_LIB": str(engine_library())}, timeout=300)
@@ -110,6 +117,7 @@ def _stream_ttft(client, model: str, messages: list[dict], max_tokens: int) -> t
 
 
 def _conversation(gws: dict, turns: int, max_tokens: int, label: str) -> list[Turn]:
+    # lazy: openai costs 286 ms at start-up (python -X importtime, 2026-12-05); a test extra, not a dependency
     import openai
 
     clients = {k: openai.OpenAI(base_url=g.url + "/v1", api_key="unused", max_retries=0, timeout=600)
@@ -131,9 +139,6 @@ def _conversation(gws: dict, turns: int, max_tokens: int, label: str) -> list[Tu
 
 
 def _prefix_stats(addresses: list[str]) -> list:
-    from dgr.runtime.wire.client import RouteClient
-    from dgr.runtime.wire.gen import stage_pb2 as pb
-
     with RouteClient(addresses) as c:
         return [c._stub(a).Describe(pb.DescribeRequest(), timeout=10) for a in addresses]
 
@@ -141,13 +146,6 @@ def _prefix_stats(addresses: list[str]) -> list:
 def measure_conversation(*, stages: int = 4, turns: int = 10, rtt_ms: float = 20.0, max_tokens: int = 16,
                          conversations: int = 8, interleaved_turns: int = 4, threads: int = 1,
                          bundle=None) -> Report:
-    from dgr.app.bench.wan_link import WanLinks
-    from dgr.app.demo import ensure_bundle
-    from dgr.app.gateway.app import create_app
-    from dgr.app.gateway.route import RouteBackend
-    from dgr.app.gateway.server import GatewayServer
-    from dgr.runtime.wire.client import RouteClient
-
     if turns < 2 or turns > len(QUESTIONS):
         raise WireError(f"--turns {turns}: give 2 to {len(QUESTIONS)}")
     if bundle is None:
@@ -185,7 +183,6 @@ def measure_conversation(*, stages: int = 4, turns: int = 10, rtt_ms: float = 20
             RouteClient(small.addresses) as c:
         histories = [[{"role": "system", "content": SYSTEM}] for _ in range(conversations)]
         prompt_tokens = restored = 0
-        from dgr.app.gateway.chat import render
 
         template, stops = c.hops[-1].chat_template, set(c.hops[-1].eos_token_ids)
         for t in range(interleaved_turns):

@@ -27,11 +27,17 @@ from pathlib import Path
 
 import numpy as np
 
-from dgr.core.contract import WIRE_DTYPES
+from dgr.app.demo import source_gguf
+from dgr.core.contract import DEFAULT_WIRE_DTYPE, WIRE_DTYPES
 from dgr.core.errors import DgrError
 from dgr.core.log import get_logger
 from dgr.core.paths import REPO_ROOT
-from dgr.toolchain.recipe import POOR_AGREEMENT, WIRE_DTYPE_TABLE
+from dgr.runtime.engine import Engine
+from dgr.runtime.wire import codec
+from dgr.toolchain.parity import Schedule, ctx_for, open_stages, run_pipeline
+from dgr.toolchain.recipe import POOR_AGREEMENT, WIRE_DTYPE_TABLE, load_recipe
+from dgr.toolchain.synth.generic import known_archs, layer_kinds
+from dgr.toolchain.synth.parity import EMBD, OWN_SCHEDULES, SEED, check_arch, choose_ranges, model_layers, synth_model
 
 log = get_logger(__name__)
 
@@ -72,8 +78,6 @@ class DtypeRow:
 def _codec_transform(code: int, nbytes: list[int]):
     """The boundary_transform: every boundary through wire dtype `code` (encode, then decode); the
     bytes one decode token took on the wire land in nbytes[0]."""
-    from dgr.runtime.wire import codec
-
     def transform(stage: int, session: int, b: np.ndarray) -> np.ndarray:
         enc = codec.encode(b, code)
         if b.shape[0] == 1:
@@ -120,9 +124,6 @@ def measure_model(model: Path, ranges: list[tuple[int, int]], prompts: list[list
     token the codec is the only difference; sessions are never compared with each other inside one
     batch (an MoE kernel's result for a row depends on the batch's other rows). `floor`, a dict, gets
     the noise floor's numbers (`_nudge` in place of a codec, fed f32's tokens)."""
-    from dgr.runtime.wire import codec
-    from dgr.toolchain.parity import Schedule, ctx_for, open_stages, run_pipeline
-
     dtypes = list(dict.fromkeys(["f32", *dtypes]))     # f32 first: the reference
     n = len(prompts)
     engines = open_stages([model] * len(ranges), ranges=ranges, n_ubatch=n_ubatch, n_ctx=ctx_for(prompts, steps),
@@ -180,23 +181,16 @@ def measure_model(model: Path, ranges: list[tuple[int, int]], prompts: list[list
 def synth_case(arch: str, workdir: Path) -> tuple[Path, list[tuple[int, int]], list[list[int]], int]:
     """(model, ranges, prompts, n_ubatch) of a fresh tiny `arch` model, cut as dgr.toolchain.synth.parity cuts it: one
     prompt of random ids (more would share batches, where an MoE kernel lets sessions touch)."""
-    from dgr.toolchain.synth.generic import layer_kinds
-    from dgr.toolchain.synth.parity import _OWN_SCHEDULES, EMBD, SEED, choose_ranges, model_layers, synth_model
-
     layers = model_layers(arch)
     ranges = choose_ranges(layer_kinds(arch, layers, EMBD), N_STAGES)
     model = synth_model(arch, Path(workdir) / f"{arch}-{layers}L-s{SEED}.gguf", layers=layers, seed=SEED)
-    lengths, n_ubatch = _OWN_SCHEDULES.get(arch, ((PROMPT_LEN,), 512))
+    lengths, n_ubatch = OWN_SCHEDULES.get(arch, ((PROMPT_LEN,), 512))
     prompt = np.random.default_rng(3).integers(0, 256, size=lengths[0]).tolist()
     return model, ranges, [prompt], n_ubatch
 
 
 def smollm2_case(lib=None) -> tuple[Path, list[tuple[int, int]], list[list[int]], str]:
     """(model, ranges, prompts, arch) of SmolLM2-135M as the 3-stage recipe cuts it."""
-    from dgr.app.demo import source_gguf
-    from dgr.runtime.engine import Engine
-    from dgr.toolchain.recipe import load_recipe
-
     recipe = load_recipe(REPO_ROOT / "recipes" / SMOLLM2_RECIPE / "recipe.toml")
     model = source_gguf(recipe)
     eng = Engine.open(model, n_ctx=64, max_sessions=1, lib=lib)
@@ -212,9 +206,6 @@ def run_dtype_table(archs=None, dtypes=DTYPES, steps: int = STEPS, lib=None, smo
                     n_threads: int = 1) -> list[dict]:
     """Measure every dtype on every architecture (default: all of `dgr synth --list`) and SmolLM2;
     write the markdown table to `out` and its data to `json_out` (default: beside `out`, .json)."""
-    from dgr.toolchain.synth.generic import known_archs
-    from dgr.toolchain.synth.parity import check_arch
-
     if steps < 1:
         raise DgrError(f"the dtype table needs at least one decode step, got {steps}")
     for d in dtypes:
@@ -300,8 +291,6 @@ def summary(rows: list[DtypeRow]) -> dict[str, dict]:
 
 def _default_text(s: dict[str, dict], floors: dict[str, dict]) -> str:
     """Which recipe default the numbers support, and why (the default itself lives in dgr.core.contract)."""
-    from dgr.core.contract import DEFAULT_WIRE_DTYPE
-
     lossy = [d for d in s if not WIRE_DTYPES[d].lossless]
     safe = [d for d in lossy if s[d]["synth_poor"] == 0
             and all(v["top1_agree"] >= POOR_AGREEMENT for v in s[d]["real"].values())]

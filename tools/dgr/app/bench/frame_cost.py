@@ -33,8 +33,15 @@ import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from dgr.app.bench.loopback_floor import MESSAGES_PER_ROUND, one_way_ms
+from dgr.app.certs import init, issue
+from dgr.app.local import FakeRoute
 from dgr.core.errors import DgrError
 from dgr.core.log import get_logger
+from dgr.runtime.wire.client import RouteClient
+from dgr.runtime.wire.stats import breakdown, decode_events, hop_overhead_ms
+from dgr.runtime.wire.tls import TlsConfig
+from dgr.toolchain.enginebuild import ensure_tool
 
 log = get_logger(__name__)
 
@@ -92,14 +99,6 @@ def run_probe(exe: Path, *, transport: str, stages: int, nbytes: int, compute_us
 
 def measure(*, stages: int = 3, tokens: int = 64, rounds: int = 3, embd: int = 576, layers_per_stage: int = 2) -> FrameCost:
     """Every kind of KINDS, `rounds` times, alternating, and the loopback floor; see the module's text."""
-    from dgr.app.bench.loopback_floor import MESSAGES_PER_ROUND, one_way_ms
-    from dgr.app.certs import init, issue
-    from dgr.app.local import FakeRoute
-    from dgr.runtime.wire.client import RouteClient
-    from dgr.runtime.wire.stats import breakdown, decode_events, hop_overhead_ms
-    from dgr.runtime.wire.tls import TlsConfig
-    from dgr.toolchain.enginebuild import ensure_tool
-
     if stages < 2:
         raise DgrError("dgr bench frames needs at least 2 stages")
     if not 1 <= layers_per_stage <= 64:

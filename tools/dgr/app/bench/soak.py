@@ -17,13 +17,20 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
 import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from dgr.app import certs
+from dgr.app.bench import hostile as attack
+from dgr.app.demo import ensure_bundle
+from dgr.app.local import LocalRoute, engine_library
 from dgr.core.errors import DgrError
 from dgr.core.log import get_logger
+from dgr.runtime.wire.client import RouteClient
+from dgr.runtime.wire.tls import TlsConfig
 
 log = get_logger(__name__)
 
@@ -125,8 +132,6 @@ def _stage_args(stages: int, fake: bool, threads: int) -> tuple[list[list[str]],
     if fake:
         spec = fake_spec(stages)
         return [["--fake-engine", spec, "--stage", str(i)] for i in range(stages)], {}, "fake"
-    from dgr.app.demo import ensure_bundle
-    from dgr.app.local import engine_library
 
     lib = engine_library()
     bundle, _ = ensure_bundle(stages, progress=False)
@@ -137,9 +142,6 @@ def _stage_args(stages: int, fake: bool, threads: int) -> tuple[list[list[str]],
 
 def _mesh(directory: Path, stages: int, sessions: int, hostile: int):
     """A CA for the run: a certificate per worker, per honest session thread and per hostile member."""
-    from dgr.app import certs
-    from dgr.runtime.wire.tls import TlsConfig
-
     certs.init(directory)
     ca = directory / certs.CA_CERT
 
@@ -155,12 +157,6 @@ def run_soak(minutes: float, *, stages: int = 3, sessions: int = 4, fake: bool =
              threads: int = 0, hostile: int = 0) -> SoakReport:
     """Generate with `sessions` concurrent clients over a fresh local route for `minutes` (with `hostile`
     attacking members beside them, under mutual TLS)."""
-    import tempfile
-
-    from dgr.app.bench import hostile as attack
-    from dgr.app.local import LocalRoute
-    from dgr.runtime.wire.client import RouteClient
-
     args, env, engine = _stage_args(stages, fake, threads)
     rep = SoakReport(engine=engine, stages=stages, sessions=sessions, minutes=minutes, hostile=hostile)
     lock = threading.Lock()

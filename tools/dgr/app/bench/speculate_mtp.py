@@ -24,8 +24,19 @@ import contextlib
 import statistics
 from pathlib import Path
 
+import numpy as np
+
+from dgr.app.bench.wan_link import WanLinks
+from dgr.app.local import LocalRoute, engine_library
 from dgr.core.errors import WireError
+from dgr.core.hashing import file_blake3
 from dgr.core.log import get_logger
+from dgr.core.paths import workspace
+from dgr.runtime.wire.client import RouteClient
+from dgr.runtime.wire.stats import draft_stats, rings, tokens_per_ring
+from dgr.toolchain.bundle import find_or_build
+from dgr.toolchain.synth.deepseek4 import synth_deepseek4
+from dgr.toolchain.synth.deepseek4_agree import synth_deepseek4_agreeing
 
 log = get_logger(__name__)
 
@@ -37,9 +48,6 @@ RANGES = {2: [(0, 3), (3, 6)], 3: [(0, 2), (2, 4), (4, 6)], 4: [(0, 1), (1, 3), 
 def source(root: Path, agree: float | None = None) -> Path:
     """The V4 source GGUF with its MTP block (written once under `root`/sources): the tiny random-weight one
     (`agree` None), or the synthetic one whose drafts agree with its trunk at `agree`."""
-    from dgr.toolchain.synth.deepseek4 import synth_deepseek4
-    from dgr.toolchain.synth.deepseek4_agree import synth_deepseek4_agreeing
-
     d = root / "sources"
     d.mkdir(parents=True, exist_ok=True)
     path = d / ("v4-tiny.gguf" if agree is None else f"v4-agree{agree:g}.gguf")
@@ -55,9 +63,6 @@ def source(root: Path, agree: float | None = None) -> Path:
 
 def mtp_bundle(src: Path, stages: int, root: Path):
     """`src` split into `stages` stages with bundle.include_mtp = true (built once under `root`)."""
-    from dgr.core.hashing import file_blake3
-    from dgr.toolchain.bundle import find_or_build
-
     d = root / f"{src.stem}-{stages}"
     recipe = d / "recipe.toml"
     pairs = ", ".join(f"[{a}, {b}]" for a, b in RANGES[stages])
@@ -71,14 +76,10 @@ def mtp_bundle(src: Path, stages: int, root: Path):
 
 
 def _prompt(n: int = 32) -> list[int]:
-    import numpy as np
-
     return np.random.default_rng(7).integers(3, 250, size=n).tolist()
 
 
 def _run(client, prompt, tokens: int, mode: str, k: int) -> dict:
-    from dgr.runtime.wire.stats import draft_stats, rings, tokens_per_ring
-
     gen = client.run(prompt, max_new_tokens=tokens, stop_token_ids=[], speculate=None if mode == "none" else mode,
                      draft_k=k)
     drafted, accepted = draft_stats(gen)
@@ -113,11 +114,6 @@ def measure_mtp(*, stages: int = 4, k: int = 4, tokens: int = 64, rounds: int = 
                 agree: float = 0.8, threads: int = 1, root: Path | None = None) -> dict:
     """The table of the module docstring, as a dict: `rows` (one per model, network and mode) and `cost`
     (the rejected-draft cost on `agree 0`, per network)."""
-    from dgr.app.bench.wan_link import WanLinks
-    from dgr.app.local import LocalRoute, engine_library
-    from dgr.core.paths import workspace
-    from dgr.runtime.wire.client import RouteClient
-
     if stages not in RANGES:
         raise WireError(f"dgr bench --speculate mtp: --stages {stages}: the tiny V4 bundles have 2, 3 or 4 stages")
     if not 0.0 < agree <= 1.0 or rounds < 1 or tokens < 8:

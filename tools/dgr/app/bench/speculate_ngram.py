@@ -15,7 +15,11 @@ import os
 import statistics
 from pathlib import Path
 
+from dgr.app.demo import ensure_bundle
+from dgr.app.local import LocalRoute, engine_library
 from dgr.core.log import get_logger
+from dgr.runtime.wire.client import RouteClient
+from dgr.runtime.wire.stats import decode_events, draft_stats, rings, tokens_per_ring
 
 log = get_logger(__name__)
 
@@ -42,8 +46,6 @@ WORKLOADS = {"repetitive": REPETITIVE, "plain": PLAIN}
 
 def _bundle_root(bundle, stages: int) -> Path:
     if bundle is None:
-        from dgr.app.demo import ensure_bundle
-
         return Path(ensure_bundle(stages)[0].root)
     return Path(getattr(bundle, "root", bundle))
 
@@ -53,10 +55,6 @@ def measure_speculation(*, stages: int = 3, bundle=None, threads: int = 1, k: in
     """Run both workloads `rounds` times each, plain and speculative alternating, on one route of
     `stages` worker processes (`bundle`: a bundle or its directory; default the demo's SmolLM2 bundle).
     Returns the figures (tokens_per_ring, tpot_ratio_plain, the equal-text flags) and the raw numbers."""
-    from dgr.app.local import LocalRoute, engine_library
-    from dgr.runtime.wire.client import RouteClient
-    from dgr.runtime.wire.stats import decode_events, draft_stats, rings, tokens_per_ring
-
     lib = str(engine_library())
     root = _bundle_root(bundle, stages)
     # ggml's CPU threads spin while they wait: workers sharing a machine split its cores between them

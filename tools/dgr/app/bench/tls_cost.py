@@ -13,7 +13,13 @@ import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from dgr.app.certs import init, issue
+from dgr.app.demo import ensure_bundle
+from dgr.app.local import LocalRoute, engine_library
 from dgr.core.log import get_logger
+from dgr.runtime.wire.client import RouteClient
+from dgr.runtime.wire.stats import hop_overhead_ms
+from dgr.runtime.wire.tls import TlsConfig
 
 log = get_logger(__name__)
 
@@ -48,13 +54,6 @@ class TlsCost:
 def measure(*, stages: int = 3, tokens: int = 48, rounds: int = 3, threads: int = 1, bundle=None) -> TlsCost:
     """`bundle` (a dgr.toolchain.bundle.Bundle, or None: the embedded SmolLM2 of `stages`) served twice, plaintext and
     mutual TLS, generations alternating."""
-    from dgr.app.certs import init, issue
-    from dgr.app.demo import ensure_bundle
-    from dgr.app.local import LocalRoute, engine_library
-    from dgr.runtime.wire.client import RouteClient
-    from dgr.runtime.wire.stats import hop_overhead_ms
-    from dgr.runtime.wire.tls import TlsConfig
-
     lib = engine_library()
     if bundle is None:
         bundle, _ = ensure_bundle(stages)

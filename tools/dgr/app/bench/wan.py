@@ -33,9 +33,16 @@ import time
 import urllib.request
 from pathlib import Path
 
+from prometheus_client.parser import text_string_to_metric_families
+
 from dgr.app.bench.wan_link import Link, WanLinks, raw_overhead
+from dgr.app.demo import ensure_bundle, long_prompt
+from dgr.app.local import LocalRoute, engine_library
 from dgr.core.errors import WireError
 from dgr.core.log import get_logger
+from dgr.runtime.wire.client import RouteClient
+from dgr.runtime.wire.stats import decode_events
+from dgr.toolchain.bundle import load_bundle
 
 log = get_logger(__name__)
 
@@ -51,8 +58,6 @@ def timed_decode(client, prompt, tokens: int, stages: int) -> tuple[object, dict
     `tpot_mean_ms` is the mean), `compute_ms` the median engine time per decode token summed over the
     stages (the workers' own timings), `per_hop_ms` their difference per boundary, `ring_ms` the median
     trip round the ring as the origin timed it."""
-    from dgr.runtime.wire.stats import decode_events
-
     arrivals = [time.perf_counter() for _ in client.generate(prompt, max_new_tokens=tokens, stop_token_ids=[])]
     gen = client.last
     evs = decode_events(gen)
@@ -67,8 +72,6 @@ def timed_decode(client, prompt, tokens: int, stages: int) -> tuple[object, dict
 
 def _scrape(url: str) -> dict[str, float]:
     """The two figures a prefill needs from one worker's /metrics: engine seconds and prefill steps."""
-    from prometheus_client.parser import text_string_to_metric_families
-
     with urllib.request.urlopen(url, timeout=10) as r:
         text = r.read().decode()
     out = {"compute_s": 0.0, "prefill_steps": 0.0, "decode_steps": 0.0}
@@ -92,15 +95,10 @@ def _metrics_urls(route) -> list[str]:
 
 
 def _engine_lib() -> Path:
-    from dgr.app.local import engine_library
-
     return engine_library()
 
 
 def _bundle(bundle, stages: int):
-    from dgr.app.demo import ensure_bundle
-    from dgr.toolchain.bundle import load_bundle
-
     if bundle is None:
         return ensure_bundle(stages)[0]
     b = load_bundle(bundle) if isinstance(bundle, (str, Path)) else bundle
@@ -146,10 +144,6 @@ def measure_wan(*, stages: int = 4, bundle=None, rtt_ms: float = 20.0, mbit: flo
     `bundle`: a bundle (or its folder) of `stages` stages, default the SmolLM2 one; `threads`: compute
     threads per worker; `tokens` per decode run, `rounds` of each route (medians); `prefill_tokens` of
     the long prompt, sent in `chunk_tokens` chunks, `prefill_rounds` times (the fastest of each counts)."""
-    from dgr.app.demo import long_prompt
-    from dgr.app.local import LocalRoute
-    from dgr.runtime.wire.client import RouteClient
-
     if stages < 1 or tokens < 3 or rounds < 1 or prefill_rounds < 1:
         raise WireError("measure_wan needs stages >= 1, tokens >= 3, rounds >= 1 and prefill_rounds >= 1")
     one_way = rtt_ms / 2

@@ -31,13 +31,19 @@ from pathlib import Path
 
 import numpy as np
 
+from dgr import __version__
+from dgr.app.bench import speculate_mtp
+from dgr.app.bench.soak import proc_memory
 from dgr.app.certify.contract import LoadedContract, Synthetic
 from dgr.app.certify.features import prefix_cache_row
+from dgr.app.certify.fixtures import synthetic_bundle
 from dgr.app.certify.host import host, usable_cores
-from dgr.app.certify.runner import _identity, _version, parity_prompts
+from dgr.app.certify.runner import checked_identity, parity_prompts
+from dgr.app.local import LocalRoute
 from dgr.core.certificate import Certificate, ContractRef, Figure, StageRange
 from dgr.core.errors import DgrError
 from dgr.core.log import get_logger
+from dgr.runtime.wire.client import RouteClient
 
 log = get_logger(__name__)
 
@@ -51,7 +57,7 @@ def _certificate(lc: LoadedContract, bundle, identity, figures: list[Figure]) ->
         hardware=host(), stages=tuple(StageRange(stage=s.index, layer_begin=s.layer_begin, layer_end=s.layer_end)
                                       for s in bundle.manifest.stages),
         figures=tuple(figures), passed=all(f.passed for f in figures),
-        created_at=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), dgr_version=_version())
+        created_at=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), dgr_version=__version__)
 
 
 def _on_equals_off(client, prompts: list[list[int]], k: int, max_new: int) -> list[Figure]:
@@ -94,9 +100,6 @@ def _kill_mid_draft(route, client, k: int, max_new: int) -> Figure:
 
 
 def _soak(route, addresses, m, k: int) -> Figure:
-    from dgr.app.bench.soak import proc_memory
-    from dgr.runtime.wire.client import RouteClient
-
     prompts = [np.random.default_rng(30 + i).integers(1, 250, size=24 + 8 * i).tolist() for i in range(4)]
     pids = [w.proc.pid for w in route.all if w.proc.poll() is None]
     errors: list[str] = []
@@ -144,10 +147,6 @@ def _soak(route, addresses, m, k: int) -> Figure:
 def certify_mtp(spec: Synthetic, lc: LoadedContract, *, lane: str, lib: Path, root: Path | None = None,
                 soak: bool = False) -> Certificate:
     """The MTP rows of one target (the module docstring), in one certificate."""
-    from dgr.app.certify.fixtures import synthetic_bundle
-    from dgr.app.local import LocalRoute
-    from dgr.runtime.wire.client import RouteClient
-
     c, m = lc.contract, lc.contract.mtp
     b = synthetic_bundle(spec, root, include_mtp=True)
     n = len(b.manifest.stages)
@@ -162,7 +161,7 @@ def certify_mtp(spec: Synthetic, lc: LoadedContract, *, lane: str, lib: Path, ro
         descs = client.describe()
         if not descs[-1].has_mtp:
             raise DgrError(f"{spec.name}: the last stage of the include_mtp bundle {b.root} has no MTP block")
-        identity = _identity(b, descs, lane, lib, lc.blake3)
+        identity = checked_identity(b, descs, lane, lib, lc.blake3)
         prompts = parity_prompts(c, client.tokenize, descs[0].n_vocab)
         figures = _on_equals_off(client, prompts, m.draft_k, c.parity.max_new_tokens)
         # the prefix cache with MTP drafting (refused where a stage keeps no prefixes: DeepSeek V4 today)
@@ -176,10 +175,6 @@ def certify_mtp(spec: Synthetic, lc: LoadedContract, *, lane: str, lib: Path, ro
 
 def certify_speculation(lc: LoadedContract, *, lane: str, lib: Path, root: Path) -> Certificate:
     """Tokens per trip with good drafts and the rejected-draft cost (dgr.app.bench.speculate_mtp), one certificate."""
-    from dgr.app.bench import speculate_mtp
-    from dgr.app.local import LocalRoute
-    from dgr.runtime.wire.client import RouteClient
-
     s, k = lc.contract.mtp.speculation, lc.contract.mtp.draft_k
     prompt = np.random.default_rng(7).integers(3, 250, size=32).tolist()
     got, identity, first = {}, None, None
@@ -190,7 +185,7 @@ def certify_speculation(lc: LoadedContract, *, lane: str, lib: Path, root: Path)
         with LocalRoute(args, env={"DGR_ENGINE_LIB": str(lib)}, timeout=300) as route, \
                 RouteClient(route.addresses, prefix_cache=False) as client:
             if identity is None:
-                identity = _identity(b, client.describe(), lane, lib, lc.blake3)
+                identity = checked_identity(b, client.describe(), lane, lib, lc.blake3)
             got[rate] = speculate_mtp.mode_rows(client, prompt, tokens=s.tokens, rounds=s.rounds, k=k,
                                                 modes=("none", "mtp"), label=f"gate beta, agree {rate:g},")
     good, bad = got[s.agree], got[0.0]

@@ -25,6 +25,7 @@ import numpy as np
 
 from dgr.core.certificate import Figure
 from dgr.core.errors import WireError
+from dgr.runtime.wire.client import RouteClient
 from dgr.runtime.wire.prefix import PREFIX_BLOCK_TOKENS
 
 RECOVERY_SESSION = "certify-recovery"
@@ -119,8 +120,6 @@ class Fault:
 def recovery_row(route, fault: Fault, ids: list[int], want, max_new: int, chunk_tokens: int, **run) -> Figure:
     """The recovery row (the module docstring): `ids` through every replica of `route` as RECOVERY_SESSION;
     `want`: the same generation undisturbed (tokens and logits "last"). Leaves the victim dead: run it last."""
-    from dgr.runtime.wire.client import RouteClient
-
     got, error = None, ""
     with RouteClient(route.replicas, chunk_tokens=chunk_tokens, prefix_cache=False) as c:
         try:

@@ -10,6 +10,7 @@ before anything is written or built.
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 
 from dgr.app.certify.contract import Synthetic, mtp_refused
@@ -17,6 +18,10 @@ from dgr.core.certificate import Figure
 from dgr.core.errors import RecipeError
 from dgr.core.hashing import file_blake3
 from dgr.core.paths import REPO_ROOT, workspace
+from dgr.toolchain.bundle import find_or_build
+from dgr.toolchain.recipe import load_recipe
+from dgr.toolchain.synth.deepseek4 import synth_deepseek4, synth_deepseek4_v4shape
+from dgr.toolchain.synth.generic import synth
 
 
 def certify_root() -> Path:
@@ -33,9 +38,6 @@ def bundle_for_recipe(recipe_path: str | Path, store: Path | None = None, *, pro
     """The bundle of a recipe: read it first (an MTP-on recipe raises RecipeError here, before anything
     is written: alpha certifies MTP off; beta's MTP rows pass `allow_mtp`), then find it in `store` by the
     recipe's blake3, or build it there (dgr.toolchain.bundle.find_or_build)."""
-    from dgr.toolchain.bundle import find_or_build
-    from dgr.toolchain.recipe import load_recipe
-
     p = Path(recipe_path)
     if not p.is_absolute() and not p.exists():
         p = REPO_ROOT / p
@@ -57,8 +59,6 @@ def synth_source(spec: Synthetic, root: Path | None = None) -> Path:
     tmp = d / f".{name}.{os.getpid()}.tmp"
     d.mkdir(parents=True, exist_ok=True)
     if spec.arch == "deepseek4":
-        from dgr.toolchain.synth.deepseek4 import synth_deepseek4, synth_deepseek4_v4shape
-
         if spec.v4shape:
             if (spec.layers, spec.hash_layers, spec.mtp) != (43, 3, True):
                 raise RecipeError(f"gate.synthetic {spec.name}: v4shape is V4's 43 layers + MTP with 3 hash layers")
@@ -67,8 +67,6 @@ def synth_source(spec: Synthetic, root: Path | None = None) -> Path:
             synth_deepseek4(tmp, layers=spec.layers, embd=spec.embd, seed=spec.seed, hash_layers=spec.hash_layers,
                             mtp=spec.mtp)
     else:
-        from dgr.toolchain.synth.generic import synth
-
         synth(spec.arch, spec.layers, spec.embd, spec.seed, tmp)
     tmp.replace(path)
     return path
@@ -107,8 +105,6 @@ def mtp_refusal(spec: Synthetic, root: Path | None = None) -> Figure:
     recipe = synth_recipe(spec, root, include_mtp=True)
     store = root / "mtp-refusal-store"
     if store.exists():
-        import shutil
-
         shutil.rmtree(store)
     try:
         b = bundle_for_recipe(recipe, store)

@@ -13,11 +13,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from dgr.app.certify import fixtures
+from dgr.app.certify.beta import certify_mtp, certify_speculation
 from dgr.app.certify.contract import LoadedContract, load_contract
+from dgr.app.certify.runner import certify, engine_library
 from dgr.app.certify.verdict import INCONCLUSIVE, INCONCLUSIVE_RUN, is_inconclusive, mark, overall
 from dgr.core.certificate import Certificate, Figure
 from dgr.core.errors import DgrError
 from dgr.core.log import get_logger
+from dgr.runtime.engine_abi import build_numerics
 
 log = get_logger(__name__)
 
@@ -89,10 +93,6 @@ def run_gate(contract: str | Path | None = None, *, out_dir: str | Path | None =
              lib: str | Path | None = None, root: Path | None = None) -> GateResult:
     """Run the gate of `contract` (default certification/alpha.toml); certificates go to `out_dir`
     (default: the workspace's certificates/<contract name>/)."""
-    from dgr.app.certify import fixtures
-    from dgr.app.certify.runner import certify, engine_library
-    from dgr.runtime.engine_abi import build_numerics
-
     lc = load_contract(contract)
     c = lc.contract
     lane = lane or c.lane
@@ -134,8 +134,6 @@ def run_gate(contract: str | Path | None = None, *, out_dir: str | Path | None =
 
     # 4. Beta: the MTP targets with MTP on, then the speculation rows.
     if c.mtp is not None:
-        from dgr.app.certify.beta import certify_mtp, certify_speculation
-
         jobs = [(f"{t}+mtp", lambda t=t, k=k: certify_mtp(by_name[t], lc, lane=lane, lib=lib, root=root, soak=k == 0))
                 for k, t in enumerate(c.mtp.targets)]
         jobs.append(("mtp-speculation",

@@ -25,14 +25,25 @@ from pathlib import Path
 
 import numpy as np
 
+from dgr import __version__
 from dgr.app.certify.contract import Contract, LoadedContract, load_contract, mtp_refused
 from dgr.app.certify.features import Fault, prefix_cache_row, recovery_row
 from dgr.app.certify.host import host, usable_cores
 from dgr.app.certify.speed import SpeedRuns, speed_figures
+from dgr.app.demo import long_prompt, whole_model_run
+from dgr.app.local import LocalRoute
 from dgr.core.certificate import Certificate, ContractRef, Figure, Identity, StageRange
 from dgr.core.errors import DgrError, RecipeError
 from dgr.core.hashing import file_blake3
 from dgr.core.log import get_logger
+from dgr.core.paths import default_engine_library
+from dgr.gguf.model import read_header
+from dgr.runtime.engine import Engine
+from dgr.runtime.wire.client import RouteClient
+from dgr.toolchain.bundle import baseline_model, load_bundle
+from dgr.toolchain.enginebuild import ensure_engine
+from dgr.toolchain.parity import bundle_source
+from dgr.toolchain.recipe import parse_recipe
 
 log = get_logger(__name__)
 
@@ -46,15 +57,11 @@ class CertifyError(DgrError):
 def engine_library(lane: str, lib: str | Path | None = None) -> Path:
     """The engine library to certify: `lib`, $DGR_ENGINE_LIB, or the lane's workspace build (the CPU
     lane's is built when missing, as `dgr demo` does)."""
-    from dgr.core.paths import default_engine_library
-
     if lib or os.environ.get("DGR_ENGINE_LIB"):
         p = Path(lib or os.environ["DGR_ENGINE_LIB"])
     else:
         p = default_engine_library(lane)
         if not p.is_file() and lane == "cpu":
-            from dgr.toolchain.enginebuild import ensure_engine
-
             p = ensure_engine("cpu")
     if not p.is_file():
         raise CertifyError(f"no engine library for the {lane} lane at {p}: `dgr build-engine --lane {lane}`, "
@@ -65,8 +72,6 @@ def engine_library(lane: str, lib: str | Path | None = None) -> Path:
 def mtp_off(bundle) -> Figure:
     """The MTP-off row of a bundle: its recipe (as recorded in the manifest) must not turn MTP on, and no
     stage may hold a layer past the main ones. Raises CertifyError for an MTP-on recipe."""
-    from dgr.toolchain.recipe import parse_recipe
-
     m = bundle.manifest
     try:
         recipe = parse_recipe(m.recipe.text, f"{bundle.root}/manifest.json recipe")
@@ -86,8 +91,6 @@ def mtp_off(bundle) -> Figure:
 
 def source_of(bundle, source: str | Path | None = None) -> Path:
     """The bundle's source GGUF, verified against the blake3 its manifest records (`dgr parity`'s lookup)."""
-    from dgr.toolchain.parity import bundle_source
-
     try:
         return bundle_source(bundle, source)
     except CertifyError:
@@ -97,8 +100,6 @@ def source_of(bundle, source: str | Path | None = None) -> Path:
 
 
 def is_synthetic(source: Path) -> bool:
-    from dgr.gguf.model import read_header
-
     name = read_header(source).get("general.name")
     return isinstance(name, str) and name.startswith(SYNTH_NAME_PREFIX)
 
@@ -152,7 +153,7 @@ def _parity_figures(p: _Parity, c: Contract, n_vocab: int, baseline: str) -> lis
     ]
 
 
-def _identity(bundle, descs, lane: str, lib: Path, chash: str, whole_numerics: str | None = None) -> Identity:
+def checked_identity(bundle, descs, lane: str, lib: Path, chash: str, whole_numerics: str | None = None) -> Identity:
     """The identity the workers advertise (Describe), checked against the bundle and this host's engine: every
     stage and the whole-model baseline (`whole_numerics`, where there is one) must compute the same numerics
     (docs/numerics.md), or the rows would compare unlike with unlike."""
@@ -193,8 +194,6 @@ def measure_speed(c: Contract, client, eng, threads: int) -> SpeedRuns:
     """Pipeline and whole model side by side on this host, one untimed round and then `repeats` timed ones,
     alternating which goes first (the pipeline in even rounds): tok/s of each side in each timed round. What
     they are judged by is dgr.app.certify.speed.speed_figures."""
-    from dgr.app.demo import long_prompt, whole_model_run
-
     s = c.speed
     short = eng.tokenize(s.prompt)
     long_ids = long_prompt(eng.tokenize, s.prefill_tokens)
@@ -222,12 +221,6 @@ def certify(bundle_path: str | Path, *, contract: LoadedContract | str | Path | 
             threads: int | None = None, log_dir: Path | None = None) -> Certificate:
     """Certify the bundle at `bundle_path` against `contract` (default certification/alpha.toml) on
     `lane` (default: the contract's). Returns the certificate; `passed` says whether every row passed."""
-    from dgr.app.demo import whole_model_run
-    from dgr.app.local import LocalRoute
-    from dgr.runtime.engine import Engine
-    from dgr.runtime.wire.client import RouteClient
-    from dgr.toolchain.bundle import baseline_model, load_bundle
-
     lc = contract if isinstance(contract, LoadedContract) else load_contract(contract)
     c = lc.contract
     lane = lane or c.lane
@@ -266,7 +259,7 @@ def certify(bundle_path: str | Path, *, contract: LoadedContract | str | Path | 
                         replicas=fault.replicas(n_stages), extra=fault.extra) as route, \
                 RouteClient(route.addresses, chunk_tokens=chunk, prefix_cache=False) as client:
             descs = client.describe()
-            identity = _identity(b, descs, lane, lib, lc.blake3, eng.numerics)
+            identity = checked_identity(b, descs, lane, lib, lc.blake3, eng.numerics)
             if client.chunk_tokens not in baseline:  # the message limit made the route's chunks smaller
                 baseline[client.chunk_tokens] = [whole_model_run(eng, ids, c.parity.max_new_tokens,
                                                                  chunk_tokens=client.chunk_tokens) for ids in prompts]
@@ -290,11 +283,6 @@ def certify(bundle_path: str | Path, *, contract: LoadedContract | str | Path | 
         stages=tuple(StageRange(stage=s.index, layer_begin=s.layer_begin, layer_end=s.layer_end)
                      for s in b.manifest.stages),
         figures=tuple(figures), passed=all(f.passed for f in figures),
-        created_at=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), dgr_version=_version())
+        created_at=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), dgr_version=__version__)
     log.info("certify: %s: %s", b.root.name, "passed" if cert.passed else "FAILED")
     return cert
-
-
-def _version() -> str:
-    from dgr import __version__
-    return __version__

@@ -27,14 +27,24 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
 from dgr.app.deploy import STATUS_TIMEOUT_S, condition, runstate
 from dgr.app.deploy.argv import worker_args
 from dgr.app.deploy.events import Watcher
 from dgr.app.deploy.local import free_port, port_free
 from dgr.app.deploy.plan import Plan, make_plan
-from dgr.app.deploy.spec import DeployError
+from dgr.app.deploy.provision import provision_local
+from dgr.app.deploy.spec import DeployError, load_deployment
+from dgr.app.workerbin import worker_binary
+from dgr.core.descriptor import Descriptor
+from dgr.core.errors import DgrError
 from dgr.core.locks import locked
 from dgr.core.log import get_logger
+from dgr.runtime.engine_abi import LIB_ENV, library_path
+from dgr.runtime.wire.gen import stage_pb2 as pb, stage_pb2_grpc as pb_grpc
+from dgr.runtime.wire.tls import TlsConfig, channel
 
 log = get_logger(__name__)
 
@@ -87,8 +97,6 @@ class StopSignals:
 
 def client_tls(plan_or_run: Plan | dict, worker: str):
     """A TlsConfig for talking to a worker of the run (its own certificate: status runs on its host)."""
-    from dgr.runtime.wire.tls import TlsConfig
-
     tls = plan_or_run.get("tls") if isinstance(plan_or_run, dict) else None
     if not tls:
         return None
@@ -99,11 +107,6 @@ def client_tls(plan_or_run: Plan | dict, worker: str):
 
 def health(address: str, tls=None, timeout: float = 2.0) -> str:
     """The standard gRPC health status of a worker: SERVING, NOT_SERVING, ... or UNREACHABLE."""
-    import grpc
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-    from dgr.runtime.wire.tls import channel
-
     with channel(address, tls) as ch:
         try:
             r = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout)
@@ -115,12 +118,6 @@ def health(address: str, tls=None, timeout: float = 2.0) -> str:
 def describe_load(address: str, tls=None, timeout: float = 2.0) -> dict | None:
     """The load a worker advertises (open sessions, queued steps, cached positions), and why it keeps no
     prefixes (`prefix_cache_off`, "" where it does), or None."""
-    import grpc
-
-    from dgr.core.descriptor import Descriptor
-    from dgr.runtime.wire.gen import stage_pb2 as pb, stage_pb2_grpc as pb_grpc
-    from dgr.runtime.wire.tls import channel
-
     with channel(address, tls) as ch:
         try:
             d = pb_grpc.StageStub(ch).Describe(pb.DescribeRequest(), timeout=timeout)
@@ -185,10 +182,6 @@ def _check_engine(plan: Plan) -> None:
     dgr-worker it would find: when the library is missing or does not load, or there is no dgr-worker, none
     of them can start, so say so now (the library, and the loader's message) rather than after their
     restarts."""
-    from dgr.app.workerbin import worker_binary
-    from dgr.core.errors import DgrError
-    from dgr.runtime.engine import LIB_ENV, library_path
-
     try:
         path = library_path()
     except DgrError as err:
@@ -226,7 +219,6 @@ def up(path: str | Path, *, run_dir: str | Path | None = None, progress: bool = 
         left = runstate.kill_all(d, 5.0)      # leftovers of a supervisor that was itself killed
         if left:
             raise DeployError(f"processes {left} of an earlier run of {plan.name} would not stop")
-        from dgr.app.deploy.provision import provision_local
 
         local = [w for w in plan.workers if w.local]
         if not local:
@@ -415,14 +407,10 @@ def _stop(d: Path, drain: float, proc: subprocess.Popen | None = None) -> list[i
 def up_run_dir(name_or_path: str | Path, run_dir: str | Path | None = None) -> Path:
     """The run folder `up` uses: `run_dir` (--run-dir), else the default; never the one an earlier `up
     --run-dir` recorded (where `down` and `status` look), which may be another run of the same file."""
-    from dgr.app.deploy.spec import load_deployment
-
     return runstate.run_dir(load_deployment(name_or_path).deployment.name, run_dir)
 
 
 def down(name_or_path: str | Path, *, run_dir: str | Path | None = None) -> dict:
-    from dgr.app.deploy.spec import load_deployment
-
     ld = load_deployment(name_or_path)
     d = runstate.find_run_dir(ld.deployment.name, run_dir)
     with locked(runstate.lock_path(d)):
@@ -441,8 +429,6 @@ def down(name_or_path: str | Path, *, run_dir: str | Path | None = None) -> dict
 def status(path: str | Path, *, run_dir: str | Path | None = None, timeout: float = STATUS_TIMEOUT_S) -> dict:
     """Each local worker's name, stage, address, pid, health, load, restarts and condition (up, degraded,
     down, and why), each route's condition, and the run's (`dgr.app.deploy.condition`)."""
-    from dgr.app.deploy.spec import load_deployment
-
     ld = load_deployment(path)
     d = runstate.find_run_dir(ld.deployment.name, run_dir)
     run, st = runstate.read_run(d), runstate.read_state(d) or {}

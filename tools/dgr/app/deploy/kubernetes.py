@@ -35,6 +35,9 @@ import shlex
 from dataclasses import dataclass
 from pathlib import Path
 
+import yaml
+
+from dgr import __version__
 from dgr.app.deploy.argv import tls_files, worker_args
 from dgr.app.deploy.plan import Plan, WorkerPlan
 from dgr.app.deploy.spec import DeployError
@@ -64,8 +67,6 @@ class Options:
     @staticmethod
     def default(image: str | None = None, tools_image: str | None = None, namespace: str | None = None,
                 prefix: str | None = None) -> Options:
-        from dgr import __version__
-
         return Options(image or f"dgr-worker:{__version__}", tools_image or f"dgr:{__version__}", namespace,
                        prefix or DEFAULT_PREFIX)
 
@@ -134,8 +135,6 @@ def _labels(plan: Plan, component: str, **more: str) -> dict[str, str]:
 
 
 def _meta(plan: Plan, o: Options, name: str, labels: dict[str, str]) -> dict:
-    from dgr import __version__
-
     m: dict = {"name": name, "labels": {**labels, "app.kubernetes.io/managed-by": "dgr",
                                         "app.kubernetes.io/version": __version__}}
     if o.namespace:
@@ -402,8 +401,6 @@ def _check_gateway_member(plan: Plan) -> None:
 
 
 def _yaml(plan: Plan, obj: dict) -> str:
-    import yaml
-
     class Plain(yaml.SafeDumper):
         def ignore_aliases(self, data) -> bool:   # a part used twice is written out twice, never as &id001
             return True

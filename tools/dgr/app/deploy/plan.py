@@ -16,6 +16,9 @@ from dgr.app.deploy.local import is_this_machine
 from dgr.app.deploy.resolve import BundleInfo, fill_from_model, resolve_bundle
 from dgr.app.deploy.spec import DeployError, Host, LoadedDeployment, load_deployment
 from dgr.core.errors import DgrError
+from dgr.runtime.wire.tls import CA_CERT, is_loopback
+from dgr.toolchain.bundle.store import refuse_home
+from dgr.toolchain.planner import WorkerSpec, plan as place
 
 # Beside its weights and prefix cache a worker holds its KV cache and the engine's compute buffers: what a
 # unit's MemoryMax and a pod's memory request leave for them.
@@ -98,8 +101,6 @@ def make_plan(path_or_loaded: str | Path | LoadedDeployment) -> Plan:
         plan.problems.append(info.problem)
     for h, s in zip(d.hosts, stores):
         try:
-            from dgr.toolchain.bundle.store import refuse_home
-
             refuse_home(s, f"hosts[{h.name}].store")
         except DgrError as e:
             plan.problems.append(str(e))
@@ -174,8 +175,6 @@ def _explicit(plan: Plan) -> list[tuple]:
 def _planned(plan: Plan, inputs) -> list[tuple]:
     """No `[[stages]]`: the planner places the layers on the hosts (in listed order) by their memory;
     the result must be the bundle's own stages."""
-    from dgr.toolchain.planner import WorkerSpec, plan as place
-
     d, info = plan.loaded.deployment, plan.bundle
     if inputs is None:
         if info.problem is None:
@@ -242,9 +241,6 @@ def _check_numerics(plan: Plan) -> None:
 
 
 def _check_security(plan: Plan) -> None:
-    from dgr.app.certs import CA_CERT
-    from dgr.runtime.wire.tls import is_loopback
-
     d = plan.loaded.deployment
     if d.tls is None:
         if not d.worker.insecure:

@@ -13,14 +13,13 @@ from pathlib import Path
 from dgr.app.deploy.plan import Plan
 from dgr.app.deploy.spec import DeployError
 from dgr.core.log import get_logger
+from dgr.toolchain.bundle import build, provision, verify_bundle
 
 log = get_logger(__name__)
 
 
 def provision_local(plan: Plan, *, progress: bool = False) -> dict[Path, Path]:
     """Make sure every local worker's store holds the bundle, verified; store -> bundle folder."""
-    from dgr.toolchain.bundle import build, provision, verify_bundle
-
     info = plan.bundle
     stores = list(dict.fromkeys(w.store for w in plan.workers if w.local))
     out: dict[Path, Path] = {}

@@ -12,6 +12,9 @@ from pathlib import Path
 
 from dgr.app.deploy.spec import LoadedDeployment
 from dgr.core.errors import DgrError
+from dgr.toolchain.bundle import make_plan, weights
+from dgr.toolchain.bundle.manifest import load_bundle
+from dgr.toolchain.recipe import load_recipe
 
 
 @dataclass
@@ -39,8 +42,6 @@ class BundleInfo:
 
 def _manifests(store: Path):
     """(folder, bundle) of every whole bundle in `store` (a folder with a valid manifest)."""
-    from dgr.toolchain.bundle.manifest import load_bundle
-
     if not store.is_dir():
         return
     for d in sorted(store.iterdir()):
@@ -53,8 +54,6 @@ def _manifests(store: Path):
 
 def _bundles_at(place: Path):
     """A bundle folder itself, or the bundles in a store."""
-    from dgr.toolchain.bundle.manifest import load_bundle
-
     if (place / "manifest.json").is_file():
         try:
             yield place, load_bundle(place)
@@ -80,8 +79,6 @@ def resolve_bundle(ld: LoadedDeployment, stores: list[Path]) -> BundleInfo:
 
 
 def _from_recipe(path: Path, stores: list[Path]) -> BundleInfo:
-    from dgr.toolchain.recipe import load_recipe
-
     info = BundleInfo(label=f"the bundle of recipe {path}")
     rpath = path / "recipe.toml" if path.is_dir() else path
     try:
@@ -125,9 +122,6 @@ def fill_from_model(info: BundleInfo) -> tuple[list[int], int, int, int] | None:
     """Plan the recipe's stages from its source model (resolved into the download cache): sets
     `ranges` and `weights` where no built copy said them, and returns the planner's inputs (bytes per
     layer, input-only, output-only and shared bytes). None when there is no recipe."""
-    from dgr.toolchain.bundle import make_plan, weights
-    from dgr.toolchain.recipe import load_recipe
-
     if info.recipe_path is None:
         return None
     bp = make_plan(load_recipe(info.recipe_path))

@@ -25,6 +25,7 @@ from dgr.app.deploy import READY_TIMEOUT_S
 from dgr.core.constants import CPU_VARIANTS, DEFAULT_MAX_SESSIONS, DEFAULT_N_CTX, LANES
 from dgr.core.contract import STRICT
 from dgr.core.errors import DgrError, first_field_error
+from dgr.core.paths import workspace
 from dgr.runtime.wire.limits import Limits
 from dgr.toolchain.recipe import Size
 
@@ -241,8 +242,6 @@ class LoadedDeployment:
         local deployment's store follows the workspace wherever it is); other relative paths are
         relative to the file's folder."""
         if p == WORKSPACE_TOKEN or p.startswith(WORKSPACE_TOKEN + "/"):
-            from dgr.core.paths import workspace
-
             return (workspace() / p[len(WORKSPACE_TOKEN):].lstrip("/")).resolve()
         q = Path(p)
         return q if q.is_absolute() else (self.path.parent / q).resolve()

@@ -20,6 +20,7 @@ def register(sub) -> None:
 
 
 def cmd_baseline(args) -> int:
+    # lazy: dgr.toolchain.parity costs 102 ms at start-up (python -X importtime, 2026-12-05)
     from dgr.toolchain.parity import (baseline_meta, make_schedule, open_tokenizer, run_baseline, save_baseline,
                                       throughput)
 

@@ -12,13 +12,17 @@ import os
 import sys
 from pathlib import Path
 
+from dgr.app.bench import pipeline_report
 from dgr.core.errors import DgrError
 from dgr.core.log import get_logger
+from dgr.core.paths import workspace
+from dgr.runtime.engine_abi import library_path
 
 log = get_logger(__name__)
 
 
 def _soak(args) -> int:
+    # lazy: dgr.app.bench.soak costs 187 ms at start-up (python -X importtime, 2026-12-05)
     from dgr.app.bench.soak import run_soak, write_json
 
     rep = run_soak(args.minutes, stages=args.stages, sessions=args.sessions, fake=args.fake,
@@ -30,6 +34,7 @@ def _soak(args) -> int:
 
 
 def _tls(args) -> int:
+    # lazy: dgr.app.bench.tls_cost costs 181 ms at start-up (python -X importtime, 2026-12-05)
     from dgr.app.bench.tls_cost import measure
 
     rep = measure(stages=args.stages, tokens=args.max_tokens, rounds=args.rounds, threads=args.threads)
@@ -41,6 +46,7 @@ def _tls(args) -> int:
 
 
 def _frames(args) -> int:
+    # lazy: dgr.app.bench.frame_cost costs 154 ms at start-up (python -X importtime, 2026-12-05)
     from dgr.app.bench.frame_cost import measure
 
     rep = measure(stages=args.stages, tokens=args.max_tokens, rounds=args.rounds, layers_per_stage=args.layers_per_stage)
@@ -52,6 +58,7 @@ def _frames(args) -> int:
 
 
 def _conversation(args) -> int:
+    # lazy: dgr.app.bench.conversation costs 364 ms at start-up (python -X importtime, 2026-12-05)
     from dgr.app.bench.conversation import measure_conversation
 
     rep = measure_conversation(stages=args.stages, turns=args.turns, rtt_ms=args.wan_rtt_ms, max_tokens=args.max_tokens,
@@ -72,9 +79,8 @@ def _write_json(path: str | None, obj) -> None:
 
 
 def _numerics(args) -> int:
+    # lazy: dgr.app.bench.numerics costs 196 ms at start-up (python -X importtime, 2026-12-05)
     from dgr.app.bench.numerics import Variant, as_json, compare, default_models, table
-    from dgr.core.paths import workspace
-    from dgr.runtime.engine_abi import library_path
 
     libs = [tuple(x.split("=", 1)) for x in args.lib] if args.lib else \
         [("x86-64-v3", str(library_path()))] + \
@@ -91,6 +97,7 @@ def _numerics(args) -> int:
 
 
 def _peers(args) -> int:
+    # lazy: dgr.app.bench.peers costs 164 ms at start-up (python -X importtime, 2026-12-05)
     from dgr.app.bench.peers import bench_peers, plot, table
 
     rtts = [float(x) for x in args.rtt_ms.split(",")]
@@ -162,6 +169,7 @@ def _extras(args, bundle, stages: int) -> dict:
             stages=args.stages or 4, k=args.draft_k, rounds=args.rounds, tokens=args.tokens,
             rtt_ms=20.0 if args.wan_rtt_ms is None else args.wan_rtt_ms, agree=args.mtp_agree, threads=args.threads or 1))
         if "error" not in out["mtp"]:
+            # lazy: dgr.app.bench.speculate_mtp costs 196 ms at start-up (python -X importtime, 2026-12-05)
             from dgr.app.bench.speculate_mtp import table
 
             print("mtp:\n" + table(out["mtp"]))
@@ -193,14 +201,15 @@ def _bundle_of(bundle):
     """A Bundle from what the sections get (a folder, a Bundle, or None: the embedded SmolLM2)."""
     if bundle is None or hasattr(bundle, "manifest"):
         return bundle
+    # lazy: dgr.toolchain.bundle.manifest costs 5 ms at start-up (python -X importtime, 2026-12-05)
     from dgr.toolchain.bundle import load_bundle
 
     return load_bundle(bundle)
 
 
 def _main(args) -> int:
+    # lazy: dgr.app.bench.pipeline costs 202 ms at start-up (python -X importtime, 2026-12-05)
     from dgr.app.bench.pipeline import prepare, rounded, run_bench, synth_bundle
-    from dgr.app.bench.pipeline_report import plot, table
 
     if args.lib:
         os.environ["DGR_ENGINE_LIB"] = str(Path(args.lib).resolve())   # worker processes load the same one
@@ -222,7 +231,7 @@ def _main(args) -> int:
         rep = run_bench(setup, tokens=args.tokens, prompt_lengths=lengths, sessions=args.sessions,
                         rounds=args.rounds)
         stages, bundle = setup.stages, setup.bundle if (args.bundle or args.synth) else None
-        print(table(rep))
+        print(pipeline_report.table(rep))
     elif args.synth:
         bundle = synth_bundle(args.synth, stages)[0]
     rep.update(_extras(args, bundle, stages))
@@ -231,7 +240,7 @@ def _main(args) -> int:
         Path(args.json).write_text(json.dumps(rounded(rep), indent=2) + "\n")
         log.info("bench: wrote %s", args.json)
     if args.plot and "pipeline" in rep:
-        log.info("bench: drew %s", plot(rep, args.plot))
+        log.info("bench: drew %s", pipeline_report.plot(rep, args.plot))
     failed = [k for k, v in rep.items() if isinstance(v, dict) and "error" in v]
     same = rep.get("pipeline", {}).get("same_tokens_as_whole", True)
     return 0 if same and not failed else 1

@@ -3,17 +3,19 @@ work is in dgr.toolchain.enginebuild)."""
 
 from __future__ import annotations
 
+from dgr.core.constants import CPU_VARIANTS, LANES
+
 
 def _build_engine(args) -> int:
+    # lazy: dgr.toolchain.enginebuild costs 80 ms at start-up (python -X importtime, 2026-12-05)
     from dgr.toolchain import enginebuild
+
     print(enginebuild.ensure_engine(args.lane, jobs=args.jobs, force=args.force, cpu_variant=args.cpu_variant))
     return 0
 
 
 def register(sub) -> None:
     """Add `dgr build-engine` to the `dgr` parser."""
-    from dgr.core.constants import CPU_VARIANTS, LANES
-
     b = sub.add_parser("build-engine", help="build the ShardEngine library for a lane (cached)")
     b.add_argument("--lane", default="cpu", choices=LANES)
     b.add_argument("-j", "--jobs", type=int, default=None, help="parallel compile jobs (default: min(2, cpus))")

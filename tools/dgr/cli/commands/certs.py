@@ -20,6 +20,7 @@ def register(sub) -> None:
 
 
 def _init(args) -> int:
+    # lazy: dgr.app.certs needs cryptography, not in a release (pyproject.toml [tool.dgr.release])
     from dgr.app.certs import init
 
     ca = init(args.dir, name=args.name, force=args.force)
@@ -28,6 +29,7 @@ def _init(args) -> int:
 
 
 def _issue(args) -> int:
+    # lazy: dgr.app.certs needs cryptography, not in a release (pyproject.toml [tool.dgr.release])
     from dgr.app.certs import issue
 
     cert, key = issue(args.dir, args.name, args.host)

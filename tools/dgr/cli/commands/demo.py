@@ -16,6 +16,7 @@ def register(sub) -> None:
 
 
 def _demo(args) -> int:
+    # lazy: dgr.app.demo costs 161 ms at start-up (python -X importtime, 2026-12-05)
     from dgr.app.demo import run_demo
 
     return run_demo(stages=args.stages, max_tokens=args.max_tokens, prompt=args.prompt,

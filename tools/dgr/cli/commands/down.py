@@ -6,6 +6,7 @@ from dgr.cli.shared import FOUND_RUN_DIR_HELP
 
 
 def _down(args) -> int:
+    # lazy: dgr.app.deploy.control costs 157 ms at start-up (python -X importtime, 2026-12-05)
     from dgr.app.deploy.control import down
 
     r = down(args.file, run_dir=args.run_dir)

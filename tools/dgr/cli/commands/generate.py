@@ -4,13 +4,17 @@ from __future__ import annotations
 
 import sys
 
+import numpy as np
+
 from dgr.cli.shared import add_route_args
+from dgr.runtime.wire.client import RouteClient, parse_route
+from dgr.runtime.wire.codec import DEFAULT_MAX_MESSAGE_BYTES
+from dgr.runtime.wire.stats import summarize
+from dgr.runtime.wire.tls import TlsConfig
 
 
 def register(sub) -> None:
     """Add `dgr generate` to the `dgr` parser."""
-    from dgr.runtime.wire.codec import DEFAULT_MAX_MESSAGE_BYTES
-
     g = sub.add_parser("generate", help="generate text through a route of stage workers")
     add_route_args(g, waits_for_route=True)
     g.add_argument("--max-tokens", type=int, default=32, help="most tokens to generate (default %(default)s)")
@@ -41,9 +45,6 @@ def register(sub) -> None:
 
 
 def _generate(args) -> int:
-    from dgr.runtime.wire.client import RouteClient, parse_route
-    from dgr.runtime.wire.tls import TlsConfig
-
     route = parse_route(args.route)
     tls = TlsConfig.from_args(args.tls_cert, args.tls_key, args.tls_ca)
     # a user who just (re)started a worker gets a wait within --timeout, not "connection refused"
@@ -65,15 +66,11 @@ def _generate(args) -> int:
             print("dgr: not exact: this route mixes numerics (" + "; ".join(
                 f"stage {i}: {n}" for i, n in enumerate(client.last.numerics)) + ")", file=sys.stderr)
         if args.logits_out:
-            import numpy as np
-
             gen = client.last
             pos = sorted(gen.logits)
             np.savez(args.logits_out, token_ids=np.array(gen.token_ids, np.int32),
                      prompt_ids=np.array(gen.prompt_ids, np.int32), positions=np.array(pos, np.int32),
                      logits=np.stack([gen.logits[p] for p in pos]) if pos else np.zeros((0, 0), np.float32))
         if args.stats:
-            from dgr.runtime.wire.stats import summarize
-
             print(summarize(client.last, len(route)), file=sys.stderr)
     return 0

@@ -6,6 +6,7 @@ import json
 
 
 def _inspect(args) -> int:
+    # lazy: dgr.toolchain.modelreport costs 58 ms at start-up (python -X importtime, 2026-12-05)
     from dgr.toolchain.modelreport import format_report, inspect_model
 
     r = inspect_model(args.file)

@@ -6,6 +6,8 @@ Parsing and printing only: what runs and what passes is dgr.toolchain.parity's.
 
 from __future__ import annotations
 
+import tempfile
+import time
 from pathlib import Path
 
 from dgr.cli.shared import add_schedule_args
@@ -45,10 +47,10 @@ def cmd_parity(args) -> int:
         raise DgrError("dgr parity: give a bundle folder (or a whole GGUF with --ranges), or --synth ARCH")
     if args.source and (args.ranges or args.baseline):
         raise DgrError("--source names a bundle's source for the whole-model run; drop it with --ranges or --baseline")
-    from dgr.toolchain.parity import (baseline_kv_dtype, bundle_source, check_baseline_numerics, compare, ctx_for,
-                                      largest_logit, load_baseline,
-                                      make_schedule, open_stages, open_tokenizer, parse_ranges, perturbation,
-                                      run_baseline, run_pipeline, throughput, verdict)
+    # lazy: dgr.toolchain.parity costs 102 ms at start-up (python -X importtime, 2026-12-05)
+    from dgr.toolchain.parity import (ParityError, baseline_kv_dtype, bundle_source, check_baseline_numerics, compare,
+                                      ctx_for, largest_logit, load_baseline, make_schedule, open_stages, open_tokenizer,
+                                      parse_ranges, perturbation, run_baseline, run_pipeline, throughput, verdict)
 
     ranges = None
     if args.ranges:
@@ -59,6 +61,7 @@ def cmd_parity(args) -> int:
         source = args.bundle
         what = f"the whole GGUF {source}"
     else:
+        # lazy: dgr.toolchain.bundle.baseline costs 120 ms at start-up (python -X importtime, 2026-12-05)
         from dgr.toolchain.bundle import baseline_model, load_bundle
 
         b = load_bundle(args.bundle)
@@ -111,8 +114,6 @@ def cmd_parity(args) -> int:
         print(f"  prefix cache (restore, and cut back to {warm[0]} of {len(sched.prompts[0])} positions): {warm[1]}")
     print(f"parity: {verdict(c, args.tolerance)}")  # ParityError (exit 1) when it does not pass
     if warm is not None and not (warm[1] == "exact" or warm[1].startswith("refused")):
-        from dgr.toolchain.parity import ParityError
-
         raise ParityError(f"parity: a restored prefix does not reproduce the split's cold run: {warm[1]}")
     return 0
 
@@ -121,6 +122,7 @@ def _warm_pass(engines, sched, run) -> tuple[int, str]:
     """The prefix cache on the split (what every worker's cache does): session 0's prompt restored from a saved
     state, whole and cut back to half, against the split's own cold run of it (bit for bit, decode fed the same
     tokens). Returns (the kept positions, "exact" / "refused: ..." / "DIFFERS (...)")."""
+    # lazy: dgr.toolchain.synth.features costs 138 ms at start-up (python -X importtime, 2026-12-05)
     from dgr.toolchain.synth.features import Case, check_features
 
     prompt = sched.prompts[0]
@@ -132,11 +134,10 @@ def _warm_pass(engines, sched, run) -> tuple[int, str]:
 
 
 def cmd_parity_synth(args) -> int:
-    import tempfile
-    import time
-
-    from dgr.toolchain.synth.generic import known_archs
+    # lazy: dgr.toolchain.synth costs 81 ms at start-up (python -X importtime, 2026-12-05)
+    from dgr.toolchain.parity import ParityError
     from dgr.toolchain.synth.features import run_features
+    from dgr.toolchain.synth.generic import known_archs
     from dgr.toolchain.synth.parity import results_json, run_synth_parity, write_table
 
     archs = known_archs() if args.synth == "all" else [a.strip() for a in args.synth.split(",")]
@@ -188,8 +189,6 @@ def cmd_parity_synth(args) -> int:
         args.json.write_text(results_json(by_arch, feats))
     total = sum(len(v) for v in by_arch.values())
     if failed:
-        from dgr.toolchain.parity import ParityError
-
         raise ParityError(f"{len(failed)} of {total} splits differ from the whole model: {', '.join(failed)}")
     print(f"parity: EXACT: {total} split(s) of {len(by_arch)} architecture(s) equal the whole model ({seconds:.1f} s)")
     return 0

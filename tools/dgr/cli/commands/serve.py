@@ -3,17 +3,19 @@
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 from dgr.app.gateway.limits import DEFAULT_CHAT_MAX_TOKENS
+from dgr.cli.shared import add_route_args
+from dgr.core.errors import WireError
 from dgr.core.log import get_logger
+from dgr.runtime.wire.tls import TlsConfig, is_loopback
 
 log = get_logger(__name__)
 
 
 def register(sub) -> None:
     """Add `dgr serve` to the `dgr` parser."""
-    from dgr.cli.shared import add_route_args
-
     s = sub.add_parser("serve", help="an OpenAI-compatible HTTP gateway (/v1/chat/completions, ...) over a route")
     add_route_args(s)
     s.add_argument("--listen", default="127.0.0.1:8000",
@@ -39,13 +41,10 @@ def register(sub) -> None:
 
 
 def _serve(args) -> int:
-    from pathlib import Path
-
+    # lazy: dgr.app.gateway needs fastapi and uvicorn, not in a release (pyproject.toml [tool.dgr.release])
     from dgr.app.gateway.app import create_app
     from dgr.app.gateway.route import RouteBackend
     from dgr.app.gateway.server import GatewayServer
-    from dgr.core.errors import WireError
-    from dgr.runtime.wire.tls import TlsConfig, is_loopback
 
     if bool(args.https_cert) != bool(args.https_key):
         raise WireError("give both --https-cert and --https-key (or neither)")

@@ -9,6 +9,7 @@ from dgr.core.errors import DgrError
 
 
 def _synth(args) -> int:
+    # lazy: dgr.toolchain.synth costs 81 ms at start-up (python -X importtime, 2026-12-05)
     from dgr.toolchain.synth.generic import ARCHS, known_archs, synth
 
     if args.list:
@@ -16,6 +17,7 @@ def _synth(args) -> int:
             print(name)
         return 0
     if args.shape:
+        # lazy: dgr.toolchain.synth costs 81 ms at start-up (python -X importtime, 2026-12-05)
         from dgr.toolchain.synth.shapes import synth_shape
 
         if args.arch or not args.output:
@@ -32,13 +34,16 @@ def _synth(args) -> int:
         raise DgrError(f"dgr synth: --mtp-agree is for --arch deepseek4 (its MTP block), not {args.arch}")
     embd = args.embd if args.embd is not None else 64
     if args.arch == "deepseek4" and "deepseek4" not in ARCHS:
-        from dgr.toolchain.synth.deepseek4 import synth_deepseek4  # V4 has its own writer (not a table row)
+        # V4 has its own writer (not a table row)
+        # lazy: dgr.toolchain.synth costs 81 ms at start-up (python -X importtime, 2026-12-05)
+        from dgr.toolchain.synth.deepseek4 import synth_deepseek4
 
         kw = {}
         if args.compress_ratios:
             kw["compress_ratios"] = [int(x) for x in args.compress_ratios.split(",")]
         if agree is not None:
             # MTP drafts that agree with the trunk at rate `agree` (lookup-table weights, orthonormal embeddings)
+            # lazy: dgr.toolchain.synth costs 81 ms at start-up (python -X importtime, 2026-12-05)
             from dgr.toolchain.synth.deepseek4_agree import DEFAULT_EMBD, synth_deepseek4_agreeing
 
             out = synth_deepseek4_agreeing(args.output, agree=agree, layers=args.layers, seed=args.seed,

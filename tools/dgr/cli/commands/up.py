@@ -3,12 +3,15 @@ returning once each answers health SERVING, or staying with --foreground."""
 
 from __future__ import annotations
 
+import argparse
+import signal
 import sys
+
+from dgr.app.deploy import READY_TIMEOUT_S
+from dgr.core.errors import DgrError
 
 
 def _seconds(text: str) -> float:
-    import argparse
-
     try:
         v = float(text)
     except ValueError:
@@ -19,10 +22,8 @@ def _seconds(text: str) -> float:
 
 
 def _up(args) -> int:
-    import signal
-
+    # lazy: dgr.app.deploy.control costs 157 ms at start-up (python -X importtime, 2026-12-05)
     from dgr.app.deploy.control import Interrupted, StopSignals, down, follow, up, up_run_dir
-    from dgr.core.errors import DgrError
 
     def say(line: str) -> None:
         print(f"dgr up: {line}", file=sys.stderr, flush=True)
@@ -63,8 +64,6 @@ def _up(args) -> int:
 
 def register(sub) -> None:
     """Add `dgr up` to the `dgr` parser."""
-    from dgr.app.deploy import READY_TIMEOUT_S
-
     p = sub.add_parser("up", help="provision, start and supervise the deployment's workers on this machine",
                        description="Provision, start and supervise the deployment's workers on this machine; "
                        "return once every one answers health SERVING. While waiting it reports each worker "

@@ -19,6 +19,7 @@ def register(sub) -> None:
 
 
 def _protoc(args) -> int:
+    # lazy: dgr.toolchain.protogen needs grpc_tools, not in a release (pyproject.toml [tool.dgr.release])
     from dgr.toolchain import protogen
 
     if args.check:

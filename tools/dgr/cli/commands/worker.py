@@ -12,15 +12,20 @@ import argparse
 import os
 import sys
 
+import grpc
+
+from dgr.app.workerbin import worker_binary
 from dgr.core.constants import DEFAULT_MAX_SESSIONS, DEFAULT_N_CTX
 from dgr.core.errors import WireError
+from dgr.runtime.engine_abi import LIB_ENV, library_path
+from dgr.runtime.wire.codec import DEFAULT_MAX_MESSAGE_BYTES
+from dgr.runtime.wire.gen import stage_pb2 as pb, stage_pb2_grpc as pb_grpc
+from dgr.runtime.wire.limits import Limits
+from dgr.runtime.wire.tls import TlsConfig, channel, check_listen
 
 
 def register(sub) -> None:
     """Add `dgr worker ...` to the `dgr` parser."""
-    from dgr.runtime.wire.codec import DEFAULT_MAX_MESSAGE_BYTES
-    from dgr.runtime.wire.limits import Limits
-
     d = Limits()
     w = sub.add_parser("worker", help="run a shard worker")
     wsub = w.add_subparsers(dest="worker_command", metavar="ACTION", required=True)
@@ -154,8 +159,6 @@ def _die_at(text: str, flag: str = "--test-die-at") -> tuple[str, int, int]:
 
 
 def _serve(args) -> int:
-    from dgr.runtime.wire.tls import TlsConfig, check_listen
-
     if bool(args.bundle) == bool(args.fake_engine):
         raise WireError("give exactly one of --bundle BUNDLE or --fake-engine SPEC")
     for flag in ("max_queued_steps", "max_session_steps", "max_batch_sessions"):
@@ -198,13 +201,10 @@ def _exec_worker(args) -> None:
     """Check what Python checks best (the bundle's hashes, with the workspace's resumable verify state; a
     fake model's spec and stage), then become dgr-worker with the same flags and the engine library this dgr
     would load (the fake one for --fake-engine, built on demand)."""
-    from dgr.app.stages import checked_bundle
-    from dgr.app.workerbin import worker_binary
-    from dgr.runtime.engine import LIB_ENV, library_path
-
     env = dict(os.environ)
     extra = []
     if args.fake_engine:
+        # lazy: dgr.testing.fake_engine costs 68 ms at start-up (python -X importtime, 2026-12-05)
         from dgr.testing import fake_engine
 
         n = len(fake_engine.FakeModel.from_spec(args.fake_engine).ranges)
@@ -212,6 +212,9 @@ def _exec_worker(args) -> None:
             raise WireError(f"fake bundle has {n} stages; there is no stage {args.stage}")
         env[fake_engine.LIB_ENV] = str(fake_engine.library_path())
     else:
+        # lazy: dgr.app.stages costs 25 ms at start-up (python -X importtime, 2026-12-05)
+        from dgr.app.stages import checked_bundle
+
         checked_bundle(args.bundle, args.stage)       # a tampered file is named before anything else
         extra = ["--no-verify"]                         # hashed just now: not read twice
     binary = worker_binary()
@@ -222,11 +225,8 @@ def _exec_worker(args) -> None:
 
 
 def _describe(args) -> int:
-    import grpc
-
+    # lazy: dgr.core.descriptor costs 7 ms at start-up (python -X importtime, 2026-12-05)
     from dgr.core.descriptor import Descriptor
-    from dgr.runtime.wire.gen import stage_pb2 as pb, stage_pb2_grpc as pb_grpc
-    from dgr.runtime.wire.tls import TlsConfig, channel
 
     tls = TlsConfig.from_args(args.tls_cert, args.tls_key, args.tls_ca)
     with channel(args.address, tls) as ch:

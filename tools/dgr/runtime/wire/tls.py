@@ -15,6 +15,9 @@ import grpc
 
 from dgr.core.errors import WireError
 
+# The CA's certificate in a folder of `dgr certs init` (dgr.app.certs writes it; a deployment's plan looks for it)
+CA_CERT = "ca.pem"
+
 
 @dataclass(frozen=True)
 class TlsConfig:

@@ -23,9 +23,13 @@ import tomli_w
 
 from dgr.core.errors import BundleError, DgrError
 from dgr.core.hashing import bytes_blake3, file_blake3
+from dgr.core.locks import locked
 from dgr.core.log import get_logger
+from dgr.core.paths import workspace
 from dgr.gguf.model import read_header
+from dgr.toolchain.bundle.builder import build
 from dgr.toolchain.bundle.manifest import Bundle, canonical_json, load_bundle
+from dgr.toolchain.recipe import Placement, parse_recipe
 
 log = get_logger(__name__)
 
@@ -73,7 +77,6 @@ def baseline_model(bundle: Bundle, source: str | Path, *, progress: bool = False
             "without [quantization] (its baseline is the source)")
     recipe_text, key = one_stage_recipe(bundle, source)
     home = _baselines_dir() / key[:_KEY_HEX]
-    from dgr.core.locks import locked
 
     with locked(home / ".lock"):                     # two parity runs build it once
         found = _built(home, m.source.blake3)
@@ -85,7 +88,6 @@ def baseline_model(bundle: Bundle, source: str | Path, *, progress: bool = False
                 shutil.rmtree(store)                 # a damaged earlier build (see _built)
             path = home / "recipe.toml"
             path.write_text(recipe_text)
-            from dgr.toolchain.bundle.builder import build
 
             found = build(path, store, progress=progress)
             log.info("baseline: built %s", found.root)
@@ -99,8 +101,6 @@ def baseline_model(bundle: Bundle, source: str | Path, *, progress: bool = False
 def one_stage_recipe(bundle: Bundle, source: Path) -> tuple[str, str]:
     """(TOML text, key): the bundle's recipe with `placement.stages = [[0, n_layer]]` and `source.uri` the
     local `source`; the key is the blake3 of that recipe without its uri."""
-    from dgr.toolchain.recipe import Placement, parse_recipe
-
     m = bundle.manifest
     r = parse_recipe(m.recipe.text, f"{bundle.root}/manifest.json recipe")
     one = r.model_copy(update={"placement": Placement(stages=[[0, m.model.n_layer]]),
@@ -115,8 +115,6 @@ def one_stage_recipe(bundle: Bundle, source: Path) -> tuple[str, str]:
 
 
 def _baselines_dir() -> Path:
-    from dgr.core.paths import workspace
-
     return workspace() / BASELINES_DIRNAME
 
 

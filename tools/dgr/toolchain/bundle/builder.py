@@ -21,6 +21,7 @@ from typing import BinaryIO, Callable
 
 import gguf
 import numpy as np
+from tqdm import tqdm
 
 from dgr.core.constants import FORMAT_VERSION, MANIFEST_NAME, Keys
 from dgr.core.contract import StageContract
@@ -121,8 +122,6 @@ def _manifest(bp: BuildPlan, entries: list[StageEntry], chunk: int) -> Manifest:
 
 def build(recipe_path: str | Path, store: str | Path, *, progress: bool = False) -> Bundle:
     """Build the recipe into `store/<name>-<id12>/` and return the loaded bundle."""
-    from tqdm import tqdm
-
     store = refuse_home(Path(store), "store")
     recipe = load_recipe(recipe_path)
     bp = make_plan(recipe, progress=progress)

@@ -17,6 +17,8 @@ import signal
 from dataclasses import dataclass
 from pathlib import Path
 
+from tqdm import tqdm
+
 from dgr.core.errors import BundleError
 from dgr.core.hashing import bytes_blake3
 from dgr.core.paths import workspace
@@ -63,8 +65,6 @@ def verify_bundle(path: str | Path, *, resume: bool = True, max_chunks: int | No
     Progress is recorded after each chunk, so an interrupted run resumes where it stopped; a file whose
     size or mtime changed since is checked again from its start. `max_chunks` stops early (a budget).
     """
-    from tqdm import tqdm
-
     b = load_bundle(path)
     m = b.manifest
     if stages is not None:

@@ -29,6 +29,8 @@ from dgr.core.errors import EngineError, Unsupported
 from dgr.runtime.engine_api import Step
 from dgr.runtime.wire.limits import Limits
 from dgr.toolchain.parity import RunResult, Schedule, ctx_for, open_stages, run_baseline
+from dgr.toolchain.synth.generic import layer_kinds
+from dgr.toolchain.synth.parity import EMBD, N_UBATCH, choose_ranges, model_layers, synth_model
 
 KEEP = 24        # the restored prefix: three sliding windows of the tiny models (8), more than a ubatch (16)
 RAN = 48         # what the cut-back case's first session ran
@@ -89,9 +91,6 @@ class Case:
     @classmethod
     def synth(cls, arch: str, workdir: Path, lib, n_threads: int) -> "Case":
         """A tiny model of `arch` split in three (parity's cuts); the caller closes the engines."""
-        from dgr.toolchain.synth.generic import layer_kinds
-        from dgr.toolchain.synth.parity import EMBD, N_UBATCH, choose_ranges, model_layers, synth_model
-
         n_prompt, keep, n_ubatch, ran = _OWN.get(arch, (PROMPT, KEEP, N_UBATCH, RAN))
         layers = model_layers(arch)
         ranges = choose_ranges(layer_kinds(arch, layers, EMBD), 3)

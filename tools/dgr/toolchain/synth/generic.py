@@ -16,6 +16,7 @@ import gguf
 import numpy as np
 
 from dgr.core.errors import DgrError
+from dgr.toolchain.synth.families import family_specs
 from dgr.toolchain.synth.registry import OWN_WRITERS
 from dgr.toolchain.synth.spec import (ATTN, BIAS, F32, FFN, KA, KL, MLA_ATTN, MOE, NORM, QK_NORM, QKV_BIAS, ArchSpec, T,
                                       Typed, after_lead, dense_lead, dense_moe_kind, lt, moe_kv, only, swa_kind, swa_kv)
@@ -64,8 +65,6 @@ CORE: dict[str, ArchSpec] = {
 
 
 def _registry() -> dict[str, ArchSpec]:
-    from dgr.toolchain.synth.families import family_specs
-
     out = dict(CORE)
     for name, spec in family_specs().items():
         if name in out:
@@ -148,7 +147,7 @@ def synth(
     kv.update(spec.extra_kv(dims))
     for key, val in kv.items():
         if val is not None:
-            _add_kv(w, key.format(arch=arch), val)
+            add_kv(w, key.format(arch=arch), val)
     add_tokenizer(w)
 
     w.add_tensor(gguf.TENSOR_NAMES[T.TOKEN_EMBD] + ".weight", values(lt(T.TOKEN_EMBD, None), (dims["V"], embd)))
@@ -196,7 +195,7 @@ def layer_kinds(arch: str, layers: int, embd: int = 64) -> list[str]:
     return [spec.kind(il, dims) if spec.kind else "layer" for il in range(layers)]
 
 
-def _add_kv(w: gguf.GGUFWriter, key: str, val) -> None:
+def add_kv(w: gguf.GGUFWriter, key: str, val) -> None:
     """int -> u32, float -> f32, bool, str, list -> array (of its first element's type); Typed as given."""
     if isinstance(val, Typed):
         w.add_key_value(key, val.value, val.type, sub_type=val.sub_type)

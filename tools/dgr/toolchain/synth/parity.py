@@ -19,6 +19,8 @@ import numpy as np
 
 from dgr.core.errors import DgrError
 from dgr.toolchain.parity import Schedule, run_baseline, split_compare
+from dgr.toolchain.synth.deepseek4 import synth_deepseek4
+from dgr.toolchain.synth.generic import ARCHS, OWN_WRITERS, known_archs, layer_kinds, synth
 
 STAGE_COUNTS = (2, 3, 4)      # what the family suite tries for every architecture
 PROMPT_LENGTHS = (41, 29)     # two sessions sharing each batch, both longer than one ubatch
@@ -27,7 +29,7 @@ STEPS = 4
 SEED = 7
 EMBD = 64
 # deepseek4's compressed attention needs longer prompts to reach its 4x and 128x compressors
-_OWN_SCHEDULES = {"deepseek4": ((150, 133), 64)}
+OWN_SCHEDULES = {"deepseek4": ((150, 133), 64)}
 
 
 @dataclass
@@ -75,42 +77,32 @@ def choose_ranges(kinds: list[str], n_stages: int) -> list[tuple[int, int]]:
 
 def synth_model(arch: str, path: Path, *, layers: int | None = None, seed: int = SEED, embd: int = EMBD) -> Path:
     """The model `dgr parity --synth` splits: the spec's parity layer count unless `layers` says."""
-    from dgr.toolchain.synth.generic import ARCHS, OWN_WRITERS, synth
-
     check_arch(arch)
     if arch in OWN_WRITERS:
-        from dgr.toolchain.synth.deepseek4 import synth_deepseek4
-
         return synth_deepseek4(path, layers=layers or 6, seed=seed, hash_layers=3)
     return synth(arch, layers or ARCHS[arch].parity_layers, embd, seed, path)
 
 
 def check_arch(arch: str) -> None:
-    from dgr.toolchain.synth.generic import known_archs
-
     if arch not in known_archs():
         raise DgrError(f"dgr parity --synth: unknown architecture {arch!r}; `dgr synth --list` names "
                        f"{len(known_archs())}: {', '.join(known_archs())}")
 
 
 def model_layers(arch: str) -> int:
-    from dgr.toolchain.synth.generic import ARCHS
-
     return ARCHS[arch].parity_layers if arch in ARCHS else 6
 
 
 def run_synth_parity(arch: str, n_stages: int, workdir: Path, *, lib: str | Path | None = None,
                      n_threads: int = 1, seed: int = SEED) -> SynthParity:
     """Write a fresh `arch` model in `workdir`, run it whole and split into `n_stages`, compare."""
-    from dgr.toolchain.synth.generic import layer_kinds
-
     check_arch(arch)
     t0 = time.perf_counter()
     layers = model_layers(arch)
     kinds = layer_kinds(arch, layers, EMBD)
     ranges = choose_ranges(kinds, n_stages)
     model = synth_model(arch, Path(workdir) / f"{arch}-{layers}L-s{seed}.gguf", layers=layers, seed=seed)
-    lengths, n_ubatch = _OWN_SCHEDULES.get(arch, (PROMPT_LENGTHS, N_UBATCH))
+    lengths, n_ubatch = OWN_SCHEDULES.get(arch, (PROMPT_LENGTHS, N_UBATCH))
     rng = np.random.default_rng(3)
     sched = Schedule(prompts=[rng.integers(0, 256, size=n).tolist() for n in lengths], steps=STEPS,
                      n_ubatch=n_ubatch)
@@ -124,8 +116,6 @@ def run_synth_parity(arch: str, n_stages: int, workdir: Path, *, lib: str | Path
 
 
 def features(arch: str) -> tuple[str, ...]:
-    from dgr.toolchain.synth.generic import ARCHS
-
     if arch == "deepseek4":
         return ("mhc-4-streams", "hash-routing", "token-id-sideband", "compressed-attention", "moe")
     return ARCHS[arch].features

@@ -17,7 +17,7 @@ import numpy as np
 
 from dgr.core.errors import DgrError
 from dgr.core.log import get_logger
-from dgr.toolchain.synth.generic import ARCHS, _add_kv, layer_dims
+from dgr.toolchain.synth.generic import ARCHS, add_kv, layer_dims
 from dgr.toolchain.synth.spec import BIAS, NORM
 from dgr.toolchain.synth.tokenizer import add_tokenizer
 
@@ -94,7 +94,7 @@ def synth_shape(name: str, path: str | Path, *, seed: int = 0, layers: int | Non
           KL.FEED_FORWARD_LENGTH: s.n_ff, KA.HEAD_COUNT: s.n_head, KA.HEAD_COUNT_KV: s.n_head_kv,
           gguf.Keys.Rope.FREQ_BASE: s.rope_base, KA.LAYERNORM_RMS_EPS: 1e-6, KL.VOCAB_SIZE: s.vocab}
     for key, val in kv.items():
-        _add_kv(w, key.format(arch=s.arch), val)
+        add_kv(w, key.format(arch=s.arch), val)
     add_tokenizer(w, vocab=s.vocab)
 
     # (name, numpy shape, kind): every tensor's info goes first, then the data one tensor at a time

@@ -9,6 +9,7 @@ list the variables in its help without importing the recipe machinery.
 from __future__ import annotations
 
 import json
+import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -25,8 +26,6 @@ def template_variables(template: Path = RECIPE_TEMPLATE) -> dict[str, tuple[Any,
 
 def template_help(template: Path = RECIPE_TEMPLATE) -> str:
     """The variables as `dgr recipe new --help` lists them, one per line."""
-    import textwrap
-
     lines = []
     for k, (default, about) in template_variables(template).items():
         shown = f"{default[0]}; one of {', '.join(default)}" if isinstance(default, list) else (default or "empty")

