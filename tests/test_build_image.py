@@ -27,17 +27,26 @@ import shutil
 import subprocess
 import sys
 import tarfile
+import time
 from pathlib import Path
 
 import pytest
+import requests
+import yaml
 
+from dgr.app.local import LocalRoute
+from dgr.runtime.wire.client import RouteClient
 from dgr.toolchain import image as oci
 from dgr.toolchain import rootfs
+from dgr.toolchain.bundle import provision
+from support.deploy import dgr, tiny, tiny_kubernetes_file  # noqa: F401 (module fixtures)
 from support.images import (Process, container_command, health, image_config, require_root, routes_around,
                             same_generation, synthetic_release, unpack)
+from support.kubelet import Pod
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "tools/dgr/toolchain/image.py"
+TOOLS_SCRIPT = REPO / "tools/dgr/toolchain/tools_image.py"
 
 
 def _build_script(release: Path, out: Path, *extra_env: tuple[str, str]) -> subprocess.CompletedProcess:
@@ -193,8 +202,12 @@ def test_the_bazel_targets_run_image_py_over_the_release(stand_in, tmp_path):
     import shlex
 
     rules = _bazel_genrules()
-    assert sorted(rules) == sorted(f"image_{lane}" for lane in oci.LANE_IMAGES)
+    assert sorted(rules) == sorted([*(f"image_{lane}" for lane in oci.LANE_IMAGES), "tools_image_cpu"])
     cpu = rules["image_cpu"]
+    # the tools image: the same command with --tools (run by the tools_image fixture below, on the real release)
+    tools = rules.pop("tools_image_cpu")
+    assert tools["srcs"] == cpu["srcs"] and tools["outs"] == ["tools_image_cpu.tar", "tools_image_cpu.MANIFEST.json"]
+    assert tools["cmd"] == cpu["cmd"].replace("image.py)", "tools_image.py)").replace("image_cpu.", "tools_image_cpu.")
     assert cpu["srcs"] == [":release_cpu.tar.gz"] and cpu["outs"] == ["image_cpu.tar", "image_cpu.MANIFEST.json"]
     assert "manual" not in cpu["tags"]
     release, one = stand_in
@@ -328,3 +341,128 @@ def test_the_image_serves_a_stage_under_podman_that_joins_a_route(release_image,
         same_generation(*routes_around(bundle, engine_lib, worker, check))
     finally:
         subprocess.run(["podman", "rmi", "-f", ref], capture_output=True, timeout=120)
+
+
+# ---- the tools image (dgr:<version>): bin/dgr of the release on its own Python
+
+@pytest.fixture(scope="module")
+def tools_image(release_cpu_tar, tmp_path_factory) -> tuple[Path, dict]:
+    """`dgr release image --tools` of the CPU release, twice, and tools_image.py as Bazel runs it: one image."""
+    tmp = tmp_path_factory.mktemp("tools-image")
+    outs = []
+    for name in ("a", "b"):
+        proc = subprocess.run([sys.executable, "-m", "dgr", "release", "image", "--tools", "--release",
+                               str(release_cpu_tar), "--out", str(tmp / name)], capture_output=True, text=True, timeout=900)
+        assert proc.returncode == 0, proc.stderr
+        print(proc.stdout)
+        outs.append(tmp / name)
+    a, b = _tree(outs[0]), _tree(outs[1])
+    assert sorted(a) == sorted(b) and [p for p in a if a[p] != b[p]] == [], "two builds differ"
+    script = subprocess.run([shutil.which("python3") or sys.executable, "-S", "-I", str(TOOLS_SCRIPT), "--release",
+                             str(release_cpu_tar), "--tar", str(tmp / "script.tar")], capture_output=True, text=True,
+                            env={"PATH": "/bin:/usr/bin:/usr/local/bin"}, timeout=900)
+    assert script.returncode == 0, script.stderr
+    assert (tmp / "script.tar").read_bytes() == (outs[0] / "tools_cpu.tar").read_bytes()
+    return outs[0], json.loads((outs[0] / "tools_cpu.MANIFEST.json").read_text())
+
+
+@pytest.mark.slow
+def test_the_tools_image_is_the_whole_release_on_its_python_reproducibly(tools_image, release_cpu_tar):
+    from dgr.app.deploy import kubernetes
+
+    out, record = tools_image
+    manifest = json.loads(tarfile.open(release_cpu_tar).extractfile("dgr-cpu/MANIFEST.json").read())
+    assert record["ref"] == f"dgr:{manifest['version']}" == kubernetes.Options.default().tools_image
+    assert record["release"]["sha256"] == hashlib.sha256(release_cpu_tar.read_bytes()).hexdigest()
+    assert record["python"]["executable"] == "/usr/bin/python3.11" and record["python"]["tag"] == "cp311"
+    assert record["python"]["package"].startswith("python3.11-minimal/")
+    _, config = image_config(out / "tools_cpu")
+    c = config["config"]
+    assert c["Entrypoint"] == ["/opt/dgr/bin/dgr"] and c["User"] == "65532:65532"
+    assert "PYTHON=/usr/bin/python3.11" in c["Env"]
+    deps, dgr = (tarfile.open(out / "tools_cpu/blobs/sha256" / layer["digest"][7:], "r:gz")
+                 for layer in record["layers"][1:])
+    # every file of the release, at the prefix, each in the layer its kind belongs to
+    files = {m.name[len("opt/dgr/"):]: m for t in (deps, dgr) for m in t.getmembers() if m.isfile()}
+    assert sorted(files) == sorted([*manifest["files"], "MANIFEST.json"])
+    assert files["bin/dgr"].mode == files["bin/dgr-worker"].mode == 0o755
+    assert all(n.startswith("opt/dgr/python/") and not n.startswith("opt/dgr/python/dgr/")
+               for n in deps.getnames() if deps.getmember(n).isfile())
+    system = tarfile.open(out / "tools_cpu/blobs/sha256" / record["layers"][0]["digest"][7:], "r:gz").getnames()
+    # the standard library without its tests, GUI and installers; no pip, no package manager
+    assert "usr/lib/python3.11/json/decoder.py" in system and "usr/lib/python3.11/lib-dynload" in system
+    assert not [n for n in system if n.startswith(("usr/lib/python3.11/test/", "usr/lib/python3.11/tkinter/",
+                                                   "usr/lib/python3.11/ensurepip/"))]
+    assert not [n for n in system if n.rsplit("/", 1)[-1] in ("pip", "pip3", "apt", "apt-get", "dpkg", "bash")]
+
+
+@pytest.mark.slow
+@pytest.mark.engine
+def test_the_rendered_pods_run_from_the_images_and_serve_the_normal_routes_text(release_image, tools_image, tiny,
+                                                                                engine_lib, tmp_path):
+    """The Kubernetes render's pods as a runtime runs them from the two images (each in a chroot of its layers):
+    the init container `dgr bundle verify` and the gateway from dgr:<version>, the workers from
+    dgr-worker:<version>, with the render's command, arguments, environment and mounts; the gateway answers
+    what the same route started the normal way generates."""
+    require_root("running the images in chroots of their layers")
+    roots = {}
+    for (out, record), layout in ((release_image, "image_cpu"), (tools_image, "tools_cpu")):
+        root = tmp_path / layout
+        roots[record["ref"]] = (root, unpack(out / layout, root))
+    render = dgr("deploy", "render", tiny_kubernetes_file(tmp_path, tiny), "--kubernetes", str(tmp_path / "k8s"))
+    assert render.returncode == 0, render.stderr
+    objs = [yaml.safe_load(p.read_text()) for p in sorted((tmp_path / "k8s").glob("*.yaml"))]
+    assert {c["image"] for o in objs if o["kind"] in ("StatefulSet", "Deployment")
+            for c in o["spec"]["template"]["spec"].get("initContainers", []) + o["spec"]["template"]["spec"]["containers"]
+            } == set(roots), "the render names the images made from the release (its defaults)"
+    claim = tmp_path / "claim"
+    assert provision(tiny.root, claim).complete
+    pods, procs = {}, []
+    for sts in (o for o in objs if o["kind"] == "StatefulSet"):
+        for k in range(sts["spec"]["replicas"]):
+            pod = Pod(f"{sts['metadata']['name']}-{k}", sts["spec"]["template"]["spec"], tmp_path / "pods" / f"{k}"
+                      / sts["metadata"]["name"], {"tiny-store": claim}, {}, images=roots)
+            pods[f"{pod.name}.{sts['spec']['serviceName']}:{next(iter(pod.ports))}"] = pod
+    local = {name: f"127.0.0.1:{next(iter(p.ports.values()))}" for name, p in pods.items()}
+    try:
+        for p in pods.values():
+            init = p.popen("verify-bundle", oci.PREFIX, {})
+            assert init.wait(300) == 0, p.log("verify-bundle").read_text()
+            assert "ok: bundle" in p.log("verify-bundle").read_text()
+            procs.append(p.popen("worker", oci.PREFIX, {}))
+        [gw_obj] = [o for o in objs if o["kind"] == "Deployment"]
+        gw = Pod("tiny-gateway-0", gw_obj["spec"]["template"]["spec"], tmp_path / "pods" / "gateway", {}, {}, images=roots)
+        procs.append(gw.popen("gateway", oci.PREFIX, {}, resolve=local))
+        url = f"http://127.0.0.1:{gw.ports[8000]}"
+        deadline = time.monotonic() + 300
+        while True:                                     # the gateway describes the route once every stage serves
+            try:
+                up = requests.get(f"{url}/health", timeout=2)
+                if up.ok:
+                    break
+            except requests.ConnectionError:
+                pass
+            assert procs[-1].poll() is None and time.monotonic() < deadline, gw.log("gateway").read_text()[-3000:]
+            time.sleep(0.5)
+        for p, proc in zip(pods.values(), procs):
+            assert os.readlink(f"/proc/{proc.pid}/root") == str(roots[p.container("worker")["image"]][0])
+            assert "\nUid:\t65532\t" in Path(f"/proc/{proc.pid}/status").read_text()
+        r = requests.post(f"{url}/v1/completions", timeout=300,
+                          json={"model": up.json()["model"], "prompt": "Once upon a time", "max_tokens": 16,
+                                "temperature": 0})
+        assert r.status_code == 200, r.text + gw.log("gateway").read_text()[-3000:]
+        got = r.json()["choices"][0]["text"]
+    finally:
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+    stage_args = [["--bundle", str(tiny.root), "--stage", str(i), "--threads", "1", "--n-ctx", "512"] for i in range(3)]
+    with LocalRoute(stage_args, replicas=[1, 2, 1], env={"DGR_ENGINE_LIB": str(engine_lib)}) as r, \
+            RouteClient(r.route) as c:
+        want = c.run("Once upon a time", max_new_tokens=16)
+    assert got == want.text and got
+

@@ -27,7 +27,7 @@ from dgr.app.local import LocalRoute
 from dgr.runtime.wire.client import RouteClient
 from dgr.runtime.wire.tls import TlsConfig
 
-from support.deploy import dgr, lib_env, tiny, write  # noqa: F401 (module fixtures)
+from support.deploy import dgr, lib_env, tiny, tiny_kubernetes_file, write  # noqa: F401 (module fixtures)
 from support.engine import make_bundle, synth_model
 from support.kubelet import Kubectl, Pod
 
@@ -280,27 +280,6 @@ def test_the_gateways_certificate_must_be_issued(twelve, tmp_path):
 
 # -- the rendered pods, run here ----------------------------------------------------------------------------
 
-def _tiny_file(tmp_path: Path, tiny, tls_dir: Path | None) -> str:
-    stages = "".join(f'[[stages]]\nlayers = [{b}, {e}]\nhost = "a"\nport = {7500 + 10 * i}\n'
-                     + ("replicas = 2\n" if i == 1 else "") + "\n"
-                     for i, (b, e) in enumerate([(0, 2), (2, 4), (4, 6)]))
-    return str(write(tmp_path / "tiny.toml", f"""name = "tiny"
-[bundle]
-id = "{tiny.id}"
-source = "{tiny.root}"
-
-[[hosts]]
-name = "a"
-address = "127.0.0.1"
-store = "{tmp_path / 'unused-store'}"
-
-{stages}
-[worker]
-threads = 1
-n_ctx = 512
-""" + (f'\n[tls]\ndir = "{tls_dir}"\n' if tls_dir else "")))
-
-
 def _wait_serving(address: str, tls, proc: subprocess.Popen, log: Path, timeout: float = 120.0) -> None:
     deadline = time.monotonic() + timeout
     while health(address, tls, timeout=0.5) != "SERVING":
@@ -328,7 +307,7 @@ def test_the_rendered_pods_form_a_route_that_generates_the_normal_routes_tokens(
     ca = tmp_path / "ca"
     if tls:
         _issue(ca, ["s0-r0", "s1-r0", "s1-r1", "s2-r0", "gateway", "client"])
-    _render(_tiny_file(tmp_path, tiny, ca if tls else None), tmp_path / "out")
+    _render(tiny_kubernetes_file(tmp_path, tiny, ca if tls else None), tmp_path / "out")
     objs = _objects(tmp_path / "out")
     _check(objs)
     # the claim: a store the bundle was provisioned into (`dgr bundle provision BUNDLE --to STORE`)

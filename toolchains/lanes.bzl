@@ -8,6 +8,7 @@ same targets, made by the macros below from the `LANES` table:
   //worker:engine_<lane>              the same as a cc_library (for cc_test and other C++ users)
   //:release_<lane>                   dgr-worker + engine + MANIFEST.json (blake3 of each file), a .tar
   //:image_<lane>                     the worker's OCI image made from the release (IMAGE_LANES only)
+  //:tools_image_<lane>               the tools image dgr:<version> (bin/dgr on the host's CPython; IMAGE_LANES)
 
 `--config=<lane>` (.bazelrc) points the unsuffixed aliases (//worker:engine, //:release) at one lane.
 Lanes that need hardware this machine lacks are tagged `manual` (so `bazel test //...` skips them)
@@ -214,14 +215,15 @@ def dgr_releases():
 IMAGE_LANES = ["cpu"]
 
 def dgr_images():
-    """At the top level: `image_<lane>` for every lane, from `release_<lane>` (docs/deploy.md, "Container image").
+    """At the top level: `image_<lane>` for every lane, from `release_<lane>` (docs/deploy.md, "Container image"),
+    and `tools_image_<lane>` (dgr:<version>, tools_image.py) for the lanes with an image.
 
     Outputs image_<lane>.tar (an OCI image layout with Docker's manifest.json: `docker load -i`, `podman load -i`)
     and image_<lane>.MANIFEST.json (the image's digest and the release archive it was made from), written by
     tools/dgr/toolchain/image.py (with rootfs.py). The shared libraries come from the building host (`ld.so --list`), as the
     release's own binaries were linked against them. A lane without an image fails, saying why (manual)."""
     script = "//tools/dgr:toolchain/image.py"
-    tools = [script, "//tools/dgr:image_tool"]
+    tools = [script, "//tools/dgr:toolchain/tools_image.py", "//tools/dgr:image_tool"]
     for lane, info in LANES.items():
         if lane not in IMAGE_LANES:
             native.genrule(
@@ -241,6 +243,21 @@ def dgr_images():
                 "--release $(location :release_%s.tar.gz)" % lane,
                 "--tar $(location image_%s.tar)" % lane,
                 "--manifest $(location image_%s.MANIFEST.json)" % lane,
+            ]),
+            tools = tools,
+            tags = info.tags,
+            visibility = ["//visibility:public"],
+        )
+        # the tools image dgr:<version>: the whole release (bin/dgr its entrypoint) on the host's CPython
+        native.genrule(
+            name = "tools_image_" + lane,
+            srcs = [":release_%s.tar.gz" % lane],
+            outs = ["tools_image_%s.tar" % lane, "tools_image_%s.MANIFEST.json" % lane],
+            cmd = " ".join([
+                "python3 $(location //tools/dgr:toolchain/tools_image.py)",
+                "--release $(location :release_%s.tar.gz)" % lane,
+                "--tar $(location tools_image_%s.tar)" % lane,
+                "--manifest $(location tools_image_%s.MANIFEST.json)" % lane,
             ]),
             tools = tools,
             tags = info.tags,

@@ -89,6 +89,29 @@ def errors(proc: subprocess.CompletedProcess) -> list[str]:
 
 
 # Fixtures the deployment tests share (a test module takes them with `from support.deploy import tiny, lib_env`).
+def tiny_kubernetes_file(tmp_path: Path, tiny, tls_dir: Path | None = None) -> str:
+    """A deployment file of the tiny bundle for the Kubernetes render: 3 stages on fixed ports, stage 1 with
+    two replicas, one thread, under [tls] with `tls_dir`."""
+    stages = "".join(f'[[stages]]\nlayers = [{b}, {e}]\nhost = "a"\nport = {7500 + 10 * i}\n'
+                     + ("replicas = 2\n" if i == 1 else "") + "\n"
+                     for i, (b, e) in enumerate([(0, 2), (2, 4), (4, 6)]))
+    return str(write(tmp_path / "tiny.toml", f"""name = "tiny"
+[bundle]
+id = "{tiny.id}"
+source = "{tiny.root}"
+
+[[hosts]]
+name = "a"
+address = "127.0.0.1"
+store = "{tmp_path / 'unused-store'}"
+
+{stages}
+[worker]
+threads = 1
+n_ctx = 512
+""" + (f'\n[tls]\ndir = "{tls_dir}"\n' if tls_dir else "")))
+
+
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     return tiny_bundle(tmp_path_factory.mktemp("tiny"))

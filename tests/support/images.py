@@ -81,9 +81,10 @@ def unpack(layout: Path, root: Path) -> dict:
 
 
 def container_command(root: Path, config: dict, args: list[str], *, volumes: dict[str, tuple[Path, bool]],
-                      entrypoint: list[str] | None = None) -> list[str]:
+                      entrypoint: list[str] | None = None, env: dict[str, str] | None = None) -> list[str]:
     """The argv that runs `entrypoint + args` (default: the image's Entrypoint) in a chroot of `root` as
-    a runtime would: `volumes` maps a path inside to (host path, read-only)."""
+    a runtime would: `volumes` maps a path inside to (host path, read-only); `env` (a pod's) is added to
+    the image's Env, winning where both name a variable."""
     c = config["config"]
     user = c.get("User", "0:0")
     lines = ["set -e", f"r={shlex.quote(str(root))}",
@@ -98,9 +99,10 @@ def container_command(root: Path, config: dict, args: list[str], *, volumes: dic
         if read_only:
             lines.append(f"mount -o remount,bind,ro {target}")
     argv = (entrypoint or c["Entrypoint"]) + args
-    env = ["env", "-i", *c.get("Env", [])]
+    environment = ["env", "-i", *c.get("Env", []), *(f"{k}={v}" for k, v in sorted((env or {}).items()))]
     chroot = shutil.which("chroot", path=HOST_PATH)
-    lines.append("exec " + " ".join(shlex.quote(a) for a in [*env, chroot, f"--userspec={user}", str(root), *argv]))
+    lines.append("exec " + " ".join(shlex.quote(a) for a in [*environment, chroot, f"--userspec={user}", str(root),
+                                                             *argv]))
     return ["unshare", "-m", "sh", "-c", "\n".join(lines)]
 
 

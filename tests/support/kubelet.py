@@ -3,10 +3,13 @@ processes, their command, arguments and environment exactly as rendered, with wh
 supplied locally:
 
 - the image's programs (`<prefix>/bin/dgr-worker`, `<prefix>/bin/dgr`): this checkout's dgr-worker
-  ($DGR_WORKER_BIN, as the tests find it) and dgr;
+  ($DGR_WORKER_BIN, as the tests find it) and dgr; or, where `images` names the container's image (an
+  unpacked image's folder and config), the container's own command in a chroot of that image, as a
+  runtime runs it (tests/support/images.py: its Env and the pod's, its user, the mounts, nothing of the host);
 - the volumes: the claim is a local store folder, emptyDirs are fresh folders, Secrets are the keys
-  `kubectl` was given (`Kubectl`: a stand-in for it that keeps what `secrets.sh` applies); a mount's
-  `subPathExpr` is expanded as the kubelet does;
+  `kubectl` was given (`Kubectl`: a stand-in for it that keeps what `secrets.sh` applies), with the
+  volume's `defaultMode`; a pod's `fsGroup` owns its emptyDirs (setgid, group-writable) and Secret files,
+  as the kubelet makes them; a mount's `subPathExpr` is expanded as the kubelet does;
 - `$(VAR)` in command and arguments expanded from the container's environment, `fieldRef: metadata.name`
   as the pod's name;
 - the network: each container port is a free local port, `0.0.0.0:PORT` in an argument becomes
@@ -26,6 +29,7 @@ from pathlib import Path
 import yaml
 
 from dgr.app.deploy.local import free_port
+from support.images import HOST_PATH, container_command
 
 _VAR = re.compile(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)")
 
@@ -95,6 +99,7 @@ class Pod:
     claims: dict[str, Path]                   # claimName -> a local folder
     secrets: dict[str, dict]                  # Secret name -> the Secret (data base64, as kubectl applied it)
     ports: dict[int, int] = field(default_factory=dict)   # containerPort -> local port
+    images: dict[str, tuple[Path, dict]] = field(default_factory=dict)   # image -> (unpacked root, config)
 
     def __post_init__(self):
         self.volumes = {v["name"]: self._volume(v) for v in self.spec.get("volumes", [])}
@@ -107,8 +112,16 @@ class Pod:
         if "persistentVolumeClaim" in v:
             return self.claims[v["persistentVolumeClaim"]["claimName"]]
         d.mkdir(parents=True)
+        group = self.spec.get("securityContext", {}).get("fsGroup")
         if "emptyDir" in v:
+            if group is not None:
+                os.chown(d, -1, group)
+                d.chmod(0o2777)
+            else:
+                d.chmod(0o777)
             return d
+        source = v.get("projected") or v["secret"]
+        mode = source.get("defaultMode", 0o644)
         sources = v["projected"]["sources"] if "projected" in v else [{"secret": {"name": v["secret"]["secretName"]}}]
         for src in sources:
             s = self.secrets[src["secret"]["name"]]
@@ -117,7 +130,9 @@ class Pod:
                 f = d / it["path"]
                 f.parent.mkdir(parents=True, exist_ok=True)
                 f.write_bytes(base64.b64decode(s["data"][it["key"]]))
-                f.chmod(0o400)
+                if group is not None:
+                    os.chown(f, -1, group)
+                f.chmod(mode)
         return d
 
     def container(self, name: str) -> dict:
@@ -176,6 +191,21 @@ class Pod:
             out = [a.replace(f"127.0.0.1:{port}", f"127.0.0.1:{local}") for a in out]
         return out
 
+    def image_argv(self, c: dict, resolve: dict[str, str] | None = None) -> list[str]:
+        """The container as a runtime runs it from its image (`images`): its command and arguments as
+        rendered (`$(VAR)` expanded, the network mapped as in `argv`), in a chroot of the image, with the
+        pod's environment and mounts (read-only where the mount says so)."""
+        root, config = self.images[c["image"]]
+        env = self._env(c)
+        raw = [_VAR.sub(lambda m: env.get(m.group(1), m.group(0)), a) for a in c["command"] + c.get("args", [])]
+        for port, local in self.ports.items():
+            raw = [a.replace(f"0.0.0.0:{port}", f"127.0.0.1:{local}") for a in raw]
+        for name, local in (resolve or {}).items():
+            raw = [a.replace(name, local) for a in raw]
+        read_only = {m["mountPath"]: m.get("readOnly", False) for m in c.get("volumeMounts", [])}
+        volumes = {inside: (local, read_only[inside]) for inside, local in self.mounts(c).items()}
+        return container_command(root, config, raw[1:], entrypoint=raw[:1], volumes=volumes, env=env)
+
     def log(self, name: str) -> Path:
         return self.root / f"{name}.log"
 
@@ -185,5 +215,8 @@ class Pod:
         (the engine library's place)."""
         c = self.container(name)
         with open(self.log(name), "w") as out:
+            if c["image"] in self.images:
+                return subprocess.Popen(self.image_argv(c, resolve), env={"PATH": HOST_PATH, "LC_ALL": "C"},
+                                        stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
             return subprocess.Popen(self.argv(c, prefix, resolve), env={**os.environ, **host_env, **self.env(c)},
                                     stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)

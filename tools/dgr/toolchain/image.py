@@ -110,13 +110,15 @@ class Release:
     manifest: dict
     sha256: str                        # of the archive
     name: str                          # the archive's file name
+    executable: frozenset[str] = frozenset()   # the paths among `files` with an executable bit
 
 
 WANTED = ("bin/dgr-worker", "lib/libdgr_engine.so", "release.json", "upstream.json", "MANIFEST.json")
 
 
-def read_release(path: str) -> Release:
-    """The files of a release archive (toolchains/bazel/release.py) that an image carries."""
+def read_release(path: str, everything: bool = False) -> Release:
+    """The files of a release archive (toolchains/bazel/release.py) that the worker's image carries, or with
+    `everything` all of them (the tools image: bin/dgr and its Python)."""
     try:
         with open(path, "rb") as f:
             data = f.read()
@@ -129,16 +131,20 @@ def read_release(path: str) -> Release:
         if len(tops) != 1:
             raise ImageError(f"{path}: a release has one top folder, this has {sorted(tops)}")
         top = tops.pop()
-        files = {}
+        files, executable = {}, set()
         for rel in WANTED:
-            m = members.get(f"{top}/{rel}")
-            if m is None:
+            if f"{top}/{rel}" not in members:
                 raise ImageError(f"{path}: no {top}/{rel}: not a release of dgr-worker (toolchains/bazel/release.py)")
+        wanted = [n[len(top) + 1:] for n in sorted(members)] if everything else WANTED
+        for rel in wanted:
+            m = members[f"{top}/{rel}"]
             files[rel] = tar.extractfile(m).read()
+            if m.mode & 0o111:
+                executable.add(rel)
     info = json.loads(files["release.json"])
     manifest = json.loads(files["MANIFEST.json"])
     return Release(info["lane"], info["version"], files, manifest, hashlib.sha256(data).hexdigest(),
-                   os.path.basename(path))
+                   os.path.basename(path), frozenset(executable))
 
 
 def refusal(lane: str) -> str:
@@ -165,7 +171,7 @@ def _sha(data: bytes) -> str:
     return "sha256:" + hashlib.sha256(data).hexdigest()
 
 
-def _blake3(worker: bytes, blobs: dict[str, bytes]) -> dict[str, str]:
+def blake3_sums(worker: bytes, blobs: dict[str, bytes]) -> dict[str, str]:
     """The blake3 of each blob, by the release's own dgr-worker (`--blake3`), which this host must run."""
     with tempfile.TemporaryDirectory() as tmp:
         exe = os.path.join(tmp, "dgr-worker")
@@ -227,7 +233,7 @@ def check_release(release: Release) -> str:
     """The release's worker and engine match its MANIFEST.json and are built for one machine; returns it
     (the OCI architecture, which is also Debian's name for it)."""
     worker, engine = (release.files[b] for b in BINARIES)
-    sums = _blake3(worker, {b: release.files[b] for b in BINARIES})
+    sums = blake3_sums(worker, {b: release.files[b] for b in BINARIES})
     for rel, got in sums.items():
         want = release.manifest.get("files", {}).get(rel, {}).get("blake3")
         if got != want:
@@ -254,15 +260,9 @@ def release_libraries(release: Release) -> list[str]:
         return library_closure(paths, loader)
 
 
-def build(release: Release, *, mtime: int = 0, repository: str = REPOSITORY) -> Image:
-    """The image of `release` (its lane must have one), its libraries taken from this host."""
-    why = refusal(release.lane)
-    if why:
-        raise ImageError(f"{release.name}: {why}")
-    arch = check_release(release)
-    worker, engine = (release.files[b] for b in BINARIES)
-    libraries = release_libraries(release)
-
+def system_layer(libraries: list[str]) -> tuple[Tree, dict[str, dict]]:
+    """The host's `libraries` at their paths, their Debian packages' copyright files, the users and the
+    mount points; and each library's package (the image manifest's list)."""
     system = Tree()
     debian = debian_packages(libraries)
     owners: dict[str, dict] = {}
@@ -283,40 +283,33 @@ def build(release: Release, *, mtime: int = 0, repository: str = REPOSITORY) -> 
     system.dir("tmp", 0o1777)
     for d in ("dev", "proc", "sys"):                   # where runtimes mount theirs (and a chroot of the layers)
         system.dir(d)
+    return system, owners
 
-    dgr = Tree()
-    dgr.file(f"{PREFIX}/bin/dgr-worker", worker, executable=True)
-    dgr.file(f"{PREFIX}/lib/libdgr_engine.so", engine, executable=True)
-    dgr.file(f"{PREFIX}/release.json", release.files["release.json"])
-    dgr.file(f"{PREFIX}/upstream.json", release.files["upstream.json"])
 
+def assemble(release: Release, arch: str, layers: list[tuple[Tree, str]], *, mtime: int, repository: str,
+              description: str, entrypoint: list[str], env: list[str], port: int, labels: dict[str, str],
+              record: dict) -> Image:
+    """The OCI image of `layers` (each a tree and what it holds), configured to run `entrypoint` as USER."""
     created = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(mtime))
     blobs: dict[str, bytes] = {}
-    layers, diff_ids, history = [], [], []
-    for tree, what in ((system, "the loader and the shared libraries of dgr-worker and libdgr_engine.so, "
-                                "from the building host (ld.so --list); users; mount points"),
-                       (dgr, f"dgr-worker and libdgr_engine.so of the {release.lane} release {release.version}")):
+    manifest_layers, diff_ids, history = [], [], []
+    for tree, what in layers:
         raw = tree.layer(mtime)
         gz = _gzip(raw)
         blobs[_sha(gz)] = gz
         diff_ids.append(_sha(raw))
-        layers.append({"mediaType": MEDIA_LAYER, "digest": _sha(gz), "size": len(gz)})
+        manifest_layers.append({"mediaType": MEDIA_LAYER, "digest": _sha(gz), "size": len(gz)})
         history.append({"created": created, "created_by": f"dgr release image: {what}"})
 
     ref = f"{repository}:{release.version}"
     labels = {
         "org.opencontainers.image.title": repository,
-        "org.opencontainers.image.description": f"dgr stage worker, {release.lane} lane: one stage of a GGUF bundle "
-                                                "over gRPC (docs/deploy.md, Container image)",
+        "org.opencontainers.image.description": description,
         "org.opencontainers.image.version": release.version,
         "dgr.lane": release.lane,
         "dgr.llama-cpp.commit": release.manifest.get("upstream", {}).get("commit", ""),
         "dgr.release.sha256": release.sha256,
-        "dgr.mounts": f"the bundle's store read-only at {STORE}, TLS files at {TLS}, state at {STATE}, /tmp writable",
-        # Docker's HEALTHCHECK runs a command in the container; this image has none to run
-        "dgr.health": "grpc.health.v1 on the --listen port (SERVING once the stage is loaded, NOT_SERVING while it "
-                      "drains): a Kubernetes grpc probe in plaintext; under mutual TLS the exec probe `dgr-worker "
-                      "--probe 127.0.0.1:PORT` with the pod's certificate",
+        **labels,
     }
     config = {
         "created": created,
@@ -324,12 +317,11 @@ def build(release: Release, *, mtime: int = 0, repository: str = REPOSITORY) -> 
         "os": "linux",
         "config": {
             "User": f"{USER}:{USER}",
-            "Entrypoint": [f"{PREFIX}/bin/dgr-worker"],
+            "Entrypoint": entrypoint,
             "Cmd": ["--help"],
-            # the engine by name (dgr-worker would find it in ../lib through /proc/self/exe)
-            "Env": [f"PATH={PREFIX}/bin", f"DGR_ENGINE_LIB={PREFIX}/lib/libdgr_engine.so"],
+            "Env": env,
             "WorkingDir": STATE,
-            "ExposedPorts": {f"{PORT}/tcp": {}},
+            "ExposedPorts": {f"{port}/tcp": {}},
             "StopSignal": "SIGTERM",
             "Labels": labels,
         },
@@ -342,7 +334,7 @@ def build(release: Release, *, mtime: int = 0, repository: str = REPOSITORY) -> 
         "schemaVersion": 2,
         "mediaType": MEDIA_MANIFEST,
         "config": {"mediaType": MEDIA_CONFIG, "digest": _sha(config_bytes), "size": len(config_bytes)},
-        "layers": layers,
+        "layers": manifest_layers,
         "annotations": {"org.opencontainers.image.version": release.version, "org.opencontainers.image.created": created},
     }
     manifest_bytes = _json(manifest)
@@ -357,7 +349,7 @@ def build(release: Release, *, mtime: int = 0, repository: str = REPOSITORY) -> 
                                        "io.containerd.image.name": ref}}],
     })
     docker = _json([{"Config": "blobs/sha256/" + _sha(config_bytes)[7:], "RepoTags": [ref],
-                     "Layers": ["blobs/sha256/" + layer["digest"][7:] for layer in layers]}])
+                     "Layers": ["blobs/sha256/" + layer["digest"][7:] for layer in manifest_layers]}])
     record = {
         "format": 1,
         "ref": ref,
@@ -370,15 +362,64 @@ def build(release: Release, *, mtime: int = 0, repository: str = REPOSITORY) -> 
         "release": {"archive": release.name, "sha256": release.sha256,
                     "upstream": release.manifest.get("upstream", {})},
         "layers": [{**layer, "diff_id": d, "created_by": h["created_by"]}
-                   for layer, d, h in zip(layers, diff_ids, history)],
-        "files": {f"{PREFIX}/{rel}": release.manifest["files"][rel] for rel in BINARIES},
-        "libraries": owners,
+                   for layer, d, h in zip(manifest_layers, diff_ids, history)],
+        **record,
     }
     return Image(blobs, index, docker, digest, record)
 
 
+def build(release: Release, *, mtime: int = 0, repository: str = REPOSITORY) -> Image:
+    """The worker's image of `release` (its lane must have one), its libraries taken from this host."""
+    why = refusal(release.lane)
+    if why:
+        raise ImageError(f"{release.name}: {why}")
+    arch = check_release(release)
+    worker, engine = (release.files[b] for b in BINARIES)
+    system, owners = system_layer(release_libraries(release))
+
+    dgr = Tree()
+    dgr.file(f"{PREFIX}/bin/dgr-worker", worker, executable=True)
+    dgr.file(f"{PREFIX}/lib/libdgr_engine.so", engine, executable=True)
+    dgr.file(f"{PREFIX}/release.json", release.files["release.json"])
+    dgr.file(f"{PREFIX}/upstream.json", release.files["upstream.json"])
+
+    return assemble(
+        release, arch,
+        [(system, "the loader and the shared libraries of dgr-worker and libdgr_engine.so, from the building host "
+                  "(ld.so --list); users; mount points"),
+         (dgr, f"dgr-worker and libdgr_engine.so of the {release.lane} release {release.version}")],
+        mtime=mtime, repository=repository,
+        description=f"dgr stage worker, {release.lane} lane: one stage of a GGUF bundle over gRPC (docs/deploy.md, "
+                    "Container image)",
+        entrypoint=[f"{PREFIX}/bin/dgr-worker"],
+        # the engine by name (dgr-worker would find it in ../lib through /proc/self/exe)
+        env=[f"PATH={PREFIX}/bin", f"DGR_ENGINE_LIB={PREFIX}/lib/libdgr_engine.so"],
+        port=PORT,
+        labels={
+            "dgr.mounts": f"the bundle's store read-only at {STORE}, TLS files at {TLS}, state at {STATE}, /tmp writable",
+            # Docker's HEALTHCHECK runs a command in the container; this image has none to run
+            "dgr.health": "grpc.health.v1 on the --listen port (SERVING once the stage is loaded, NOT_SERVING while "
+                          "it drains): a Kubernetes grpc probe in plaintext; under mutual TLS the exec probe "
+                          "`dgr-worker --probe 127.0.0.1:PORT` with the pod's certificate",
+        },
+        record={"files": {f"{PREFIX}/{rel}": release.manifest["files"][rel] for rel in BINARIES},
+                "libraries": owners})
+
+
 def record_bytes(image: Image) -> bytes:
     return (json.dumps(image.record, indent=2, sort_keys=True) + "\n").encode()
+
+
+def write_outputs(image: Image, mtime: int, tar: str | None, layout: str | None, manifest: str | None) -> None:
+    """The image as one tar, as an OCI layout folder, and its record, where each is asked for."""
+    if tar:
+        with open(tar, "wb") as f:
+            f.write(image.tar(mtime))
+    if layout:
+        image.write_layout(layout)
+    if manifest:
+        with open(manifest, "wb") as f:
+            f.write(record_bytes(image))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -397,14 +438,7 @@ def main(argv: list[str] | None = None) -> int:
             p.error("give --release and at least one of --tar, --layout, --manifest")
         mtime = source_date_epoch()
         image = build(read_release(args.release), mtime=mtime, repository=args.repository)
-        if args.tar:
-            with open(args.tar, "wb") as f:
-                f.write(image.tar(mtime))
-        if args.layout:
-            image.write_layout(args.layout)
-        if args.manifest:
-            with open(args.manifest, "wb") as f:
-                f.write(record_bytes(image))
+        write_outputs(image, mtime, args.tar, args.layout, args.manifest)
     except ImageError as err:
         print(f"image.py: error: {err}", file=sys.stderr)
         return 1

@@ -19,6 +19,7 @@ from dgr.core.errors import ReleaseError
 from dgr.core.hashing import bytes_blake3
 from dgr.core.paths import REPO_ROOT
 from dgr.toolchain import image as oci
+from dgr.toolchain.tools_image import build_tools
 
 MANIFEST = "MANIFEST.json"
 
@@ -73,27 +74,29 @@ def build_release(lane: str) -> Path:
     return archive
 
 
-def write_image(archive: str | Path, out: str | Path) -> tuple[dict[str, Any], list[Path]]:
+def write_image(archive: str | Path, out: str | Path, tools: bool = False) -> tuple[dict[str, Any], list[Path]]:
     """The OCI image of release `archive` (docs/deploy.md, "Container image") in `out`: image_<lane>/ (an OCI
     layout, also holding Docker's manifest.json), image_<lane>.tar (that folder as one tar: `docker load`,
-    `podman load`) and image_<lane>.MANIFEST.json (the digest, the release, the layers, the libraries).
-    Returns that manifest and the three paths. An existing image_<lane>/ is replaced, anything else there refused."""
+    `podman load`) and image_<lane>.MANIFEST.json (the digest, the release, the layers, the libraries); with
+    `tools` the tools image (dgr:<version>) as tools_<lane>/, tools_<lane>.tar and tools_<lane>.MANIFEST.json.
+    Returns that manifest and the three paths. An existing folder of that name is replaced, anything else there refused."""
     out = Path(out)
     try:
-        release = oci.read_release(str(archive))
+        release = oci.read_release(str(archive), everything=tools)
         mtime = oci.source_date_epoch()
-        image = oci.build(release, mtime=mtime)
+        image = build_tools(release, mtime=mtime) if tools else oci.build(release, mtime=mtime)
     except oci.ImageError as err:
         raise ReleaseError(str(err)) from err
-    layout = out / f"image_{release.lane}"
+    stem = f"{'tools' if tools else 'image'}_{release.lane}"
+    layout = out / stem
     if layout.exists():
         if not (layout / "oci-layout").is_file():
             raise ReleaseError(f"{layout} exists and is not an OCI image layout: move it away or give another --out")
         shutil.rmtree(layout)
     out.mkdir(parents=True, exist_ok=True)
     image.write_layout(str(layout))
-    tar = out / f"image_{release.lane}.tar"
+    tar = out / f"{stem}.tar"
     tar.write_bytes(image.tar(mtime))
-    manifest = out / f"image_{release.lane}.MANIFEST.json"
+    manifest = out / f"{stem}.MANIFEST.json"
     manifest.write_bytes(oci.record_bytes(image))
     return image.record, [layout, tar, manifest]

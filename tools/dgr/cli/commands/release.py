@@ -29,7 +29,7 @@ def _image(args) -> int:
     # lazy: dgr.toolchain.release costs 11 ms at start-up (python -X importtime, 2026-12-05)
     from dgr.toolchain.release import write_image
 
-    record, (layout, tar, manifest) = write_image(args.release, args.out)
+    record, (layout, tar, manifest) = write_image(args.release, args.out, tools=args.tools)
     print(f"ok: {record['ref']} ({record['lane']} lane, {record['architecture']}) {record['digest']}, "
           f"{record['size'] / 1e6:.1f} MB in {len(record['layers'])} layers")
     print(f"  {layout}/  the OCI image layout")
@@ -71,9 +71,14 @@ def register(sub) -> None:
     b.add_argument("--lane", choices=LANES, default="cpu")
     b.set_defaults(func=_build)
     i = rsub.add_parser("image", help="the OCI image of a release's dgr-worker: no shell, no Python, the libraries "
-                        "it loads from this host (docs/deploy.md, Container image)")
+                        "it loads from this host; with --tools the image of its dgr command line (docs/deploy.md, "
+                        "Container image)")
     i.add_argument("--release", required=True, help="release_<lane>.tar.gz (`dgr release build`)")
-    i.add_argument("--out", required=True, help="folder for image_<lane>/, image_<lane>.tar and image_<lane>.MANIFEST.json")
+    i.add_argument("--out", required=True, help="folder for image_<lane>/, image_<lane>.tar and image_<lane>.MANIFEST.json "
+                   "(with --tools: tools_<lane>/, tools_<lane>.tar, tools_<lane>.MANIFEST.json)")
+    i.add_argument("--tools", action="store_true", help="the tools image dgr:<version>: the whole release, bin/dgr its "
+                   "entrypoint, on this host's CPython of the release's version (the Kubernetes render's init "
+                   "container and gateway run it)")
     i.set_defaults(func=_image)
     e = rsub.add_parser("deb", help="the Debian package of a release's dgr-worker: /opt/dgr, the unit template "
                         "dgr-worker@.service, its user and folders (docs/deploy.md, Debian package)")
