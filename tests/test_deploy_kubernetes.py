@@ -29,6 +29,7 @@ from dgr.runtime.wire.tls import TlsConfig
 
 from support.deploy import dgr, lib_env, tiny, tiny_kubernetes_file, write  # noqa: F401 (module fixtures)
 from support.engine import make_bundle, synth_model
+from support import lws
 from support.kubelet import Kubectl, Pod
 
 K8S = "1.30.0"          # the schemas the objects are checked against: gRPC probes are GA from 1.27
@@ -46,39 +47,59 @@ def _by_kind(objs: list[dict], kind: str) -> list[dict]:
     return [o for o in objs if o["kind"] == kind]
 
 
+def _templates(o: dict) -> list[dict]:
+    """The pod templates of a workload object (a LeaderWorkerSet's leader and worker templates)."""
+    if o["kind"] in ("StatefulSet", "Deployment"):
+        return [o["spec"]["template"]]
+    if o["kind"] == "LeaderWorkerSet":
+        t = o["spec"]["leaderWorkerTemplate"]
+        return [t[k] for k in ("leaderTemplate", "workerTemplate") if k in t]
+    return []
+
+
 def _check(objs: list[dict]) -> None:
-    """The schemas, then what they do not check: names are DNS labels (a StatefulSet's at most 52), every
-    selector picks a rendered pod template, every mount names a volume, every claim is rendered, every
-    probe and Service port names a container port, every StatefulSet's Service is headless."""
+    """The schemas (a LeaderWorkerSet's: tests/support/lws.py), then what they do not check: names are DNS
+    labels (a StatefulSet's at most 52), every selector picks a rendered pod template (or a LeaderWorkerSet's
+    pods), every mount names a volume, every claim is rendered, every probe and Service port names a container
+    port, every StatefulSet's Service is headless."""
     for o in objs:
-        assert kv.validate(o, K8S, strict=True) == K8S.rsplit(".", 1)[0], o["metadata"]["name"]
-    templates = [t["spec"]["template"] for t in _by_kind(objs, "StatefulSet") + _by_kind(objs, "Deployment")]
+        if o["kind"] == "LeaderWorkerSet":
+            lws.validate(o, K8S)
+        else:
+            assert kv.validate(o, K8S, strict=True) == K8S.rsplit(".", 1)[0], o["metadata"]["name"]
+    templates = [t for o in objs for t in _templates(o)]
     claims = {o["metadata"]["name"] for o in _by_kind(objs, "PersistentVolumeClaim")}
+    groups = {o["metadata"]["name"] for o in _by_kind(objs, "LeaderWorkerSet")}
     for o in objs:
         name = o["metadata"]["name"]
         assert _DNS.match(name) and len(name) <= (52 if o["kind"] == "StatefulSet" else 63), name
         sel = o["spec"].get("selector")
         if sel is not None:
             sel = sel.get("matchLabels", sel)
-            assert any(sel.items() <= t["metadata"]["labels"].items() for t in templates), name
-    for s in _by_kind(objs, "StatefulSet") + _by_kind(objs, "Deployment"):
-        pod = s["spec"]["template"]["spec"]
-        assert s["spec"]["selector"]["matchLabels"].items() <= s["spec"]["template"]["metadata"]["labels"].items()
-        volumes = {v["name"]: v for v in pod["volumes"]}
-        assert claims >= {v["persistentVolumeClaim"]["claimName"] for v in volumes.values()
-                          if "persistentVolumeClaim" in v}
-        for c in pod.get("initContainers", []) + pod["containers"]:
-            assert all(m["name"] in volumes for m in c.get("volumeMounts", [])), c["name"]
-            ports = {p["name"]: p["containerPort"] for p in c.get("ports", [])}
-            for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
-                if probe in c and "exec" in c[probe]:     # dgr-worker --probe 127.0.0.1:PORT, the container's port
-                    cmd = c[probe]["exec"]["command"]
-                    assert cmd[0] == c["command"][0] and cmd[1] == "--probe", (c["name"], probe)
-                    assert int(cmd[2].rsplit(":", 1)[1]) in ports.values(), (c["name"], probe)
-                    assert not any("$(" in a for a in cmd), "the kubelet does not expand an exec probe's command"
-                elif probe in c:
-                    how = c[probe].get("grpc") or c[probe].get("tcpSocket") or c[probe].get("httpGet")
-                    assert how["port"] in ports or how["port"] in ports.values(), (c["name"], probe)
+            if lws.NAME_LABEL in sel:                   # the label the LWS controller gives its pods
+                assert sel == {lws.NAME_LABEL: sel[lws.NAME_LABEL]} and sel[lws.NAME_LABEL] in groups, name
+            else:
+                assert any(sel.items() <= t["metadata"]["labels"].items() for t in templates), name
+    for s in objs:
+        if s["kind"] in ("StatefulSet", "Deployment"):
+            assert s["spec"]["selector"]["matchLabels"].items() <= s["spec"]["template"]["metadata"]["labels"].items()
+        for template in _templates(s):
+            pod = template["spec"]
+            volumes = {v["name"]: v for v in pod["volumes"]}
+            assert claims >= {v["persistentVolumeClaim"]["claimName"] for v in volumes.values()
+                              if "persistentVolumeClaim" in v}
+            for c in pod.get("initContainers", []) + pod["containers"]:
+                assert all(m["name"] in volumes for m in c.get("volumeMounts", [])), c["name"]
+                ports = {p["name"]: p["containerPort"] for p in c.get("ports", [])}
+                for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+                    if probe in c and "exec" in c[probe]:     # dgr-worker --probe 127.0.0.1:PORT, the container's port
+                        cmd = c[probe]["exec"]["command"]
+                        assert cmd[0] == c["command"][0] and cmd[1] == "--probe", (c["name"], probe)
+                        assert int(cmd[2].rsplit(":", 1)[1]) in ports.values(), (c["name"], probe)
+                        assert not any("$(" in a for a in cmd), "the kubelet does not expand an exec probe's command"
+                    elif probe in c:
+                        how = c[probe].get("grpc") or c[probe].get("tcpSocket") or c[probe].get("httpGet")
+                        assert how["port"] in ports or how["port"] in ports.values(), (c["name"], probe)
         if s["kind"] == "StatefulSet":
             [svc] = [x for x in _by_kind(objs, "Service") if x["metadata"]["name"] == s["spec"]["serviceName"]]
             assert svc["spec"]["clusterIP"] == "None"
@@ -278,6 +299,84 @@ def test_the_gateways_certificate_must_be_issued(twelve, tmp_path):
         "--host fleet-gateway`" in proc.stderr
 
 
+# -- a LeaderWorkerSet: every group a whole pipeline ---------------------------------------------------------
+
+def _lws_fleet_file(tmp_path: Path, b, tls_dir: Path, stages: str | None = None) -> str:
+    """The 12 stages as a LeaderWorkerSet of 2 groups: stage 0 (the leader) on the CPU pool, the rest on CUDA."""
+    stages = stages or "".join(f'[[stages]]\nlayers = [{lo}, {hi}]\nhost = "{"cpu-b" if i == 0 else "gpu-a"}"\n'
+                               f"replicas = 2\n\n" for i, (lo, hi) in enumerate(TWELVE))
+    text = Path(_fleet_file(tmp_path, b, tls_dir)).read_text()
+    head, _, rest = text.partition("[[stages]]")
+    return str(write(tmp_path / "fleet-lws.toml", head + stages + "[worker]" + rest.split("[worker]", 1)[1]
+                     + '\n[kubernetes]\nworkload = "leaderworkerset"\n'))
+
+
+def test_a_12_stage_leaderworkerset_with_mutual_tls_renders_valid_objects_and_its_secrets(twelve, tmp_path):
+    workers = [f"s{i}-r{k}" for i in range(12) for k in range(2)]
+    _issue(tmp_path / "ca", [*workers, "gateway"])
+    proc = _render(_lws_fleet_file(tmp_path, twelve, tmp_path / "ca"), tmp_path / "out", "--namespace", "dgr-fleet")
+    assert "LeaderWorkerSet controller" in proc.stderr
+    objs = _objects(tmp_path / "out")
+    _check(objs)
+    assert sorted(f.name for f in (tmp_path / "out").iterdir()) == sorted([
+        "fleet-store.persistentvolumeclaim.yaml", "fleet-lws.leaderworkerset.yaml",
+        "fleet-lws.poddisruptionbudget.yaml", "fleet-gateway.deployment.yaml", "fleet-gateway.service.yaml",
+        "secrets.sh"])
+    [group] = _by_kind(objs, "LeaderWorkerSet")
+    spec = group["spec"]
+    t = spec["leaderWorkerTemplate"]
+    assert (spec["replicas"], t["size"], t["restartPolicy"]) == (2, 12, "None")
+    leader, worker = (t[k]["spec"]["containers"][0] for k in ("leaderTemplate", "workerTemplate"))
+    for c, stage in ((leader, "0"), (worker, "$(LWS_WORKER_INDEX)")):
+        assert c["args"][c["args"].index("--stage") + 1] == stage
+        assert c["args"][c["args"].index("--listen") + 1] == "0.0.0.0:7000"
+        assert c["args"][-2:] == ["--advertise", "$(POD_NAME).fleet-lws"]
+    init = t["workerTemplate"]["spec"]["initContainers"][0]
+    assert init["command"][init["command"].index("--stage") + 1] == "$(LWS_WORKER_INDEX)"
+    assert "nvidia.com/gpu" not in leader["resources"]["limits"] and worker["resources"]["limits"]["nvidia.com/gpu"] == "1"
+    assert leader["args"][leader["args"].index("--lane") + 1] == "cpu"
+    assert worker["args"][worker["args"].index("--lane") + 1] == "cuda"
+    [budget] = _by_kind(objs, "PodDisruptionBudget")
+    assert budget["spec"] == {"maxUnavailable": 1, "selector": {"matchLabels": {lws.NAME_LABEL: "fleet-lws"}}}
+    # the pods as the LWS controller names them, each reached as <pod>.<set> (its headless Service)
+    names = [name for name, *_ in lws.pods(group)]
+    assert names[:3] == ["fleet-lws-0", "fleet-lws-0-1", "fleet-lws-0-2"] and len(names) == 24
+    [gw] = _by_kind(objs, "Deployment")
+    args = gw["spec"]["template"]["spec"]["containers"][0]["args"]
+    hops = args[args.index("--route") + 1].split(",")
+    assert hops[0] == "fleet-lws-0.fleet-lws:7000|fleet-lws-1.fleet-lws:7000"
+    assert hops[5] == "fleet-lws-0-5.fleet-lws:7000|fleet-lws-1-5.fleet-lws:7000" and len(hops) == 12
+    # one Secret per pod, every template projecting them all (each container mounts its own by $(POD_NAME))
+    for k in ("leaderTemplate", "workerTemplate"):
+        [v] = [v for v in t[k]["spec"]["volumes"] if v["name"] == "tls"]
+        assert sorted(s["secret"]["name"] for s in v["projected"]["sources"]) == sorted(f"{n}-tls" for n in names)
+    script = (tmp_path / "out" / "secrets.sh").read_text()
+    assert f"#   dgr certs issue {tmp_path / 'ca'} s5-r1 --host fleet-lws-1-5.fleet-lws " \
+        "--host fleet-lws-1-5.fleet-lws.dgr-fleet.svc\n" in script
+    kubectl = Kubectl(tmp_path / "kubectl")
+    assert kubectl.run(tmp_path / "out" / "secrets.sh").returncode == 0
+    secrets = kubectl.secrets()
+    assert sorted(secrets) == sorted([f"{n}-tls" for n in names] + ["fleet-gateway-tls"])
+    assert base64.b64decode(secrets["fleet-lws-1-5-tls"]["data"]["tls.crt"]) == (tmp_path / "ca" / "s5-r1.pem").read_bytes()
+
+
+def test_a_leaderworkerset_is_refused_where_a_group_cannot_be_a_whole_pipeline(twelve, tmp_path):
+    workers = [f"s{i}-r{k}" for i in range(12) for k in range(2)]
+    _issue(tmp_path / "ca", [*workers, "gateway"])
+    uneven = "".join(f'[[stages]]\nlayers = [{lo}, {hi}]\nhost = "gpu-a"\nreplicas = {1 if i == 3 else 2}\n\n'
+                     for i, (lo, hi) in enumerate(TWELVE))
+    proc = dgr("deploy", "render", _lws_fleet_file(tmp_path, twelve, tmp_path / "ca", uneven), "--kubernetes",
+               str(tmp_path / "o"))
+    assert proc.returncode != 0 and "every stage needs the same number of workers" in proc.stderr
+    assert "stage 3: 1" in proc.stderr and "statefulset" in proc.stderr
+    mixed = "".join(f'[[stages]]\nlayers = [{lo}, {hi}]\nhost = "{"cpu-b" if i == 7 else "gpu-a"}"\nreplicas = 2\n\n'
+                    for i, (lo, hi) in enumerate(TWELVE))
+    proc = dgr("deploy", "render", _lws_fleet_file(tmp_path, twelve, tmp_path / "ca", mixed), "--kubernetes",
+               str(tmp_path / "o"))
+    assert proc.returncode != 0 and "share one pod template, so one lane" in proc.stderr
+    assert not (tmp_path / "o").exists()
+
+
 # -- the rendered pods, run here ----------------------------------------------------------------------------
 
 def _wait_serving(address: str, tls, proc: subprocess.Popen, log: Path, timeout: float = 120.0) -> None:
@@ -299,15 +398,39 @@ def _stop(procs: list[subprocess.Popen]) -> None:
             p.wait()
 
 
+def _pods(objs: list[dict], root: Path, claims: dict[str, Path], secrets: dict[str, dict],
+          images: dict | None = None) -> dict[str, Pod]:
+    """Every pod the workload objects make, by the address the route gives it (`<pod>.<service>:<port>`):
+    a StatefulSet's `<set>-<k>`, a LeaderWorkerSet's as its controller makes them (tests/support/lws.py)."""
+    out: dict[str, Pod] = {}
+    for o in objs:
+        name = o["metadata"]["name"]
+        if o["kind"] == "StatefulSet":
+            made = [(f"{name}-{k}", o["spec"]["template"]["spec"], o["spec"]["serviceName"])
+                    for k in range(o["spec"]["replicas"])]
+        elif o["kind"] == "LeaderWorkerSet":
+            made = [(pod, spec, name) for pod, _, _, spec in lws.pods(o)]
+        else:
+            continue
+        for pod_name, spec, service in made:
+            pod = Pod(pod_name, spec, root / pod_name, claims, secrets, images=images or {})
+            out[f"{pod_name}.{service}:{next(iter(pod.ports))}"] = pod
+    return out
+
+
 @pytest.mark.slow
+@pytest.mark.parametrize("workload", ["statefulset", "leaderworkerset"])
 @pytest.mark.parametrize("tls", [True, False], ids=["mutual-tls", "plaintext"])
-def test_the_rendered_pods_form_a_route_that_generates_the_normal_routes_tokens(tiny, lib_env, tmp_path, tls):
+def test_the_rendered_pods_form_a_route_that_generates_the_normal_routes_tokens(tiny, lib_env, tmp_path, tls,
+                                                                                workload):
     from dgr.toolchain.bundle import provision
 
+    lws_set = workload == "leaderworkerset"
     ca = tmp_path / "ca"
     if tls:
-        _issue(ca, ["s0-r0", "s1-r0", "s1-r1", "s2-r0", "gateway", "client"])
-    _render(tiny_kubernetes_file(tmp_path, tiny, ca if tls else None), tmp_path / "out")
+        _issue(ca, [*(f"s{i}-r{k}" for i in range(3) for k in range(2 if lws_set or i == 1 else 1)), "gateway",
+                    "client"])
+    _render(tiny_kubernetes_file(tmp_path, tiny, ca if tls else None, workload), tmp_path / "out")
     objs = _objects(tmp_path / "out")
     _check(objs)
     # the claim: a store the bundle was provisioned into (`dgr bundle provision BUNDLE --to STORE`)
@@ -318,15 +441,8 @@ def test_the_rendered_pods_form_a_route_that_generates_the_normal_routes_tokens(
     if tls:
         assert kubectl.run(tmp_path / "out" / "secrets.sh").returncode == 0
     secrets = kubectl.secrets()
-    pods: dict[str, Pod] = {}                           # `<pod>.<service>:<port>`, as the route names it -> the pod
-    for sts in _by_kind(objs, "StatefulSet"):
-        name, spec = sts["metadata"]["name"], sts["spec"]
-        for k in range(spec["replicas"]):
-            pod = Pod(f"{name}-{k}", spec["template"]["spec"], tmp_path / "pods" / f"{name}-{k}",
-                      {"tiny-store": claim}, secrets)
-            [port] = pod.ports
-            pods[f"{pod.name}.{spec['serviceName']}:{port}"] = pod
-    assert [p.name for p in pods.values()] == ["tiny-s0-0", "tiny-s1-0", "tiny-s1-1", "tiny-s2-0"]
+    pods = _pods(objs, tmp_path / "pods", {"tiny-store": claim}, secrets)
+    assert list(pods.values())[0].name == ("tiny-lws-0" if lws_set else "tiny-s0-0") and len(pods) == (6 if lws_set else 4)
     local = {name: f"127.0.0.1:{next(iter(p.ports.values()))}" for name, p in pods.items()}   # the stand-in DNS
     # plaintext: what the kubelet's gRPC probe asks (health of ""); under TLS its TCP probe passes once this does
     client = TlsConfig(ca / "client.pem", ca / "client.key", ca / "ca.pem") if tls else None
@@ -375,6 +491,7 @@ def test_the_rendered_pods_form_a_route_that_generates_the_normal_routes_tokens(
         _stop(procs)
     # the same workers started the normal way (`dgr worker serve`, plaintext on loopback)
     stage_args = [["--bundle", str(tiny.root), "--stage", str(i), "--threads", "1", "--n-ctx", "512"] for i in range(3)]
-    with LocalRoute(stage_args, replicas=[1, 2, 1], env=lib_env) as r, RouteClient(r.route) as c:
+    with LocalRoute(stage_args, replicas=[2, 2, 2] if lws_set else [1, 2, 1], env=lib_env) as r, \
+            RouteClient(r.route) as c:
         want = c.run(PROMPT, max_new_tokens=24, stop_token_ids=[])
     assert got.token_ids == want.token_ids and len(got.token_ids) == 24

@@ -89,11 +89,13 @@ def errors(proc: subprocess.CompletedProcess) -> list[str]:
 
 
 # Fixtures the deployment tests share (a test module takes them with `from support.deploy import tiny, lib_env`).
-def tiny_kubernetes_file(tmp_path: Path, tiny, tls_dir: Path | None = None) -> str:
+def tiny_kubernetes_file(tmp_path: Path, tiny, tls_dir: Path | None = None, workload: str = "statefulset") -> str:
     """A deployment file of the tiny bundle for the Kubernetes render: 3 stages on fixed ports, stage 1 with
-    two replicas, one thread, under [tls] with `tls_dir`."""
+    two replicas (every stage, as a LeaderWorkerSet's groups are whole pipelines), one thread, under [tls]
+    with `tls_dir`."""
+    lws = workload == "leaderworkerset"
     stages = "".join(f'[[stages]]\nlayers = [{b}, {e}]\nhost = "a"\nport = {7500 + 10 * i}\n'
-                     + ("replicas = 2\n" if i == 1 else "") + "\n"
+                     + ("replicas = 2\n" if i == 1 or lws else "") + "\n"
                      for i, (b, e) in enumerate([(0, 2), (2, 4), (4, 6)]))
     return str(write(tmp_path / "tiny.toml", f"""name = "tiny"
 [bundle]
@@ -109,7 +111,8 @@ store = "{tmp_path / 'unused-store'}"
 [worker]
 threads = 1
 n_ctx = 512
-""" + (f'\n[tls]\ndir = "{tls_dir}"\n' if tls_dir else "")))
+""" + (f'\n[tls]\ndir = "{tls_dir}"\n' if tls_dir else "")
+                     + f'\n[kubernetes]\nworkload = "{workload}"\n'))
 
 
 @pytest.fixture(scope="module")

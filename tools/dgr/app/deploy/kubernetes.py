@@ -25,6 +25,11 @@ volume projects every pod's Secret into a folder named after the pod, and the co
 own folder (`subPathExpr: $(POD_NAME)`). Without [tls], or with server-only TLS, workers serve anyone on
 the pod network (`--insecure`: the worker refuses a wildcard address otherwise); `notes` says so.
 
+With `[kubernetes] workload = "leaderworkerset"` the workers are one LeaderWorkerSet instead (LWS's v1
+API): every group a whole pipeline, pod i of a group serving stage i (`--stage $(LWS_WORKER_INDEX)` in the
+workers' shared template), all on DEFAULT_PORT, reached in the set's own headless Service; one
+PodDisruptionBudget over the set's pods.
+
 Resources: memory requested and limited to `Plan.memory_estimate` (the stage's weights, its prefix cache,
 headroom for KV and compute), cpu requested as [worker] threads; a CUDA or ROCm host's pods ask for one GPU.
 """
@@ -37,39 +42,12 @@ from pathlib import Path
 
 import yaml
 
-from dgr import __version__
-from dgr.app.deploy.argv import tls_files, worker_args
+from dgr.app.deploy.kubernetes_pods import (  # noqa: F401 (the render's constants, read by the images and tests)
+    DEFAULT_PORT, GATEWAY_MEMBER, GATEWAY_PORT, GPU, HARDENED, MAX_STS, STATE_MOUNT, STORE_MOUNT, TLS_KEYS, TLS_MOUNT,
+    USER, Options, base_name, bundle_folder, claim_name, dns, labels, layers_note, meta, mib, mutual, pod_spec,
+    secret_name)
 from dgr.app.deploy.plan import Plan, WorkerPlan
 from dgr.app.deploy.spec import DeployError
-from dgr.app.deploy.systemd import DEFAULT_PREFIX  # where the images hold the release: bin/dgr-worker, bin/dgr, lib/
-
-DEFAULT_PORT = 7000                    # a stage the file gives no port: the same in every pod
-GATEWAY_PORT = 8000
-STORE_MOUNT = "/var/lib/dgr/store"     # the claim: a store, the bundle in <name>-<id12>/
-STATE_MOUNT = "/var/lib/dgr/state"     # $DGR_WORKSPACE: the verification's progress
-TLS_MOUNT = "/etc/dgr/tls"             # this pod's Secret
-# the Secret key each TLS flag's file is (kubernetes.io/tls names, and the CA beside them)
-TLS_KEYS = {"--tls-cert": "tls.crt", "--tls-key": "tls.key", "--tls-ca": "ca.crt"}
-GATEWAY_MEMBER = "gateway"             # its certificate: tls.dir/gateway.pem
-USER = 65532                           # the images' unprivileged user (no account needed)
-STARTUP_S = 3600                       # how long a pod may take to verify and load its stage
-GPU = {"cuda": "nvidia.com/gpu", "rocm": "amd.com/gpu"}   # the device plugins' resource names
-_MAX_STS = 52                          # a StatefulSet's pods carry `<name>-<hash>` labels of at most 63
-
-
-@dataclass(frozen=True)
-class Options:
-    image: str                         # the worker's image (the release's dgr-worker and engine, no Python)
-    tools_image: str                   # the init container's and the gateway's (the release's bin/dgr)
-    namespace: str | None = None
-    prefix: str = DEFAULT_PREFIX
-
-    @staticmethod
-    def default(image: str | None = None, tools_image: str | None = None, namespace: str | None = None,
-                prefix: str | None = None) -> Options:
-        return Options(image or f"dgr-worker:{__version__}", tools_image or f"dgr:{__version__}", namespace,
-                       prefix or DEFAULT_PREFIX)
-
 
 @dataclass(frozen=True)
 class StageSet:
@@ -89,171 +67,143 @@ class StageSet:
         return f"{self.pod(k)}.{self.service}:{self.port}"
 
 
-def _dns(name: str, what: str, limit: int = 63) -> str:
-    n = name.replace("_", "-")
-    if len(n) > limit or n.startswith("-") or n.endswith("-"):
-        raise DeployError(f"{what} {n!r}: a Kubernetes name of at most {limit} characters that starts and ends "
-                          "with a letter or digit; shorten the deployment's or the host's name")
-    return n
-
-
-def _base(plan: Plan) -> str:
-    return _dns(plan.name, "deployment name")
-
-
 def stage_sets(plan: Plan) -> list[StageSet]:
     """The StatefulSets: per stage, one per host its workers run on (in the file's order)."""
-    base = _base(plan)
+    base = base_name(plan)
     out = []
     for i in range(plan.stage_count()):
         ws = [w for w in plan.workers if w.stage == i]
         hosts = list(dict.fromkeys(w.host.name for w in ws))
-        service = _dns(f"{base}-s{i}", "Service")
+        service = dns(f"{base}-s{i}", "Service")
         port = ws[0].port or DEFAULT_PORT
         for h in hosts:
             name = service if len(hosts) == 1 else f"{service}-{h}"
-            out.append(StageSet(i, h, _dns(name, "StatefulSet", _MAX_STS), service, port,
+            out.append(StageSet(i, h, dns(name, "StatefulSet", MAX_STS), service, port,
                                   tuple(w for w in ws if w.host.name == h)))
     return out
 
 
+def _lws(plan: Plan) -> bool:
+    return plan.loaded.deployment.kubernetes.workload == "leaderworkerset"
+
+
 def route(plan: Plan) -> str:
     """The route the gateway is given: `<pod>.<service>:<port>`, stages in order, replicas joined by '|'."""
+    if _lws(plan):
+        g = lws_group(plan)
+        return ",".join("|".join(g.address(k, i) for k in range(g.replicas)) for i in range(g.size))
     sets = stage_sets(plan)
     return ",".join("|".join(rs.address(k) for rs in sets if rs.stage == i for k in range(len(rs.workers)))
                     for i in range(plan.stage_count()))
 
 
-def _mutual(plan: Plan) -> bool:
-    t = plan.loaded.deployment.tls
-    return t is not None and t.mutual
-
-
-def _labels(plan: Plan, component: str, **more: str) -> dict[str, str]:
-    return {"app.kubernetes.io/name": "dgr", "app.kubernetes.io/instance": _base(plan),
-            "app.kubernetes.io/component": component, **{f"dgr/{k}": v for k, v in more.items()}}
-
-
-def _meta(plan: Plan, o: Options, name: str, labels: dict[str, str]) -> dict:
-    m: dict = {"name": name, "labels": {**labels, "app.kubernetes.io/managed-by": "dgr",
-                                        "app.kubernetes.io/version": __version__}}
-    if o.namespace:
-        m["namespace"] = o.namespace
-    return m
-
-
-def _mib(n: int) -> str:
-    return f"{-(-n // (1 << 20))}Mi"
-
-
-_HARDENED = {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
-             "capabilities": {"drop": ["ALL"]}}
-
-
-def _probe(how: dict, period: int, failures: int) -> dict:
-    return {**how, "periodSeconds": period, "timeoutSeconds": 5, "failureThreshold": failures}
-
-
-def probe_action(rs: StageSet, tls: dict[str, str], mutual: bool, prefix: str) -> dict:
-    """How the kubelet asks a worker's health: its gRPC probe in plaintext; under mutual TLS the worker's own
-    `--probe` with the pod's certificate (no $(VAR) in it: the kubelet does not expand an exec probe's command);
-    under server-only TLS a TCP connect."""
-    if not tls:
-        return {"grpc": {"port": rs.port}}
-    if not mutual:
-        return {"tcpSocket": {"port": "grpc"}}
-    flags = [x for flag in ("--tls-cert", "--tls-key", "--tls-ca") for x in (flag, tls[flag])]
-    return {"exec": {"command": [f"{prefix}/bin/dgr-worker", "--probe", f"127.0.0.1:{rs.port}", *flags,
-                                 "--rpc-timeout", "4"]}}
-
-
-def _bundle_folder(plan: Plan) -> str:
-    info = plan.bundle
-    if not (info.id and info.name):
-        raise DeployError(f"{info.label}: its id is not known yet (the pods name the bundle folder "
-                          f"{STORE_MOUNT}/<name>-<id12> in the claim): build it first (`dgr recipe build "
-                          f"{info.recipe_path} --store STORE`, or `dgr up`), or give bundle.id")
-    return f"{STORE_MOUNT}/{info.name}-{info.id[:12]}"
-
-
-def claim_name(plan: Plan) -> str:
-    return _dns(f"{_base(plan)}-store", "PersistentVolumeClaim")
-
-
-def secret_name(pod: str) -> str:
-    return _dns(f"{pod}-tls", "Secret", 253)
-
-
 def stateful_set(plan: Plan, rs: StageSet, o: Options) -> dict:
-    d = plan.loaded.deployment
-    w0 = rs.workers[0]
-    bundle = _bundle_folder(plan)
-    files = tls_files(plan, w0)
-    tls = d.tls is not None
-    tls_paths = {flag: f"{TLS_MOUNT}/{TLS_KEYS[flag]}" for flag in files}
-    args = worker_args(plan, w0, bundle, rs.port, bind="0.0.0.0", tls=tls_paths,
-                       insecure=d.worker.insecure or not _mutual(plan))
-    # peers and errors name the pod as the route does, never its bare host name (which other pods cannot resolve)
-    args += ["--advertise", f"$(POD_NAME).{rs.service}"]
-    memory = _mib(plan.memory_estimate(w0))
-    limits = {"memory": memory}
-    if w0.host.lane in GPU:
-        limits[GPU[w0.host.lane]] = "1"
-    env = [{"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
-           {"name": "DGR_WORKSPACE", "value": STATE_MOUNT}]
-    mounts = [{"name": "store", "mountPath": STORE_MOUNT, "readOnly": True},
-              {"name": "state", "mountPath": STATE_MOUNT}, {"name": "tmp", "mountPath": "/tmp"}]
-    health = probe_action(rs, tls_paths if tls else {}, tls and _mutual(plan), o.prefix)
-    tls_mount = [{"name": "tls", "mountPath": TLS_MOUNT, "subPathExpr": "$(POD_NAME)", "readOnly": True}] if tls else []
-    worker = {
-        "name": "worker", "image": o.image, "imagePullPolicy": "IfNotPresent",
-        "command": [f"{o.prefix}/bin/dgr-worker"], "args": args, "env": env,
-        "ports": [{"name": "grpc", "containerPort": rs.port, "protocol": "TCP"}],
-        "startupProbe": _probe(health, 5, STARTUP_S // 5),
-        "readinessProbe": _probe(health, 5, 2),
-        "livenessProbe": _probe(health, 10, 3),
-        "resources": {"requests": {"cpu": str(d.worker.threads or 1), "memory": memory}, "limits": limits},
-        "securityContext": _HARDENED, "volumeMounts": mounts + tls_mount,
-    }
-    verify = {
-        "name": "verify-bundle", "image": o.tools_image, "imagePullPolicy": "IfNotPresent",
-        "command": [f"{o.prefix}/bin/dgr", "bundle", "verify", bundle, "--stage", str(rs.stage),
-                    "--expect-id", plan.bundle.id, "-q"],
-        "env": [{"name": "DGR_WORKSPACE", "value": STATE_MOUNT}],
-        "resources": {"requests": {"cpu": "1", "memory": "256Mi"}, "limits": {"memory": "512Mi"}},
-        "securityContext": _HARDENED, "volumeMounts": mounts,
-    }
-    volumes: list[dict] = [
-        {"name": "store", "persistentVolumeClaim": {"claimName": claim_name(plan), "readOnly": True}},
-        {"name": "state", "emptyDir": {"sizeLimit": "64Mi"}}, {"name": "tmp", "emptyDir": {"sizeLimit": "64Mi"}}]
-    if tls:
-        volumes.append({"name": "tls", "projected": {"defaultMode": 0o440, "sources": [
-            {"secret": {"name": secret_name(rs.pod(k)), "items": [
-                {"key": key, "path": f"{rs.pod(k)}/{key}"} for key in TLS_KEYS.values()]}}
-            for k in range(len(rs.workers))]}})
-    select = _labels(plan, "stage", stage=str(rs.stage), host=_dns(rs.host, "host"))
+    select = labels(plan, "stage", stage=str(rs.stage), host=dns(rs.host, "host"))
+    spec = pod_spec(plan, list(rs.workers), str(rs.stage), rs.port, rs.service,
+                    [rs.pod(k) for k in range(len(rs.workers))], o)
     return {
-        "apiVersion": "apps/v1", "kind": "StatefulSet", "metadata": _meta(plan, o, rs.name, select),
+        "apiVersion": "apps/v1", "kind": "StatefulSet", "metadata": meta(plan, o, rs.name, select),
         "spec": {
             "serviceName": rs.service, "replicas": len(rs.workers), "podManagementPolicy": "Parallel",
             "selector": {"matchLabels": select},
             "template": {
                 "metadata": {"labels": select, "annotations": {
-                    "dgr/bundle-id": plan.bundle.id, "dgr/layers": f"[{w0.layers[0]}, {w0.layers[1]})",
+                    "dgr/bundle-id": plan.bundle.id, "dgr/layers": layers_note(list(rs.workers)),
                     "dgr/workers": " ".join(w.name for w in rs.workers)}},
-                "spec": {
-                    "automountServiceAccountToken": False, "enableServiceLinks": False,
-                    "terminationGracePeriodSeconds": int(d.worker.drain_timeout) + 5,
-                    "securityContext": {"runAsNonRoot": True, "runAsUser": USER, "runAsGroup": USER,
-                                        "fsGroup": USER, "fsGroupChangePolicy": "OnRootMismatch",
-                                        "seccompProfile": {"type": "RuntimeDefault"}},
-                    "initContainers": [verify], "containers": [worker], "volumes": volumes}}}}
+                "spec": spec}}}
+
+
+# ---- a LeaderWorkerSet: every group a whole pipeline (LWS's v1 API, leaderworkerset.x-k8s.io)
+
+LWS_API = "leaderworkerset.x-k8s.io/v1"
+LWS_WORKER_INDEX = "LWS_WORKER_INDEX"   # LWS sets it in every container of a group's pods: 0 leader, i worker i
+LWS_NAME_LABEL = "leaderworkerset.sigs.k8s.io/name"
+
+
+@dataclass(frozen=True)
+class Group:
+    """The LeaderWorkerSet of a pipeline: `replicas` groups of `size` pods, pod i of a group serving stage i
+    (the leader stage 0). LWS names the leader of group g `<name>-<g>`, its worker i `<name>-<g>-<i>`, and
+    makes a headless Service `<name>` for all of them (subdomainPolicy Shared)."""
+
+    name: str
+    size: int
+    replicas: int
+    workers: tuple[tuple[WorkerPlan, ...], ...]   # [stage][group]
+
+    def pod(self, group: int, stage: int) -> str:
+        return f"{self.name}-{group}" if stage == 0 else f"{self.name}-{group}-{stage}"
+
+    def address(self, group: int, stage: int) -> str:
+        return f"{self.pod(group, stage)}.{self.name}:{DEFAULT_PORT}"
+
+
+def lws_group(plan: Plan) -> Group:
+    """The deployment as one LeaderWorkerSet; DeployError where its shape does not fit one: every stage needs
+    the same number of workers (a group is a whole pipeline), and the stages after the first share one
+    pod template, so one lane."""
+    stages = [tuple(w for w in plan.workers if w.stage == i) for i in range(plan.stage_count())]
+    counts = sorted({len(ws) for ws in stages})
+    if len(counts) != 1:
+        raise DeployError("kubernetes.workload = \"leaderworkerset\": every group of a LeaderWorkerSet is a whole "
+                          "pipeline, so every stage needs the same number of workers; this file has "
+                          + ", ".join(f"stage {i}: {len(ws)}" for i, ws in enumerate(stages))
+                          + " (give each stage the same replicas, or use the default workload, statefulset)")
+    later = sorted({w.host.lane for ws in stages[1:] for w in ws})
+    if len(later) > 1 or len({w.host.lane for w in stages[0]}) > 1:
+        raise DeployError("kubernetes.workload = \"leaderworkerset\": the stages after the first share one pod "
+                          f"template, so one lane, and stage 0's workers share one; this file has {later} after "
+                          "stage 0 (put them on hosts of one lane, or use the default workload, statefulset)")
+    # a pod is <name>-<g>-<i>, and its pods' labels carry <name>-<g> and a hash: keep it short enough for both
+    name = dns(f"{base_name(plan)}-lws", "LeaderWorkerSet", MAX_STS - 6)
+    return Group(name, len(stages), counts[0], tuple(stages))
+
+
+def _group_workers(g: Group) -> list[tuple[str, WorkerPlan]]:
+    """(pod, worker) for every pod of the groups."""
+    return [(g.pod(k, i), w) for i, ws in enumerate(g.workers) for k, w in enumerate(ws)]
+
+
+def leader_worker_set(plan: Plan, g: Group, o: Options) -> dict:
+    pods = [pod for pod, _ in _group_workers(g)]
+    select = labels(plan, "pipeline")
+
+    def template(ws: list[WorkerPlan], stage: str) -> dict:
+        return {"metadata": {"labels": select, "annotations": {
+                    "dgr/bundle-id": plan.bundle.id, "dgr/layers": layers_note(ws),
+                    "dgr/workers": " ".join(w.name for w in ws)}},
+                "spec": pod_spec(plan, ws, stage, DEFAULT_PORT, g.name, pods, o)}
+
+    leader = template(list(g.workers[0]), "0")
+    later = [w for ws in g.workers[1:] for w in ws]
+    return {
+        "apiVersion": LWS_API, "kind": "LeaderWorkerSet", "metadata": meta(plan, o, g.name, select),
+        "spec": {
+            "replicas": g.replicas,
+            # the workers start with the leader: each stage waits for its own peers, not for the leader
+            "startupPolicy": "LeaderCreated",
+            "networkConfig": {"subdomainPolicy": "Shared"},
+            "rolloutStrategy": {"type": "RollingUpdate",
+                                "rollingUpdateConfiguration": {"maxUnavailable": 1, "maxSurge": 0}},
+            "leaderWorkerTemplate": {
+                "size": g.size,
+                # a pod that restarts rejoins its group alone: the route recovers a stage on its own
+                # (docs/reliability.md), so a group is never torn down for one pod
+                "restartPolicy": "None",
+                "leaderTemplate": leader,
+                "workerTemplate": template(later, f"$({LWS_WORKER_INDEX})") if later else leader}}}
+
+
+def group_disruption_budget(plan: Plan, g: Group, o: Options) -> dict:
+    return {"apiVersion": "policy/v1", "kind": "PodDisruptionBudget",
+            "metadata": meta(plan, o, g.name, labels(plan, "pipeline")),
+            "spec": {"maxUnavailable": 1, "selector": {"matchLabels": {LWS_NAME_LABEL: g.name}}}}
 
 
 def stage_service(plan: Plan, stage: int, rs: StageSet, o: Options) -> dict:
     return {"apiVersion": "v1", "kind": "Service",
-            "metadata": _meta(plan, o, rs.service, _labels(plan, "stage", stage=str(stage))),
-            "spec": {"clusterIP": "None", "selector": _labels(plan, "stage", stage=str(stage)),
+            "metadata": meta(plan, o, rs.service, labels(plan, "stage", stage=str(stage))),
+            "spec": {"clusterIP": "None", "selector": labels(plan, "stage", stage=str(stage)),
                      "ports": [{"name": "grpc", "port": rs.port, "targetPort": "grpc", "protocol": "TCP"}]}}
 
 
@@ -261,21 +211,21 @@ def disruption_budget(plan: Plan, stage: int, rs: StageSet, o: Options) -> dict:
     # one pod of a stage at a time: with replicas the others carry the route; a stage of one pod still
     # lets a node drain (the route waits for it to come back, as for a restart in place)
     return {"apiVersion": "policy/v1", "kind": "PodDisruptionBudget",
-            "metadata": _meta(plan, o, rs.service, _labels(plan, "stage", stage=str(stage))),
-            "spec": {"maxUnavailable": 1, "selector": {"matchLabels": _labels(plan, "stage", stage=str(stage))}}}
+            "metadata": meta(plan, o, rs.service, labels(plan, "stage", stage=str(stage))),
+            "spec": {"maxUnavailable": 1, "selector": {"matchLabels": labels(plan, "stage", stage=str(stage))}}}
 
 
 def store_claim(plan: Plan, o: Options) -> dict:
     size = sum(plan.bundle.weights or [0])
     return {"apiVersion": "v1", "kind": "PersistentVolumeClaim",
-            "metadata": _meta(plan, o, claim_name(plan), _labels(plan, "store")),
+            "metadata": meta(plan, o, claim_name(plan), labels(plan, "store")),
             "spec": {"accessModes": ["ReadOnlyMany"],
-                     "resources": {"requests": {"storage": _mib(size + size // 10 + (64 << 20))}}}}
+                     "resources": {"requests": {"storage": mib(size + size // 10 + (64 << 20))}}}}
 
 
 def gateway(plan: Plan, o: Options) -> list[dict]:
     d = plan.loaded.deployment
-    name = _dns(f"{_base(plan)}-gateway", "Deployment")
+    name = dns(f"{base_name(plan)}-gateway", "Deployment")
     tls = d.tls is not None
     args = ["serve", "--route", route(plan), "--listen", f"0.0.0.0:{GATEWAY_PORT}"]
     if tls:
@@ -287,7 +237,7 @@ def gateway(plan: Plan, o: Options) -> list[dict]:
         args += ["--allow-mixed-numerics"]
     http = {"httpGet": {"path": "/health", "port": "http", "scheme": "HTTPS" if tls else "HTTP"},
             "timeoutSeconds": 5}
-    select = _labels(plan, "gateway")
+    select = labels(plan, "gateway")
     mounts = [{"name": "state", "mountPath": STATE_MOUNT}, {"name": "tmp", "mountPath": "/tmp"}]
     volumes: list[dict] = [{"name": "state", "emptyDir": {"sizeLimit": "64Mi"}},
                            {"name": "tmp", "emptyDir": {"sizeLimit": "64Mi"}}]
@@ -295,7 +245,7 @@ def gateway(plan: Plan, o: Options) -> list[dict]:
         mounts.append({"name": "tls", "mountPath": TLS_MOUNT, "readOnly": True})
         volumes.append({"name": "tls", "secret": {"secretName": secret_name(name), "defaultMode": 0o440}})
     deployment = {
-        "apiVersion": "apps/v1", "kind": "Deployment", "metadata": _meta(plan, o, name, select),
+        "apiVersion": "apps/v1", "kind": "Deployment", "metadata": meta(plan, o, name, select),
         "spec": {"replicas": 1, "selector": {"matchLabels": select}, "template": {
             "metadata": {"labels": select},
             "spec": {
@@ -311,9 +261,9 @@ def gateway(plan: Plan, o: Options) -> list[dict]:
                     "readinessProbe": {**http, "periodSeconds": 5, "failureThreshold": 2},
                     "livenessProbe": {**http, "periodSeconds": 10, "failureThreshold": 3},
                     "resources": {"requests": {"cpu": "1", "memory": "512Mi"}, "limits": {"memory": "1Gi"}},
-                    "securityContext": _HARDENED, "volumeMounts": mounts}],
+                    "securityContext": HARDENED, "volumeMounts": mounts}],
                 "volumes": volumes}}}}
-    service = {"apiVersion": "v1", "kind": "Service", "metadata": _meta(plan, o, name, select),
+    service = {"apiVersion": "v1", "kind": "Service", "metadata": meta(plan, o, name, select),
                "spec": {"selector": select, "ports": [{"name": "http", "port": GATEWAY_PORT, "targetPort": "http",
                                                        "protocol": "TCP"}]}}
     return [deployment, service]
@@ -321,9 +271,12 @@ def gateway(plan: Plan, o: Options) -> list[dict]:
 
 def manifests(plan: Plan, o: Options) -> list[dict]:
     """Every object, in the order `kubectl apply` should meet them: the claim, per stage its Service,
-    StatefulSets and budget, then the gateway."""
+    StatefulSets and budget (or the LeaderWorkerSet and its budget), then the gateway."""
     plan.check()
     out = [store_claim(plan, o)]
+    if _lws(plan):
+        g = lws_group(plan)
+        return out + [leader_worker_set(plan, g, o), group_disruption_budget(plan, g, o)] + gateway(plan, o)
     sets = stage_sets(plan)
     for i in range(plan.stage_count()):
         mine = [rs for rs in sets if rs.stage == i]
@@ -335,10 +288,14 @@ def manifests(plan: Plan, o: Options) -> list[dict]:
 def members(plan: Plan) -> list[tuple[str, str, list[str]]]:
     """(Secret, member, the DNS names its certificate must hold) per pod and for the gateway."""
     out = []
-    for rs in stage_sets(plan):
-        for k, w in enumerate(rs.workers):
-            out.append((secret_name(rs.pod(k)), w.name, [f"{rs.pod(k)}.{rs.service}"]))
-    gw = _dns(f"{_base(plan)}-gateway", "Deployment")
+    if _lws(plan):
+        g = lws_group(plan)
+        out = [(secret_name(pod), w.name, [f"{pod}.{g.name}"]) for pod, w in _group_workers(g)]
+    else:
+        for rs in stage_sets(plan):
+            for k, w in enumerate(rs.workers):
+                out.append((secret_name(rs.pod(k)), w.name, [f"{rs.pod(k)}.{rs.service}"]))
+    gw = dns(f"{base_name(plan)}-gateway", "Deployment")
     return out + [(secret_name(gw), GATEWAY_MEMBER, [gw])]
 
 
@@ -371,6 +328,10 @@ def notes(plan: Plan) -> list[str]:
     """What an operator must know about this render (printed by the CLI on stderr)."""
     d = plan.loaded.deployment
     out = []
+    if _lws(plan):
+        out.append("kubernetes.workload = \"leaderworkerset\": the cluster needs the LeaderWorkerSet controller "
+                   f"(kubernetes-sigs/lws, v0.7 or later: the {LWS_API} API with restartPolicy None); it makes the "
+                   "headless Service the route's names resolve in")
     if d.tls is None:
         out.append("no [tls]: the workers and the gateway serve anyone on the pod network in plaintext (--insecure); "
                    "add [tls] for anything but a lab")

@@ -200,6 +200,24 @@ class Supervise(BaseModel):
         return float(v)
 
 
+WORKLOADS = ("statefulset", "leaderworkerset")
+
+
+class Kubernetes(BaseModel):
+    """How `dgr deploy render --kubernetes` groups the workers (docs/deploy.md, Kubernetes)."""
+
+    model_config = STRICT
+    workload: str = Field(default="statefulset", description="statefulset: one StatefulSet per stage and host; "
+                          "leaderworkerset: one LeaderWorkerSet whose every group is a whole pipeline")
+
+    @field_validator("workload")
+    @classmethod
+    def _w(cls, v: str) -> str:
+        if v not in WORKLOADS:
+            raise ValueError(f"workload {v!r} is not one of {list(WORKLOADS)}")
+        return v
+
+
 class Deployment(BaseModel):
     model_config = STRICT
     name: str
@@ -210,6 +228,7 @@ class Deployment(BaseModel):
     worker: WorkerOptions = WorkerOptions()
     tls: Tls | None = None
     supervise: Supervise = Supervise()
+    kubernetes: Kubernetes = Kubernetes()
     allow_mixed_numerics: bool = Field(default=False, description="let stages on hosts of other lanes or CPU "
                                        "variants share a route (docs/numerics.md): results then match no "
                                        "whole-model run")
