@@ -38,6 +38,7 @@
 #include "metrics.h"
 #include "trust/net_policy.h"
 #include "tls.h"
+#include "wire_constants.h"
 
 namespace dgr {
 
@@ -93,7 +94,7 @@ struct Limits {
 struct StageIdentity {
     std::string model, bundle_id;
     int stage_index = 0, stage_count = 0;
-    std::string upstream_commit, patch_series, lane, engine = "llama.cpp", wire_dtype = "f32";
+    std::string upstream_commit, patch_series, lane, engine = "llama.cpp", wire_dtype = DEFAULT_WIRE_DTYPE;
     std::vector<int32_t> eos_token_ids;
     std::string chat_template;
     std::string engine_blake3;
@@ -101,18 +102,9 @@ struct StageIdentity {
     std::string numerics;        // the engine's dgr_engine_numerics: stages of one route must compute alike
 };
 
-// A wire dtype (dgr.core.contract.WIRE_DTYPES): `block_bytes` bytes for every `block` values.
-struct WireDtype {
-    const char * name;
-    int block, block_bytes;
-    dgr::v1::Dtype code;
-};
+// The wire dtypes (WireDtype, WIRE_DTYPES: wire_constants.h, generated from dgr.core.contract).
 const std::vector<WireDtype> & wire_dtypes();
 const WireDtype * find_dtype(const std::string & name);
-
-// Bytes of one message beyond a boundary's payload (dgr.runtime.wire.codec.FRAME_OVERHEAD).
-constexpr uint64_t FRAME_OVERHEAD = 4096;
-constexpr uint64_t DEFAULT_MAX_MESSAGE_BYTES = 4 * 1024 * 1024 - 64 * 1024;
 
 // Shared by the handlers and the data path (wire_common.cpp; the dtypes and their sizes are dgr.runtime.wire.codec's).
 const WireDtype * dtype_of(dgr::v1::Dtype code);
@@ -259,8 +251,6 @@ class StageWorker final : public dgr::v1::Stage::CallbackService {
     void set_net_policy(NetPolicy p) { net_ = std::move(p); }
 
   private:
-    // Sampling.top_logprobs: the most alternatives a draw reports (OpenAI's bound; dgr.runtime.wire.limits.MAX_TOP_LOGPROBS)
-    static constexpr uint32_t MAX_TOP_LOGPROBS = 20;
     struct Session {
         std::string sid;                             // this worker's key for it (sessions/names.h: key)
         std::vector<dgr::v1::Hop> route;
