@@ -93,3 +93,11 @@ def test_the_workers_descriptor_json_names_the_models_fields(repo_root):
     text = (repo_root / "worker/server/rpc_describe.cpp").read_text()
     body = text[text.index("StageWorker::descriptor_json()"):text.index("StageWorker::Describe(")]
     assert set(re.findall(r'\{"(\w+)",', body)) == _model_fields(Descriptor)
+
+
+def test_the_flag_defaults_are_not_written_again(repo_root):
+    """dgr-worker's flags that `dgr worker serve` shares default to the generated values (defaults::...)."""
+    names = "|".join(n for _, n, _ in cppgen.flag_defaults())
+    for rel in ("worker/server/worker.h", "worker/server/serve.h"):
+        text = (repo_root / rel).read_text()
+        assert re.findall(rf"\b({names})\s*=\s*[\d.]", text) == [], rel

@@ -48,4 +48,21 @@ constexpr int CONNECT_TIMEOUT_MS = 5000;
 // Sampling.top_logprobs: the most alternatives a draw reports (dgr.runtime.wire.limits.MAX_TOP_LOGPROBS).
 constexpr uint32_t MAX_TOP_LOGPROBS = 20;
 
+// The defaults of dgr-worker's flags that `dgr worker serve` shares (it passes them explicitly): the numeric
+// fields of dgr.runtime.wire.limits.Limits, and dgr.core.constants.DEFAULT_N_CTX and DEFAULT_MAX_SESSIONS.
+namespace defaults {
+constexpr int64_t max_batch_tokens = 512;
+constexpr int64_t max_batch_sessions = 64;
+constexpr int64_t hold_batch = 0;
+constexpr int64_t max_queued_steps = 512;
+constexpr int64_t max_session_steps = 128;
+constexpr double session_ttl_s = 300.0;
+constexpr double rpc_timeout_s = 5.0;
+constexpr double drain_timeout_s = 5.0;
+constexpr double link_keepalive_timeout_s = 2.0;
+constexpr int64_t prefix_cache_mib = 256;
+constexpr int64_t n_ctx = 4096;
+constexpr int64_t max_sessions = 8;
+}  // namespace defaults
+
 }  // namespace dgr

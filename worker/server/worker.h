@@ -43,22 +43,23 @@
 namespace dgr {
 
 // What a worker bounds and how long it waits: `dgr worker serve`'s flags (its front end passes
-// dgr.runtime.wire.limits.Limits' defaults explicitly; these are dgr-worker's own).
+// dgr.runtime.wire.limits.Limits' values explicitly; the defaults both have are generated from it into
+// wire_constants.h, the others are dgr-worker's own).
 struct Limits {
-    int64_t max_batch_tokens = 512;
-    int64_t max_batch_sessions = 64;
-    int64_t hold_batch = 0;
-    int64_t max_queued_steps = 512;
-    int64_t max_session_steps = 128;
-    double  session_ttl_s = 300.0;
-    double  rpc_timeout_s = 5.0;
-    double  drain_timeout_s = 5.0;
-    double  link_keepalive_timeout_s = 2.0;
+    int64_t max_batch_tokens = defaults::max_batch_tokens;
+    int64_t max_batch_sessions = defaults::max_batch_sessions;
+    int64_t hold_batch = defaults::hold_batch;
+    int64_t max_queued_steps = defaults::max_queued_steps;
+    int64_t max_session_steps = defaults::max_session_steps;
+    double  session_ttl_s = defaults::session_ttl_s;
+    double  rpc_timeout_s = defaults::rpc_timeout_s;
+    double  drain_timeout_s = defaults::drain_timeout_s;
+    double  link_keepalive_timeout_s = defaults::link_keepalive_timeout_s;
     // phase 3 bounds (docs/worker.md "Bounds"): a peer that stops reading fails its own stream or link
     double  send_timeout_s = 10.0;                   // --send-timeout: one write may wait this long
     int64_t max_send_queue_bytes = 64 << 20;         // --max-send-queue-bytes: per reply stream and per link
     int64_t max_connections = 256;                   // --max-connections: connections with calls in progress
-    int64_t prefix_cache_mib = 256;                  // --prefix-cache-mib: what closed sessions leave (0: off)
+    int64_t prefix_cache_mib = defaults::prefix_cache_mib;   // --prefix-cache-mib: what closed sessions leave (0: off)
     // --prefix-cache-shared: stage 0 serves a kept prefix to any member whose prompt begins with it (keys are
     // always computed from what ran, so safe; but a hit tells a member that someone sent that prefix). Off:
     // each member finds only its own (docs/security.md)

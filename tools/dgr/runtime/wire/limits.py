@@ -1,6 +1,6 @@
 """What a worker bounds, and how long it waits: the defaults of `dgr worker serve`'s flags, which the front
-end passes to dgr-worker explicitly (docs/worker.md; dgr-worker's own defaults, worker/server/worker.h, are
-held equal by tests/test_worker_cpp.py)."""
+end passes to dgr-worker explicitly (docs/worker.md); dgr-worker's own defaults for them are generated from
+`Limits` (worker/server/wire_constants.h, dgr.toolchain.cppgen: `dgr wire protoc`)."""
 
 from __future__ import annotations
 
