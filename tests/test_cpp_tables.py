@@ -23,9 +23,10 @@ DEFINITIONS = {
     "WireDtype": r"struct\s+WireDtype\s*\{",
     "wire dtype rows": r'\{\s*"q8_0"\s*,\s*32\b',
     "wire dtype names": r"f32, f16, bf16, q8_0|f32\|f16\|bf16\|q8_0",
+    "descriptor schema version": r'"schema_version",\s*\d',
     **{n: rf"\b{n}\s*=\s*\d" for n in ("FRAME_OVERHEAD", "PER_TOKEN_IDS", "DEFAULT_MAX_MESSAGE_BYTES",
                                        "RECONNECT_INITIAL_MS", "RECONNECT_MAX_MS", "CONNECT_TIMEOUT_MS",
-                                       "MAX_TOP_LOGPROBS")},
+                                       "MAX_TOP_LOGPROBS", "DESCRIPTOR_SCHEMA_VERSION")},
 }
 
 

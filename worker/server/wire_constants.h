@@ -47,6 +47,8 @@ constexpr int RECONNECT_MAX_MS = 2000;
 constexpr int CONNECT_TIMEOUT_MS = 5000;
 // Sampling.top_logprobs: the most alternatives a draw reports (dgr.runtime.wire.limits.MAX_TOP_LOGPROBS).
 constexpr uint32_t MAX_TOP_LOGPROBS = 20;
+// The descriptor's schema version (dgr.core.descriptor.SCHEMA_VERSION; rpc_describe.cpp writes the descriptor).
+constexpr int DESCRIPTOR_SCHEMA_VERSION = 1;
 
 // The defaults of dgr-worker's flags that `dgr worker serve` shares (it passes them explicitly): the numeric
 // fields of dgr.runtime.wire.limits.Limits, and dgr.core.constants.DEFAULT_N_CTX and DEFAULT_MAX_SESSIONS.

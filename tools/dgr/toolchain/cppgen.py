@@ -1,6 +1,7 @@
 """Write the C++ side's copy of what Python defines once: dgr's GGUF keys and the engine's defaults
-(dgr.core.constants), the wire dtypes (dgr.core.contract.WIRE_DTYPES) and the wire's sizes and pauses
-(dgr.runtime.wire.codec, dgr.runtime.wire.limits).
+(dgr.core.constants), the wire dtypes (dgr.core.contract.WIRE_DTYPES), the wire's sizes and pauses and the
+flag defaults dgr-worker shares with `dgr worker serve` (dgr.runtime.wire.codec, dgr.runtime.wire.limits), and
+the descriptor's schema version (dgr.core.descriptor).
 
 The Python definitions are the one source; the two headers below are generated from them and committed (a
 C++ build, CMake's or Bazel's, needs no Python), and tests/test_cpp_tables.py regenerates them and fails on
@@ -17,6 +18,7 @@ from pathlib import Path
 
 from dgr.core import constants
 from dgr.core.contract import DEFAULT_WIRE_DTYPE, WIRE_DTYPES
+from dgr.core.descriptor import SCHEMA_VERSION
 from dgr.core.paths import REPO_ROOT
 from dgr.runtime.wire import codec, limits
 
@@ -102,6 +104,8 @@ constexpr int RECONNECT_MAX_MS = {limits.RECONNECT_MAX_MS};
 constexpr int CONNECT_TIMEOUT_MS = {limits.CONNECT_TIMEOUT_MS};
 // Sampling.top_logprobs: the most alternatives a draw reports (dgr.runtime.wire.limits.MAX_TOP_LOGPROBS).
 constexpr uint32_t MAX_TOP_LOGPROBS = {limits.MAX_TOP_LOGPROBS};
+// The descriptor's schema version (dgr.core.descriptor.SCHEMA_VERSION; rpc_describe.cpp writes the descriptor).
+constexpr int DESCRIPTOR_SCHEMA_VERSION = {SCHEMA_VERSION};
 
 // The defaults of dgr-worker's flags that `dgr worker serve` shares (it passes them explicitly): the numeric
 // fields of dgr.runtime.wire.limits.Limits, and dgr.core.constants.DEFAULT_N_CTX and DEFAULT_MAX_SESSIONS.
