@@ -1,6 +1,6 @@
-"""The reconnect pauses and the connection attempt's timeout: defined once, in dgr.runtime.wire.limits (dgr-worker's
-copy, worker/server/wire_constants.h, is generated from it: tests/test_cpp_tables.py), and every channel a worker
-opens to a peer must use them."""
+"""The reconnect pauses and the connection attempt's timeout: defined once, in dgr.runtime.wire.limits
+(dgr-worker's copy, worker/server/wire_constants.h, is generated from it: tests/test_cpp_tables.py), and
+every channel a worker opens to a peer must use them."""
 
 from __future__ import annotations
 

@@ -21,5 +21,6 @@
 #define DGR_KEY_BOUNDARY_TOKEN_IDS  "dgr.boundary.token_ids"
 #define DGR_KEY_MTP                 "dgr.mtp"
 
-// Positions a session may hold when the caller gives no n_ctx (dgr.core.constants.DEFAULT_N_CTX).
+// Positions a session may hold when the caller gives no n_ctx
+// (dgr.core.constants.DEFAULT_N_CTX).
 #define DGR_DEFAULT_N_CTX 4096

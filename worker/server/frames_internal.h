@@ -15,7 +15,7 @@ using Clock = std::chrono::steady_clock;
 
 constexpr int LINK_KEEPALIVE_MS = 1000;   // each link pings its peer every second (docs/wire.md "Liveness of links")
 // Reconnecting to a peer: RECONNECT_INITIAL_MS, RECONNECT_MAX_MS and CONNECT_TIMEOUT_MS (wire_constants.h,
-// generated from dgr.runtime.wire.limits; every channel a worker opens sets the three, tests/test_wire_limits.py).
+// generated from dgr.runtime.wire.limits); every channel a worker opens sets the three (tests/test_wire_limits.py).
 // set on the threads that read an incoming Frames stream: they may run a lone decode step themselves
 extern thread_local bool t_reads_frames;
 

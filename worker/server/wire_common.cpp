@@ -1,5 +1,5 @@
-// The wire dtypes and their sizes (WIRE_DTYPES, generated from dgr.core.contract), and the text every message is made of: status and hop
-// names, a boundary schema, bytes as UTF-8 (worker.h declares them).
+// The wire dtypes and their sizes (WIRE_DTYPES: wire_constants.h, generated from dgr.core.contract), and the
+// text every message is made of: status and hop names, a boundary schema, bytes as UTF-8 (worker.h declares them).
 #include "worker.h"
 
 #include <grpcpp/grpcpp.h>

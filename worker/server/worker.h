@@ -59,7 +59,7 @@ struct Limits {
     double  send_timeout_s = 10.0;                   // --send-timeout: one write may wait this long
     int64_t max_send_queue_bytes = 64 << 20;         // --max-send-queue-bytes: per reply stream and per link
     int64_t max_connections = 256;                   // --max-connections: connections with calls in progress
-    int64_t prefix_cache_mib = defaults::prefix_cache_mib;   // --prefix-cache-mib: what closed sessions leave (0: off)
+    int64_t prefix_cache_mib = defaults::prefix_cache_mib;  // --prefix-cache-mib: what closed sessions leave (0: off)
     // --prefix-cache-shared: stage 0 serves a kept prefix to any member whose prompt begins with it (keys are
     // always computed from what ran, so safe; but a hit tells a member that someone sent that prefix). Off:
     // each member finds only its own (docs/security.md)

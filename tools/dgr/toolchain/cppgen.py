@@ -50,7 +50,8 @@ def _engine_header() -> str:
              "// (worker/engine) and the hooks inside llama read them.",
              "#pragma once", ""]
     lines += [f"#define {'DGR_KEY_' + k:<{width}}\"{v}\"" for k, v in keys()]
-    lines += ["", "// Positions a session may hold when the caller gives no n_ctx (dgr.core.constants.DEFAULT_N_CTX).",
+    lines += ["", "// Positions a session may hold when the caller gives no n_ctx",
+              "// (dgr.core.constants.DEFAULT_N_CTX).",
               f"#define DGR_DEFAULT_N_CTX {constants.DEFAULT_N_CTX}"]
     return "\n".join(lines) + "\n"
 
@@ -60,8 +61,9 @@ def _server_header() -> str:
                       f"dgr::v1::{d.name.upper()}}}" for d in WIRE_DTYPES.values())
     names = ", ".join(WIRE_DTYPES)
     flags = "\n".join(f"constexpr {t} {n} = {v!r};" for t, n, v in flag_defaults())
-    return NOTE.format(src="dgr.core.contract and dgr.runtime.wire") + f"""\
-// The wire dtypes and the wire's sizes and pauses, as dgr-worker uses them.
+    return NOTE.format(src="dgr.core and dgr.runtime.wire") + f"""\
+// The wire dtypes, the wire's sizes and pauses, the descriptor's version and the flag defaults dgr-worker
+// shares with `dgr worker serve`, as dgr-worker uses them.
 #pragma once
 
 #include <cstdint>
@@ -104,7 +106,7 @@ constexpr int RECONNECT_MAX_MS = {limits.RECONNECT_MAX_MS};
 constexpr int CONNECT_TIMEOUT_MS = {limits.CONNECT_TIMEOUT_MS};
 // Sampling.top_logprobs: the most alternatives a draw reports (dgr.runtime.wire.limits.MAX_TOP_LOGPROBS).
 constexpr uint32_t MAX_TOP_LOGPROBS = {limits.MAX_TOP_LOGPROBS};
-// The descriptor's schema version (dgr.core.descriptor.SCHEMA_VERSION; rpc_describe.cpp writes the descriptor).
+// The descriptor's schema version (dgr.core.descriptor.SCHEMA_VERSION): rpc_describe.cpp writes it.
 constexpr int DESCRIPTOR_SCHEMA_VERSION = {SCHEMA_VERSION};
 
 // The defaults of dgr-worker's flags that `dgr worker serve` shares (it passes them explicitly): the numeric

@@ -1,6 +1,6 @@
 """`dgr wire protoc`: the wire protocol's maintenance, the committed Python stubs regenerated from proto/dgr/v1
-(dgr.toolchain.protogen) and the committed C++ headers from the Python that defines the keys, wire dtypes and
-wire constants (dgr.toolchain.cppgen). The client side of the wire is `dgr generate` (commands/generate.py), the worker
+(dgr.toolchain.protogen) and the committed C++ headers from the Python that defines the keys, wire dtypes
+and wire constants (dgr.toolchain.cppgen). The client side of the wire is `dgr generate` (commands/generate.py), the worker
 `dgr worker` (commands/worker.py)."""
 
 from __future__ import annotations
