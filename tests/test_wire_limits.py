@@ -1,5 +1,5 @@
-"""The reconnect pauses and the connection attempt's timeout are written twice, in the client
-(dgr.runtime.wire.limits) and in dgr-worker (worker/server/frames_internal.h): the two must stay equal, and
+"""The reconnect pauses and the connection attempt's timeout: defined once, in dgr.runtime.wire.limits
+(dgr-worker's copy, worker/server/wire_constants.h, is generated from it: tests/test_cpp_tables.py), and
 every channel a worker opens to a peer must use them."""
 
 from __future__ import annotations
@@ -14,12 +14,12 @@ SERVER = REPO / "worker" / "server"
 
 
 def _cpp_constants() -> dict[str, int]:
-    text = (SERVER / "frames_internal.h").read_text()
+    text = (SERVER / "wire_constants.h").read_text()
     return {m.group(1): int(m.group(2)) for m in re.finditer(r"constexpr int (\w+) = (\d+);", text)}
 
 
 def test_the_worker_and_the_client_reconnect_alike():
-    cpp = _cpp_constants()
+    cpp = _cpp_constants()      # generated from limits: equal unless the header drifted (test_cpp_tables.py)
     for name in ("RECONNECT_INITIAL_MS", "RECONNECT_MAX_MS", "CONNECT_TIMEOUT_MS"):
         assert cpp.get(name) == getattr(limits, name), (name, cpp.get(name), getattr(limits, name))
     # a connection attempt is given longer than the first pause: a busy or far peer is not "unreachable"

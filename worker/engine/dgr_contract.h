@@ -1,6 +1,7 @@
 // The stage contract, once in C++: the rules tools/dgr/core/contract.py states for Python (StageContract,
 // needs_token_ids), used by the engine (dgr_engine*.cpp) and the hooks inside llama (dgr_hooks.cpp).
-// Change a rule here and in contract.py together; tests/test_engine_keys.py checks the mirrored values.
+// Change a rule here and in contract.py together. The keys and defaults both sides read are generated from
+// the Python (dgr_keys.h, dgr.toolchain.cppgen).
 //
 // A stage owns the half-open layer range [begin, end) of the model's n_layer trunk layers (MTP blocks
 // excluded). Across each seam travels the boundary: float32 [n_tokens, n_streams, n_embd], plus the
@@ -10,9 +11,6 @@
 #include "dgr_keys.h"
 
 #include <cstdint>
-
-// Positions a session may hold when the caller gives no n_ctx (dgr.core.constants.DEFAULT_N_CTX).
-#define DGR_DEFAULT_N_CTX 4096
 
 // [begin, end) is a non-empty part of [0, n_layer).
 inline bool dgr_range_valid(int64_t begin, int64_t end, int64_t n_layer) {

@@ -14,17 +14,10 @@ namespace pb = dgr::v1;
 using Clock = std::chrono::steady_clock;
 
 constexpr int LINK_KEEPALIVE_MS = 1000;   // each link pings its peer every second (docs/wire.md "Liveness of links")
-// Reconnecting to a peer (dgr.runtime.wire.limits holds the same three; tests/test_wire_limits.py checks):
-// after a failed attempt the next one starts INITIAL ms later, the pause growing to at most MAX ms (a worker
-// restarted in place is found again soon); one attempt may take CONNECT ms (TCP, TLS and HTTP/2's SETTINGS):
-// gRPC takes its min_reconnect_backoff for that, and 200 ms there failed links to a busy or far peer.
-constexpr int RECONNECT_INITIAL_MS = 200;
-constexpr int RECONNECT_MAX_MS = 2000;
-constexpr int CONNECT_TIMEOUT_MS = 5000;
+// Reconnecting to a peer: RECONNECT_INITIAL_MS, RECONNECT_MAX_MS and CONNECT_TIMEOUT_MS (wire_constants.h,
+// generated from dgr.runtime.wire.limits); every channel a worker opens sets the three (tests/test_wire_limits.py).
 // set on the threads that read an incoming Frames stream: they may run a lone decode step themselves
 extern thread_local bool t_reads_frames;
-
-constexpr uint64_t PER_TOKEN_IDS = 10;    // dgr.runtime.wire.codec.PER_TOKEN_IDS
 
 inline int64_t mono_ns() {
     return std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now().time_since_epoch()).count();

@@ -44,7 +44,7 @@ struct UsageError : std::runtime_error {
 };
 
 const char * USAGE =
-    "usage: dgr-worker [serve] --bundle DIR --stage N [--listen HOST:PORT] [--lane LANE] [--wire-dtype f32|f16|bf16|q8_0]\n"
+    "usage: dgr-worker [serve] --bundle DIR --stage N [--listen HOST:PORT] [--lane LANE] [--wire-dtype " DGR_WIRE_DTYPE_CHOICES "]\n"
     "                  [--n-ctx N] [--max-sessions N] [--threads N] [--max-message-bytes N] [--max-batch-tokens N]\n"
     "                  [--max-batch-sessions N] [--hold-batch N] [--session-ttl S] [--max-queued-steps N]\n"
     "                  [--max-session-steps N] [--rpc-timeout S] [--link-keepalive-timeout S] [--drain-timeout S]\n"

@@ -129,7 +129,7 @@ std::string StageWorker::descriptor_json() {
     }
     double uptime = std::chrono::duration<double>(Clock::now() - started_).count();
     J d = {
-        {"schema_version", 1},
+        {"schema_version", DESCRIPTOR_SCHEMA_VERSION},
         {"address", [&] { std::lock_guard<std::mutex> g(addr_mu_); return address_; }()},
         {"identity", {{"model", id_.model}, {"bundle_id", id_.bundle_id}, {"stage_index", id_.stage_index},
                       {"stage_count", id_.stage_count}, {"layer_begin", i.layer_begin}, {"layer_end", i.layer_end},

@@ -27,7 +27,7 @@ struct Options {
     bool fast_kernels = false;   // --fast-kernels: llama.cpp's shape-dependent kernels (numerics "fast")
     std::vector<std::string> blake3_files;           // --blake3 FILE (hidden): print digests and exit
     uint64_t max_message_bytes = dgr::DEFAULT_MAX_MESSAGE_BYTES;
-    int64_t n_ctx = 4096, max_sessions = 8, threads = 0;
+    int64_t n_ctx = dgr::defaults::n_ctx, max_sessions = dgr::defaults::max_sessions, threads = 0;
     // --draft-max: the drafted positions a step may roll back on an architecture whose cache keeps per-step
     // snapshots (DeepSeek V4; llama.cpp's n_rs_seq, 0 on others); 0: such a stage cannot roll back
     int64_t draft_max = DGR_MTP_MAX_K;

@@ -120,7 +120,7 @@ void open_stage(const Options & o, Stage & s) {
     s.id.stage_count = n;
     s.id.wire_dtype = o.wire_dtype.empty() ? m.at("boundary_dtype").get<std::string>() : o.wire_dtype;
     if (!dgr::find_dtype(s.id.wire_dtype)) {
-        throw std::runtime_error("unknown wire dtype '" + s.id.wire_dtype + "'; use one of f32, f16, bf16, q8_0");
+        throw std::runtime_error("unknown wire dtype '" + s.id.wire_dtype + "'; use one of " DGR_WIRE_DTYPE_NAMES);
     }
     json pin = json::parse(PIN_JSON);
     s.id.upstream_commit = pin.at("commit").get<std::string>();
@@ -232,9 +232,9 @@ void open_fake_stage(const Options & o, Stage & s) {
     s.id.stage_count = n_stages;
     s.id.lane = lane;
     s.id.engine = "fake";
-    s.id.wire_dtype = o.wire_dtype.empty() ? "f32" : o.wire_dtype;     // dgr.core.contract.DEFAULT_WIRE_DTYPE
+    s.id.wire_dtype = o.wire_dtype.empty() ? dgr::DEFAULT_WIRE_DTYPE : o.wire_dtype;
     if (!dgr::find_dtype(s.id.wire_dtype)) {
-        throw std::runtime_error("unknown wire dtype '" + s.id.wire_dtype + "'; use one of f32, f16, bf16, q8_0");
+        throw std::runtime_error("unknown wire dtype '" + s.id.wire_dtype + "'; use one of " DGR_WIRE_DTYPE_NAMES);
     }
     s.id.engine_blake3 = dgr::blake3_file(s.lib.path);
     const std::string open = spec + ",stage=" + std::to_string(o.stage);

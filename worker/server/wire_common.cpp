@@ -1,9 +1,10 @@
-// The wire dtypes and their sizes (dgr.runtime.wire.codec's), and the text every message is made of: status and hop
-// names, a boundary schema, bytes as UTF-8 (worker.h declares them).
+// The wire dtypes and their sizes (WIRE_DTYPES: wire_constants.h, generated from dgr.core.contract), and the
+// text every message is made of: status and hop names, a boundary schema, bytes as UTF-8 (worker.h declares them).
 #include "worker.h"
 
 #include <grpcpp/grpcpp.h>
 
+#include <iterator>
 #include <string>
 
 namespace dgr {
@@ -12,8 +13,7 @@ namespace pb = dgr::v1;
 using Clock = std::chrono::steady_clock;
 
 const std::vector<WireDtype> & wire_dtypes() {
-    static const std::vector<WireDtype> t = {
-        {"f32", 1, 4, pb::F32}, {"f16", 1, 2, pb::F16}, {"bf16", 1, 2, pb::BF16}, {"q8_0", 32, 34, pb::Q8_0}};
+    static const std::vector<WireDtype> t(std::begin(WIRE_DTYPES), std::end(WIRE_DTYPES));
     return t;
 }
 

@@ -38,26 +38,28 @@
 #include "metrics.h"
 #include "trust/net_policy.h"
 #include "tls.h"
+#include "wire_constants.h"
 
 namespace dgr {
 
 // What a worker bounds and how long it waits: `dgr worker serve`'s flags (its front end passes
-// dgr.runtime.wire.limits.Limits' defaults explicitly; these are dgr-worker's own).
+// dgr.runtime.wire.limits.Limits' values explicitly; the defaults both have are generated from it into
+// wire_constants.h, the others are dgr-worker's own).
 struct Limits {
-    int64_t max_batch_tokens = 512;
-    int64_t max_batch_sessions = 64;
-    int64_t hold_batch = 0;
-    int64_t max_queued_steps = 512;
-    int64_t max_session_steps = 128;
-    double  session_ttl_s = 300.0;
-    double  rpc_timeout_s = 5.0;
-    double  drain_timeout_s = 5.0;
-    double  link_keepalive_timeout_s = 2.0;
+    int64_t max_batch_tokens = defaults::max_batch_tokens;
+    int64_t max_batch_sessions = defaults::max_batch_sessions;
+    int64_t hold_batch = defaults::hold_batch;
+    int64_t max_queued_steps = defaults::max_queued_steps;
+    int64_t max_session_steps = defaults::max_session_steps;
+    double  session_ttl_s = defaults::session_ttl_s;
+    double  rpc_timeout_s = defaults::rpc_timeout_s;
+    double  drain_timeout_s = defaults::drain_timeout_s;
+    double  link_keepalive_timeout_s = defaults::link_keepalive_timeout_s;
     // phase 3 bounds (docs/worker.md "Bounds"): a peer that stops reading fails its own stream or link
     double  send_timeout_s = 10.0;                   // --send-timeout: one write may wait this long
     int64_t max_send_queue_bytes = 64 << 20;         // --max-send-queue-bytes: per reply stream and per link
     int64_t max_connections = 256;                   // --max-connections: connections with calls in progress
-    int64_t prefix_cache_mib = 256;                  // --prefix-cache-mib: what closed sessions leave (0: off)
+    int64_t prefix_cache_mib = defaults::prefix_cache_mib;  // --prefix-cache-mib: what closed sessions leave (0: off)
     // --prefix-cache-shared: stage 0 serves a kept prefix to any member whose prompt begins with it (keys are
     // always computed from what ran, so safe; but a hit tells a member that someone sent that prefix). Off:
     // each member finds only its own (docs/security.md)
@@ -93,7 +95,7 @@ struct Limits {
 struct StageIdentity {
     std::string model, bundle_id;
     int stage_index = 0, stage_count = 0;
-    std::string upstream_commit, patch_series, lane, engine = "llama.cpp", wire_dtype = "f32";
+    std::string upstream_commit, patch_series, lane, engine = "llama.cpp", wire_dtype = DEFAULT_WIRE_DTYPE;
     std::vector<int32_t> eos_token_ids;
     std::string chat_template;
     std::string engine_blake3;
@@ -101,18 +103,9 @@ struct StageIdentity {
     std::string numerics;        // the engine's dgr_engine_numerics: stages of one route must compute alike
 };
 
-// A wire dtype (dgr.core.contract.WIRE_DTYPES): `block_bytes` bytes for every `block` values.
-struct WireDtype {
-    const char * name;
-    int block, block_bytes;
-    dgr::v1::Dtype code;
-};
+// The wire dtypes (WireDtype, WIRE_DTYPES: wire_constants.h, generated from dgr.core.contract).
 const std::vector<WireDtype> & wire_dtypes();
 const WireDtype * find_dtype(const std::string & name);
-
-// Bytes of one message beyond a boundary's payload (dgr.runtime.wire.codec.FRAME_OVERHEAD).
-constexpr uint64_t FRAME_OVERHEAD = 4096;
-constexpr uint64_t DEFAULT_MAX_MESSAGE_BYTES = 4 * 1024 * 1024 - 64 * 1024;
 
 // Shared by the handlers and the data path (wire_common.cpp; the dtypes and their sizes are dgr.runtime.wire.codec's).
 const WireDtype * dtype_of(dgr::v1::Dtype code);
@@ -259,8 +252,6 @@ class StageWorker final : public dgr::v1::Stage::CallbackService {
     void set_net_policy(NetPolicy p) { net_ = std::move(p); }
 
   private:
-    // Sampling.top_logprobs: the most alternatives a draw reports (OpenAI's bound; dgr.runtime.wire.limits.MAX_TOP_LOGPROBS)
-    static constexpr uint32_t MAX_TOP_LOGPROBS = 20;
     struct Session {
         std::string sid;                             // this worker's key for it (sessions/names.h: key)
         std::vector<dgr::v1::Hop> route;

@@ -1,7 +1,8 @@
 """The one place for dgr's names: GGUF `dgr.*` keys, manifest fields, workspace paths.
 
-The C++ engine reads the same GGUF keys (worker/engine/dgr_keys.h); tests/test_engine_keys.py fails
-when the two drift. Wire dtypes and the stage contract live in `dgr.core.contract`.
+The C++ engine reads the same GGUF keys and DEFAULT_N_CTX from worker/engine/dgr_keys.h, generated from
+this module (`dgr wire protoc`, dgr.toolchain.cppgen; tests/test_cpp_tables.py fails on drift). Wire dtypes
+and the stage contract live in `dgr.core.contract`.
 """
 
 # Version of the stage-GGUF / bundle format written by `dgr recipe build`.
@@ -22,7 +23,7 @@ class Keys:
     # Boundary schema: what crosses the seam into / out of this stage.
     BOUNDARY_N_STREAMS = "dgr.boundary.n_streams"   # 1 for plain residuals, hc_mult (4) for DeepSeek V4 mHC
     BOUNDARY_N_EMBD = "dgr.boundary.n_embd"
-    BOUNDARY_DTYPE = "dgr.boundary.dtype"           # wire dtype: f32 | f16 | bf16 | q8_0
+    BOUNDARY_DTYPE = "dgr.boundary.dtype"           # wire dtype: a name of dgr.core.contract.WIRE_DTYPES
     BOUNDARY_TOKEN_IDS = "dgr.boundary.token_ids"   # true when this stage needs the token-id sideband
     MTP = "dgr.mtp"                                 # true on the last stage of a bundle that includes MTP
 

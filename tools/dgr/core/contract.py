@@ -1,6 +1,7 @@
 """The stage contract, once in Python: a half-open layer range, the boundary schema that crosses each
 seam, the wire dtypes, and the rule for the token-id sideband. The manifest, the engine binding, the
-worker and the proto mapping all use these; the C++ side has its one copy in worker/engine/dgr_contract.h.
+worker and the proto mapping all use these. The C++ side states the rules in worker/engine/dgr_contract.h;
+its wire dtype table (worker/server/wire_constants.h) is generated from WIRE_DTYPES (dgr.toolchain.cppgen).
 
 A boundary is float32 `[n_tokens, n_streams, n_embd]` inside an engine (n_streams is 1 for a plain
 residual stream, hc_mult = 4 for DeepSeek V4's mHC) and `dtype` on the wire.
@@ -43,7 +44,8 @@ class WireDtype:
         return n_values // self.block * self.block_bytes
 
 
-# The one table of wire dtypes (proto/dgr/v1/stage.proto's enum names these in upper case). q8_0 is
+# The one table of wire dtypes (proto/dgr/v1/stage.proto's enum names these in upper case; dgr-worker's copy is
+# generated from it: `dgr wire protoc`). Adding one: docs/wire.md, "Adding a wire field or dtype". q8_0 is
 # ggml's Q8_0 block: an f16 scale d = max|x| / 127, then 32 int8 q = round(x / d); x' = q * d.
 WIRE_DTYPES: dict[str, WireDtype] = {d.name: d for d in (
     WireDtype("f32", 1, 4, True),

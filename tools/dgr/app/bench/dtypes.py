@@ -41,7 +41,7 @@ from dgr.toolchain.synth.parity import EMBD, OWN_SCHEDULES, SEED, check_arch, ch
 
 log = get_logger(__name__)
 
-DTYPES = ("f32", "f16", "bf16", "q8_0")
+DTYPES = tuple(WIRE_DTYPES)
 STEPS = 256                 # greedy tokens per dtype (issue 15: "over 256 greedy tokens")
 N_STAGES = 3                # cuts per model: 2 seams, every boundary through the codec twice per token
 PROMPT_LEN = 41             # random token ids for the tiny models (dgr.toolchain.synth.parity's first prompt)

@@ -16,6 +16,7 @@ import grpc
 
 from dgr.app.workerbin import worker_binary
 from dgr.core.constants import DEFAULT_MAX_SESSIONS, DEFAULT_N_CTX
+from dgr.core.contract import WIRE_DTYPES
 from dgr.core.errors import WireError
 from dgr.runtime.engine_abi import LIB_ENV, library_path
 from dgr.runtime.wire.codec import DEFAULT_MAX_MESSAGE_BYTES
@@ -38,7 +39,7 @@ def register(sub) -> None:
                    "address needs --tls-cert/--tls-key or --insecure")
     s.add_argument("--lane", default=None, help="backend lane to advertise; must be the engine's own (default: "
                    "the lane the engine library was built for)")
-    s.add_argument("--wire-dtype", default=None, help="f32 | f16 | bf16 | q8_0 (default: the bundle's; "
+    s.add_argument("--wire-dtype", default=None, help=f"{' | '.join(WIRE_DTYPES)} (default: the bundle's; "
                    "their measured loss: docs/wire-dtypes.md)")
     s.add_argument("--max-message-bytes", type=int, default=DEFAULT_MAX_MESSAGE_BYTES)
     s.add_argument("--max-batch-tokens", type=int, default=d.max_batch_tokens)

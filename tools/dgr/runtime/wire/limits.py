@@ -1,17 +1,17 @@
 """What a worker bounds, and how long it waits: the defaults of `dgr worker serve`'s flags, which the front
-end passes to dgr-worker explicitly (docs/worker.md; dgr-worker's own defaults, worker/server/worker.h, are
-held equal by tests/test_worker_cpp.py)."""
+end passes to dgr-worker explicitly (docs/worker.md); dgr-worker's own defaults for them are generated from
+`Limits` (worker/server/wire_constants.h, dgr.toolchain.cppgen: `dgr wire protoc`)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 # Sampling.top_logprobs: the most alternatives a draw reports (OpenAI's bound). dgr-worker refuses more
-# (StageWorker::MAX_TOP_LOGPROBS, worker/server/worker.h; tests/test_wire_grammar.py holds the two equal).
+# (MAX_TOP_LOGPROBS in worker/server/wire_constants.h, generated from this one: dgr.toolchain.cppgen).
 MAX_TOP_LOGPROBS = 20
 
-# Reconnecting to a worker (the client's channels and dgr-worker's links alike: worker/server/frames_internal.h
-# holds the same three, tests/test_wire_limits.py checks). After a failed attempt the next starts
+# Reconnecting to a worker (the client's channels and dgr-worker's links alike: worker/server/wire_constants.h
+# is generated from these three, dgr.toolchain.cppgen). After a failed attempt the next starts
 # RECONNECT_INITIAL_MS later, the pause growing to RECONNECT_MAX_MS, so a worker restarted in place is found
 # again soon; one attempt (TCP, TLS, HTTP/2's SETTINGS) may take CONNECT_TIMEOUT_MS. gRPC reads that from
 # "grpc.min_reconnect_backoff_ms": 200 ms there made a busy or far worker unreachable (a TSan-built worker on
