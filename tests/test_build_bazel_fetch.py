@@ -17,7 +17,7 @@ import pytest
 
 from dgr.toolchain import upstream
 
-REPO = Path(__file__).resolve().parents[1]
+from support.paths import REPO
 
 # What the repository rule and the @llama_cpp BUILD file read (loading only, nothing is compiled).
 RULE_INPUTS = ["WORKSPACE", ".bazelignore", "toolchains", "patches/llama.cpp", "tools/dgr/toolchain/treehash.py",

@@ -20,7 +20,7 @@ import pytest
 
 from dgr.core.paths import workspace
 
-REPO = Path(__file__).resolve().parents[1]
+from support.paths import REPO
 
 
 def bazel() -> str:

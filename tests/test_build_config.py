@@ -7,11 +7,10 @@ test_build_nix.py.
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
 from dgr.core.constants import LANES
 
-REPO = Path(__file__).resolve().parents[1]
+from support.paths import REPO
 
 
 def _lanes_table() -> dict[str, str]:

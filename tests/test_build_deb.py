@@ -38,8 +38,7 @@ from dgr.toolchain import image as oci
 from dgr.toolchain import rootfs
 from support.images import (Process, container_command, require_root, routes_around, same_generation,
                             synthetic_release)
-
-REPO = Path(__file__).resolve().parents[1]
+from support.paths import REPO
 
 
 def _dgr(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:

@@ -43,8 +43,8 @@ from support.deploy import dgr, tiny, tiny_kubernetes_file  # noqa: F401 (module
 from support.images import (Process, container_command, health, image_config, require_root, routes_around,
                             same_generation, synthetic_release, unpack)
 from support.kubelet import Pod
+from support.paths import REPO
 
-REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "tools/dgr/toolchain/image.py"
 TOOLS_SCRIPT = REPO / "tools/dgr/toolchain/tools_image.py"
 

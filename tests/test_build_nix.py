@@ -24,7 +24,8 @@ import pytest
 from dgr.core.constants import LANES
 from dgr.toolchain import upstream
 
-REPO = Path(__file__).resolve().parents[1]
+from support.paths import REPO
+
 SYSTEM = "x86_64-linux"
 
 STANDIN_FLAKE = """{

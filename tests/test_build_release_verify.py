@@ -19,7 +19,7 @@ from dgr.cli.main import main
 from dgr.core.errors import ReleaseError
 from dgr.toolchain.release import verify_release
 
-REPO = Path(__file__).resolve().parents[1]
+from support.paths import REPO
 
 
 def release_writer():

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from dgr.toolchain.buildinfo import build_info
 
-REPO = Path(__file__).resolve().parents[1]
+from support.paths import REPO
 
 
 def test_wheel_builds_installs_and_reports_the_pin(tmp_path):

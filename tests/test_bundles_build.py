@@ -18,7 +18,7 @@ from dgr.gguf.model import read_header
 from dgr.toolchain.bundle import build, load_bundle
 from dgr.toolchain.synth.generic import synth
 
-REPO = Path(__file__).resolve().parents[1]
+from support.paths import REPO
 
 
 def write_recipe(dirpath: Path, model: Path, placement: str, *, name: str = "t", extra: str = "",

@@ -15,7 +15,6 @@ import os
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -25,9 +24,9 @@ from dgr.runtime.wire.client import RouteClient
 from dgr.runtime.wire.errors import HopUnreachable
 from dgr.testing.fake_engine import EOS
 
+from support.paths import REPO
 from support.route import PROMPT, fake_route
 
-REPO = Path(__file__).resolve().parents[1]
 DGR = [sys.executable, "-m", "dgr"]
 SIGPIPE_EXIT = 141                     # 128 + SIGPIPE: what `dgr` exits with when its output pipe closed
 

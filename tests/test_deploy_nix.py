@@ -25,7 +25,7 @@ import pytest
 
 from dgr.cli.main import build_parser
 
-REPO = Path(__file__).resolve().parents[1]
+from support.paths import REPO
 
 STANDIN_FLAKE = '{ description = "stand-in for nixpkgs (dgr tests)"; outputs = { self }: { lib = import ./lib.nix; }; }\n'
 

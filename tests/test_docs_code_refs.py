@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+from support.paths import REPO
+
 TOOLS = REPO / "tools"
 REF = re.compile(r"(?<![\w.>])dgr(?:\.[A-Za-z_]\w*)+(?![\w/])")
 

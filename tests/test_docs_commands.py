@@ -19,7 +19,8 @@ import pytest
 
 from dgr.cli.main import build_parser
 
-REPO = Path(__file__).resolve().parents[1]
+from support.paths import REPO
+
 SPAN = re.compile(r"`([^`\n]+)`")
 FENCE = re.compile(r"^```[^\n]*\n(.*?)^```", re.M | re.S)
 # `dgr` as a command: not `dgr-worker`, `.dgr/`, `dgr.cli`, `dgr_worker_...` nor "dgr:" (a log line's prefix)

@@ -6,7 +6,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from support.paths import REPO
+
 GLOSSARY = REPO / "docs" / "glossary.md"
 TERMS = ["stage", "route", "hop", "ring", "seam", "boundary", "origin", "session", "epoch", "lane", "member",
          "bundle", "recipe", "manifest", "numerics", "prefix cache", "drafts", "speculation", "MTP", "gateway",

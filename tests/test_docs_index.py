@@ -7,7 +7,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from support.paths import REPO
+
 DOCS = REPO / "docs"
 INDEX = DOCS / "README.md"
 ENTRY = re.compile(r"^- (?:`((?:docs/)?[^`]+\.md)`|\[[^\]]*\]\(((?:docs/)?[^)]+\.md)\))\s+[—–-]+\s+\S")

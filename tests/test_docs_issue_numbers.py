@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+from support.paths import REPO
+
 CITATION = re.compile(r"\bissues?\s+#?\d+", re.I)
 
 

@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 
 from support.docpaths import expand
+from support.paths import REPO
 
-REPO = Path(__file__).resolve().parents[1]
 TOP = ("tools/", "worker/", "tests/", "scripts/", "docs/", "proto/", "toolchains/", "recipes/",
        "certification/", "deploy/", "nix/", "patches/", ".ci/")
 TICKED = re.compile(r"`([^`\s]+)`")

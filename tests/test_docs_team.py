@@ -4,11 +4,9 @@ package is named there (itself or its folder), and every path it names exists.""
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
 from support.docpaths import expand
-
-REPO = Path(__file__).resolve().parents[1]
+from support.paths import REPO
 
 
 def named_paths() -> list[str]:

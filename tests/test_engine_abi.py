@@ -16,7 +16,8 @@ import pytest
 from dgr.core.errors import EngineError
 from dgr.runtime import engine_abi
 
-REPO = Path(__file__).resolve().parents[1]
+from support.paths import REPO
+
 HEADER = REPO / "worker" / "engine" / "dgr_engine.h"
 LOCK = REPO / "worker" / "engine" / "dgr_engine.abi"
 

@@ -25,6 +25,7 @@ from dgr.runtime.wire.client import RouteClient
 
 from support.engine import make_bundle, synth_model
 from support.gateway import gateway
+from support.paths import REPO
 
 pytestmark = pytest.mark.engine
 
@@ -114,7 +115,7 @@ def test_read_vocab_of_a_file_that_is_not_a_model_says_which(engine_lib, tmp_pat
 
 
 def test_the_c_abi_version_is_one_number(engine_lib):
-    header = (Path(__file__).resolve().parents[1] / "worker/engine/dgr_engine.h").read_text()
+    header = (REPO / "worker/engine/dgr_engine.h").read_text()
     [v] = re.findall(r"#define DGR_ABI_VERSION (\d+)", header)
     from dgr.runtime.engine_abi import ABI_VERSION
 

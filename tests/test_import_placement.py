@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+from support.paths import REPO
+
 SCRIPT = REPO / "scripts" / "lint-imports-placement"
 STAMP = "(python -X importtime, 2026-12-05)"
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+from support.paths import REPO
 
 # Strongly connected components of the import graph (grimp, import-linter's own graph: it reads every
 # import statement, those inside functions too), printed as JSON: [[module, ...], ...] of size > 1.

@@ -28,7 +28,8 @@ from dgr.toolchain.planner import balanced
 from dgr.toolchain.synth.generic import synth
 from dgr.toolchain.templates import template_variables
 
-REPO = Path(__file__).resolve().parents[1]
+from support.paths import REPO
+
 Q = gguf.GGMLQuantizationType
 # The scaffold's example rule line, commented out as `dgr recipe new` writes it.
 EXAMPLE_RULES = re.compile(r"^# (rules = \[.*\])$", re.M)

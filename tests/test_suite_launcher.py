@@ -11,7 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from support.paths import REPO
+
 LAUNCHER = REPO / "toolchains/bazel/dgr_launcher.py"
 
 

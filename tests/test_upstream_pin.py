@@ -14,7 +14,8 @@ from dgr.core.constants import LANES
 from dgr.core.errors import UpstreamError
 from dgr.toolchain import pin as pins, upstream
 
-REPO = Path(__file__).resolve().parents[1]
+from support.paths import REPO
+
 PIN_REL = "toolchains/llama.cpp.pin.json"
 
 

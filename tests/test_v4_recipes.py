@@ -23,7 +23,8 @@ from dgr.toolchain.planner import WorkerSpec, plan
 from dgr.toolchain.recipe import LoadedRecipe, Source, load_recipe
 from dgr.toolchain.synth.deepseek4 import DeepSeek4Shape, default_ratios, synth_deepseek4_v4shape, tensor_inventory
 
-REPO = Path(__file__).resolve().parents[1]
+from support.paths import REPO
+
 OFFICIAL_REPO = "deepseek-ai/DeepSeek-V4-Flash"
 OFFICIAL_REVISION = "60d8d70770c6776ff598c94bb586a859a38244f1"
 RECIPES = {"deepseek4-4stage.toml": 4, "deepseek4-12stage.toml": 12}

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import re
-from pathlib import Path
 
 import pytest
 
@@ -16,7 +15,8 @@ from dgr.core.errors import WireError
 from dgr.runtime.wire import drafts
 from dgr.runtime.wire.drafts import NgramDrafts, check_k, check_source, make_source
 
-REPO = Path(__file__).resolve().parents[1]
+from support.paths import REPO
+
 PART = REPO / "worker" / "server" / "speculation"
 
 

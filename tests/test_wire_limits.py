@@ -5,11 +5,11 @@ every channel a worker opens to a peer must use them."""
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
 from dgr.runtime.wire import limits
 
-REPO = Path(__file__).resolve().parents[1]
+from support.paths import REPO
+
 SERVER = REPO / "worker" / "server"
 
 

@@ -13,7 +13,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from support.paths import REPO
+
 SERVER = REPO / "worker" / "server"
 DOC = REPO / "docs" / "worker.md"
 SECTION = "Locks and their order"

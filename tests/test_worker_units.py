@@ -13,7 +13,8 @@ import pytest
 
 from dgr.toolchain.enginebuild import ensure_tool
 
-REPO = Path(__file__).resolve().parents[1]
+from support.paths import REPO
+
 SERVER = REPO / "worker" / "server"
 UNITS = sorted(SERVER.glob("*/*_test.cpp"))
 

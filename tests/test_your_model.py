@@ -32,10 +32,10 @@ from dgr.runtime.engine import quantize
 
 from support.deploy import private_engine
 from support.engine import synth_model
+from support.paths import REPO
 
 pytestmark = [pytest.mark.slow]
 
-REPO = Path(__file__).resolve().parents[1]
 PAGE = REPO / "docs" / "your-model.md"
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
           "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")

@@ -12,7 +12,8 @@ from pathlib import Path
 
 from dgr.core.paths import workspace
 
-REPO = Path(__file__).resolve().parents[2]
+from support.paths import REPO
+
 PROBE = "@llama_cpp//:ggml_cuda_backend_probe.so"
 
 
