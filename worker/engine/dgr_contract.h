@@ -1,6 +1,6 @@
 // The stage contract, once in C++: the rules tools/dgr/core/contract.py states for Python (StageContract,
 // needs_token_ids), used by the engine (dgr_engine*.cpp) and the hooks inside llama (dgr_hooks.cpp).
-// Change a rule here and in contract.py together; tests/test_engine_keys.py checks the mirrored values.
+// Change a rule here and in contract.py together; tests/engine/test_engine_keys.py checks the mirrored values.
 //
 // A stage owns the half-open layer range [begin, end) of the model's n_layer trunk layers (MTP blocks
 // excluded). Across each seam travels the boundary: float32 [n_tokens, n_streams, n_embd], plus the

@@ -1,4 +1,4 @@
-// dgr's GGUF keys, mirrored from tools/dgr/core/constants.py (class Keys). tests/test_engine_keys.py
+// dgr's GGUF keys, mirrored from tools/dgr/core/constants.py (class Keys). tests/engine/test_engine_keys.py
 // fails when the two drift: change both together.
 #pragma once
 

@@ -14,7 +14,7 @@ namespace pb = dgr::v1;
 using Clock = std::chrono::steady_clock;
 
 constexpr int LINK_KEEPALIVE_MS = 1000;   // each link pings its peer every second (docs/wire.md "Liveness of links")
-// Reconnecting to a peer (dgr.runtime.wire.limits holds the same three; tests/test_wire_limits.py checks):
+// Reconnecting to a peer (dgr.runtime.wire.limits holds the same three; tests/wire/test_wire_limits.py checks):
 // after a failed attempt the next one starts INITIAL ms later, the pause growing to at most MAX ms (a worker
 // restarted in place is found again soon); one attempt may take CONNECT ms (TCP, TLS and HTTP/2's SETTINGS):
 // gRPC takes its min_reconnect_backoff for that, and 200 ms there failed links to a busy or far peer.
@@ -34,7 +34,7 @@ inline int64_t wall_ns() {
     return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::system_clock::now().time_since_epoch()).count();
 }
 
-// The context error's text, word for word (tests/test_worker_cpp_frames.py writes it out too)
+// The context error's text, word for word (tests/worker/test_worker_cpp_frames.py writes it out too)
 inline std::string context_full(int64_t position, int64_t n_ctx) {
     return "the session reached the context limit: position " + std::to_string(position) + " is beyond the " +
            std::to_string(n_ctx) + " positions (0.." + std::to_string(n_ctx - 1) +

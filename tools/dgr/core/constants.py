@@ -1,6 +1,6 @@
 """The one place for dgr's names: GGUF `dgr.*` keys, manifest fields, workspace paths.
 
-The C++ engine reads the same GGUF keys (worker/engine/dgr_keys.h); tests/test_engine_keys.py fails
+The C++ engine reads the same GGUF keys (worker/engine/dgr_keys.h); tests/engine/test_engine_keys.py fails
 when the two drift. Wire dtypes and the stage contract live in `dgr.core.contract`.
 """
 

@@ -1,17 +1,17 @@
 """What a worker bounds, and how long it waits: the defaults of `dgr worker serve`'s flags, which the front
 end passes to dgr-worker explicitly (docs/worker.md; dgr-worker's own defaults, worker/server/worker.h, are
-held equal by tests/test_worker_cpp.py)."""
+held equal by tests/worker/test_worker_cpp.py)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 # Sampling.top_logprobs: the most alternatives a draw reports (OpenAI's bound). dgr-worker refuses more
-# (StageWorker::MAX_TOP_LOGPROBS, worker/server/worker.h; tests/test_wire_grammar.py holds the two equal).
+# (StageWorker::MAX_TOP_LOGPROBS, worker/server/worker.h; tests/wire/test_wire_grammar.py holds the two equal).
 MAX_TOP_LOGPROBS = 20
 
 # Reconnecting to a worker (the client's channels and dgr-worker's links alike: worker/server/frames_internal.h
-# holds the same three, tests/test_wire_limits.py checks). After a failed attempt the next starts
+# holds the same three, tests/wire/test_wire_limits.py checks). After a failed attempt the next starts
 # RECONNECT_INITIAL_MS later, the pause growing to RECONNECT_MAX_MS, so a worker restarted in place is found
 # again soon; one attempt (TCP, TLS, HTTP/2's SETTINGS) may take CONNECT_TIMEOUT_MS. gRPC reads that from
 # "grpc.min_reconnect_backoff_ms": 200 ms there made a busy or far worker unreachable (a TSan-built worker on
@@ -53,5 +53,5 @@ class Limits:
     prefix_cache_mib: int = 256
     # speculation and MTP drafts (docs/speculation.md): the drafts one step may carry and still roll back where the
     # cache keeps per-step snapshots (DeepSeek V4 and other hybrids llama.cpp rolls back; 0: those cannot roll
-    # back). The default is the engine's DGR_MTP_MAX_K (worker/engine/dgr_engine.h; tests/test_wire_mtp.py checks)
+    # back). The default is the engine's DGR_MTP_MAX_K (worker/engine/dgr_engine.h; tests/wire/test_wire_mtp.py checks)
     draft_max: int = 8

@@ -19,7 +19,7 @@ against the whole model run cold in this process (greedy tokens, every logits ro
   every dtype on every family in-process): the route is not the whole model, but it is itself: a second cold
   run, and a run restoring its kept prefix, equal its first bit for bit.
 
-docs/families.md's in-process columns (tests/test_families.py) prove the same engine calls on every stage
+docs/families.md's in-process columns (tests/families/test_families.py) prove the same engine calls on every stage
 of a split; this proves the worker makes them, for every family.
 """
 

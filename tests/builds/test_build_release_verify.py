@@ -1,7 +1,7 @@
 """Release archives: deterministic bytes, and `dgr release verify` names any file that differs.
 
 Uses the release writer of the Bazel targets (toolchains/bazel/release.py) on small inputs, so it
-runs in seconds; the full CPU release is checked in tests/test_build_bazel_release.py.
+runs in seconds; the full CPU release is checked in tests/builds/test_build_bazel_release.py.
 """
 
 from __future__ import annotations

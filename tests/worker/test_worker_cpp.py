@@ -384,7 +384,7 @@ def test_open_close_and_their_typed_errors(pair, tiny, engines):
 
 
 def test_frames_refusals_are_typed_errors(pair):
-    """Frames is served (phase 2: tests/test_worker_cpp_frames.py); a frame of no open session is refused, typed."""
+    """Frames is served (phase 2: tests/worker/test_worker_cpp_frames.py); a frame of no open session is refused, typed."""
     p = pair[0]
     frames = [pb.Frame(session_id="x", epoch=1),
               pb.Frame(session_id="x", epoch=1, step=pb.Step(positions=[0], token_ids=[1]))]

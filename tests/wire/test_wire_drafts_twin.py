@@ -2,7 +2,7 @@
 agree: worker/server/speculation/drafts_test.cpp holds the Python's drafts and refusals on fixed cases as
 literals (between its `twin:` markers) and checks the C++ against them; here the Python is checked against the
 same literals, read out of that file, so a change on either side fails one of the two tests. Builds nothing
-(the route-level comparison, with real workers, is tests/test_worker_cpp_speculate.py)."""
+(the route-level comparison, with real workers, is tests/worker/test_worker_cpp_speculate.py)."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 `--test-die-at`) or drained (SIGTERM, `--drain-timeout`) mid-generation; the Python client recovers to the
 stage's replica and generates exactly what an uninterrupted run does (tokens, text, logits bit for bit).
 
-Real processes on loopback, the real engine, the tiny synthetic bundle of tests/test_worker_cpp_frames.py.
+Real processes on loopback, the real engine, the tiny synthetic bundle of tests/worker/test_worker_cpp_frames.py.
 """
 
 from __future__ import annotations

@@ -177,7 +177,7 @@ def test_parity_refuses_a_baseline_of_other_numerics(engine_lib, smollm2_gguf, t
 
 
 def test_a_certificate_holds_only_for_the_numerics_it_was_measured_on():
-    """Python's check (the worker's C++ one: tests/test_worker_cpp_certification.py) refuses a certificate measured
+    """Python's check (the worker's C++ one: tests/worker/test_worker_cpp_certification.py) refuses a certificate measured
     on other numerics before anything else of it is looked at."""
     from dgr.core.certificate import Certificate, ContractRef, Hardware, Identity, check
 

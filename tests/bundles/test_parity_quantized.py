@@ -6,7 +6,7 @@ failed its parity rows. The baseline of such a bundle is the same recipe built a
 (dgr.toolchain.bundle.baseline_model), built once into the workspace and reused; an unquantized bundle is still
 compared with its source. Tiny random-weight models (`dgr synth`), bundles built by the real builder, the
 real `dgr` command line in a child process for parity and in this process for certify (as
-tests/test_certify.py does); DGR_WORKSPACE points every run at this module's own workspace.
+tests/certify/test_certify.py does); DGR_WORKSPACE points every run at this module's own workspace.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The fake engine (the C library worker/fake, through dgr.runtime.engine's ctypes) is a faithful stand-in: split == whole
-bit for bit, its output depends on history, its spec. Its refusals and the rest: tests/test_fake_engine_cpp.py."""
+bit for bit, its output depends on history, its spec. Its refusals and the rest: tests/worker/test_fake_engine_cpp.py."""
 
 from __future__ import annotations
 

@@ -8,7 +8,7 @@ carries the rendered units' restart policy and hardening; `dgr-worker-check-conf
 file and refuses each kind of bad one, naming the file and the setting.
 
 Slow (the real release, root): the package installed with `dpkg --root` into a minimal root, the image's
-first layer (the loader and the libraries, nothing of dgr; tests/test_build_image.py) plus sh and id (what
+first layer (the loader and the libraries, nothing of dgr; tests/builds/test_build_image.py) plus sh and id (what
 the check script runs), whose dpkg database lists the packages those libraries came from, so that the
 package's Depends are met for what they are; the user and folders made from its sysusers.d and tmpfiles.d
 files with systemd's own tools (`--root`: what its postinst does on a real host); then, there being no

@@ -395,7 +395,7 @@ def test_status_says_up_degraded_or_down_per_worker_per_route_and_in_its_exit_st
 
 def test_status_and_down_act_on_the_run_folder_of_the_latest_up(tmp_path, monkeypatch):
     """`dgr up --run-dir D` records D in the default folder; `dgr status` and `dgr down` without --run-dir
-    look there (docs/your-model.md's commands, run by tests/test_your_model.py, rely on it)."""
+    look there (docs/your-model.md's commands, run by tests/docs/test_your_model.py, rely on it)."""
     monkeypatch.setenv("DGR_WORKSPACE", str(tmp_path / "ws"))
     home = runstate.default_run_dir("tiny")
     assert runstate.find_run_dir("tiny") == home

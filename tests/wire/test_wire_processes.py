@@ -55,7 +55,7 @@ def test_killed_worker_mid_generation_names_the_hop(victim):
 def test_dead_worker_before_start_names_the_hop():
     with _workers() as r:
         r.kill(0)
-        # `dgr generate` waits up to --timeout for a stage that is not up (tests/test_cli_newcomer.py)
+        # `dgr generate` waits up to --timeout for a stage that is not up (tests/cli/test_cli_newcomer.py)
         out = subprocess.run([sys.executable, "-m", "dgr", "generate", "--route", r.route, "--timeout", "1", "hi"],
                              capture_output=True, text=True, timeout=60)
     assert out.returncode != 0

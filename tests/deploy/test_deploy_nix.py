@@ -1,6 +1,6 @@
 """The flake's NixOS module (`nixosModules.default`) evaluates to the systemd services of its workers.
 
-nixpkgs cannot be fetched here (docs/build.md, "Nix"), so, as tests/test_build_nix.py does for the
+nixpkgs cannot be fetched here (docs/build.md, "Nix"), so, as tests/builds/test_build_nix.py does for the
 shells, the flake is evaluated against a stand-in nixpkgs that this test writes: a flake whose `lib`
 has the functions the module uses and a small `evalModules` (options with defaults and types checked,
 submodules, unknown options refused, `mkIf`, assertions), as nixpkgs' lib does. The module's services

@@ -106,7 +106,7 @@ def test_certificate_names_the_exact_identity_the_host_the_contract_and_every_fi
                                                   "(after 3 of 6 tokens of a 80-token prompt)")
     assert "2 epoch(s)" in rows[RECOVERY_CHECK].detail
     # speed rows measured for real (finite, positive ratios); the test contract's thresholds are 0, which
-    # any measurement meets: no test judges this machine's speed (tests/test_gate_alpha.py judges given numbers)
+    # any measurement meets: no test judges this machine's speed (tests/certify/test_gate_alpha.py judges given numbers)
     for name in ("speed: decode ratio", "speed: prefill ratio (48 tokens)"):
         m = re.fullmatch(r"(\d+\.\d{3}) \(IQR (\d+\.\d{3})-(\d+\.\d{3})\)", rows[name].figure)
         assert m and all(math.isfinite(float(x)) and float(x) > 0 for x in m.groups()), rows[name].figure
@@ -332,7 +332,7 @@ def test_an_mtp_on_recipe_is_refused_before_anything_runs(root, bundle, contract
 
 def test_a_bundle_whose_recorded_recipe_turns_mtp_on_is_refused(root, bundle, contract, capsys):
     """A bundle folder whose manifest records an MTP-on recipe (written by hand here; `dgr recipe build` makes
-    real ones, tests/test_bundles_mtp.py) is refused by `dgr certify --bundle` before the engine or a worker
+    real ones, tests/bundles/test_bundles_mtp.py) is refused by `dgr certify --bundle` before the engine or a worker
     starts."""
     import shutil
 

@@ -1,6 +1,6 @@
 """The suite cannot pass by accident: a test module that collects nothing fails (through the Bazel
 launcher, toolchains/bazel/dgr_launcher.py, run here without Bazel over a runfiles folder made in tmp),
-every tests/test_*.py holds tests, and the `slow` marker selects real tests (CI runs `-m slow` and
+every tests/<area>/test_*.py holds tests (and sits in one folder below tests/, its name unique), and the `slow` marker selects real tests (CI runs `-m slow` and
 `-m "not slow"`, together the whole suite)."""
 
 from __future__ import annotations
@@ -17,15 +17,15 @@ LAUNCHER = REPO / "toolchains/bazel/dgr_launcher.py"
 
 
 def _launch(tmp_path: Path, body: str, *opts: str) -> subprocess.CompletedProcess:
-    """dgr_launcher.py --pytest tests/test_x.py, the test file found through a runfiles folder (the
+    """dgr_launcher.py --pytest tests/suite/test_x.py, the test file found through a runfiles folder (the
     bzlmod layout, `_main/...`) as Bazel would lay it out."""
     rf = tmp_path / "runfiles"
-    test = rf / "_main/tests/test_x.py"
+    test = rf / "_main/tests/suite/test_x.py"
     test.parent.mkdir(parents=True)
     test.write_text(body)
     env = {k: v for k, v in os.environ.items() if not k.startswith("RUNFILES_")}  # not an outer Bazel's
     env["RUNFILES_DIR"] = str(rf)
-    return subprocess.run([sys.executable, str(LAUNCHER), "--pytest", "tests/test_x.py", *opts],
+    return subprocess.run([sys.executable, str(LAUNCHER), "--pytest", "tests/suite/test_x.py", *opts],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
 
 
@@ -57,7 +57,7 @@ def test_a_file_missing_from_runfiles_is_an_error(tmp_path):
     rf.mkdir()
     env = {k: v for k, v in os.environ.items() if not k.startswith("RUNFILES_")}
     env["RUNFILES_DIR"] = str(rf)
-    r = subprocess.run([sys.executable, str(LAUNCHER), "--pytest", "tests/test_gone.py"], env=env,
+    r = subprocess.run([sys.executable, str(LAUNCHER), "--pytest", "tests/suite/test_gone.py"], env=env,
                        capture_output=True, text=True, timeout=60)
     assert r.returncode != 0 and "not in this target's runfiles" in r.stderr
 
@@ -72,7 +72,7 @@ def _collect(*opts: str) -> tuple[list[str], str]:
 def test_every_test_module_holds_tests():
     ids, _ = _collect()
     with_tests = {i.split("::", 1)[0] for i in ids}
-    modules = {p.relative_to(REPO).as_posix() for p in (REPO / "tests").glob("test_*.py")}
+    modules = {p.relative_to(REPO).as_posix() for p in (REPO / "tests").rglob("test_*.py")}
     assert modules - with_tests == set(), "test modules that collect no tests (helpers go in tests/support/)"
 
 
@@ -81,3 +81,15 @@ def test_the_slow_marker_selects_real_tests():
     ids, out = _collect("-m", "slow")
     assert len(ids) >= 1, out[-2000:]
     assert re.search(r"\d+/\d+ tests? collected \(\d+ deselected\)", out), out[-500:]
+
+
+def test_every_test_file_sits_in_one_area_folder_under_a_name_of_its_own():
+    # pytest imports each test module by its file name (rootdir-less "prepend" mode) and the Bazel target is
+    # //tests:<file name> (toolchains/python.bzl): two files of one name would collide in both. Helpers go in
+    # tests/support/, fixtures in tests/conftest.py; a test file directly in tests/ or two folders deep has no area.
+    files = sorted((REPO / "tests").rglob("test_*.py"))
+    misplaced = [p.relative_to(REPO).as_posix() for p in files if len(p.relative_to(REPO / "tests").parts) != 2
+                 or p.parent.name == "support"]
+    assert misplaced == [], "test files outside tests/<area>/ (docs/TEAM.md, \"Tests\")"
+    names = [p.name for p in files]
+    assert len(names) == len(set(names)), sorted({n for n in names if names.count(n) > 1})
