@@ -73,6 +73,14 @@ def release_cpu_tar() -> Path:
     return build_release("cpu")
 
 
+# families: DeepSeek V4's real layer structure (43 main layers + MTP at tiny width) as a synthetic
+# GGUF, written once a session; the V4 writer's tests and the V4 recipes' plans only read it.
+@pytest.fixture(scope="session")
+def v4shape(tmp_path_factory) -> Path:
+    from dgr.toolchain.synth.deepseek4 import synth_deepseek4_v4shape
+
+    return synth_deepseek4_v4shape(tmp_path_factory.mktemp("v4") / "v4shape.gguf", seed=0)
+
 # ci: under CI (CI=true, .ci/run; Bazel passes it to every py_test, .bazelrc) a test may skip only for a
 # reason listed here, so a tool missing on the CI machine cannot turn a test off without failing the run.
 # Key: the test file; value: why CI may skip it there.

@@ -21,7 +21,7 @@ from dgr.gguf.model import tensor_nbytes
 from dgr.toolchain.bundle import make_plan, target_type
 from dgr.toolchain.planner import WorkerSpec, plan
 from dgr.toolchain.recipe import LoadedRecipe, Source, load_recipe
-from dgr.toolchain.synth.deepseek4 import DeepSeek4Shape, default_ratios, synth_deepseek4_v4shape, tensor_inventory
+from dgr.toolchain.synth.deepseek4 import DeepSeek4Shape, default_ratios, tensor_inventory
 
 from support.paths import REPO
 
@@ -39,11 +39,6 @@ REAL_V4 = DeepSeek4Shape(
     indexer_top_k=512, sliding_window=128, hash_layers=3, compress_ratios=default_ratios(43), mtp=True,
     n_vocab=129280,
 )
-
-
-@pytest.fixture(scope="module")
-def v4shape(tmp_path_factory) -> Path:
-    return synth_deepseek4_v4shape(tmp_path_factory.mktemp("v4") / "v4shape.gguf", seed=0)
 
 
 def _against(recipe: LoadedRecipe, model: Path) -> LoadedRecipe:

@@ -21,8 +21,7 @@ from gguf import GGMLQuantizationType, GGUFReader
 from dgr.core.errors import DgrError
 from dgr.gguf.model import INPUT, OUTPUT, classify
 from dgr.toolchain.synth.deepseek4 import (COMPRESS_RATIOS, CSA_RATIO, GLOBAL_INPUT, GLOBAL_OUTPUT, HCA_RATIO,
-                                           INDEXER_KEY_MULTIPLE, make_shape, synth_deepseek4, synth_deepseek4_v4shape,
-                                           tensor_inventory)
+                                           INDEXER_KEY_MULTIPLE, make_shape, synth_deepseek4, tensor_inventory)
 
 A = "deepseek4."
 
@@ -46,11 +45,6 @@ def _tensors(r: GGUFReader) -> dict:
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory) -> Path:
     return synth_deepseek4(tmp_path_factory.mktemp("v4") / "tiny.gguf", seed=0)
-
-
-@pytest.fixture(scope="module")
-def v4shape(tmp_path_factory) -> Path:
-    return synth_deepseek4_v4shape(tmp_path_factory.mktemp("v4") / "v4shape.gguf", seed=0)
 
 
 def test_same_seed_same_bytes_other_seed_other_bytes(tmp_path, tiny):

@@ -23,7 +23,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from test_worker_cpp import Proc
 
 from dgr.core.errors import CacheMiss, EngineError, SchemaMismatch
 from dgr.runtime.engine_api import Step
@@ -34,6 +33,7 @@ from dgr.testing import fake_engine
 from dgr.testing.fake_engine import EOS, FakeEngine, FakeModel
 
 from support.engine import b3, fake_split
+from support.worker import Proc
 
 SPEC = "layers=7,embd=8,streams=2,cuts=2:5,hash_layers=3,seed=3"
 TEXT = "a fake model, now in C++"

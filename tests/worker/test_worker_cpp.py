@@ -20,13 +20,10 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
-import time
 from pathlib import Path
 
 import blake3
 import gguf
-import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -37,14 +34,14 @@ from dgr.core.descriptor import Descriptor
 from dgr.gguf.model import read_header
 from dgr.runtime.engine import Engine
 from dgr.runtime.wire.codec import DEFAULT_MAX_MESSAGE_BYTES
-from dgr.runtime.wire.gen import stage_pb2 as pb, stage_pb2_grpc as pb_grpc
+from dgr.runtime.wire.gen import stage_pb2 as pb
 from dgr.runtime.wire.limits import Limits
 from dgr.toolchain.buildinfo import build_info
 from dgr.toolchain.bundle import load_bundle
 
 from support.engine import make_bundle, synth_model
+from support.worker import Proc, cpp, one_line_error
 
-READY = re.compile(r"serving on (\S+)")
 # Describe fields that name the process, not the stage: a member's certificate
 PROCESS_FIELDS = {"member", "descriptor_json"}
 # dgr-worker's defaults (`dgr worker serve`'s flags; docs/wire.md): what Describe and the descriptor advertise
@@ -52,79 +49,6 @@ PROCESS_FIELDS = {"member", "descriptor_json"}
 MAX_MESSAGE_BYTES = DEFAULT_MAX_MESSAGE_BYTES
 MAX_QUEUED_STEPS, MAX_SESSION_STEPS, MAX_BATCH_TOKENS, SESSION_TTL_S = (
     Limits().max_queued_steps, Limits().max_session_steps, Limits().max_batch_tokens, Limits().session_ttl_s)
-
-
-class Proc:
-    """A worker process serving one stage; its address once it says so."""
-
-    def __init__(self, cmd: list[str]):
-        self.cmd = cmd
-        self.t0 = time.monotonic()
-        self.p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                  env={**os.environ, "PYTHONUNBUFFERED": "1"})
-        self.log: list[str] = []
-        self.address = ""
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            line = self.p.stdout.readline()
-            if not line:
-                raise AssertionError(f"{cmd[0]} exited ({self.p.wait()}) before serving:\n{''.join(self.log)}")
-            self.log.append(line)
-            if m := READY.search(line):
-                self.address = m.group(1)
-                break
-        assert self.address, f"{cmd} did not serve within 120 s:\n{''.join(self.log)}"
-        self.ready_s = time.monotonic() - self.t0
-        # keep reading its output: a worker that logs into a full pipe nobody reads blocks there, holding
-        # whatever lock it logged under (docs/worker.md "Locks and their order")
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
-        self.channel = grpc.insecure_channel(self.address)
-        self.stub = pb_grpc.StageStub(self.channel)
-
-    def _read(self) -> None:
-        for line in self.p.stdout:
-            self.log.append(line)
-
-    def output(self, timeout: float = 30) -> str:
-        """Everything the worker wrote, once it has exited (or `timeout` s after asking)."""
-        self._reader.join(timeout)
-        return "".join(self.log)
-
-    def rss_kib(self) -> int:
-        for line in Path(f"/proc/{self.p.pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1])
-        return 0
-
-    def stop(self) -> str:
-        self.channel.close()
-        if self.p.poll() is None:
-            self.p.send_signal(signal.SIGTERM)
-            try:
-                self.p.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.p.kill()
-                self.p.wait()
-        return self.output()
-
-
-def cpp(worker_bin: Path, bundle: Path, stage: int, *extra: str) -> Proc:
-    return Proc([str(worker_bin), "--bundle", str(bundle), "--stage", str(stage), "--listen", "127.0.0.1:0", *extra])
-
-
-def cpp_stages(worker_bin: Path, bundle: Path, n: int, *extra: str, per_stage=lambda i: ()) -> list[Proc]:
-    """Stages 0..n-1 of `bundle` as dgr-workers, each with `extra` and `per_stage(i)` flags; the ones
-    started are stopped again when one fails to serve."""
-    procs: list[Proc] = []
-    try:
-        for i in range(n):
-            procs.append(cpp(worker_bin, bundle, i, *extra, *per_stage(i)))
-    except BaseException:
-        for p in procs:
-            p.stop()
-        raise
-    return procs
 
 
 def fields(d: pb.StageDescription) -> dict:
@@ -391,13 +315,6 @@ def test_frames_refusals_are_typed_errors(pair):
     want = wire_error(pb.UNKNOWN_SESSION, 0, p.address, "no open session x epoch 1: open it (OpenSession) first")
     got = [r.error for r in p.stub.Frames(iter(frames), timeout=10)]
     assert got == [want, want]
-
-
-def one_line_error(cmd: list[str]) -> tuple[int, str]:
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-    lines = [x for x in r.stderr.splitlines() if x.strip()]
-    assert len(lines) == 1, r.stderr
-    return r.returncode, lines[0]
 
 
 def test_bad_flags_and_inputs_are_one_clear_line(worker_bin, tiny, tmp_path):

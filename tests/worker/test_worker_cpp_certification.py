@@ -13,7 +13,7 @@ import re
 import subprocess
 
 import pytest
-from test_worker_cpp import cpp, tiny  # noqa: F401  (fixtures)
+from test_worker_cpp import tiny  # noqa: F401  (the fixture)
 
 from dgr.core.certificate import (Certificate, ContractRef, Figure, Hardware, Identity, StageRange, contract_hash,
                                   load_certificate)
@@ -21,6 +21,7 @@ from dgr.core.descriptor import HeldCertificate
 from dgr.core.hashing import file_blake3
 
 from support.certify import write_contract
+from support.worker import cpp
 
 LOGGED = re.compile(r"(ignoring .*|advertising certificate .*)$")
 

@@ -19,7 +19,6 @@ from itertools import count
 import grpc
 import numpy as np
 import pytest
-from test_worker_cpp import cpp_stages
 
 from dgr.runtime.engine import Engine, sample
 from dgr.runtime.engine_api import Step
@@ -30,7 +29,7 @@ from dgr.runtime.wire.gen import stage_pb2 as pb, stage_pb2_grpc as pb_grpc
 from dgr.runtime.wire.stats import summarize
 
 from support.engine import make_bundle, synth_model
-from support.worker import prefill_frame, route_hops
+from support.worker import cpp_stages, prefill_frame, route_hops
 
 PROMPT = "The three primary colors are"
 MAX_NEW = 12

@@ -19,14 +19,13 @@ import grpc
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.utils import floatToGoString
-from test_worker_cpp import cpp
 
 from dgr.runtime.wire.client import RouteClient
 from dgr.runtime.wire.gen import stage_pb2 as pb, stage_pb2_grpc as pb_grpc
 
 from support.engine import make_bundle, synth_model
 from support.metrics import scrape, value
-from support.worker import make_ca, tls_flags, wait_for
+from support.worker import cpp, make_ca, tls_flags, wait_for
 
 FLAGS = ("--threads", "1", "--n-ctx", "256")
 METRICS = ("--metrics-listen", "127.0.0.1:0")

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import secrets
 import shutil
 import signal
@@ -32,11 +31,12 @@ import pytest
 from dgr.app.local import FakeRoute
 from dgr.runtime.wire.client import RouteClient
 
+from support.worker import READY
+
 SPEC = "layers=6,embd=16,cuts=2:4,seed=1"
 PROMPT = "The capital of France is"
 MAX_NEW = 12
 SUBNET = "10.231.7"
-READY = re.compile(r"serving on (\S+)")
 DEADLINE = 20.0                                   # any one step (a worker's start, a client run)
 
 # stage -> host it runs on

@@ -14,7 +14,6 @@ import time
 import grpc
 import numpy as np
 import pytest
-from test_worker_cpp import cpp
 from test_worker_cpp_frames import FLAGS, SAMPLED, tiny  # noqa: F401  (tiny: the fixture)
 
 from dgr.runtime.wire.client import RouteClient
@@ -22,7 +21,7 @@ from dgr.runtime.wire.errors import StageError
 from dgr.runtime.wire.gen import stage_pb2 as pb, stage_pb2_grpc as pb_grpc
 
 from support.wire import RawStream
-from support.worker import open_route, route_hops
+from support.worker import cpp, open_route, route_hops
 
 PROMPT_IDS = list(range(5, 25))
 

@@ -17,7 +17,6 @@ import sys
 
 import numpy as np
 import pytest
-from test_worker_cpp import cpp_stages
 
 from dgr.runtime.wire.client import RouteClient
 from dgr.runtime.wire.drafts import DEFAULT_DRAFT_K, NgramDrafts
@@ -25,7 +24,7 @@ from dgr.runtime.wire.gen import stage_pb2 as pb
 from dgr.runtime.wire.stats import draft_stats, rings, tokens_per_ring
 
 from support.engine import make_bundle, synth_model
-from support.worker import prefill_frame, route_hops
+from support.worker import cpp_stages, prefill_frame, route_hops
 
 # a prompt that restates itself: prompt lookup finds what follows, and the tiny model's greedy loop too
 PROMPT = [1] + [20, 21, 22, 23, 24, 25] * 6

@@ -18,7 +18,6 @@ import time
 import grpc
 import numpy as np
 import pytest
-from test_worker_cpp import cpp, cpp_stages, one_line_error
 
 from dgr.runtime.wire import codec, tls as wtls
 from dgr.runtime.wire.client import RouteClient
@@ -26,7 +25,7 @@ from dgr.runtime.wire.errors import HopUnreachable
 from dgr.runtime.wire.gen import stage_pb2 as pb, stage_pb2_grpc as pb_grpc
 
 from support.engine import make_bundle, synth_model
-from support.worker import make_ca, prefill_frame, route_hops, tls_flags, wait_for
+from support.worker import cpp, cpp_stages, make_ca, one_line_error, prefill_frame, route_hops, tls_flags, wait_for
 
 FLAGS = ("--threads", "1", "--n-ctx", "512")
 PROMPT_IDS = [5, 9, 2, 7, 11, 3, 8]

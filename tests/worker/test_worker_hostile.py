@@ -19,7 +19,6 @@ from concurrent import futures
 import grpc
 import numpy as np
 import pytest
-from test_worker_cpp import cpp_stages
 
 from dgr.runtime.wire.client import RouteClient
 from dgr.runtime.wire.gen import stage_pb2 as pb, stage_pb2_grpc as pb_grpc
@@ -27,7 +26,7 @@ from dgr.runtime.wire.prefix import PREFIX_BLOCK_TOKENS, block_hashes, prompt_bl
 
 from support.engine import make_bundle, synth_model
 from support.wire import RawStream
-from support.worker import describe, make_ca, prefill_frame, route_hops, stub, tls_flags, wait_for
+from support.worker import cpp_stages, describe, make_ca, prefill_frame, route_hops, stub, tls_flags, wait_for
 
 FLAGS = ("--threads", "1", "--n-ctx", "512")
 MAX_NEW = 8

@@ -27,10 +27,9 @@ import pytest
 from dgr.runtime.wire.gen import stage_pb2 as pb, stage_pb2_grpc as pb_grpc
 from dgr.testing.fake_engine import library_path
 
-from support.worker import make_ca, tls_flags, wait_for
+from support.worker import READY, make_ca, tls_flags, wait_for
 
 SPEC = "layers=4,embd=8,cuts=2"
-READY = re.compile(r"serving on (\S+)")
 METRICS = re.compile(r"metrics on (\S+)")
 
 
