@@ -183,3 +183,11 @@ def one_line_error(cmd: list[str]) -> tuple[int, str]:
     lines = [x for x in r.stderr.splitlines() if x.strip()]
     assert len(lines) == 1, r.stderr
     return r.returncode, lines[0]
+
+
+# The tiny route of tests/worker/ (conftest.py's `tiny_route`: a 6-layer llama in 3 stages) as its tests serve
+# it (one thread, a 256-token context), and the sampling they draw with.
+RANGES = [(0, 2), (2, 4), (4, 6)]
+N_CTX = 256
+FLAGS = ("--threads", "1", "--n-ctx", str(N_CTX))
+SAMPLED = dict(temperature=0.9, top_k=40, top_p=0.95, seed=11)

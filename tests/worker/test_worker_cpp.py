@@ -39,7 +39,7 @@ from dgr.runtime.wire.limits import Limits
 from dgr.toolchain.buildinfo import build_info
 from dgr.toolchain.bundle import load_bundle
 
-from support.engine import make_bundle, synth_model
+from support.engine import make_bundle
 from support.worker import Proc, cpp, one_line_error
 
 # Describe fields that name the process, not the stage: a member's certificate
@@ -152,18 +152,12 @@ def expected_descriptor(bundle: Path, stage: int, engine: Engine, engine_lib: Pa
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory, engine_lib):
-    d = tmp_path_factory.mktemp("cpp-worker")
-    return make_bundle(synth_model(d, "llama", layers=4), [(0, 2), (2, 4)], d / "store").root
-
-
-@pytest.fixture(scope="module")
-def pair(tiny, worker_bin):
+def pair(tiny_pair, worker_bin):
     """Stage 0 and stage 1 of the tiny bundle, each served by dgr-worker (2 sessions each)."""
     procs = {}
     try:
         for stage in (0, 1):
-            procs[stage] = cpp(worker_bin, tiny, stage, "--max-sessions", "2")
+            procs[stage] = cpp(worker_bin, tiny_pair, stage, "--max-sessions", "2")
         yield procs
     finally:
         for p in procs.values():
@@ -171,20 +165,21 @@ def pair(tiny, worker_bin):
 
 
 @pytest.fixture(scope="module")
-def engines(tiny, engine_lib):
+def engines(tiny_pair, engine_lib):
     """The tiny bundle's two stages opened in this process as the pair opens them."""
-    es = {stage: reference_engine(tiny, stage, max_sessions=2) for stage in (0, 1)}
+    es = {stage: reference_engine(tiny_pair, stage, max_sessions=2) for stage in (0, 1)}
     yield es
     for e in es.values():
         e.close()
 
 
-def test_describe_is_the_bundle_the_pin_and_the_engine(pair, tiny, engines, engine_lib, worker_bin):
+def test_describe_is_the_bundle_the_pin_and_the_engine(pair, tiny_pair, engines, engine_lib, worker_bin):
     for stage in (0, 1):
         c = pair[stage]
         dc = c.stub.Describe(pb.DescribeRequest(), timeout=10)
-        assert fields(dc) == fields(expected_description(tiny, stage, engines[stage], max_sessions=2)), f"stage {stage}"
-        assert descriptor(dc) == expected_descriptor(tiny, stage, engines[stage], engine_lib, worker_bin,
+        want = expected_description(tiny_pair, stage, engines[stage], max_sessions=2)
+        assert fields(dc) == fields(want), f"stage {stage}"
+        assert descriptor(dc) == expected_descriptor(tiny_pair, stage, engines[stage], engine_lib, worker_bin,
                                                    max_sessions=2), \
             f"stage {stage}"
         assert json.loads(dc.descriptor_json)["address"] == c.address
@@ -234,7 +229,7 @@ def wire_error(code: int, stage: int, address: str, message: str, **kw) -> pb.Wi
     return pb.WireError(code=code, hop=hop, message=f"{hop}: {message}", **kw)
 
 
-def test_open_close_and_their_typed_errors(pair, tiny, engines):
+def test_open_close_and_their_typed_errors(pair, tiny_pair, engines):
     s0, s1 = pair[0], pair[1]
     a0, a1 = s0.address, s1.address
     descs = [s.stub.Describe(pb.DescribeRequest(), timeout=10) for s in (s0, s1)]
@@ -243,7 +238,7 @@ def test_open_close_and_their_typed_errors(pair, tiny, engines):
     ok = open_reply(s0, good, "a", 1)
     assert not ok.HasField("error"), ok.error
     # the hops' descriptions, as each stood before it opened the session
-    assert [fields(h) for h in ok.hops] == [fields(expected_description(tiny, s, engines[s], max_sessions=2))
+    assert [fields(h) for h in ok.hops] == [fields(expected_description(tiny_pair, s, engines[s], max_sessions=2))
                                             for s in (0, 1)]
     assert s0.stub.Describe(pb.DescribeRequest()).open_sessions == 1
     assert s1.stub.Describe(pb.DescribeRequest()).open_sessions == 1
@@ -275,7 +270,7 @@ def test_open_close_and_their_typed_errors(pair, tiny, engines):
     bad_up = pb.StageDescription()
     bad_up.CopyFrom(descs[0])
     bad_up.schema_out.n_embd = 32
-    n_embd, dtype = descs[1].schema_in.n_embd, load_bundle(tiny).manifest.boundary_dtype
+    n_embd, dtype = descs[1].schema_in.n_embd, load_bundle(tiny_pair).manifest.boundary_dtype
     assert open_reply(s1, good, "s", 1, hop_index=1, upstream=bad_up).error == wire_error(
         pb.SCHEMA_MISMATCH, 1, a1, f"stage 0 ({a0}) sends [n, 1, 32] {dtype} at layer 2 +token ids of bundle {bid} "
                                    f"but this stage takes [n, 1, {n_embd}] {dtype} at layer 2 of bundle {bid} "
@@ -317,59 +312,61 @@ def test_frames_refusals_are_typed_errors(pair):
     assert got == [want, want]
 
 
-def test_bad_flags_and_inputs_are_one_clear_line(worker_bin, tiny, tmp_path):
+def test_bad_flags_and_inputs_are_one_clear_line(worker_bin, tiny_pair, tmp_path):
     w = str(worker_bin)
-    rc, line = one_line_error([w, "--bundle", str(tiny), "--stage", "0", "--no-such-flag"])
+    rc, line = one_line_error([w, "--bundle", str(tiny_pair), "--stage", "0", "--no-such-flag"])
     assert rc == 2 and "unrecognized argument: --no-such-flag" in line
-    rc, line = one_line_error([w, "--bundle", str(tiny)])
+    rc, line = one_line_error([w, "--bundle", str(tiny_pair)])
     assert rc == 2 and "--stage" in line
-    rc, line = one_line_error([w, "--bundle", str(tiny), "--stage", "x"])
+    rc, line = one_line_error([w, "--bundle", str(tiny_pair), "--stage", "x"])
     assert rc == 2 and "invalid int value: 'x'" in line
-    rc, line = one_line_error([w, "--bundle", str(tiny), "--stage", "2"])
+    rc, line = one_line_error([w, "--bundle", str(tiny_pair), "--stage", "2"])
     assert rc == 1 and "has 2 stages (0..1); there is no stage 2" in line
     rc, line = one_line_error([w, "--bundle", str(tmp_path / "none"), "--stage", "0"])
     assert rc == 1 and "cannot read the bundle manifest" in line
-    rc, line = one_line_error([w, "--bundle", str(tiny), "--stage", "0", "--listen", "0.0.0.0:0"])
+    rc, line = one_line_error([w, "--bundle", str(tiny_pair), "--stage", "0", "--listen", "0.0.0.0:0"])
     assert rc == 1 and "refusing to listen on 0.0.0.0:0 without TLS" in line
-    rc, line = one_line_error([w, "--bundle", str(tiny), "--stage", "0", "--wire-dtype", "f8"])
+    rc, line = one_line_error([w, "--bundle", str(tiny_pair), "--stage", "0", "--wire-dtype", "f8"])
     assert rc == 1 and "unknown wire dtype 'f8'" in line
-    rc, line = one_line_error([w, "--bundle", str(tiny), "--stage", "0", "--tls-cert", "x.pem"])
+    rc, line = one_line_error([w, "--bundle", str(tiny_pair), "--stage", "0", "--tls-cert", "x.pem"])
     assert rc == 1 and "give both --tls-cert and --tls-key" in line
-    rc, line = one_line_error([w, "--bundle", str(tiny), "--stage", "0", "--tls-ca", "ca.pem"])
+    rc, line = one_line_error([w, "--bundle", str(tiny_pair), "--stage", "0", "--tls-ca", "ca.pem"])
     assert rc == 1 and "--tls-ca needs --tls-cert and --tls-key" in line
-    rc, line = one_line_error([w, "--bundle", str(tiny), "--stage", "0", "--tls-cert", str(tmp_path / "c.pem"),
+    rc, line = one_line_error([w, "--bundle", str(tiny_pair), "--stage", "0", "--tls-cert", str(tmp_path / "c.pem"),
                                "--tls-key", str(tmp_path / "k.pem")])
     assert rc == 1 and "c.pem: no such file (make one with `dgr certs init` / `dgr certs issue`)" in line
-    rc, line = one_line_error([w, "--bundle", str(tiny), "--stage", "0", "--listen", "0.0.0.0:0", "--insecure", "--advertise", "0.0.0.0"])
+    rc, line = one_line_error([w, "--bundle", str(tiny_pair), "--stage", "0", "--listen", "0.0.0.0:0", "--insecure",
+                               "--advertise", "0.0.0.0"])
     assert rc == 1 and "--advertise 0.0.0.0: give the HOST[:PORT]" in line
-    rc, line = one_line_error([w, "--bundle", str(tiny), "--stage", "0", "--send-timeout", "0"])
+    rc, line = one_line_error([w, "--bundle", str(tiny_pair), "--stage", "0", "--send-timeout", "0"])
     assert rc == 1 and "--send-timeout must be more than 0" in line
-    rc, line = one_line_error([w, "--bundle", str(tiny), "--stage", "0", "--lane", "vulkan"])
+    rc, line = one_line_error([w, "--bundle", str(tiny_pair), "--stage", "0", "--lane", "vulkan"])
     assert rc == 1 and "built for the cpu lane" in line
     with socket.socket() as sk:                  # a port in use
         sk.bind(("127.0.0.1", 0))
         sk.listen()
-        rc, line = one_line_error([w, "--bundle", str(tiny), "--stage", "0", "--listen",
+        rc, line = one_line_error([w, "--bundle", str(tiny_pair), "--stage", "0", "--listen",
                                    f"127.0.0.1:{sk.getsockname()[1]}"])
     assert rc == 1 and "cannot listen on" in line
     env = {**os.environ, "DGR_ENGINE_LIB": str(tmp_path / "libnone.so")}
-    r = subprocess.run([w, "--bundle", str(tiny), "--stage", "0"], capture_output=True, text=True, env=env, timeout=60)
+    r = subprocess.run([w, "--bundle", str(tiny_pair), "--stage", "0"], capture_output=True, text=True, env=env,
+                       timeout=60)
     assert r.returncode == 1 and "no engine library at" in r.stderr and r.stderr.count("\n") == 1
 
 
-def test_sigterm_drains_and_exits(worker_bin, tiny):
-    c = cpp(worker_bin, tiny, 0)
+def test_sigterm_drains_and_exits(worker_bin, tiny_pair):
+    c = cpp(worker_bin, tiny_pair, 0)
     c.p.send_signal(signal.SIGTERM)
     assert c.p.wait(timeout=30) == 0
     assert "drained and stopped" in c.output()
 
 
-def test_dgr_worker_serve_runs_dgr_worker_with_its_flags(worker_bin, tiny, tmp_path, monkeypatch):
+def test_dgr_worker_serve_runs_dgr_worker_with_its_flags(worker_bin, tiny_pair, tmp_path, monkeypatch):
     """`dgr worker serve --bundle` is the front end: it checks the bundle and becomes dgr-worker (the same
     process), every flag passed on; what it refuses it refuses before, in one line."""
     monkeypatch.setenv("DGR_WORKER_BIN", str(worker_bin))
     env = dict(os.environ)
-    p = Proc([sys.executable, "-m", "dgr", "worker", "serve", "--bundle", str(tiny), "--stage", "1",
+    p = Proc([sys.executable, "-m", "dgr", "worker", "serve", "--bundle", str(tiny_pair), "--stage", "1",
               "--listen", "127.0.0.1:0", "--max-sessions", "3", "--session-ttl", "7.5"])
     try:
         assert Path(os.readlink(f"/proc/{p.p.pid}/exe")).resolve() == worker_bin.resolve()
@@ -380,11 +377,11 @@ def test_dgr_worker_serve_runs_dgr_worker_with_its_flags(worker_bin, tiny, tmp_p
         assert (d.identity.stage_index, d.max_sessions) == (1, 3)
     finally:
         p.stop()
-    bad = subprocess.run([sys.executable, "-m", "dgr", "worker", "serve", "--bundle", str(tiny), "--stage", "5"],
+    bad = subprocess.run([sys.executable, "-m", "dgr", "worker", "serve", "--bundle", str(tiny_pair), "--stage", "5"],
                          capture_output=True, text=True, env=env, timeout=60)
     assert bad.returncode != 0 and "there is no stage 5" in bad.stderr
     missing = {**env, "DGR_WORKER_BIN": str(tmp_path / "nothing")}
-    bad = subprocess.run([sys.executable, "-m", "dgr", "worker", "serve", "--bundle", str(tiny), "--stage", "0"],
+    bad = subprocess.run([sys.executable, "-m", "dgr", "worker", "serve", "--bundle", str(tiny_pair), "--stage", "0"],
                          capture_output=True, text=True, env=missing, timeout=60)
     assert bad.returncode != 0 and "not an executable file" in bad.stderr
 

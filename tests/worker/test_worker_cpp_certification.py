@@ -13,7 +13,6 @@ import re
 import subprocess
 
 import pytest
-from test_worker_cpp import tiny  # noqa: F401  (the fixture)
 
 from dgr.core.certificate import (Certificate, ContractRef, Figure, Hardware, Identity, StageRange, contract_hash,
                                   load_certificate)
@@ -26,8 +25,8 @@ from support.worker import cpp
 LOGGED = re.compile(r"(ignoring .*|advertising certificate .*)$")
 
 
-def _identity(tiny, worker_bin) -> dict:
-    p = cpp(worker_bin, tiny, 0)
+def _identity(tiny_pair, worker_bin) -> dict:
+    p = cpp(worker_bin, tiny_pair, 0)
     try:
         from dgr.runtime.wire.gen import stage_pb2 as pb
         return json.loads(p.stub.Describe(pb.DescribeRequest()).descriptor_json)["identity"]
@@ -54,11 +53,11 @@ OTHER_NUMERICS = "cpu/native-x86-64-v3+avx512 gcc-12.2.0 llama.cpp-0123456789ab+
 
 
 @pytest.fixture(scope="module")
-def certificates(tmp_path_factory, tiny, worker_bin):
+def certificates(tmp_path_factory, tiny_pair, worker_bin):
     """({"cpp": DIR, "other": DIR}, contract, {kind: (its worker_blake3, a-good's digest, DIR)}): the same
     certificates, written for this dgr-worker's binary and for another build's."""
     d = tmp_path_factory.mktemp("cpp-certification")
-    idn = _identity(tiny, worker_bin)
+    idn = _identity(tiny_pair, worker_bin)
     # the descriptor names the binary that is running: Python's blake3 of the file says the same
     assert idn["worker_blake3"] == file_blake3(worker_bin, threads=False)
     contract = write_contract(d / "contract.toml")
@@ -101,12 +100,12 @@ def _short(h: str) -> str:
 
 
 @pytest.mark.parametrize("with_contract", [False, True])
-def test_the_matching_certificate_is_advertised_and_each_other_one_logged_with_its_reason(certificates, tiny,
+def test_the_matching_certificate_is_advertised_and_each_other_one_logged_with_its_reason(certificates, tiny_pair,
                                                                                         worker_bin, with_contract):
     dirs, contract, mine = certificates
     out = dirs["cpp"]
     flags = ["--certs", str(out), *(["--contract", str(contract)] if with_contract else [])]
-    held, log = _served(cpp(worker_bin, tiny, 0, *flags))
+    held, log = _served(cpp(worker_bin, tiny_pair, 0, *flags))
     # the references: the certificate files themselves and the contract files as they are now
     good, stale = load_certificate(out / "a-good.json"), load_certificate(out / "b-stale.json")
     assert good.digest == mine["cpp"][1]
@@ -143,18 +142,18 @@ def test_the_matching_certificate_is_advertised_and_each_other_one_logged_with_i
     assert good.identity.numerics, "the worker's descriptor names its numerics"
 
 
-def test_a_certificate_for_another_worker_binary_is_not_advertised(certificates, tiny, worker_bin):
+def test_a_certificate_for_another_worker_binary_is_not_advertised(certificates, tiny_pair, worker_bin):
     """dgr-worker given the certificates written for another build's binary: none is advertised, and each one
     whose identity and stage match says the worker binary differs."""
     dirs, contract, mine = certificates
-    held, log = _served(cpp(worker_bin, tiny, 0, "--certs", str(dirs["other"])))
+    held, log = _served(cpp(worker_bin, tiny_pair, 0, "--certs", str(dirs["other"])))
     assert held == []
     line = next(x for x in log if "a-good.json" in x)
     assert line == (f"ignoring certificate a-good.json (lane cpu): certificate is for worker {mine['other'][0][:12]}, "
                     f"this worker is {mine['cpp'][0][:12]}: re-certify")
 
 
-def test_a_missing_certs_directory_or_contract_is_refused_in_one_line(certificates, tiny, worker_bin, tmp_path):
+def test_a_missing_certs_directory_or_contract_is_refused_in_one_line(certificates, tiny_pair, worker_bin, tmp_path):
     dirs, contract, _ = certificates
     out = dirs["cpp"]
     for flags, why in ((["--certs", str(tmp_path / "none")],
@@ -162,6 +161,6 @@ def test_a_missing_certs_directory_or_contract_is_refused_in_one_line(certificat
                         "there)"),
                        (["--certs", str(out), "--contract", str(tmp_path / "gone.toml")],
                         f"--contract {tmp_path / 'gone.toml'}: no such file")):
-        r = subprocess.run([str(worker_bin), "--bundle", str(tiny), "--stage", "0", "--listen", "127.0.0.1:0", *flags],
-                           capture_output=True, text=True, timeout=120)
+        cmd = [str(worker_bin), "--bundle", str(tiny_pair), "--stage", "0", "--listen", "127.0.0.1:0", *flags]
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
         assert r.returncode == 1 and r.stderr.splitlines() == [f"dgr-worker: error: {why}"], r.stderr

@@ -28,15 +28,11 @@ from dgr.runtime.wire.errors import RemoteEngineError
 from dgr.runtime.wire.gen import stage_pb2 as pb, stage_pb2_grpc as pb_grpc
 from dgr.runtime.wire.stats import summarize
 
-from support.engine import make_bundle, synth_model
-from support.worker import cpp_stages, prefill_frame, route_hops
+from support.engine import make_bundle
+from support.worker import FLAGS, N_CTX, RANGES, SAMPLED, cpp_stages, prefill_frame, route_hops
 
 PROMPT = "The three primary colors are"
 MAX_NEW = 12
-SAMPLED = dict(temperature=0.9, top_k=40, top_p=0.95, seed=11)
-N_CTX = 256
-FLAGS = ("--threads", "1", "--n-ctx", str(N_CTX))
-RANGES = [(0, 2), (2, 4), (4, 6)]
 
 
 def context_full(position: int, n_ctx: int) -> str:
@@ -51,16 +47,9 @@ def _start(bundle, n, worker_bin, *extra):
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory, engine_lib):
-    d = tmp_path_factory.mktemp("cpp-frames")
-    src = synth_model(d, "llama", layers=6)
-    return src, make_bundle(src, RANGES, d / "store").root
-
-
-@pytest.fixture(scope="module")
-def routes(tiny, worker_bin):
+def routes(tiny_route, worker_bin):
     """The tiny bundle's 3 stages as dgr-workers."""
-    procs = _start(tiny[1], 3, worker_bin)
+    procs = _start(tiny_route[1], 3, worker_bin)
     try:
         yield [p.address for p in procs]
     finally:
@@ -69,9 +58,9 @@ def routes(tiny, worker_bin):
 
 
 @pytest.fixture(scope="module")
-def whole(tiny, engine_lib):
+def whole(tiny_route, engine_lib):
     """The tiny model whole, in this process: the reference."""
-    with Engine.open(tiny[0], lib=engine_lib, n_threads=1, n_ctx=2 * N_CTX) as eng:
+    with Engine.open(tiny_route[0], lib=engine_lib, n_threads=1, n_ctx=2 * N_CTX) as eng:
         yield eng
 
 
@@ -226,7 +215,7 @@ def test_concurrent_sessions_equal_sequential_and_whole_model(routes, whole):
         same(a, reference([whole], a.prompt_ids, MAX_NEW))
 
 
-def test_sessions_sharing_forwards_equal_each_alone_and_the_whole_model(tiny, worker_bin, whole):
+def test_sessions_sharing_forwards_equal_each_alone_and_the_whole_model(tiny_route, worker_bin, whole):
     """Exact under load: with --hold-batch 4 every stage runs a forward only when steps of 4 sessions wait
     (or of every open one, when fewer are open), so the sessions' steps share forwards, at different
     positions; each session's tokens and every logits row are still the whole model's, bit for bit. The
@@ -236,7 +225,7 @@ def test_sessions_sharing_forwards_equal_each_alone_and_the_whole_model(tiny, wo
 
     prompts = ["The capital of France is", "Once upon a time, in a land far away,", "def f(n):", "1, 2, 3,"]
     n_new = 200                                      # long enough that all four are open together
-    procs = _start(tiny[1], 3, worker_bin, "--hold-batch", "4", "--metrics-listen", "127.0.0.1:0")
+    procs = _start(tiny_route[1], 3, worker_bin, "--hold-batch", "4", "--metrics-listen", "127.0.0.1:0")
     try:
         addresses = [p.address for p in procs]
         with ThreadPoolExecutor(len(prompts)) as ex:
@@ -285,9 +274,9 @@ def test_bad_frames_answer_typed_errors(routes):
     ch.close()
 
 
-def test_overloaded_with_retry_hint(tiny, worker_bin):
+def test_overloaded_with_retry_hint(tiny_route, worker_bin):
     """A full step queue answers OVERLOADED with retry_after_ms (the hold keeps the first step queued)."""
-    procs = _start(tiny[1], 3, worker_bin, "--max-queued-steps", "1", "--hold-batch", "2")
+    procs = _start(tiny_route[1], 3, worker_bin, "--max-queued-steps", "1", "--hold-batch", "2")
     try:
         addrs = [p.address for p in procs]
         descs = [p.stub.Describe(pb.DescribeRequest(), timeout=10) for p in procs]
@@ -331,13 +320,13 @@ def test_smollm2_three_stages_equal_whole_model(smol_route, smollm2_gguf, engine
 
 
 @pytest.mark.parametrize("dtype", ["f16", "bf16", "q8_0"])
-def test_lossy_wire_dtypes_equal_the_codec_split(tiny, worker_bin, engine_lib, whole, dtype):
+def test_lossy_wire_dtypes_equal_the_codec_split(tiny_route, worker_bin, engine_lib, whole, dtype):
     """ggml's converters (the engine library's) in dgr-worker: a route in a lossy wire dtype generates what
     the stages chained in this process do with every boundary through dgr.runtime.wire.codec's numpy conversion
     (equal to ggml's bit for bit), greedy and sampled; which is not what f32 boundaries give."""
     code = codec.DTYPES[dtype]
     lossy = lambda x: codec.decode(codec.encode(x, code))      # noqa: E731
-    procs = _start(tiny[1], 3, worker_bin, "--wire-dtype", dtype)
+    procs = _start(tiny_route[1], 3, worker_bin, "--wire-dtype", dtype)
     stages = []
     try:
         a = [p.address for p in procs]
@@ -345,7 +334,7 @@ def test_lossy_wire_dtypes_equal_the_codec_split(tiny, worker_bin, engine_lib, w
             assert [h.schema_out.dtype for h in c.describe()[:-1]] == [code, code]
         g = _run(a, logits="last")
         s = _run(a, logits="last", **SAMPLED)
-        stages = [Engine.open(tiny[0], layer_range=r, lib=engine_lib, n_threads=1, n_ctx=N_CTX) for r in RANGES]
+        stages = [Engine.open(tiny_route[0], layer_range=r, lib=engine_lib, n_threads=1, n_ctx=N_CTX) for r in RANGES]
         ref = reference(stages, g.prompt_ids, MAX_NEW, transform=lossy)
         same(g, ref)
         same(s, reference(stages, s.prompt_ids, MAX_NEW, transform=lossy, sampling=SAMPLED))

@@ -14,14 +14,13 @@ import time
 import grpc
 import numpy as np
 import pytest
-from test_worker_cpp_frames import FLAGS, SAMPLED, tiny  # noqa: F401  (tiny: the fixture)
 
 from dgr.runtime.wire.client import RouteClient
 from dgr.runtime.wire.errors import StageError
 from dgr.runtime.wire.gen import stage_pb2 as pb, stage_pb2_grpc as pb_grpc
 
 from support.wire import RawStream
-from support.worker import cpp, open_route, route_hops
+from support.worker import FLAGS, SAMPLED, cpp, open_route, route_hops
 
 PROMPT_IDS = list(range(5, 25))
 
@@ -65,10 +64,10 @@ def _same(gen, want):
 
 
 @pytest.mark.parametrize("at", [1, 9])
-def test_kill_9_of_a_middle_stage_at_an_exact_step_recovers_to_the_same_text(tiny, worker_bin, at):
+def test_kill_9_of_a_middle_stage_at_an_exact_step_recovers_to_the_same_text(tiny_route, worker_bin, at):
     max_new = 24
     victim_step = len(PROMPT_IDS) + at - 1                    # right after generated token `at`
-    procs = _route(tiny[1], worker_bin, ("--test-die-at", f"victim:1:{victim_step}"))
+    procs = _route(tiny_route[1], worker_bin, ("--test-die-at", f"victim:1:{victim_step}"))
     s0, a, b, s2 = procs
     replicas = [[s0.address], [a.address, b.address], [s2.address]]
     try:
@@ -89,17 +88,17 @@ def test_kill_9_of_a_middle_stage_at_an_exact_step_recovers_to_the_same_text(tin
         _stop(procs)
 
 
-def test_bad_test_die_at_is_refused(tiny, worker_bin):
+def test_bad_test_die_at_is_refused(tiny_route, worker_bin):
     for bad in ("victim", "victim:1", "victim:x:3", ":1:3", "victim:1:-3"):
-        r = subprocess.run([str(worker_bin), "--bundle", str(tiny[1]), "--stage", "0", "--test-die-at", bad],
+        r = subprocess.run([str(worker_bin), "--bundle", str(tiny_route[1]), "--stage", "0", "--test-die-at", bad],
                            capture_output=True, text=True, timeout=60)
         assert r.returncode == 2 and "give SESSION:EPOCH:POSITION" in r.stderr, (bad, r.stderr)
 
 
-def test_sigterm_while_a_generation_streams_exits_within_the_bound_and_the_client_recovers(tiny, worker_bin):
+def test_sigterm_while_a_generation_streams_exits_within_the_bound_and_the_client_recovers(tiny_route, worker_bin):
     bound = 8.0                                      # a drain takes ~1 s; the margin is for a loaded machine
     max_new = 200
-    procs = _route(tiny[1], worker_bin, ("--drain-timeout", str(bound)))
+    procs = _route(tiny_route[1], worker_bin, ("--drain-timeout", str(bound)))
     s0, a, b, s2 = procs
     replicas = [[s0.address], [a.address, b.address], [s2.address]]
     try:
@@ -137,8 +136,8 @@ def test_sigterm_while_a_generation_streams_exits_within_the_bound_and_the_clien
         _stop(procs)
 
 
-def test_sigterm_with_no_replica_gives_the_client_a_clear_error(tiny, worker_bin):
-    procs = [cpp(worker_bin, tiny[1], i, *FLAGS, "--drain-timeout", "8") for i in range(3)]
+def test_sigterm_with_no_replica_gives_the_client_a_clear_error(tiny_route, worker_bin):
+    procs = [cpp(worker_bin, tiny_route[1], i, *FLAGS, "--drain-timeout", "8") for i in range(3)]
     try:
         with RouteClient([p.address for p in procs], timeout=30, attempts=1) as c:
             with pytest.raises(StageError) as e:
@@ -150,11 +149,11 @@ def test_sigterm_with_no_replica_gives_the_client_a_clear_error(tiny, worker_bin
         _stop(procs)
 
 
-def test_kill_9_mid_speculation_recovers_to_the_same_text(tiny, worker_bin):
+def test_kill_9_mid_speculation_recovers_to_the_same_text(tiny_route, worker_bin):
     prompt = [1] + [20, 21, 22, 23, 24, 25] * 4                # restates itself: the origin drafts
     max_new, at = 40, 12
     victim_step = len(prompt) + at - 1                        # a speculative step holds it (drafts or not)
-    procs = _route(tiny[1], worker_bin, ("--test-die-at", f"spec-victim:1:{victim_step}"))
+    procs = _route(tiny_route[1], worker_bin, ("--test-die-at", f"spec-victim:1:{victim_step}"))
     s0, a, b, s2 = procs
     replicas = [[s0.address], [a.address, b.address], [s2.address]]
     try:
