@@ -1,7 +1,7 @@
 """The suite cannot pass by accident: a test module that collects nothing fails (through the Bazel
 launcher, toolchains/bazel/dgr_launcher.py, run here without Bazel over a runfiles folder made in tmp),
-every tests/<area>/test_*.py holds tests (and sits in one folder below tests/, its name unique), and the `slow` marker selects real tests (CI runs `-m slow` and
-`-m "not slow"`, together the whole suite)."""
+every tests/<area>/test_*.py holds tests (and sits in one folder below tests/, its name unique), and the
+`slow` marker selects real tests (CI runs `-m slow` and `-m "not slow"`, together the whole suite)."""
 
 from __future__ import annotations
 
