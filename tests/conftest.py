@@ -73,6 +73,34 @@ def release_cpu_tar() -> Path:
     return build_release("cpu")
 
 
+# families: DeepSeek V4's real layer structure (43 main layers + MTP at tiny width) as a synthetic
+# GGUF, written once a session; the V4 writer's tests and the V4 recipes' plans only read it.
+@pytest.fixture(scope="session")
+def v4shape(tmp_path_factory) -> Path:
+    from dgr.toolchain.synth.deepseek4 import synth_deepseek4_v4shape
+
+    return synth_deepseek4_v4shape(tmp_path_factory.mktemp("v4") / "v4shape.gguf", seed=0)
+
+# worker: the tiny llama bundles the dgr-worker tests serve (tests/worker/), made once per test module.
+# `tiny_pair`: 4 layers in 2 stages (the bundle's root); `tiny_route`: 6 layers in 3 stages (the source GGUF,
+# the bundle's root). support is imported in the fixtures: tests/suite/test_ci_skips.py runs this file alone.
+@pytest.fixture(scope="module")
+def tiny_pair(tmp_path_factory, engine_lib) -> Path:
+    from support.engine import make_bundle, synth_model
+
+    d = tmp_path_factory.mktemp("cpp-worker")
+    return make_bundle(synth_model(d, "llama", layers=4), [(0, 2), (2, 4)], d / "store").root
+
+
+@pytest.fixture(scope="module")
+def tiny_route(tmp_path_factory, engine_lib) -> tuple[Path, Path]:
+    from support.engine import make_bundle, synth_model
+    from support.worker import RANGES
+
+    d = tmp_path_factory.mktemp("cpp-frames")
+    src = synth_model(d, "llama", layers=6)
+    return src, make_bundle(src, RANGES, d / "store").root
+
 # ci: under CI (CI=true, .ci/run; Bazel passes it to every py_test, .bazelrc) a test may skip only for a
 # reason listed here, so a tool missing on the CI machine cannot turn a test off without failing the run.
 # Key: the test file; value: why CI may skip it there.

@@ -210,7 +210,7 @@ def dgr_releases():
     lane_alias("release", ":release_%s", visibility = None)
 
 # Lanes with a worker image. Why the others have none, and what theirs would need, is said once, by
-# tools/dgr/toolchain/image.py (LANE_IMAGES), which their image_<lane> targets run (tests/test_build_image.py
+# tools/dgr/toolchain/image.py (LANE_IMAGES), which their image_<lane> targets run (tests/builds/test_build_image.py
 # holds the two lists equal).
 IMAGE_LANES = ["cpu"]
 

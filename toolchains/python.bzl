@@ -1,4 +1,4 @@
-"""The Python test suite as Bazel targets: one py_test per tests/test_*.py file.
+"""The Python test suite as Bazel targets: one py_test per tests/*/test_*.py file.
 
 Each test runs through toolchains/bazel/dgr_launcher.py, which hands it the lane's Bazel-built engine
 (found through runfiles) as $DGR_ENGINE_LIB. Tests share dgr's workspace (.dgr/ or $DGR_WORKSPACE:
@@ -21,7 +21,9 @@ def dgr_py_tests(srcs, lane = "cpu", data = [], slow = [], tags = [], cmake_engi
     # resolves it): for the in-process fake and for dgr-worker --fake-engine
     fake = "//worker/fake:libdgr_fake_engine.so"
     for src in srcs:
-        name = src[:-len(".py")]
+        # tests/<area>/test_x.py is //tests:test_x: the file's name alone (unique across the areas,
+        # tests/suite/test_suite_launcher.py), so a target keeps its label when its file changes area
+        name = src.split("/")[-1][:-len(".py")]
         own = src not in cmake_engine
         py_test(
             name = name,

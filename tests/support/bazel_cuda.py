@@ -1,4 +1,4 @@
-"""Helpers for the CUDA lane's checks (tests/test_build_bazel_cuda.py and scripts/check-cuda-lane):
+"""Helpers for the CUDA lane's checks (tests/builds/test_build_bazel_cuda.py and scripts/check-cuda-lane):
 finding nvcc, Bazel in its own output base, and what a built shared library needs and exports."""
 
 from __future__ import annotations
@@ -12,7 +12,8 @@ from pathlib import Path
 
 from dgr.core.paths import workspace
 
-REPO = Path(__file__).resolve().parents[2]
+from support.paths import REPO
+
 PROBE = "@llama_cpp//:ggml_cuda_backend_probe.so"
 
 

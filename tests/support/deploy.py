@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from support.engine import make_bundle, synth_model
+from support.paths import REPO
 
-REPO = Path(__file__).resolve().parents[2]
 TINY_RANGES = [(0, 2), (2, 4), (4, 6)]
 
 

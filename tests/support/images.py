@@ -1,4 +1,4 @@
-"""Running the worker's image without a container runtime (tests/test_build_image.py, tests/test_build_deb.py).
+"""Running the worker's image without a container runtime (tests/builds/test_build_image.py, tests/builds/test_build_deb.py).
 
 An image is unpacked as a runtime does it (index.json -> manifest -> layers in order, each extracted over
 the last) and its entrypoint run in a chroot of that folder, with what an OCI runtime gives a container and

@@ -19,7 +19,8 @@ import pytest
 from dgr.core.hashing import file_sha256
 from dgr.toolchain import treehash, upstream
 
-REPO = Path(__file__).resolve().parents[2]
+from support.paths import REPO
+
 TREEHASH_SCRIPT = REPO / "tools" / "dgr" / "toolchain" / "treehash.py"
 FAKE_COMMIT = "ab" * 20  # the tiny upstream's "commit" (any 40 hex)
 

@@ -1,10 +1,14 @@
 """Helpers for the worker-side tests of bounded resources, drain and TLS: worker processes with extra
-flags, raw stubs over plaintext or TLS, sessions opened along a route by hand, and a local CA."""
+flags, raw stubs over plaintext or TLS, sessions opened along a route by hand, and a local CA; and dgr-worker
+processes serving stages of a bundle (Proc, cpp, cpp_stages), shared by the tests of tests/worker/."""
 
 from __future__ import annotations
 
 import os
+import re
 import signal
+import subprocess
+import threading
 import time
 from pathlib import Path
 
@@ -94,3 +98,96 @@ def tls_flags(cfg: wtls.TlsConfig, mutual: bool = True) -> list[str]:
 
 
 # A raw Frames stream as a peer holding a certificate: support.wire.RawStream(address, tls).
+
+
+# dgr-worker processes (worker/server) serving stages of a bundle, read by the tests of tests/worker/.
+# Each says `serving on ADDRESS` once it serves.
+READY = re.compile(r"serving on (\S+)")
+
+
+class Proc:
+    """A worker process serving one stage; its address once it says so."""
+
+    def __init__(self, cmd: list[str]):
+        self.cmd = cmd
+        self.t0 = time.monotonic()
+        self.p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                  env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        self.log: list[str] = []
+        self.address = ""
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            line = self.p.stdout.readline()
+            if not line:
+                raise AssertionError(f"{cmd[0]} exited ({self.p.wait()}) before serving:\n{''.join(self.log)}")
+            self.log.append(line)
+            if m := READY.search(line):
+                self.address = m.group(1)
+                break
+        assert self.address, f"{cmd} did not serve within 120 s:\n{''.join(self.log)}"
+        self.ready_s = time.monotonic() - self.t0
+        # keep reading its output: a worker that logs into a full pipe nobody reads blocks there, holding
+        # whatever lock it logged under (docs/worker.md "Locks and their order")
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+        self.channel = grpc.insecure_channel(self.address)
+        self.stub = pb_grpc.StageStub(self.channel)
+
+    def _read(self) -> None:
+        for line in self.p.stdout:
+            self.log.append(line)
+
+    def output(self, timeout: float = 30) -> str:
+        """Everything the worker wrote, once it has exited (or `timeout` s after asking)."""
+        self._reader.join(timeout)
+        return "".join(self.log)
+
+    def rss_kib(self) -> int:
+        for line in Path(f"/proc/{self.p.pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+        return 0
+
+    def stop(self) -> str:
+        self.channel.close()
+        if self.p.poll() is None:
+            self.p.send_signal(signal.SIGTERM)
+            try:
+                self.p.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.p.kill()
+                self.p.wait()
+        return self.output()
+
+
+def cpp(worker_bin: Path, bundle: Path, stage: int, *extra: str) -> Proc:
+    return Proc([str(worker_bin), "--bundle", str(bundle), "--stage", str(stage), "--listen", "127.0.0.1:0", *extra])
+
+
+def cpp_stages(worker_bin: Path, bundle: Path, n: int, *extra: str, per_stage=lambda i: ()) -> list[Proc]:
+    """Stages 0..n-1 of `bundle` as dgr-workers, each with `extra` and `per_stage(i)` flags; the ones
+    started are stopped again when one fails to serve."""
+    procs: list[Proc] = []
+    try:
+        for i in range(n):
+            procs.append(cpp(worker_bin, bundle, i, *extra, *per_stage(i)))
+    except BaseException:
+        for p in procs:
+            p.stop()
+        raise
+    return procs
+
+
+def one_line_error(cmd: list[str]) -> tuple[int, str]:
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    lines = [x for x in r.stderr.splitlines() if x.strip()]
+    assert len(lines) == 1, r.stderr
+    return r.returncode, lines[0]
+
+
+# The tiny route of tests/worker/ (conftest.py's `tiny_route`: a 6-layer llama in 3 stages) as its tests serve
+# it (one thread, a 256-token context), and the sampling they draw with.
+RANGES = [(0, 2), (2, 4), (4, 6)]
+N_CTX = 256
+FLAGS = ("--threads", "1", "--n-ctx", str(N_CTX))
+SAMPLED = dict(temperature=0.9, top_k=40, top_p=0.95, seed=11)

@@ -8,10 +8,10 @@ The engine is located with the `runfiles` library (PyPI `bazel-runfiles`; rules_
 current Bazel) and handed to dgr as $DGR_ENGINE_LIB, the variable dgr.runtime.engine reads, so that tests and
 the worker use the Bazel-built engine of their lane and never build one themselves.
 
-A test module that collects no tests fails (pytest's exit 5 stays an error): a tests/test_*.py of
+A test module that collects no tests fails (pytest's exit 5 stays an error): a tests/*/test_*.py of
 helpers only, or one whose tests all vanished, must not pass as green. Only when the caller's own
 options (-m, -k) deselected every collected test does the run pass, since it ran what was asked.
-tests/test_suite_launcher.py runs this file outside Bazel with a runfiles folder it makes itself.
+tests/suite/test_suite_launcher.py runs this file outside Bazel with a runfiles folder it makes itself.
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ def run_pytest(tests: list[str], opts: list[str]) -> int:
             print(f"dgr_launcher: all {seen.count} tests of {' '.join(tests)} deselected by {' '.join(opts)}: "
                   "nothing asked for ran, nothing failed", file=sys.stderr)
             return 0
-        print(f"dgr_launcher: FAILED: {' '.join(tests)} collected no tests. A tests/test_*.py must hold tests; "
+        print(f"dgr_launcher: FAILED: {' '.join(tests)} collected no tests. A tests/*/test_*.py must hold tests; "
               "helpers belong in tests/support/.", file=sys.stderr)
     return int(code)
 

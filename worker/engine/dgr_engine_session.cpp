@@ -83,7 +83,7 @@ int32_t dgr_session_n_cached(dgr_engine * eng, const char * sid, int64_t epoch, 
 
 // A saved state keeps every cell of the sequence, sliding-window ones too (patch 0025): a restore lays them out
 // as the run that computed them had them and can drop later positions. An engine over pristine llama.cpp (the
-// reference build, tests/test_engine_reference.py) saves what llama.cpp saves.
+// reference build, tests/engine/test_engine_reference.py) saves what llama.cpp saves.
 #ifdef LLAMA_STATE_SEQ_FLAGS_ALL_CELLS
 static constexpr llama_state_seq_flags DGR_STATE_FLAGS = LLAMA_STATE_SEQ_FLAGS_ALL_CELLS;
 #else

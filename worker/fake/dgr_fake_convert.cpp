@@ -3,7 +3,7 @@
 // The six converters dgr-worker resolves from an engine library (worker/server/engine_lib.cpp) for the lossy
 // wire dtypes, under ggml's own names, equal bit for bit to what a real engine library exports (ggml.c's
 // ggml_*_row and ggml-quants.c's q8_0 reference of the pinned llama.cpp): here in plain C++, since the fake
-// links nothing of ggml. tests/test_fake_engine_cpp.py compares them with the real library's.
+// links nothing of ggml. tests/worker/test_fake_engine_cpp.py compares them with the real library's.
 //
 //   f16:  ggml_compute_fp32_to_fp16 / _fp16_to_fp32 (ggml-impl.h, after Maratyszcza's FP16): round to nearest
 //         even in IEEE arithmetic, subnormals kept, overflow an infinity; a NaN becomes sign|0x7E00 (its payload

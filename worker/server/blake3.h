@@ -5,7 +5,7 @@
 // and hash-verified like llama.cpp: worker/third_party/blake3.json names the PyPI sdist of `blake3` that
 // carries it; CMake (-DDGR_BLAKE3_SRC, from `dgr build-engine`) and Bazel (@blake3, toolchains/blake3.bzl)
 // compile it and publish its header as "blake3_c/blake3.h" (this file's own name is upstream's too).
-// tests/test_worker_cpp_verify.py checks it against the Python `blake3` package (`dgr-worker --blake3 FILE`).
+// tests/worker/test_worker_cpp_verify.py checks it against the Python `blake3` package (`dgr-worker --blake3 FILE`).
 #pragma once
 
 #include <cerrno>

@@ -3,7 +3,7 @@
 // generation control at the origin.
 //
 // It took over the retired Python worker's behaviour part for part (a route of dgr-workers generates the
-// tokens and bit-identical logits of the whole model: tests/test_worker_cpp_frames.py). The parts, a file
+// tokens and bit-identical logits of the whole model: tests/worker/test_worker_cpp_frames.py). The parts, a file
 // each: Frames, the incoming stream and who may open one (this file); on_frame and check_step, a frame in
 // (frame_checks.cpp); FrameQueue, a stream's bounded reply queue (frame_queue.cpp); enqueue, ready_batch and
 // the engine thread (step_queue.cpp); run_batch, one batch through the engine (run_batch.cpp); Link, an
@@ -14,7 +14,7 @@
 // The draw is the engine library's dgr_sample (worker/engine/dgr_sample.cpp, the one sampler); wire dtypes
 // use ggml's own converters from the same library. Speculation (phase 4): the origin drafts, every stage
 // runs the k+1 positions and drops rejected drafts on the next step (rollback, dgr_session_truncate), the
-// last stage verifies (tests/test_worker_cpp_speculate.py).
+// last stage verifies (tests/worker/test_worker_cpp_speculate.py).
 //
 // Threads: each incoming Frames call is a gRPC callback reactor (FramesReactor): the gRPC thread that
 // reads a frame checks and queues it, or runs a lone decode step itself when the engine is idle, and the

@@ -15,7 +15,7 @@ using Clock = std::chrono::steady_clock;
 
 constexpr int LINK_KEEPALIVE_MS = 1000;   // each link pings its peer every second (docs/wire.md "Liveness of links")
 // Reconnecting to a peer: RECONNECT_INITIAL_MS, RECONNECT_MAX_MS and CONNECT_TIMEOUT_MS (wire_constants.h,
-// generated from dgr.runtime.wire.limits); every channel a worker opens sets the three (tests/test_wire_limits.py).
+// generated from dgr.runtime.wire.limits); every channel a worker opens sets the three (tests/wire/test_wire_limits.py).
 // set on the threads that read an incoming Frames stream: they may run a lone decode step themselves
 extern thread_local bool t_reads_frames;
 
@@ -27,7 +27,7 @@ inline int64_t wall_ns() {
     return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::system_clock::now().time_since_epoch()).count();
 }
 
-// The context error's text, word for word (tests/test_worker_cpp_frames.py writes it out too)
+// The context error's text, word for word (tests/worker/test_worker_cpp_frames.py writes it out too)
 inline std::string context_full(int64_t position, int64_t n_ctx) {
     return "the session reached the context limit: position " + std::to_string(position) + " is beyond the " +
            std::to_string(n_ctx) + " positions (0.." + std::to_string(n_ctx - 1) +

@@ -16,7 +16,7 @@ void StageWorker::set_metrics_url(const std::string & url) {
     metrics_url_ = url;
 }
 
-// Every metric family, name for name (docs/wire.md "Metrics and the descriptor"; tests/test_worker_cpp_metrics.py)
+// Every metric family, name for name (docs/wire.md "Metrics and the descriptor"; tests/worker/test_worker_cpp_metrics.py)
 std::string StageWorker::metrics_text() {
     std::string o;
     const char * kinds[2] = {"decode", "prefill"};

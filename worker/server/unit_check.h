@@ -8,7 +8,7 @@ namespace dgr::unit {
 
 inline int failures = 0;
 
-// main's last line: "<name>: all checks passed" (tests/test_worker_units.py reads it) and 0; else how many
+// main's last line: "<name>: all checks passed" (tests/worker/test_worker_units.py reads it) and 0; else how many
 // checks failed, and 1
 inline int finish(const char * name) {
     if (failures) {

@@ -5,7 +5,7 @@
 // Phase 2 (frames.cpp and the files it lists): the Frames data path, the ring relay over one outgoing
 // stream per next hop (Link), the engine thread batching steps across sessions, sampling and generation
 // control at the origin. Behaviour, errors and messages are those the retired Python worker had
-// (docs/worker.md); tests/test_worker_cpp*.py hold them against the bundle, the engine and the messages
+// (docs/worker.md); tests/worker/test_worker_cpp*.py hold them against the bundle, the engine and the messages
 // they write out.
 #pragma once
 

@@ -1,7 +1,7 @@
 // llama-simple: llama.cpp's examples/simple (MIT, the same project as the pin), kept here because the
 // pinned source tree (the PyPI sdist's vendored copy) ships no examples/. It loads a GGUF and greedily
 // generates through llama.cpp's own path, none of dgr's engine code, so a test can check that llama.cpp
-// itself accepts a file (tests/test_v4_synth.py). Built on demand from the engine's CMake build:
+// itself accepts a file (tests/families/test_v4_synth.py). Built on demand from the engine's CMake build:
 //
 //   cmake --build .dgr/build/cpu --target llama-simple     # -> .dgr/build/cpu/bin/llama-simple
 //

@@ -2,7 +2,7 @@
 
 Each command is registered, and handled, by the module named after it: `dgr build-engine` by
 `dgr.cli.commands.build_engine` (one file per command, '-' in its name '_' in the module's, so commands grow
-independently and the tree says where each one is; tests/test_cli_layout.py checks). What several commands
+independently and the tree says where each one is; tests/cli/test_cli_layout.py checks). What several commands
 parse the same way is `dgr.cli.shared`'s. A command handler takes the parsed args and returns an exit code.
 
 Output into a pipe that closes early (`dgr status FILE | head`) stops quietly with exit status 141, as

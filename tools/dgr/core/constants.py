@@ -1,7 +1,7 @@
 """The one place for dgr's names: GGUF `dgr.*` keys, manifest fields, workspace paths.
 
 The C++ engine reads the same GGUF keys and DEFAULT_N_CTX from worker/engine/dgr_keys.h, generated from
-this module (`dgr wire protoc`, dgr.toolchain.cppgen; tests/test_cpp_tables.py fails on drift). Wire dtypes
+this module (`dgr wire protoc`, dgr.toolchain.cppgen; tests/wire/test_cpp_tables.py fails on drift). Wire dtypes
 and the stage contract live in `dgr.core.contract`.
 """
 

@@ -8,7 +8,7 @@ costs per token in every wire dtype, how healthy it has been, how it is secured,
 module imports pydantic and dgr.core.contract only, so the runtime (dgr.runtime.wire) may build it.
 
 The committed schema is docs/schemas/descriptor.schema.json (`schema_json()`; `python -m dgr.core.descriptor`
-rewrites it); tests/test_descriptor.py fails when the model and the file drift apart.
+rewrites it); tests/certify/test_descriptor.py fails when the model and the file drift apart.
 """
 
 from __future__ import annotations

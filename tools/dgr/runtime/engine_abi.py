@@ -12,7 +12,7 @@ from pathlib import Path
 from dgr.core.errors import CacheMiss, EngineError, SchemaMismatch, Unsupported
 from dgr.core.paths import default_engine_library
 
-ABI_VERSION = 7                 # worker/engine/dgr_engine.h's DGR_ABI_VERSION (tests/test_engine_abi.py holds them equal)
+ABI_VERSION = 7                 # worker/engine/dgr_engine.h's DGR_ABI_VERSION (tests/engine/test_engine_abi.py holds them equal)
 LIB_ENV = "DGR_ENGINE_LIB"
 
 OK, E_ENGINE, E_CACHE_MISS, E_SCHEMA, E_ARTIFACT, E_UNSUPPORTED = range(6)

@@ -1,7 +1,7 @@
 """Generate the Python stubs of proto/dgr/v1/*.proto with grpc_tools (pinned in pyproject.toml).
 
 The stubs are committed under tools/dgr/runtime/wire/gen/ so that `pip install` needs no protoc; the proto is
-the source of truth and tests/test_wire_proto.py regenerates them and fails on any drift. After
+the source of truth and tests/wire/test_wire_proto.py regenerates them and fails on any drift. After
 editing a .proto, run `dgr wire protoc`.
 
 protoc names the modules after the proto package (`dgr.v1`), which would collide with this Python

@@ -4,7 +4,7 @@
 // Python chain, the byte budget evicts least recently used first, a newer state replaces an older one without
 // costing a third, a budget of 0 keeps nothing, a hit outlives its entry, and threads share it.
 // No gRPC, no engine: `bazel test //worker/server:prefix_cache_test`, or the CMake target dgr-worker-unit-tests
-// (tests/test_worker_units.py builds and runs it).
+// (tests/worker/test_worker_units.py builds and runs it).
 #include "unit_check.h"
 #include "cache/prefix_cache.h"
 

@@ -1,6 +1,6 @@
 // The step queue alone (step_queue.h): its bounds, its round robin, its batches' budget, a dropped session.
 // No gRPC, no engine: `bazel test //worker/server:step_queue_test`, or the CMake target dgr-worker-unit-tests
-// (tests/test_worker_units.py builds and runs it).
+// (tests/worker/test_worker_units.py builds and runs it).
 #include "unit_check.h"
 #include "engine_loop/step_queue.h"
 

@@ -2,7 +2,7 @@
 // place dgr-worker drafts. The origin asks its session's source for up to k tokens that may follow the
 // history (prompt + tokens so far), sends them with the last accepted token as one step of k+1 positions,
 // and tells the source how many the last stage accepted. Same proposals as the Python NgramDrafts for the
-// same history (tests/test_worker_cpp_speculate.py compares routes of both).
+// same history (tests/worker/test_worker_cpp_speculate.py compares routes of both).
 #pragma once
 
 #include <cstdint>

@@ -3,7 +3,7 @@
 // nothing where nothing matches, the back-off while drafts miss, MTP's drafts handed out once and its back-off,
 // the sources and bounds by name, and the Python twin's drafts (dgr.runtime.wire.drafts.NgramDrafts) on fixed
 // cases. No gRPC, no engine: `bazel test //worker/server:drafts_test`, or the CMake target dgr-unit-drafts_test
-// (tests/test_worker_units.py builds and runs it).
+// (tests/worker/test_worker_units.py builds and runs it).
 #include "unit_check.h"
 #include "speculation/drafts.h"
 
@@ -63,7 +63,7 @@ V reference(const V & h, int64_t k, int n_min, int n_max) {
 
 // a session's rings over `tokens` (what the last stage draws): propose k, accept the drafts that equal the
 // tokens, tell the source, go on after the accepted drafts and the token drawn (the origin's loop, next_step in
-// origin.cpp, with k fixed; tests/test_worker_cpp_speculate.py's _predicted_rings); the drafts of every ring
+// origin.cpp, with k fixed; tests/worker/test_worker_cpp_speculate.py's _predicted_rings); the drafts of every ring
 std::vector<V> rings(const V & tokens, int n_min, int n_max, int64_t k, size_t start) {
     NgramDrafts src(n_min, n_max);
     V history(tokens.begin(), tokens.begin() + int64_t(start));
@@ -244,7 +244,7 @@ void mtp_backs_off_while_its_drafts_miss() {
 }
 
 // The Python twin's answers (dgr.runtime.wire.drafts, computed once with it and written here), the C++ checked
-// against them below; tests/test_wire_drafts_twin.py reads these same literals out of this file and checks the
+// against them below; tests/wire/test_wire_drafts_twin.py reads these same literals out of this file and checks the
 // Python against them, so a change on either side fails a test. Between the twin: markers: braces, numbers and
 // "strings" only (no comments, no braces in a string), read there as JSON with [] for {}.
 struct TwinLookup {

@@ -2,7 +2,7 @@
 // one-line refusals a route's owner reads, --peer-allow's networks (what parses, what is refused and how) and
 // which addresses lie inside them, literal or a name resolved here. No gRPC, no engine, no network: the only
 // name looked up is `localhost`. `bazel test //worker/server:net_policy_test`, or the CMake target
-// dgr-unit-net_policy_test (tests/test_worker_units.py builds and runs it).
+// dgr-unit-net_policy_test (tests/worker/test_worker_units.py builds and runs it).
 #include "unit_check.h"
 #include "trust/net_policy.h"
 

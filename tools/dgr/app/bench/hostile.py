@@ -1,7 +1,7 @@
 """Hostile members for `dgr bench soak --hostile N` (docs/security.md): each holds a certificate of the
 route's CA and attacks the route in a loop while honest members generate beside it.
 
-The attacks are those `tests/test_worker_hostile.py` proves one by one, repeated: a close that names the
+The attacks are those `tests/worker/test_worker_hostile.py` proves one by one, repeated: a close that names the
 block hashes of an honest prompt over the attacker's own text (prefix-cache poisoning), sessions held up to
 the per-member bound, a grammar nested 20,000 deep, next hops at ports nobody serves and at a `unix:`
 socket, forged tokens into stage 0 for ids it guesses, and a burst of bare TCP connections. What each attack

@@ -53,5 +53,5 @@ class Limits:
     prefix_cache_mib: int = 256
     # speculation and MTP drafts (docs/speculation.md): the drafts one step may carry and still roll back where the
     # cache keeps per-step snapshots (DeepSeek V4 and other hybrids llama.cpp rolls back; 0: those cannot roll
-    # back). The default is the engine's DGR_MTP_MAX_K (worker/engine/dgr_engine.h; tests/test_wire_mtp.py checks)
+    # back). The default is the engine's DGR_MTP_MAX_K (worker/engine/dgr_engine.h; tests/wire/test_wire_mtp.py checks)
     draft_max: int = 8

@@ -43,7 +43,7 @@ from dgr.toolchain.upstream.vendored import load_vendored_pin
 
 log = get_logger(__name__)
 
-# The tiny V4 of tests/test_engine_deepseek4.py: 6 main layers (+ MTP, left out), hash-routed layers 0-2,
+# The tiny V4 of tests/engine/test_engine_deepseek4.py: 6 main layers (+ MTP, left out), hash-routed layers 0-2,
 # compression ratios 0, 4, 128 repeating; prompts of 150 and 133 tokens reach the 128x compressor.
 V4_SPLITS = {
     "2-after-hash": [(0, 3), (3, 6)],
