@@ -39,7 +39,7 @@ from dgr.runtime.wire.client import RouteClient
 from dgr.toolchain import image as oci
 from dgr.toolchain import rootfs
 from dgr.toolchain.bundle import provision
-from support.deploy import dgr, tiny, tiny_kubernetes_file  # noqa: F401 (module fixtures)
+from support.deploy import dgr, tiny, tiny_fixed_ports_file  # noqa: F401 (module fixtures)
 from support.images import (Process, container_command, health, image_config, require_root, routes_around,
                             same_generation, synthetic_release, unpack)
 from support.kubelet import Pod
@@ -409,7 +409,7 @@ def test_the_rendered_pods_run_from_the_images_and_serve_the_normal_routes_text(
     for (out, record), layout in ((release_image, "image_cpu"), (tools_image, "tools_cpu")):
         root = tmp_path / layout
         roots[record["ref"]] = (root, unpack(out / layout, root))
-    render = dgr("deploy", "render", tiny_kubernetes_file(tmp_path, tiny), "--kubernetes", str(tmp_path / "k8s"))
+    render = dgr("deploy", "render", tiny_fixed_ports_file(tmp_path, tiny), "--kubernetes", str(tmp_path / "k8s"))
     assert render.returncode == 0, render.stderr
     objs = [yaml.safe_load(p.read_text()) for p in sorted((tmp_path / "k8s").glob("*.yaml"))]
     assert {c["image"] for o in objs if o["kind"] in ("StatefulSet", "Deployment")

@@ -27,7 +27,7 @@ from dgr.app.local import LocalRoute
 from dgr.runtime.wire.client import RouteClient
 from dgr.runtime.wire.tls import TlsConfig
 
-from support.deploy import dgr, lib_env, tiny, tiny_kubernetes_file, write  # noqa: F401 (module fixtures)
+from support.deploy import dgr, lib_env, tiny, tiny_fixed_ports_file, write  # noqa: F401 (module fixtures)
 from support.engine import make_bundle, synth_model
 from support import lws
 from support.kubelet import Kubectl, Pod
@@ -430,7 +430,7 @@ def test_the_rendered_pods_form_a_route_that_generates_the_normal_routes_tokens(
     if tls:
         _issue(ca, [*(f"s{i}-r{k}" for i in range(3) for k in range(2 if lws_set or i == 1 else 1)), "gateway",
                     "client"])
-    _render(tiny_kubernetes_file(tmp_path, tiny, ca if tls else None, workload), tmp_path / "out")
+    _render(tiny_fixed_ports_file(tmp_path, tiny, ca if tls else None, workload), tmp_path / "out")
     objs = _objects(tmp_path / "out")
     _check(objs)
     # the claim: a store the bundle was provisioned into (`dgr bundle provision BUNDLE --to STORE`)

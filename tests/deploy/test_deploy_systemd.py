@@ -15,7 +15,7 @@ import pytest
 
 from dgr.app.deploy.control import health
 
-from support.deploy import dgr, tiny_bundle, write
+from support.deploy import dgr, tiny_bundle, tiny_fixed_ports_file, write
 
 
 @pytest.fixture(scope="module")
@@ -23,26 +23,9 @@ def tiny(tmp_path_factory):
     return tiny_bundle(tmp_path_factory.mktemp("tiny"))
 
 
-def _file(tmp_path, tiny, *, tls: str = "", port0: bool = False) -> str:
-    stages = "".join(f'[[stages]]\nlayers = [{b}, {e}]\nhost = "a"\nport = {0 if port0 else 7500 + 10 * i}\n'
-                     + ("replicas = 2\n" if i == 1 else "") + "\n"
-                     for i, (b, e) in enumerate([(0, 2), (2, 4), (4, 6)]))
-    return str(write(tmp_path / "d.toml", f"""name = "tiny"
-[bundle]
-id = "{tiny.id}"
-source = "{tiny.root}"
-
-[[hosts]]
-name = "a"
-address = "127.0.0.1"
-store = "{tiny.root.parent}"
-capacity = {{ memory = "1GiB" }}
-
-{stages}
-[worker]
-threads = 1
-session_ttl = 120
-{tls}"""))
+def _file(tmp_path, tiny, *, tls: Path | None = None, port0: bool = False) -> str:
+    return tiny_fixed_ports_file(tmp_path, tiny, tls, port0=port0, store=tiny.root.parent, worker="session_ttl = 120",
+                                 name="d.toml")
 
 
 def _prefix(tmp_path):
@@ -95,7 +78,7 @@ def test_tls_material_reaches_the_dynamic_user_as_credentials(tiny, tmp_path):
     certs.init(tmp_path / "ca")
     for name in ("s0-r0", "s1-r0", "s1-r1", "s2-r0"):
         certs.issue(tmp_path / "ca", name, ["127.0.0.1"])
-    f = _file(tmp_path, tiny, tls=f'[tls]\ndir = "{tmp_path / "ca"}"\n')
+    f = _file(tmp_path, tiny, tls=tmp_path / "ca")
     proc = dgr("deploy", "render", f, "--systemd", str(tmp_path / "units"), "--prefix", str(_prefix(tmp_path)))
     assert proc.returncode == 0, proc.stderr
     unit = (tmp_path / "units" / "dgr-tiny-s2-r0.service").read_text()

@@ -89,15 +89,19 @@ def errors(proc: subprocess.CompletedProcess) -> list[str]:
 
 
 # Fixtures the deployment tests share (a test module takes them with `from support.deploy import tiny, lib_env`).
-def tiny_kubernetes_file(tmp_path: Path, tiny, tls_dir: Path | None = None, workload: str = "statefulset") -> str:
-    """A deployment file of the tiny bundle for the Kubernetes render: 3 stages on fixed ports, stage 1 with
-    two replicas (every stage, as a LeaderWorkerSet's groups are whole pipelines), one thread, under [tls]
-    with `tls_dir`."""
+def tiny_fixed_ports_file(tmp_path: Path, tiny, tls_dir: Path | None = None, workload: str | None = None, *,
+                          port0: bool = False, store: Path | None = None, worker: str = "n_ctx = 512",
+                          name: str = "tiny.toml") -> str:
+    """A deployment file of the tiny bundle for the renders (systemd, Kubernetes): 3 stages on fixed ports
+    (`port0`: picked at `dgr up`), stage 1 with two replicas (every stage where `workload` is a
+    LeaderWorkerSet, whose groups are whole pipelines), one thread and `worker`'s lines, under [tls] with
+    `tls_dir`, [kubernetes] workload where given."""
     lws = workload == "leaderworkerset"
-    stages = "".join(f'[[stages]]\nlayers = [{b}, {e}]\nhost = "a"\nport = {7500 + 10 * i}\n'
+    stages = "".join(f'[[stages]]\nlayers = [{b}, {e}]\nhost = "a"\nport = {0 if port0 else 7500 + 10 * i}\n'
                      + ("replicas = 2\n" if i == 1 or lws else "") + "\n"
                      for i, (b, e) in enumerate([(0, 2), (2, 4), (4, 6)]))
-    return str(write(tmp_path / "tiny.toml", f"""name = "tiny"
+    capacity = 'capacity = { memory = "1GiB" }\n' if store else ""
+    return str(write(tmp_path / name, f"""name = "tiny"
 [bundle]
 id = "{tiny.id}"
 source = "{tiny.root}"
@@ -105,14 +109,14 @@ source = "{tiny.root}"
 [[hosts]]
 name = "a"
 address = "127.0.0.1"
-store = "{tmp_path / 'unused-store'}"
-
+store = "{store or tmp_path / 'unused-store'}"
+{capacity}
 {stages}
 [worker]
 threads = 1
-n_ctx = 512
+{worker}
 """ + (f'\n[tls]\ndir = "{tls_dir}"\n' if tls_dir else "")
-                     + f'\n[kubernetes]\nworkload = "{workload}"\n'))
+                     + (f'\n[kubernetes]\nworkload = "{workload}"\n' if workload else "")))
 
 
 @pytest.fixture(scope="module")
