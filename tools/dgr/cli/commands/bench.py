@@ -2,7 +2,8 @@
 issue 15 (`--wan-rtt-ms`, `--dtypes`, `--speculate`); subcommands `soak` (concurrent sessions for
 minutes, errors and RSS), `tls` (what mutual TLS costs per hop against plaintext), `frames` (gRPC against
 hand-framed TCP and TLS per hop), `conversation` (what
-the prefix cache buys a chat, issue 23) and `numerics` (how far apart the numerics this machine runs are)."""
+the prefix cache buys a chat, issue 23), `numerics` (how far apart the numerics this machine runs are) and
+`scale` (the cost curve of 1, 2, 4, 8 stages, issue 40)."""
 
 from __future__ import annotations
 
@@ -109,6 +110,25 @@ def _peers(args) -> int:
     if args.plot:
         print(f"plot: {plot(rep, args.plot)}")
     return 0
+
+
+def _scale(args) -> int:
+    # lazy: dgr.app.bench.scale costs 480 ms at start-up (python -X importtime, 2026-12-05)
+    from dgr.app.bench.scale import plot, run_scale, table
+
+    try:
+        counts = [int(x) for x in args.stages.split(",") if x.strip()]
+    except ValueError:
+        raise DgrError(f"--stages {args.stages!r}: give stage counts separated by commas, e.g. 1,2,4,8") from None
+    if args.lib:
+        os.environ["DGR_ENGINE_LIB"] = str(Path(args.lib).resolve())   # worker processes load the same one
+    rep = run_scale(stages=counts, tokens=args.tokens, threads=args.threads, source=args.source, synth=args.synth,
+                    synth_shape=args.synth_shape, lib=args.lib, keep=args.keep)
+    print(table(rep))
+    _write_json(args.json, rep)
+    if args.plot:
+        log.info("bench scale: drew %s", plot(rep, args.plot))
+    return 0 if rep["same_tokens"] else 1
 
 
 # ---------------------------------------------------------------------------------------- the sections
@@ -358,3 +378,19 @@ def register(sub) -> None:
     pe.add_argument("--json", metavar="FILE", help="also write the report as JSON")
     pe.add_argument("--plot", metavar="FILE.png", help="TPOT against the round trip, both sides")
     pe.set_defaults(func=_peers)
+
+    sc = bsub.add_parser("scale", help="the cost curve: one model split into 1, 2, 4, 8 stages (one process each); "
+                                       "TPOT and its slope, per-hop overhead against the loopback floor, RSS per "
+                                       "stage against its weights, the boundary per hop (docs/bench.md)")
+    sc.add_argument("--source", metavar="GGUF", help="the model (default: the embedded SmolLM2's source GGUF)")
+    sc.add_argument("--synth-shape", metavar="NAME", help="a random-weight model of a real size, written first "
+                    "(`dgr synth --shape`: llama-7b, qwen2-7b; about 4 GB, and a bundle of that size per stage count)")
+    sc.add_argument("--synth", metavar="ARCH", help="a tiny random-weight ARCH model (`dgr synth --list`), for quick tries")
+    sc.add_argument("--stages", default="1,2,4,8", help="stage counts to measure (default 1,2,4,8)")
+    sc.add_argument("--tokens", type=int, default=32, help="greedy decode tokens per stage count (default 32)")
+    sc.add_argument("--threads", type=int, default=1, help="compute threads per worker process (default 1)")
+    sc.add_argument("--lib", help="engine library (default: $DGR_ENGINE_LIB or the CPU build)")
+    sc.add_argument("--keep", action="store_true", help="keep the model and bundles (their folder is logged)")
+    sc.add_argument("--json", metavar="FILE", help="also write the report as JSON")
+    sc.add_argument("--plot", metavar="FILE.png", help="TPOT, per hop and RSS against the stage count (matplotlib)")
+    sc.set_defaults(func=_scale)

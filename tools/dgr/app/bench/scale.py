@@ -1,0 +1,302 @@
+"""`dgr bench scale`: the cost curve of splitting one model into 1, 2, 4, 8 ... stages (issue 40, item 3).
+
+One model, one machine, one run: for each stage count S the model is built into a bundle of S stages
+(`choose_ranges`: even cuts, moved to a change of layer kind where the architecture has several), served
+by S `dgr worker serve` processes on loopback (`LocalRoute`, one thread each by default) and generates
+`tokens` tokens greedily from the same prompt. Measured per S: TPOT (the median decode token's trip round
+the ring), the per-hop overhead (ring time minus summed compute, per boundary: `pipeline.hop_figures`),
+the loopback floor right after it (`loopback_floor.one_way_ms`, after an idle gap of that ring time), and
+the resident memory of every worker (VmRSS, VmHWM) beside the weight bytes its stage holds (the manifest's
+`weight_bytes`, and its layers' share of the model). Computed, not measured: the boundary bytes one token
+carries across one hop for this model and for DeepSeek V4's width (4 streams x 4096, f32 and q8_0).
+
+The greedy tokens must be the same for every S (a split never changes what the model computes);
+`same_tokens` says whether they were. Left out (issue 40 names it): the 32k-token prompt on 4 stages.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import statistics
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from dgr.app.bench.loopback_floor import MESSAGES_PER_ROUND as FLOOR_MESSAGES, one_way_ms
+from dgr.app.bench.pipeline import PROMPT, hop_figures, rounded
+from dgr.app.bench.soak import proc_memory
+from dgr.app.demo import source_gguf
+from dgr.app.local import LocalRoute, engine_library
+from dgr.core.contract import WIRE_DTYPES
+from dgr.core.errors import DgrError
+from dgr.core.hashing import file_blake3
+from dgr.core.log import get_logger
+from dgr.core.paths import REPO_ROOT
+from dgr.gguf.model import model_info
+from dgr.runtime.wire.client import RouteClient
+from dgr.runtime.wire.stats import decode_events
+from dgr.toolchain.bundle import build
+from dgr.toolchain.recipe import load_recipe
+from dgr.toolchain.synth.generic import layer_kinds
+from dgr.toolchain.synth.parity import EMBD, check_arch, choose_ranges, model_layers, synth_model
+from dgr.toolchain.synth.shapes import synth_shape as write_shape
+
+log = get_logger(__name__)
+
+STAGE_COUNTS = (1, 2, 4, 8)
+# DeepSeek V4's boundary: mHC carries hc_mult = 4 residual streams of width 4096 across every seam
+V4_STREAMS, V4_EMBD = 4, 4096
+MIB = 2**20
+
+
+@dataclass
+class Model:
+    """What `dgr bench scale` splits: a GGUF, what to call it, and the layer kinds cuts prefer."""
+
+    path: Path
+    label: str
+    kinds: list[str]                    # one per main layer
+    synthetic: bool                     # random weights: the prompt is random token ids
+    blake3: str = ""                     # the source's hash, for the recipes (computed once)
+
+
+def model_of(*, source: str | None, synth: str | None, synth_shape: str | None, max_stages: int,
+             workdir: Path) -> Model:
+    """The model of `--source`, `--synth ARCH` (tiny, at least `max_stages` layers) or `--synth-shape NAME`
+    (written into `workdir`); without any, the embedded SmolLM2's source GGUF."""
+    if sum(x is not None for x in (source, synth, synth_shape)) > 1:
+        raise DgrError("dgr bench scale: give one of --source, --synth and --synth-shape")
+    if synth:
+        check_arch(synth)
+        layers = max(model_layers(synth), max_stages)
+        path = synth_model(synth, workdir / f"{synth}-{layers}L.gguf", layers=layers)
+        return Model(path, f"synthetic {synth}", layer_kinds(synth, layers, EMBD), True)
+    if synth_shape:
+        log.info("bench scale: writing the %s shape (random Q4_K_M weights, several GB) into %s", synth_shape, workdir)
+        path = write_shape(synth_shape, workdir / f"{synth_shape}.gguf")
+        info = model_info(path)
+        return Model(path, f"synthetic shape {synth_shape}", ["layer"] * info.n_layer, True)
+    if source:
+        path = Path(source).expanduser().resolve()
+        if not path.is_file():
+            raise DgrError(f"dgr bench scale --source {source}: no such file; give a GGUF model")
+        label = path.name
+    else:
+        path = source_gguf(load_recipe(REPO_ROOT / "recipes" / "smollm2-135m-2stage" / "recipe.toml"))
+        label = "smollm2-135m"
+    return Model(path, label, ["layer"] * model_info(path).n_layer, False)
+
+
+def bundle_of(model: Model, stages: int, workdir: Path):
+    """`model` split into `stages` stages (a fresh bundle under `workdir`), with the source's tensor types."""
+    ranges = choose_ranges(model.kinds, stages)
+    work = workdir / f"s{stages}"
+    work.mkdir(parents=True, exist_ok=True)
+    pairs = ", ".join(f"[{a}, {b}]" for a, b in ranges)
+    recipe = work / "recipe.toml"
+    recipe.write_text(f'name = "bench-scale-{stages}"\n\n[source]\nuri = "{model.path}"\n'
+                      f'blake3 = "{model.blake3}"\n\n[quantization]\ndefault = "keep"\n\n'
+                      f"[placement]\nstages = [{pairs}]\n")
+    return build(recipe, work / "store", progress=False)
+
+
+def boundary_bytes(n_values: int) -> dict[str, int]:
+    """Bytes one token's boundary of `n_values` values takes on the wire, per dtype that packs it (WIRE_DTYPES)."""
+    return {name: d.nbytes(n_values) for name, d in WIRE_DTYPES.items() if d.fits(n_values)}
+
+
+def _med(xs) -> float:
+    xs = list(xs)
+    return float(statistics.median(xs)) if xs else 0.0
+
+
+def _measure(model: Model, bundle, *, tokens: int, threads: int, lib: Path, prompt_ids: list[int] | None,
+             n_ctx: int) -> dict:
+    """One stage count: serve `bundle`, generate, and read the figures (see the module docstring)."""
+    S = len(bundle.manifest.stages)
+    args = [["--bundle", str(bundle.root), "--stage", str(i), "--threads", str(threads), "--n-ctx", str(n_ctx)]
+            for i in range(S)]
+    layer_bytes = model_info(model.path).layer_bytes()
+    with LocalRoute(args, env={"DGR_ENGINE_LIB": str(lib)}, timeout=600) as route, \
+            RouteClient(route.addresses, prefix_cache=False) as c:
+        if prompt_ids is None:
+            prompt_ids = c.tokenize(PROMPT)
+        c.run(prompt_ids, max_new_tokens=4, stop_token_ids=[])          # warm-up: pages in, threads started
+        g = c.run(prompt_ids, max_new_tokens=tokens, stop_token_ids=[])
+        mem = [proc_memory(p.pid) for p in route.procs]                  # dgr worker serve execs dgr-worker: same pid
+        hop = hop_figures([g], S)
+        ring = [e.ring_ns / 1e6 for e in decode_events(g)]
+        floor = one_way_ms(_med(ring), FLOOR_MESSAGES)
+    per_stage = []
+    for st, m in zip(bundle.manifest.stages, mem):
+        share = sum(layer_bytes[st.layer_begin:st.layer_end])
+        rss = m.get("VmRSS", 0) * 1024
+        per_stage.append({"stage": st.index, "layers": [st.layer_begin, st.layer_end],
+                          "rss_bytes": rss, "hwm_bytes": m.get("VmHWM", 0) * 1024,
+                          "weight_bytes": st.weight_bytes, "layer_bytes": share,
+                          "rss_minus_weights_bytes": rss - st.weight_bytes})
+    biggest = max(per_stage, key=lambda r: r["rss_bytes"])
+    return {
+        "stages": S, "ranges": [s["layers"] for s in per_stage], "bundle_id": bundle.id,
+        "token_ids": g.token_ids,
+        "tpot_ms": _med(ring), "tpot_mean_ms": 1e3 / g.decode_tokens_per_s if g.decode_tokens_per_s else 0.0,
+        "decode_tok_s": g.decode_tokens_per_s, "compute_ms": hop["compute_ms"],
+        "per_hop_ms": hop["per_hop_ms"], "per_hop_p90_ms": hop["per_hop_p90_ms"],
+        "floor_one_way_ms": floor["one_way_ms"], "floor_gap_ms": floor["gap_ms"],
+        "per_hop_over_floor": hop["per_hop_ms"] / floor["one_way_ms"] if floor["one_way_ms"] else 0.0,
+        "decode_tokens_timed": hop["tokens"],
+        "max_rss_bytes": biggest["rss_bytes"], "max_rss_stage": biggest["stage"],
+        "max_weight_bytes": max(r["weight_bytes"] for r in per_stage),
+        "total_rss_bytes": sum(r["rss_bytes"] for r in per_stage),
+        "total_weight_bytes": sum(r["weight_bytes"] for r in per_stage),
+        "per_stage": per_stage,
+    }
+
+
+def _slope(xs: list[float], ys: list[float]) -> float:
+    """The least-squares slope of ys over xs (0 with fewer than two points)."""
+    return float(np.polyfit(xs, ys, 1)[0]) if len(set(xs)) > 1 else 0.0
+
+
+def run_scale(*, stages=STAGE_COUNTS, tokens: int = 32, threads: int = 1, source: str | None = None,
+              synth: str | None = None, synth_shape: str | None = None, lib: str | None = None,
+              keep: bool = False) -> dict:
+    """Measure the cost curve (the module docstring); progress goes to the log (stderr), the report is a dict."""
+    counts = sorted(set(int(s) for s in stages))
+    if not counts or counts[0] < 1 or tokens < 2 or threads < 1:
+        raise DgrError("dgr bench scale: --stages must be positive counts, --tokens at least 2, --threads at least 1")
+    lib_path = engine_library(lib)
+    work = Path(tempfile.mkdtemp(prefix="dgr-bench-scale-"))
+    if keep:
+        log.info("bench scale: the model and bundles go to %s (kept)", work)
+    t0 = time.perf_counter()
+    try:
+        model = model_of(source=source, synth=synth, synth_shape=synth_shape, max_stages=counts[-1], workdir=work)
+        if counts[-1] > len(model.kinds):
+            raise DgrError(f"dgr bench scale: {model.label} has {len(model.kinds)} layers; --stages {counts[-1]} "
+                           "needs at least that many")
+        model.blake3 = file_blake3(model.path)
+        info = model_info(model.path)
+        file_bytes = model.path.stat().st_size
+        prompt = np.random.default_rng(3).integers(0, 256, size=6).tolist() if model.synthetic else None
+        n_ctx = max(256, tokens + 64)
+        runs = []
+        for S in counts:
+            log.info("bench scale: %d stage(s): building the bundle", S)
+            bundle = bundle_of(model, S, work)
+            log.info("bench scale: %d stage(s): %d worker process(es), %d thread(s) each, %d tokens",
+                     S, S, threads, tokens)
+            r = _measure(model, bundle, tokens=tokens, threads=threads, lib=lib_path, prompt_ids=prompt, n_ctx=n_ctx)
+            runs.append(r)
+            log.info("bench scale: %d stage(s): TPOT %.2f ms, per hop %.3f ms (floor %.3f ms), max RSS %.1f MiB",
+                     S, r["tpot_ms"], r["per_hop_ms"], r["floor_one_way_ms"], r["max_rss_bytes"] / MIB)
+            if not keep:
+                shutil.rmtree(bundle.root.parent.parent, ignore_errors=True)   # a 7B bundle is gigabytes
+    finally:
+        if not keep:
+            shutil.rmtree(work, ignore_errors=True)
+    return rounded(_report(model, info, file_bytes, runs, tokens, threads, lib_path, time.perf_counter() - t0))
+
+
+def _report(model: Model, info, file_bytes: int, runs: list[dict], tokens: int, threads: int, lib: Path, seconds: float) -> dict:
+    base = runs[0]
+    total = sum(st["weight_bytes"] for st in base["per_stage"]) if base["stages"] == 1 else None
+    for r in runs:
+        # the point of splitting: memory per host falls as 1/S (the whole model's weights over S)
+        r["model_weights_over_s_bytes"] = (total or r["total_weight_bytes"]) / r["stages"]
+        r["slope_ms_per_stage"] = ((r["tpot_ms"] - base["tpot_ms"]) / (r["stages"] - base["stages"])
+                                   if r["stages"] != base["stages"] else 0.0)
+    ids = [r["token_ids"] for r in runs]
+    layer_total = sum(info.layer_bytes())
+    width = info.n_embd * info.n_streams
+    return {
+        "bench": {"model": model.label, "path": str(model.path), "arch": info.arch, "n_layer": info.n_layer,
+                  "n_embd": info.n_embd, "n_streams": info.n_streams, "threads": threads, "tokens": tokens,
+                  "engine_lib": str(lib), "worker": "dgr-worker", "cpus": os.cpu_count(),
+                  "seconds": round(seconds, 1), "model_file_bytes": file_bytes,
+                  "model_layer_bytes": layer_total},
+        "runs": runs,
+        "tpot_slope_ms_per_stage": _slope([r["stages"] for r in runs], [r["tpot_ms"] for r in runs]),
+        "same_tokens": all(x == ids[0] for x in ids),
+        # computed from the wire dtype table, not measured: what one token's boundary takes across one hop
+        "boundary_bytes_per_token_per_hop": {
+            "computed": True,
+            "this_model": {"values": width, **boundary_bytes(width)},
+            "deepseek_v4": {"values": V4_STREAMS * V4_EMBD, **boundary_bytes(V4_STREAMS * V4_EMBD)},
+            "how": "values per token (n_streams x n_embd) packed by dgr.core.contract.WIRE_DTYPES; "
+                   "DeepSeek V4: hc_mult 4 streams x 4096",
+        },
+        "left_out": "issue 40's long-context lane (a 32k-token prompt on a 4-stage route) is not measured here",
+    }
+
+
+def table(rep: dict) -> str:
+    """The report as the lines `dgr bench scale` prints."""
+    b = rep["bench"]
+    lines = [f"dgr bench scale: {b['model']} ({b['arch']}, {b['n_layer']} layers, width {b['n_embd']}), "
+             f"{b['threads']} thread(s) per worker, {b['tokens']} tokens, {b['cpus']} CPU(s), {b['seconds']} s",
+             f"  {'stages':>6} {'TPOT ms':>8} {'slope ms/st':>11} {'hop ms':>7} {'floor ms':>8} {'ratio':>6} "
+             f"{'max RSS/stage MB':>16} {'weights/stage MB':>16} {'RSS-weights MB':>14} {'model/S MB':>10}"]
+    for r in rep["runs"]:
+        st = max(r["per_stage"], key=lambda s: s["rss_bytes"])
+        lines.append(f"  {r['stages']:>6} {r['tpot_ms']:>8.2f} {r['slope_ms_per_stage']:>11.3f} {r['per_hop_ms']:>7.3f} "
+                     f"{r['floor_one_way_ms']:>8.3f} {r['per_hop_over_floor']:>5.1f}x {st['rss_bytes'] / MIB:>16.1f} "
+                     f"{st['weight_bytes'] / MIB:>16.1f} {st['rss_minus_weights_bytes'] / MIB:>14.1f} "
+                     f"{r['model_weights_over_s_bytes'] / MIB:>10.1f}")
+    lines.append(f"  TPOT slope (least squares over the stage counts): {rep['tpot_slope_ms_per_stage']:.3f} ms per "
+                 "added stage")
+    lines.append("  per stage, RSS / weights MB (the stage with the most RSS is the row above):")
+    for r in rep["runs"]:
+        lines.append(f"    {r['stages']} stage(s): " + ", ".join(
+            f"[{a},{z}) {s['rss_bytes'] / MIB:.1f}/{s['weight_bytes'] / MIB:.1f}"
+            for s in r["per_stage"] for a, z in [s["layers"]]))
+    bb = rep["boundary_bytes_per_token_per_hop"]
+    for key, what in (("this_model", "this model"), ("deepseek_v4", "DeepSeek V4 (4 x 4096)")):
+        d = bb[key]
+        lines.append(f"  boundary per token per hop, {what}, computed: {d['values']} values, "
+                     + ", ".join(f"{k} {v} B" for k, v in d.items() if k != "values"))
+    lines.append(f"  greedy tokens the same for every stage count: {'yes' if rep['same_tokens'] else 'NO'}")
+    return "\n".join(lines)
+
+
+def plot(rep: dict, path: str | Path) -> Path:
+    """TPOT and per-hop overhead against the stage count; max RSS per stage against the weights per stage."""
+    # lazy: matplotlib costs 88 ms at start-up (python -X importtime, 2026-12-05); only --plot draws
+    import matplotlib
+
+    matplotlib.use("Agg")
+    # lazy: matplotlib.pyplot costs 278 ms at start-up (python -X importtime, 2026-12-05)
+    import matplotlib.pyplot as plt
+
+    S = [r["stages"] for r in rep["runs"]]
+    fig, (a, m) = plt.subplots(1, 2, figsize=(10, 4))
+    a.plot(S, [r["tpot_ms"] for r in rep["runs"]], "o-", label="TPOT")
+    a.plot(S, [r["compute_ms"] for r in rep["runs"]], "s--", label="summed compute")
+    a.set_xlabel("stages")
+    a.set_ylabel("ms per decode token")
+    h = a.twinx()
+    h.plot(S, [r["per_hop_ms"] for r in rep["runs"]], "^:", color="C3", label="per hop")
+    h.plot(S, [r["floor_one_way_ms"] for r in rep["runs"]], "v:", color="C4", label="loopback floor")
+    h.set_ylabel("ms per hop")
+    a.legend(loc="upper left")
+    h.legend(loc="lower right")
+    m.plot(S, [r["max_rss_bytes"] / MIB for r in rep["runs"]], "o-", label="max RSS per stage")
+    m.plot(S, [r["max_weight_bytes"] / MIB for r in rep["runs"]], "s--", label="max weights per stage")
+    m.set_xlabel("stages")
+    m.set_ylabel("MiB")
+    m.legend()
+    for ax in (a, m):
+        ax.set_xticks(S)
+        ax.grid(alpha=0.3)
+    fig.suptitle(f"dgr bench scale: {rep['bench']['model']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return Path(path)
+
+
+__all__ = ["STAGE_COUNTS", "boundary_bytes", "plot", "run_scale", "table"]
