@@ -4,10 +4,10 @@ One model, one machine, one run: for each stage count S the model is built into 
 (`choose_ranges`: even cuts, moved to a change of layer kind where the architecture has several), served
 by S `dgr worker serve` processes on loopback (`LocalRoute`, one thread each by default) and generates
 `tokens` tokens greedily from the same prompt. Measured per S: TPOT (the median decode token's trip round
-the ring), the per-hop overhead (ring time minus summed compute, per boundary: `pipeline.hop_figures`),
-the loopback floor right after it (`loopback_floor.one_way_ms`, after an idle gap of that ring time), and
-the resident memory of every worker (VmRSS, VmHWM) beside the weight bytes its stage holds (the manifest's
-`weight_bytes`, and its layers' share of the model). Computed, not measured: the boundary bytes one token
+the ring, the origin's `ring_ns`), the per-hop overhead (ring time minus summed compute, per boundary:
+`pipeline.hop_figures`), the loopback floor right after it (`loopback_floor.one_way_ms`, after an idle gap
+of that ring time), and the resident memory of every worker (VmRSS, VmHWM) beside the weight bytes its stage
+holds (the manifest's `weight_bytes`, and its layers' share of the model). Computed, not measured: the boundary bytes one token
 carries across one hop for this model and for DeepSeek V4's width (4 streams x 4096, f32 and q8_0).
 
 The greedy tokens must be the same for every S (a split never changes what the model computes);
@@ -202,7 +202,8 @@ def run_scale(*, stages=STAGE_COUNTS, tokens: int = 32, threads: int = 1, source
     return rounded(_report(model, info, file_bytes, runs, tokens, threads, lib_path, time.perf_counter() - t0))
 
 
-def _report(model: Model, info, file_bytes: int, runs: list[dict], tokens: int, threads: int, lib: Path, seconds: float) -> dict:
+def _report(model: Model, info, file_bytes: int, runs: list[dict], tokens: int, threads: int, lib: Path,
+            seconds: float) -> dict:
     base = runs[0]
     total = sum(st["weight_bytes"] for st in base["per_stage"]) if base["stages"] == 1 else None
     for r in runs:
@@ -239,17 +240,18 @@ def table(rep: dict) -> str:
     b = rep["bench"]
     lines = [f"dgr bench scale: {b['model']} ({b['arch']}, {b['n_layer']} layers, width {b['n_embd']}), "
              f"{b['threads']} thread(s) per worker, {b['tokens']} tokens, {b['cpus']} CPU(s), {b['seconds']} s",
-             f"  {'stages':>6} {'TPOT ms':>8} {'slope ms/st':>11} {'hop ms':>7} {'floor ms':>8} {'ratio':>6} "
-             f"{'max RSS/stage MB':>16} {'weights/stage MB':>16} {'RSS-weights MB':>14} {'model/S MB':>10}"]
+             f"  {'stages':>6} {'TPOT ms':>8} {'slope ms/st':>11} {'hop ms':>7} {'floor ms':>8} {'hop/fl':>6} "
+             f"{'max RSS MiB':>11} {'its weights':>11} {'RSS-weights':>11} {'model/S MiB':>11}"]
     for r in rep["runs"]:
         st = max(r["per_stage"], key=lambda s: s["rss_bytes"])
-        lines.append(f"  {r['stages']:>6} {r['tpot_ms']:>8.2f} {r['slope_ms_per_stage']:>11.3f} {r['per_hop_ms']:>7.3f} "
-                     f"{r['floor_one_way_ms']:>8.3f} {r['per_hop_over_floor']:>5.1f}x {st['rss_bytes'] / MIB:>16.1f} "
-                     f"{st['weight_bytes'] / MIB:>16.1f} {st['rss_minus_weights_bytes'] / MIB:>14.1f} "
-                     f"{r['model_weights_over_s_bytes'] / MIB:>10.1f}")
+        lines.append(f"  {r['stages']:>6} {r['tpot_ms']:>8.2f} {r['slope_ms_per_stage']:>11.3f} "
+                     f"{r['per_hop_ms']:>7.3f} "
+                     f"{r['floor_one_way_ms']:>8.3f} {r['per_hop_over_floor']:>5.1f}x {st['rss_bytes'] / MIB:>11.1f} "
+                     f"{st['weight_bytes'] / MIB:>11.1f} {st['rss_minus_weights_bytes'] / MIB:>11.1f} "
+                     f"{r['model_weights_over_s_bytes'] / MIB:>11.1f}")
     lines.append(f"  TPOT slope (least squares over the stage counts): {rep['tpot_slope_ms_per_stage']:.3f} ms per "
                  "added stage")
-    lines.append("  per stage, RSS / weights MB (the stage with the most RSS is the row above):")
+    lines.append("  per stage, [layers) RSS / weights MiB (the row above is the stage with the most RSS):")
     for r in rep["runs"]:
         lines.append(f"    {r['stages']} stage(s): " + ", ".join(
             f"[{a},{z}) {s['rss_bytes'] / MIB:.1f}/{s['weight_bytes'] / MIB:.1f}"

@@ -385,7 +385,8 @@ def register(sub) -> None:
     sc.add_argument("--source", metavar="GGUF", help="the model (default: the embedded SmolLM2's source GGUF)")
     sc.add_argument("--synth-shape", metavar="NAME", help="a random-weight model of a real size, written first "
                     "(`dgr synth --shape`: llama-7b, qwen2-7b; about 4 GB, and a bundle of that size per stage count)")
-    sc.add_argument("--synth", metavar="ARCH", help="a tiny random-weight ARCH model (`dgr synth --list`), for quick tries")
+    sc.add_argument("--synth", metavar="ARCH", help="a tiny random-weight ARCH model (`dgr synth --list`), "
+                    "for quick tries")
     sc.add_argument("--stages", default="1,2,4,8", help="stage counts to measure (default 1,2,4,8)")
     sc.add_argument("--tokens", type=int, default=32, help="greedy decode tokens per stage count (default 32)")
     sc.add_argument("--threads", type=int, default=1, help="compute threads per worker process (default 1)")
