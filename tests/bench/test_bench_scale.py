@@ -47,6 +47,9 @@ def test_scale_on_a_tiny_model_reports_every_stage_count_with_the_same_tokens(tm
         assert r["tpot_ms"] > 0 and r["per_hop_ms"] > 0 and r["floor_one_way_ms"] > 0
         assert r["decode_tokens_timed"] == 3                        # every decode token after the first
     assert runs[0]["slope_ms_per_stage"] == 0
+    # one stage holds every tensor of the model (no MTP layers, untied embeddings: nothing left out or copied)
+    assert runs[0]["total_weight_bytes"] == rep["bench"]["model_weight_bytes"]
+    assert runs[1]["model_weights_over_s_bytes"] == rep["bench"]["model_weight_bytes"] / 2
     bb = rep["boundary_bytes_per_token_per_hop"]
     assert bb["computed"] is True and bb["this_model"]["values"] == rep["bench"]["n_embd"]
     assert bb["this_model"]["f32"] == 4 * rep["bench"]["n_embd"]

@@ -205,10 +205,10 @@ def run_scale(*, stages=STAGE_COUNTS, tokens: int = 32, threads: int = 1, source
 def _report(model: Model, info, file_bytes: int, runs: list[dict], tokens: int, threads: int, lib: Path,
             seconds: float) -> dict:
     base = runs[0]
-    total = sum(st["weight_bytes"] for st in base["per_stage"]) if base["stages"] == 1 else None
+    total = sum(t.nbytes for t in info.header.tensors)          # every tensor of the source, once
     for r in runs:
         # the point of splitting: memory per host falls as 1/S (the whole model's weights over S)
-        r["model_weights_over_s_bytes"] = (total or r["total_weight_bytes"]) / r["stages"]
+        r["model_weights_over_s_bytes"] = total / r["stages"]
         r["slope_ms_per_stage"] = ((r["tpot_ms"] - base["tpot_ms"]) / (r["stages"] - base["stages"])
                                    if r["stages"] != base["stages"] else 0.0)
     ids = [r["token_ids"] for r in runs]
@@ -219,7 +219,7 @@ def _report(model: Model, info, file_bytes: int, runs: list[dict], tokens: int, 
                   "n_embd": info.n_embd, "n_streams": info.n_streams, "threads": threads, "tokens": tokens,
                   "engine_lib": str(lib), "worker": "dgr-worker", "cpus": os.cpu_count(),
                   "seconds": round(seconds, 1), "model_file_bytes": file_bytes,
-                  "model_layer_bytes": layer_total},
+                  "model_layer_bytes": layer_total, "model_weight_bytes": total},
         "runs": runs,
         "tpot_slope_ms_per_stage": _slope([r["stages"] for r in runs], [r["tpot_ms"] for r in runs]),
         "same_tokens": all(x == ids[0] for x in ids),
