@@ -25,7 +25,9 @@ def _scale(tmp_path, *argv) -> tuple[int, dict]:
 
 @pytest.mark.engine
 def test_scale_on_a_tiny_model_reports_every_stage_count_with_the_same_tokens(tmp_path, capsys, engine_lib):
-    rc, rep = _scale(tmp_path, "--synth", "llama", "--stages", "1,2", "--tokens", "4")
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "scale.png"
+    rc, rep = _scale(tmp_path, "--synth", "llama", "--stages", "1,2", "--tokens", "4", "--plot", str(png))
     assert rc == 0 and rep["same_tokens"] is True
     runs = rep["runs"]
     assert [r["stages"] for r in runs] == [1, 2]
@@ -53,6 +55,7 @@ def test_scale_on_a_tiny_model_reports_every_stage_count_with_the_same_tokens(tm
     bb = rep["boundary_bytes_per_token_per_hop"]
     assert bb["computed"] is True and bb["this_model"]["values"] == rep["bench"]["n_embd"]
     assert bb["this_model"]["f32"] == 4 * rep["bench"]["n_embd"]
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     out = capsys.readouterr().out
     assert "greedy tokens the same for every stage count: yes" in out and "DeepSeek V4" in out
 

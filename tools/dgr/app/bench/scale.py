@@ -7,8 +7,9 @@ by S `dgr worker serve` processes on loopback (`LocalRoute`, one thread each by 
 the ring, the origin's `ring_ns`), the per-hop overhead (ring time minus summed compute, per boundary:
 `pipeline.hop_figures`), the loopback floor right after it (`loopback_floor.one_way_ms`, after an idle gap
 of that ring time), and the resident memory of every worker (VmRSS, VmHWM) beside the weight bytes its stage
-holds (the manifest's `weight_bytes`, and its layers' share of the model). Computed, not measured: the boundary bytes one token
-carries across one hop for this model and for DeepSeek V4's width (4 streams x 4096, f32 and q8_0).
+holds (the manifest's `weight_bytes`, and its layers' share of the model). Computed, not measured: the
+boundary bytes one token carries across one hop for this model and for DeepSeek V4's width (4 streams x 4096,
+f32 and q8_0).
 
 The greedy tokens must be the same for every S (a split never changes what the model computes);
 `same_tokens` says whether they were. Left out (issue 40 names it): the 32k-token prompt on 4 stages.
@@ -114,13 +115,12 @@ def _med(xs) -> float:
     return float(statistics.median(xs)) if xs else 0.0
 
 
-def _measure(model: Model, bundle, *, tokens: int, threads: int, lib: Path, prompt_ids: list[int] | None,
+def _measure(bundle, layer_bytes: list[int], *, tokens: int, threads: int, lib: Path, prompt_ids: list[int] | None,
              n_ctx: int) -> dict:
     """One stage count: serve `bundle`, generate, and read the figures (see the module docstring)."""
     S = len(bundle.manifest.stages)
     args = [["--bundle", str(bundle.root), "--stage", str(i), "--threads", str(threads), "--n-ctx", str(n_ctx)]
             for i in range(S)]
-    layer_bytes = model_info(model.path).layer_bytes()
     with LocalRoute(args, env={"DGR_ENGINE_LIB": str(lib)}, timeout=600) as route, \
             RouteClient(route.addresses, prefix_cache=False) as c:
         if prompt_ids is None:
@@ -190,7 +190,8 @@ def run_scale(*, stages=STAGE_COUNTS, tokens: int = 32, threads: int = 1, source
             bundle = bundle_of(model, S, work)
             log.info("bench scale: %d stage(s): %d worker process(es), %d thread(s) each, %d tokens",
                      S, S, threads, tokens)
-            r = _measure(model, bundle, tokens=tokens, threads=threads, lib=lib_path, prompt_ids=prompt, n_ctx=n_ctx)
+            r = _measure(bundle, info.layer_bytes(), tokens=tokens, threads=threads, lib=lib_path, prompt_ids=prompt,
+                         n_ctx=n_ctx)
             runs.append(r)
             log.info("bench scale: %d stage(s): TPOT %.2f ms, per hop %.3f ms (floor %.3f ms), max RSS %.1f MiB",
                      S, r["tpot_ms"], r["per_hop_ms"], r["floor_one_way_ms"], r["max_rss_bytes"] / MIB)
