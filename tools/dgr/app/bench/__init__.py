@@ -9,8 +9,8 @@ What `dgr bench ...` runs (tools/dgr/cli/commands/bench.py) and where:
 - `dtypes` (`--dtypes`): what each wire dtype costs and loses per architecture;
 - `speculate_ngram` (`--speculate ngram`) and `speculate_mtp` (`--speculate mtp`): what drafts gain;
 - `soak` (`dgr bench soak`), with `hostile`'s attackers for `--hostile N`;
-- `tls_cost` (`tls`), `frame_cost` (`frames`), `conversation`, `numerics` and `peers`: the subcommands of
-  those names.
+- `tls_cost` (`tls`), `frame_cost` (`frames`), `conversation`, `numerics`, `peers` and `scale` (the cost curve
+  of 1, 2, 4, 8 stages): the subcommands of those names.
 
 Benchmarks measure; certification (dgr.app.certify) judges. The gate may run a benchmark's measurement
 (`dgr gate beta`'s speculation rows run speculate_mtp's), never the other way round: nothing here imports
