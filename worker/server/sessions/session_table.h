@@ -17,7 +17,6 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
-#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -163,7 +162,8 @@ class SessionTable {
     }
     // Every open session in key order, under the table's lock: `fn` takes no lock and opens or closes nothing
     // here (the worker holds its own lock around it, which guards what `fn` reads or changes in a session)
-    void for_each(const std::function<void(const Key &, const Ptr &)> & fn) const {
+    template <class F>                               // F: void(const Key &, const Ptr &)
+    void for_each(F && fn) const {
         std::lock_guard<std::mutex> g(mu_);
         for (auto & kv : entries_) fn(kv.first, kv.second.s);
     }
