@@ -59,7 +59,6 @@ void StageWorker::on_frame(pb::Frame frame, const ReplyPtr & reply, const std::o
         if (!returning) {
             frame.set_session_id(names_.key(*peer, named));
         } else {
-            std::lock_guard<std::mutex> g(mu_);
             frame.set_session_id(info_.is_first ? origin_key(named) : std::string());
         }
     }
@@ -95,17 +94,10 @@ void StageWorker::on_frame(pb::Frame frame, const ReplyPtr & reply, const std::o
     std::vector<float> x;
     try {
         if (!sess) {
-            uint64_t latest = 0;
-            bool known;
-            {
-                std::lock_guard<std::mutex> g(mu_);
-                auto it = latest_epoch_.find(frame.session_id());
-                known = it != latest_epoch_.end();
-                if (known) latest = it->second;
-            }
-            if (known && latest > frame.epoch()) {
+            const std::optional<uint64_t> latest = sessions_.latest_epoch(frame.session_id());
+            if (latest && *latest > frame.epoch()) {
                 throw Fault{pb::STALE_EPOCH, "session " + named + " epoch " + std::to_string(frame.epoch()) +
-                                                 " was replaced by epoch " + std::to_string(latest)};
+                                                 " was replaced by epoch " + std::to_string(*latest)};
             }
             throw Fault{pb::UNKNOWN_SESSION, "no open session " + named + " epoch " +
                                                  std::to_string(frame.epoch()) + ": open it (OpenSession) first"};

@@ -199,12 +199,9 @@ void StageWorker::stream_done(const ReplyPtr & out) {
     streams_.erase(out);
     if (threads_stopped_) return;                    // stop() closed every session already
     bool orphans = false;                            // a stream that carried no session (a Describe-like
-    for (auto & kv : sessions_) {                    //   probe, a reset stream) needs no thread
-        if (kv.second->client == out && !kv.second->done) {
-            orphans = true;
-            break;
-        }
-    }
+    sessions_.for_each([&](const Key &, const SessionPtr & s) {   //   probe, a reset stream) needs no thread
+        orphans = orphans || (s->client == out && !s->done);
+    });
     if (!orphans) return;
     ++gone_running_;
     std::thread([this, out] {

@@ -82,7 +82,7 @@ std::string StageWorker::metrics_text() {
         prom_sample(o, "dgr_worker_errors_total", "code=\"" + name + "\"", double(n));
     }
     uint64_t held = 0;
-    for (auto & kv : sessions_) held += kv.second->held;
+    sessions_.for_each([&](const Key &, const SessionPtr & s) { held += s->held; });
     auto gauge = [&](const char * name, const char * help, double v) {
         prom_family(o, std::string("dgr_worker_") + name, "gauge", help);
         prom_sample(o, std::string("dgr_worker_") + name, "", v);

@@ -265,12 +265,12 @@ void StageWorker::client_gone(const ReplyPtr & out) {
     std::vector<Key> orphans;
     {
         std::lock_guard<std::mutex> g(mu_);
-        for (auto & kv : sessions_) {
-            if (kv.second->client == out && !kv.second->done) {
-                kv.second->failed = true;
-                orphans.push_back(kv.first);
+        sessions_.for_each([&](const Key & k, const SessionPtr & s) {
+            if (s->client == out && !s->done) {
+                s->failed = true;
+                orphans.push_back(k);
             }
-        }
+        });
     }
     for (auto & k : orphans) close_chained(k.first, k.second, nullptr, nullptr);
 }

@@ -1,6 +1,6 @@
 // Owners (docs/security.md): what a request may ask of the worker, bounded before any parser sees it, and the
-// origin's map from the ids stage 0 gave its sessions to this worker's keys. Whose a session is, from its key,
-// is the part sessions/names.h.
+// origin's map from the ids stage 0 gave its sessions to this worker's keys (kept by the session table,
+// sessions/session_table.h). Whose a session is, from its key, is the part sessions/names.h.
 #include <fcntl.h>
 #include <unistd.h>
 
@@ -16,9 +16,7 @@ namespace dgr {
 namespace pb = dgr::v1;
 
 std::string StageWorker::origin_key(const std::string & wire) const {
-    if (!trust_.mutual) return wire;
-    auto it = down_.find(wire);
-    return it == down_.end() ? std::string() : it->second;
+    return trust_.mutual ? sessions_.origin_key(wire) : wire;
 }
 
 // The tests' hooks (--test-die-at SESSION:...) name a session as its client did (SessionNames::client_name)

@@ -162,8 +162,7 @@ void StageWorker::on_link_broken(Link * link, const std::string & why, const std
             out_links_.erase(it);
         }
         for (auto & k : lost) {
-            auto s = sessions_.find(k);
-            if (s != sessions_.end()) sessions.emplace_back(k, s->second);
+            if (SessionPtr s = sessions_.find(k)) sessions.emplace_back(k, std::move(s));
         }
     }
     const int keepalive = LINK_KEEPALIVE_MS + int(limits_.link_keepalive_timeout_s * 1000);

@@ -20,22 +20,14 @@ void StageWorker::close_local(const std::string & sid, uint64_t epoch) {
     std::vector<std::shared_ptr<Link>> links;
     std::string wire;
     {
+        // the table, the step queue and the links together (mu_ held): nothing of a session outlives it (the
+        // table drops its wire_down id, its owner's count and, once no epoch is open, its latest epoch)
         std::lock_guard<std::mutex> g(mu_);
-        auto s = sessions_.find(Key{sid, epoch});
-        held = s != sessions_.end();
-        if (held) {
-            wire = s->second->wire_down;
-            sessions_.erase(s);
-        }
+        SessionPtr s = sessions_.erase(Key{sid, epoch});
+        held = s != nullptr;
+        if (held) wire = s->wire_down;
         steps_.drop(Key{sid, epoch});               // its queued steps are forgotten
-        // nothing of a session outlives it: its id along the route, its latest epoch once no epoch is open,
-        // the links' note of it
-        bool open = false;
-        for (auto k = sessions_.lower_bound(Key{sid, 0}); k != sessions_.end() && k->first.first == sid; ++k) open = true;
-        if (!open) latest_epoch_.erase(sid);
-        if (held) {
-            auto d = down_.find(wire);
-            if (d != down_.end() && d->second == sid) down_.erase(d);
+        if (held) {                                 // the links' note of it
             for (auto & kv : out_links_) links.push_back(kv.second);
         }
     }
@@ -59,12 +51,12 @@ void StageWorker::close_chained(const std::string & sid, uint64_t epoch, const g
     std::shared_future<void> theirs;                 // another call is closing it along the route now
     {
         std::lock_guard<std::mutex> g(mu_);
-        auto it = sessions_.find(key);
-        had = it != sessions_.end();
+        SessionPtr s = sessions_.find(key);
+        had = s != nullptr;
         if (had) {
-            route = it->second->route;
-            hop_index = it->second->hop_index;
-            wire = it->second->wire_down;
+            route = s->route;
+            hop_index = s->hop_index;
+            wire = s->wire_down;
             mine = std::make_shared<std::promise<void>>();
             closing_[key] = mine->get_future().share();
         } else if (auto c = closing_.find(key); c != closing_.end()) {
@@ -136,13 +128,12 @@ int StageWorker::reap() {
     std::vector<Key> idle;
     std::vector<SessionPtr> told;
     {
+        // the table and the step queue at one time (mu_ held): a session with steps queued is not idle
         std::lock_guard<std::mutex> g(mu_);
-        auto now = Clock::now();
-        for (auto & kv : sessions_) {
-            if (std::chrono::duration<double>(now - kv.second->last_used).count() > ttl && !steps_.has(kv.first)) {
-                idle.push_back(kv.first);
-                told.push_back(kv.second);
-            }
+        for (auto & [k, s] : sessions_.expired(Clock::now(), ttl)) {
+            if (steps_.has(k)) continue;
+            idle.push_back(k);
+            told.push_back(s);
         }
     }
     for (size_t n = 0; n < idle.size(); ++n) {

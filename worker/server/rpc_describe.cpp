@@ -68,7 +68,7 @@ void StageWorker::describe_msg(pb::StageDescription * d) {
         d->set_queued_steps(uint32_t(steps_.steps()));
         d->set_max_frame_bytes_sent(max_frame_bytes_sent_);
         uint64_t cached = 0;
-        for (auto & kv : sessions_) cached += kv.second->held;
+        sessions_.for_each([&](const Key &, const SessionPtr & s) { cached += s->held; });
         d->set_cached_positions(cached);
     }
     const uint32_t width = uint32_t(i.n_streams) * uint32_t(i.n_embd);
@@ -122,7 +122,7 @@ std::string StageWorker::descriptor_json() {
         for (auto & e : errors_) errors[e.first] = e.second;
         open = sessions_.size();
         queued = steps_.steps();
-        for (auto & kv : sessions_) cached += kv.second->held;
+        sessions_.for_each([&](const Key &, const SessionPtr & s) { cached += s->held; });
         reaped = reaped_;
         overloaded = overloaded_;
         stopping = stopping_;

@@ -20,10 +20,8 @@ static const char * py_bool(bool b) { return b ? "True" : "False"; }
 uint32_t StageWorker::session_retry_ms() {
     // when a slot may free up: the next idle session's reaping, else a second (mu_ held)
     double ttl = limits_.session_ttl_s;
-    if (ttl <= 0 || sessions_.empty()) return 1000;
-    double idle = 0;
-    auto now = Clock::now();
-    for (auto & kv : sessions_) idle = std::max(idle, std::chrono::duration<double>(now - kv.second->last_used).count());
+    if (ttl <= 0 || sessions_.size() == 0) return 1000;
+    const double idle = sessions_.longest_idle_s(Clock::now());
     return uint32_t(std::min(ttl, std::max(0.1, ttl - idle)) * 1000);
 }
 
@@ -159,34 +157,35 @@ grpc::Status StageWorker::open_session_rpc(const grpc::ServerContextBase * ctx, 
         const Key key{sid, req->epoch()};
         // the id the route's later hops know it by: stage 0 adds 128 random bits under mutual TLS
         const std::string wire_down = trust_.mutual && info_.is_first ? SessionNames::wire_down(req->session_id()) : names_.wire_of(sid);
+        // its owner: whose count it is in (--max-sessions-per-member)
+        const std::string owner = names_.owner_of(sid);
         std::vector<Key> old;
         {
+            // the table's answer and the overload counter (and the retry hint) go together: mu_ held around it
             std::unique_lock<std::mutex> g(mu_);
-            auto le = latest_epoch_.find(sid);
-            if ((le != latest_epoch_.end() && req->epoch() < le->second) || sessions_.count(key)) {
-                std::string at = std::to_string(le != latest_epoch_.end() ? le->second : req->epoch());
-                g.unlock();
-                return fail(pb::STALE_EPOCH, "session " + req->session_id() + " is already at epoch " + at + "; open a newer epoch");
-            }
-            for (auto k = sessions_.lower_bound(Key{sid, 0}); k != sessions_.end() && k->first.first == sid; ++k) old.push_back(k->first);
-            if (limits_.max_sessions_per_member > 0) {
-                const std::string owner = names_.owner_of(sid);
-                int64_t held = 0;
-                for (auto & kv : sessions_) held += names_.owner_of(kv.first.first) == owner && kv.first.first != sid;
-                if (held >= limits_.max_sessions_per_member) {
+            using Refused = SessionTable<Session>::Refused;
+            auto a = sessions_.admit(key, owner, limits_.max_sessions_per_member, info_.max_sessions);
+            switch (a.refused) {
+                case Refused::none:
+                    break;
+                case Refused::stale_epoch:
+                    g.unlock();
+                    return fail(pb::STALE_EPOCH, "session " + req->session_id() + " is already at epoch " +
+                                                     std::to_string(a.at) + "; open a newer epoch");
+                case Refused::member_full:
                     ++overloaded_;
                     g.unlock();
-                    return fail(pb::OVERLOADED, "this member holds " + std::to_string(held) + " sessions here (--max-sessions-per-member " +
+                    return fail(pb::OVERLOADED, "this member holds " + std::to_string(a.member_held) + " sessions here (--max-sessions-per-member " +
                                                     std::to_string(limits_.max_sessions_per_member) + "): close one, or retry later", 1000);
+                case Refused::worker_full: {
+                    ++overloaded_;
+                    uint32_t retry = session_retry_ms();
+                    g.unlock();
+                    return fail(pb::OVERLOADED, "all " + std::to_string(info_.max_sessions) +
+                                                    " sessions are in use: retry later or use another route", retry);
                 }
             }
-            if (sessions_.size() - old.size() >= size_t(info_.max_sessions)) {
-                ++overloaded_;
-                uint32_t retry = session_retry_ms();
-                g.unlock();
-                return fail(pb::OVERLOADED, "all " + std::to_string(info_.max_sessions) +
-                                                " sessions are in use: retry later or use another route", retry);
-            }
+            old = std::move(a.older);
         }
         for (auto & k : old) close_local(k.first, k.second);
         {
@@ -230,7 +229,6 @@ grpc::Status StageWorker::open_session_rpc(const grpc::ServerContextBase * ctx, 
             s->ran = std::move(ran);
             s->route.assign(req->route().begin(), req->route().end());
             s->hop_index = req->hop_index();
-            s->last_used = Clock::now();
             s->sampling = req->sampling();
             s->sampling.clear_grammar_accepted();    // used above; not kept
             s->grammar = std::move(grammar);
@@ -238,10 +236,9 @@ grpc::Status StageWorker::open_session_rpc(const grpc::ServerContextBase * ctx, 
             s->held = uint64_t(restored);
             s->prefix_seed = prefix_seed(req->upstream());
             if (trust_.mutual) s->opener = peer_identity(ctx);
-            sessions_[key] = std::move(s);
+            // its id is at this epoch from now on; stage 0 under mTLS: the route's hops name it by wire_down
+            sessions_.insert(key, std::move(s), owner, trust_.mutual && info_.is_first ? wire_down : std::string(), Clock::now());
             ++opened_total_;
-            latest_epoch_[sid] = req->epoch();
-            if (trust_.mutual && info_.is_first) down_[wire_down] = sid;
         }
         *reply->add_hops() = me;
         if (!info_.is_last) {
@@ -283,10 +280,9 @@ grpc::Status StageWorker::open_session_rpc(const grpc::ServerContextBase * ctx, 
                 if (st != DGR_OK) return fail(pb::ENGINE, lib_.error(st));
                 restored = int32_t(theirs.cached_tokens());
                 std::lock_guard<std::mutex> g(mu_);
-                auto it = sessions_.find(key);
-                if (it != sessions_.end()) {
-                    it->second->held = uint64_t(restored);
-                    if (it->second->ran.size() > size_t(restored)) it->second->ran.resize(size_t(restored));
+                if (SessionPtr s = sessions_.find(key)) {
+                    s->held = uint64_t(restored);
+                    if (s->ran.size() > size_t(restored)) s->ran.resize(size_t(restored));
                 }
             }
         }
@@ -295,12 +291,12 @@ grpc::Status StageWorker::open_session_rpc(const grpc::ServerContextBase * ctx, 
         {
             // the origin takes tokens back only from the last hop, errors from any hop of the route (mTLS)
             std::lock_guard<std::mutex> g(mu_);
-            auto it = sessions_.find(key);
-            if (it != sessions_.end() && reply->hops_size() > 0) {
-                note_route(*it->second, reply->hops());
-                it->second->returner = reply->hops(reply->hops_size() - 1).member();
+            SessionPtr s = sessions_.find(key);
+            if (s && reply->hops_size() > 0) {
+                note_route(*s, reply->hops());
+                s->returner = reply->hops(reply->hops_size() - 1).member();
                 for (auto & h : reply->hops()) {
-                    if (!h.member().empty()) it->second->route_members.insert(h.member());
+                    if (!h.member().empty()) s->route_members.insert(h.member());
                 }
             }
         }

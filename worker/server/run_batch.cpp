@@ -193,7 +193,8 @@ void StageWorker::run_batch(std::vector<Work> & batch) {
         batch_ms_ = 0.8 * batch_ms_ + 0.2 * double(compute) / 1e6;
         for (auto & r : ready) {
             if (!r.ok) continue;
-            r.sess->last_used = now;                 // --session-ttl counts real progress: a step that ran
+            // --session-ttl counts real progress: a step that ran
+            sessions_.touch(Key{r.w->frame.session_id(), r.w->frame.epoch()}, r.sess, now);
             r.sess->held = uint64_t(std::max(0, r.o.n_cached));
             const pb::Step & s = r.w->frame.step();
             if (info_.is_first && r.sess->ran_ok) {  // what stage 0 ran: the prefix cache's blocks hash it

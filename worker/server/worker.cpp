@@ -139,11 +139,11 @@ void StageWorker::prune_links() {
         if (now - pruned_ < std::chrono::seconds(2) || threads_stopped_) return;
         pruned_ = now;
         std::set<std::string> used;                  // where open sessions (and sessions being closed) still go
-        for (auto & kv : sessions_) {
-            const Session & s = *kv.second;
+        sessions_.for_each([&](const Key &, const SessionPtr & p) {
+            const Session & s = *p;
             if (s.hop_index + 1 < s.route.size()) used.insert(s.route[s.hop_index + 1].address());
             if (!s.route.empty()) used.insert(s.route[0].address());
-        }
+        });
         if (!closing_.empty()) return;               // a close chain may be using a channel right now
         for (auto it = links_.begin(); it != links_.end();) {
             if (used.count(it->first)) { ++it; continue; }
@@ -167,9 +167,7 @@ void StageWorker::prune_links() {
 }
 
 StageWorker::SessionPtr StageWorker::session(const Key & key) {
-    std::lock_guard<std::mutex> g(mu_);
-    auto it = sessions_.find(key);
-    return it == sessions_.end() ? nullptr : it->second;
+    return sessions_.find(key);                      // the table's lock alone (sessions/session_table.h)
 }
 
 void StageWorker::reply_error(const ReplyPtr & reply, const pb::Frame & frame, pb::WireError e, bool as_named) {
@@ -187,7 +185,7 @@ void StageWorker::stop() {
     {
         std::lock_guard<std::mutex> g(mu_);
         stopping_ = true;
-        for (auto & kv : sessions_) open.emplace_back(kv.first, kv.second);
+        sessions_.for_each([&](const Key & k, const SessionPtr & s) { open.emplace_back(k, s); });
         streams = streams_;
     }
     // tell the clients (through the origin) first, so they re-route (docs/worker.md, "Failures, drain, speculation,

@@ -33,6 +33,7 @@
 #include "engine_lib.h"
 #include "engine_loop/step_queue.h"
 #include "sessions/names.h"
+#include "sessions/session_table.h"
 #include "cache/prefix_cache.h"
 #include "unary_calls.h"
 #include "metrics.h"
@@ -256,7 +257,6 @@ class StageWorker final : public dgr::v1::Stage::CallbackService {
         std::string sid;                             // this worker's key for it (sessions/names.h: key)
         std::vector<dgr::v1::Hop> route;
         uint32_t hop_index = 0;
-        std::chrono::steady_clock::time_point last_used;
         dgr::v1::Sampling sampling;
         int logits = 0;                              // dgr::v1::LogitsMode
         // the last stage, Sampling.grammar / json_schema: llama.cpp's grammar sampler, advanced over every
@@ -362,7 +362,7 @@ class StageWorker final : public dgr::v1::Stage::CallbackService {
     SessionNames names_;                             // whose a session is, from its key (sessions/names.h); set
                                                      //   with the trust, before serving
     // stage 0: this worker's key of a session that the route's hops name by its wire_down id ("" if none)
-    std::string origin_key(const std::string & wire) const;      // mu_ held
+    std::string origin_key(const std::string & wire) const;
     bool hook_at(const std::set<std::tuple<std::string, uint64_t, int64_t>> & at, const std::string & key, uint64_t epoch, int64_t p) const;
     // Sampling.grammar / json_schema within --max-grammar-bytes and --max-grammar-depth: "" or why not
     std::string refuse_grammar(const dgr::v1::Sampling & sp) const;
@@ -432,9 +432,12 @@ class StageWorker final : public dgr::v1::Stage::CallbackService {
     std::condition_variable grammar_cv_;
     int grammars_running_ = 0;
     std::mutex mu_;                                  // everything below
-    std::map<Key, SessionPtr> sessions_;
-    std::map<std::string, uint64_t> latest_epoch_;   // of ids with an open epoch (pruned with their last one)
-    std::map<std::string, std::string> down_;        // stage 0, mTLS: wire_down id -> this worker's key
+    // the open sessions, their epochs, stage 0's wire_down ids, their owners' counts and when each was last used:
+    // a part with its own (leaf) lock (sessions/session_table.h). A lookup takes only its lock; mu_ is held around
+    // it where its answer and the worker's state go together (opening: the bounds and the counters; closing: the
+    // step queue and the links; reaping: the step queue) and around for_each, since mu_ guards what a session's
+    // fields hold
+    SessionTable<Session> sessions_;
     std::vector<std::pair<std::string, uint64_t>> errors_;   // ErrorCode name -> answered, first seen first
     uint64_t reaped_ = 0, overloaded_ = 0, opened_total_ = 0;
     bool stopping_ = false;
