@@ -218,6 +218,9 @@ def test_the_library_writes_the_python_canonical_spec():
         assert why in lib.dgr_last_error().decode()
     with pytest.raises(EngineError, match="there is no stage 3"):
         FakeEngine(SPEC, 3)
+    m = FakeModel.from_spec(SPEC)                    # the spec's round trip, its cuts and its seed in the bundle id
+    assert FakeModel.from_spec(m.to_spec()) == m and m.ranges == [(0, 2), (2, 5), (5, 7)]
+    assert FakeModel.from_spec(SPEC.replace("seed=3", "seed=4")).bundle_id != m.bundle_id
 
 
 def test_every_build_of_the_library_gives_the_same_bits(monkeypatch):
