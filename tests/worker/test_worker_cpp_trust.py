@@ -24,7 +24,6 @@ from dgr.runtime.wire.client import RouteClient
 from dgr.runtime.wire.errors import HopUnreachable
 from dgr.runtime.wire.gen import stage_pb2 as pb, stage_pb2_grpc as pb_grpc
 
-from support.engine import make_bundle, synth_model
 from support.worker import cpp, cpp_stages, make_ca, one_line_error, prefill_frame, route_hops, tls_flags, wait_for
 
 FLAGS = ("--threads", "1", "--n-ctx", "512")
@@ -33,9 +32,8 @@ MAX_NEW = 10
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory, engine_lib):
-    d = tmp_path_factory.mktemp("cpp-trust")
-    return make_bundle(synth_model(d, "llama", layers=6), [(0, 2), (2, 4), (4, 6)], d / "store").root
+def tiny(tiny_route):
+    return tiny_route[1]                            # 6 llama layers in 3 stages (tests/conftest.py)
 
 
 @pytest.fixture(scope="module")

@@ -24,7 +24,6 @@ from dgr.runtime.wire.client import RouteClient
 from dgr.runtime.wire.gen import stage_pb2 as pb, stage_pb2_grpc as pb_grpc
 from dgr.runtime.wire.prefix import PREFIX_BLOCK_TOKENS, block_hashes, prompt_blocks
 
-from support.engine import make_bundle, synth_model
 from support.wire import RawStream
 from support.worker import cpp_stages, describe, make_ca, prefill_frame, route_hops, stub, tls_flags, wait_for
 
@@ -36,9 +35,8 @@ ATTACKER = [(11 * k + 7) % 60 + 1 for k in range(len(VICTIM))]
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory, engine_lib):
-    d = tmp_path_factory.mktemp("hostile")
-    return make_bundle(synth_model(d, "llama", layers=6), [(0, 2), (2, 4), (4, 6)], d / "store").root
+def tiny(tiny_route):
+    return tiny_route[1]                            # 6 llama layers in 3 stages (tests/conftest.py)
 
 
 @pytest.fixture(scope="module")
