@@ -422,13 +422,19 @@ def write_outputs(image: Image, mtime: int, tar: str | None, layout: str | None,
             f.write(record_bytes(image))
 
 
+def add_output_arguments(p: argparse.ArgumentParser, *, manifest: str, repository: str) -> None:
+    """The image scripts' outputs (--tar, --layout, --manifest: what `write_outputs` writes) and --repository."""
+    p.add_argument("--tar", help="write the image as one tar here (OCI layout + Docker's manifest.json)")
+    p.add_argument("--layout", help="write the image as an OCI layout folder here")
+    p.add_argument("--manifest", help=f"write {manifest} here")
+    p.add_argument("--repository", default=repository, help="the image's name (default: %(default)s)")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="image.py", description="The OCI image of a release's dgr-worker.")
     p.add_argument("--release", help="release_<lane>.tar.gz (toolchains/bazel/release.py)")
-    p.add_argument("--tar", help="write the image as one tar here (OCI layout + Docker's manifest.json)")
-    p.add_argument("--layout", help="write the image as an OCI layout folder here")
-    p.add_argument("--manifest", help="write image_<lane>.MANIFEST.json here (the digest, the release, the layers)")
-    p.add_argument("--repository", default=REPOSITORY, help="the image's name (default: %(default)s)")
+    add_output_arguments(p, manifest="image_<lane>.MANIFEST.json (the digest, the release, the layers)",
+                         repository=REPOSITORY)
     p.add_argument("--refuse-lane", metavar="LANE", help="print why LANE has no image and exit 1")
     args = p.parse_args(argv)
     try:

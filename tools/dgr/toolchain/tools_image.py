@@ -35,8 +35,8 @@ import re  # noqa: E402
 import subprocess  # noqa: E402
 import tempfile  # noqa: E402
 
-from dgr.toolchain.image import (BINARIES, PREFIX, STATE, STORE, TLS, Image, Release, assemble,  # noqa: E402
-                                 blake3_sums, check_release, read_release, refusal, release_libraries,
+from dgr.toolchain.image import (BINARIES, PREFIX, STATE, STORE, TLS, Image, Release, add_output_arguments,  # noqa: E402
+                                 assemble, blake3_sums, check_release, read_release, refusal, release_libraries,
                                  source_date_epoch, system_layer, write_outputs)
 from dgr.toolchain.rootfs import ImageError, Tree, debian_packages, elf_interpreter, library_closure  # noqa: E402
 
@@ -180,10 +180,8 @@ def build_tools(release: Release, *, mtime: int = 0, repository: str = TOOLS_REP
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="tools_image.py", description="The tools image (dgr:<version>) of a release.")
     p.add_argument("--release", required=True, help="release_<lane>.tar.gz (toolchains/bazel/release.py)")
-    p.add_argument("--tar", help="write the image as one tar here (OCI layout + Docker's manifest.json)")
-    p.add_argument("--layout", help="write the image as an OCI layout folder here")
-    p.add_argument("--manifest", help="write its record here (the digest, the release, the layers, the libraries)")
-    p.add_argument("--repository", default=TOOLS_REPOSITORY, help="the image's name (default: %(default)s)")
+    add_output_arguments(p, manifest="its record (the digest, the release, the layers, the libraries)",
+                         repository=TOOLS_REPOSITORY)
     args = p.parse_args(argv)
     if not (args.tar or args.layout or args.manifest):
         p.error("give at least one of --tar, --layout, --manifest")
