@@ -174,10 +174,10 @@ def cycle(pairs: list[tuple[str, str]]) -> list[str]:
 
 
 def bad_citations(sec: str, root: Path = SERVER) -> list[str]:
-    """`file:function` / `file:line` citations whose file is not in worker/server/, whose function the file
+    """`file:function` / `file:line` citations (`part/file:...` for a part's folder) whose file is not in worker/server/, whose function the file
     does not define or call, or whose line it does not have."""
     bad = []
-    for file, target in re.findall(r"`([\w.]+\.(?:cpp|h)):([A-Za-z_~][\w:~]*|\d+)`", sec):
+    for file, target in re.findall(r"`((?:\w+/)?[\w.]+\.(?:cpp|h)):([A-Za-z_~][\w:~]*|\d+)`", sec):
         p = root / file
         if not p.is_file():
             bad.append(f"{file}:{target} (no such file)")
@@ -260,11 +260,13 @@ def test_the_check_fails_when_a_mutex_has_no_row_or_a_row_no_mutex() -> None:
     code = code_locks()
     assert mismatch(code, rows) == ([], [])
     gone = next(r for r in rows if r[0] == "Link::mu_")
-    assert mismatch(code, [r for r in rows if r != gone]) == ([("Link::mu_", "worker/server/worker.h")], [])
+    assert mismatch(code, [r for r in rows if r != gone]) == ([("Link::mu_", "worker/server/link.h")], [])
     new = ("StageWorker::other_mu_", "worker/server/worker.h")
     assert mismatch(code | {new}, rows) == ([new], [])
-    assert mismatch(code - {("Link::mu_", "worker/server/worker.h")}, rows) == (
-        [], [("Link::mu_", "worker/server/worker.h")])
+    assert mismatch(code - {("Link::mu_", "worker/server/link.h")}, rows) == (
+        [], [("Link::mu_", "worker/server/link.h")])
     assert cycle([("a", "b"), ("b", "c"), ("c", "a")]) and not cycle([("a", "b"), ("a", "c"), ("b", "c")])
     assert bad_citations("`link.cpp:cancel_locked` `link.cpp:no_such_thing` `nope.cpp:f` `link.cpp:99999`") == [
         "link.cpp:no_such_thing (no such function)", "nope.cpp:f (no such file)", "link.cpp:99999 (no such line)"]
+    assert bad_citations("`ring/link_table.h:prune` `ring/link_table.h:no_such_thing` `ring/nope.h:f`") == [
+        "ring/link_table.h:no_such_thing (no such function)", "ring/nope.h:f (no such file)"]

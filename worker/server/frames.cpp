@@ -74,12 +74,11 @@ void StageWorker::check_stalls() {
     if (timeout <= 0) return;
     const int64_t now = mono_ns();
     std::vector<ReplyPtr> streams;
-    std::vector<std::shared_ptr<Link>> links;
     {
         std::lock_guard<std::mutex> g(mu_);
         streams.assign(streams_.begin(), streams_.end());
-        for (auto & kv : out_links_) links.push_back(kv.second);
     }
+    const std::vector<std::shared_ptr<Link>> links = links_.live();
     for (auto & q : streams) {
         bool stalled;
         {

@@ -1,11 +1,12 @@
-// What the data path's files share (frames.cpp lists them): its clocks, frame sizing, the context error's
-// text and the small text helpers of its messages.
+// What the data path's files share (frames.cpp lists them): the steady clock's type (clock.h has the clocks),
+// frame sizing, the context error's text and the small text helpers of its messages.
 #pragma once
 
 #include <chrono>
 #include <cstdint>
 #include <string>
 
+#include "clock.h"
 #include "worker.h"
 
 namespace dgr {
@@ -13,19 +14,10 @@ namespace dgr {
 namespace pb = dgr::v1;
 using Clock = std::chrono::steady_clock;
 
-constexpr int LINK_KEEPALIVE_MS = 1000;   // each link pings its peer every second (docs/wire.md "Liveness of links")
 // Reconnecting to a peer: RECONNECT_INITIAL_MS, RECONNECT_MAX_MS and CONNECT_TIMEOUT_MS (wire_constants.h,
 // generated from dgr.runtime.wire.limits); every channel a worker opens sets the three (tests/wire/test_wire_limits.py).
 // set on the threads that read an incoming Frames stream: they may run a lone decode step themselves
 extern thread_local bool t_reads_frames;
-
-inline int64_t mono_ns() {
-    return std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now().time_since_epoch()).count();
-}
-
-inline int64_t wall_ns() {
-    return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::system_clock::now().time_since_epoch()).count();
-}
 
 // The context error's text, word for word (tests/worker/test_worker_cpp_frames.py writes it out too)
 inline std::string context_full(int64_t position, int64_t n_ctx) {

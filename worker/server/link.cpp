@@ -1,33 +1,36 @@
-// Link (worker.h): one outgoing Frames stream to a peer, shared by every session going there, on gRPC's
-// callback API; a broken one tells its sessions and is never reused.
+// Link (link.h): one outgoing Frames stream to a peer, shared by every session going there, on gRPC's
+// callback API; a broken one tells its owner and is never reused.
+#include "link.h"
+
 #include <grpcpp/grpcpp.h>
 
 #include <algorithm>
 #include <cstdio>
 
-#include "frames_internal.h"
-#include "worker.h"
+#include "clock.h"
+#include "grpc_status.h"
+#include "wire_constants.h"
 
 namespace dgr {
 
 namespace pb = dgr::v1;
-using Clock = std::chrono::steady_clock;
 
-Link::Link(StageWorker * w, std::string address_, std::string label_, uint64_t max_message_bytes)
-    : address(std::move(address_)), label(std::move(label_)), w_(w) {
+Link::Link(LinkOwner * owner, std::string address_, std::string label_, const LinkSettings & settings)
+    : address(std::move(address_)), label(std::move(label_)), owner_(owner),
+      max_send_queue_bytes_(settings.max_send_queue_bytes) {
     grpc::ChannelArguments args;                     // keepalive: docs/wire.md "Liveness of links"
-    int limit = int(max_message_bytes + FRAME_OVERHEAD);
+    int limit = int(settings.max_message_bytes + FRAME_OVERHEAD);
     args.SetMaxSendMessageSize(limit);
     args.SetMaxReceiveMessageSize(limit);
     args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
     args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, RECONNECT_INITIAL_MS);
-    args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, CONNECT_TIMEOUT_MS);   // gRPC's name for it (frames_internal.h)
+    args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, CONNECT_TIMEOUT_MS);   // gRPC's name for it (wire_constants.h)
     args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, RECONNECT_MAX_MS);
     args.SetInt(GRPC_ARG_KEEPALIVE_TIME_MS, LINK_KEEPALIVE_MS);
-    args.SetInt(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, int(w->limits_.link_keepalive_timeout_s * 1000));
+    args.SetInt(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, int(settings.keepalive_timeout_s * 1000));
     args.SetInt(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
     args.SetInt(GRPC_ARG_HTTP2_MAX_PINGS_WITHOUT_DATA, 0);
-    stub_ = pb::Stage::NewStub(grpc::CreateCustomChannel(address, w->channel_credentials(), args));
+    stub_ = pb::Stage::NewStub(grpc::CreateCustomChannel(address, settings.credentials, args));
     stub_->async()->Frames(&ctx_, this);
     ordered();                                       // every field above is set before gRPC may react
     StartRead(&in_);
@@ -63,7 +66,7 @@ bool Link::send(pb::Frame & f, const Key & mine) {
     {
         std::lock_guard<std::mutex> g(mu_);
         if (broken_ || closing_) return false;
-        const int64_t cap = w_->limits_.max_send_queue_bytes;
+        const int64_t cap = max_send_queue_bytes_;
         if (cap > 0 && bytes_ + size > cap && in_flight_) {
             // the peer stopped reading: fail the link (its sessions hear HOP_UNREACHABLE), never block the engine
             cancel_locked("it fell " + std::to_string(bytes_ + size) + " bytes behind (--max-send-queue-bytes " +
@@ -109,7 +112,7 @@ void Link::OnReadDone(bool ok) {
         return;
     }
     try {
-        w_->on_link_reply(this, std::move(in_));     // the peer's answers: errors about frames sent
+        owner_->on_link_reply(this, std::move(in_));     // the peer's answers: errors about frames sent
     } catch (const std::exception & e) {
         fprintf(stderr, "dgr-worker: link to %s: %s\n", address.c_str(), e.what());
     } catch (...) {
@@ -139,7 +142,7 @@ void Link::OnDone(const grpc::Status & st) {
     }
     if (!closing) {
         try {
-            w_->on_link_broken(this, why, lost);
+            owner_->on_link_broken(this, why, lost);
         } catch (const std::exception & e) {
             fprintf(stderr, "dgr-worker: link to %s broke: %s\n", address.c_str(), e.what());
         } catch (...) {

@@ -94,7 +94,7 @@ std::string StageWorker::metrics_text() {
           std::chrono::duration<double>(std::chrono::steady_clock::now() - started_).count());
     gauge("max_frame_bytes_sent", "largest frame sent so far", double(max_frame_bytes_sent_));
     gauge("outgoing_channels", "channels and links to other workers this worker holds (pruned when unused)",
-          double(links_.size() + out_links_.size() + dead_links_.size()));
+          double(links_.size()));
     const UnaryCalls::Counts calls = calls_->counts();   // (its own lock, a leaf: never taken the other way)
     gauge("unary_calls_running", "unary calls (Describe, OpenSession, ...) running", double(calls.running));
     gauge("unary_calls_waiting", "unary calls waiting for a thread", double(calls.queued));

@@ -82,10 +82,14 @@ void StageWorker::emit_boundary(Work & w, const SessionPtr & sess, const float *
 }
 
 std::shared_ptr<Link> StageWorker::out_link(const std::string & address, uint32_t hop_index) {
-    std::lock_guard<std::mutex> g(mu_);
-    if (threads_stopped_) return nullptr;
-    auto & l = out_links_[address];
-    if (!l) l = std::make_shared<Link>(this, address, hop_name(hop_index, address), max_message_bytes_);
+    std::shared_ptr<Link> lost;                      // made here while another thread's was kept: closed below
+    std::shared_ptr<Link> l = links_.open(address, [&] {
+        LinkSettings settings{channel_credentials(), max_message_bytes_, limits_.link_keepalive_timeout_s,
+                              limits_.max_send_queue_bytes};
+        LinkOwner * owner = this;                    // a private base: converted here, where it is reachable
+        return std::make_shared<Link>(owner, address, hop_name(hop_index, address), settings);
+    }, &lost);
+    if (lost) lost->close();                         // outside every lock: gRPC's callbacks take the link's
     return l;
 }
 
@@ -119,13 +123,7 @@ void StageWorker::send(const std::string & address, uint32_t hop_index, pb::Fram
         std::shared_ptr<Link> l = out_link(address, hop_index);
         if (!l) return;                              // stopping
         if (l->send(frame, Key{sess->sid, frame.epoch()})) return;
-        // broken but not yet forgotten: forget it, the next try opens a new one
-        std::lock_guard<std::mutex> g(mu_);
-        auto it = out_links_.find(address);
-        if (it != out_links_.end() && it->second == l) {
-            dead_links_.push_back(l);
-            out_links_.erase(it);
-        }
+        links_.retire(address, l.get());            // broken but not yet forgotten: the next try opens a new one
     }
 }
 
@@ -153,17 +151,10 @@ void StageWorker::on_link_reply(Link * link, pb::Frame frame) {
 }
 
 void StageWorker::on_link_broken(Link * link, const std::string & why, const std::set<Key> & lost) {
+    links_.retire(link->address, link);              // never reused: the next frame opens a new one
     std::vector<std::pair<Key, SessionPtr>> sessions;
-    {
-        std::lock_guard<std::mutex> g(mu_);
-        auto it = out_links_.find(link->address);
-        if (it != out_links_.end() && it->second.get() == link) {   // never reused: the next frame opens a new one
-            dead_links_.push_back(it->second);
-            out_links_.erase(it);
-        }
-        for (auto & k : lost) {
-            if (SessionPtr s = sessions_.find(k)) sessions.emplace_back(k, std::move(s));
-        }
+    for (auto & k : lost) {                          // lookups: the session table's lock alone
+        if (SessionPtr s = sessions_.find(k)) sessions.emplace_back(k, std::move(s));
     }
     const int keepalive = LINK_KEEPALIVE_MS + int(limits_.link_keepalive_timeout_s * 1000);
     for (auto & [key, sess] : sessions) {

@@ -20,17 +20,15 @@ void StageWorker::close_local(const std::string & sid, uint64_t epoch) {
     std::vector<std::shared_ptr<Link>> links;
     std::string wire;
     {
-        // the table, the step queue and the links together (mu_ held): nothing of a session outlives it (the
-        // table drops its wire_down id, its owner's count and, once no epoch is open, its latest epoch)
+        // the table and the step queue together (mu_ held): nothing of a session outlives it (the table drops
+        // its wire_down id, its owner's count and, once no epoch is open, its latest epoch)
         std::lock_guard<std::mutex> g(mu_);
         SessionPtr s = sessions_.erase(Key{sid, epoch});
         held = s != nullptr;
         if (held) wire = s->wire_down;
         steps_.drop(Key{sid, epoch});               // its queued steps are forgotten
-        if (held) {                                 // the links' note of it
-            for (auto & kv : out_links_) links.push_back(kv.second);
-        }
     }
+    if (held) links = links_.live();                // the links' note of it
     for (auto & l : links) l->forget(Key{wire, epoch});
     if (held) {
         std::lock_guard<std::mutex> g(engine_mu_);

@@ -52,12 +52,7 @@ void StageWorker::test_faults(const pb::Frame & f, const SessionPtr & sess) {
             if (st != DGR_OK) fprintf(stderr, "dgr-worker: --test-evict-at: reopen failed: %s\n", lib_.error(st).c_str());
         }
         if (hook_at(limits_.break_origin_link_at, sid, f.epoch(), p) && !info_.is_first) {
-            std::shared_ptr<Link> l;
-            {
-                std::lock_guard<std::mutex> g(mu_);
-                auto it = out_links_.find(sess->route[0].address());
-                if (it != out_links_.end()) l = it->second;
-            }
+            std::shared_ptr<Link> l = links_.find(sess->route[0].address());
             fprintf(stderr, "dgr-worker: --test-break-origin-link-at %s:%llu:%lld reached: %s\n", sid.c_str(),
                     (unsigned long long)f.epoch(), (long long)p, l ? "link failed" : "no link to fail");
             if (l) l->fail("--test-break-origin-link-at");

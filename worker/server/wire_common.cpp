@@ -69,15 +69,6 @@ std::string utf8_replace(const std::string & s) {
     return out;
 }
 
-std::string status_name(grpc::StatusCode c) {
-    static const char * names[] = {"OK", "CANCELLED", "UNKNOWN", "INVALID_ARGUMENT", "DEADLINE_EXCEEDED",
-                                   "NOT_FOUND", "ALREADY_EXISTS", "PERMISSION_DENIED", "RESOURCE_EXHAUSTED",
-                                   "FAILED_PRECONDITION", "ABORTED", "OUT_OF_RANGE", "UNIMPLEMENTED", "INTERNAL",
-                                   "UNAVAILABLE", "DATA_LOSS", "UNAUTHENTICATED"};
-    int i = int(c);
-    return i >= 0 && i < int(sizeof names / sizeof *names) ? names[i] : std::to_string(i);
-}
-
 std::string hop_name(uint32_t index, const std::string & address) {
     return "stage " + std::to_string(index) + " (" + address + ")";
 }

@@ -110,29 +110,25 @@ std::chrono::system_clock::time_point StageWorker::chain_deadline(size_t hops_af
 }
 
 std::shared_ptr<pb::Stage::Stub> StageWorker::link(const std::string & address) {
-    std::lock_guard<std::mutex> g(mu_);
-    auto & stub = links_[address];
-    if (!stub) {
+    return links_.channel(address, [&] {
         grpc::ChannelArguments args;
         int limit = int(max_message_bytes_ + FRAME_OVERHEAD);
         args.SetMaxSendMessageSize(limit);
         args.SetMaxReceiveMessageSize(limit);
         // its own connection: a peer restarted in place is not stuck behind a shared connection's backoff
         args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
-        args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, RECONNECT_INITIAL_MS);   // as the links (frames_internal.h)
+        args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, RECONNECT_INITIAL_MS);   // as the links (wire_constants.h)
         args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, CONNECT_TIMEOUT_MS);
         args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, RECONNECT_MAX_MS);
-        stub = pb::Stage::NewStub(grpc::CreateCustomChannel(address, channel_credentials(), args));
-    }
-    return stub;
+        return std::shared_ptr<pb::Stage::Stub>(pb::Stage::NewStub(grpc::CreateCustomChannel(address, channel_credentials(), args)));
+    });
 }
 
 // What a member's routes made this worker open outlives nothing: every few seconds the channels and links to
 // addresses no open session goes to are dropped, and broken links gRPC is done with are destroyed, so a member
 // naming ever new addresses cannot grow the worker (docs/security.md)
 void StageWorker::prune_links() {
-    std::vector<std::shared_ptr<Link>> drop;
-    std::vector<std::shared_ptr<pb::Stage::Stub>> stubs;
+    LinkTable<Link, pb::Stage::Stub>::Pruned drop;
     {
         std::lock_guard<std::mutex> g(mu_);
         const auto now = Clock::now();
@@ -145,25 +141,9 @@ void StageWorker::prune_links() {
             if (!s.route.empty()) used.insert(s.route[0].address());
         });
         if (!closing_.empty()) return;               // a close chain may be using a channel right now
-        for (auto it = links_.begin(); it != links_.end();) {
-            if (used.count(it->first)) { ++it; continue; }
-            stubs.push_back(std::move(it->second));
-            it = links_.erase(it);
-        }
-        for (auto it = out_links_.begin(); it != out_links_.end();) {
-            if (used.count(it->first) || !it->second->idle()) { ++it; continue; }
-            drop.push_back(std::move(it->second));
-            it = out_links_.erase(it);
-        }
-        for (auto it = dead_links_.begin(); it != dead_links_.end();) {
-            if (!(*it)->done()) { ++it; continue; }
-            drop.push_back(std::move(*it));
-            it = dead_links_.erase(it);
-        }
+        drop = links_.prune(used);                   // the table's lock, under mu_: no session opens meanwhile
     }
-    for (auto & l : drop) l->close();                // outside the lock: gRPC's callbacks take it
-    drop.clear();
-    stubs.clear();
+    for (auto & l : drop.links) l->close();          // outside every lock: gRPC's callbacks take them
 }
 
 StageWorker::SessionPtr StageWorker::session(const Key & key) {
@@ -223,9 +203,8 @@ void StageWorker::shutdown_threads() {
         std::lock_guard<std::mutex> g(mu_);
         threads_stopped_ = true;
         wake_.notify_all();
-        for (auto & kv : out_links_) links.push_back(kv.second);
-        links.insert(links.end(), dead_links_.begin(), dead_links_.end());
     }
+    links = links_.stop();                           // no link opens from now on
     const bool on_engine = engine_thread_.get_id() == std::this_thread::get_id();
     if (engine_thread_.joinable() && !on_engine) engine_thread_.join();
     if (!on_engine) {
@@ -233,13 +212,8 @@ void StageWorker::shutdown_threads() {
         wake_.wait(l, [&] { return !engine_busy_ && gone_running_ == 0; });
     }
     for (auto & l : links) l->close();
-    {
-        std::lock_guard<std::mutex> g(mu_);
-        for (auto & kv : out_links_) links.push_back(kv.second);
-        out_links_.clear();
-        dead_links_.clear();
-    }
-    links.clear();                                   // destroyed here, outside the lock
+    links.clear();
+    links_.clear();                                  // every link and channel destroyed here, outside the locks
 }
 
 StageWorker::~StageWorker() {

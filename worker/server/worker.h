@@ -39,6 +39,9 @@
 #include "metrics.h"
 #include "trust/net_policy.h"
 #include "tls.h"
+#include "grpc_status.h"
+#include "link.h"
+#include "ring/link_table.h"
 #include "wire_constants.h"
 
 namespace dgr {
@@ -111,7 +114,6 @@ const WireDtype * find_dtype(const std::string & name);
 // Shared by the handlers and the data path (wire_common.cpp; the dtypes and their sizes are dgr.runtime.wire.codec's).
 const WireDtype * dtype_of(dgr::v1::Dtype code);
 uint64_t nbytes(const WireDtype & d, uint64_t n_values);
-std::string status_name(grpc::StatusCode c);
 std::string hop_name(uint32_t index, const std::string & address);
 std::string schema_str(const dgr::v1::BoundarySchema & s);
 
@@ -155,63 +157,9 @@ using ReplyPtr = std::shared_ptr<FrameQueue>;
 
 class StageWorker;
 
-// An outgoing Frames stream to one peer (the next hop, or the origin), shared by every session going
-// there. gRPC's callback API (a ClientBidiReactor): the thread that sends a frame (the engine thread, for a
-// boundary or a token) starts its write itself when no write is in flight, and the write that completes
-// starts the next queued one, so no thread of its own is woken per frame; the peer's answers (typed errors
-// about frames sent) are read by gRPC's callbacks and handed to the worker. A broken stream is never
-// reused: its sessions hear HOP_UNREACHABLE and the next frame to that address opens a new link.
-class Link final : public grpc::ClientBidiReactor<dgr::v1::Frame, dgr::v1::Frame> {
-  public:
-    Link(StageWorker * w, std::string address, std::string label, uint64_t max_message_bytes);
-    ~Link() override;
-    using Key = std::pair<std::string, uint64_t>;
-    // false: the link is broken or closing (the caller opens a new one). `mine`: the session's key in this
-    // worker (the frame names it as the peer knows it); only the peer's answers about sessions sent here are
-    // taken (mine_of)
-    bool send(dgr::v1::Frame & f, const Key & mine);   // moves f only when it returns true
-    // the session in this worker that a frame from the peer names: only one this worker sent there
-    std::optional<Key> mine_of(const std::string & sid, uint64_t epoch);
-    void forget(const Key & sent);                   // the session (as sent) closed: its replies are no longer taken
-    void close();   // cancel the stream and wait until gRPC is done with it
-    // the send deadline: a write waiting longer than `timeout_ns` fails the link (its sessions are told)
-    void check_stall(int64_t now_ns, int64_t timeout_ns);
-    // fail the link now, as a broken stream does (its sessions are told); --test-break-origin-link-at
-    void fail(const std::string & why);
-    bool idle();                                     // no session sent here is open, nothing queued or in flight
-    bool done();                                     // gRPC is finished with it: it may be destroyed
-    const std::string address, label;
-
-    void OnWriteDone(bool ok) override;
-    void OnReadDone(bool ok) override;
-    void OnDone(const grpc::Status & status) override;
-
-  private:
-    void cancel_locked(const std::string & why);     // mu_ held
-    // gRPC runs this link's reactions on its own threads and orders them with its own (uninstrumented)
-    // atomics: the constructor, before it starts an operation, and every reaction take mu_ once, so the order
-    // gRPC keeps is one TSan sees too (a reaction read `address` as a race, CI 2026-12-05; FramesReactor
-    // does the same). OnWriteDone takes mu_ first anyway.
-    void ordered() { std::lock_guard<std::mutex> g(mu_); }
-    StageWorker * w_;
-    std::unique_ptr<dgr::v1::Stage::Stub> stub_;
-    grpc::ClientContext ctx_;
-    std::mutex mu_;
-    std::condition_variable done_cv_;
-    std::deque<dgr::v1::Frame> q_;                   // waiting behind the write in flight
-    dgr::v1::Frame writing_;                         // the write in flight (gRPC reads it until OnWriteDone)
-    dgr::v1::Frame in_;                              // the read in flight
-    bool in_flight_ = false;
-    std::map<Key, Key> sessions_;                    // (id, epoch) as sent -> this worker's own key
-    bool broken_ = false, closing_ = false, done_ = false;
-    int64_t bytes_ = 0, writing_since_ = 0;
-    std::string failed_;                             // why this side failed the link (a bound), else ""
-};
-
 // Every RPC is served through gRPC's callback API: the unary ones are handed to `calls_` (unary_calls.h: a
 // bounded pool; gRPC 1.51's sync server queued every call, reset or not, without bound), Frames to its reactor.
-class StageWorker final : public dgr::v1::Stage::CallbackService {
-    friend class Link;
+class StageWorker final : public dgr::v1::Stage::CallbackService, private LinkOwner {
     friend class FramesReactor;
 
   public:
@@ -350,8 +298,8 @@ class StageWorker final : public dgr::v1::Stage::CallbackService {
     // an error about `frame` to its sender, naming the session as the sender does (as_named: the frame already
     // carries that name; else it carries this worker's key, wire_of)
     void reply_error(const ReplyPtr & reply, const dgr::v1::Frame & frame, dgr::v1::WireError e, bool as_named = false);
-    void on_link_reply(Link * link, dgr::v1::Frame frame);
-    void on_link_broken(Link * link, const std::string & why, const std::set<Key> & lost);
+    void on_link_reply(Link * link, dgr::v1::Frame frame) override;                                  // LinkOwner
+    void on_link_broken(Link * link, const std::string & why, const std::set<Key> & lost) override;  // LinkOwner
     void client_gone(const ReplyPtr & out);
     void stream_done(const ReplyPtr & out);        // a Frames call's OnDone: client_gone on a thread of its own
     // `keep`: the prefix blocks (and their size) the next hops keep the session's state under (keep_prefix's)
@@ -441,11 +389,11 @@ class StageWorker final : public dgr::v1::Stage::CallbackService {
     std::vector<std::pair<std::string, uint64_t>> errors_;   // ErrorCode name -> answered, first seen first
     uint64_t reaped_ = 0, overloaded_ = 0, opened_total_ = 0;
     bool stopping_ = false;
-    std::map<std::string, std::shared_ptr<dgr::v1::Stage::Stub>> links_;   // unary calls (open/close chains)
     std::chrono::steady_clock::time_point pruned_;   // prune_links' last run
+    // the links to every peer (one Frames stream per address, the broken ones until gRPC is done with them) and
+    // the unary channels (open and close chains): a part with its own lock (ring/link_table.h)
+    LinkTable<Link, dgr::v1::Stage::Stub> links_;
     // the data path (mu_)
-    std::map<std::string, std::shared_ptr<Link>> out_links_;   // one Frames stream per peer address
-    std::vector<std::shared_ptr<Link>> dead_links_;             // broken ones, joined at stop
     std::map<Key, std::shared_future<void>> closing_;           // sessions being closed along the route now
     std::set<ReplyPtr> streams_;                     // reply queues of the incoming Frames calls
     // queued steps per session, bounded, taken round robin: a part with its own (leaf) lock
