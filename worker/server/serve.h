@@ -10,7 +10,7 @@
 #include <vector>
 
 #include "engine_lib.h"
-#include "metrics.h"
+#include "metrics_server.h"
 #include "trust/net_policy.h"
 #include "tls.h"
 #include "worker.h"

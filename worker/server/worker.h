@@ -36,7 +36,7 @@
 #include "sessions/session_table.h"
 #include "cache/prefix_cache.h"
 #include "unary_calls.h"
-#include "metrics.h"
+#include "metrics/metrics.h"
 #include "trust/net_policy.h"
 #include "tls.h"
 #include "grpc_status.h"

@@ -1,21 +1,20 @@
-// dgr-worker's Prometheus metrics (--metrics-listen): the names, labels, buckets and help texts users'
-// dashboards read (docs/wire.md "Metrics and the descriptor"), served as Prometheus text over HTTP(S).
+// dgr-worker's Prometheus metrics (--metrics-listen): what the worker counts as it goes (steps, tokens,
+// forwards, histograms of queue, compute and transit times, the recent step times the descriptor's medians come
+// from) and the Prometheus text format they are written in (docs/wire.md "Metrics and the descriptor").
 // Events are counted where they happen; gauges and the counts the worker already keeps are read from it at
-// scrape time (StageWorker::metrics_text).
+// scrape time (StageWorker::metrics_text), and metrics_server.h serves the text over HTTP(S).
+//
+// A part with its own lock (Metrics::mu, a leaf) and nothing of gRPC, sockets or TLS: metrics_test.cpp tests it
+// alone.
 #pragma once
 
 #include <array>
-#include <atomic>
 #include <cstdint>
-#include <functional>
 #include <map>
 #include <deque>
 #include <mutex>
 #include <string>
-#include <thread>
 #include <vector>
-
-struct ssl_ctx_st;
 
 namespace dgr {
 
@@ -57,26 +56,5 @@ void prom_family(std::string & out, const std::string & name, const char * type,
 void prom_sample(std::string & out, const std::string & name, const std::string & labels, double v);
 void prom_histogram(std::string & out, const std::string & name, const std::string & help, const std::string & label,
                     const std::vector<std::pair<std::string, const Histogram *>> & series);
-
-// A tiny HTTP/1.1 server: any GET answers `render()` as Prometheus text. One thread, one request at a time,
-// each bounded (8 KiB, 5 s), so a peer that stalls holds nothing else up for long.
-// With TLS files (the worker's --tls-cert/--tls-key) it speaks HTTPS only; with a CA too (--tls-ca) a client
-// must present a certificate that CA signed (as prometheus_client's TLS options do).
-class MetricsServer {
-  public:
-    // binds HOST:PORT (port 0 picks one); throws std::runtime_error saying why it cannot
-    MetricsServer(const std::string & host, const std::string & port, std::function<std::string()> render,
-                  const std::string & tls_cert = "", const std::string & tls_key = "", const std::string & tls_ca = "");
-    ~MetricsServer();
-    int port() const { return port_; }
-
-  private:
-    void run();
-    int fd_ = -1, port_ = 0;
-    ssl_ctx_st * ssl_ = nullptr;                     // OpenSSL's SSL_CTX; null: plain HTTP
-    std::atomic<bool> stop_{false};
-    std::function<std::string()> render_;
-    std::thread thread_;
-};
 
 }  // namespace dgr
