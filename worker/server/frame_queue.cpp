@@ -1,18 +1,16 @@
-// FrameQueue (worker.h): the bounded reply queue of one incoming Frames call, written through gRPC's
+// FrameQueue (frame_queue.h): the bounded reply queue of one incoming Frames call, written through gRPC's
 // callback API; a reader that falls behind, or a write past the send deadline, fails its stream rather
 // than block whoever puts.
-#include <grpcpp/grpcpp.h>
+#include "frame_queue.h"
 
 #include <algorithm>
 #include <cstdio>
 
-#include "frames_internal.h"
-#include "worker.h"
+#include "clock.h"
 
 namespace dgr {
 
 namespace pb = dgr::v1;
-using Clock = std::chrono::steady_clock;
 
 bool FrameQueue::put(pb::Frame f) {
     const int64_t size = int64_t(f.ByteSizeLong());
