@@ -13,7 +13,6 @@
 // as the session table is over sessions, so link_table_test.cpp tests it with nothing of gRPC.
 #pragma once
 
-#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -38,7 +37,9 @@ class LinkTable {
 
     // The link to `address`: the one kept, else one `make()` makes (outside the lock). nullptr once stopped.
     // `lost`: a link made here that another thread's beat into the table (the caller closes it).
-    LinkPtr open(const std::string & address, const std::function<LinkPtr()> & make, LinkPtr * lost) {
+    // (A template, not std::function: a frame's send asks this, and nothing is allocated when the link is kept.)
+    template <class Make>
+    LinkPtr open(const std::string & address, Make && make, LinkPtr * lost) {
         {
             std::lock_guard<std::mutex> g(mu_);
             if (stopped_) return nullptr;
@@ -82,7 +83,8 @@ class LinkTable {
     }
 
     // The unary channel to `address`, made by `make()` the first time (under the lock: a channel starts no call).
-    ChannelPtr channel(const std::string & address, const std::function<ChannelPtr()> & make) {
+    template <class Make>
+    ChannelPtr channel(const std::string & address, Make && make) {
         std::lock_guard<std::mutex> g(mu_);
         auto & c = channels_[address];
         if (!c) c = make();
