@@ -171,6 +171,13 @@ void Link::fail(const std::string & why) {
     cancel_locked(why);
 }
 
+void Link::abandon() {
+    std::lock_guard<std::mutex> g(mu_);
+    if (closing_) return;
+    closing_ = true;
+    ctx_.TryCancel();
+}
+
 void Link::close() {
     std::unique_lock<std::mutex> l(mu_);
     if (!closing_) {

@@ -65,6 +65,8 @@ class Link final : public grpc::ClientBidiReactor<dgr::v1::Frame, dgr::v1::Frame
     std::optional<Key> mine_of(const std::string & sid, uint64_t epoch);
     void forget(const Key & sent);                   // the session (as sent) closed: its replies are no longer taken
     void close();   // cancel the stream and wait until gRPC is done with it
+    // cancel the stream and return at once; its owner is not told (LinkTable::bury keeps it until done())
+    void abandon();
     // the send deadline: a write waiting longer than `timeout_ns` fails the link (its sessions are told)
     void check_stall(int64_t now_ns, int64_t timeout_ns);
     // fail the link now, as a broken stream does (its sessions are told); --test-break-origin-link-at

@@ -82,14 +82,17 @@ void StageWorker::emit_boundary(Work & w, const SessionPtr & sess, const float *
 }
 
 std::shared_ptr<Link> StageWorker::out_link(const std::string & address, uint32_t hop_index) {
-    std::shared_ptr<Link> lost;                      // made here while another thread's was kept: closed below
+    std::shared_ptr<Link> lost;                      // made here while another thread's was kept: ended below
     std::shared_ptr<Link> l = links_.open(address, [&] {
         LinkSettings settings{channel_credentials(), max_message_bytes_, limits_.link_keepalive_timeout_s,
                               limits_.max_send_queue_bytes};
         LinkOwner * owner = this;                    // a private base: converted here, where it is reachable
         return std::make_shared<Link>(owner, address, hop_name(hop_index, address), settings);
     }, &lost);
-    if (lost) lost->close();                         // outside every lock: gRPC's callbacks take the link's
+    if (lost) {                                      // never waited for: this may be one of gRPC's threads
+        lost->abandon();
+        links_.bury(std::move(lost));
+    }
     return l;
 }
 

@@ -43,7 +43,10 @@ Metrics::Times Metrics::times(int kind) {
         size_t n = x.size();
         return (n % 2 ? double(x[n / 2]) : (double(x[n / 2 - 1]) + double(x[n / 2])) / 2) / 1e6;
     };
-    auto p90 = [](const std::vector<int64_t> & x) { return double(x[std::min(x.size() - 1, size_t(0.9 * double(x.size())))]) / 1e6; };
+    auto p90 = [](const std::vector<int64_t> & x) {        // nearest rank, as dgr.app.bench.pipeline.pct
+        const size_t rank = size_t(std::ceil(0.9 * double(x.size())));
+        return double(x[std::min(x.size(), std::max<size_t>(rank, 1)) - 1]) / 1e6;
+    };
     t.compute_median = median(c), t.compute_p90 = p90(c), t.queue_median = median(q), t.queue_p90 = p90(q);
     return t;
 }

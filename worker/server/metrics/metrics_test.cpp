@@ -47,6 +47,9 @@ void steps_are_counted_by_kind_and_their_times_kept() {
     d = m.times(0);
     CHECK(d.compute_median == 25.0 && d.queue_median == 3.0);                   // the mean of the middle two
     CHECK(m.times(1).steps == 1 && m.times(1).compute_median == 70.0);
+    Metrics ten;                                     // nearest rank: the 9th of 10, as dgr.app.bench.pipeline.pct
+    for (int k = 1; k <= 10; ++k) ten.step(1, 0, int64_t(k) * 1'000'000);
+    CHECK(ten.times(0).compute_p90 == 9.0 && ten.times(0).compute_median == 5.5);
     Metrics none;
     CHECK(none.times(0).steps == 0 && none.times(0).compute_median == 0);
     for (size_t k = 0; k < Metrics::STEP_TIMES_KEPT + 10; ++k) none.step(1, 0, int64_t(k));

@@ -3,7 +3,8 @@
 // peer address (OpenSession and CloseSession along the route).
 //
 // A part that owns its containers and its lock. A link is made outside the lock (making one starts a gRPC call)
-// and kept only if no other thread kept one for that address first; the loser is handed back to be closed.
+// and kept only if no other thread kept one for that address first; the loser is handed back, to be told to end
+// and buried with the broken ones (`bury`) rather than waited for: its maker may be a gRPC callback.
 // `prune` asks each link whether it is idle or done, so `LinkTable::mu_` is taken before `Link::mu_` and never
 // under it (a link tells the worker it broke with its own lock released; docs/worker.md "Locks and their order").
 // Every link and channel is handed out as a shared pointer and closed or destroyed by whoever takes the last
@@ -36,7 +37,8 @@ class LinkTable {
     LinkTable & operator=(const LinkTable &) = delete;
 
     // The link to `address`: the one kept, else one `make()` makes (outside the lock). nullptr once stopped.
-    // `lost`: a link made here that another thread's beat into the table (the caller closes it).
+    // `lost`: a link made here that another thread's beat into the table, or made while the table stopped (the
+    // caller ends it without waiting and buries it).
     // (A template, not std::function: a frame's send asks this, and nothing is allocated when the link is kept.)
     template <class Make>
     LinkPtr open(const std::string & address, Make && make, LinkPtr * lost) {
@@ -61,6 +63,13 @@ class LinkTable {
         std::lock_guard<std::mutex> g(mu_);
         auto it = live_.find(address);
         return it == live_.end() ? nullptr : it->second;
+    }
+
+    // A link made for `open` that lost the race, already told to end (Link::abandon): kept with the broken ones
+    // until gRPC is done with it (prune), so its maker, which may be one of gRPC's threads, never waits for it.
+    void bury(LinkPtr link) {
+        std::lock_guard<std::mutex> g(mu_);
+        dead_.push_back(std::move(link));
     }
 
     // `link` broke: never handed out again (the next frame to its address opens a new one); kept until done.

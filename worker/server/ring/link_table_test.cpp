@@ -110,6 +110,7 @@ void threads_asking_at_once_share_one_link() {
     constexpr int N = 8;
     std::vector<LinkPtr> got(N), lost(N);
     std::atomic<bool> go{false};
+    const int made_before = made;
     std::vector<std::thread> ts;
     for (int i = 0; i < N; ++i) {
         ts.emplace_back([&, i] {
@@ -127,7 +128,7 @@ void threads_asking_at_once_share_one_link() {
             CHECK(lost[i] != got[0]);
         }
     }
-    CHECK(t.live().size() == 1);
+    CHECK(t.live().size() == 1 && made - made_before == 1 + losers);   // each loser made one, handed back
     // the race made certain: while this thread makes its link, another keeps one for the address first
     Table u;
     LinkPtr first, outer_lost, inner_lost;
@@ -136,6 +137,16 @@ void threads_asking_at_once_share_one_link() {
         return std::make_shared<FakeLink>("h:2");
     }, &outer_lost);
     CHECK(kept && kept == first && !inner_lost && outer_lost && outer_lost != kept && u.live().size() == 1);
+    // the loser is buried, not waited for: kept with the broken ones until done, never handed out
+    FakeLink * loser = outer_lost.get();
+    u.bury(std::move(outer_lost));
+    CHECK(u.find("h:2") == kept && u.size() == 2 && u.prune({}).links.empty() == false);   // kept is idle: pruned
+    LinkPtr again = u.open("h:2", maker("h:2"), &inner_lost);
+    CHECK(again != kept && u.size() == 2);          // the new link and the buried loser, not yet done
+    CHECK(u.prune({"h:2"}).links.empty());
+    loser->is_done = true;
+    auto p = u.prune({"h:2"});
+    CHECK(p.links.size() == 1 && p.links[0].get() == loser && u.size() == 1);
     std::printf("link_table_test: %d of %d threads made a link another thread's beat\n", losers, N);
 }
 
