@@ -42,7 +42,7 @@ struct EngineLib {
     void (*fp32_to_bf16)(const float *, uint16_t *, int64_t);
     void (*quantize_q8_0)(const float *, void *, int64_t);
     void (*dequantize_q8_0)(const void *, float *, int64_t);
-    // issue 23: log-probabilities of a row, llama.cpp's grammar sampler (null in the fake engine, which has no
+    // log-probabilities of a row, llama.cpp's grammar sampler (null in the fake engine, which has no
     // vocabulary to constrain), a session's state (the prefix cache; null in the fake engine)
     int32_t (*logprobs)(const float *, int32_t, int32_t, float *, int32_t, int32_t *, float *);
     int32_t (*grammar_open)(dgr_engine *, const char *, const char *, dgr_grammar **);
@@ -51,7 +51,7 @@ struct EngineLib {
     int32_t (*grammar_accept)(dgr_grammar *, int32_t);
     int32_t (*state_get)(dgr_engine *, const char *, int64_t, void *, uint64_t, uint64_t *, int32_t *);
     int32_t (*state_set)(dgr_engine *, const char *, int64_t, const void *, uint64_t, int32_t, int32_t);
-    // issue 22: MTP drafts on the last stage of an include_mtp bundle (null in the fake engine)
+    // MTP drafts on the last stage of an include_mtp bundle (null in the fake engine)
     int32_t (*mtp_draft)(dgr_engine *, const char *, int64_t, int32_t, int32_t, int32_t *);
     // the fake engine's canonical spec (worker/fake/dgr_fake_engine.h: dgr_fake_spec); null in a real engine
     int32_t (*fake_spec)(const char *, char *, int32_t, int32_t *);

@@ -1,4 +1,4 @@
-// dgr-worker's data path (issue 21 phase 2, docs/worker.md): the Frames stream, the step queue and the
+// dgr-worker's data path (docs/worker.md): the Frames stream, the step queue and the
 // one engine thread, the ring relay over one outgoing stream per peer, sampling on the last stage and
 // generation control at the origin.
 //

@@ -100,7 +100,7 @@ grpc::Status StageWorker::open_session_rpc(const grpc::ServerContextBase * ctx, 
                                                        std::to_string(max_message_bytes_) + "-byte message limit");
             }
         }
-        // what the last stage does with each draw (issue 23): log-probabilities, a grammar
+        // what the last stage does with each draw: log-probabilities, a grammar
         const pb::Sampling & sp = req->sampling();
         if (sp.top_logprobs() > MAX_TOP_LOGPROBS) {
             return fail(pb::ENGINE, "sampling.top_logprobs is " + std::to_string(sp.top_logprobs()) + ", at most " +

@@ -1,4 +1,4 @@
-// TLS and mutual TLS for dgr-worker (issue 21 phase 3, docs/worker.md): `--tls-cert --tls-key [--tls-ca]`,
+// TLS and mutual TLS for dgr-worker (docs/worker.md, docs/security.md): `--tls-cert --tls-key [--tls-ca]`,
 // the rules the client's dgr.runtime.wire.tls follows too, on the listener and every outgoing link.
 #pragma once
 

@@ -1,6 +1,6 @@
 // dgr-worker's stage: what it serves (identity, engine, sessions) and the dgr.v1.Stage service over it.
 //
-// Phase 1 of issue 21 (docs/worker.md): Describe (with the descriptor JSON), Tokenize/Detokenize,
+// The unary RPCs (docs/worker.md): Describe (with the descriptor JSON), Tokenize/Detokenize,
 // OpenSession/CloseSession (the session table, chained along the route), the standard health service.
 // Phase 2 (frames.cpp and the files it lists): the Frames data path, the ring relay over one outgoing
 // stream per next hop (Link), the engine thread batching steps across sessions, sampling and generation

@@ -1,4 +1,4 @@
-// The prefix cache (issue 23, docs/worker.md "Prefix cache"): what this stage's layers held for a token
+// The prefix cache (docs/worker.md "Prefix cache"): what this stage's layers held for a token
 // sequence when its session closed, kept to start a later session that begins with the same tokens.
 //
 // Addressed by content: a chain of hashes over blocks of token ids (block j's hash covers positions

@@ -34,7 +34,7 @@ struct Metrics {
     std::mutex mu;
     uint64_t steps[2] = {0, 0}, tokens[2] = {0, 0};   // [decode, prefill]
     uint64_t sampled = 0, opened = 0, seam_in = 0, seam_out = 0;
-    uint64_t mtp_drafted = 0;                        // tokens the MTP block drafted (last stage, issue 22)
+    uint64_t mtp_drafted = 0;                        // tokens the MTP block drafted (the last stage)
     Histogram queue, compute, transit_step, transit_token;
     // the last STEP_TIMES_KEPT steps of each kind, (compute_ns, queue_ns): the descriptor's medians
     static constexpr size_t STEP_TIMES_KEPT = 1024;

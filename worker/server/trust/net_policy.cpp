@@ -1,6 +1,6 @@
 // trust/net_policy.h: where a worker may connect.
 //
-// A route's addresses come from whoever opens a session (a member of the mesh, not trusted: issue 35). gRPC
+// A route's addresses come from whoever opens a session (a member of the mesh, not trusted: docs/security.md). gRPC
 // reads a target string as a URI: "unix:/run/x", "unix-abstract:x", "vsock:2:80", "ipv4:10.0.0.1:80" or
 // even "dns:80" would reach what the route's owner chose, not a TCP peer; so only a plain HOST:PORT passes.
 // Refusals name the address and the rule and say what to give instead; nothing here connects, so no answer

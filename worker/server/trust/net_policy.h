@@ -1,4 +1,4 @@
-// Where a worker may connect (issue 35, docs/security.md): outgoing links and chained calls go only to
+// Where a worker may connect (docs/security.md): outgoing links and chained calls go only to
 // TCP HOST:PORT addresses (no unix: or other gRPC target schemes), inside --peer-allow where an operator
 // fixed the mesh's address space, and errors about them never say whether a port was open.
 #pragma once

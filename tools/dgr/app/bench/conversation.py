@@ -1,4 +1,4 @@
-"""`dgr bench conversation`: what the prefix cache buys a chat (issue 23), measured side by side in one run.
+"""`dgr bench conversation`: what the prefix cache buys a chat, measured side by side in one run.
 
 Two sets of worker processes serve the same bundle: one with the prefix cache (the default
 `--prefix-cache-mib`), one without (`--prefix-cache-mib 0`), each behind its own gateway (`dgr serve`'s app,

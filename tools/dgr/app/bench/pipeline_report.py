@@ -128,7 +128,7 @@ def plot(rep: dict, path: str | Path) -> Path:
     xs = range(len(bn))
     a.bar([x - 0.2 for x in xs], [x["median_ms"] for x in p["boundaries"]], 0.4, label="median")
     a.bar([x + 0.2 for x in xs], [x["p90_ms"] for x in p["boundaries"]], 0.4, label="p90")
-    a.axhline(0.1, color="tab:red", linestyle="--", linewidth=1, label="0.1 ms (issue 11's goal)")
+    a.axhline(0.1, color="tab:red", linestyle="--", linewidth=1, label="0.1 ms (the C++ worker's first goal)")
     a.set_xticks(list(xs), bn)
     a.set_ylabel("ms per decode token")
     a.set_title(f"per-hop overhead per boundary (all: median {p['per_hop_ms']:.3f} ms)")

@@ -1,4 +1,4 @@
-"""`dgr bench scale`: the cost curve of splitting one model into 1, 2, 4, 8 ... stages (issue 40, item 3).
+"""`dgr bench scale`: the cost curve of splitting one model into 1, 2, 4, 8 ... stages.
 
 One model, one machine, one run: for each stage count S the model is built into a bundle of S stages
 (`choose_ranges`: even cuts, moved to a change of layer kind where the architecture has several), served
@@ -12,7 +12,7 @@ boundary bytes one token carries across one hop for this model and for DeepSeek 
 f32 and q8_0).
 
 The greedy tokens must be the same for every S (a split never changes what the model computes);
-`same_tokens` says whether they were. Left out (issue 40 names it): the 32k-token prompt on 4 stages.
+`same_tokens` says whether they were. Left out: the long-context lane (a 32k-token prompt on 4 stages).
 """
 
 from __future__ import annotations
@@ -232,7 +232,7 @@ def _report(model: Model, info, file_bytes: int, runs: list[dict], tokens: int, 
             "how": "values per token (n_streams x n_embd) packed by dgr.core.contract.WIRE_DTYPES; "
                    "DeepSeek V4: hc_mult 4 streams x 4096",
         },
-        "left_out": "issue 40's long-context lane (a 32k-token prompt on a 4-stage route) is not measured here",
+        "left_out": "the long-context lane (a 32k-token prompt on a 4-stage route) is not measured here",
     }
 
 

@@ -1,4 +1,4 @@
-"""`dgr bench --speculate mtp`: MTP drafts against n-gram drafts and none, in one run (issue 22, item 4).
+"""`dgr bench --speculate mtp`: MTP drafts against n-gram drafts and none, in one run.
 
 Three DeepSeek V4 models, each a 4-stage bundle built with `bundle.include_mtp = true` (the MTP block on the
 last stage), each served by real worker processes, first on loopback, then through emulated links of

@@ -1,9 +1,9 @@
-"""`dgr bench`: the whole model against the pipeline side by side (the bare command), plus the sections of
-issue 15 (`--wan-rtt-ms`, `--dtypes`, `--speculate`); subcommands `soak` (concurrent sessions for
+"""`dgr bench`: the whole model against the pipeline side by side (the bare command), plus its sections
+(`--wan-rtt-ms`, `--dtypes`, `--speculate`); subcommands `soak` (concurrent sessions for
 minutes, errors and RSS), `tls` (what mutual TLS costs per hop against plaintext), `frames` (gRPC against
 hand-framed TCP and TLS per hop), `conversation` (what
-the prefix cache buys a chat, issue 23), `numerics` (how far apart the numerics this machine runs are) and
-`scale` (the cost curve of 1, 2, 4, 8 stages, issue 40)."""
+the prefix cache buys a chat), `numerics` (how far apart the numerics this machine runs are) and
+`scale` (the cost curve of 1, 2, 4, 8 stages)."""
 
 from __future__ import annotations
 
