@@ -53,7 +53,7 @@ def test_an_engine_names_its_numerics_build_kernels_and_kv(engine_lib, smollm2_g
     assert build.startswith("cpu/x86-64-v3 gcc-"), build
     assert build.endswith(f" llama.cpp-{pin.commit[:12]}+{len(pin.patches)}.{patch_series(pin)[:12]}"), build
     opened = {}
-    for kw in ({}, {"fast_kernels": True}, {"kv_dtype": "f32"}):
+    for kw in ({}, {"fast_kernels": True}, {"kv_dtype": "f32"}, {"kernels": "invariant"}):
         eng = Engine.open(smollm2_gguf, lib=engine_lib, n_threads=1, n_ctx=256, **kw)
         try:
             opened[tuple(kw)] = eng.numerics
@@ -62,6 +62,7 @@ def test_an_engine_names_its_numerics_build_kernels_and_kv(engine_lib, smollm2_g
     assert opened[()] == build + " reference kv-f16 fa-auto"
     assert opened[("fast_kernels",)] == build + " fast kv-f16 fa-auto"
     assert opened[("kv_dtype",)] == build + " reference kv-f32 fa-auto"
+    assert opened[("kernels",)] == build + " invariant kv-f16 fa-auto"
     out = subprocess.run([sys.executable, "-m", "dgr", "--version"], capture_output=True, text=True, timeout=120,
                          env={**__import__("os").environ, "DGR_ENGINE_LIB": str(engine_lib)})
     assert out.returncode == 0, out.stderr
@@ -196,7 +197,7 @@ def test_bench_numerics_compares_variants_at_the_same_positions(engine_lib, smol
     compared (the reference's tokens fed to each variant), and each row names the numerics it ran."""
     from dgr.app.bench.numerics import Variant, compare, table
 
-    rows = compare([("smollm2", smollm2_gguf)], [Variant("ref", engine_lib), Variant("fast", engine_lib, True)],
+    rows = compare([("smollm2", smollm2_gguf)], [Variant("ref", engine_lib), Variant("fast", engine_lib, "fast")],
                    tokens=8, prompts=("The three primary colors are", "Once upon a time"), prefill_tokens=64,
                    rounds=1)
     ref, fast = rows

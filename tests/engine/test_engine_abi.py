@@ -122,3 +122,11 @@ def test_a_library_whose_struct_differs_is_refused(tmp_path):
     ours = C.sizeof(engine_abi.STRUCTS["dgr_step"])
     assert f"dgr_step is {ours + 8} bytes in {lib.resolve()} but {ours} in this dgr" in str(e.value)
     assert "rebuild the engine" in str(e.value)
+
+
+def test_the_bindings_kernel_names_are_the_headers_values():
+    """Engine.open(kernels=...) passes dgr_open_params.fast_kernels: the binding's names map to the header's
+    DGR_KERNELS_* values."""
+    defined = {m.group(1).lower(): int(m.group(2))
+               for m in re.finditer(r"^#define DGR_KERNELS_(\w+)\s+(\d+)$", HEADER.read_text(), re.M)}
+    assert defined == engine_abi.KERNELS

@@ -5,18 +5,23 @@ how its own tokens are cut: one prefill, chunks of any size, token by token (wha
 route change, a decode and a speculative verification step each are). Sharing and chunking are forced
 here, forward by forward, through the engine itself: nothing depends on timing. The worker-level tests
 (test_wire_engine.py, test_wire_recovery.py) force them through real workers.
+
+Both invariant kernel sets are checked: "reference" (the default: ggml's reference kernels, every row alone) and
+"invariant" (llama.cpp's fast matrix kernels, llamafile's sgemm and the tiled K-/I-quant GEMM, taken for every
+number of rows), at 1 and 2 compute threads. This machine's build is x86-64-v3 (AVX2 code paths).
 """
 
 from __future__ import annotations
 
 import gguf
+import numpy as np
 import pytest
 
 from dgr.runtime.engine import QUANT_FTYPES, Engine, quantize
 from dgr.toolchain.synth.generic import known_archs, synth
 from dgr.toolchain.synth.parity import NOT_BATCH_INVARIANT, synth_model as synth_parity_model
 
-from support.engine import batching_differences
+from support.engine import batching_differences, logits_by_cuts
 
 pytestmark = pytest.mark.engine
 
@@ -24,8 +29,12 @@ pytestmark = pytest.mark.engine
 WEIGHT_TYPES = sorted(QUANT_FTYPES)
 
 
-def test_smollm2_logits_do_not_depend_on_batching(smollm2_gguf, engine_lib):
-    diffs = batching_differences(smollm2_gguf, engine_lib, n_vocab=49152)
+KERNEL_RUNS = [("reference", 1), ("reference", 2), ("invariant", 1), ("invariant", 2)]
+
+
+@pytest.mark.parametrize("kernels,threads", KERNEL_RUNS)
+def test_smollm2_logits_do_not_depend_on_batching(kernels, threads, smollm2_gguf, engine_lib):
+    diffs = batching_differences(smollm2_gguf, engine_lib, kernels=kernels, n_threads=threads, n_vocab=49152)
     assert diffs == dict.fromkeys(diffs, 0.0), diffs
 
 
@@ -40,19 +49,48 @@ def _matrix_types(path) -> set[str]:
     return {t.tensor_type.name for t in r.tensors if len(t.shape) >= 2 and t.name.startswith("blk.")}
 
 
+@pytest.fixture(scope="module")
+def quantized(llama256, engine_lib, tmp_path_factory):
+    """qtype -> llama256 quantized to it (made once per module)."""
+    made = {}
+
+    def get(qtype):
+        if qtype not in made:
+            model = quantize(llama256, tmp_path_factory.mktemp("q") / f"{qtype}.gguf", qtype, lib=engine_lib)
+            assert _matrix_types(model) == {qtype}, f"the quantizer wrote {_matrix_types(model)} for {qtype}"
+            made[qtype] = model
+        return made[qtype]
+    return get
+
+
+@pytest.mark.parametrize("kernels,threads", KERNEL_RUNS)
 @pytest.mark.parametrize("qtype", WEIGHT_TYPES)
-def test_every_weight_type_is_batch_invariant(qtype, llama256, engine_lib, tmp_path):
-    model = quantize(llama256, tmp_path / f"{qtype}.gguf", qtype, lib=engine_lib)
-    assert _matrix_types(model) == {qtype}, f"the quantizer wrote {_matrix_types(model)} for {qtype}"
-    diffs = batching_differences(model, engine_lib)
-    assert diffs == dict.fromkeys(diffs, 0.0), f"{qtype}: {diffs}"
+def test_every_weight_type_is_batch_invariant(qtype, kernels, threads, quantized, engine_lib):
+    diffs = batching_differences(quantized(qtype), engine_lib, kernels=kernels, n_threads=threads)
+    assert diffs == dict.fromkeys(diffs, 0.0), f"{qtype} ({kernels}, {threads} threads): {diffs}"
+
+
+# weight types whose matrices the invariant kernels give to llamafile's sgemm (F16, BF16, IQ4_NL) or to the
+# tiled GEMM (K- and I-quants): their logits are not the reference kernels' (another summation order), which
+# shows the fast kernels are the ones in use. (Q8_0, Q4_0 and Q5_0 go to sgemm too, but on AVX2 its blocks
+# are summed in vec_dot's own order: the results are equal, and only the speed shows the kernel.)
+FAST_PATH_TYPES = ["F16", "BF16", "IQ4_NL", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS",
+                   "IQ2_XXS", "IQ3_S", "IQ1_M"]
+
+
+@pytest.mark.parametrize("qtype", FAST_PATH_TYPES)
+def test_the_invariant_kernels_are_the_fast_ones(qtype, quantized, engine_lib):
+    tokens = np.random.default_rng(2).integers(0, 200, size=24).tolist()
+    fast, ref = (logits_by_cuts(quantized(qtype), [(tokens, [len(tokens)])], engine_lib, kernels=k)[0]
+                 for k in ("invariant", "reference"))
+    assert np.abs(fast - ref).max() > 0, f"{qtype}: the invariant kernels computed exactly what the reference ones do"
 
 
 def test_the_check_sees_what_llama_cpps_fast_kernels_change(llama256, engine_lib, tmp_path):
     """The negative control: with llama.cpp's shape-dependent CPU kernels (the tiled K-quant GEMM from
     8 rows on) the same comparisons differ, so the checks above can fail."""
     model = quantize(llama256, tmp_path / "q4k.gguf", "Q4_K", lib=engine_lib)
-    diffs = batching_differences(model, engine_lib, fast_kernels=True)
+    diffs = batching_differences(model, engine_lib, kernels="fast")
     assert diffs["token by token"] > 0 and diffs["chunks of 7"] > 0, diffs
 
 
@@ -62,12 +100,13 @@ NOT_INVARIANT = set(NOT_BATCH_INVARIANT)
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("kernels", ["reference", "invariant"])
 @pytest.mark.parametrize("arch", known_archs())
-def test_every_family_is_batch_invariant_or_says_it_is_not(arch, engine_lib, tmp_path):
+def test_every_family_is_batch_invariant_or_says_it_is_not(arch, kernels, engine_lib, tmp_path):
     model = synth_parity_model(arch, tmp_path / f"{arch}.gguf")
-    with Engine.open(model, n_ctx=64, max_sessions=2, lib=engine_lib) as e:
+    with Engine.open(model, n_ctx=64, max_sessions=2, kernels=kernels, lib=engine_lib) as e:
         assert e.describe().batch_invariant == (arch not in NOT_INVARIANT)
     if arch in NOT_INVARIANT:
         return
-    diffs = batching_differences(model, engine_lib)
-    assert diffs == dict.fromkeys(diffs, 0.0), f"{arch}: {diffs}"
+    diffs = batching_differences(model, engine_lib, kernels=kernels)
+    assert diffs == dict.fromkeys(diffs, 0.0), f"{arch} ({kernels}): {diffs}"

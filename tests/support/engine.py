@@ -152,12 +152,13 @@ def cut(n: int, sizes) -> list[int]:
     return out
 
 
-def logits_by_cuts(path, sessions, lib, *, fast_kernels: bool = False, n_ubatch: int = 512, n_ctx: int = 256):
+def logits_by_cuts(path, sessions, lib, *, kernels: str = "reference", n_threads: int = 0, n_ubatch: int = 512,
+                   n_ctx: int = 256):
     """Every position's logits [n_tokens, n_vocab] of each session in `sessions` ((tokens, chunk sizes)),
     the sessions run side by side in one engine: forward k holds chunk k of every session that has one
     (so sessions share forwards at different positions and with different chunk sizes)."""
     with Engine.open(path, n_ctx=n_ctx, max_sessions=len(sessions), n_ubatch=n_ubatch,
-                     fast_kernels=fast_kernels, lib=lib) as e:
+                     kernels=kernels, n_threads=n_threads, lib=lib) as e:
         for i in range(len(sessions)):
             e.open_session(f"s{i}", 0)
         offs, outs, k = [0] * len(sessions), [[] for _ in sessions], 0
@@ -177,9 +178,11 @@ def logits_by_cuts(path, sessions, lib, *, fast_kernels: bool = False, n_ubatch:
             k += 1
 
 
-def batching_differences(path, lib, *, fast_kernels: bool = False, n_vocab: int = 256) -> dict[str, float]:
+def batching_differences(path, lib, *, kernels: str = "reference", n_threads: int = 0,
+                         n_vocab: int = 256) -> dict[str, float]:
     """Max |logit diff| of one session (40 tokens) against its own one-batch prefill, for each way of
-    batching it: its own chunkings, and with two other sessions (23 and 9 tokens) sharing its forwards."""
+    batching it: its own chunkings, and with two other sessions (23 and 9 tokens) sharing its forwards.
+    `kernels`: Engine.open's CPU kernels; `n_threads`: the engine's compute threads (0: its default)."""
     rng = np.random.default_rng(1)
     a, b, c = (rng.integers(0, min(n_vocab, 200), size=n).tolist() for n in (40, 23, 9))
     ways = {
@@ -190,10 +193,10 @@ def batching_differences(path, lib, *, fast_kernels: bool = False, n_vocab: int 
         "mixed positions and chunks": [(a, cut(len(a), [3, 1])), (b, [10, 1, 1, 1, 1, 9]), (c, [1] * 9)],
         "behind 2 other sessions": [(b, [len(b)]), (c, cut(len(c), [2])), (a, cut(len(a), [5, 1, 8]))],
     }
-    ref = logits_by_cuts(path, [(a, [len(a)])], lib, fast_kernels=fast_kernels)[0]
+    ref = logits_by_cuts(path, [(a, [len(a)])], lib, kernels=kernels, n_threads=n_threads)[0]
     out = {}
     for name, sessions in ways.items():
-        got = logits_by_cuts(path, sessions, lib, fast_kernels=fast_kernels)
+        got = logits_by_cuts(path, sessions, lib, kernels=kernels, n_threads=n_threads)
         mine = got[0] if sessions[0][0] is a else got[-1]
         out[name] = float(np.abs(mine - ref).max())
     return out

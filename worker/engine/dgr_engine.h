@@ -23,7 +23,7 @@ extern "C" {
 // A caller checks both when it loads a library and refuses one of another version or other struct sizes
 // (dgr-worker: worker/server/engine_lib.cpp). The fake engine (worker/fake), a test stand-in of the same
 // version, leaves out what its toy model has no use for: dgr_quantize, the session state, the grammar sampler.
-#define DGR_ABI_VERSION 7
+#define DGR_ABI_VERSION 8
 
 enum dgr_status {
     DGR_OK              = 0,
@@ -51,16 +51,23 @@ typedef struct dgr_open_params {
     // 1: keep the KV cache in F32 (all-F32 reference runs, comparisons across backends); 0: llama.cpp's
     // default (F16).
     int32_t kv_f32;
-    // 0 (the default): batch invariant. A session's logits are bit-identical (CPU) whatever shares its
-    // forwards and however its own tokens are cut into batches: the CPU backend's reference kernels,
-    // one KV stream per session, no repacked weights. 1: llama.cpp's shape-dependent fast kernels
-    // (faster prefill; results then depend on the batch). For measuring the cost only.
+    // The CPU kernels (DGR_KERNELS_*). 0 (the default): batch invariant. A session's logits are
+    // bit-identical (CPU) whatever shares its forwards and however its own tokens are cut into batches:
+    // ggml's reference kernels (every row alone through vec_dot), one KV stream per session, no repacked
+    // weights. 1: llama.cpp's shape-dependent fast kernels (results then depend on the batch; for measuring
+    // what invariance costs). 2: batch invariant too, with llama.cpp's fast matrix kernels (llamafile's
+    // sgemm, the tiled K-/I-quant GEMM) taken for every number of rows, one included (ggml's
+    // batch_invariant switch): faster prefill, slower decode (docs/batching.md).
     int32_t fast_kernels;
     // The longest speculative draft this stage must be able to roll back after its verification step
     // (llama.cpp's n_rs_seq, for architectures whose cache keeps per-step snapshots: DeepSeek V4). 0: none,
     // as before (a V4 stage then cannot truncate), except on an MTP last stage: DGR_MTP_MAX_K.
     int32_t n_draft_max;
 } dgr_open_params;
+
+#define DGR_KERNELS_REFERENCE 0
+#define DGR_KERNELS_FAST      1
+#define DGR_KERNELS_INVARIANT 2
 
 // The longest MTP draft (and so the rollback depth) of an MTP last stage opened with n_draft_max = 0.
 #define DGR_MTP_MAX_K 8

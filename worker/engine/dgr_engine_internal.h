@@ -59,7 +59,7 @@ std::string take_log_errors();
 // llama.cpp's log callback and backend, set up once per process
 void init_backend_once();
 // dgr_engine_numerics of an engine opened with these switches (dgr_engine_numerics.cpp)
-std::string open_numerics(bool reference_kernels, bool kv_f32);
+std::string open_numerics(int kernels, bool kv_f32);
 
 // Runs f; no exception escapes: DGR_OK, or the error's code with dgr_last_error() set.
 template <typename F>

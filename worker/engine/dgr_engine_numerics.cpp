@@ -112,9 +112,10 @@ const char * dgr_engine_numerics(dgr_engine * eng) {
 
 namespace dgr_engine_detail {
 
-std::string open_numerics(bool reference_kernels, bool kv_f32) {
+std::string open_numerics(int kernels, bool kv_f32) {
     // flash attention stays llama.cpp's default (auto) in every engine; named so that a switch would show
-    return std::string(dgr_numerics_build()) + (reference_kernels ? " reference" : " fast") +
+    const char * name = kernels == DGR_KERNELS_INVARIANT ? " invariant" : kernels == DGR_KERNELS_FAST ? " fast" : " reference";
+    return std::string(dgr_numerics_build()) + name +
            (kv_f32 ? " kv-f32" : " kv-f16") + " fa-auto";
 }
 

@@ -235,6 +235,11 @@ int32_t dgr_engine_open(const char * path_c, const dgr_open_params * params, dgr
             throw dgr_exc(DGR_E_UNSUPPORTED, "this engine was built without the dgr hooks (unpatched llama.cpp): it runs whole models only");
         }
 
+        if (params->fast_kernels < DGR_KERNELS_REFERENCE || params->fast_kernels > DGR_KERNELS_INVARIANT) {
+            throw dgr_exc(DGR_E_ENGINE, fmt("fast_kernels = %d: give 0 (the reference kernels), 1 (llama.cpp's "
+                                            "shape-dependent kernels) or 2 (the fast kernels, batch invariant)",
+                                            (int) params->fast_kernels));
+        }
         auto eng = std::make_unique<dgr_engine>();
         eng->path = path;
 
@@ -324,7 +329,7 @@ int32_t dgr_engine_open(const char * path_c, const dgr_open_params * params, dgr
             // the hook reads the process-wide setting when the context creates its CPU backend
             static std::mutex init_mu;
             std::lock_guard<std::mutex> init_lock(init_mu);
-            dgr_set_reference_kernels(params->fast_kernels == 0);
+            dgr_set_cpu_kernels(params->fast_kernels);
 #endif
             eng->ctx = llama_init_from_model(eng->model, cp);
             if (!eng->ctx) {
@@ -359,9 +364,9 @@ int32_t dgr_engine_open(const char * path_c, const dgr_open_params * params, dgr
         // without the hooks (an engine over the unpatched tree) the CPU backend keeps its fast kernels; a GPU
         // lane's kernels (and llama.cpp's offload of large batches to the GPU) are chosen by the batch's shape
         const bool gpu_lane = std::strcmp(dgr_engine_lane(), "cpu") != 0;
-        in.batch_invariant = DGR_WITH_HOOKS && params->fast_kernels == 0 && !shared_kv && !gpu_lane;
+        in.batch_invariant = DGR_WITH_HOOKS && params->fast_kernels != DGR_KERNELS_FAST && !shared_kv && !gpu_lane;
         in.has_mtp     = eng->mtp != nullptr;
-        eng->numerics  = open_numerics(DGR_WITH_HOOKS && params->fast_kernels == 0, params->kv_f32 != 0);
+        eng->numerics  = open_numerics(DGR_WITH_HOOKS ? params->fast_kernels : DGR_KERNELS_FAST, params->kv_f32 != 0);
         in.n_draft_max = eng->n_rs_seq;
         for (int32_t s = max_sessions - 1; s >= 0; --s) {
             eng->free_seqs.push_back(s);

@@ -1,6 +1,7 @@
 // Layer-range ownership: the logic behind the call sites the patch stack inserts (see dgr_hooks.h).
 #include "dgr_hooks.h"
 #include "dgr_contract.h"
+#include "dgr_engine.h"
 
 #include "llama-arch.h"
 #include "llama-graph.h"
@@ -276,24 +277,29 @@ bool dgr_build_boundary_out(const llm_graph_context & g, ggml_tensor * cur, ggml
 }
 
 namespace {
-std::atomic<bool> g_reference_kernels{true};
+std::atomic<int> g_cpu_kernels{DGR_KERNELS_REFERENCE};
 }
 
-void dgr_set_reference_kernels(bool on) {
-    g_reference_kernels.store(on);
+void dgr_set_cpu_kernels(int kernels) {
+    g_cpu_kernels.store(kernels);
 }
 
-bool dgr_reference_kernels() {
-    return g_reference_kernels.load();
+int dgr_cpu_kernels() {
+    return g_cpu_kernels.load();
 }
 
 void dgr_configure_cpu_backend(ggml_backend * backend_cpu) {
     ggml_backend_dev_t dev = ggml_backend_get_device(backend_cpu);
     ggml_backend_reg_t reg = dev ? ggml_backend_dev_backend_reg(dev) : nullptr;
-    using set_use_ref_t = void (*)(ggml_backend_t, bool);
-    auto set_use_ref = reg ? (set_use_ref_t) ggml_backend_reg_get_proc_address(reg, "ggml_backend_cpu_set_use_ref") : nullptr;
-    if (!set_use_ref) {
-        throw std::runtime_error("dgr: the CPU backend has no ggml_backend_cpu_set_use_ref: batch invariance needs it");
-    }
-    set_use_ref(backend_cpu, dgr_reference_kernels());
+    using set_flag_t = void (*)(ggml_backend_t, bool);
+    auto find = [&](const char * name) {
+        auto f = reg ? (set_flag_t) ggml_backend_reg_get_proc_address(reg, name) : nullptr;
+        if (!f) {
+            throw std::runtime_error(std::string("dgr: the CPU backend has no ") + name + ": batch invariance needs it");
+        }
+        return f;
+    };
+    const int kernels = dgr_cpu_kernels();
+    find("ggml_backend_cpu_set_use_ref")(backend_cpu, kernels == DGR_KERNELS_REFERENCE);
+    find("ggml_backend_cpu_set_batch_invariant")(backend_cpu, kernels == DGR_KERNELS_INVARIANT);
 }

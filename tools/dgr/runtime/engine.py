@@ -26,7 +26,7 @@ from dgr.core.contract import StageContract
 from dgr.core.errors import EngineError, GGUFError, SchemaMismatch
 from dgr.gguf.model import read_header
 # LIB_ENV, OK, library_path and load_library are part of this module's face (callers import them from here)
-from dgr.runtime.engine_abi import (E_ENGINE, LIB_ENV, OK, WANT_LOGITS, CMemory, COpenParams, CStageInfo,  # noqa: F401
+from dgr.runtime.engine_abi import (E_ENGINE, KERNELS, LIB_ENV, OK, WANT_LOGITS, CMemory, COpenParams, CStageInfo,  # noqa: F401
                                     CStep, CStepOut, CVocabInfo, library_path, load_library, raise_status)
 from dgr.runtime.engine_api import MemoryReport, StageInfo, Step, StepResult, VocabInfo
 
@@ -180,21 +180,30 @@ class Engine:
     def open(cls, path: str | Path, *, layer_range: tuple[int, int] | None = None,
              n_ctx: int = DEFAULT_N_CTX, max_sessions: int = DEFAULT_MAX_SESSIONS, n_ubatch: int = 512,
              n_threads: int = 0, n_gpu_layers: int = -1, kv_dtype: str = "f16",
-             fast_kernels: bool = False, n_draft_max: int = 0, lib: str | Path | None = None) -> "Engine":
-        """`fast_kernels`: llama.cpp's shape-dependent CPU kernels (faster prefill, but a session's logits
-        then depend on what shares its forwards and how its tokens are batched); for measuring only.
+             fast_kernels: bool = False, kernels: str = "reference", n_draft_max: int = 0,
+             lib: str | Path | None = None) -> "Engine":
+        """`kernels` (CPU): "reference" (the default: ggml's reference kernels, every row alone, so a
+        session's logits do not depend on what shares its forwards or how its tokens are batched),
+        "invariant" (llama.cpp's fast matrix kernels taken for every batch shape: also batch invariant, faster
+        prefill, slower decode; docs/batching.md) or "fast" (llama.cpp's shape-dependent choice: results depend
+        on the batch; for measuring only).
+        `fast_kernels=True` is `kernels="fast"`.
         `n_draft_max`: the longest draft a truncate must roll back after a verification step (V4's snapshot
         cache; 0: none, but an MTP last stage's default, DGR_MTP_MAX_K)."""
         h = load_library(lib)
         path = Path(path)
         if not path.is_file():
             raise EngineError(f"{path}: no such stage file")
+        if fast_kernels:
+            kernels = "fast"
+        if kernels not in KERNELS:
+            raise EngineError(f"kernels must be one of {', '.join(KERNELS)}, got {kernels!r}")
         if kv_dtype not in ("f16", "f32"):
             raise EngineError(f"kv_dtype must be f16 or f32, got {kv_dtype!r}")
         p = COpenParams(n_ctx=n_ctx, max_sessions=max_sessions, n_ubatch=n_ubatch, n_threads=n_threads,
                         layer_begin=layer_range[0] if layer_range else 0,
                         layer_end=layer_range[1] if layer_range else 0, n_gpu_layers=n_gpu_layers,
-                        kv_f32=int(kv_dtype == "f32"), fast_kernels=int(fast_kernels), n_draft_max=n_draft_max)
+                        kv_f32=int(kv_dtype == "f32"), fast_kernels=KERNELS[kernels], n_draft_max=n_draft_max)
         if layer_range and layer_range[1] <= 0:
             raise EngineError(f"layer range {layer_range} is empty; give [begin, end) with end > begin >= 0")
         _refuse_what_llama_aborts_on(path)

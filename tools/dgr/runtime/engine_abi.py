@@ -12,11 +12,13 @@ from pathlib import Path
 from dgr.core.errors import CacheMiss, EngineError, SchemaMismatch, Unsupported
 from dgr.core.paths import default_engine_library
 
-ABI_VERSION = 7                 # worker/engine/dgr_engine.h's DGR_ABI_VERSION (tests/engine/test_engine_abi.py holds them equal)
+ABI_VERSION = 8                 # worker/engine/dgr_engine.h's DGR_ABI_VERSION (tests/engine/test_engine_abi.py holds them equal)
 LIB_ENV = "DGR_ENGINE_LIB"
 
 OK, E_ENGINE, E_CACHE_MISS, E_SCHEMA, E_ARTIFACT, E_UNSUPPORTED = range(6)
 WANT_LOGITS = {"none": 0, "last": 1, "all": 2}  # Step.want_logits -> enum dgr_want_logits (dgr_engine.h)
+# Engine.open(kernels=) -> dgr_open_params.fast_kernels, the DGR_KERNELS_* of dgr_engine.h
+KERNELS = {"reference": 0, "fast": 1, "invariant": 2}
 
 
 class COpenParams(C.Structure):

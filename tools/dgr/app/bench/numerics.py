@@ -34,7 +34,7 @@ PROMPTS = ("The three primary colors are", "def fibonacci(n):\n    \"\"\"Return 
 class Variant:
     label: str                   # e.g. "x86-64-v3 reference"
     lib: Path
-    fast_kernels: bool = False
+    kernels: str = "reference"   # Engine.open's CPU kernels: reference, invariant or fast
 
 
 @dataclass
@@ -81,7 +81,7 @@ def compare(models: list[tuple[str, Path]], variants: list[Variant], *, tokens: 
     out: list[Row] = []
     for name, path in models:
         engines = [Engine.open(path, lib=v.lib, n_threads=threads, n_ctx=prefill_tokens + tokens + 64,
-                               fast_kernels=v.fast_kernels) for v in variants]
+                               kernels=v.kernels) for v in variants]
         try:
             ref = engines[0]
             ids = [ref.tokenize(p) for p in prompts]

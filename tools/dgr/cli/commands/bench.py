@@ -2,8 +2,9 @@
 (`--wan-rtt-ms`, `--dtypes`, `--speculate`); subcommands `soak` (concurrent sessions for
 minutes, errors and RSS), `tls` (what mutual TLS costs per hop against plaintext), `frames` (gRPC against
 hand-framed TCP and TLS per hop), `conversation` (what
-the prefix cache buys a chat), `numerics` (how far apart the numerics this machine runs are) and
-`scale` (the cost curve of 1, 2, 4, 8 stages)."""
+the prefix cache buys a chat), `numerics` (how far apart the numerics this machine runs are),
+`kernels` (what batch invariance costs on the CPU, against stock llama.cpp) and `scale` (the cost curve of 1, 2,
+4, 8 stages)."""
 
 from __future__ import annotations
 
@@ -89,7 +90,7 @@ def _numerics(args) -> int:
     if any(len(x) != 2 or not Path(x[1]).is_file() for x in libs):
         raise DgrError("--lib LABEL=PATH: give a label and a built engine library (e.g. native=.dgr/build/cpu-native/"
                        "libdgr_engine.so from `dgr build-engine --cpu-variant native`)")
-    variants = [Variant(f"{label} {k}", Path(path), k == "fast") for label, path in libs for k in ("reference", "fast")]
+    variants = [Variant(f"{label} {k}", Path(path), k) for label, path in libs for k in ("reference", "invariant", "fast")]
     models = default_models(workspace() / "bench-numerics", variants[0].lib)
     rows = compare(models, variants, tokens=args.tokens, threads=args.threads, rounds=args.rounds)
     print(table(rows))
@@ -109,6 +110,38 @@ def _peers(args) -> int:
     _write_json(args.json, rep)
     if args.plot:
         print(f"plot: {plot(rep, args.plot)}")
+    return 0
+
+
+def _kernels(args) -> int:
+    # lazy: the module loads the synthesizers and matplotlib's plot on demand (as scale and peers do)
+    from dgr.app.bench.kernels import VARIANTS, bench_kernels, default_models, plot, table
+
+    def ints(text: str, flag: str) -> tuple[int, ...]:
+        try:
+            return tuple(int(x) for x in text.split(",") if x.strip())
+        except ValueError:
+            raise DgrError(f"{flag} {text!r}: give whole numbers separated by commas") from None
+
+    variants = tuple(v.strip() for v in args.kernels.split(",") if v.strip())
+    unknown = [v for v in variants if v not in VARIANTS]
+    if unknown or not variants:
+        raise DgrError(f"--kernels {args.kernels!r}: choose from {', '.join(VARIANTS)}")
+    lib = Path(args.lib) if args.lib else library_path()
+    models = [(Path(m).name, Path(m)) for m in args.model] if args.model else \
+        default_models(workspace() / "bench-kernels", lib, large_layers=args.large_layers)
+    stock = None
+    if "stock" in variants:
+        from dgr.toolchain.rpcbuild import ensure_rpc
+
+        stock = ensure_rpc()["llama-batched-bench"]
+    rep = bench_kernels(models, lib, threads=ints(args.threads, "--threads"),
+                        prefills=ints(args.prompt_lengths, "--prompt-lengths"), tokens=args.tokens,
+                        rounds=args.rounds, variants=variants, stock_exe=stock)
+    print(table(rep))
+    _write_json(args.json, rep)
+    if args.plot:
+        log.info("bench kernels: drew %s", plot(rep, args.plot))
     return 0
 
 
@@ -357,7 +390,7 @@ def register(sub) -> None:
     n = bsub.add_parser("numerics", help="how far apart the numerics this machine can run are (docs/numerics.md): "
                                          "logit differences, greedy divergence within --tokens, and speed, side by side")
     n.add_argument("--lib", action="append", metavar="LABEL=PATH", help="an engine library to compare, each with the "
-                   "reference and the fast kernels; the first is the reference (default: the workspace's CPU build, "
+                   "reference, the invariant and the fast kernels; the first is the reference (default: the workspace's CPU build, "
                    "then its native build if `dgr build-engine --cpu-variant native` made one)")
     n.add_argument("--tokens", type=int, default=64, help="greedy tokens per prompt (default 64)")
     n.add_argument("--threads", type=int, default=1, help="engine threads (default 1)")
@@ -378,6 +411,23 @@ def register(sub) -> None:
     pe.add_argument("--json", metavar="FILE", help="also write the report as JSON")
     pe.add_argument("--plot", metavar="FILE.png", help="TPOT against the round trip, both sides")
     pe.set_defaults(func=_peers)
+
+    k = bsub.add_parser("kernels", help="what batch invariance costs on the CPU: the same whole model on dgr's "
+                                     "invariant kernels, the reference kernels, llama.cpp's shape-dependent ones "
+                                     "and stock llama.cpp, prefill and decode side by side (docs/batching.md)")
+    k.add_argument("--model", action="append", metavar="GGUF", help="a model to measure (repeatable; default: "
+                   "SmolLM2, a Q4_K model and Llama-2-7B's width with --large-layers layers, written once)")
+    k.add_argument("--large-layers", type=int, default=8, help="layers of the large default model (default 8)")
+    k.add_argument("--kernels", default=",".join(("invariant", "reference", "fast", "stock")),
+                   help="which to measure (default: all; stock builds llama.cpp's own tools once, minutes)")
+    k.add_argument("--threads", default="1,2", help="compute thread counts (default 1,2)")
+    k.add_argument("--prompt-lengths", default="64,256,1024", help="prefill prompt lengths (default 64,256,1024)")
+    k.add_argument("--tokens", type=int, default=32, help="decode tokens (default 32)")
+    k.add_argument("--rounds", type=int, default=3, help="measured rounds after one warm-up (default 3)")
+    k.add_argument("--lib", help="engine library (default: $DGR_ENGINE_LIB or the CPU build)")
+    k.add_argument("--json", metavar="FILE", help="also write the report as JSON")
+    k.add_argument("--plot", metavar="FILE.png", help="speed relative to stock llama.cpp, per model (matplotlib)")
+    k.set_defaults(func=_kernels)
 
     sc = bsub.add_parser("scale", help="the cost curve: one model split into 1, 2, 4, 8 stages (one process each); "
                                        "TPOT and its slope, per-hop overhead against the loopback floor, RSS per "

