@@ -14,6 +14,7 @@ namespace pb = dgr::v1;
 using Clock = std::chrono::steady_clock;
 
 void StageWorker::emit_last(Work & w, const SessionPtr & sess, const float * logits, int32_t rows, pb::HopTiming timing) {
+    const EngineLib & lib = engine_.lib();
     const int64_t t0 = mono_ns();
     const pb::Step & s = w.frame.step();
     const std::string origin = sess->route[0].address();
@@ -35,16 +36,16 @@ void StageWorker::emit_last(Work & w, const SessionPtr & sess, const float * log
             const float * row = vrows + j * n_vocab;
             if (sess->grammar) {                     // never with drafts (start_speculation refuses it): k == 0
                 masked_.assign(row, row + n_vocab);
-                const int32_t st = engine_.lib().grammar_apply(sess->grammar.get(), masked_.data(), int32_t(n_vocab));
-                if (st != DGR_OK) throw std::runtime_error(engine_.lib().error(st));
+                const int32_t st = lib.grammar_apply(sess->grammar.get(), masked_.data(), int32_t(n_vocab));
+                if (st != DGR_OK) throw std::runtime_error(lib.error(st));
                 row = masked_.data();
             }
-            const int32_t token = engine_.lib().sample(row, int32_t(n_vocab), double(sp.temperature()), int32_t(sp.top_k()),
+            const int32_t token = lib.sample(row, int32_t(n_vocab), double(sp.temperature()), int32_t(sp.top_k()),
                                               double(sp.top_p()), sp.seed(), base + j);
             if (token < 0) throw std::runtime_error("dgr_sample refused the logits row");
             if (sess->grammar) {
-                const int32_t st = engine_.lib().grammar_accept(sess->grammar.get(), token);
-                if (st != DGR_OK) throw std::runtime_error(engine_.lib().error(st));
+                const int32_t st = lib.grammar_accept(sess->grammar.get(), token);
+                if (st != DGR_OK) throw std::runtime_error(lib.error(st));
             }
             draws.push_back(token);
             if (j == k || token != s.token_ids(int(s.token_ids_size() - k + j))) break;
@@ -91,7 +92,7 @@ void StageWorker::emit_last(Work & w, const SessionPtr & sess, const float * log
             std::vector<float> lps(ids.size());
             for (size_t j = 0; j < draws.size(); ++j) {
                 float chosen = 0.0f;
-                const int32_t n_top = engine_.lib().logprobs(vrows + int64_t(j) * n_vocab, int32_t(n_vocab), draws[j], &chosen, top,
+                const int32_t n_top = lib.logprobs(vrows + int64_t(j) * n_vocab, int32_t(n_vocab), draws[j], &chosen, top,
                                                     ids.data(), lps.data());
                 if (n_top < 0) throw std::runtime_error("dgr_logprobs refused the logits row");
                 pb::DrawLogprobs * d = t->add_logprobs();

@@ -31,6 +31,7 @@ grpc::ServerUnaryReactor * StageWorker::OpenSession(Ctx * ctx, const pb::OpenSes
 
 grpc::Status StageWorker::open_session_rpc(const grpc::ServerContextBase * ctx, const pb::OpenSessionRequest * req,
                                            pb::OpenSessionReply * reply) {
+    const EngineLib & lib = engine_.lib();
     return guarded("OpenSession", [&] {
         auto fail = [&](pb::ErrorCode code, const std::string & msg, uint32_t retry = 0) {
             *reply->mutable_error() = err(code, msg, retry);
@@ -111,14 +112,14 @@ grpc::Status StageWorker::open_session_rpc(const grpc::ServerContextBase * ctx, 
         }
         std::shared_ptr<dgr_grammar> grammar;
         if (info_.is_last) {
-            if ((sp.logprobs() || sp.top_logprobs()) && !engine_.lib().logprobs) {
-                return fail(pb::ENGINE, "sampling.logprobs: " + engine_.lib().path + " reports no log-probabilities (built before "
+            if ((sp.logprobs() || sp.top_logprobs()) && !lib.logprobs) {
+                return fail(pb::ENGINE, "sampling.logprobs: " + lib.path + " reports no log-probabilities (built before "
                                         "them): rebuild it (`dgr build-engine`)");
             }
             if (!sp.grammar().empty() || !sp.json_schema().empty()) {
                 const char * field = sp.grammar().empty() ? "sampling.json_schema" : "sampling.grammar";
-                if (!engine_.lib().grammar_open) {
-                    return fail(pb::ENGINE, std::string(field) + ": " + engine_.lib().path + " has no grammar sampler (the fake "
+                if (!lib.grammar_open) {
+                    return fail(pb::ENGINE, std::string(field) + ": " + lib.path + " has no grammar sampler (the fake "
                                             "engine has no vocabulary; an engine built before grammars): serve a real "
                                             "model, or rebuild the engine (`dgr build-engine`)");
                 }
@@ -142,11 +143,11 @@ grpc::Status StageWorker::open_session_rpc(const grpc::ServerContextBase * ctx, 
                     } done{this};
                     int32_t st = engine_.grammar_open(sp.grammar().empty() ? nullptr : sp.grammar().c_str(),
                                                    sp.json_schema().empty() ? nullptr : sp.json_schema().c_str(), &g);
-                    if (st != DGR_OK) refused = engine_.lib().error(st);
-                    if (g) grammar.reset(g, engine_.lib().grammar_close);
+                    if (st != DGR_OK) refused = lib.error(st);
+                    if (g) grammar.reset(g, lib.grammar_close);
                     for (int i = 0; refused.empty() && i < sp.grammar_accepted_size(); ++i) {
-                        st = engine_.lib().grammar_accept(g, sp.grammar_accepted(i));
-                        if (st != DGR_OK) refused = "sampling.grammar_accepted[" + std::to_string(i) + "]: " + engine_.lib().error(st);
+                        st = lib.grammar_accept(g, sp.grammar_accepted(i));
+                        if (st != DGR_OK) refused = "sampling.grammar_accepted[" + std::to_string(i) + "]: " + lib.error(st);
                     }
                 }
                 if (!refused.empty()) return fail(pb::ENGINE, refused);
@@ -192,7 +193,7 @@ grpc::Status StageWorker::open_session_rpc(const grpc::ServerContextBase * ctx, 
             auto eg = engine_.lock();
             int32_t st = eg.session_open(sid.c_str(), int64_t(req->epoch()));
             if (st != DGR_OK) {
-                std::string msg = engine_.lib().error(st);
+                std::string msg = lib.error(st);
                 return fail(pb::ENGINE, msg);
             }
         }
@@ -216,7 +217,7 @@ grpc::Status StageWorker::open_session_rpc(const grpc::ServerContextBase * ctx, 
                     matched = hit.blocks;
                     if (info_.is_first) ran.assign(hit.tokens->begin(), hit.tokens->begin() + hit.n_keep);
                 } else {                             // an ordinary miss: prefill it all
-                    fprintf(stderr, "dgr-worker: the prefix cache's state did not load: %s\n", engine_.lib().error(st).c_str());
+                    fprintf(stderr, "dgr-worker: the prefix cache's state did not load: %s\n", lib.error(st).c_str());
                 }
             }
         }
@@ -277,7 +278,7 @@ grpc::Status StageWorker::open_session_rpc(const grpc::ServerContextBase * ctx, 
             if (int32_t(theirs.cached_tokens()) < restored) {   // a later hop kept less: hold what every hop holds
                 auto eg = engine_.lock();
                 int32_t st = eg.truncate(sid.c_str(), int64_t(req->epoch()), int32_t(theirs.cached_tokens()));
-                if (st != DGR_OK) return fail(pb::ENGINE, engine_.lib().error(st));
+                if (st != DGR_OK) return fail(pb::ENGINE, lib.error(st));
                 restored = int32_t(theirs.cached_tokens());
                 std::lock_guard<std::mutex> g(mu_);
                 if (SessionPtr s = sessions_.find(key)) {
