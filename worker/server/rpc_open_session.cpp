@@ -142,7 +142,7 @@ grpc::Status StageWorker::open_session_rpc(const grpc::ServerContextBase * ctx, 
                         }
                     } done{this};
                     int32_t st = engine_.grammar_open(sp.grammar().empty() ? nullptr : sp.grammar().c_str(),
-                                                   sp.json_schema().empty() ? nullptr : sp.json_schema().c_str(), &g);
+                                                      sp.json_schema().empty() ? nullptr : sp.json_schema().c_str(), &g);
                     if (st != DGR_OK) refused = lib.error(st);
                     if (g) grammar.reset(g, lib.grammar_close);
                     for (int i = 0; refused.empty() && i < sp.grammar_accepted_size(); ++i) {
@@ -211,7 +211,7 @@ grpc::Status StageWorker::open_session_rpc(const grpc::ServerContextBase * ctx, 
             if (hit.n_keep > 0) {
                 auto eg = engine_.lock();
                 int32_t st = eg.state_set(sid.c_str(), int64_t(req->epoch()), hit.state->data(),
-                                            hit.state->size(), hit.n_positions, hit.n_keep);
+                                          hit.state->size(), hit.n_positions, hit.n_keep);
                 if (st == DGR_OK) {
                     restored = hit.n_keep;
                     matched = hit.blocks;

@@ -314,9 +314,7 @@ class StageWorker final : public dgr::v1::Stage::CallbackService, private LinkOw
     void release(const std::string & peer);
     std::map<std::string, int> conns_;               // peer -> calls in progress (mu_)
 
-    // the engine and its lock (engine_loop/locked_engine.h): a call that takes the engine goes through engine_.lock()'s
-    // guard; engine_.lib() is the library's table, for what needs no engine
-    Engine engine_;
+    Engine engine_;                                  // the engine under its lock: calls through engine_.lock()'s guard
     Trust trust_;
     NetPolicy net_;                                  // fixed once serving
     StageIdentity id_;
