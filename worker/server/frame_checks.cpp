@@ -245,16 +245,16 @@ void StageWorker::check_step(const pb::Step & step, std::vector<float> * x) {
         case pb::F16: {
             std::vector<uint16_t> h(values);
             std::memcpy(h.data(), src, values * 2);
-            lib_.fp16_to_fp32(h.data(), x->data(), int64_t(values));
+            engine_.lib().fp16_to_fp32(h.data(), x->data(), int64_t(values));
             break;
         }
         case pb::BF16: {
             std::vector<uint16_t> h(values);
             std::memcpy(h.data(), src, values * 2);
-            lib_.bf16_to_fp32(h.data(), x->data(), int64_t(values));
+            engine_.lib().bf16_to_fp32(h.data(), x->data(), int64_t(values));
             break;
         }
-        case pb::Q8_0: lib_.dequantize_q8_0(src, x->data(), int64_t(values)); break;
+        case pb::Q8_0: engine_.lib().dequantize_q8_0(src, x->data(), int64_t(values)); break;
         default: throw Fault{pb::BAD_FRAME, "unknown boundary dtype"};
     }
 }

@@ -14,6 +14,7 @@ namespace pb = dgr::v1;
 using Clock = std::chrono::steady_clock;
 
 void StageWorker::emit_last(Work & w, const SessionPtr & sess, const float * logits, int32_t rows, pb::HopTiming timing) {
+    const EngineLib & lib = engine_.lib();
     const int64_t t0 = mono_ns();
     const pb::Step & s = w.frame.step();
     const std::string origin = sess->route[0].address();
@@ -35,16 +36,16 @@ void StageWorker::emit_last(Work & w, const SessionPtr & sess, const float * log
             const float * row = vrows + j * n_vocab;
             if (sess->grammar) {                     // never with drafts (start_speculation refuses it): k == 0
                 masked_.assign(row, row + n_vocab);
-                const int32_t st = lib_.grammar_apply(sess->grammar.get(), masked_.data(), int32_t(n_vocab));
-                if (st != DGR_OK) throw std::runtime_error(lib_.error(st));
+                const int32_t st = lib.grammar_apply(sess->grammar.get(), masked_.data(), int32_t(n_vocab));
+                if (st != DGR_OK) throw std::runtime_error(lib.error(st));
                 row = masked_.data();
             }
-            const int32_t token = lib_.sample(row, int32_t(n_vocab), double(sp.temperature()), int32_t(sp.top_k()),
+            const int32_t token = lib.sample(row, int32_t(n_vocab), double(sp.temperature()), int32_t(sp.top_k()),
                                               double(sp.top_p()), sp.seed(), base + j);
             if (token < 0) throw std::runtime_error("dgr_sample refused the logits row");
             if (sess->grammar) {
-                const int32_t st = lib_.grammar_accept(sess->grammar.get(), token);
-                if (st != DGR_OK) throw std::runtime_error(lib_.error(st));
+                const int32_t st = lib.grammar_accept(sess->grammar.get(), token);
+                if (st != DGR_OK) throw std::runtime_error(lib.error(st));
             }
             draws.push_back(token);
             if (j == k || token != s.token_ids(int(s.token_ids_size() - k + j))) break;
@@ -91,7 +92,7 @@ void StageWorker::emit_last(Work & w, const SessionPtr & sess, const float * log
             std::vector<float> lps(ids.size());
             for (size_t j = 0; j < draws.size(); ++j) {
                 float chosen = 0.0f;
-                const int32_t n_top = lib_.logprobs(vrows + int64_t(j) * n_vocab, int32_t(n_vocab), draws[j], &chosen, top,
+                const int32_t n_top = lib.logprobs(vrows + int64_t(j) * n_vocab, int32_t(n_vocab), draws[j], &chosen, top,
                                                     ids.data(), lps.data());
                 if (n_top < 0) throw std::runtime_error("dgr_logprobs refused the logits row");
                 pb::DrawLogprobs * d = t->add_logprobs();
@@ -123,7 +124,7 @@ void StageWorker::emit_last(Work & w, const SessionPtr & sess, const float * log
 // without MTP, or a rollback the engine refuses, drafts nothing: the origin then sends a plain step, and the
 // next step's own rollback says what was wrong.
 void StageWorker::mtp_draft(Work & w, const SessionPtr & sess, int64_t next, int32_t token, uint32_t want, pb::Token * t) {
-    if (!info_.has_mtp || !lib_.mtp_draft) return;
+    if (!info_.has_mtp || !engine_.lib().mtp_draft) return;
     const std::string & sid = w.frame.session_id();
     const int64_t epoch = int64_t(w.frame.epoch());
     const int64_t k = std::min<int64_t>({int64_t(want), int64_t(info_.n_draft_max), int64_t(info_.n_ctx) - next - 1});
@@ -131,15 +132,15 @@ void StageWorker::mtp_draft(Work & w, const SessionPtr & sess, int64_t next, int
     std::vector<int32_t> drafts(size_t(k), 0);
     int32_t st = DGR_OK;
     {
-        std::lock_guard<std::mutex> eg(engine_mu_);
+        auto eg = engine_.lock();
         int32_t held = 0;
-        st = lib_.n_cached(eng_, sid.c_str(), epoch, &held);
-        if (st == DGR_OK && held > next) st = lib_.truncate(eng_, sid.c_str(), epoch, int32_t(next));
-        if (st == DGR_OK) st = lib_.mtp_draft(eng_, sid.c_str(), epoch, token, int32_t(k), drafts.data());
+        st = eg.n_cached(sid.c_str(), epoch, &held);
+        if (st == DGR_OK && held > next) st = eg.truncate(sid.c_str(), epoch, int32_t(next));
+        if (st == DGR_OK) st = eg.mtp_draft(sid.c_str(), epoch, token, int32_t(k), drafts.data());
     }
     if (st != DGR_OK) {
         fprintf(stderr, "dgr-worker: no MTP drafts for session %s epoch %lld at %lld: %s\n", sid.c_str(), (long long)epoch,
-                (long long)next, lib_.error(st).c_str());
+                (long long)next, engine_.lib().error(st).c_str());
         return;
     }
     {

@@ -233,11 +233,11 @@ void StageWorker::send_token(const SessionPtr & sess, pb::Frame frame, size_t n_
         }
         std::string buf(16 * ids.size() + 16, '\0');
         int32_t n;
-        std::lock_guard<std::mutex> eg(engine_mu_);
+        auto eg = engine_.lock();
         const int32_t dummy = 0;
         while (true) {
-            n = lib_.detokenize(eng_, ids.empty() ? &dummy : ids.data(), int32_t(ids.size()), &buf[0], int32_t(buf.size()));
-            if (n < 0) throw std::runtime_error("detokenize: " + lib_.error(DGR_E_ENGINE));
+            n = eg.detokenize(ids.empty() ? &dummy : ids.data(), int32_t(ids.size()), &buf[0], int32_t(buf.size()));
+            if (n < 0) throw std::runtime_error("detokenize: " + engine_.lib().error(DGR_E_ENGINE));
             if (size_t(n) <= buf.size()) break;
             buf.resize(size_t(n));
         }

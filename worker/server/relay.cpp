@@ -27,17 +27,17 @@ void StageWorker::encode(const float * x, int64_t n_tokens, pb::Boundary * b) co
         case pb::F32: std::memcpy(&(*data)[0], x, size_t(values) * 4); break;
         case pb::F16: {
             std::vector<uint16_t> h(static_cast<size_t>(values));
-            lib_.fp32_to_fp16(x, h.data(), values);
+            engine_.lib().fp32_to_fp16(x, h.data(), values);
             std::memcpy(&(*data)[0], h.data(), size_t(values) * 2);
             break;
         }
         case pb::BF16: {
             std::vector<uint16_t> h(static_cast<size_t>(values));
-            lib_.fp32_to_bf16(x, h.data(), values);
+            engine_.lib().fp32_to_bf16(x, h.data(), values);
             std::memcpy(&(*data)[0], h.data(), size_t(values) * 2);
             break;
         }
-        case pb::Q8_0: lib_.quantize_q8_0(x, &(*data)[0], values); break;
+        case pb::Q8_0: engine_.lib().quantize_q8_0(x, &(*data)[0], values); break;
         default: throw std::runtime_error("cannot encode wire dtype " + std::string(dtype_->name));
     }
 }

@@ -31,10 +31,10 @@ void StageWorker::close_local(const std::string & sid, uint64_t epoch) {
     if (held) links = links_.live();                // the links' note of it
     for (auto & l : links) l->forget(Key{wire, epoch});
     if (held) {
-        std::lock_guard<std::mutex> g(engine_mu_);
-        int32_t st = lib_.session_close(eng_, sid.c_str(), int64_t(epoch));
+        auto eg = engine_.lock();
+        int32_t st = eg.session_close(sid.c_str(), int64_t(epoch));
         if (st != DGR_OK) fprintf(stderr, "dgr-worker: closing session %s epoch %llu: %s\n", sid.c_str(),
-                                  (unsigned long long) epoch, lib_.error(st).c_str());
+                                  (unsigned long long) epoch, engine_.lib().error(st).c_str());
     }
 }
 

@@ -42,7 +42,7 @@ void StageWorker::describe_msg(pb::StageDescription * d) {
     d->set_session_ttl_s(float(limits_.session_ttl_s));
     d->set_max_queued_steps(uint32_t(limits_.max_queued_steps));
     d->set_can_roll_back(can_truncate_);
-    d->set_has_mtp(info_.has_mtp != 0 && lib_.mtp_draft != nullptr);
+    d->set_has_mtp(info_.has_mtp != 0 && engine_.lib().mtp_draft != nullptr);
     d->set_n_draft_max(uint32_t(std::max(0, info_.n_draft_max)));
     d->set_batch_invariant(i.batch_invariant);
     d->set_prefix_cache_off(prefix_off_);

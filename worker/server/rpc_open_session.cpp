@@ -31,6 +31,7 @@ grpc::ServerUnaryReactor * StageWorker::OpenSession(Ctx * ctx, const pb::OpenSes
 
 grpc::Status StageWorker::open_session_rpc(const grpc::ServerContextBase * ctx, const pb::OpenSessionRequest * req,
                                            pb::OpenSessionReply * reply) {
+    const EngineLib & lib = engine_.lib();
     return guarded("OpenSession", [&] {
         auto fail = [&](pb::ErrorCode code, const std::string & msg, uint32_t retry = 0) {
             *reply->mutable_error() = err(code, msg, retry);
@@ -111,14 +112,14 @@ grpc::Status StageWorker::open_session_rpc(const grpc::ServerContextBase * ctx, 
         }
         std::shared_ptr<dgr_grammar> grammar;
         if (info_.is_last) {
-            if ((sp.logprobs() || sp.top_logprobs()) && !lib_.logprobs) {
-                return fail(pb::ENGINE, "sampling.logprobs: " + lib_.path + " reports no log-probabilities (built before "
+            if ((sp.logprobs() || sp.top_logprobs()) && !lib.logprobs) {
+                return fail(pb::ENGINE, "sampling.logprobs: " + lib.path + " reports no log-probabilities (built before "
                                         "them): rebuild it (`dgr build-engine`)");
             }
             if (!sp.grammar().empty() || !sp.json_schema().empty()) {
                 const char * field = sp.grammar().empty() ? "sampling.json_schema" : "sampling.grammar";
-                if (!lib_.grammar_open) {
-                    return fail(pb::ENGINE, std::string(field) + ": " + lib_.path + " has no grammar sampler (the fake "
+                if (!lib.grammar_open) {
+                    return fail(pb::ENGINE, std::string(field) + ": " + lib.path + " has no grammar sampler (the fake "
                                             "engine has no vocabulary; an engine built before grammars): serve a real "
                                             "model, or rebuild the engine (`dgr build-engine`)");
                 }
@@ -140,13 +141,13 @@ grpc::Status StageWorker::open_session_rpc(const grpc::ServerContextBase * ctx, 
                             w->grammar_cv_.notify_one();
                         }
                     } done{this};
-                    int32_t st = lib_.grammar_open(eng_, sp.grammar().empty() ? nullptr : sp.grammar().c_str(),
-                                                   sp.json_schema().empty() ? nullptr : sp.json_schema().c_str(), &g);
-                    if (st != DGR_OK) refused = lib_.error(st);
-                    if (g) grammar.reset(g, lib_.grammar_close);
+                    int32_t st = engine_.grammar_open(sp.grammar().empty() ? nullptr : sp.grammar().c_str(),
+                                                      sp.json_schema().empty() ? nullptr : sp.json_schema().c_str(), &g);
+                    if (st != DGR_OK) refused = lib.error(st);
+                    if (g) grammar.reset(g, lib.grammar_close);
                     for (int i = 0; refused.empty() && i < sp.grammar_accepted_size(); ++i) {
-                        st = lib_.grammar_accept(g, sp.grammar_accepted(i));
-                        if (st != DGR_OK) refused = "sampling.grammar_accepted[" + std::to_string(i) + "]: " + lib_.error(st);
+                        st = lib.grammar_accept(g, sp.grammar_accepted(i));
+                        if (st != DGR_OK) refused = "sampling.grammar_accepted[" + std::to_string(i) + "]: " + lib.error(st);
                     }
                 }
                 if (!refused.empty()) return fail(pb::ENGINE, refused);
@@ -189,10 +190,10 @@ grpc::Status StageWorker::open_session_rpc(const grpc::ServerContextBase * ctx, 
         }
         for (auto & k : old) close_local(k.first, k.second);
         {
-            std::lock_guard<std::mutex> g(engine_mu_);
-            int32_t st = lib_.session_open(eng_, sid.c_str(), int64_t(req->epoch()));
+            auto eg = engine_.lock();
+            int32_t st = eg.session_open(sid.c_str(), int64_t(req->epoch()));
             if (st != DGR_OK) {
-                std::string msg = lib_.error(st);
+                std::string msg = lib.error(st);
                 return fail(pb::ENGINE, msg);
             }
         }
@@ -208,15 +209,15 @@ grpc::Status StageWorker::open_session_rpc(const grpc::ServerContextBase * ctx, 
             PrefixCache::Hit hit = prefix_->find(seed, prefix_blocks(req->prefix_blocks()), req->prefix_block_tokens());
             if (hit.n_keep > 0 && info_.is_first && (!hit.tokens || hit.tokens->size() < size_t(hit.n_keep))) hit = {};
             if (hit.n_keep > 0) {
-                std::lock_guard<std::mutex> eg(engine_mu_);
-                int32_t st = lib_.state_set(eng_, sid.c_str(), int64_t(req->epoch()), hit.state->data(),
-                                            hit.state->size(), hit.n_positions, hit.n_keep);
+                auto eg = engine_.lock();
+                int32_t st = eg.state_set(sid.c_str(), int64_t(req->epoch()), hit.state->data(),
+                                          hit.state->size(), hit.n_positions, hit.n_keep);
                 if (st == DGR_OK) {
                     restored = hit.n_keep;
                     matched = hit.blocks;
                     if (info_.is_first) ran.assign(hit.tokens->begin(), hit.tokens->begin() + hit.n_keep);
                 } else {                             // an ordinary miss: prefill it all
-                    fprintf(stderr, "dgr-worker: the prefix cache's state did not load: %s\n", lib_.error(st).c_str());
+                    fprintf(stderr, "dgr-worker: the prefix cache's state did not load: %s\n", lib.error(st).c_str());
                 }
             }
         }
@@ -275,9 +276,9 @@ grpc::Status StageWorker::open_session_rpc(const grpc::ServerContextBase * ctx, 
             }
             for (auto & h : theirs.hops()) *reply->add_hops() = h;
             if (int32_t(theirs.cached_tokens()) < restored) {   // a later hop kept less: hold what every hop holds
-                std::lock_guard<std::mutex> eg(engine_mu_);
-                int32_t st = lib_.truncate(eng_, sid.c_str(), int64_t(req->epoch()), int32_t(theirs.cached_tokens()));
-                if (st != DGR_OK) return fail(pb::ENGINE, lib_.error(st));
+                auto eg = engine_.lock();
+                int32_t st = eg.truncate(sid.c_str(), int64_t(req->epoch()), int32_t(theirs.cached_tokens()));
+                if (st != DGR_OK) return fail(pb::ENGINE, lib.error(st));
                 restored = int32_t(theirs.cached_tokens());
                 std::lock_guard<std::mutex> g(mu_);
                 if (SessionPtr s = sessions_.find(key)) {

@@ -27,10 +27,10 @@ grpc::Status StageWorker::tokenize_rpc(const pb::TokenizeRequest * req, pb::Toke
         std::vector<int32_t> ids(text.size() + 16);
         int32_t n;
         {
-            std::lock_guard<std::mutex> g(engine_mu_);
+            auto eg = engine_.lock();
             while (true) {
-                n = lib_.tokenize(eng_, text.c_str(), req->add_special(), ids.data(), int32_t(ids.size()));
-                if (n < 0) return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, lib_.error(DGR_E_ENGINE));
+                n = eg.tokenize(text.c_str(), req->add_special(), ids.data(), int32_t(ids.size()));
+                if (n < 0) return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, engine_.lib().error(DGR_E_ENGINE));
                 if (size_t(n) <= ids.size()) break;
                 ids.resize(size_t(n));
             }
@@ -48,10 +48,10 @@ grpc::Status StageWorker::detokenize_rpc(const pb::DetokenizeRequest * req, pb::
         std::string buf(16 * size_t(req->token_ids_size()) + 16, '\0');
         int32_t n;
         {
-            std::lock_guard<std::mutex> g(engine_mu_);
+            auto eg = engine_.lock();
             while (true) {
-                n = lib_.detokenize(eng_, ids.data(), req->token_ids_size(), &buf[0], int32_t(buf.size()));
-                if (n < 0) return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, lib_.error(DGR_E_ENGINE));
+                n = eg.detokenize(ids.data(), req->token_ids_size(), &buf[0], int32_t(buf.size()));
+                if (n < 0) return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, engine_.lib().error(DGR_E_ENGINE));
                 if (size_t(n) <= buf.size()) break;
                 buf.resize(size_t(n));
             }

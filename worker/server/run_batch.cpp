@@ -40,16 +40,16 @@ void StageWorker::die_if_asked(size_t n, const std::function<const pb::Frame &(s
 }
 
 // --test-evict-at, --test-break-origin-link-at (tests: a fault at an exact step, which no timing can move)
-void StageWorker::test_faults(const pb::Frame & f, const SessionPtr & sess) {
+void StageWorker::test_faults(Engine::Guard & eg, const pb::Frame & f, const SessionPtr & sess) {
     const std::string & sid = f.session_id();
     for (int64_t p : f.step().positions()) {
         if (hook_at(limits_.evict_at, sid, f.epoch(), p)) {
             // the session's cache is lost (as under memory pressure): the session stays, its cache is empty
             fprintf(stderr, "dgr-worker: --test-evict-at %s:%llu:%lld reached: cache dropped\n", sid.c_str(),
                     (unsigned long long)f.epoch(), (long long)p);
-            lib_.session_close(eng_, sid.c_str(), int64_t(f.epoch()));
-            int32_t st = lib_.session_open(eng_, sid.c_str(), int64_t(f.epoch()));
-            if (st != DGR_OK) fprintf(stderr, "dgr-worker: --test-evict-at: reopen failed: %s\n", lib_.error(st).c_str());
+            eg.session_close(sid.c_str(), int64_t(f.epoch()));
+            int32_t st = eg.session_open(sid.c_str(), int64_t(f.epoch()));
+            if (st != DGR_OK) fprintf(stderr, "dgr-worker: --test-evict-at: reopen failed: %s\n", engine_.lib().error(st).c_str());
         }
         if (hook_at(limits_.break_origin_link_at, sid, f.epoch(), p) && !info_.is_first) {
             std::shared_ptr<Link> l = links_.find(sess->route[0].address());
@@ -71,17 +71,18 @@ void StageWorker::run_batch(std::vector<Work> & batch) {
     const int64_t width = int64_t(info_.n_streams) * info_.n_embd;
     std::vector<Ready> ready;
     int64_t t0 = 0, compute = 0;
+    const EngineLib & lib = engine_.lib();
     {
-        std::lock_guard<std::mutex> eg(engine_mu_);
+        auto eg = engine_.lock();
         for (auto & w : batch) {
             const Key key{w.frame.session_id(), w.frame.epoch()};
             SessionPtr sess = session(key);
             if (!sess) continue;                     // closed while queued
-            if (!limits_.evict_at.empty() || !limits_.break_origin_link_at.empty()) test_faults(w.frame, sess);
+            if (!limits_.evict_at.empty() || !limits_.break_origin_link_at.empty()) test_faults(eg, w.frame, sess);
             int32_t held = 0;
-            int32_t st = lib_.n_cached(eng_, key.first.c_str(), int64_t(key.second), &held);
+            int32_t st = eg.n_cached(key.first.c_str(), int64_t(key.second), &held);
             if (st != DGR_OK) {
-                reply_error(w.reply, w.frame, err(pb::ENGINE, lib_.error(st)));
+                reply_error(w.reply, w.frame, err(pb::ENGINE, lib.error(st)));
                 continue;
             }
             const pb::Step & s = w.frame.step();
@@ -94,9 +95,9 @@ void StageWorker::run_batch(std::vector<Work> & batch) {
             // a step flagged rollback drops the drafts the last stage rejected, never below the first draft
             // of the session's last speculative step here
             if (uint64_t(held) > expect && s.rollback() && floor >= 0 && int64_t(expect) >= floor) {
-                st = lib_.truncate(eng_, key.first.c_str(), int64_t(key.second), int32_t(expect));
+                st = eg.truncate(key.first.c_str(), int64_t(key.second), int32_t(expect));
                 if (st != DGR_OK) {
-                    reply_error(w.reply, w.frame, err(pb::ENGINE, lib_.error(st)));
+                    reply_error(w.reply, w.frame, err(pb::ENGINE, lib.error(st)));
                     continue;
                 }
                 held = int32_t(expect);
@@ -145,7 +146,7 @@ void StageWorker::run_batch(std::vector<Work> & batch) {
             pb::WireError e;
             if (st == DGR_E_CACHE_MISS) {
                 int64_t held = 0, expected = 0;
-                lib_.last_cache_miss(&held, &expected);
+                lib.last_cache_miss(&held, &expected);
                 e = err(pb::CACHE_MISS, why);
                 e.set_held(uint64_t(held));
                 e.set_expected(uint64_t(expected));
@@ -157,7 +158,7 @@ void StageWorker::run_batch(std::vector<Work> & batch) {
         t0 = mono_ns();
         std::vector<dgr_step_out> outs(ready.size());
         for (size_t k = 0; k < ready.size(); ++k) outs[k] = ready[k].o;
-        int32_t st = lib_.forward(eng_, int32_t(steps.size()), steps.data(), outs.data());
+        int32_t st = eg.forward(int32_t(steps.size()), steps.data(), outs.data());
         metrics_.forward(steps.size());
         if (st == DGR_OK) {
             for (size_t k = 0; k < ready.size(); ++k) {
@@ -165,18 +166,18 @@ void StageWorker::run_batch(std::vector<Work> & batch) {
                 ready[k].ok = true;
             }
         } else if (ready.size() == 1) {
-            fail(ready[0], st, lib_.error(st));
+            fail(ready[0], st, lib.error(st));
         } else {
             // one session's fault never fails the others: run the steps one by one (the failed batch ran none)
-            fprintf(stderr, "dgr-worker: batch of %zu failed (%s); running its steps one by one\n", ready.size(), lib_.error(st).c_str());
+            fprintf(stderr, "dgr-worker: batch of %zu failed (%s); running its steps one by one\n", ready.size(), lib.error(st).c_str());
             for (size_t k = 0; k < ready.size(); ++k) {
                 dgr_step_out o = ready[k].o;
-                int32_t s1 = lib_.forward(eng_, 1, &steps[k], &o);
+                int32_t s1 = eg.forward(1, &steps[k], &o);
                 if (s1 == DGR_OK) {
                     ready[k].o = o;
                     ready[k].ok = true;
                 } else {
-                    fail(ready[k], s1, lib_.error(s1));
+                    fail(ready[k], s1, lib.error(s1));
                 }
             }
         }

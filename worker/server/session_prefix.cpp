@@ -42,13 +42,13 @@ std::vector<std::string> StageWorker::keep_prefix(const std::string & sid, uint6
     int32_t n = 0;
     std::string state;
     {
-        std::lock_guard<std::mutex> eg(engine_mu_);
-        int32_t st = lib_.state_get(eng_, sid.c_str(), int64_t(epoch), nullptr, 0, &size, &n);
+        auto eg = engine_.lock();
+        int32_t st = eg.state_get(sid.c_str(), int64_t(epoch), nullptr, 0, &size, &n);
         if (st != DGR_OK || n < int32_t(block_tokens)) return {};
         state.resize(size);
-        st = lib_.state_get(eng_, sid.c_str(), int64_t(epoch), state.data(), size, &size, &n);
+        st = eg.state_get(sid.c_str(), int64_t(epoch), state.data(), size, &size, &n);
         if (st != DGR_OK) {
-            fprintf(stderr, "dgr-worker: keeping session %s's prefix: %s\n", names_.wire_of(sid).c_str(), lib_.error(st).c_str());
+            fprintf(stderr, "dgr-worker: keeping session %s's prefix: %s\n", names_.wire_of(sid).c_str(), engine_.lib().error(st).c_str());
             return {};
         }
     }

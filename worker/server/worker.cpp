@@ -18,18 +18,21 @@ using Clock = std::chrono::steady_clock;
 
 StageWorker::StageWorker(const EngineLib & lib, dgr_engine * eng, StageIdentity identity, std::string address,
                          uint64_t max_message_bytes, Limits limits)
-    : lib_(lib), eng_(eng), id_(std::move(identity)), address_(std::move(address)),
+    : engine_(lib, eng), id_(std::move(identity)), address_(std::move(address)),
       max_message_bytes_(max_message_bytes), limits_(limits), started_(Clock::now()),
       steps_(StepBounds{limits.max_queued_steps, limits.max_session_steps, limits.max_queued_steps_per_member}) {
-    int32_t st = lib_.describe(eng_, &info_);
-    if (st != DGR_OK) throw std::runtime_error(lib_.error(st));
-    st = lib_.memory(eng_, &memory_);
-    if (st != DGR_OK) throw std::runtime_error(lib_.error(st));
-    can_truncate_ = lib_.can_truncate(eng_) != 0;
+    {
+        auto eg = engine_.lock();
+        int32_t st = eg.describe(&info_);
+        if (st != DGR_OK) throw std::runtime_error(lib.error(st));
+        st = eg.memory(&memory_);
+        if (st != DGR_OK) throw std::runtime_error(lib.error(st));
+        can_truncate_ = eg.can_truncate() != 0;
+    }
     calls_ = std::make_unique<UnaryCalls>(UnaryCalls::Bounds{size_t(limits_.max_rpc_threads), size_t(limits_.max_rpc_threads),
                                                              size_t(limits_.max_rpc_per_member)});
     if (limits_.prefix_cache_mib <= 0) prefix_off_ = "--prefix-cache-mib 0";
-    else if (!lib_.state_get || !lib_.state_set) prefix_off_ = "the engine library predates it";
+    else if (!lib.state_get || !lib.state_set) prefix_off_ = "the engine library predates it";
     // a recurrent or hybrid model, also one that rolls back its last step (per-step snapshots, --draft-max):
     // the engine's own words (dgr_session_state_set), as docs/families.md's "prefix cache" column has them
     else if (!can_truncate_ || (info_.n_draft_max > 0 && !info_.has_mtp)) {
@@ -40,10 +43,10 @@ StageWorker::StageWorker(const EngineLib & lib, dgr_engine * eng, StageIdentity 
     if (prefix_off_.empty()) prefix_ = std::make_unique<PrefixCache>(uint64_t(limits_.prefix_cache_mib) << 20);
     dtype_ = find_dtype(id_.wire_dtype);
     if (!dtype_) throw std::runtime_error("unknown wire dtype '" + id_.wire_dtype + "'");
-    const bool lossy_ok = lib_.fp16_to_fp32 && lib_.fp32_to_fp16 && lib_.bf16_to_fp32 && lib_.fp32_to_bf16 &&
-                          lib_.quantize_q8_0 && lib_.dequantize_q8_0;
+    const bool lossy_ok = lib.fp16_to_fp32 && lib.fp32_to_fp16 && lib.bf16_to_fp32 && lib.fp32_to_bf16 &&
+                          lib.quantize_q8_0 && lib.dequantize_q8_0;
     if (dtype_->code != pb::F32 && !lossy_ok) {
-        throw std::runtime_error("--wire-dtype " + id_.wire_dtype + ": the engine library " + lib_.path +
+        throw std::runtime_error("--wire-dtype " + id_.wire_dtype + ": the engine library " + lib.path +
                                  " does not export ggml's converters; use --wire-dtype f32 or rebuild it");
     }
     pb::StageDescription me;

@@ -31,6 +31,7 @@
 #include "certification.h"
 #include "speculation/drafts.h"
 #include "engine_lib.h"
+#include "engine_loop/locked_engine.h"
 #include "engine_loop/step_queue.h"
 #include "sessions/names.h"
 #include "sessions/session_table.h"
@@ -170,6 +171,7 @@ class StageWorker final : public dgr::v1::Stage::CallbackService, private LinkOw
     void set_net_policy(NetPolicy p) { net_ = std::move(p); }
 
   private:
+    using Engine = LockedEngine<EngineLib, dgr_engine>;
     struct Session {
         std::string sid;                             // this worker's key for it (sessions/names.h: key)
         std::vector<dgr::v1::Hop> route;
@@ -255,8 +257,8 @@ class StageWorker final : public dgr::v1::Stage::CallbackService, private LinkOw
     void engine_loop();
     void run_batch(std::vector<Work> & batch);
     void die_if_asked(size_t n, const std::function<const dgr::v1::Frame &(size_t)> & frame);
-    // --test-evict-at, --test-break-origin-link-at: about to run this step (engine_mu_ held)
-    void test_faults(const dgr::v1::Frame & frame, const SessionPtr & sess);
+    // --test-evict-at, --test-break-origin-link-at: about to run this step (under the engine's lock: `eg`)
+    void test_faults(Engine::Guard & eg, const dgr::v1::Frame & frame, const SessionPtr & sess);
     void emit_boundary(Work & w, const SessionPtr & sess, const float * boundary, dgr::v1::HopTiming timing);
     void emit_last(Work & w, const SessionPtr & sess, const float * logits, int32_t rows, dgr::v1::HopTiming timing);
     void mtp_draft(Work & w, const SessionPtr & sess, int64_t next, int32_t token, uint32_t want, dgr::v1::Token * t);
@@ -312,10 +314,9 @@ class StageWorker final : public dgr::v1::Stage::CallbackService, private LinkOw
     void release(const std::string & peer);
     std::map<std::string, int> conns_;               // peer -> calls in progress (mu_)
 
-    const EngineLib & lib_;
+    Engine engine_;                                  // the engine under its lock: calls through engine_.lock()'s guard
     Trust trust_;
     NetPolicy net_;                                  // fixed once serving
-    dgr_engine * eng_;
     StageIdentity id_;
     mutable std::mutex addr_mu_;
     std::string address_;                            // HOST:PORT as it names itself (addr_mu_)
@@ -341,7 +342,6 @@ class StageWorker final : public dgr::v1::Stage::CallbackService, private LinkOw
     std::string metrics_url_;                        // (addr_mu_)
     std::vector<HeldCertificate> certificates_;      // fixed once serving
 
-    std::mutex engine_mu_;                           // the engine is never called from two threads at once
     // grammar conversions running at once (rpc_open_session.cpp): within DGR_GRAMMAR_MAX_EXPANSION one takes
     // up to ~0.3 s and ~100 MiB, so at most GRAMMARS_AT_ONCE run and the rest wait (a leaf lock)
     static constexpr int GRAMMARS_AT_ONCE = 2;
