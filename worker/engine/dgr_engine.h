@@ -55,9 +55,9 @@ typedef struct dgr_open_params {
     // bit-identical (CPU) whatever shares its forwards and however its own tokens are cut into batches:
     // ggml's reference kernels (every row alone through vec_dot), one KV stream per session, no repacked
     // weights. 1: llama.cpp's shape-dependent fast kernels (results then depend on the batch; for measuring
-    // what invariance costs). 2: batch invariant too, with llama.cpp's fast matrix kernels (llamafile's
-    // sgemm, the tiled K-/I-quant GEMM) taken for every number of rows, one included (ggml's
-    // batch_invariant switch): faster prefill, slower decode (docs/batching.md).
+    // what invariance costs). 2: batch invariant too, ggml's batch_invariant switch (patch 0026): flash
+    // attention's tiled kernel for every number of queries, vec_dot for every matrix row: much faster
+    // prefill of long prompts than 0 (docs/batching.md).
     int32_t fast_kernels;
     // The longest speculative draft this stage must be able to roll back after its verification step
     // (llama.cpp's n_rs_seq, for architectures whose cache keeps per-step snapshots: DeepSeek V4). 0: none,

@@ -56,13 +56,13 @@ ggml_tensor * dgr_build_inp_boundary(const llm_graph_context & g);
 // batch order) the graph's embeddings output and return true; the arch then returns without norm/head.
 bool dgr_build_boundary_out(const llm_graph_context & g, ggml_tensor * cur, ggml_tensor * inp_out_ids);
 
-// Batch invariance (the patches "the CPU backend runs its reference kernels" and "the CPU backend's fast
-// matrix kernels for every batch shape"): llama.cpp's CPU backend picks kernels by the batch's shape (a
-// tiled GEMM for K- and I-quant matrices at 8 rows or more, llamafile's sgemm from 2 rows, a tiled or
-// KV-split flash attention), and each rounds differently, so a session's logits depended on how many rows
-// shared its forward. ggml's batch_invariant switch takes the fast matrix kernels for every number of rows
-// (one included) and the one-query attention; its reference kernels compute every row alone. Every
-// context's CPU backend gets the process-wide setting (DGR_KERNELS_*, dgr_engine.h) when it is made.
+// Batch invariance (the patches "the CPU backend runs its reference kernels" and "the CPU backend's
+// batch-invariant dispatch"): llama.cpp's CPU backend picks kernels by the batch's shape (a tiled GEMM for K-
+// and I-quant matrices at 8 rows or more, llamafile's sgemm from 2 rows, a tiled or KV-split flash
+// attention), and each rounds differently, so a session's logits depended on how many rows shared its
+// forward. ggml's reference kernels compute every row alone; its batch_invariant switch chooses every kernel
+// by its operands (the tiled attention for every number of queries, vec_dot for every row). Every context's
+// CPU backend gets the process-wide setting (DGR_KERNELS_*, dgr_engine.h) when it is made.
 struct ggml_backend;
 void dgr_set_cpu_kernels(int kernels);
 int dgr_cpu_kernels();

@@ -184,9 +184,9 @@ class Engine:
              lib: str | Path | None = None) -> "Engine":
         """`kernels` (CPU): "reference" (the default: ggml's reference kernels, every row alone, so a
         session's logits do not depend on what shares its forwards or how its tokens are batched),
-        "invariant" (llama.cpp's fast matrix kernels taken for every batch shape: also batch invariant, faster
-        prefill, slower decode; docs/batching.md) or "fast" (llama.cpp's shape-dependent choice: results depend
-        on the batch; for measuring only).
+        "invariant" (ggml's batch_invariant switch: flash attention's tiled kernel for every number of queries,
+        vec_dot for every row; also batch invariant, much faster prefill of long prompts; docs/batching.md) or
+        "fast" (llama.cpp's shape-dependent choice: results depend on the batch; for measuring only).
         `fast_kernels=True` is `kernels="fast"`.
         `n_draft_max`: the longest draft a truncate must roll back after a verification step (V4's snapshot
         cache; 0: none, but an MTP last stage's default, DGR_MTP_MAX_K)."""

@@ -412,7 +412,7 @@ def register(sub) -> None:
     pe.add_argument("--plot", metavar="FILE.png", help="TPOT against the round trip, both sides")
     pe.set_defaults(func=_peers)
 
-    k = bsub.add_parser("kernels", help="what batch invariance costs on the CPU: the same whole model on dgr's "
+    k = bsub.add_parser("kernels", help="what batch invariance costs on the CPU: the same whole model on the "
                                      "invariant kernels, the reference kernels, llama.cpp's shape-dependent ones "
                                      "and stock llama.cpp, prefill and decode side by side (docs/batching.md)")
     k.add_argument("--model", action="append", metavar="GGUF", help="a model to measure (repeatable; default: "
