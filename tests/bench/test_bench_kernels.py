@@ -6,24 +6,17 @@ speed."""
 
 from __future__ import annotations
 
-import argparse
-import json
-
 import pytest
 
-from dgr.cli.commands import bench
 from dgr.core.errors import DgrError
 from dgr.runtime.engine import quantize
 from dgr.toolchain.synth.generic import synth
 
+from support.bench_cli import run_bench_json
+
 
 def _kernels(tmp_path, *argv) -> tuple[int, dict]:
-    p = argparse.ArgumentParser(prog="dgr")
-    bench.register(p.add_subparsers())
-    out = tmp_path / "kernels.json"
-    args = p.parse_args(["bench", "kernels", "--json", str(out), *argv])
-    rc = args.func(args)
-    return rc, json.loads(out.read_text())
+    return run_bench_json(tmp_path, "kernels", *argv)
 
 
 @pytest.mark.engine

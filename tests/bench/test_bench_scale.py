@@ -5,22 +5,15 @@ computed from the wire dtype table. Nothing here compares a time: `dgr bench sca
 
 from __future__ import annotations
 
-import argparse
-import json
-
 import pytest
 
 from dgr.app.bench import scale
-from dgr.cli.commands import bench
+
+from support.bench_cli import run_bench_json
 
 
 def _scale(tmp_path, *argv) -> tuple[int, dict]:
-    p = argparse.ArgumentParser(prog="dgr")
-    bench.register(p.add_subparsers())
-    out = tmp_path / "scale.json"
-    args = p.parse_args(["bench", "scale", "--json", str(out), *argv])
-    rc = args.func(args)
-    return rc, json.loads(out.read_text())
+    return run_bench_json(tmp_path, "scale", *argv)
 
 
 @pytest.mark.engine

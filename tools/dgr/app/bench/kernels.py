@@ -29,6 +29,7 @@ from dgr.app.demo import whole_model_run
 from dgr.core.errors import DgrError
 from dgr.core.log import get_logger
 from dgr.runtime.engine import Engine, quantize
+from dgr.toolchain.rpcbuild import ensure_rpc
 from dgr.toolchain.source import resolve
 from dgr.toolchain.synth.generic import synth
 from dgr.toolchain.synth.shapes import synth_shape
@@ -99,8 +100,10 @@ def _stock_round(exe: Path, model: Path, prefills: tuple[int, ...], tokens: int,
 def bench_kernels(models: list[tuple[str, Path]], lib: Path, *, threads=DEFAULT_THREADS, prefills=DEFAULT_PREFILLS,
                   tokens: int = 32, rounds: int = 3, variants=VARIANTS, stock_exe: Path | None = None) -> dict:
     """Every (model, threads, variant) measured in alternating rounds; the first round warms up and is not
-    counted. `stock_exe`: llama-batched-bench for the "stock" variant (left out when None)."""
-    variants = [v for v in variants if v != "stock" or stock_exe is not None]
+    counted. `stock_exe`: llama-batched-bench for the "stock" variant (default: llama.cpp's own tools, built from
+    the pinned tree once, `dgr.toolchain.rpcbuild`)."""
+    if "stock" in variants and stock_exe is None:
+        stock_exe = ensure_rpc()["llama-batched-bench"]
     rows: list[KernelRow] = []
     t_start = time.monotonic()
     for name, path in models:
@@ -169,9 +172,11 @@ def table(rep: dict) -> str:
 
 def plot(rep: dict, path: str | Path) -> Path:
     """Prefill tokens/s of the longest prompt and decode tokens/s, per model and thread count, grouped by kernels."""
+    # lazy: matplotlib costs 88 ms at start-up (python -X importtime, 2026-12-05); only --plot draws
     import matplotlib
 
     matplotlib.use("Agg")
+    # lazy: matplotlib.pyplot costs 278 ms at start-up (python -X importtime, 2026-12-05)
     import matplotlib.pyplot as plt
 
     longest = str(max(rep["prefills"]))

@@ -114,7 +114,7 @@ def _peers(args) -> int:
 
 
 def _kernels(args) -> int:
-    # lazy: the module loads the synthesizers and matplotlib's plot on demand (as scale and peers do)
+    # lazy: dgr.app.bench.kernels costs 449 ms at start-up (python -X importtime, 2026-12-06)
     from dgr.app.bench.kernels import VARIANTS, bench_kernels, default_models, plot, table
 
     def ints(text: str, flag: str) -> tuple[int, ...]:
@@ -130,14 +130,9 @@ def _kernels(args) -> int:
     lib = Path(args.lib) if args.lib else library_path()
     models = [(Path(m).name, Path(m)) for m in args.model] if args.model else \
         default_models(workspace() / "bench-kernels", lib, large_layers=args.large_layers)
-    stock = None
-    if "stock" in variants:
-        from dgr.toolchain.rpcbuild import ensure_rpc
-
-        stock = ensure_rpc()["llama-batched-bench"]
     rep = bench_kernels(models, lib, threads=ints(args.threads, "--threads"),
                         prefills=ints(args.prompt_lengths, "--prompt-lengths"), tokens=args.tokens,
-                        rounds=args.rounds, variants=variants, stock_exe=stock)
+                        rounds=args.rounds, variants=variants)
     print(table(rep))
     _write_json(args.json, rep)
     if args.plot:
