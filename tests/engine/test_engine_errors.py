@@ -100,3 +100,10 @@ def test_unported_architecture_refuses_a_range(llama6, engine_lib, tmp_path):
 
 UNPORTED_ARCH = "nanbeige"  # looped layers: a range of a looped model is left unported
 
+
+
+def test_an_unknown_or_contradictory_kernel_set_is_refused_by_name(llama6, engine_lib):
+    with pytest.raises(EngineError, match="kernels must be one of reference, fast, invariant, got 'turbo'"):
+        Engine.open(llama6, kernels="turbo", lib=engine_lib)
+    with pytest.raises(EngineError, match="fast_kernels=True and kernels='invariant' ask for two kernel sets"):
+        Engine.open(llama6, fast_kernels=True, kernels="invariant", lib=engine_lib)

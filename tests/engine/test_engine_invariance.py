@@ -21,7 +21,7 @@ from dgr.runtime.engine import QUANT_FTYPES, Engine, quantize
 from dgr.toolchain.synth.generic import known_archs, synth
 from dgr.toolchain.synth.parity import NOT_BATCH_INVARIANT, synth_model as synth_parity_model
 
-from support.engine import batching_differences, logits_by_cuts
+from support.engine import batching_differences, cut, logits_by_cuts
 
 pytestmark = pytest.mark.engine
 
@@ -68,6 +68,27 @@ def quantized(llama256, engine_lib, tmp_path_factory):
 def test_every_weight_type_is_batch_invariant(qtype, kernels, threads, quantized, engine_lib):
     diffs = batching_differences(quantized(qtype), engine_lib, kernels=kernels, n_threads=threads)
     assert diffs == dict.fromkeys(diffs, 0.0), f"{qtype} ({kernels}, {threads} threads): {diffs}"
+
+
+@pytest.mark.parametrize("kernels", ["reference", "invariant"])
+def test_long_prompts_over_several_attention_tiles_are_batch_invariant(kernels, quantized, engine_lib):
+    """300 tokens: several 64-row query tiles and 64-cell KV tiles (the online softmax rescales across tiles, a
+    last KV tile is partial, the cache's view grows past 256 cells while decoding token by token), cut several
+    ways and beside another session, against the one-batch prefill."""
+    rng = np.random.default_rng(3)
+    a, b = (rng.integers(0, 200, size=n).tolist() for n in (300, 70))
+    model = quantized("Q4_K")
+    ref = logits_by_cuts(model, [(a, [len(a)])], engine_lib, kernels=kernels, n_ctx=512)[0]
+    ways = {
+        "chunks of 64, 1, 20": [(a, cut(len(a), [64, 1, 20]))],
+        "chunks of 13": [(a, cut(len(a), [13]))],
+        "token by token": [(a, [1] * len(a))],
+        "beside a 70-token prefill": [(b, [len(b)]), (a, cut(len(a), [40, 7]))],
+    }
+    for name, sessions in ways.items():
+        got = logits_by_cuts(model, sessions, engine_lib, kernels=kernels, n_ctx=512)
+        mine = got[0] if sessions[0][0] is a else got[-1]
+        assert float(np.abs(mine - ref).max()) == 0.0, f"{kernels}, {name}"
 
 
 def test_the_invariant_kernels_run_the_tiled_attention(quantized, engine_lib):

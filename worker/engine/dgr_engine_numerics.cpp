@@ -8,6 +8,7 @@
 #include "ggml-backend.h"
 #include "ggml-cpu.h"
 
+#include <cstdlib>
 #include <string>
 #include <vector>
 
@@ -115,7 +116,11 @@ namespace dgr_engine_detail {
 std::string open_numerics(int kernels, bool kv_f32) {
     // flash attention stays llama.cpp's default (auto) in every engine; named so that a switch would show
     const char * name = kernels == DGR_KERNELS_INVARIANT ? " invariant" : kernels == DGR_KERNELS_FAST ? " fast" : " reference";
-    return std::string(dgr_numerics_build()) + name +
+    // ggml's own test switch takes the tiled K-quant GEMM for every row count: other rounding, so it is named
+    // (the reference kernels never take it)
+    const char * forced = std::getenv("GGML_CPU_TILED_MM_FORCE");
+    const bool tiled_forced = kernels != DGR_KERNELS_REFERENCE && forced && std::atoi(forced) == 1;
+    return std::string(dgr_numerics_build()) + name + (tiled_forced ? "+tiled-mm" : "") +
            (kv_f32 ? " kv-f32" : " kv-f16") + " fa-auto";
 }
 

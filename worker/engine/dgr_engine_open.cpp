@@ -237,7 +237,7 @@ int32_t dgr_engine_open(const char * path_c, const dgr_open_params * params, dgr
 
         if (params->fast_kernels < DGR_KERNELS_REFERENCE || params->fast_kernels > DGR_KERNELS_INVARIANT) {
             throw dgr_exc(DGR_E_ENGINE, fmt("fast_kernels = %d: give 0 (the reference kernels), 1 (llama.cpp's "
-                                            "shape-dependent kernels) or 2 (the fast kernels, batch invariant)",
+                                            "shape-dependent kernels) or 2 (the batch-invariant dispatch)",
                                             (int) params->fast_kernels));
         }
         auto eng = std::make_unique<dgr_engine>();

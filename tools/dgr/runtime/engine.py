@@ -195,6 +195,8 @@ class Engine:
         if not path.is_file():
             raise EngineError(f"{path}: no such stage file")
         if fast_kernels:
+            if kernels not in ("reference", "fast"):
+                raise EngineError(f"fast_kernels=True and kernels={kernels!r} ask for two kernel sets; give one")
             kernels = "fast"
         if kernels not in KERNELS:
             raise EngineError(f"kernels must be one of {', '.join(KERNELS)}, got {kernels!r}")

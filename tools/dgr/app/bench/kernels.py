@@ -10,7 +10,7 @@ For each model and thread count, the same whole model on the same machine, round
   its own kernels with repacked weights where it has them, what a user of `llama-server` gets.
 
 Prefill: one forward of a prompt of each length (random tokens, n_ubatch 512 as llama.cpp's default); tokens/s.
-Decode: greedy tokens after a 64-token prompt, one per forward; tokens/s. The figure per cell is the median over
+Decode: greedy tokens after the shortest prompt, one per forward; tokens/s. The figure per cell is the median over
 the rounds. Ratios: invariant / stock and invariant / reference.
 """
 
@@ -23,6 +23,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import gguf
 import numpy as np
 
 from dgr.app.demo import whole_model_run
@@ -39,7 +40,6 @@ log = get_logger(__name__)
 VARIANTS = ("invariant", "reference", "fast", "stock")
 DEFAULT_PREFILLS = (64, 256, 1024)
 DEFAULT_THREADS = (1, 2)
-DECODE_PROMPT = 64
 
 
 @dataclass
@@ -71,9 +71,15 @@ def default_models(root: Path, lib: Path, *, large_layers: int = 8) -> list[tupl
             (f"Llama-2-7B shape, {large_layers} layers, Q4_K_M", big)]
 
 
+def _vocab_size(model: Path) -> int:
+    r = gguf.GGUFReader(str(model))
+    return len(r.fields["tokenizer.ggml.tokens"].data)
+
+
 def _engine_round(eng: Engine, ids: list[int], prefills: tuple[int, ...], tokens: int) -> tuple[dict, float]:
+    """Prefill of each length; decode after the shortest prompt (as llama-batched-bench's S_TG of that row)."""
     pre = {str(n): whole_model_run(eng, ids[:n], 1).prefill_tokens_per_s for n in prefills}
-    dec = whole_model_run(eng, ids[:DECODE_PROMPT], tokens + 1).decode_tokens_per_s
+    dec = whole_model_run(eng, ids[:min(prefills)], tokens + 1).decode_tokens_per_s
     return pre, dec
 
 
@@ -111,8 +117,7 @@ def bench_kernels(models: list[tuple[str, Path]], lib: Path, *, threads=DEFAULT_
             engines = {v: Engine.open(path, lib=lib, n_threads=t, n_ctx=max(prefills) + tokens + 128, kernels=v)
                        for v in variants if v != "stock"}
             try:
-                any_eng = next(iter(engines.values()))
-                n_vocab = any_eng.describe().n_vocab
+                n_vocab = _vocab_size(path)
                 ids = np.random.default_rng(7).integers(100, min(n_vocab, 30000), size=max(prefills)).tolist()
                 got: dict[str, list[tuple[dict, float]]] = {v: [] for v in variants}
                 for k in range(rounds + 1):
