@@ -11,6 +11,7 @@ package, so the one cross-module import grpc_tools writes is rewritten to a rela
 from __future__ import annotations
 
 import importlib.resources
+import re
 import tempfile
 from pathlib import Path
 
@@ -23,6 +24,9 @@ PROTO_ROOT = REPO_ROOT / "proto"
 PROTO_FILES = ("dgr/v1/stage.proto",)
 GEN_DIR = Path(__file__).resolve().parents[1] / "runtime" / "wire" / "gen"
 HEADER = "# Generated from proto/{src} by `dgr wire protoc` (grpc_tools). DO NOT EDIT.\n"
+
+
+_GENERATED_VERSION = re.compile(r"^(GRPC_GENERATED_VERSION = ')(\d+\.\d+)\.\d+'", re.M)
 
 
 def generate() -> dict[str, str]:
@@ -43,6 +47,9 @@ def generate() -> dict[str, str]:
                 text = (Path(tmp) / Path(src).parent / f"{stem}{suffix}").read_text()
                 text = text.replace(f"from {package} import {name}_pb2 as",
                                     f"from . import {name}_pb2 as")
+                # grpc_tools writes its own patch release as the lowest grpcio the stub accepts: written as the
+                # pinned minor (X.Y.0), so every grpcio-tools X.Y.* a fresh install picks writes the same stub
+                text = _GENERATED_VERSION.sub(r"\g<1>\g<2>.0'", text)
                 out[f"{stem}{suffix}"] = HEADER.format(src=src) + text
     return out
 

@@ -6,7 +6,7 @@ import warnings
 
 from . import stage_pb2 as dgr_dot_v1_dot_stage__pb2
 
-GRPC_GENERATED_VERSION = '1.85.1'
+GRPC_GENERATED_VERSION = '1.85.0'
 GRPC_VERSION = grpc.__version__
 _version_not_supported = False
 
