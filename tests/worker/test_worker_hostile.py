@@ -509,6 +509,7 @@ def test_addresses_a_member_names_leave_no_channel_behind(tiny, worker_bin, pki,
         hops = route_hops(addresses, _descs(addresses, pki["intruder"]))
         ch, s0 = stub(addresses[0], pki["intruder"])
         with ch:
+            seen = []                                # the gauge after each attempt: it counts what was dialled
             for k in range(30):
                 with socket.socket() as sk:          # a port nobody serves
                     sk.bind(("127.0.0.1", 0))
@@ -516,7 +517,9 @@ def test_addresses_a_member_names_leave_no_channel_behind(tiny, worker_bin, pki,
                 r = s0.OpenSession(pb.OpenSessionRequest(session_id=f"scan-{k}", epoch=1, route=hops), timeout=30)
                 assert r.error.code == pb.HOP_UNREACHABLE, r
                 assert "no dgr worker answered at that address" in r.error.message, r.error.message
-            assert channels() >= 1
+                seen.append(channels())
+            # the worker prunes every 2 s whenever it likes, so one reading may follow a prune; not all of them
+            assert max(seen) >= 1, seen
             hops[1].address = f"unix:{tmp_path / 'x.sock'}"
             r = s0.OpenSession(pb.OpenSessionRequest(session_id="unix", epoch=1, route=hops), timeout=30)
             assert r.error.code == pb.BAD_FRAME and "does not connect to peer address 'unix:" in r.error.message, r
