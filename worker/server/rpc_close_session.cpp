@@ -1,5 +1,6 @@
 // Closing sessions: CloseSession, here and along the route (once, however many callers), and idle ones
 // past --session-ttl (reap).
+#include "wire/wire_common.h"
 #include "worker.h"
 #include "worker_internal.h"
 

@@ -1,5 +1,6 @@
 // Describe: the stage's description (identity, capacity, schemas, load) and the descriptor JSON it carries,
 // field for field dgr.core.descriptor.Descriptor.
+#include "wire/wire_common.h"
 #include "worker.h"
 #include "worker_internal.h"
 

@@ -1,4 +1,5 @@
 // Tokenize and Detokenize: the stage's vocabulary through the engine.
+#include "wire/wire_common.h"
 #include "worker.h"
 #include "worker_internal.h"
 

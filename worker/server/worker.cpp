@@ -4,6 +4,7 @@
 #include "worker.h"
 
 #include "frames_internal.h"
+#include "wire/wire_common.h"
 
 #include <grpcpp/grpcpp.h>
 

@@ -109,22 +109,6 @@ struct StageIdentity {
     std::string numerics;        // the engine's dgr_engine_numerics: stages of one route must compute alike
 };
 
-// The wire dtypes (WireDtype, WIRE_DTYPES: wire_constants.h, generated from dgr.core.contract).
-const std::vector<WireDtype> & wire_dtypes();
-const WireDtype * find_dtype(const std::string & name);
-
-// Shared by the handlers and the data path (wire_common.cpp; the dtypes and their sizes are dgr.runtime.wire.codec's).
-const WireDtype * dtype_of(dgr::v1::Dtype code);
-uint64_t nbytes(const WireDtype & d, uint64_t n_values);
-std::string hop_name(uint32_t index, const std::string & address);
-std::string schema_str(const dgr::v1::BoundarySchema & s);
-
-// Bytes as text, each invalid UTF-8 sequence replaced by U+FFFD as Python's decode(errors="replace").
-std::string utf8_replace(const std::string & bytes);
-
-// 128 random bits as 32 hex digits (owners.cpp: stage 0's part of a session's id along the route)
-
-
 class StageWorker;
 
 // Every RPC is served through gRPC's callback API: the unary ones are handed to `calls_` (unary_calls.h: a

@@ -1,8 +1,6 @@
 // The wire dtypes and their sizes (WIRE_DTYPES: wire_constants.h, generated from dgr.core.contract), and the
-// text every message is made of: status and hop names, a boundary schema, bytes as UTF-8 (worker.h declares them).
-#include "worker.h"
-
-#include <grpcpp/grpcpp.h>
+// text every message is made of: hop names, a boundary schema, bytes as UTF-8 (wire/wire_common.h declares them).
+#include "wire/wire_common.h"
 
 #include <iterator>
 #include <string>
@@ -10,7 +8,6 @@
 namespace dgr {
 
 namespace pb = dgr::v1;
-using Clock = std::chrono::steady_clock;
 
 const std::vector<WireDtype> & wire_dtypes() {
     static const std::vector<WireDtype> t(std::begin(WIRE_DTYPES), std::end(WIRE_DTYPES));
