@@ -30,6 +30,7 @@ StageWorker::StageWorker(const EngineLib & lib, dgr_engine * eng, StageIdentity 
         if (st != DGR_OK) throw std::runtime_error(lib.error(st));
         can_truncate_ = eg.can_truncate() != 0;
     }
+    vocab_.emplace(engine_, info_.has_vocab != 0, [this] { return hop(); });
     calls_ = std::make_unique<UnaryCalls>(UnaryCalls::Bounds{size_t(limits_.max_rpc_threads), size_t(limits_.max_rpc_threads),
                                                              size_t(limits_.max_rpc_per_member)});
     if (limits_.prefix_cache_mib <= 0) prefix_off_ = "--prefix-cache-mib 0";
@@ -98,6 +99,15 @@ pb::WireError StageWorker::err(pb::ErrorCode code, const std::string & message, 
 
 grpc::ServerUnaryReactor * StageWorker::unary(Ctx * ctx, UnaryCalls::Body body) {
     return calls_->start(ctx, peer_identity(ctx).value_or(""), hop(), std::move(body));
+}
+
+// the stage's vocabulary (rpc/tokenize.cpp)
+grpc::ServerUnaryReactor * StageWorker::Tokenize(Ctx * ctx, const pb::TokenizeRequest * req, pb::TokenizeReply * out) {
+    return unary(ctx, [this, req, out] { return tokenize_rpc(*vocab_, *req, out); });
+}
+
+grpc::ServerUnaryReactor * StageWorker::Detokenize(Ctx * ctx, const pb::DetokenizeRequest * req, pb::DetokenizeReply * out) {
+    return unary(ctx, [this, req, out] { return detokenize_rpc(*vocab_, *req, out); });
 }
 
 std::chrono::system_clock::time_point StageWorker::chain_deadline(size_t hops_after, const grpc::ServerContextBase * ctx) const {

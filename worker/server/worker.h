@@ -44,6 +44,7 @@
 #include "frame_queue.h"
 #include "link.h"
 #include "ring/link_table.h"
+#include "rpc/tokenize.h"
 #include "wire_constants.h"
 
 namespace dgr {
@@ -283,8 +284,6 @@ class StageWorker final : public dgr::v1::Stage::CallbackService, private LinkOw
     // the unary RPCs' bodies, run on calls_' threads
     grpc::ServerUnaryReactor * unary(Ctx * ctx, UnaryCalls::Body body);
     grpc::Status describe_rpc(dgr::v1::StageDescription * d);
-    grpc::Status tokenize_rpc(const dgr::v1::TokenizeRequest * req, dgr::v1::TokenizeReply * out);
-    grpc::Status detokenize_rpc(const dgr::v1::DetokenizeRequest * req, dgr::v1::DetokenizeReply * out);
     grpc::Status open_session_rpc(const grpc::ServerContextBase * ctx, const dgr::v1::OpenSessionRequest * req,
                                   dgr::v1::OpenSessionReply * reply);
     grpc::Status close_session_rpc(const grpc::ServerContextBase * ctx, const dgr::v1::CloseSessionRequest * req,
@@ -299,6 +298,7 @@ class StageWorker final : public dgr::v1::Stage::CallbackService, private LinkOw
     std::map<std::string, int> conns_;               // peer -> calls in progress (mu_)
 
     Engine engine_;                                  // the engine under its lock: calls through engine_.lock()'s guard
+    std::optional<StageVocabulary> vocab_;           // Tokenize, Detokenize over engine_ (set once the stage is described)
     Trust trust_;
     NetPolicy net_;                                  // fixed once serving
     StageIdentity id_;

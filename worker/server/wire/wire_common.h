@@ -1,6 +1,6 @@
 // What every message of the wire is made of, shared by the handlers, the data path and the program: the wire
 // dtypes and their sizes (WIRE_DTYPES: wire_constants.h, generated from dgr.core.contract; the sizes are
-// dgr.runtime.wire.codec's) and the text of messages (hop names, a boundary schema, bytes as UTF-8).
+// dgr.runtime.wire.codec's) and the text of messages (hop names, a boundary schema, bytes as UTF-8: wire/utf8.h).
 // Free functions over the generated messages and nothing of the worker's (no worker.h): a file that names one
 // of them includes this header (wire/wire_common.cpp defines them).
 #pragma once
@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "dgr/v1/stage.pb.h"
+#include "wire/utf8.h"                              // utf8_replace
 #include "wire_constants.h"
 
 namespace dgr {
@@ -26,8 +27,5 @@ uint64_t nbytes(const WireDtype & d, uint64_t n_values);
 std::string hop_name(uint32_t index, const std::string & address);
 // "[n, 1, 64] f32 at layer 2 +token ids of bundle ...": a boundary schema as refusals name it.
 std::string schema_str(const dgr::v1::BoundarySchema & s);
-
-// Bytes as text, each invalid UTF-8 sequence replaced by U+FFFD as Python's decode(errors="replace").
-std::string utf8_replace(const std::string & bytes);
 
 }  // namespace dgr
