@@ -1,6 +1,6 @@
 // The stage worker itself (worker.h): built over the open engine, its address and trust, the typed errors it
 // answers, the unary stubs to its peers, and its end (stop on SIGTERM, the threads joined). Each RPC's
-// handler has its file (rpc_*.cpp), the data path its own (frames.cpp lists them).
+// handler has its file (rpc/*.cpp), the data path its own (frames.cpp lists them).
 #include "worker.h"
 
 #include "frames_internal.h"

@@ -326,7 +326,7 @@ class StageWorker final : public dgr::v1::Stage::CallbackService, private LinkOw
     std::string metrics_url_;                        // (addr_mu_)
     std::vector<HeldCertificate> certificates_;      // fixed once serving
 
-    // grammar conversions running at once (rpc_open_session.cpp): within DGR_GRAMMAR_MAX_EXPANSION one takes
+    // grammar conversions running at once (rpc/open_session.cpp): within DGR_GRAMMAR_MAX_EXPANSION one takes
     // up to ~0.3 s and ~100 MiB, so at most GRAMMARS_AT_ONCE run and the rest wait (a leaf lock)
     static constexpr int GRAMMARS_AT_ONCE = 2;
     std::mutex grammar_mu_;

@@ -8,7 +8,7 @@
 #include <utility>
 #include <vector>
 
-#include "worker_internal.h"
+#include "rpc/guarded.h"
 
 namespace dgr {
 
