@@ -101,15 +101,6 @@ grpc::ServerUnaryReactor * StageWorker::unary(Ctx * ctx, UnaryCalls::Body body) 
     return calls_->start(ctx, peer_identity(ctx).value_or(""), hop(), std::move(body));
 }
 
-// the stage's vocabulary (rpc/tokenize.cpp)
-grpc::ServerUnaryReactor * StageWorker::Tokenize(Ctx * ctx, const pb::TokenizeRequest * req, pb::TokenizeReply * out) {
-    return unary(ctx, [this, req, out] { return tokenize_rpc(*vocab_, *req, out); });
-}
-
-grpc::ServerUnaryReactor * StageWorker::Detokenize(Ctx * ctx, const pb::DetokenizeRequest * req, pb::DetokenizeReply * out) {
-    return unary(ctx, [this, req, out] { return detokenize_rpc(*vocab_, *req, out); });
-}
-
 std::chrono::system_clock::time_point StageWorker::chain_deadline(size_t hops_after, const grpc::ServerContextBase * ctx) const {
     // one rpc_timeout per hop still to go (the hop nearest a fault times out first), never past the
     // caller's own deadline (less 0.2 s to answer), at least 0.1 s

@@ -31,7 +31,7 @@
 #include "certification.h"
 #include "speculation/drafts.h"
 #include "engine_lib.h"
-#include "engine_loop/locked_engine.h"
+#include "engine_loop/stage_engine.h"
 #include "engine_loop/step_queue.h"
 #include "sessions/names.h"
 #include "sessions/session_table.h"
@@ -44,7 +44,6 @@
 #include "frame_queue.h"
 #include "link.h"
 #include "ring/link_table.h"
-#include "rpc/tokenize.h"
 #include "wire_constants.h"
 
 namespace dgr {
@@ -156,7 +155,7 @@ class StageWorker final : public dgr::v1::Stage::CallbackService, private LinkOw
     void set_net_policy(NetPolicy p) { net_ = std::move(p); }
 
   private:
-    using Engine = LockedEngine<EngineLib, dgr_engine>;
+    using Engine = StageEngine;
     struct Session {
         std::string sid;                             // this worker's key for it (sessions/names.h: key)
         std::vector<dgr::v1::Hop> route;

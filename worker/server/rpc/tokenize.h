@@ -1,18 +1,14 @@
 // Tokenize and Detokenize: each request handed to the stage's vocabulary (engine_loop/vocabulary.h), and what it
 // answers written back as the wire has it. StageWorker::Tokenize and ::Detokenize run these on the unary calls'
-// threads (worker.cpp); they know nothing of the worker.
+// threads (rpc/stage_tokenize.cpp); they know nothing of the worker.
 #pragma once
 
 #include <grpcpp/grpcpp.h>
 
 #include "dgr/v1/stage.pb.h"
-#include "engine_lib.h"
-#include "engine_loop/vocabulary.h"
+#include "engine_loop/stage_engine.h"
 
 namespace dgr {
-
-// dgr-worker's vocabulary: over the loaded engine library and the open engine
-using StageVocabulary = Vocabulary<EngineLib, dgr_engine>;
 
 grpc::Status tokenize_rpc(StageVocabulary & vocab, const dgr::v1::TokenizeRequest & req, dgr::v1::TokenizeReply * out);
 grpc::Status detokenize_rpc(StageVocabulary & vocab, const dgr::v1::DetokenizeRequest & req, dgr::v1::DetokenizeReply * out);
