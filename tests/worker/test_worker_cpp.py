@@ -24,6 +24,7 @@ from pathlib import Path
 
 import blake3
 import gguf
+import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -212,6 +213,18 @@ def test_tokenize_detokenize_are_the_engines(pair, engines):
     for stage in (0, 1):                         # every stage keeps the vocabulary
         check_tokenizer(pair[stage], engines[stage], TEXTS)
     assert any(engines[0].tokenize(t, False) for t in TEXTS)          # not an empty vocabulary
+
+
+def test_an_id_outside_the_vocabulary_is_refused_in_the_engines_words(pair, engines):
+    """Detokenize of an id the engine refuses: INVALID_ARGUMENT with the engine's own message (read under the
+    engine's lock: engine_loop/vocabulary.h), on every stage; the worker goes on answering."""
+    for stage in (0, 1):
+        n_vocab = pair[stage].stub.Describe(pb.DescribeRequest(), timeout=10).n_vocab
+        with pytest.raises(grpc.RpcError) as refused:
+            pair[stage].stub.Detokenize(pb.DetokenizeRequest(token_ids=[1, n_vocab]), timeout=10)
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert refused.value.details() == f"token id {n_vocab} is outside the vocabulary [0, {n_vocab})"
+        check_tokenizer(pair[stage], engines[stage], TEXTS[:1])
 
 
 def route(procs: list[Proc], descs: list[pb.StageDescription]) -> list[pb.Hop]:

@@ -6,6 +6,7 @@
 #include <stdexcept>
 
 #include "frames_internal.h"
+#include "wire/wire_common.h"
 #include "worker.h"
 
 namespace dgr {

@@ -19,6 +19,7 @@
 #include "nlohmann/json.hpp"
 #include "serve.h"
 #include "stage_check.h"
+#include "wire/wire_common.h"
 
 namespace dgr::serve {
 

@@ -1,9 +1,10 @@
 // The stage worker itself (worker.h): built over the open engine, its address and trust, the typed errors it
 // answers, the unary stubs to its peers, and its end (stop on SIGTERM, the threads joined). Each RPC's
-// handler has its file (rpc_*.cpp), the data path its own (frames.cpp lists them).
+// handler has its file (rpc/*.cpp), the data path its own (frames.cpp lists them).
 #include "worker.h"
 
 #include "frames_internal.h"
+#include "wire/wire_common.h"
 
 #include <grpcpp/grpcpp.h>
 
@@ -29,6 +30,7 @@ StageWorker::StageWorker(const EngineLib & lib, dgr_engine * eng, StageIdentity 
         if (st != DGR_OK) throw std::runtime_error(lib.error(st));
         can_truncate_ = eg.can_truncate() != 0;
     }
+    vocab_.emplace(engine_, info_.has_vocab != 0, [this] { return hop(); });
     calls_ = std::make_unique<UnaryCalls>(UnaryCalls::Bounds{size_t(limits_.max_rpc_threads), size_t(limits_.max_rpc_threads),
                                                              size_t(limits_.max_rpc_per_member)});
     if (limits_.prefix_cache_mib <= 0) prefix_off_ = "--prefix-cache-mib 0";

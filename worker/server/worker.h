@@ -31,7 +31,7 @@
 #include "certification.h"
 #include "speculation/drafts.h"
 #include "engine_lib.h"
-#include "engine_loop/locked_engine.h"
+#include "engine_loop/stage_engine.h"
 #include "engine_loop/step_queue.h"
 #include "sessions/names.h"
 #include "sessions/session_table.h"
@@ -109,22 +109,6 @@ struct StageIdentity {
     std::string numerics;        // the engine's dgr_engine_numerics: stages of one route must compute alike
 };
 
-// The wire dtypes (WireDtype, WIRE_DTYPES: wire_constants.h, generated from dgr.core.contract).
-const std::vector<WireDtype> & wire_dtypes();
-const WireDtype * find_dtype(const std::string & name);
-
-// Shared by the handlers and the data path (wire_common.cpp; the dtypes and their sizes are dgr.runtime.wire.codec's).
-const WireDtype * dtype_of(dgr::v1::Dtype code);
-uint64_t nbytes(const WireDtype & d, uint64_t n_values);
-std::string hop_name(uint32_t index, const std::string & address);
-std::string schema_str(const dgr::v1::BoundarySchema & s);
-
-// Bytes as text, each invalid UTF-8 sequence replaced by U+FFFD as Python's decode(errors="replace").
-std::string utf8_replace(const std::string & bytes);
-
-// 128 random bits as 32 hex digits (owners.cpp: stage 0's part of a session's id along the route)
-
-
 class StageWorker;
 
 // Every RPC is served through gRPC's callback API: the unary ones are handed to `calls_` (unary_calls.h: a
@@ -171,7 +155,7 @@ class StageWorker final : public dgr::v1::Stage::CallbackService, private LinkOw
     void set_net_policy(NetPolicy p) { net_ = std::move(p); }
 
   private:
-    using Engine = LockedEngine<EngineLib, dgr_engine>;
+    using Engine = StageEngine;
     struct Session {
         std::string sid;                             // this worker's key for it (sessions/names.h: key)
         std::vector<dgr::v1::Hop> route;
@@ -299,8 +283,6 @@ class StageWorker final : public dgr::v1::Stage::CallbackService, private LinkOw
     // the unary RPCs' bodies, run on calls_' threads
     grpc::ServerUnaryReactor * unary(Ctx * ctx, UnaryCalls::Body body);
     grpc::Status describe_rpc(dgr::v1::StageDescription * d);
-    grpc::Status tokenize_rpc(const dgr::v1::TokenizeRequest * req, dgr::v1::TokenizeReply * out);
-    grpc::Status detokenize_rpc(const dgr::v1::DetokenizeRequest * req, dgr::v1::DetokenizeReply * out);
     grpc::Status open_session_rpc(const grpc::ServerContextBase * ctx, const dgr::v1::OpenSessionRequest * req,
                                   dgr::v1::OpenSessionReply * reply);
     grpc::Status close_session_rpc(const grpc::ServerContextBase * ctx, const dgr::v1::CloseSessionRequest * req,
@@ -315,6 +297,7 @@ class StageWorker final : public dgr::v1::Stage::CallbackService, private LinkOw
     std::map<std::string, int> conns_;               // peer -> calls in progress (mu_)
 
     Engine engine_;                                  // the engine under its lock: calls through engine_.lock()'s guard
+    std::optional<StageVocabulary> vocab_;           // Tokenize, Detokenize over engine_ (set once the stage is described)
     Trust trust_;
     NetPolicy net_;                                  // fixed once serving
     StageIdentity id_;
@@ -342,7 +325,7 @@ class StageWorker final : public dgr::v1::Stage::CallbackService, private LinkOw
     std::string metrics_url_;                        // (addr_mu_)
     std::vector<HeldCertificate> certificates_;      // fixed once serving
 
-    // grammar conversions running at once (rpc_open_session.cpp): within DGR_GRAMMAR_MAX_EXPANSION one takes
+    // grammar conversions running at once (rpc/open_session.cpp): within DGR_GRAMMAR_MAX_EXPANSION one takes
     // up to ~0.3 s and ~100 MiB, so at most GRAMMARS_AT_ONCE run and the rest wait (a leaf lock)
     static constexpr int GRAMMARS_AT_ONCE = 2;
     std::mutex grammar_mu_;

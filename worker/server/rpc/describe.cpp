@@ -1,7 +1,8 @@
 // Describe: the stage's description (identity, capacity, schemas, load) and the descriptor JSON it carries,
 // field for field dgr.core.descriptor.Descriptor.
+#include "rpc/guarded.h"
+#include "wire/wire_common.h"
 #include "worker.h"
-#include "worker_internal.h"
 
 #include <grpcpp/grpcpp.h>
 

@@ -1,7 +1,8 @@
 // OpenSession: the route's hop checked against this stage, the session opened in the engine (from the prefix
 // cache where it can), then chained to the next hop; what the route can do (roll back, frame sizes) noted.
+#include "rpc/guarded.h"
+#include "wire/wire_common.h"
 #include "worker.h"
-#include "worker_internal.h"
 
 #include <grpcpp/grpcpp.h>
 

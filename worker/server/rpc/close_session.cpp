@@ -1,7 +1,8 @@
 // Closing sessions: CloseSession, here and along the route (once, however many callers), and idle ones
 // past --session-ttl (reap).
+#include "rpc/guarded.h"
+#include "wire/wire_common.h"
 #include "worker.h"
-#include "worker_internal.h"
 
 #include <grpcpp/grpcpp.h>
 

@@ -1,4 +1,4 @@
-// What the Stage service's handlers share (rpc_*.cpp): the guard every handler runs in.
+// What the Stage service's handlers share (rpc/*.cpp): the guard every handler runs in.
 #pragma once
 
 #include <grpcpp/grpcpp.h>
