@@ -78,13 +78,15 @@ def test_bench_on_a_tiny_model_reports_every_figure_and_the_plot(tmp_path, capsy
     lg.addHandler(handler)
     try:
         rc, rep = _bench(tmp_path, "--synth", "llama", "--stages", "3", "--tokens", "12", "--prompt-lengths", "16,40",
-                         "--sessions", "2", "--rounds", "1", "--plot", str(png))
+                         "--sessions", "2", "--rounds", "1", "--n-ctx", "96", "--plot", str(png))
     finally:
         lg.removeHandler(handler)
         lg.setLevel(level)
     assert rc == 0
     _check_report(rep, 3, [16, 40])
     assert rep["bench"]["arch"] == "llama" and rep["bench"]["stages"] == 3 and rep["bench"]["wire_dtype"] == "f32"
+    # KV sized for the run (--n-ctx; --sessions + 2 sessions), not a server's default
+    assert rep["bench"]["n_ctx"] == 96 and rep["bench"]["max_sessions"] == 4
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 20_000
     out = capsys.readouterr()
     assert "decode tok/s" in out.out and "boundary 2->origin" in out.out and "greedy tokens equal" in out.out
@@ -125,6 +127,15 @@ def test_nothing_to_run_is_refused():
     args = p.parse_args(["bench", "--no-main"])
     with pytest.raises(DgrError, match="nothing left to run"):
         args.func(args)
+
+
+@pytest.mark.engine
+def test_an_n_ctx_shorter_than_the_run_is_refused_before_anything_starts(tmp_path, engine_lib):
+    from dgr.core.errors import DgrError
+
+    with pytest.raises(DgrError, match=r"--n-ctx 50 is less than the 64 positions .* give at least 64"):
+        _bench(tmp_path, "--synth", "llama", "--stages", "2", "--tokens", "8", "--prompt-lengths", "48",
+               "--rounds", "1", "--n-ctx", "50")
 
 
 def test_hop_figures_add_up_to_the_ring():

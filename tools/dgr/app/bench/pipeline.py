@@ -235,13 +235,20 @@ def _concurrent(addresses: list[str], prompts: list[list[int]], tokens: int) -> 
 
 
 def run_bench(setup: Setup, *, tokens: int = 64, prompt_lengths=PROMPT_LENGTHS, sessions: int = 4,
-              rounds: int = 3) -> dict:
-    """Measure `setup` (see the module docstring); progress goes to the log (stderr)."""
+              rounds: int = 3, n_ctx: int | None = None) -> dict:
+    """Measure `setup` (see the module docstring); progress goes to the log (stderr). `n_ctx`: positions per
+    session (default: DEFAULT_N_CTX, or what the run needs on a synthetic model)."""
     S, lengths = setup.stages, sorted(set(int(n) for n in prompt_lengths))
     need = max(lengths) + tokens + 8
-    n_ctx = max(need, 512 if setup.synthetic else DEFAULT_N_CTX)
+    if n_ctx is not None and n_ctx < need:
+        raise DgrError(f"dgr bench: --n-ctx {n_ctx} is less than the {need} positions the longest prompt and "
+                       f"--tokens need; give at least {need}")
+    n_ctx = n_ctx or max(need, 512 if setup.synthetic else DEFAULT_N_CTX)
+    # KV for what the bench runs, not a server's default: each worker and engine allocates n_ctx cells per
+    # session it may hold, which at 7B size (16 KiB per cell and layer) and 8 sessions outgrew this machine's memory
+    max_sessions = sessions + 2                         # the concurrent sessions, the single one, one closing
     args = [["--bundle", str(setup.bundle.root), "--stage", str(i), "--threads", str(setup.threads),
-             "--n-ctx", str(n_ctx),
+             "--n-ctx", str(n_ctx), "--max-sessions", str(max_sessions),
              *(["--wire-dtype", setup.wire_dtype] if setup.wire_dtype else [])]
             for i in range(S)]
     acc = _Acc()
@@ -268,8 +275,10 @@ def run_bench(setup: Setup, *, tokens: int = 64, prompt_lengths=PROMPT_LENGTHS, 
             decode_ids = c.tokenize(PROMPT)
             session_ids = [c.tokenize(SESSION_PROMPTS[k % len(SESSION_PROMPTS)]) for k in range(sessions)]
         long_ids = {n: ids_of(n) for n in lengths}
-        whole = Engine.open(setup.source, lib=setup.lib, n_threads=setup.threads, n_ctx=n_ctx)
-        fast = Engine.open(setup.source, lib=setup.lib, n_threads=setup.threads, n_ctx=n_ctx, fast_kernels=True)
+        # one session at a time on the whole-model side
+        whole = Engine.open(setup.source, lib=setup.lib, n_threads=setup.threads, n_ctx=n_ctx, max_sessions=1)
+        fast = Engine.open(setup.source, lib=setup.lib, n_threads=setup.threads, n_ctx=n_ctx, max_sessions=1,
+                           fast_kernels=True)
         try:
             log.info("bench: warming up both sides")
             c.run(decode_ids, max_new_tokens=4, stop_token_ids=[])
@@ -315,7 +324,7 @@ def run_bench(setup: Setup, *, tokens: int = 64, prompt_lengths=PROMPT_LENGTHS, 
         dtype = next((d.schema_out for d in hops if d.HasField("schema_out")), None)
         payload = [int(d.seam_bytes_per_token) for d in hops[:-1]]
     return _report(setup, acc, lengths, tokens, rounds, sessions, chunk, wire, payload, dtype,
-                   time.perf_counter() - t_start)
+                   time.perf_counter() - t_start, kv={"n_ctx": n_ctx, "max_sessions": max_sessions})
 
 
 def _wire_bytes(c, ids: list[int], tokens: int, ports: list[list[int]]) -> dict | None:
@@ -353,7 +362,7 @@ def rounded(obj, digits: int = 4):
 
 
 def _report(setup: Setup, acc: _Acc, lengths, tokens, rounds, sessions, chunk, wire, payload, dtype,
-            seconds: float) -> dict:
+            seconds: float, kv: dict) -> dict:
     S = setup.stages
     hop = hop_figures(acc.gens, S)
     whole_pf = {str(n): _med(acc.whole_prefill[n]) for n in lengths}
@@ -365,7 +374,7 @@ def _report(setup: Setup, acc: _Acc, lengths, tokens, rounds, sessions, chunk, w
                   "engine_lib": str(setup.lib), "numerics": build_numerics(setup.lib),
                   "tokens": tokens, "prompt_lengths": list(lengths),
                   "rounds": rounds, "chunk_tokens": chunk, "cpus": os.cpu_count(), "seconds": round(seconds, 1),
-                  "worker": "dgr-worker",
+                  "worker": "dgr-worker", **kv,
                   "wire_dtype": DTYPE_NAMES.get(dtype.dtype) if dtype is not None else None},
         "whole": {"decode_tok_s": wd, "prefill_tok_s": whole_pf[top], "prefill_tok_s_by_len": whole_pf,
                   "decode_ms_per_token": 1e3 / wd if wd else 0.0},
