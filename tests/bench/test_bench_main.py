@@ -78,7 +78,8 @@ def test_bench_on_a_tiny_model_reports_every_figure_and_the_plot(tmp_path, capsy
     lg.addHandler(handler)
     try:
         rc, rep = _bench(tmp_path, "--synth", "llama", "--stages", "3", "--tokens", "12", "--prompt-lengths", "16,40",
-                         "--sessions", "2", "--rounds", "1", "--n-ctx", "96", "--plot", str(png))
+                         "--sessions", "2", "--rounds", "1", "--n-ctx", "96", "--kernels", "invariant",
+                         "--plot", str(png))
     finally:
         lg.removeHandler(handler)
         lg.setLevel(level)
@@ -87,6 +88,7 @@ def test_bench_on_a_tiny_model_reports_every_figure_and_the_plot(tmp_path, capsy
     assert rep["bench"]["arch"] == "llama" and rep["bench"]["stages"] == 3 and rep["bench"]["wire_dtype"] == "f32"
     # KV sized for the run (--n-ctx; --sessions + 2 sessions), not a server's default
     assert rep["bench"]["n_ctx"] == 96 and rep["bench"]["max_sessions"] == 4
+    assert rep["bench"]["kernels"] == "invariant"                  # workers and whole model alike: tokens equal
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 20_000
     out = capsys.readouterr()
     assert "decode tok/s" in out.out and "boundary 2->origin" in out.out and "greedy tokens equal" in out.out

@@ -206,3 +206,49 @@ def test_bench_numerics_compares_variants_at_the_same_positions(engine_lib, smol
     assert ref.numerics.endswith(" reference kv-f16 fa-auto") and fast.numerics.endswith(" fast kv-f16 fa-auto")
     assert ref.prefill_tok_s > 0 and fast.decode_tok_s > 0
     assert "| smollm2 | fast |" in table(rows)
+
+
+def test_a_route_on_the_invariant_kernels_is_exact_against_the_whole_model_alone_and_beside_others(engine_lib,
+                                                                                                  smollm2_gguf):
+    """`dgr-worker --kernels invariant` (ggml's batch-invariant dispatch) on every stage: Describe names it, and a
+    session's greedy tokens equal the whole model's on the same kernels, alone and with other sessions sharing its
+    forwards."""
+    import threading
+
+    from dgr.app.demo import whole_model_run
+    from dgr.runtime.engine import Engine
+
+    with LocalRoute([_args(k, "--kernels", "invariant") for k in range(3)], env={"DGR_ENGINE_LIB": str(engine_lib)},
+                    timeout=300) as route:
+        with RouteClient(route.addresses) as c:
+            assert all(d.identity.numerics.endswith(" invariant kv-f16 fa-auto") for d in c.describe())
+            ids = c.tokenize(PROMPT)
+            alone = c.run(ids, max_new_tokens=MAX_NEW, stop_token_ids=[])
+        assert alone.exact
+        whole = Engine.open(smollm2_gguf, lib=engine_lib, n_threads=1, n_ctx=512, kernels="invariant")
+        try:
+            assert alone.token_ids == whole_model_run(whole, ids, MAX_NEW, chunk_tokens=64).token_ids
+        finally:
+            whole.close()
+        got: dict[int, list[int]] = {}
+
+        def one(k: int) -> None:
+            with RouteClient(route.addresses) as ck:
+                got[k] = ck.run(ids, max_new_tokens=MAX_NEW, stop_token_ids=[]).token_ids
+
+        threads = [threading.Thread(target=one, args=(k,)) for k in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert got == {k: alone.token_ids for k in range(3)}
+
+
+def test_two_kernel_sets_asked_at_once_are_refused(worker_bin):
+    out = subprocess.run([str(worker_bin), *_args(0, "--fast-kernels", "--kernels", "invariant")],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2
+    assert "--fast-kernels and --kernels invariant ask for two kernel sets; give one" in out.stderr
+    bad = subprocess.run([str(worker_bin), *_args(0, "--kernels", "quick")], capture_output=True, text=True,
+                         timeout=60)
+    assert bad.returncode == 2 and "invalid choice: 'quick'" in bad.stderr

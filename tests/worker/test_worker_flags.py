@@ -20,7 +20,7 @@ HIDDEN = re.compile(r"^--(test-|no-verify$|blake3$)")
 
 SAMPLE = {"--listen": "127.0.0.1:0", "--wire-dtype": "f16", "--lane": "cpu", "--advertise": "stage1.example:7001",
           "--fake-engine": "layers=4,embd=8,cuts=2", "--stage": "1", "--bundle": "some-bundle",
-          "--max-message-bytes": "1000000", "--peer-allow": "10.0.0.0/8,fd00::/8"}
+          "--max-message-bytes": "1000000", "--peer-allow": "10.0.0.0/8,fd00::/8", "--kernels": "fast"}
 
 
 def _serve_parser() -> argparse.ArgumentParser:

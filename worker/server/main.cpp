@@ -56,6 +56,7 @@ const char * USAGE =
     "                  [--prefix-cache-mib N] [--prefix-cache-shared] [--draft-max N]\n"
     "                  [--max-grammar-bytes N] [--max-grammar-depth N] [--peer-allow CIDR,...] [--max-rpc-memory-mib N]\n"
     "                  [--max-sessions-per-member N] [--max-queued-steps-per-member N] [--fast-kernels]\n"
+    "                  [--kernels reference|invariant|fast]\n"
     "Serves one stage of a bundle (dgr.v1.Stage over gRPC, grpc.health.v1) as `dgr worker serve` does.\n"
     "TLS with --tls-cert/--tls-key (`dgr certs issue`); with --tls-ca, mutual TLS: peers need a certificate the CA\n"
     "signed, and a session's frames are taken only from the members that opened it (docs/worker.md).\n"
@@ -79,6 +80,9 @@ const char * USAGE =
     "--draft-max (8): the drafts one step may carry and still roll back where the cache keeps per-step snapshots\n"
     "(DeepSeek V4 and other hybrids llama.cpp rolls back; each is one more copy of the recurrent state): speculation\n"
     "and MTP drafts (docs/speculation.md). 0: such a stage cannot roll back.\n"
+    "--kernels: the CPU kernel set. reference (the default): ggml's reference kernels, each row alone. invariant:\n"
+    "ggml's batch-invariant dispatch (flash attention's tiled kernel and vec_dot for every number of rows; also\n"
+    "exact under any batching, much faster prefill; docs/batching.md). fast: what --fast-kernels gives.\n"
     "--fast-kernels: llama.cpp's shape-dependent fast CPU kernels instead of the batch-invariant reference ones\n"
     "(faster prefill; a session's results then depend on the batch). Its numerics say so (Describe's\n"
     "identity.numerics, docs/numerics.md): clients refuse a route that mixes it with reference-kernel stages.\n"
@@ -164,6 +168,12 @@ Options parse(int argc, char ** argv) {
         {"--n-ctx", [&](auto & v) { o.n_ctx = to_int("--n-ctx", v); }},
         {"--max-sessions", [&](auto & v) { o.max_sessions = to_int("--max-sessions", v); }},
         {"--threads", [&](auto & v) { o.threads = to_int("--threads", v); }},
+        {"--kernels", [&](auto & v) {
+             if (v != "reference" && v != "invariant" && v != "fast") {
+                 throw UsageError("argument --kernels: invalid choice: '" + v + "' (choose from 'reference', 'invariant', 'fast')");
+             }
+             o.kernels = v;
+         }},
         {"--session-ttl", [&](auto & v) { o.limits.session_ttl_s = std::max(0.0, to_float("--session-ttl", v)); }},
         {"--max-queued-steps", [&](auto & v) { o.limits.max_queued_steps = to_int("--max-queued-steps", v); }},
         {"--max-session-steps", [&](auto & v) { o.limits.max_session_steps = to_int("--max-session-steps", v); }},
@@ -245,6 +255,9 @@ int run(int argc, char ** argv) {
         return 0;
     }
     if (o.bundle.empty() == o.fake_engine.empty()) throw UsageError("give exactly one of --bundle BUNDLE or --fake-engine SPEC");
+    if (o.fast_kernels && !o.kernels.empty() && o.kernels != "fast") {
+        throw UsageError("--fast-kernels and --kernels " + o.kernels + " ask for two kernel sets; give one");
+    }
     for (auto & [flag, v] : {std::pair<const char *, int64_t>{"--max-queued-steps", o.limits.max_queued_steps},
                              {"--max-session-steps", o.limits.max_session_steps},
                              {"--max-batch-sessions", o.limits.max_batch_sessions},

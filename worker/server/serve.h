@@ -25,6 +25,7 @@ struct Options {
     bool check_config = false;   // --check-config: everything a start checks, then exit 0 without serving
     std::string probe;           // --probe HOST:PORT: a health check of that worker (probe.h), then exit
     bool fast_kernels = false;   // --fast-kernels: llama.cpp's shape-dependent kernels (numerics "fast")
+    std::string kernels;         // --kernels reference|invariant|fast ("": reference, or fast with --fast-kernels)
     std::vector<std::string> blake3_files;           // --blake3 FILE (hidden): print digests and exit
     uint64_t max_message_bytes = dgr::DEFAULT_MAX_MESSAGE_BYTES;
     int64_t n_ctx = dgr::defaults::n_ctx, max_sessions = dgr::defaults::max_sessions, threads = 0;

@@ -149,7 +149,9 @@ void open_stage(const Options & o, Stage & s) {
     p.n_threads = int32_t(o.threads);
     p.n_gpu_layers = -1;
     p.n_draft_max = int32_t(o.draft_max);        // V4 and other snapshot caches: how far a step rolls back
-    p.fast_kernels = o.fast_kernels ? 1 : 0;
+    // the kernel set (dgr_open_params.fast_kernels holds a DGR_KERNELS_* code): --kernels, or --fast-kernels
+    p.fast_kernels = o.kernels == "invariant" ? DGR_KERNELS_INVARIANT
+                   : (o.kernels == "fast" || o.fast_kernels) ? DGR_KERNELS_FAST : DGR_KERNELS_REFERENCE;
     int32_t st = s.lib.open(file.c_str(), &p, &s.eng);
     if (st != DGR_OK) throw std::runtime_error(s.lib.error(st));
     s.id.numerics = s.lib.numerics(s.eng);

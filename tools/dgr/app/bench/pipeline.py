@@ -235,7 +235,7 @@ def _concurrent(addresses: list[str], prompts: list[list[int]], tokens: int) -> 
 
 
 def run_bench(setup: Setup, *, tokens: int = 64, prompt_lengths=PROMPT_LENGTHS, sessions: int = 4,
-              rounds: int = 3, n_ctx: int | None = None) -> dict:
+              rounds: int = 3, n_ctx: int | None = None, kernels: str = "reference") -> dict:
     """Measure `setup` (see the module docstring); progress goes to the log (stderr). `n_ctx`: positions per
     session (default: DEFAULT_N_CTX, or what the run needs on a synthetic model)."""
     S, lengths = setup.stages, sorted(set(int(n) for n in prompt_lengths))
@@ -248,7 +248,7 @@ def run_bench(setup: Setup, *, tokens: int = 64, prompt_lengths=PROMPT_LENGTHS, 
     # session it may hold, which at 7B size (16 KiB per cell and layer) and 8 sessions outgrew this machine's memory
     max_sessions = sessions + 2                         # the concurrent sessions, the single one, one closing
     args = [["--bundle", str(setup.bundle.root), "--stage", str(i), "--threads", str(setup.threads),
-             "--n-ctx", str(n_ctx), "--max-sessions", str(max_sessions),
+             "--n-ctx", str(n_ctx), "--max-sessions", str(max_sessions), "--kernels", kernels,
              *(["--wire-dtype", setup.wire_dtype] if setup.wire_dtype else [])]
             for i in range(S)]
     acc = _Acc()
@@ -276,7 +276,8 @@ def run_bench(setup: Setup, *, tokens: int = 64, prompt_lengths=PROMPT_LENGTHS, 
             session_ids = [c.tokenize(SESSION_PROMPTS[k % len(SESSION_PROMPTS)]) for k in range(sessions)]
         long_ids = {n: ids_of(n) for n in lengths}
         # one session at a time on the whole-model side
-        whole = Engine.open(setup.source, lib=setup.lib, n_threads=setup.threads, n_ctx=n_ctx, max_sessions=1)
+        whole = Engine.open(setup.source, lib=setup.lib, n_threads=setup.threads, n_ctx=n_ctx, max_sessions=1,
+                            kernels=kernels)
         fast = Engine.open(setup.source, lib=setup.lib, n_threads=setup.threads, n_ctx=n_ctx, max_sessions=1,
                            fast_kernels=True)
         try:
@@ -324,7 +325,8 @@ def run_bench(setup: Setup, *, tokens: int = 64, prompt_lengths=PROMPT_LENGTHS, 
         dtype = next((d.schema_out for d in hops if d.HasField("schema_out")), None)
         payload = [int(d.seam_bytes_per_token) for d in hops[:-1]]
     return _report(setup, acc, lengths, tokens, rounds, sessions, chunk, wire, payload, dtype,
-                   time.perf_counter() - t_start, kv={"n_ctx": n_ctx, "max_sessions": max_sessions})
+                   time.perf_counter() - t_start, kv={"n_ctx": n_ctx, "max_sessions": max_sessions,
+                                                      "kernels": kernels})
 
 
 def _wire_bytes(c, ids: list[int], tokens: int, ports: list[list[int]]) -> dict | None:
@@ -415,8 +417,8 @@ def _report(setup: Setup, acc: _Acc, lengths, tokens, rounds, sessions, chunk, w
         "invariance": {"prefill_len": lengths[-1], "whole_prefill_tok_s": _med(acc.whole_prefill[lengths[-1]]),
                        "whole_prefill_fast_kernels_tok_s": _med(acc.whole_prefill_fast),
                        "reference_over_fast": _ratio(acc.whole_prefill[lengths[-1]], acc.whole_prefill_fast),
-                       "how": "the same whole model, alternating, reference kernels (batch invariant, "
-                              "what dgr runs) against fast_kernels (results depend on the batch)"},
+                       "how": "the same whole model, alternating, the run's kernels (bench.kernels: reference or "
+                              "invariant, both batch invariant) against fast_kernels (results depend on the batch)"},
     })
 
 

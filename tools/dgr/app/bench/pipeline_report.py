@@ -12,6 +12,7 @@ def table(rep: dict) -> str:
     b, w, p, r, s = rep["bench"], rep["whole"], rep["pipeline"], rep["ratios"], rep["sessions"]
     lines = [f"dgr bench: {b['model']} ({b['arch']}), {b['stages']} stages, {b['threads']} thread(s) per process, "
              f"{b['chunk_tokens']}-token prefill chunks, {b['wire_dtype']} boundary, {b.get('worker', 'dgr-worker')}, "
+             f"{b.get('kernels', 'reference')} kernels, "
              f"{b['rounds']} round(s), "
              f"{b['cpus']} CPU(s), {b['seconds']:.0f} s",
              f"  {'':28}{'whole':>10}{'pipeline':>10}{'ratio':>8}"]
@@ -50,7 +51,8 @@ def table(rep: dict) -> str:
     inv = rep.get("invariance")
     if inv and inv.get("whole_prefill_fast_kernels_tok_s"):
         lines.append(f"  invariance: prefill of {inv['prefill_len']} (whole model) {inv['whole_prefill_tok_s']:.1f} tok/s "
-                     f"with the reference kernels, {inv['whole_prefill_fast_kernels_tok_s']:.1f} with llama.cpp's fast "
+                     f"with the {b.get('kernels', 'reference')} kernels, {inv['whole_prefill_fast_kernels_tok_s']:.1f} "
+                     f"with llama.cpp's fast "
                      f"ones: {inv['reference_over_fast']:.2f}x")
     lines.append(f"  greedy tokens equal the whole model's: {'yes' if p['same_tokens_as_whole'] else 'NO'}")
     return "\n".join(lines)

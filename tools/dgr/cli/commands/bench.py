@@ -277,7 +277,7 @@ def _main(args) -> int:
         setup = prepare(stages=args.stages, bundle=args.bundle, source=args.source, synth=args.synth,
                         lib=args.lib, threads=args.threads, wire_dtype=args.wire_dtype)
         rep = run_bench(setup, tokens=args.tokens, prompt_lengths=lengths, sessions=args.sessions,
-                        rounds=args.rounds, n_ctx=args.n_ctx)
+                        rounds=args.rounds, n_ctx=args.n_ctx, kernels=args.kernels)
         stages, bundle = setup.stages, setup.bundle if (args.bundle or args.synth) else None
         print(pipeline_report.table(rep))
     elif args.synth:
@@ -314,6 +314,9 @@ def register(sub) -> None:
     bench.add_argument("--tokens", type=int, default=64, help="decode tokens per generation (default 64)")
     bench.add_argument("--prompt-lengths", default="32,128,256", help="prefill prompt lengths (default 32,128,256)")
     bench.add_argument("--sessions", type=int, default=4, help="concurrent sessions against one (default 4)")
+    bench.add_argument("--kernels", choices=["reference", "invariant"], default="reference",
+                       help="the CPU kernel set of every worker and of the whole model (default reference, the "
+                            "workers' default; invariant: ggml's batch-invariant dispatch, docs/batching.md)")
     bench.add_argument("--n-ctx", type=int, default=None,
                        help="positions per session on both sides (default: the embedded model's default, or the "
                             "prompts and tokens asked for on a synthetic one; lower it for a large --bundle: each "

@@ -114,6 +114,10 @@ def register(sub) -> None:
                    "of the batch-invariant reference ones: faster prefill, but a session's results depend on the batch "
                    "and the stage's numerics say \"fast\", so clients refuse to mix it into a route of reference-kernel "
                    "stages (docs/numerics.md)")
+    s.add_argument("--kernels", choices=["reference", "invariant", "fast"], help="the CPU kernel set: reference "
+                   "(dgr-worker's default: each row alone), invariant (ggml's batch-invariant dispatch: also exact "
+                   "under any batching, much faster prefill; docs/batching.md) or fast (what --fast-kernels gives). "
+                   "Every stage of a route needs the same set: Describe's numerics name it")
     s.add_argument("--prefix-cache-shared", action="store_true", help="under mutual TLS, let any member's "
                    "session at stage 0 start from a prefix another member's session left (keys are hashed from what "
                    "ran, so no member can poison it; a hit tells a member that someone sent that prefix: "
