@@ -122,26 +122,7 @@ struct FakeLib {
 
 using Engine = dgr::LockedEngine<FakeLib, FakeEngine>;
 
-// Whether the lock is held (by anyone), asked from inside a call: another thread takes a guard; if it gets one
-// within 50 ms the lock was free. A held lock lets that thread through only once the call's guard goes, so it is
-// joined then (join_probes), never here.
-Engine * probed = nullptr;
-std::vector<std::thread> probes;                     // the main thread's alone
-bool probe_lock_held() {
-    auto got = std::make_shared<std::atomic<bool>>(false);
-    Engine * eng = probed;
-    probes.emplace_back([eng, got] {
-        auto g = eng->lock();
-        *got = true;
-    });
-    const auto until = std::chrono::steady_clock::now() + std::chrono::milliseconds(50);
-    while (!*got && std::chrono::steady_clock::now() < until) std::this_thread::sleep_for(std::chrono::milliseconds(1));
-    return !*got;
-}
-void join_probes() {
-    for (auto & t : probes) t.join();
-    probes.clear();
-}
+using Probe = dgr::unit::LockProbe<Engine>;   // the lock probed from inside calls (unit_check.h)
 
 // Every call a guard makes runs with the lock held (a probe from inside each finds it taken), and passes its
 // arguments and answer through.
@@ -149,11 +130,11 @@ void every_call_holds_the_lock() {
     FakeLib lib;
     FakeEngine fe;
     Engine eng(lib, &fe);
-    probed = &eng;
-    fe.lock_is_held = probe_lock_held;
+    Probe::probed = &eng;
+    fe.lock_is_held = Probe::held;
     {
         auto g = eng.lock();
-        CHECK(probe_lock_held());                    // the probe sees a held lock as held
+        CHECK(Probe::held());                        // the probe sees a held lock as held
         int info = 0;
         CHECK(g.describe(&info) == 0 && info == 7 && fe.last == "describe");
         long bytes = 0;
@@ -180,13 +161,13 @@ void every_call_holds_the_lock() {
         CHECK(g.detokenize(ids.data(), 2, &text[0], int32_t(text.size())) == 2 && text.substr(0, 2) == "hi");
         CHECK(g.session_close("s", 3) == 0 && fe.last == "session_close s 3");
     }
-    join_probes();                                   // each got the lock once the guard went
+    Probe::join();                                   // each got the lock once the guard went
     CHECK(fe.calls == 14);
     CHECK(!fe.unlocked_call);
-    CHECK(!probe_lock_held());                       // the guard gone, the lock is free
-    join_probes();
+    CHECK(!Probe::held());                           // the guard gone, the lock is free
+    Probe::join();
     fe.lock_is_held = nullptr;
-    probed = nullptr;
+    Probe::probed = nullptr;
 }
 
 // A second guard waits for the first: taken on another thread while one is held, it is had only once that one goes.

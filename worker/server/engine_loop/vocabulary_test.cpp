@@ -88,25 +88,7 @@ using Engine = dgr::LockedEngine<FakeLib, FakeEngine>;
 using Vocab = dgr::Vocabulary<FakeLib, FakeEngine>;
 using Refused = Vocab::Refused;
 
-// Whether the lock is held, asked from inside a call: another thread takes a guard; if it has one within 50 ms the
-// lock was free. A held lock lets that thread through only once the call's guard goes: joined then (join_probes).
-Engine * probed = nullptr;
-std::vector<std::thread> probes;
-bool probe_lock_held() {
-    auto got = std::make_shared<std::atomic<bool>>(false);
-    Engine * eng = probed;
-    probes.emplace_back([eng, got] {
-        auto g = eng->lock();
-        *got = true;
-    });
-    const auto until = std::chrono::steady_clock::now() + std::chrono::milliseconds(50);
-    while (!*got && std::chrono::steady_clock::now() < until) std::this_thread::sleep_for(std::chrono::milliseconds(1));
-    return !*got;
-}
-void join_probes() {
-    for (auto & t : probes) t.join();
-    probes.clear();
-}
+using Probe = dgr::unit::LockProbe<Engine>;   // the lock probed from inside calls (unit_check.h)
 
 // A test's engine and vocabulary, the lock probed from inside every call.
 struct Rig {
@@ -119,13 +101,13 @@ struct Rig {
         : vocab(eng, has_vocab, [this] { ++asked_who; return std::string("stage 1 (10.0.0.1:7000)"); }) {
         lib.engine = &fe;
         last_error.clear();
-        probed = &eng;
-        fe.lock_is_held = probe_lock_held;
+        Probe::probed = &eng;
+        fe.lock_is_held = Probe::held;
     }
     ~Rig() {
-        join_probes();
+        Probe::join();
         fe.lock_is_held = nullptr;
-        probed = nullptr;
+        Probe::probed = nullptr;
     }
 };
 
@@ -153,7 +135,7 @@ void tokenize_asks_again_with_what_the_engine_needs() {
         CHECK(a.refused == Refused::none);
         CHECK(a.value == ids_of("hello world!", 3));
         CHECK(r.fe.calls == 2 && r.fe.caps == (std::vector<int32_t>{28, 36}) && r.fe.add_special == 0);
-        join_probes();
+        Probe::join();
         CHECK(!r.fe.unlocked_call);
     }
     {
@@ -173,7 +155,7 @@ void detokenize_asks_again_with_what_the_engine_needs() {
         CHECK(a.refused == Refused::none);
         CHECK(a.value == std::string(40, 'A') + std::string(40, 'b'));
         CHECK(r.fe.calls == 2 && r.fe.caps == (std::vector<int32_t>{48, 80}) && r.fe.n_ids == 2);
-        join_probes();
+        Probe::join();
         CHECK(!r.fe.unlocked_call);
     }
     {
@@ -217,7 +199,7 @@ void an_engines_refusal_is_its_message() {
         auto a = r.vocab.detokenize({99999});
         CHECK(a.refused == Refused::engine && a.why == "token id 99999 is outside the vocabulary" && a.value.empty());
         CHECK(r.lib.asked == Vocab::ENGINE_REFUSED && r.asked_who == 0);
-        join_probes();
+        Probe::join();
         CHECK(!r.fe.unlocked_call);
     }
     {
