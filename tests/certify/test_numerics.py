@@ -211,37 +211,49 @@ def test_bench_numerics_compares_variants_at_the_same_positions(engine_lib, smol
 def test_a_route_on_the_invariant_kernels_is_exact_against_the_whole_model_alone_and_beside_others(engine_lib,
                                                                                                   smollm2_gguf):
     """`dgr-worker --kernels invariant` (ggml's batch-invariant dispatch) on every stage: Describe names it, and a
-    session's greedy tokens equal the whole model's on the same kernels, alone and with other sessions sharing its
-    forwards."""
+    session's greedy tokens equal the whole model's on the same kernels, with 3 sessions sharing every forward
+    (--hold-batch 3: until 3 sessions have opened, a stage runs a forward only when steps of 3 wait; the workers'
+    counters say the forwards were shared) and alone after them."""
+    import re
     import threading
+    import urllib.request
 
     from dgr.app.demo import whole_model_run
     from dgr.runtime.engine import Engine
 
-    with LocalRoute([_args(k, "--kernels", "invariant") for k in range(3)], env={"DGR_ENGINE_LIB": str(engine_lib)},
-                    timeout=300) as route:
-        with RouteClient(route.addresses) as c:
+    prompts = [PROMPT, "Once upon a time, in a land far away,", "def f(n):"]
+    args = [_args(k, "--kernels", "invariant", "--hold-batch", "3", "--metrics-listen", "127.0.0.1:0") for k in range(3)]
+    with LocalRoute(args, env={"DGR_ENGINE_LIB": str(engine_lib)}, timeout=300) as route:
+        with RouteClient(route.addresses, prefix_cache=False) as c:
             assert all(d.identity.numerics.endswith(" invariant kv-f16 fa-auto") for d in c.describe())
-            ids = c.tokenize(PROMPT)
-            alone = c.run(ids, max_new_tokens=MAX_NEW, stop_token_ids=[])
-        assert alone.exact
-        whole = Engine.open(smollm2_gguf, lib=engine_lib, n_threads=1, n_ctx=512, kernels="invariant")
-        try:
-            assert alone.token_ids == whole_model_run(whole, ids, MAX_NEW, chunk_tokens=64).token_ids
-        finally:
-            whole.close()
+            ids = [c.tokenize(p) for p in prompts]
         got: dict[int, list[int]] = {}
 
         def one(k: int) -> None:
-            with RouteClient(route.addresses) as ck:
-                got[k] = ck.run(ids, max_new_tokens=MAX_NEW, stop_token_ids=[]).token_ids
+            with RouteClient(route.addresses, prefix_cache=False) as ck:
+                got[k] = ck.run(ids[k], max_new_tokens=MAX_NEW, stop_token_ids=[]).token_ids
 
+        # first the three together (until 3 sessions have opened, each stage waits for steps of 3), then one alone
         threads = [threading.Thread(target=one, args=(k,)) for k in range(3)]
         for t in threads:
             t.start()
         for t in threads:
             t.join()
-        assert got == {k: alone.token_ids for k in range(3)}
+        with RouteClient(route.addresses, prefix_cache=False) as c:
+            alone = c.run(ids[0], max_new_tokens=MAX_NEW, stop_token_ids=[])
+        assert alone.exact
+        whole = Engine.open(smollm2_gguf, lib=engine_lib, n_threads=1, n_ctx=512, kernels="invariant")
+        try:
+            want = [whole_model_run(whole, i, MAX_NEW, chunk_tokens=64).token_ids for i in ids]
+        finally:
+            whole.close()
+        assert alone.token_ids == want[0]
+        assert got == dict(enumerate(want))
+        for log in route.logs:
+            url = re.search(r"metrics on (\S+)", "".join(log)).group(1)
+            with urllib.request.urlopen(url, timeout=10) as r:
+                text = r.read().decode()
+            assert float(re.search(r'dgr_worker_forwards_total\{sessions="shared"\} (\S+)', text).group(1)) > 0, text
 
 
 def test_two_kernel_sets_asked_at_once_are_refused(worker_bin):
