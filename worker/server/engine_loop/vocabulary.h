@@ -10,7 +10,7 @@
 //
 // A template over the library's table and the handle, as LockedEngine is, so vocabulary_test.cpp checks it with an
 // engine of its own: a cc_test under Bazel, `dgr-worker-unit-tests` under CMake. dgr-worker's is
-// Vocabulary<EngineLib, dgr_engine> (rpc/tokenize.h: StageVocabulary).
+// Vocabulary<EngineLib, dgr_engine> (engine_loop/stage_engine.h: StageVocabulary).
 #pragma once
 
 #include <cstdint>
