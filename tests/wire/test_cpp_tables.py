@@ -48,9 +48,14 @@ def test_the_headers_say_what_the_python_says(repo_root):
     keys = (repo_root / "worker/engine/dgr_keys.h").read_text()
     assert dict(re.findall(r'#define DGR_KEY_(\w+)\s+"([^"]+)"', keys)) == dict(cppgen.keys())
     server = (repo_root / "worker/server/wire_constants.h").read_text()
-    rows = re.findall(r'\{"(\w+)", (\d+), (\d+), (true|false), dgr::v1::(\w+)\}', server)
-    assert [(n, int(b), int(bb), lo == "true", code) for n, b, bb, lo, code in rows] == [
-        (d.name, d.block, d.block_bytes, d.lossless, d.name.upper()) for d in WIRE_DTYPES.values()]
+    rows = re.findall(r'\{"(\w+)", (\d+), (\d+), (true|false), (\d+)\}', server)
+    assert [(n, int(b), int(bb), lo == "true", int(code)) for n, b, bb, lo, code in rows] == [
+        (d.name, d.block, d.block_bytes, d.lossless, pb.Dtype.Value(d.name.upper())) for d in WIRE_DTYPES.values()]
+    # the plain header's codes, each checked against the proto's enum of its name where protobuf is included
+    assert "stage.pb.h" not in server
+    codes = (repo_root / "worker/server/wire_dtype_codes.h").read_text()
+    assert re.findall(r"static_assert\(WIRE_DTYPES\[(\d+)\]\.code == dgr::v1::(\w+),", codes) == [
+        (str(k), d.name.upper()) for k, d in enumerate(WIRE_DTYPES.values())]
 
 
 def test_the_proto_names_every_wire_dtype_and_no_other():

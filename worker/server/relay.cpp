@@ -18,7 +18,7 @@ using Clock = std::chrono::steady_clock;
 
 void StageWorker::encode(const float * x, int64_t n_tokens, pb::Boundary * b) const {
     const int64_t values = n_tokens * int64_t(info_.n_streams) * info_.n_embd;
-    b->set_dtype(dtype_->code);
+    b->set_dtype(dtype_code(*dtype_));
     b->add_shape(uint32_t(n_tokens));
     b->add_shape(uint32_t(info_.n_streams));
     b->add_shape(uint32_t(info_.n_embd));

@@ -2,30 +2,30 @@
 // DO NOT EDIT: change the Python and regenerate (tests/wire/test_cpp_tables.py fails on any difference).
 
 // The wire dtypes, the wire's sizes and pauses, the descriptor's version and the flag defaults dgr-worker
-// shares with `dgr worker serve`, as dgr-worker uses them.
+// shares with `dgr worker serve`, as dgr-worker uses them. Nothing of protobuf: the worker's parts and their
+// plain tests include it; a file that puts a dtype's code into a message includes wire_dtype_codes.h.
 #pragma once
 
 #include <cstdint>
 
-#include "dgr/v1/stage.pb.h"
-
 namespace dgr {
 
-// A wire dtype (dgr.core.contract.WireDtype): `block_bytes` bytes for every `block` values; `code` is
-// proto/dgr/v1/stage.proto's Dtype of the same name in upper case.
+// A wire dtype (dgr.core.contract.WireDtype): `block_bytes` bytes for every `block` values; `code` is the
+// number of proto/dgr/v1/stage.proto's Dtype of the same name in upper case (wire_dtype_codes.h checks it
+// against the enum and names it as one: dtype_code).
 struct WireDtype {
     const char * name;
     int block, block_bytes;
     bool lossless;
-    dgr::v1::Dtype code;
+    int code;
 };
 
 // dgr.core.contract.WIRE_DTYPES, in its order.
 inline constexpr WireDtype WIRE_DTYPES[] = {
-    {"f32", 1, 4, true, dgr::v1::F32},
-    {"f16", 1, 2, false, dgr::v1::F16},
-    {"bf16", 1, 2, false, dgr::v1::BF16},
-    {"q8_0", 32, 34, false, dgr::v1::Q8_0},
+    {"f32", 1, 4, true, 1},
+    {"f16", 1, 2, false, 2},
+    {"bf16", 1, 2, false, 3},
+    {"q8_0", 32, 34, false, 4},
 };
 // dgr.core.contract.DEFAULT_WIRE_DTYPE
 inline constexpr const char * DEFAULT_WIRE_DTYPE = "f32";

@@ -77,7 +77,7 @@ void StageWorker::describe_msg(pb::StageDescription * d) {
         auto * s = d->mutable_schema_in();
         s->set_n_streams(uint32_t(i.n_streams));
         s->set_n_embd(uint32_t(i.n_embd));
-        s->set_dtype(dtype_->code);
+        s->set_dtype(dtype_code(*dtype_));
         s->set_token_ids(i.needs_token_ids);
         s->set_bundle_id(id_.bundle_id);
         s->set_layer(uint32_t(i.layer_begin));
@@ -87,7 +87,7 @@ void StageWorker::describe_msg(pb::StageDescription * d) {
         auto * s = d->mutable_schema_out();
         s->set_n_streams(uint32_t(i.n_streams));
         s->set_n_embd(uint32_t(i.n_embd));
-        s->set_dtype(dtype_->code);
+        s->set_dtype(dtype_code(*dtype_));
         s->set_token_ids(true);
         s->set_bundle_id(id_.bundle_id);
         s->set_layer(uint32_t(i.layer_end));

@@ -1,25 +1,12 @@
-// The wire dtypes and their sizes (WIRE_DTYPES: wire_constants.h, generated from dgr.core.contract), and the
+// A wire dtype by its code (the dtypes and their sizes: wire/dtypes.h), and the
 // text every message is made of: hop names, a boundary schema, bytes as UTF-8 (wire/wire_common.h declares them).
 #include "wire/wire_common.h"
 
-#include <iterator>
 #include <string>
 
 namespace dgr {
 
 namespace pb = dgr::v1;
-
-const std::vector<WireDtype> & wire_dtypes() {
-    static const std::vector<WireDtype> t(std::begin(WIRE_DTYPES), std::end(WIRE_DTYPES));
-    return t;
-}
-
-const WireDtype * find_dtype(const std::string & name) {
-    for (auto & d : wire_dtypes()) {
-        if (name == d.name) return &d;
-    }
-    return nullptr;
-}
 
 const WireDtype * dtype_of(pb::Dtype code) {
     for (auto & d : wire_dtypes()) {
@@ -27,8 +14,6 @@ const WireDtype * dtype_of(pb::Dtype code) {
     }
     return nullptr;
 }
-
-uint64_t nbytes(const WireDtype & d, uint64_t n_values) { return n_values / d.block * d.block_bytes; }
 
 std::string hop_name(uint32_t index, const std::string & address) {
     return "stage " + std::to_string(index) + " (" + address + ")";
