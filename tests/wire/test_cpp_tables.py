@@ -95,10 +95,11 @@ def _model_fields(model: type[BaseModel]) -> set[str]:
 
 def test_the_workers_descriptor_json_names_the_models_fields(repo_root):
     """Written twice: dgr.core.descriptor.Descriptor (the model, its schema generated from it) and dgr-worker's
-    descriptor_json, which writes the JSON key by key. tests/certify/test_descriptor.py validates a running worker's
-    JSON against the model; this catches a field added on one side only without building the worker."""
-    text = (repo_root / "worker/server/rpc/describe.cpp").read_text()
-    body = text[text.index("StageWorker::descriptor_json()"):text.index("StageWorker::Describe(")]
+    descriptor_json (metrics/description.cpp), which writes the JSON key by key. tests/certify/test_descriptor.py
+    validates a running worker's JSON against the model; this catches a field added on one side only without
+    building the worker."""
+    text = (repo_root / "worker/server/metrics/description.cpp").read_text()
+    body = text[text.index("std::string descriptor_json("):text.index("std::string metrics_text(")]
     assert set(re.findall(r'\{"(\w+)",', body)) == _model_fields(Descriptor)
 
 

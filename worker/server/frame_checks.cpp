@@ -36,7 +36,7 @@ void StageWorker::check_sender(const char * kind, const SessionPtr & sess, const
         } else {
             if (sess->opener) want.insert(*sess->opener);
             what = std::string("the peer that opened it at this stage (") +
-                   (info_.is_first ? "the client" : "stage " + std::to_string(id_.stage_index - 1)) + ")";
+                   (info_.is_first ? "the client" : "stage " + std::to_string(card_.id.stage_index - 1)) + ")";
         }
     }
     if (want.empty() || (peer->has_value() && want.count(**peer))) return;

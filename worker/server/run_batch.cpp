@@ -209,7 +209,7 @@ void StageWorker::run_batch(std::vector<Work> & batch) {
     for (auto & r : ready) {
         if (!r.ok) continue;
         pb::HopTiming timing;
-        timing.set_stage_index(uint32_t(id_.stage_index));
+        timing.set_stage_index(uint32_t(card_.id.stage_index));
         timing.set_queue_ns(uint64_t(std::max<int64_t>(0, t0 - r.w->t_recv)));
         timing.set_transit_ns(r.w->transit_ns);
         timing.set_compute_ns(uint64_t(compute));

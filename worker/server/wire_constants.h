@@ -48,7 +48,7 @@ constexpr int RECONNECT_MAX_MS = 2000;
 constexpr int CONNECT_TIMEOUT_MS = 5000;
 // Sampling.top_logprobs: the most alternatives a draw reports (dgr.runtime.wire.limits.MAX_TOP_LOGPROBS).
 constexpr uint32_t MAX_TOP_LOGPROBS = 20;
-// The descriptor's schema version (dgr.core.descriptor.SCHEMA_VERSION): rpc/describe.cpp writes it.
+// The descriptor's schema version (dgr.core.descriptor.SCHEMA_VERSION): metrics/description.cpp writes it.
 constexpr int DESCRIPTOR_SCHEMA_VERSION = 1;
 
 // The defaults of dgr-worker's flags that `dgr worker serve` shares (it passes them explicitly): the numeric

@@ -1,15 +1,19 @@
-// The stage worker itself (worker.h): built over the open engine, its address and trust, the typed errors it
-// answers, the unary stubs to its peers, and its end (stop on SIGTERM, the threads joined). Each RPC's
-// handler has its file (rpc/*.cpp), the data path its own (frames.cpp lists them).
+// The stage worker itself (worker.h): built over the open engine, its address and trust, its card and a snapshot
+// of its load (what it says about itself: metrics/description.h), the typed errors it answers, the unary stubs to
+// its peers, and its end (stop on SIGTERM, the threads joined). Each RPC's handler has its file (rpc/*.cpp), the
+// data path its own (frames.cpp lists them).
 #include "worker.h"
 
 #include "frames_internal.h"
+#include "rpc/describe.h"
 #include "wire/wire_common.h"
 
 #include <grpcpp/grpcpp.h>
 
 #include <algorithm>
+#include <chrono>
 #include <stdexcept>
+#include <string>
 #include <thread>
 
 namespace dgr {
@@ -19,14 +23,16 @@ using Clock = std::chrono::steady_clock;
 
 StageWorker::StageWorker(const EngineLib & lib, dgr_engine * eng, StageIdentity identity, std::string address,
                          uint64_t max_message_bytes, Limits limits)
-    : engine_(lib, eng), id_(std::move(identity)), address_(std::move(address)),
+    : engine_(lib, eng), address_(std::move(address)),
       max_message_bytes_(max_message_bytes), limits_(limits), started_(Clock::now()),
       steps_(StepBounds{limits.max_queued_steps, limits.max_session_steps, limits.max_queued_steps_per_member}) {
+    card_.id = std::move(identity);
+    dgr_memory memory{};
     {
         auto eg = engine_.lock();
         int32_t st = eg.describe(&info_);
         if (st != DGR_OK) throw std::runtime_error(lib.error(st));
-        st = eg.memory(&memory_);
+        st = eg.memory(&memory);
         if (st != DGR_OK) throw std::runtime_error(lib.error(st));
         can_truncate_ = eg.can_truncate() != 0;
     }
@@ -43,16 +49,17 @@ StageWorker::StageWorker(const EngineLib & lib, dgr_engine * eng, StageIdentity 
     else if (!info_.batch_invariant) prefix_off_ = "the engine's results depend on the batch (fast kernels, or a GPU lane)";
     else if (info_.has_mtp) prefix_off_ = "a session's saved state does not hold its MTP context's cache";
     if (prefix_off_.empty()) prefix_ = std::make_unique<PrefixCache>(uint64_t(limits_.prefix_cache_mib) << 20);
-    dtype_ = find_dtype(id_.wire_dtype);
-    if (!dtype_) throw std::runtime_error("unknown wire dtype '" + id_.wire_dtype + "'");
+    dtype_ = find_dtype(card_.id.wire_dtype);
+    if (!dtype_) throw std::runtime_error("unknown wire dtype '" + card_.id.wire_dtype + "'");
     const bool lossy_ok = lib.fp16_to_fp32 && lib.fp32_to_fp16 && lib.bf16_to_fp32 && lib.fp32_to_bf16 &&
                           lib.quantize_q8_0 && lib.dequantize_q8_0;
     if (dtype_->code != pb::F32 && !lossy_ok) {
-        throw std::runtime_error("--wire-dtype " + id_.wire_dtype + ": the engine library " + lib.path +
+        throw std::runtime_error("--wire-dtype " + card_.id.wire_dtype + ": the engine library " + lib.path +
                                  " does not export ggml's converters; use --wire-dtype f32 or rebuild it");
     }
+    fill_card(memory);
     pb::StageDescription me;
-    describe_msg(&me);
+    describe_msg(card_, StageLoad{}, &me);
     schema_in_ = me.schema_in();
     schema_out_ = me.schema_out();
     seam_bytes_per_token_ = me.seam_bytes_per_token();
@@ -61,7 +68,7 @@ StageWorker::StageWorker(const EngineLib & lib, dgr_engine * eng, StageIdentity 
 
 std::string StageWorker::hop() const {
     std::lock_guard<std::mutex> g(addr_mu_);
-    return hop_name(uint32_t(id_.stage_index), address_);
+    return hop_name(uint32_t(card_.id.stage_index), address_);
 }
 
 void StageWorker::set_address(const std::string & address) {
@@ -71,11 +78,82 @@ void StageWorker::set_address(const std::string & address) {
 
 void StageWorker::set_trust(Trust trust) {
     trust_ = std::move(trust);
+    card_.tls = trust_.tls;
+    card_.mutual_tls = trust_.mutual;
+    card_.member = trust_.member;
     names_ = SessionNames(trust_.mutual);
 }
 
 std::shared_ptr<grpc::ChannelCredentials> StageWorker::channel_credentials() const {
     return trust_.channel ? trust_.channel : grpc::InsecureChannelCredentials();
+}
+
+// The card: the engine's stage info and memory and the worker's settings, copied once at start.
+void StageWorker::fill_card(const dgr_memory & memory) {
+    const dgr_stage_info & i = info_;
+    StageCard & c = card_;
+    c.arch = i.arch;
+    c.layer_begin = i.layer_begin, c.layer_end = i.layer_end, c.n_layer = i.n_layer;
+    c.n_embd = i.n_embd, c.n_streams = i.n_streams, c.n_vocab = i.n_vocab;
+    c.is_first = i.is_first != 0, c.is_last = i.is_last != 0;
+    c.needs_token_ids = i.needs_token_ids != 0, c.has_vocab = i.has_vocab != 0;
+    c.n_ctx = i.n_ctx, c.max_sessions = i.max_sessions;
+    c.batch_invariant = i.batch_invariant != 0;
+    c.has_mtp = i.has_mtp != 0 && engine_.lib().mtp_draft != nullptr;
+    c.n_draft_max = i.n_draft_max;
+    c.weights_bytes = memory.weights_bytes, c.kv_bytes = memory.kv_bytes, c.compute_bytes = memory.compute_bytes;
+    c.device_weights_bytes = memory.device_weights_bytes;
+    c.device = memory.device;
+    c.max_queued_steps = limits_.max_queued_steps, c.max_session_steps = limits_.max_session_steps;
+    c.max_batch_tokens = limits_.max_batch_tokens, c.session_ttl_s = limits_.session_ttl_s;
+    c.max_message_bytes = max_message_bytes_;
+    c.can_roll_back = can_truncate_;
+    c.prefix_cache_off = prefix_off_;
+    c.dtype = *dtype_;
+    c.error_codes.clear();
+    const auto * codes = pb::ErrorCode_descriptor();
+    for (int k = 0; k < codes->value_count(); ++k) {
+        const std::string name = codes->value(k)->name();
+        if (name != "ERROR_UNSPECIFIED") c.error_codes.push_back(name);
+    }
+}
+
+// What metrics/description.h and rpc/describe.h write out: each counter under its own lock, one at a time
+// (Metrics::mu, the prefix cache's, addr_mu_), then mu_ with what it guards and the parts asked under it: the
+// session table, the step queue, the link table's size, the unary calls' counts (docs/worker.md "Locks and their
+// order").
+StageLoad StageWorker::load() {
+    StageLoad l;
+    l.uptime_s = std::chrono::duration<double>(Clock::now() - started_).count();
+    l.counts = metrics_.counts();
+    l.decode = metrics_.times(0);
+    l.prefill = metrics_.times(1);
+    if (prefix_) l.prefix = prefix_->stats();
+    {
+        std::lock_guard<std::mutex> g(addr_mu_);
+        l.address = address_;
+        l.metrics_url = metrics_url_;
+    }
+    std::lock_guard<std::mutex> g(mu_);
+    l.errors = errors_;
+    l.open_sessions = sessions_.size();
+    sessions_.for_each([&](const Key &, const SessionPtr & s) { l.cached_positions += s->held; });
+    l.queued_steps = steps_.steps();
+    l.opened_sessions = opened_total_;
+    l.reaped_sessions = reaped_;
+    l.overloaded = overloaded_;
+    l.max_frame_bytes_sent = max_frame_bytes_sent_;
+    l.serving = !stopping_;
+    l.outgoing_channels = links_.size();
+    const UnaryCalls::Counts calls = calls_->counts();   // (its own lock, a leaf: never taken the other way)
+    l.unary_running = calls.running, l.unary_waiting = calls.queued, l.unary_members = calls.members;
+    l.unary_refused = calls.refused;
+    return l;
+}
+
+void StageWorker::set_metrics_url(const std::string & url) {
+    std::lock_guard<std::mutex> g(addr_mu_);
+    metrics_url_ = url;
 }
 
 void StageWorker::count_error(pb::ErrorCode code) {

@@ -37,6 +37,7 @@
 #include "sessions/session_table.h"
 #include "cache/prefix_cache.h"
 #include "unary_calls.h"
+#include "metrics/description.h"
 #include "metrics/metrics.h"
 #include "trust/net_policy.h"
 #include "tls.h"
@@ -97,18 +98,6 @@ struct Limits {
     std::set<std::tuple<std::string, uint64_t, int64_t>> break_origin_link_at;
 };
 
-// What the engine's stage info does not know: where the stage comes from.
-struct StageIdentity {
-    std::string model, bundle_id;
-    int stage_index = 0, stage_count = 0;
-    std::string upstream_commit, patch_series, lane, engine = "llama.cpp", wire_dtype = DEFAULT_WIRE_DTYPE;
-    std::vector<int32_t> eos_token_ids;
-    std::string chat_template;
-    std::string engine_blake3;
-    std::string worker_blake3;   // blake3 of this dgr-worker executable (/proc/self/exe), read once at start
-    std::string numerics;        // the engine's dgr_engine_numerics: stages of one route must compute alike
-};
-
 class StageWorker;
 
 // Every RPC is served through gRPC's callback API: the unary ones are handed to `calls_` (unary_calls.h: a
@@ -144,13 +133,13 @@ class StageWorker final : public dgr::v1::Stage::CallbackService, private LinkOw
     // included), stop the engine thread and the links.
     void stop();
     ~StageWorker() override;
-    std::string descriptor_json();
-    // --metrics-listen: Prometheus text (the names in docs/wire.md "Metrics and the descriptor") and the URL
-    // Describe's descriptor reports
-    std::string metrics_text();
+    // --metrics-listen: the Prometheus text (metrics/description.h, from card_ and a snapshot of its load; the names
+    // in docs/wire.md "Metrics and the descriptor"). Describe writes the descriptor JSON from the same two.
+    std::string metrics_text() { return dgr::metrics_text(card_, load()); }
+    // the URL Describe's descriptor reports
     void set_metrics_url(const std::string & url);
     // the certificates of certification it advertises (certification.h: already checked against its identity); set before serving
-    void set_certificates(std::vector<HeldCertificate> c) { certificates_ = std::move(c); }
+    void set_certificates(std::vector<HeldCertificate> c) { card_.certificates = std::move(c); }
     // where it may connect (--peer-allow; trust/net_policy.h); set before serving
     void set_net_policy(NetPolicy p) { net_ = std::move(p); }
 
@@ -274,7 +263,11 @@ class StageWorker final : public dgr::v1::Stage::CallbackService, private LinkOw
     void encode(const float * x, int64_t n_tokens, dgr::v1::Boundary * b) const;
     void shutdown_threads();
 
-    void describe_msg(dgr::v1::StageDescription * d);
+    // the card (metrics/description.h) from the engine's stage info and memory and the worker's own settings: once,
+    // at start (set_trust and set_certificates add theirs before serving)
+    void fill_card(const dgr_memory & memory);
+    // a snapshot of the load, every counter read under its lock (worker.cpp)
+    StageLoad load();
     dgr::v1::WireError err(dgr::v1::ErrorCode code, const std::string & message, uint32_t retry_after_ms = 0);
     void count_error(dgr::v1::ErrorCode code);
     void close_local(const std::string & sid, uint64_t epoch);
@@ -282,7 +275,6 @@ class StageWorker final : public dgr::v1::Stage::CallbackService, private LinkOw
     std::chrono::system_clock::time_point chain_deadline(size_t hops_after, const grpc::ServerContextBase * ctx) const;
     // the unary RPCs' bodies, run on calls_' threads
     grpc::ServerUnaryReactor * unary(Ctx * ctx, UnaryCalls::Body body);
-    grpc::Status describe_rpc(dgr::v1::StageDescription * d);
     grpc::Status open_session_rpc(const grpc::ServerContextBase * ctx, const dgr::v1::OpenSessionRequest * req,
                                   dgr::v1::OpenSessionReply * reply);
     grpc::Status close_session_rpc(const grpc::ServerContextBase * ctx, const dgr::v1::CloseSessionRequest * req,
@@ -300,13 +292,11 @@ class StageWorker final : public dgr::v1::Stage::CallbackService, private LinkOw
     std::optional<StageVocabulary> vocab_;           // Tokenize, Detokenize over engine_ (set once the stage is described)
     Trust trust_;
     NetPolicy net_;                                  // fixed once serving
-    StageIdentity id_;
     mutable std::mutex addr_mu_;
     std::string address_;                            // HOST:PORT as it names itself (addr_mu_)
     uint64_t max_message_bytes_;
     Limits limits_;
     dgr_stage_info info_{};
-    dgr_memory memory_{};
     bool can_truncate_ = false;
     // the prefix cache (cache/prefix_cache.h); null where off (--prefix-cache-mib 0, or an engine that cannot keep a
     // prefix of a session: no truncation, results that depend on the batch, an engine built before it)
@@ -318,12 +308,12 @@ class StageWorker final : public dgr::v1::Stage::CallbackService, private LinkOw
     // ran; later stages: those their opener passed on), for the next hop
     std::vector<std::string> keep_prefix(const std::string & sid, uint64_t epoch, const dgr::v1::CloseSessionRequest & req);
     const WireDtype * dtype_;
-    dgr::v1::BoundarySchema schema_in_, schema_out_;   // what this stage takes and sends (describe_msg's)
+    dgr::v1::BoundarySchema schema_in_, schema_out_;   // what this stage takes and sends (rpc/describe.h's describe_msg)
     uint64_t seam_bytes_per_token_ = 0;
     std::chrono::steady_clock::time_point started_;
     Metrics metrics_;
     std::string metrics_url_;                        // (addr_mu_)
-    std::vector<HeldCertificate> certificates_;      // fixed once serving
+    StageCard card_;                                 // fixed once serving (fill_card, set_trust, set_certificates)
 
     // grammar conversions running at once (rpc/open_session.cpp): within DGR_GRAMMAR_MAX_EXPANSION one takes
     // up to ~0.3 s and ~100 MiB, so at most GRAMMARS_AT_ONCE run and the rest wait (a leaf lock)

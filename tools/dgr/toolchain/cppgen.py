@@ -117,7 +117,7 @@ constexpr int RECONNECT_MAX_MS = {limits.RECONNECT_MAX_MS};
 constexpr int CONNECT_TIMEOUT_MS = {limits.CONNECT_TIMEOUT_MS};
 // Sampling.top_logprobs: the most alternatives a draw reports (dgr.runtime.wire.limits.MAX_TOP_LOGPROBS).
 constexpr uint32_t MAX_TOP_LOGPROBS = {limits.MAX_TOP_LOGPROBS};
-// The descriptor's schema version (dgr.core.descriptor.SCHEMA_VERSION): rpc/describe.cpp writes it.
+// The descriptor's schema version (dgr.core.descriptor.SCHEMA_VERSION): metrics/description.cpp writes it.
 constexpr int DESCRIPTOR_SCHEMA_VERSION = {SCHEMA_VERSION};
 
 // The defaults of dgr-worker's flags that `dgr worker serve` shares (it passes them explicitly): the numeric

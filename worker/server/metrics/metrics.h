@@ -1,8 +1,8 @@
 // dgr-worker's Prometheus metrics (--metrics-listen): what the worker counts as it goes (steps, tokens,
 // forwards, histograms of queue, compute and transit times, the recent step times the descriptor's medians come
 // from) and the Prometheus text format they are written in (docs/wire.md "Metrics and the descriptor").
-// Events are counted where they happen; gauges and the counts the worker already keeps are read from it at
-// scrape time (StageWorker::metrics_text), and metrics_server.h serves the text over HTTP(S).
+// Events are counted where they happen; at scrape time a copy of them and of the counts the worker already keeps
+// is written out (metrics/description.h), and metrics_server.h serves the text over HTTP(S).
 //
 // A part with its own lock (Metrics::mu, a leaf) and nothing of gRPC, sockets or TLS: metrics_test.cpp tests it
 // alone.
@@ -29,21 +29,31 @@ struct Histogram {
     void observe(double seconds);
 };
 
-// What the worker counts as it goes (one mutex: a few increments per step).
-struct Metrics {
-    std::mutex mu;
+// The counters and histograms, as plain data: what Metrics holds under its lock, and a copy of them
+// (Metrics::counts) is what a scrape writes out (metrics/description.h).
+struct MetricCounts {
     uint64_t steps[2] = {0, 0}, tokens[2] = {0, 0};   // [decode, prefill]
     uint64_t sampled = 0, opened = 0, seam_in = 0, seam_out = 0;
     uint64_t mtp_drafted = 0;                        // tokens the MTP block drafted (the last stage)
     Histogram queue, compute, transit_step, transit_token;
+    uint64_t forwards[2] = {0, 0};                   // engine forwards of [one session's steps, several sessions']
+};
+
+// What the worker counts as it goes (one mutex: a few increments per step).
+struct Metrics : MetricCounts {
+    std::mutex mu;
     // the last STEP_TIMES_KEPT steps of each kind, (compute_ns, queue_ns): the descriptor's medians
     static constexpr size_t STEP_TIMES_KEPT = 1024;
     std::deque<std::pair<int64_t, int64_t>> recent[2];
     void step(int64_t n_tokens, int64_t queue_ns, int64_t compute_ns);
-    uint64_t forwards[2] = {0, 0};                   // engine forwards of [one session's steps, several sessions']
     void forward(size_t n_steps) {
         std::lock_guard<std::mutex> g(mu);
         ++forwards[n_steps > 1 ? 1 : 0];
+    }
+    // the counters and histograms at one moment (under the lock)
+    MetricCounts counts() {
+        std::lock_guard<std::mutex> g(mu);
+        return *this;
     }
     // median and 90th percentile (nearest rank) of recent[kind] in ms
     struct Times { uint64_t steps = 0; double compute_median = 0, compute_p90 = 0, queue_median = 0, queue_p90 = 0; };

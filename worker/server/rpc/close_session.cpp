@@ -65,7 +65,7 @@ void StageWorker::close_chained(const std::string & sid, uint64_t epoch, const g
     if (!had) {
         // e.g. the client's stream ended (client_gone) just before its CloseSession came: answer once that
         // close has gone along the route, never while later hops still hold the session
-        if (theirs.valid()) theirs.wait_for(std::chrono::duration<double>(limits_.rpc_timeout_s * double(id_.stage_count + 1)));
+        if (theirs.valid()) theirs.wait_for(std::chrono::duration<double>(limits_.rpc_timeout_s * double(card_.id.stage_count + 1)));
         return;
     }
     struct Done {                                    // however this returns: waiters go on, the entry goes

@@ -1,5 +1,6 @@
 // OpenSession: the route's hop checked against this stage, the session opened in the engine (from the prefix
 // cache where it can), then chained to the next hop; what the route can do (roll back, frame sizes) noted.
+#include "rpc/describe.h"
 #include "rpc/guarded.h"
 #include "wire/wire_common.h"
 #include "worker.h"
@@ -42,7 +43,7 @@ grpc::Status StageWorker::open_session_rpc(const grpc::ServerContextBase * ctx, 
         { std::lock_guard<std::mutex> g(mu_); stopping = stopping_; }
         if (stopping) return fail(pb::HOP_UNREACHABLE, "this worker is shutting down: open the session on another replica");
         pb::StageDescription me;
-        describe_msg(&me);
+        describe_msg(card_, load(), &me);
         const auto & ident = me.identity();
         if (req->hop_index() >= uint32_t(req->route_size())) return fail(pb::BAD_FRAME, "hop_index is outside the route");
         const pb::Hop & at = req->route(int(req->hop_index()));

@@ -1,6 +1,6 @@
 // The wire dtypes (WIRE_DTYPES: wire_constants.h, generated from dgr.core.contract) by name, and the bytes values
 // take in one (dgr.runtime.wire.codec's sizes). Header-only and nothing of protobuf, so a part's plain test can
-// use it; wire/wire_common.h adds what needs the messages (a dtype by its code).
+// use it (metrics/description.h); wire/wire_common.h adds what needs the messages (a dtype by its code).
 #pragma once
 
 #include <cstdint>
