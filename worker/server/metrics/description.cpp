@@ -65,6 +65,15 @@ std::string descriptor_json(const StageCard & c, const StageLoad & l) {
 
 std::string metrics_text(const StageCard & c, const StageLoad & l) {
     std::string o;
+    // a family of one unlabelled sample (a counter's sample carries _total)
+    auto gauge = [&](const char * name, const char * help, double v) {
+        prom_family(o, std::string("dgr_worker_") + name, "gauge", help);
+        prom_sample(o, std::string("dgr_worker_") + name, "", v);
+    };
+    auto counter = [&](const char * name, const char * help, double v) {
+        prom_family(o, std::string("dgr_worker_") + name, "counter", help);
+        prom_sample(o, std::string("dgr_worker_") + name + "_total", "", v);
+    };
     const MetricCounts & m = l.counts;
     const char * kinds[2] = {"decode", "prefill"};
     prom_family(o, "dgr_worker_steps", "counter", "engine steps run (one session's frame of positions)");
@@ -75,11 +84,9 @@ std::string metrics_text(const StageCard & c, const StageLoad & l) {
                 "carried (shared: more than one; --max-batch-sessions, docs/batching.md)");
     prom_sample(o, "dgr_worker_forwards_total", "sessions=\"one\"", double(m.forwards[0]));
     prom_sample(o, "dgr_worker_forwards_total", "sessions=\"shared\"", double(m.forwards[1]));
-    prom_family(o, "dgr_worker_tokens_sampled", "counter", "tokens sampled (last stage)");
-    prom_sample(o, "dgr_worker_tokens_sampled_total", "", double(m.sampled));
-    prom_family(o, "dgr_worker_mtp_drafts", "counter", "tokens the MTP block drafted (last stage of an include_mtp "
-                "bundle, --speculate mtp)");
-    prom_sample(o, "dgr_worker_mtp_drafts_total", "", double(m.mtp_drafted));
+    counter("tokens_sampled", "tokens sampled (last stage)", double(m.sampled));
+    counter("mtp_drafts", "tokens the MTP block drafted (last stage of an include_mtp bundle, --speculate mtp)",
+            double(m.mtp_drafted));
     prom_histogram(o, "dgr_worker_step_queue_seconds", "a step's wait for the engine thread", "", {{"", &m.queue}});
     prom_histogram(o, "dgr_worker_step_compute_seconds", "the engine call a step ran in", "", {{"", &m.compute}});
     prom_histogram(o, "dgr_worker_frame_transit_seconds", "from the sender handing a frame to gRPC to this worker "
@@ -98,21 +105,14 @@ std::string metrics_text(const StageCard & c, const StageLoad & l) {
     }
     if (l.prefix) {                                  // docs/worker.md "Prefix cache"
         const PrefixCache::Stats & ps = *l.prefix;
-        prom_family(o, "dgr_worker_prefix_cache_bytes", "gauge", "session state kept for later sessions (--prefix-cache-mib)");
-        prom_sample(o, "dgr_worker_prefix_cache_bytes", "", double(ps.bytes));
-        prom_family(o, "dgr_worker_prefix_cache_entries", "gauge", "session states kept");
-        prom_sample(o, "dgr_worker_prefix_cache_entries", "", double(ps.entries));
-        prom_family(o, "dgr_worker_prefix_cache_lookups", "counter", "sessions opened with a prompt's prefix blocks");
-        prom_sample(o, "dgr_worker_prefix_cache_lookups_total", "", double(ps.lookups));
-        prom_family(o, "dgr_worker_prefix_cache_hits", "counter", "of those, sessions that restored a kept prefix");
-        prom_sample(o, "dgr_worker_prefix_cache_hits_total", "", double(ps.hits));
-        prom_family(o, "dgr_worker_prefix_cache_hit_tokens", "counter", "positions restored and used (what the whole route held)");
-        prom_sample(o, "dgr_worker_prefix_cache_hit_tokens_total", "", double(ps.hit_tokens));
-        prom_family(o, "dgr_worker_prefix_cache_evicted", "counter", "states dropped for room, least recently used first");
-        prom_sample(o, "dgr_worker_prefix_cache_evicted_total", "", double(ps.evicted));
+        gauge("prefix_cache_bytes", "session state kept for later sessions (--prefix-cache-mib)", double(ps.bytes));
+        gauge("prefix_cache_entries", "session states kept", double(ps.entries));
+        counter("prefix_cache_lookups", "sessions opened with a prompt's prefix blocks", double(ps.lookups));
+        counter("prefix_cache_hits", "of those, sessions that restored a kept prefix", double(ps.hits));
+        counter("prefix_cache_hit_tokens", "positions restored and used (what the whole route held)", double(ps.hit_tokens));
+        counter("prefix_cache_evicted", "states dropped for room, least recently used first", double(ps.evicted));
     }
-    prom_family(o, "dgr_worker_sessions_opened", "counter", "sessions opened here");
-    prom_sample(o, "dgr_worker_sessions_opened_total", "", double(l.opened_sessions));
+    counter("sessions_opened", "sessions opened here", double(l.opened_sessions));
     prom_family(o, "dgr_worker_errors", "counter", "typed errors this worker answered, by dgr.v1.ErrorCode");
     for (const std::string & name : c.error_codes) {
         uint64_t n = 0;
@@ -121,10 +121,6 @@ std::string metrics_text(const StageCard & c, const StageLoad & l) {
         }
         prom_sample(o, "dgr_worker_errors_total", "code=\"" + name + "\"", double(n));
     }
-    auto gauge = [&](const char * name, const char * help, double v) {
-        prom_family(o, std::string("dgr_worker_") + name, "gauge", help);
-        prom_sample(o, std::string("dgr_worker_") + name, "", v);
-    };
     gauge("sessions_open", "open sessions", double(l.open_sessions));
     gauge("queued_steps", "steps queued for the engine", double(l.queued_steps));
     gauge("cached_positions", "positions held over all open sessions", double(l.cached_positions));
@@ -135,13 +131,10 @@ std::string metrics_text(const StageCard & c, const StageLoad & l) {
     gauge("unary_calls_running", "unary calls (Describe, OpenSession, ...) running", double(l.unary_running));
     gauge("unary_calls_waiting", "unary calls waiting for a thread", double(l.unary_waiting));
     gauge("unary_calls_members", "members with unary calls running or waiting", double(l.unary_members));
-    prom_family(o, "dgr_worker_unary_calls_refused", "counter",
-                "unary calls refused at once (--max-rpc-per-member, --max-rpc-threads)");
-    prom_sample(o, "dgr_worker_unary_calls_refused_total", "", double(l.unary_refused));
-    prom_family(o, "dgr_worker_sessions_reaped", "counter", "sessions closed after --session-ttl idle");
-    prom_sample(o, "dgr_worker_sessions_reaped_total", "", double(l.reaped_sessions));
-    prom_family(o, "dgr_worker_overloaded", "counter", "requests answered OVERLOADED");
-    prom_sample(o, "dgr_worker_overloaded_total", "", double(l.overloaded));
+    counter("unary_calls_refused", "unary calls refused at once (--max-rpc-per-member, --max-rpc-threads)",
+            double(l.unary_refused));
+    counter("sessions_reaped", "sessions closed after --session-ttl idle", double(l.reaped_sessions));
+    counter("overloaded", "requests answered OVERLOADED", double(l.overloaded));
     prom_family(o, "dgr_worker_info", "gauge", "what this worker serves (always 1)");
     prom_sample(o, "dgr_worker_info",
                 "model=\"" + prom_escape(c.id.model) + "\",bundle_id=\"" + prom_escape(c.id.bundle_id) + "\",stage=\"" +
