@@ -18,7 +18,8 @@ def test_peers_measures_both_sides_and_counts_what_each_link_carries(tmp_path, s
         vocab, embd = eng.describe().n_vocab, eng.describe().n_embd
     finally:
         eng.close()
-    rep = bench_peers(smollm2_gguf, hosts=3, rtts=(0.0,), prompts=(64,), tokens=6, store=tmp_path / "store")
+    rep = bench_peers(smollm2_gguf, hosts=3, rtts=(0.0,), prompts=(64,), tokens=6, store=tmp_path / "store",
+                      kernels="invariant", chunk_tokens=32, speculate="ngram")
     [run] = rep["runs"]
     dgr, rpc = run["dgr"], run["rpc"]
     assert dgr["tpot_ms"] > 0 and rpc["tpot_ms"] > 0 and set(dgr["ttft_ms"]) == set(rpc["ttft_ms"]) == {"64"}
@@ -31,5 +32,18 @@ def test_peers_measures_both_sides_and_counts_what_each_link_carries(tmp_path, s
     assert all(b >= 4 * embd for b in dgr["link_bytes_per_token"][1:])
     assert all(t >= 0.9 for t in rpc["link_round_trips_per_token"])
     assert "| 0 | dgr/rpc |" in table(rep)
+    # the route ran on the invariant kernels; with n-gram drafts the repetitive workload's text is unchanged and
+    # the drafts were taken (more than one token per ring)
+    assert rep["kernels"] == "invariant" and rep["chunk_tokens"] == 32
+    assert dgr["spec_same_text"] is True and dgr["tpot_spec_ms"] > 0 and dgr["spec_tokens_per_ring"] > 1.0
+    assert "| 0 | dgr ngram/rpc |" in table(rep)
     assert plot(rep, tmp_path / "peers.png").stat().st_size > 1000
     assert rep["numerics"].startswith("cpu/x86-64-v3 ")
+
+
+def test_peers_refuses_a_kernel_set_that_is_not_exact(smollm2_gguf):
+    from dgr.app.bench.peers import bench_peers
+    from dgr.core.errors import DgrError
+
+    with pytest.raises(DgrError, match="kernels 'fast': choose an exact set, one of reference, invariant"):
+        bench_peers(smollm2_gguf, kernels="fast")

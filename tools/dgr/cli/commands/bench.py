@@ -18,7 +18,7 @@ from dgr.app.bench import pipeline_report
 from dgr.core.errors import DgrError
 from dgr.core.log import get_logger
 from dgr.core.paths import workspace
-from dgr.runtime.engine_abi import library_path
+from dgr.runtime.engine_abi import EXACT_KERNELS, library_path
 
 log = get_logger(__name__)
 
@@ -105,7 +105,9 @@ def _peers(args) -> int:
     rtts = [float(x) for x in args.rtt_ms.split(",")]
     prompts = [int(x) for x in args.prompt_lengths.split(",")]
     rep = bench_peers(Path(args.model) if args.model else None, hosts=args.hosts, rtts=rtts, prompts=prompts,
-                      tokens=args.tokens, threads=args.threads)
+                      tokens=args.tokens, threads=args.threads, kernels=args.kernels,
+                      chunk_tokens=args.chunk_tokens, mbit=args.mbit, speculate=args.speculate,
+                      draft_k=args.draft_k)
     print(table(rep))
     _write_json(args.json, rep)
     if args.plot:
@@ -314,7 +316,7 @@ def register(sub) -> None:
     bench.add_argument("--tokens", type=int, default=64, help="decode tokens per generation (default 64)")
     bench.add_argument("--prompt-lengths", default="32,128,256", help="prefill prompt lengths (default 32,128,256)")
     bench.add_argument("--sessions", type=int, default=4, help="concurrent sessions against one (default 4)")
-    bench.add_argument("--kernels", choices=["reference", "invariant"], default="reference",
+    bench.add_argument("--kernels", choices=EXACT_KERNELS, default="reference",
                        help="the CPU kernel set of every worker and of the whole model (default reference, the "
                             "workers' default; invariant: ggml's batch-invariant dispatch, docs/batching.md)")
     bench.add_argument("--n-ctx", type=int, default=None,
@@ -410,6 +412,15 @@ def register(sub) -> None:
                     "longer than the model's context are left out)")
     pe.add_argument("--tokens", type=int, default=32, help="decode tokens (default 32)")
     pe.add_argument("--threads", type=int, default=1, help="compute threads per process (default 1)")
+    pe.add_argument("--kernels", choices=EXACT_KERNELS, default="reference",
+                    help="dgr's workers' CPU kernel set (default reference, the workers' default; invariant: ggml's "
+                         "batch-invariant dispatch, docs/batching.md); RPC runs llama.cpp's stock fast kernels")
+    pe.add_argument("--chunk-tokens", type=int, default=512,
+                    help="dgr's prompt chunk: the stages run a prompt's chunks at once, pipelined (default 512)")
+    pe.add_argument("--mbit", type=float, help="every link's bandwidth in Mbit/s, both sides (default: no cap)")
+    pe.add_argument("--speculate", choices=["ngram"], help="also dgr's TPOT with n-gram drafts on a workload whose "
+                    "answer copies its prompt, and whether its text equals the run without (JSON dgr.tpot_spec_ms)")
+    pe.add_argument("--draft-k", type=int, default=4, help="with --speculate: drafts per step (default 4)")
     pe.add_argument("--json", metavar="FILE", help="also write the report as JSON")
     pe.add_argument("--plot", metavar="FILE.png", help="TPOT against the round trip, both sides")
     pe.set_defaults(func=_peers)

@@ -18,7 +18,7 @@ from dgr.app.workerbin import worker_binary
 from dgr.core.constants import DEFAULT_MAX_SESSIONS, DEFAULT_N_CTX
 from dgr.core.contract import WIRE_DTYPES
 from dgr.core.errors import WireError
-from dgr.runtime.engine_abi import LIB_ENV, library_path
+from dgr.runtime.engine_abi import KERNELS, LIB_ENV, library_path
 from dgr.runtime.wire.codec import DEFAULT_MAX_MESSAGE_BYTES
 from dgr.runtime.wire.gen import stage_pb2 as pb, stage_pb2_grpc as pb_grpc
 from dgr.runtime.wire.limits import Limits
@@ -114,7 +114,7 @@ def register(sub) -> None:
                    "of the batch-invariant reference ones: faster prefill, but a session's results depend on the batch "
                    "and the stage's numerics say \"fast\", so clients refuse to mix it into a route of reference-kernel "
                    "stages (docs/numerics.md)")
-    s.add_argument("--kernels", choices=["reference", "invariant", "fast"], help="the CPU kernel set: reference "
+    s.add_argument("--kernels", choices=list(KERNELS), help="the CPU kernel set: reference "
                    "(dgr-worker's default: each row alone), invariant (ggml's batch-invariant dispatch: also exact "
                    "under any batching, much faster prefill; docs/batching.md) or fast (what --fast-kernels gives). "
                    "Every stage of a route needs the same set: Describe's numerics name it")
