@@ -38,6 +38,11 @@ def test_scale_on_a_tiny_model_reports_every_stage_count_with_the_same_tokens(tm
         assert all(s["weight_bytes"] >= s["layer_bytes"] > 0 for s in st)
         assert all(s["rss_minus_weights_bytes"] == s["rss_bytes"] - s["weight_bytes"] for s in st)
         assert r["max_rss_bytes"] == max(s["rss_bytes"] for s in st)
+        # each stage's KV as its engine allocated it (the descriptor's memory report), and RSS against weights + KV
+        assert all(s["kv_bytes"] > 0 for s in st)
+        assert all(s["rss_over_weights_and_kv"] == pytest.approx(s["rss_bytes"] / (s["weight_bytes"] + s["kv_bytes"]), abs=1e-4)
+                   for s in st)
+        assert r["max_rss_over_weights_and_kv"] == max(s["rss_over_weights_and_kv"] for s in st)
         assert r["total_weight_bytes"] == sum(s["weight_bytes"] for s in st)
         assert r["tpot_ms"] > 0 and r["per_hop_ms"] > 0 and r["floor_one_way_ms"] > 0
         assert r["decode_tokens_timed"] == 3                        # every decode token after the first

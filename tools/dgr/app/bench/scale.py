@@ -17,6 +17,7 @@ The greedy tokens must be the same for every S (a split never changes what the m
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import statistics
@@ -128,17 +129,23 @@ def _measure(bundle, layer_bytes: list[int], *, tokens: int, threads: int, lib: 
         c.run(prompt_ids, max_new_tokens=4, stop_token_ids=[])          # warm-up: pages in, threads started
         g = c.run(prompt_ids, max_new_tokens=tokens, stop_token_ids=[])
         mem = [proc_memory(p.pid) for p in route.procs]                  # dgr worker serve execs dgr-worker: same pid
+        # what each engine allocated: KV (and per-layer state) for --n-ctx x --max-sessions, compute buffers
+        engine_mem = [json.loads(d.descriptor_json)["capacity"]["memory"] for d in c.hops]
         hop = hop_figures([g], S)
         ring = [e.ring_ns / 1e6 for e in decode_events(g)]
         floor = one_way_ms(_med(ring), FLOOR_MESSAGES)
     per_stage = []
-    for st, m in zip(bundle.manifest.stages, mem):
+    for st, m, em in zip(bundle.manifest.stages, mem, engine_mem):
         share = sum(layer_bytes[st.layer_begin:st.layer_end])
         rss = m.get("VmRSS", 0) * 1024
+        kv = int(em.get("kv_bytes", 0))
         per_stage.append({"stage": st.index, "layers": [st.layer_begin, st.layer_end],
                           "rss_bytes": rss, "hwm_bytes": m.get("VmHWM", 0) * 1024,
                           "weight_bytes": st.weight_bytes, "layer_bytes": share,
-                          "rss_minus_weights_bytes": rss - st.weight_bytes})
+                          "rss_minus_weights_bytes": rss - st.weight_bytes,
+                          "kv_bytes": kv, "compute_bytes": int(em.get("compute_bytes", 0)),
+                          # the bound: RSS <= (weights + KV) x 1.15
+                          "rss_over_weights_and_kv": rss / (st.weight_bytes + kv) if st.weight_bytes + kv else 0.0})
     biggest = max(per_stage, key=lambda r: r["rss_bytes"])
     return {
         "stages": S, "ranges": [s["layers"] for s in per_stage], "bundle_id": bundle.id,
@@ -151,6 +158,7 @@ def _measure(bundle, layer_bytes: list[int], *, tokens: int, threads: int, lib: 
         "decode_tokens_timed": hop["tokens"],
         "max_rss_bytes": biggest["rss_bytes"], "max_rss_stage": biggest["stage"],
         "max_weight_bytes": max(r["weight_bytes"] for r in per_stage),
+        "max_rss_over_weights_and_kv": max(r["rss_over_weights_and_kv"] for r in per_stage),
         "total_rss_bytes": sum(r["rss_bytes"] for r in per_stage),
         "total_weight_bytes": sum(r["weight_bytes"] for r in per_stage),
         "per_stage": per_stage,
@@ -242,20 +250,22 @@ def table(rep: dict) -> str:
     lines = [f"dgr bench scale: {b['model']} ({b['arch']}, {b['n_layer']} layers, width {b['n_embd']}), "
              f"{b['threads']} thread(s) per worker, {b['tokens']} tokens, {b['cpus']} CPU(s), {b['seconds']} s",
              f"  {'stages':>6} {'TPOT ms':>8} {'slope ms/st':>11} {'hop ms':>7} {'floor ms':>8} {'hop/fl':>6} "
-             f"{'max RSS MiB':>11} {'its weights':>11} {'RSS-weights':>11} {'model/S MiB':>11}"]
+             f"{'max RSS MiB':>11} {'its weights':>11} {'RSS-weights':>11} {'model/S MiB':>11} {'RSS/(w+KV)':>10}"]
     for r in rep["runs"]:
         st = max(r["per_stage"], key=lambda s: s["rss_bytes"])
         lines.append(f"  {r['stages']:>6} {r['tpot_ms']:>8.2f} {r['slope_ms_per_stage']:>11.3f} "
                      f"{r['per_hop_ms']:>7.3f} "
                      f"{r['floor_one_way_ms']:>8.3f} {r['per_hop_over_floor']:>5.1f}x {st['rss_bytes'] / MIB:>11.1f} "
                      f"{st['weight_bytes'] / MIB:>11.1f} {st['rss_minus_weights_bytes'] / MIB:>11.1f} "
-                     f"{r['model_weights_over_s_bytes'] / MIB:>11.1f}")
+                     f"{r['model_weights_over_s_bytes'] / MIB:>11.1f} "
+                     f"{r.get('max_rss_over_weights_and_kv', 0.0):>9.2f}x")
     lines.append(f"  TPOT slope (least squares over the stage counts): {rep['tpot_slope_ms_per_stage']:.3f} ms per "
                  "added stage")
-    lines.append("  per stage, [layers) RSS / weights MiB (the row above is the stage with the most RSS):")
+    lines.append("  per stage, [layers) RSS / weights + KV MiB (the row above is the stage with the most RSS; "
+                 "RSS/(w+KV): the most of any stage):")
     for r in rep["runs"]:
         lines.append(f"    {r['stages']} stage(s): " + ", ".join(
-            f"[{a},{z}) {s['rss_bytes'] / MIB:.1f}/{s['weight_bytes'] / MIB:.1f}"
+            f"[{a},{z}) {s['rss_bytes'] / MIB:.1f}/{s['weight_bytes'] / MIB:.1f}+{s.get('kv_bytes', 0) / MIB:.1f}"
             for s in r["per_stage"] for a, z in [s["layers"]]))
     bb = rep["boundary_bytes_per_token_per_hop"]
     for key, what in (("this_model", "this model"), ("deepseek_v4", "DeepSeek V4 (4 x 4096)")):
