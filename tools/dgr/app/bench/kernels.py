@@ -16,9 +16,7 @@ the rounds. Ratios: invariant / stock and invariant / reference.
 
 from __future__ import annotations
 
-import json
 import statistics
-import subprocess
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -26,6 +24,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 
+from dgr.app.bench.batched_bench import batched_bench_rows
 from dgr.app.demo import whole_model_run
 from dgr.core.errors import DgrError
 from dgr.core.log import get_logger
@@ -88,18 +87,9 @@ def _stock_round(exe: Path, model: Path, prefills: tuple[int, ...], tokens: int,
     cmd = [str(exe), "-m", str(model), "-ngl", "0", "-t", str(threads), "-tb", str(threads),
            "-c", str(max(prefills) + tokens + 64), "-b", "2048", "-ub", "512", "-npp", ",".join(map(str, prefills)),
            "-ntg", str(tokens), "-npl", "1", "--output-format", "jsonl"]
-    for _attempt in range(3):
-        out = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
-        if out.returncode != 0:
-            raise DgrError(f"llama-batched-bench failed (exit {out.returncode}): {(out.stderr or out.stdout)[-2000:]}")
-        rows = {int(r["pp"]): r for r in (json.loads(line) for line in out.stdout.splitlines() if line.startswith("{"))}
-        if rows:
-            break
-        # seen once, not understood: a run that exits 0 having printed nothing (not a row, not a log line)
-        log.warning("bench kernels: llama-batched-bench printed nothing (exit 0); running it again")
+    rows = {int(r["pp"]): r for r in batched_bench_rows(cmd, len(prefills))}
     if set(rows) != set(prefills):
-        raise DgrError(f"llama-batched-bench printed rows for {sorted(rows)}, not {list(prefills)}: "
-                       f"{out.stdout[-1000:]}{out.stderr[-1000:]}")
+        raise DgrError(f"llama-batched-bench printed rows for {sorted(rows)}, not {list(prefills)}")
     return {str(n): float(rows[n]["speed_pp"]) for n in prefills}, float(rows[min(prefills)]["speed_tg"])
 
 

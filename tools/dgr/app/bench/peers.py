@@ -20,7 +20,6 @@ drafts: its TPOT with them, and whether the text is the same (RPC has no specula
 from __future__ import annotations
 
 import contextlib
-import json
 import re
 import socket
 import subprocess
@@ -32,6 +31,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 
+from dgr.app.bench.batched_bench import batched_bench_rows
 from dgr.app.bench.speculate_ngram import REPETITIVE
 from dgr.app.bench.wan_link import WanLinks
 from dgr.app.deploy.local import free_port
@@ -196,13 +196,8 @@ def _batched_bench(exe: Path, model: Path, servers: list[str], n_layer: int, ran
            "-t", str(threads), "-tb", str(threads), "-c", str(ctx), "-b", "2048", "-ub", "512",
            "-npp", ",".join(map(str, pp)), "-ntg", str(tg), "-npl", ",".join(map(str, npl)),
            "--output-format", "jsonl"]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
-    if out.returncode != 0:
-        raise DgrError(f"llama-batched-bench failed (exit {out.returncode}): {(out.stderr or out.stdout)[-2000:]}")
-    rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
-    if not rows:
-        raise DgrError(f"llama-batched-bench printed no results: {out.stdout[-1000:]}{out.stderr[-1000:]}")
-    return rows
+    # every (prompt, sessions) pair fits the context asked for, so one row each
+    return batched_bench_rows(cmd, len(pp) * len(npl))
 
 
 def _rpc_side(exes: dict[str, Path], model: Path, hosts: int, rtt_ms: float, prompts: list[int], tokens: int,
