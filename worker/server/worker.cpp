@@ -5,7 +5,7 @@
 #include "worker.h"
 
 #include "frames_internal.h"
-#include "rpc/describe.h"
+#include "description/stage_description.h"
 #include "wire/wire_common.h"
 
 #include <grpcpp/grpcpp.h>

@@ -1,5 +1,6 @@
-// Describe: the stage's description (identity, capacity, schemas, load) as dgr.v1.StageDescription, with the
-// descriptor JSON it carries, from the stage's card and a snapshot of its load (metrics/description.h).
+// Describe: the stage's description (identity, capacity, schemas, load) as dgr.v1.StageDescription
+// (description/stage_description.h), with the descriptor JSON it carries, from the stage's card and a snapshot of its
+// load (metrics/description.h).
 // StageWorker::Describe runs describe_rpc on the unary calls' threads (rpc/stage_service.cpp); these know
 // nothing of the worker.
 #pragma once
@@ -13,8 +14,6 @@
 
 namespace dgr {
 
-// The message, field for field (the JSON aside).
-void describe_msg(const StageCard & card, const StageLoad & load, dgr::v1::StageDescription * d);
 // The RPC: `load` taken once, the message and its descriptor JSON written from it; a JSON that cannot be
 // written is left out (said on stderr), never the call failed: a liveness probe never fails on the descriptor.
 grpc::Status describe_rpc(const StageCard & card, const std::function<StageLoad()> & load, dgr::v1::StageDescription * d);

@@ -1,6 +1,6 @@
 // OpenSession: the route's hop checked against this stage, the session opened in the engine (from the prefix
 // cache where it can), then chained to the next hop; what the route can do (roll back, frame sizes) noted.
-#include "rpc/describe.h"
+#include "description/stage_description.h"
 #include "rpc/guarded.h"
 #include "wire/wire_common.h"
 #include "worker.h"
