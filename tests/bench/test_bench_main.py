@@ -8,12 +8,15 @@ import argparse
 import json
 import logging
 import os
+import socket
 import statistics
 import subprocess
 import sys
+import time
 
 import pytest
 
+from dgr.app.bench.pipeline import carried, tcp_bytes
 from dgr.cli.commands import bench
 
 REQUIRED = ("whole.decode_tok_s", "whole.prefill_tok_s", "pipeline.decode_tok_s", "pipeline.prefill_tok_s",
@@ -202,3 +205,39 @@ def test_the_loopback_floor_is_a_real_round_trip_between_two_processes():
     assert fl["messages"] == 5 and fl["gap_ms"] == 1.0 and fl["one_way_p90_ms"] >= fl["one_way_ms"] > 0
     with pytest.raises(ValueError, match="n >= 1"):
         one_way_ms(1.0, n=0)
+
+
+def test_socket_bytes_are_counted_per_connection_so_a_closed_one_takes_nothing_away():
+    """`dgr bench`'s socket bytes (pipeline.tcp_bytes): a worker closes a link no open session uses, so a
+    connection counted at one reading can be gone at the next. Counted per connection, what the port carried
+    in between is what its open connections carried since, never less than nothing. Real sockets, read by ss."""
+    srv = socket.create_server(("127.0.0.1", 0))
+    port = srv.getsockname()[1]
+
+    def connect_and_send(n: int):
+        c = socket.create_connection(("127.0.0.1", port))
+        s, _ = srv.accept()
+        c.sendall(b"x" * n)
+        got = 0
+        while got < n:
+            got += len(s.recv(65536))
+        return c, s
+
+    try:
+        first = connect_and_send(5000)
+        time.sleep(0.2)
+        b0 = tcp_bytes({port})
+        if b0 is None:
+            pytest.fail("ss could not read the TCP connections (iproute2's ss is required)")
+        assert sum(v[0] for c, v in b0.items() if c[0] == port) >= 5000
+        for s in first:                                  # the first connection closes (a pruned link) ...
+            s.close()
+        second = connect_and_send(3000)                  # ... and a new one carries 3000 bytes
+        time.sleep(0.2)
+        b1 = tcp_bytes({port})
+        assert carried(b0, b1, port, 0) == 3000         # into the server: the new connection's bytes alone
+        assert carried(b0, b1, port, 1) == 0
+        for s in second:
+            s.close()
+    finally:
+        srv.close()

@@ -161,27 +161,38 @@ def hop_figures(gens, n_stages: int) -> dict:
     }
 
 
-def tcp_bytes(ports: set[int]) -> dict[int, list[int]] | None:
-    """Bytes the kernel counted on every established TCP connection served on one of `ports`: port ->
-    [into that server, out of it]. None when `ss` cannot say."""
+def tcp_bytes(ports: set[int]) -> dict[tuple[int, str], list[int]] | None:
+    """Bytes the kernel counted on every established TCP connection served on one of `ports`: (port, the peer's
+    address) -> [into that server, out of it]. None when `ss` cannot say. Keyed by connection, because a
+    connection can close between two readings (a worker closes a link no open session uses: prune_links) and
+    its counts leave with it."""
     try:
         out = subprocess.run(["ss", "-tinH", "state", "established"], capture_output=True, text=True,
                              timeout=10).stdout
     except (OSError, subprocess.SubprocessError):
         return None
-    res: dict[int, list[int]] = {p: [0, 0] for p in ports}
-    local = None
+    res: dict[tuple[int, str], list[int]] = {}
+    conn = None
     for line in out.splitlines():
         if not line.startswith((" ", "\t")):
             cols = line.split()
-            local = int(cols[2].rpartition(":")[2]) if len(cols) >= 4 and cols[2].rpartition(":")[2].isdigit() else None
+            port = cols[2].rpartition(":")[2] if len(cols) >= 4 else ""
+            conn = (int(port), cols[3]) if port.isdigit() and int(port) in ports else None
             continue
-        if local not in res:
+        if conn is None:
             continue
         kv = dict(f.split(":", 1) for f in line.split() if f.startswith(("bytes_sent:", "bytes_received:")))
-        res[local][0] += int(kv.get("bytes_received", 0))
-        res[local][1] += int(kv.get("bytes_sent", 0))
+        got = res.setdefault(conn, [0, 0])
+        got[0] += int(kv.get("bytes_received", 0))
+        got[1] += int(kv.get("bytes_sent", 0))
     return res
+
+
+def carried(before: dict, after: dict, port: int, k: int) -> int:
+    """What the connections served on `port` carried between two readings (direction k: 0 in, 1 out): each one
+    open at the second reading, less what it had at the first (0 if it is new). One closed in between took its
+    last counts with it: never a negative figure, at worst a few bytes short."""
+    return sum(v[k] - before.get(c, [0, 0])[k] for c, v in after.items() if c[0] == port)
 
 
 # ---------------------------------------------------------------------------------------------- the run
@@ -339,9 +350,10 @@ def _wire_bytes(c, ids: list[int], tokens: int, ports: list[list[int]]) -> dict 
     b1 = tcp_bytes(every)
     c.run(ids, max_new_tokens=1 + tokens, stop_token_ids=[])
     b2 = tcp_bytes(every)
-    if not (b0 and b1 and b2):
+    if b0 is None or b1 is None or b2 is None:
         return None
-    per = [[sum((b2[p][k] - b1[p][k]) - (b1[p][k] - b0[p][k]) for p in ps) / tokens for k in (0, 1)] for ps in ports]
+    per = [[sum(carried(b1, b2, p, k) - carried(b0, b1, p, k) for p in ps) / tokens for k in (0, 1)]
+           for ps in ports]
     return {"into_stage": [round(v[0], 1) for v in per],
             "out_of_stage": [round(v[1], 1) for v in per],
             "total": round(sum(sum(v) for v in per), 1)}
@@ -422,4 +434,5 @@ def _report(setup: Setup, acc: _Acc, lengths, tokens, rounds, sessions, chunk, w
     })
 
 
-__all__ = ["PROMPT_LENGTHS", "Setup", "hop_figures", "pct", "prepare", "rounded", "run_bench", "synth_bundle", "tcp_bytes"]
+__all__ = ["PROMPT_LENGTHS", "Setup", "carried", "hop_figures", "pct", "prepare", "rounded", "run_bench", "synth_bundle",
+           "tcp_bytes"]
