@@ -128,8 +128,11 @@ def _dgr_side(bundle, rtt_ms: float, prompts: list[int], tokens: int, vocab: int
               kernels: str = "reference", chunk_tokens: int = 512, mbit: float | None = None,
               speculate: str | None = None, draft_k: int = 4) -> SideFigures:
     n = len(bundle.manifest.stages)
-    args = [["--bundle", str(bundle.root), "--stage", str(i), "--threads", str(threads), "--n-ctx",
-             str(max(prompts) + tokens + 256), "--max-sessions", "8", "--kernels", kernels] for i in range(n)]
+    # positions: the longest prompt and its decode, or the speculation workload (never more tokens than characters)
+    # and its 3 x `tokens`
+    n_ctx = max(max(prompts) + tokens, len(REPETITIVE) + 3 * tokens if speculate else 0) + 64
+    args = [["--bundle", str(bundle.root), "--stage", str(i), "--threads", str(threads), "--n-ctx", str(n_ctx),
+             "--max-sessions", "8", "--kernels", kernels] for i in range(n)]
     rng = np.random.default_rng(5)
     fig = SideFigures()
     with contextlib.ExitStack() as stack:
