@@ -9,6 +9,7 @@
 #include <stdexcept>
 
 #include "frames_internal.h"
+#include "trust/senders.h"
 #include "wire/wire_common.h"
 #include "worker.h"
 
@@ -18,33 +19,18 @@ namespace pb = dgr::v1;
 using Clock = std::chrono::steady_clock;
 
 // mTLS (docs/worker.md "Peer checks under mutual TLS"): a session's frames come only from the peer that opened it here;
-// tokens back into the origin only from its last hop, errors from a hop of its route
+// tokens back into the origin only from its last hop, errors from a hop of its route (the part trust/senders.h).
+// The part runs under mu_, over the session's senders in place: no copy of the route's members per frame.
 void StageWorker::check_sender(const char * kind, const SessionPtr & sess, const std::optional<std::string> * peer,
                                const std::string & sid) {
     if (!trust_.mutual || !peer || !sess) return;
-    std::set<std::string> want;
-    std::string what;
-    const std::string k = kind;
+    const std::string who_opens = info_.is_first ? "the client" : "stage " + std::to_string(card_.id.stage_index - 1);
+    std::string why;
     {
         std::lock_guard<std::mutex> g(mu_);
-        if (k == "token" || k == "logits") {
-            if (!sess->returner.empty()) want.insert(sess->returner);
-            what = "the route's last hop";
-        } else if (k == "error") {
-            want = sess->route_members;
-            what = "a hop of the route";
-        } else {
-            if (sess->opener) want.insert(*sess->opener);
-            what = std::string("the peer that opened it at this stage (") +
-                   (info_.is_first ? "the client" : "stage " + std::to_string(card_.id.stage_index - 1)) + ")";
-        }
+        why = refuse_sender(kind, sess->senders, *peer, who_opens, sid);
     }
-    if (want.empty() || (peer->has_value() && want.count(**peer))) return;
-    std::string names;
-    for (auto & n : want) names += (names.empty() ? "" : " or ") + n;
-    throw Fault{pb::WRONG_STAGE, k + " frames of session " + sid + " are accepted here only from " +
-                                     what + ", member " + names + "; this stream comes from member " +
-                                     (peer->has_value() ? **peer : std::string("(no certificate name)"))};
+    if (!why.empty()) throw Fault{pb::WRONG_STAGE, why};
 }
 
 void StageWorker::on_frame(pb::Frame frame, const ReplyPtr & reply, const std::optional<std::string> * peer) {

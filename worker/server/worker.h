@@ -40,6 +40,7 @@
 #include "metrics/description.h"
 #include "metrics/metrics.h"
 #include "trust/net_policy.h"
+#include "trust/senders.h"
 #include "tls.h"
 #include "grpc_status.h"
 #include "frame_queue.h"
@@ -172,10 +173,7 @@ class StageWorker final : public dgr::v1::Stage::CallbackService, private LinkOw
         std::string text;                            // their text as the client has it
         bool done = false, failed = false;
         bool told_origin = false;                    // the last stage: its stream back to the origin broke (once)
-        // mutual TLS (check_sender): who may send its frames here
-        std::optional<std::string> opener;           // the member that opened it at this stage
-        std::string returner;                        // the route's last hop (tokens into the origin)
-        std::set<std::string> route_members;         // every hop of the route (errors into the origin)
+        SessionSenders senders;                      // mutual TLS (check_sender): who may send its frames here
         // speculation. At the origin: the draft source and its k, the tokens the
         // session has run (prompt + generated: where drafts are looked up), whether every hop can roll back,
         // the positions a step may carry unsplit. On every stage: the first draft position of its last
@@ -257,6 +255,7 @@ class StageWorker final : public dgr::v1::Stage::CallbackService, private LinkOw
     std::string origin_key(const std::string & wire) const;
     bool hook_at(const std::set<std::tuple<std::string, uint64_t, int64_t>> & at, const std::string & key, uint64_t epoch, int64_t p) const;
     // Sampling.grammar / json_schema within --max-grammar-bytes and --max-grammar-depth: "" or why not
+    // (trust/grammar_bounds.h)
     std::string refuse_grammar(const dgr::v1::Sampling & sp) const;
     SessionPtr session(const Key & key);
     std::shared_ptr<Link> out_link(const std::string & address, uint32_t hop_index);

@@ -238,7 +238,7 @@ grpc::Status StageWorker::open_session_rpc(const grpc::ServerContextBase * ctx, 
             s->logits = int(req->logits());
             s->held = uint64_t(restored);
             s->prefix_seed = prefix_seed(req->upstream());
-            if (trust_.mutual) s->opener = peer_identity(ctx);
+            if (trust_.mutual) s->senders.opener = peer_identity(ctx);
             // its id is at this epoch from now on; stage 0 under mTLS: the route's hops name it by wire_down
             sessions_.insert(key, std::move(s), owner, trust_.mutual && info_.is_first ? wire_down : std::string(), Clock::now());
             ++opened_total_;
@@ -297,9 +297,9 @@ grpc::Status StageWorker::open_session_rpc(const grpc::ServerContextBase * ctx, 
             SessionPtr s = sessions_.find(key);
             if (s && reply->hops_size() > 0) {
                 note_route(*s, reply->hops());
-                s->returner = reply->hops(reply->hops_size() - 1).member();
+                s->senders.returner = reply->hops(reply->hops_size() - 1).member();
                 for (auto & h : reply->hops()) {
-                    if (!h.member().empty()) s->route_members.insert(h.member());
+                    if (!h.member().empty()) s->senders.route_members.insert(h.member());
                 }
             }
         }
