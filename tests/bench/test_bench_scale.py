@@ -86,3 +86,36 @@ def test_tokens_that_differ_between_stage_counts_fail_the_command(tmp_path, monk
 def test_a_stage_list_that_is_not_numbers_is_refused(tmp_path):
     with pytest.raises(Exception, match="stage counts separated by commas"):
         _scale(tmp_path, "--synth", "llama", "--stages", "one,two")
+
+
+@pytest.mark.engine
+def test_the_long_context_lane_prefills_one_prompt_whole_and_on_four_stages_with_the_same_logits(tmp_path, capsys,
+                                                                                               engine_lib):
+    rc, rep = _scale(tmp_path, "--synth", "llama", "--stages", "1", "--tokens", "2", "--long-context", "700",
+                     "--chunk-tokens", "128")
+    assert rc == 0
+    lc = rep["long_context"]
+    assert lc["prompt_tokens"] == 700 and lc["stages"] == 4 and lc["chunk_tokens"] == 128
+    whole, split = lc["whole"], lc["split"]
+    assert whole["stages"] == 1 and split["stages"] == 4
+    assert whole["chunk_tokens"] == split["chunk_tokens"] == 128
+    # the prompt's last position and every generated token after it, in both, equal bit for bit
+    assert lc["rows_compared"] == whole["logits_rows"] == split["logits_rows"]
+    assert lc["rows_compared"][0] == 699 and len(lc["rows_compared"]) == lc["tokens"] == scale.LONG_TOKENS
+    assert lc["logits_exact"] is True and lc["logits_max_abs_diff"] == 0 and lc["same_tokens"] is True
+    assert whole["ttft_s"] > 0 and split["ttft_s"] > 0
+    # the report rounds (dgr.app.bench.pipeline.rounded): the ratio is of the unrounded times
+    assert lc["ttft_ratio"] == pytest.approx(split["ttft_s"] / whole["ttft_s"], rel=0.05)
+    st = split["per_stage"]
+    assert [s["layers"][0] for s in st][0] == 0 and st[-1]["layers"][1] == rep["bench"]["n_layer"]
+    # each stage holds KV for its own layers only: the split's KV adds up to the whole model's
+    assert sum(s["kv_bytes"] for s in st) == whole["per_stage"][0]["kv_bytes"]
+    assert all(s["rss_bytes"] > 0 and s["weight_bytes"] > 0 for s in st)
+    assert "left_out" not in rep
+    out = capsys.readouterr().out
+    assert "long context: a 700-token prompt" in out and "the same bit for bit: yes" in out
+
+
+def test_a_long_context_beyond_what_the_model_was_trained_for_is_refused(tmp_path):
+    with pytest.raises(Exception, match="trained for 8192 positions"):
+        _scale(tmp_path, "--stages", "1", "--long-context", "32768")

@@ -16,6 +16,8 @@ import pytest
 
 from dgr.app.certify import load_contract
 from dgr.app.certify.features import PREFIX_CHECK, RECOVERY_CHECK
+from dgr.app.certify.gate import LONG_CONTEXT
+from dgr.app.certify.long_context import EXACT_CHECK
 from dgr.core.certificate import load_certificate
 from dgr.core.paths import REPO_ROOT
 from dgr.runtime.engine_abi import build_numerics
@@ -32,11 +34,23 @@ def test_beta_holds_everything_alpha_checks_and_alpha_stays_mtp_off():
     assert beta.parity == alpha.parity and beta.speed == alpha.speed and beta.lane == alpha.lane
     assert beta.threads_per_process == alpha.threads_per_process
     assert beta.gate.recipes == alpha.gate.recipes and beta.gate.synthetic == alpha.gate.synthetic
+    # beta adds the long-context lane: a 32k-token prompt on 4 stages
+    assert alpha.gate.long_context is None
+    assert (beta.gate.long_context.tokens, beta.gate.long_context.stages) == (32768, 4)
     assert alpha.mtp is None and alpha.gate.mtp_refusal is not None      # alpha: MTP off, refused
     assert beta.gate.mtp_refusal is None and beta.mtp is not None
     # the MTP rows cover the tiny V4 at 2, 3 and 4 stages and the 12-stage scenario
     assert beta.mtp.targets == [s.name for s in beta.gate.synthetic if s.arch == "deepseek4"]
     assert beta.mtp.speculation.rejected_cost_max == 1.05
+
+
+def test_a_long_context_lane_with_more_stages_than_layers_is_refused(tmp_path):
+    from dgr.app.certify import ContractError
+
+    bad = tmp_path / "bad.toml"
+    bad.write_text(BETA.read_text().replace("layers = 8\ntokens = 32768", "layers = 3\ntokens = 32768", 1))
+    with pytest.raises(ContractError, match="4 stages need at least as many layers"):
+        load_contract(bad)
 
 
 def test_a_contract_whose_mtp_targets_are_not_v4_is_refused(tmp_path):
@@ -73,6 +87,9 @@ def test_gate_beta_certifies_every_target_and_prints_its_table(tmp_path, engine_
             assert rows[f"{name}: {PREFIX_CHECK}"][0].startswith("refused: deepseek4 "), rows[f"{name}: {PREFIX_CHECK}"]
     assert re.fullmatch(r"\d+/150 restored, same tokens and logits", rows[f"smollm2-135m-3stage: {PREFIX_CHECK}"][0])
     assert rows["deepseek4-tiny-2stage+mtp: soak with MTP on"][2] == "yes"
+    # the long-context lane: 32768 tokens whole and on 4 stages, the prompt's last row and 4 tokens' rows exact
+    assert rows[f"{LONG_CONTEXT}: {EXACT_CHECK}"][:3] == ["4 rows the same", "bit for bit, same tokens", "yes"]
+    assert float(rows[f"{LONG_CONTEXT}: long context: TTFT split / whole"][0]) > 0
     trip = rows["mtp-speculation: MTP tokens per ring trip (drafts agreeing at 0.8)"]
     assert float(trip[0]) >= 2.0 and trip[2] == "yes"                   # a property of the model, not of speed
     # the rejected-draft cost: measured (finite, positive) and judged against the contract

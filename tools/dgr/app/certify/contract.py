@@ -6,7 +6,7 @@ import tomllib
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from dgr.core.errors import DgrError, first_field_error
 from dgr.core.hashing import bytes_blake3
@@ -63,11 +63,34 @@ class MtpRefusal(BaseModel):
     synthetic: str
 
 
+class LongContext(BaseModel):
+    """The long-context lane (dgr.app.bench.scale.long_context): one `tokens`-token prompt of random ids,
+    prefilled by a random-weight `arch` model whole and split into `stages` stages (even cuts, one worker
+    process each, the prompt's chunks of `chunk_tokens` pipelined across them); the logits rows both return
+    must be the same bit for bit and the greedy tokens after the prompt the same. TTFT and memory per stage
+    are reported beside them."""
+
+    model_config = _STRICT
+    arch: Literal["llama", "qwen2"] = "llama"
+    layers: int = Field(8, ge=2)
+    tokens: int = Field(ge=64)
+    stages: int = Field(4, ge=2)
+    chunk_tokens: int = Field(512, ge=1)
+
+    @model_validator(mode="after")
+    def _fits(self):
+        if self.stages > self.layers:
+            raise ValueError(f"gate.long_context: {self.stages} stages need at least as many layers "
+                             f"({self.layers} given)")
+        return self
+
+
 class Gate(BaseModel):
     model_config = _STRICT
     recipes: list[str] = []
     synthetic: list[Synthetic] = []
     mtp_refusal: MtpRefusal | None = None
+    long_context: LongContext | None = None
 
     @field_validator("synthetic")
     @classmethod

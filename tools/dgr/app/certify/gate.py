@@ -2,7 +2,8 @@
 
 First the MTP refusal (alpha: an MTP-on recipe must be refused before anything runs), then each committed
 recipe (real weights: parity and the speed gate), then each synthetic target (parity and MTP off; the
-10+ stage scenario among them). A contract with an `[mtp]` section (beta) then certifies its MTP targets
+10+ stage scenario among them), then the long-context lane when the contract has one
+(dgr.app.certify.long_context). A contract with an `[mtp]` section (beta) then certifies its MTP targets
 with MTP on and the speculation rows (dgr.app.certify.beta). Each certificate is written to the output
 folder; the gate passes only when every row of every target passes. A target that cannot be certified at
 all is one failed row.
@@ -10,12 +11,14 @@ all is one failed row.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from dgr.app.certify import fixtures
 from dgr.app.certify.beta import certify_mtp, certify_speculation
 from dgr.app.certify.contract import LoadedContract, load_contract
+from dgr.app.certify.long_context import long_context_figures
 from dgr.app.certify.runner import certify, engine_library
 from dgr.app.certify.verdict import INCONCLUSIVE, INCONCLUSIVE_RUN, is_inconclusive, mark, overall
 from dgr.core.certificate import Certificate, Figure
@@ -26,6 +29,7 @@ from dgr.runtime.engine_abi import build_numerics
 log = get_logger(__name__)
 
 SCENARIO_MIN_STAGES = 10
+LONG_CONTEXT = "long-context"            # the long-context lane's rows
 
 
 @dataclass
@@ -132,7 +136,17 @@ def run_gate(contract: str | Path | None = None, *, out_dir: str | Path | None =
                 detail=f"{bundle.manifest.model.n_layer} main layers + "
                        f"{bundle.manifest.model.n_layer_all - bundle.manifest.model.n_layer} MTP (left out)")))
 
-    # 4. Beta: the MTP targets with MTP on, then the speculation rows.
+    # 4. The long-context lane: one long prompt, whole and split, on a model the gate writes.
+    if c.gate.long_context is not None:
+        spec = c.gate.long_context
+        log.info("gate: the long-context lane (%d tokens, %d stages)", spec.tokens, spec.stages)
+        try:
+            figs = long_context_figures(spec, lib=lib, threads=c.threads(spec.stages, os.cpu_count() or 1))
+            res.rows.extend(Row(LONG_CONTEXT, f) for f in figs)
+        except DgrError as e:
+            res.rows.append(_failed(LONG_CONTEXT, e))
+
+    # 5. Beta: the MTP targets with MTP on, then the speculation rows.
     if c.mtp is not None:
         jobs = [(f"{t}+mtp", lambda t=t, k=k: certify_mtp(by_name[t], lc, lane=lane, lib=lib, root=root, soak=k == 0))
                 for k, t in enumerate(c.mtp.targets)]

@@ -153,12 +153,15 @@ def _scale(args) -> int:
     if args.lib:
         os.environ["DGR_ENGINE_LIB"] = str(Path(args.lib).resolve())   # worker processes load the same one
     rep = run_scale(stages=counts, tokens=args.tokens, threads=args.threads, source=args.source, synth=args.synth,
-                    synth_shape=args.synth_shape, lib=args.lib, keep=args.keep)
+                    synth_shape=args.synth_shape, lib=args.lib, keep=args.keep,
+                    long_context_tokens=args.long_context, long_stages=args.long_stages,
+                    long_chunk_tokens=args.chunk_tokens, kernels=args.kernels)
     print(table(rep))
     _write_json(args.json, rep)
     if args.plot:
         log.info("bench scale: drew %s", plot(rep, args.plot))
-    return 0 if rep["same_tokens"] else 1
+    lc = rep.get("long_context")
+    return 0 if rep["same_tokens"] and (lc is None or (lc["logits_exact"] and lc["same_tokens"])) else 1
 
 
 # ---------------------------------------------------------------------------------------- the sections
@@ -453,7 +456,17 @@ def register(sub) -> None:
     sc.add_argument("--stages", default="1,2,4,8", help="stage counts to measure (default 1,2,4,8)")
     sc.add_argument("--tokens", type=int, default=32, help="greedy decode tokens per stage count (default 32)")
     sc.add_argument("--threads", type=int, default=1, help="compute threads per worker process (default 1)")
+    sc.add_argument("--kernels", choices=EXACT_KERNELS, default="invariant",
+                    help="the workers' CPU kernel set, an exact one (default invariant: tiled attention, which a long "
+                         "prompt needs)")
     sc.add_argument("--lib", help="engine library (default: $DGR_ENGINE_LIB or the CPU build)")
+    sc.add_argument("--long-context", type=int, default=0, metavar="N",
+                    help="also the long-context lane: an N-token prompt (e.g. 32768) prefilled whole and on "
+                         "--long-stages stages, TTFT, logits compared bit for bit, memory per stage (the model "
+                         "needs room for N positions; --synth is written with it)")
+    sc.add_argument("--long-stages", type=int, default=4, help="stages of the long-context lane's route (default 4)")
+    sc.add_argument("--chunk-tokens", type=int, default=512,
+                    help="prompt tokens per chunk the long-context lane's stages pipeline (default 512)")
     sc.add_argument("--keep", action="store_true", help="keep the model and bundles (their folder is logged)")
     sc.add_argument("--json", metavar="FILE", help="also write the report as JSON")
     sc.add_argument("--plot", metavar="FILE.png", help="TPOT, per hop and RSS against the stage count (matplotlib)")

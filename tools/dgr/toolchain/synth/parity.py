@@ -75,12 +75,18 @@ def choose_ranges(kinds: list[str], n_stages: int) -> list[tuple[int, int]]:
     return list(zip(edges[:-1], edges[1:]))
 
 
-def synth_model(arch: str, path: Path, *, layers: int | None = None, seed: int = SEED, embd: int = EMBD) -> Path:
-    """The model `dgr parity --synth` splits: the spec's parity layer count unless `layers` says."""
+def synth_model(arch: str, path: Path, *, layers: int | None = None, seed: int = SEED, embd: int = EMBD,
+                context: int | None = None) -> Path:
+    """The model `dgr parity --synth` splits: the spec's parity layer count unless `layers` says; `context`:
+    the training context it declares (the writer's default unless given)."""
     check_arch(arch)
     if arch in OWN_WRITERS:
+        if context is not None:
+            raise DgrError(f"a synthetic {arch} model is written at its own context; give another architecture "
+                           "for a long context (e.g. llama, qwen2)")
         return synth_deepseek4(path, layers=layers or 6, seed=seed, hash_layers=3)
-    return synth(arch, layers or ARCHS[arch].parity_layers, embd, seed, path)
+    extra = {} if context is None else {"context": context}
+    return synth(arch, layers or ARCHS[arch].parity_layers, embd, seed, path, **extra)
 
 
 def check_arch(arch: str) -> None:
