@@ -51,23 +51,17 @@ struct Admit {
 
 std::string StageWorker::admit(const grpc::ServerContextBase * ctx) {
     if (!ctx) return "";
-    const std::string peer = ctx->peer();
-    std::lock_guard<std::mutex> g(mu_);
-    auto it = conns_.find(peer);
-    if (it == conns_.end() && int64_t(conns_.size()) >= limits_.max_connections) {
+    size_t held = 0;
+    if (conns_.take(ctx->peer(), &held)) return "";
+    {
+        std::lock_guard<std::mutex> g(mu_);
         ++overloaded_;
-        return hop() + ": " + std::to_string(conns_.size()) + " connections have calls in progress (--max-connections " +
-               std::to_string(limits_.max_connections) + "): retry later or use another replica";
     }
-    ++conns_[peer];
-    return "";
+    return hop() + ": " + std::to_string(held) + " connections have calls in progress (--max-connections " +
+           std::to_string(conns_.max()) + "): retry later or use another replica";
 }
 
-void StageWorker::release(const std::string & peer) {
-    std::lock_guard<std::mutex> g(mu_);
-    auto it = conns_.find(peer);
-    if (it != conns_.end() && --it->second <= 0) conns_.erase(it);
-}
+void StageWorker::release(const std::string & peer) { conns_.give_back(peer); }
 
 void StageWorker::check_stalls() {
     const int64_t timeout = int64_t(limits_.send_timeout_s * 1e9);

@@ -24,7 +24,7 @@ using Clock = std::chrono::steady_clock;
 StageWorker::StageWorker(const EngineLib & lib, dgr_engine * eng, StageIdentity identity, std::string address,
                          uint64_t max_message_bytes, Limits limits)
     : engine_(lib, eng), address_(std::move(address)),
-      max_message_bytes_(max_message_bytes), limits_(limits), started_(Clock::now()),
+      max_message_bytes_(max_message_bytes), limits_(limits), conns_(limits.max_connections), started_(Clock::now()),
       steps_(StepBounds{limits.max_queued_steps, limits.max_session_steps, limits.max_queued_steps_per_member}) {
     card_.id = std::move(identity);
     dgr_memory memory{};

@@ -40,6 +40,7 @@
 #include "metrics/description.h"
 #include "metrics/metrics.h"
 #include "trust/net_policy.h"
+#include "trust/connections.h"
 #include "trust/senders.h"
 #include "tls.h"
 #include "grpc_status.h"
@@ -285,7 +286,6 @@ class StageWorker final : public dgr::v1::Stage::CallbackService, private LinkOw
     friend struct Busy;
     std::string admit(const grpc::ServerContextBase * ctx);   // "" admitted, else why not
     void release(const std::string & peer);
-    std::map<std::string, int> conns_;               // peer -> calls in progress (mu_)
 
     Engine engine_;                                  // the engine under its lock: calls through engine_.lock()'s guard
     std::optional<StageVocabulary> vocab_;           // Tokenize, Detokenize over engine_ (set once the stage is described)
@@ -295,6 +295,8 @@ class StageWorker final : public dgr::v1::Stage::CallbackService, private LinkOw
     std::string address_;                            // HOST:PORT as it names itself (addr_mu_)
     uint64_t max_message_bytes_;
     Limits limits_;
+    ConnectionSlots conns_;                          // --max-connections: connections with calls in progress
+                                                     //   (trust/connections.h; its own leaf lock)
     dgr_stage_info info_{};
     bool can_truncate_ = false;
     // the prefix cache (cache/prefix_cache.h); null where off (--prefix-cache-mib 0, or an engine that cannot keep a
