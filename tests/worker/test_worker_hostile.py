@@ -389,6 +389,54 @@ def test_a_grammar_whose_repetitions_expand_without_end_is_refused_and_costs_not
     assert len(want.token_ids) == MAX_NEW
 
 
+@pytest.mark.parametrize("where", ["last stage", "route"])
+def test_one_members_grammars_do_not_hold_up_anothers(tiny, worker_bin, pki, where):
+    """A grammar's conversion takes up to ~0.3 s, so a worker runs GRAMMARS_AT_ONCE (2) at once and the rest wait.
+    A member opening 24 sessions with the costliest grammars the bounds allow, straight at the last stage or
+    through the route (where the last stage sees every client's opens come from one member, stage 1), queued
+    another member's grammar behind nearly all of them (its open answered after 21-23 of the flood's). Members
+    now take turns at every stage (trust/turns.h), so the victim's open, through the whole route, is answered
+    while most of the flood still waits (after 4). Counted in answers, not timed."""
+    procs = _route(tiny, worker_bin, pki)
+    addresses = [p.address for p in procs]
+    n = 24
+    try:
+        descs = _descs(addresses, pki["intruder"])
+        hops = route_hops(addresses, descs)
+        slow = pb.Sampling(grammar="root ::= " + ' "a"{0,2000}' * 124)    # 496,000 elements counted: inside the bound
+        at = 2 if where == "last stage" else 0
+        answered = []
+        lock = threading.Lock()
+
+        def flood(k):                                 # one session id, newer epochs: no session slot is held for long
+            ch, s = stub(addresses[at], pki["intruder"])
+            with ch:
+                s.OpenSession(pb.OpenSessionRequest(session_id="flood", epoch=k + 1, route=hops, hop_index=at,
+                                                    upstream=descs[1] if at else None, sampling=slow), timeout=300)
+            with lock:
+                answered.append(k)
+
+        with futures.ThreadPoolExecutor(n) as ex:
+            fs = [ex.submit(flood, k) for k in range(n)]
+            wait_for(lambda: answered, timeout=120)   # the first is answered: every other one has been sent
+            ch, s0 = stub(addresses[0], pki["client"])
+            with ch:
+                r = s0.OpenSession(pb.OpenSessionRequest(session_id="victim", epoch=1, route=hops,
+                                                         sampling=pb.Sampling(grammar='root ::= "a"')), timeout=300)
+                with lock:
+                    before = len(answered)
+                assert not r.HasField("error"), r
+                s0.CloseSession(pb.CloseSessionRequest(session_id="victim", epoch=1, chain=True), timeout=30)
+            for f in fs:
+                f.result()
+        print(f"{where}: the victim's open was answered after {before} of the flood's {n}")
+        assert before <= n // 2, f"the victim's open was answered after {before} of the flood's {n}"
+        _serves(procs, pki)
+    finally:
+        for p in procs:
+            print(p.stop()[-3000:])
+
+
 def test_a_generate_frame_cannot_carry_more_ids_than_a_session_holds(route, pki):
     """A million client-supplied context ids made one Generate frame expensive for everyone at stage 0."""
     addresses = [p.address for p in route]

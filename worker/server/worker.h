@@ -42,6 +42,7 @@
 #include "trust/net_policy.h"
 #include "trust/connections.h"
 #include "trust/senders.h"
+#include "trust/turns.h"
 #include "tls.h"
 #include "grpc_status.h"
 #include "frame_queue.h"
@@ -316,12 +317,11 @@ class StageWorker final : public dgr::v1::Stage::CallbackService, private LinkOw
     std::string metrics_url_;                        // (addr_mu_)
     StageCard card_;                                 // fixed once serving (fill_card, set_trust, set_certificates)
 
-    // grammar conversions running at once (rpc/open_session.cpp): within DGR_GRAMMAR_MAX_EXPANSION one takes
-    // up to ~0.3 s and ~100 MiB, so at most GRAMMARS_AT_ONCE run and the rest wait (a leaf lock)
+    // grammar opens running at once (rpc/open_session.cpp): within DGR_GRAMMAR_MAX_EXPANSION a conversion takes
+    // up to ~0.3 s and ~100 MiB, so at most GRAMMARS_AT_ONCE run and the rest wait, members taking turns
+    // (trust/turns.h; its own leaf lock)
     static constexpr int GRAMMARS_AT_ONCE = 2;
-    std::mutex grammar_mu_;
-    std::condition_variable grammar_cv_;
-    int grammars_running_ = 0;
+    FairTurns grammar_turns_{GRAMMARS_AT_ONCE};
     std::mutex mu_;                                  // everything below
     // the open sessions, their epochs, stage 0's wire_down ids, their owners' counts and when each was last used:
     // a part with its own (leaf) lock (sessions/session_table.h). A lookup takes only its lock; mu_ is held around

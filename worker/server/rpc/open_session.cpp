@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -112,13 +113,22 @@ grpc::Status StageWorker::open_session_rpc(const grpc::ServerContextBase * ctx, 
         if (!sp.grammar().empty() && !sp.json_schema().empty()) {
             return fail(pb::ENGINE, "sampling.grammar and sampling.json_schema are both set: give one of them");
         }
+        // A grammar's open takes a turn (trust/turns.h), held to its end: at the last stage its conversion runs in
+        // it (at most GRAMMARS_AT_ONCE at once: memory), at an earlier stage its chain to the last. Members take
+        // turns, so one member's many grammars queue behind each other, not in front of another member's (at a
+        // later stage the member is the previous hop, carrying every client's: stage 0's turns keep those fair)
+        const bool has_grammar = !sp.grammar().empty() || !sp.json_schema().empty();
+        std::optional<FairTurns::Turn> turn;
+        auto take_turn = [&] {
+            if (!turn) turn.emplace(grammar_turns_.take(trust_.mutual ? peer_identity(ctx).value_or("") : std::string()));
+        };
         std::shared_ptr<dgr_grammar> grammar;
         if (info_.is_last) {
             if ((sp.logprobs() || sp.top_logprobs()) && !lib.logprobs) {
                 return fail(pb::ENGINE, "sampling.logprobs: " + lib.path + " reports no log-probabilities (built before "
                                         "them): rebuild it (`dgr build-engine`)");
             }
-            if (!sp.grammar().empty() || !sp.json_schema().empty()) {
+            if (has_grammar) {
                 const char * field = sp.grammar().empty() ? "sampling.json_schema" : "sampling.grammar";
                 if (!lib.grammar_open) {
                     return fail(pb::ENGINE, std::string(field) + ": " + lib.path + " has no grammar sampler (the fake "
@@ -128,21 +138,10 @@ grpc::Status StageWorker::open_session_rpc(const grpc::ServerContextBase * ctx, 
                 if (std::string why = refuse_grammar(sp); !why.empty()) return fail(pb::ENGINE, why);
                 dgr_grammar * g = nullptr;
                 std::string refused;
+                take_turn();
                 {
-                    // outside the engine lock: a grammar reads only the vocabulary, which no step changes, so a
-                    // slow conversion holds up this request alone; at most GRAMMARS_AT_ONCE at once (memory)
-                    {
-                        std::unique_lock<std::mutex> lk(grammar_mu_);
-                        grammar_cv_.wait(lk, [&] { return grammars_running_ < GRAMMARS_AT_ONCE; });
-                        ++grammars_running_;
-                    }
-                    struct Done {
-                        StageWorker * w;
-                        ~Done() {
-                            { std::lock_guard<std::mutex> g(w->grammar_mu_); --w->grammars_running_; }
-                            w->grammar_cv_.notify_one();
-                        }
-                    } done{this};
+                    // outside the engine lock, in this call's turn: a grammar reads only the vocabulary, which no
+                    // step changes, so a slow conversion holds up this request alone
                     int32_t st = engine_.grammar_open(sp.grammar().empty() ? nullptr : sp.grammar().c_str(),
                                                       sp.json_schema().empty() ? nullptr : sp.json_schema().c_str(), &g);
                     if (st != DGR_OK) refused = lib.error(st);
@@ -155,6 +154,7 @@ grpc::Status StageWorker::open_session_rpc(const grpc::ServerContextBase * ctx, 
                 if (!refused.empty()) return fail(pb::ENGINE, refused);
             }
         }
+        if (has_grammar) take_turn();                // an earlier stage: for its chain to the last
         // the session in the caller's own namespace (owners.cpp): no other member's id can be named here
         const std::string sid = names_.key(trust_.mutual ? peer_identity(ctx) : std::nullopt, req->session_id());
         const Key key{sid, req->epoch()};
