@@ -126,6 +126,23 @@ def _med(xs) -> float:
     return float(statistics.median(xs)) if xs else 0.0
 
 
+def _stage_memory(bundle, layer_bytes: list[int], mem: list[dict], engine_mem: list[dict]) -> list[dict]:
+    """Per stage of `bundle`: its worker's RSS and VmHWM (`mem`, /proc), what its engine allocated (`engine_mem`,
+    the descriptor's memory report), its weights and its layers' share of the model."""
+    rows = []
+    for st, m, em in zip(bundle.manifest.stages, mem, engine_mem):
+        rss = m.get("VmRSS", 0) * 1024
+        kv = int(em.get("kv_bytes", 0))
+        rows.append({"stage": st.index, "layers": [st.layer_begin, st.layer_end],
+                     "rss_bytes": rss, "hwm_bytes": m.get("VmHWM", 0) * 1024,
+                     "weight_bytes": st.weight_bytes, "layer_bytes": sum(layer_bytes[st.layer_begin:st.layer_end]),
+                     "rss_minus_weights_bytes": rss - st.weight_bytes,
+                     "kv_bytes": kv, "compute_bytes": int(em.get("compute_bytes", 0)),
+                     # the issue's bound: RSS <= (weights + KV) x 1.15
+                     "rss_over_weights_and_kv": rss / (st.weight_bytes + kv) if st.weight_bytes + kv else 0.0})
+    return rows
+
+
 def _measure(bundle, layer_bytes: list[int], *, tokens: int, threads: int, lib: Path, prompt_ids: list[int] | None,
              n_ctx: int, kernels: str) -> dict:
     """One stage count: serve `bundle`, generate, and read the figures (see the module docstring)."""
@@ -144,18 +161,7 @@ def _measure(bundle, layer_bytes: list[int], *, tokens: int, threads: int, lib: 
         hop = hop_figures([g], S)
         ring = [e.ring_ns / 1e6 for e in decode_events(g)]
         floor = one_way_ms(_med(ring), FLOOR_MESSAGES)
-    per_stage = []
-    for st, m, em in zip(bundle.manifest.stages, mem, engine_mem):
-        share = sum(layer_bytes[st.layer_begin:st.layer_end])
-        rss = m.get("VmRSS", 0) * 1024
-        kv = int(em.get("kv_bytes", 0))
-        per_stage.append({"stage": st.index, "layers": [st.layer_begin, st.layer_end],
-                          "rss_bytes": rss, "hwm_bytes": m.get("VmHWM", 0) * 1024,
-                          "weight_bytes": st.weight_bytes, "layer_bytes": share,
-                          "rss_minus_weights_bytes": rss - st.weight_bytes,
-                          "kv_bytes": kv, "compute_bytes": int(em.get("compute_bytes", 0)),
-                          # the issue's bound: RSS <= (weights + KV) x 1.15
-                          "rss_over_weights_and_kv": rss / (st.weight_bytes + kv) if st.weight_bytes + kv else 0.0})
+    per_stage = _stage_memory(bundle, layer_bytes, mem, engine_mem)
     biggest = max(per_stage, key=lambda r: r["rss_bytes"])
     return {
         "stages": S, "ranges": [s["layers"] for s in per_stage], "bundle_id": bundle.id,
@@ -189,14 +195,7 @@ def _long_run(bundle, layer_bytes: list[int], *, prompt_ids: list[int], tokens: 
         g = c.run(prompt_ids, max_new_tokens=tokens, stop_token_ids=[], logits="last")
         mem = [proc_memory(p.pid) for p in route.procs]
         engine_mem = [json.loads(d.descriptor_json)["capacity"]["memory"] for d in c.hops]
-    per_stage = []
-    for st, m, em in zip(bundle.manifest.stages, mem, engine_mem):
-        rss, kv = m.get("VmRSS", 0) * 1024, int(em.get("kv_bytes", 0))
-        per_stage.append({"stage": st.index, "layers": [st.layer_begin, st.layer_end], "rss_bytes": rss,
-                          "hwm_bytes": m.get("VmHWM", 0) * 1024, "weight_bytes": st.weight_bytes,
-                          "layer_bytes": sum(layer_bytes[st.layer_begin:st.layer_end]), "kv_bytes": kv,
-                          "compute_bytes": int(em.get("compute_bytes", 0)),
-                          "rss_over_weights_and_kv": rss / (st.weight_bytes + kv) if st.weight_bytes + kv else 0.0})
+    per_stage = _stage_memory(bundle, layer_bytes, mem, engine_mem)
     return {"stages": S, "ttft_s": g.t_first - g.t_start, "prefill_tok_s": g.prefill_tokens_per_s,
             "chunk_tokens": g.chunk_tokens, "token_ids": g.token_ids, "logits": g.logits,
             "max_rss_bytes": max(r["rss_bytes"] for r in per_stage), "per_stage": per_stage}
