@@ -113,8 +113,8 @@ grpc::Status StageWorker::open_session_rpc(const grpc::ServerContextBase * ctx, 
         if (!sp.grammar().empty() && !sp.json_schema().empty()) {
             return fail(pb::ENGINE, "sampling.grammar and sampling.json_schema are both set: give one of them");
         }
-        // A grammar's open takes a turn (trust/turns.h), held to its end: at the last stage its conversion runs in
-        // it (at most GRAMMARS_AT_ONCE at once: memory), at an earlier stage its chain to the last. Members take
+        // A grammar's open takes a turn (trust/turns.h): at the last stage for its conversion (at most
+        // GRAMMARS_AT_ONCE at once: memory), at an earlier stage for its chain to the last. Members take
         // turns, so one member's many grammars queue behind each other, not in front of another member's (at a
         // later stage the member is the previous hop, carrying every client's: stage 0's turns keep those fair)
         const bool has_grammar = !sp.grammar().empty() || !sp.json_schema().empty();
@@ -152,9 +152,10 @@ grpc::Status StageWorker::open_session_rpc(const grpc::ServerContextBase * ctx, 
                     }
                 }
                 if (!refused.empty()) return fail(pb::ENGINE, refused);
+                turn.reset();                        // converted: the next member's turn
             }
         }
-        if (has_grammar) take_turn();                // an earlier stage: for its chain to the last
+        if (has_grammar && !info_.is_last) take_turn();   // an earlier stage: for its chain to the last
         // the session in the caller's own namespace (owners.cpp): no other member's id can be named here
         const std::string sid = names_.key(trust_.mutual ? peer_identity(ctx) : std::nullopt, req->session_id());
         const Key key{sid, req->epoch()};
