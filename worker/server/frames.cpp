@@ -190,7 +190,7 @@ grpc::ServerBidiReactor<pb::Frame, pb::Frame> * StageWorker::Frames(grpc::Callba
 void StageWorker::stream_done(const ReplyPtr & out) {
     std::lock_guard<std::mutex> g(mu_);
     streams_.erase(out);
-    if (threads_stopped_) return;                    // stop() closed every session already
+    if (sched_.stopped()) return;                    // stop() closed every session already
     bool orphans = false;                            // a stream that carried no session (a Describe-like
     sessions_.for_each([&](const Key &, const SessionPtr & s) {   //   probe, a reset stream) needs no thread
         orphans = orphans || (s->client == out && !s->done);
@@ -205,7 +205,7 @@ void StageWorker::stream_done(const ReplyPtr & out) {
         } catch (...) {
         }
         std::lock_guard<std::mutex> g2(mu_);
-        if (--gone_running_ == 0) wake_.notify_all();
+        if (--gone_running_ == 0) gone_cv_.notify_all();
     }).detach();
 }
 

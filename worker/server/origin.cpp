@@ -29,8 +29,7 @@ void StageWorker::deliver_to_client(pb::Frame frame) {
         auto shared = std::make_shared<pb::Frame>(std::move(frame));
         std::lock_guard<std::mutex> g(mu_);
         sess->failed = true;
-        jobs_.push_back([client, shared] { client->put(std::move(*shared)); });
-        wake_.notify_all();
+        sched_.defer([client, shared] { client->put(std::move(*shared)); });
         return;
     }
     if (frame.has_logits()) {
@@ -122,12 +121,11 @@ void StageWorker::deliver_to_client(pb::Frame frame) {
     // ring, and the engine is never called from two threads
     const size_t n0 = n_ids - out.size();
     auto shared = std::make_shared<std::vector<pb::Frame>>(std::move(out));
-    std::lock_guard<std::mutex> g(mu_);
-    jobs_.push_back([this, sess, shared, n0, client, full_error] {
+    std::lock_guard<std::mutex> g(mu_);              // (in mu_'s order with an error's, as before)
+    sched_.defer([this, sess, shared, n0, client, full_error] {
         for (size_t i = 0; i < shared->size(); ++i) send_token(sess, std::move((*shared)[i]), n0 + i + 1);
         if (full_error) client->put(std::move(*full_error));   // the context is full: after its last token
     });
-    wake_.notify_all();
 }
 
 // The origin's next step: the last token at `pos`, plus what the session's draft source proposes (k+1

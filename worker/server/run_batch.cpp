@@ -184,9 +184,9 @@ void StageWorker::run_batch(std::vector<Work> & batch) {
         compute = mono_ns() - t0;
     }
     auto now = Clock::now();
+    sched_.note_batch(double(compute) / 1e6);
     {
         std::lock_guard<std::mutex> g(mu_);
-        batch_ms_ = 0.8 * batch_ms_ + 0.2 * double(compute) / 1e6;
         for (auto & r : ready) {
             if (!r.ok) continue;
             // --session-ttl counts real progress: a step that ran

@@ -25,7 +25,10 @@ StageWorker::StageWorker(const EngineLib & lib, dgr_engine * eng, StageIdentity 
                          uint64_t max_message_bytes, Limits limits)
     : engine_(lib, eng), address_(std::move(address)),
       max_message_bytes_(max_message_bytes), limits_(limits), conns_(limits.max_connections), started_(Clock::now()),
-      steps_(StepBounds{limits.max_queued_steps, limits.max_session_steps, limits.max_queued_steps_per_member}) {
+      sched_(StepBounds{limits.max_queued_steps, limits.max_session_steps, limits.max_queued_steps_per_member},
+             BatchSettings{limits.max_batch_tokens, limits.max_batch_sessions, limits.hold_batch},
+             {[this](std::vector<Work> & batch) { run_guarded(batch); },
+              [this] { return std::pair<uint64_t, size_t>(opened_total_.load(), sessions_.size()); }}) {
     card_.id = std::move(identity);
     dgr_memory memory{};
     {
@@ -63,7 +66,7 @@ StageWorker::StageWorker(const EngineLib & lib, dgr_engine * eng, StageIdentity 
     schema_in_ = me.schema_in();
     schema_out_ = me.schema_out();
     seam_bytes_per_token_ = me.seam_bytes_per_token();
-    engine_thread_ = std::thread([this] { engine_loop(); });   // last: it reads all of the above
+    sched_.start();                                  // last: its engine thread reads all of the above
 }
 
 std::string StageWorker::hop() const {
@@ -138,7 +141,7 @@ StageLoad StageWorker::load() {
     l.errors = errors_;
     l.open_sessions = sessions_.size();
     sessions_.for_each([&](const Key &, const SessionPtr & s) { l.cached_positions += s->held; });
-    l.queued_steps = steps_.steps();
+    l.queued_steps = sched_.steps();
     l.opened_sessions = opened_total_;
     l.reaped_sessions = reaped_;
     l.overloaded = overloaded_;
@@ -215,7 +218,7 @@ void StageWorker::prune_links() {
     {
         std::lock_guard<std::mutex> g(mu_);
         const auto now = Clock::now();
-        if (now - pruned_ < std::chrono::seconds(2) || threads_stopped_) return;
+        if (now - pruned_ < std::chrono::seconds(2) || sched_.stopped()) return;
         pruned_ = now;
         std::set<std::string> used;                  // where open sessions (and sessions being closed) still go
         sessions_.for_each([&](const Key &, const SessionPtr & p) {
@@ -282,17 +285,12 @@ void StageWorker::stop() {
 
 void StageWorker::shutdown_threads() {
     std::vector<std::shared_ptr<Link>> links;
-    {
-        std::lock_guard<std::mutex> g(mu_);
-        threads_stopped_ = true;
-        wake_.notify_all();
-    }
+    sched_.stop();                                   // no batch or job starts from now on
     links = links_.stop();                           // no link opens from now on
-    const bool on_engine = engine_thread_.get_id() == std::this_thread::get_id();
-    if (engine_thread_.joinable() && !on_engine) engine_thread_.join();
-    if (!on_engine) {
-        std::unique_lock<std::mutex> l(mu_);         // a reader running a step inline (step_queue.cpp) ends it first
-        wake_.wait(l, [&] { return !engine_busy_ && gone_running_ == 0; });
+    sched_.join();                                   // the engine thread, and a reader running a step inline
+    if (!sched_.on_engine_thread()) {
+        std::unique_lock<std::mutex> l(mu_);
+        gone_cv_.wait(l, [&] { return gone_running_ == 0; });
     }
     for (auto & l : links) l->close();
     links.clear();

@@ -9,6 +9,7 @@
 // they write out.
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
@@ -32,7 +33,7 @@
 #include "speculation/drafts.h"
 #include "engine_lib.h"
 #include "engine_loop/stage_engine.h"
-#include "engine_loop/step_queue.h"
+#include "engine_loop/scheduler.h"
 #include "sessions/names.h"
 #include "sessions/session_table.h"
 #include "cache/prefix_cache.h"
@@ -222,12 +223,7 @@ class StageWorker final : public dgr::v1::Stage::CallbackService, private LinkOw
     void start_speculation(const SessionPtr & sess, const dgr::v1::Generate & g);
     dgr::v1::Frame next_step(Session & s, const std::string & sid, uint64_t epoch, int64_t pos, int32_t token, bool after_drafts);
     void enqueue(Work w, const SessionPtr & sess, bool own);
-    uint32_t retry_after_ms();
-    bool held_back();                                // mu_ held
-    std::vector<Work> ready_batch();                 // mu_ held
-    bool run_inline(int64_t positions);              // mu_ held
-    void run_guarded(std::vector<Work> & batch);
-    void engine_loop();
+    void run_guarded(std::vector<Work> & batch);     // one batch, for the scheduler (sched_)
     void run_batch(std::vector<Work> & batch);
     void die_if_asked(size_t n, const std::function<const dgr::v1::Frame &(size_t)> & frame);
     // --test-evict-at, --test-break-origin-link-at: about to run this step (under the engine's lock: `eg`)
@@ -284,7 +280,6 @@ class StageWorker final : public dgr::v1::Stage::CallbackService, private LinkOw
 
     // --max-connections: connections (gRPC peers) with calls in progress
     friend struct Admit;
-    friend struct Busy;
     std::string admit(const grpc::ServerContextBase * ctx);   // "" admitted, else why not
     void release(const std::string & peer);
 
@@ -330,7 +325,8 @@ class StageWorker final : public dgr::v1::Stage::CallbackService, private LinkOw
     // fields hold
     SessionTable<Session> sessions_;
     std::vector<std::pair<std::string, uint64_t>> errors_;   // ErrorCode name -> answered, first seen first
-    uint64_t reaped_ = 0, overloaded_ = 0, opened_total_ = 0;
+    uint64_t reaped_ = 0, overloaded_ = 0;
+    std::atomic<uint64_t> opened_total_{0};          // (read by the scheduler under its lock: --hold-batch)
     bool stopping_ = false;
     std::chrono::steady_clock::time_point pruned_;   // prune_links' last run
     // the links to every peer (one Frames stream per address, the broken ones until gRPC is done with them) and
@@ -339,17 +335,13 @@ class StageWorker final : public dgr::v1::Stage::CallbackService, private LinkOw
     // the data path (mu_)
     std::map<Key, std::shared_future<void>> closing_;           // sessions being closed along the route now
     std::set<ReplyPtr> streams_;                     // reply queues of the incoming Frames calls
-    // queued steps per session, bounded, taken round robin: a part with its own (leaf) lock
-    // (engine_loop/step_queue.h); mu_ is held around it where its answer and the worker's state go together
-    StepQueue<Key, Work> steps_;
-    std::deque<std::function<void()>> jobs_;         // engine-thread work after a forward (detokenizing)
-    std::condition_variable wake_;
-    double batch_ms_ = 1.0;                          // moving average of one engine batch (retry hints)
     uint64_t max_frame_bytes_sent_ = 0;
-    bool threads_stopped_ = false;
     int64_t gone_running_ = 0;                       // stream_done's threads still closing sessions
-    bool engine_busy_ = false;                      // a thread (the engine's, or a reader running a lone step) runs a batch
-    std::thread engine_thread_;
+    std::condition_variable gone_cv_;                // gone_running_ fell to 0
+    // the queued steps (per session, bounded, round robin), the deferred jobs, the engine thread and which thread
+    // runs a batch: a part with its own lock, taken under mu_ (engine_loop/scheduler.h); after everything its
+    // Owner reads
+    StepScheduler<Key, Work> sched_;
     // last: it goes first, so no unary call runs on a worker being taken apart
     std::unique_ptr<UnaryCalls> calls_;
 };

@@ -27,7 +27,7 @@ void StageWorker::close_local(const std::string & sid, uint64_t epoch) {
         SessionPtr s = sessions_.erase(Key{sid, epoch});
         held = s != nullptr;
         if (held) wire = s->wire_down;
-        steps_.drop(Key{sid, epoch});               // its queued steps are forgotten
+        sched_.drop(Key{sid, epoch});               // its queued steps are forgotten
     }
     if (held) links = links_.live();                // the links' note of it
     for (auto & l : links) l->forget(Key{wire, epoch});
@@ -130,7 +130,7 @@ int StageWorker::reap() {
         // the table and the step queue at one time (mu_ held): a session with steps queued is not idle
         std::lock_guard<std::mutex> g(mu_);
         for (auto & [k, s] : sessions_.expired(Clock::now(), ttl)) {
-            if (steps_.has(k)) continue;
+            if (sched_.has(k)) continue;
             idle.push_back(k);
             told.push_back(s);
         }
