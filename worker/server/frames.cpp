@@ -181,7 +181,7 @@ class FramesReactor final : public grpc::ServerBidiReactor<pb::Frame, pb::Frame>
     pb::Frame in_;
 };
 
-grpc::ServerBidiReactor<pb::Frame, pb::Frame> * StageWorker::Frames(grpc::CallbackServerContext * ctx) {
+grpc::ServerBidiReactor<pb::Frame, pb::Frame> * StageWorker::frames(grpc::CallbackServerContext * ctx) {
     return new FramesReactor(this, ctx);
 }
 

@@ -449,7 +449,13 @@ Serving serve(const Options & o, const Trust & trust, const Listen & l, Stage & 
         std::printf("dgr worker: %zu certificate(s) advertised from %s\n", held.size(), o.certs.c_str());
         worker->set_certificates(std::move(held));
     }
-    b.RegisterService(worker.get());
+    sv.calls = std::make_unique<dgr::UnaryCalls>(dgr::UnaryCalls::Bounds{
+        size_t(o.limits.max_rpc_threads), size_t(o.limits.max_rpc_threads), size_t(o.limits.max_rpc_per_member)});
+    worker->count_calls(sv.calls.get());
+    dgr::StageWorker * w = worker.get();
+    sv.service = std::make_unique<dgr::StageService>(dgr::StageService::Parts{
+        *sv.calls, w->card(), [w] { return w->load(); }, w->vocabulary(), *w, *w, [w] { return w->hop(); }});
+    b.RegisterService(sv.service.get());
     auto & server = sv.server;
     server = b.BuildAndStart();
     if (!server || bound == 0) {

@@ -13,6 +13,8 @@
 #include "metrics_server.h"
 #include "trust/net_policy.h"
 #include "tls.h"
+#include "rpc/stage_service.h"
+#include "unary_calls.h"
 #include "worker.h"
 
 namespace dgr::serve {
@@ -69,9 +71,12 @@ struct Listen {
 Listen check_listen(const Options & o, const Trust & trust);
 
 // The worker serving: the gRPC server with the Stage service and health, the metrics endpoint, the address it
-// names itself by.
+// names itself by. Destroyed in reverse: the server, then the service and the unary calls' pool (which runs
+// what waits and joins its threads), so no call runs on a stage being taken apart.
 struct Serving {
     std::unique_ptr<StageWorker> worker;
+    std::unique_ptr<UnaryCalls> calls;               // the unary RPCs' pool (--max-rpc-threads, --max-rpc-per-member)
+    std::unique_ptr<StageService> service;           // what gRPC calls: hands each call to the part that serves it
     std::unique_ptr<grpc::Server> server;
     std::unique_ptr<MetricsServer> metrics;
     std::string address;

@@ -40,8 +40,6 @@ StageWorker::StageWorker(const EngineLib & lib, dgr_engine * eng, StageIdentity 
         can_truncate_ = eg.can_truncate() != 0;
     }
     vocab_.emplace(engine_, info_.has_vocab != 0, [this] { return hop(); });
-    calls_ = std::make_unique<UnaryCalls>(UnaryCalls::Bounds{size_t(limits_.max_rpc_threads), size_t(limits_.max_rpc_threads),
-                                                             size_t(limits_.max_rpc_per_member)});
     if (limits_.prefix_cache_mib <= 0) prefix_off_ = "--prefix-cache-mib 0";
     else if (!lib.state_get || !lib.state_set) prefix_off_ = "the engine library predates it";
     // a recurrent or hybrid model, also one that rolls back its last step (per-step snapshots, --draft-max):
@@ -148,9 +146,11 @@ StageLoad StageWorker::load() {
     l.max_frame_bytes_sent = max_frame_bytes_sent_;
     l.serving = !stopping_;
     l.outgoing_channels = links_.size();
-    const UnaryCalls::Counts calls = calls_->counts();   // (its own lock, a leaf: never taken the other way)
-    l.unary_running = calls.running, l.unary_waiting = calls.queued, l.unary_members = calls.members;
-    l.unary_refused = calls.refused;
+    if (calls_) {
+        const UnaryCalls::Counts calls = calls_->counts();   // (its own lock, a leaf: never taken the other way)
+        l.unary_running = calls.running, l.unary_waiting = calls.queued, l.unary_members = calls.members;
+        l.unary_refused = calls.refused;
+    }
     return l;
 }
 
@@ -176,10 +176,6 @@ pb::WireError StageWorker::err(pb::ErrorCode code, const std::string & message, 
     e.set_hop(hop());
     e.set_retry_after_ms(retry_after_ms);
     return e;
-}
-
-grpc::ServerUnaryReactor * StageWorker::unary(Ctx * ctx, UnaryCalls::Body body) {
-    return calls_->start(ctx, peer_identity(ctx).value_or(""), hop(), std::move(body));
 }
 
 std::chrono::system_clock::time_point StageWorker::chain_deadline(size_t hops_after, const grpc::ServerContextBase * ctx) const {

@@ -37,6 +37,7 @@
 #include "sessions/names.h"
 #include "sessions/session_table.h"
 #include "cache/prefix_cache.h"
+#include "stage_calls.h"
 #include "unary_calls.h"
 #include "metrics/description.h"
 #include "metrics/metrics.h"
@@ -104,22 +105,28 @@ struct Limits {
 
 class StageWorker;
 
-// Every RPC is served through gRPC's callback API: the unary ones are handed to `calls_` (unary_calls.h: a
-// bounded pool; gRPC 1.51's sync server queued every call, reset or not, without bound), Frames to its reactor.
-class StageWorker final : public dgr::v1::Stage::CallbackService, private LinkOwner {
+// What the Stage service (rpc/stage_service.h, which knows nothing of this class) hands its calls to (stage_calls.h): the
+// session RPCs' bodies (SessionCalls, run on the unary calls' pool) and the Frames calls' reactors (FrameStreams).
+class StageWorker final : public SessionCalls, public FrameStreams, private LinkOwner {
     friend class FramesReactor;
 
   public:
     StageWorker(const EngineLib & lib, dgr_engine * eng, StageIdentity identity, std::string address,
                 uint64_t max_message_bytes, Limits limits);
 
-    using Ctx = grpc::CallbackServerContext;
-    grpc::ServerUnaryReactor * Describe(Ctx *, const dgr::v1::DescribeRequest *, dgr::v1::StageDescription *) override;
-    grpc::ServerUnaryReactor * Tokenize(Ctx *, const dgr::v1::TokenizeRequest *, dgr::v1::TokenizeReply *) override;
-    grpc::ServerUnaryReactor * Detokenize(Ctx *, const dgr::v1::DetokenizeRequest *, dgr::v1::DetokenizeReply *) override;
-    grpc::ServerUnaryReactor * OpenSession(Ctx *, const dgr::v1::OpenSessionRequest *, dgr::v1::OpenSessionReply *) override;
-    grpc::ServerUnaryReactor * CloseSession(Ctx *, const dgr::v1::CloseSessionRequest *, dgr::v1::CloseSessionReply *) override;
-    grpc::ServerBidiReactor<dgr::v1::Frame, dgr::v1::Frame> * Frames(grpc::CallbackServerContext * ctx) override;
+    grpc::Status open_session_rpc(const grpc::ServerContextBase * ctx, const dgr::v1::OpenSessionRequest * req,
+                                  dgr::v1::OpenSessionReply * reply) override;
+    grpc::Status close_session_rpc(const grpc::ServerContextBase * ctx, const dgr::v1::CloseSessionRequest * req,
+                                   dgr::v1::CloseSessionReply * reply) override;
+    grpc::ServerBidiReactor<dgr::v1::Frame, dgr::v1::Frame> * frames(grpc::CallbackServerContext * ctx) override;
+    // what the service's Describe, Tokenize and Detokenize are handed: the card (fixed once serving), a snapshot of
+    // the load (every counter read under its lock), the vocabulary
+    const StageCard & card() const { return card_; }
+    StageLoad load();
+    StageVocabulary & vocabulary() { return *vocab_; }
+    // the unary calls' pool the service runs calls on, whose counts the load reports (set before serving; it
+    // outlives every call into this object: serve.h)
+    void count_calls(const UnaryCalls * calls) { calls_ = calls; }
 
     const dgr_stage_info & info() const { return info_; }
     std::string hop() const;
@@ -263,19 +270,11 @@ class StageWorker final : public dgr::v1::Stage::CallbackService, private LinkOw
     // the card (metrics/description.h) from the engine's stage info and memory and the worker's own settings: once,
     // at start (set_trust and set_certificates add theirs before serving)
     void fill_card(const dgr_memory & memory);
-    // a snapshot of the load, every counter read under its lock (worker.cpp)
-    StageLoad load();
     dgr::v1::WireError err(dgr::v1::ErrorCode code, const std::string & message, uint32_t retry_after_ms = 0);
     void count_error(dgr::v1::ErrorCode code);
     void close_local(const std::string & sid, uint64_t epoch);
     uint32_t session_retry_ms();
     std::chrono::system_clock::time_point chain_deadline(size_t hops_after, const grpc::ServerContextBase * ctx) const;
-    // the unary RPCs' bodies, run on calls_' threads
-    grpc::ServerUnaryReactor * unary(Ctx * ctx, UnaryCalls::Body body);
-    grpc::Status open_session_rpc(const grpc::ServerContextBase * ctx, const dgr::v1::OpenSessionRequest * req,
-                                  dgr::v1::OpenSessionReply * reply);
-    grpc::Status close_session_rpc(const grpc::ServerContextBase * ctx, const dgr::v1::CloseSessionRequest * req,
-                                   dgr::v1::CloseSessionReply * reply);
     std::shared_ptr<dgr::v1::Stage::Stub> link(const std::string & address);
 
     // --max-connections: connections (gRPC peers) with calls in progress
@@ -342,8 +341,7 @@ class StageWorker final : public dgr::v1::Stage::CallbackService, private LinkOw
     // runs a batch: a part with its own lock, taken under mu_ (engine_loop/scheduler.h); after everything its
     // Owner reads
     StepScheduler<Key, Work> sched_;
-    // last: it goes first, so no unary call runs on a worker being taken apart
-    std::unique_ptr<UnaryCalls> calls_;
+    const UnaryCalls * calls_ = nullptr;             // count_calls
 };
 
 }  // namespace dgr

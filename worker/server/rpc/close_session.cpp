@@ -102,10 +102,6 @@ void StageWorker::close_chained(const std::string & sid, uint64_t epoch, const g
     }
 }
 
-grpc::ServerUnaryReactor * StageWorker::CloseSession(Ctx * ctx, const pb::CloseSessionRequest * req, pb::CloseSessionReply * reply) {
-    return unary(ctx, [=] { return close_session_rpc(ctx, req, reply); });
-}
-
 grpc::Status StageWorker::close_session_rpc(const grpc::ServerContextBase * ctx, const pb::CloseSessionRequest * req,
                                             pb::CloseSessionReply * reply) {
     return guarded("CloseSession", [&] {

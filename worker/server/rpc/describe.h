@@ -1,7 +1,7 @@
 // Describe: the stage's description (identity, capacity, schemas, load) as dgr.v1.StageDescription
 // (description/stage_description.h), with the descriptor JSON it carries, from the stage's card and a snapshot of its
 // load (metrics/description.h).
-// StageWorker::Describe runs describe_rpc on the unary calls' threads (rpc/stage_service.cpp); these know
+// StageService::Describe runs describe_rpc on the unary calls' threads (rpc/stage_service.cpp); these know
 // nothing of the worker.
 #pragma once
 

@@ -28,10 +28,6 @@ uint32_t StageWorker::session_retry_ms() {
     return uint32_t(std::min(ttl, std::max(0.1, ttl - idle)) * 1000);
 }
 
-grpc::ServerUnaryReactor * StageWorker::OpenSession(Ctx * ctx, const pb::OpenSessionRequest * req, pb::OpenSessionReply * reply) {
-    return unary(ctx, [=] { return open_session_rpc(ctx, req, reply); });
-}
-
 grpc::Status StageWorker::open_session_rpc(const grpc::ServerContextBase * ctx, const pb::OpenSessionRequest * req,
                                            pb::OpenSessionReply * reply) {
     const EngineLib & lib = engine_.lib();

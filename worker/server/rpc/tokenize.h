@@ -1,5 +1,5 @@
 // Tokenize and Detokenize: each request handed to the stage's vocabulary (engine_loop/vocabulary.h), and what it
-// answers written back as the wire has it. StageWorker::Tokenize and ::Detokenize run these on the unary calls'
+// answers written back as the wire has it. StageService::Tokenize and ::Detokenize run these on the unary calls'
 // threads (rpc/stage_service.cpp); they know nothing of the worker.
 #pragma once
 
