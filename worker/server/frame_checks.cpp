@@ -109,10 +109,7 @@ void StageWorker::on_frame(pb::Frame frame, const ReplyPtr & reply, const std::o
             {
                 std::lock_guard<std::mutex> l(mu_);
                 sess->client = reply;
-                sess->max_new = g.max_new_tokens();
-                sess->stop_ids = std::set<int32_t>(g.stop_token_ids().begin(), g.stop_token_ids().end());
-                sess->context_ids.assign(g.context_ids().begin(), g.context_ids().end());
-                sess->history.assign(g.cached_ids().begin(), g.cached_ids().end());   // then the steps' tokens
+                sess->gen.begin(g.max_new_tokens(), g.stop_token_ids(), g.context_ids(), g.cached_ids());   // history: then the steps' tokens
                 sess->text = g.context_text();   // (not progress: --session-ttl counts steps run)
             }
             start_speculation(sess, g);
@@ -135,7 +132,7 @@ void StageWorker::on_frame(pb::Frame frame, const ReplyPtr & reply, const std::o
             std::lock_guard<std::mutex> g(mu_);
             if (!sess->client) sess->client = reply;
             const auto & ids = frame.step().token_ids();
-            sess->history.insert(sess->history.end(), ids.begin(), ids.end());   // what draft sources look up
+            sess->gen.history.insert(sess->gen.history.end(), ids.begin(), ids.end());   // what draft sources look up
             // the prompt's last chunk: MTP drafts for the first decode step come back with the first token
             if (sess->drafter && frame.step().sample()) frame.mutable_step()->set_mtp_drafts(sess->drafter->remote_k(int64_t(sess->draft_k)));
         }

@@ -193,7 +193,7 @@ void StageWorker::stream_done(const ReplyPtr & out) {
     if (sched_.stopped()) return;                    // stop() closed every session already
     bool orphans = false;                            // a stream that carried no session (a Describe-like
     sessions_.for_each([&](const Key &, const SessionPtr & s) {   //   probe, a reset stream) needs no thread
-        orphans = orphans || (s->client == out && !s->done);
+        orphans = orphans || (s->client == out && !s->gen.done);
     });
     if (!orphans) return;
     ++gone_running_;

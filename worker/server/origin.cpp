@@ -28,7 +28,7 @@ void StageWorker::deliver_to_client(pb::Frame frame) {
         // behind the tokens still being detokenized (jobs_, in order): an error never overtakes a token
         auto shared = std::make_shared<pb::Frame>(std::move(frame));
         std::lock_guard<std::mutex> g(mu_);
-        sess->failed = true;
+        sess->gen.failed = true;
         sched_.defer([client, shared] { client->put(std::move(*shared)); });
         return;
     }
@@ -52,30 +52,14 @@ void StageWorker::deliver_to_client(pb::Frame frame) {
         std::lock_guard<std::mutex> g(mu_);
         if (sess->drafter && tok->drafted()) sess->drafter->observe(tok->drafted(), uint32_t(tok->accepted_size()));
         if (sess->drafter) sess->drafter->offer(std::vector<int32_t>(tok->next_drafts().begin(), tok->next_drafts().end()));
-        bool done = false;
-        for (int32_t t : draws) {
-            ++used;
-            ++sess->produced;
-            sess->context_ids.push_back(t);
-            sess->history.push_back(t);
-            if (sess->stop_ids.count(t) || sess->produced >= sess->max_new) break;
-        }
-        const int32_t last = draws[used - 1];
-        done = sess->stop_ids.count(last) || sess->produced >= sess->max_new;
-        tok->set_done(done);
-        pos = first + int64_t(used);
-        if (!done && !sess->failed) {
-            if (pos >= info_.n_ctx) {
-                sess->failed = true;
-                full = true;
-            } else {
-                next = true;
-                step = next_step(*sess, sess->sid, frame.epoch(), pos, last, tok->drafted() > 0);
-            }
-        } else {
-            sess->done = true;
-        }
-        n_ids = sess->context_ids.size();
+        const Generation::Ring r = sess->gen.count(draws, first, info_.n_ctx);
+        used = r.used;
+        tok->set_done(r.done);
+        pos = r.next;
+        full = r.full;
+        next = r.step;
+        if (next) step = next_step(*sess, sess->sid, frame.epoch(), pos, r.last, tok->drafted() > 0);
+        n_ids = sess->gen.context_ids.size();
     }
     std::shared_ptr<pb::Frame> full_error;
     if (full) {                                      // sent after this ring's tokens (below)
@@ -134,10 +118,9 @@ void StageWorker::deliver_to_client(pb::Frame frame) {
 pb::Frame StageWorker::next_step(Session & s, const std::string & sid, uint64_t epoch, int64_t pos, int32_t token, bool after_drafts) {
     std::vector<int32_t> drafts;
     if (s.drafter) {
-        const int64_t k = std::min<int64_t>({int64_t(s.draft_k), int64_t(s.max_new) - int64_t(s.produced) - 1,
-                                             int64_t(info_.n_ctx) - 1 - pos});
+        const int64_t k = s.gen.draft_room(int64_t(s.draft_k), pos, int64_t(info_.n_ctx));
         if (k > 0) {
-            drafts = s.drafter->propose(s.history, k);
+            drafts = s.drafter->propose(s.gen.history, k);
             if (int64_t(drafts.size()) > k) drafts.resize(size_t(k));
         }
     }
@@ -228,7 +211,7 @@ void StageWorker::send_token(const SessionPtr & sess, pb::Frame frame, size_t n_
         std::vector<int32_t> ids;
         {
             std::lock_guard<std::mutex> g(mu_);
-            ids.assign(sess->context_ids.begin(), sess->context_ids.begin() + long(std::min(n_ids, sess->context_ids.size())));
+            ids.assign(sess->gen.context_ids.begin(), sess->gen.context_ids.begin() + long(std::min(n_ids, sess->gen.context_ids.size())));
         }
         std::string buf(16 * ids.size() + 16, '\0');
         int32_t n;
@@ -265,8 +248,8 @@ void StageWorker::client_gone(const ReplyPtr & out) {
     {
         std::lock_guard<std::mutex> g(mu_);
         sessions_.for_each([&](const Key & k, const SessionPtr & s) {
-            if (s->client == out && !s->done) {
-                s->failed = true;
+            if (s->client == out && !s->gen.done) {
+                s->gen.failed = true;
                 orphans.push_back(k);
             }
         });

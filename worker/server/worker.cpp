@@ -263,7 +263,7 @@ void StageWorker::stop() {
                 ReplyPtr client;
                 {
                     std::lock_guard<std::mutex> g(mu_);
-                    if (!sess->done) client = sess->client;
+                    if (!sess->gen.done) client = sess->client;
                 }
                 if (client) client->put(std::move(f));
             } else if (!sess->route.empty() && sess->route[0].address() != [&] { std::lock_guard<std::mutex> g(addr_mu_); return address_; }()) {

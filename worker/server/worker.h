@@ -49,6 +49,7 @@
 #include "grpc_status.h"
 #include "frame_queue.h"
 #include "link.h"
+#include "ring/generation.h"
 #include "ring/link_table.h"
 #include "wire_constants.h"
 
@@ -177,20 +178,15 @@ class StageWorker final : public SessionCalls, public FrameStreams, private Link
         uint64_t held = 0;                           // positions cached after its last step here
         // origin (stage 0) only: the client's reply stream and generation control
         ReplyPtr client;
-        uint32_t max_new = 0, produced = 0;
-        std::set<int32_t> stop_ids;
-        std::vector<int32_t> context_ids;            // tokens generated so far (all epochs)
-        std::string text;                            // their text as the client has it
-        bool done = false, failed = false;
+        Generation gen;                              // what it may make, has made and has run (ring/generation.h)
+        std::string text;                            // the generated tokens' text as the client has it
         bool told_origin = false;                    // the last stage: its stream back to the origin broke (once)
         SessionSenders senders;                      // mutual TLS (check_sender): who may send its frames here
-        // speculation. At the origin: the draft source and its k, the tokens the
-        // session has run (prompt + generated: where drafts are looked up), whether every hop can roll back,
+        // speculation. At the origin: the draft source and its k (drafts are looked up in gen.history), whether every hop can roll back,
         // the positions a step may carry unsplit. On every stage: the first draft position of its last
         // speculative step, below which a rollback never drops positions (-1: none).
         std::unique_ptr<DraftSource> drafter;
         uint32_t draft_k = 0;
-        std::vector<int32_t> history;
         bool can_roll_back = false;
         std::string no_roll_back;
         uint64_t spec_cap = MAX_DRAFT_K + 1;

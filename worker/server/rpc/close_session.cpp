@@ -137,8 +137,8 @@ int StageWorker::reap() {
         ReplyPtr client;
         {
             std::lock_guard<std::mutex> g(mu_);
-            if (sess->client && !sess->done) {
-                sess->failed = true;
+            if (sess->client && !sess->gen.done) {
+                sess->gen.failed = true;
                 client = sess->client;
             }
         }
