@@ -108,9 +108,9 @@ void StageWorker::on_frame(pb::Frame frame, const ReplyPtr & reply, const std::o
             }
             {
                 std::lock_guard<std::mutex> l(mu_);
-                sess->client = reply;
-                sess->gen.begin(g.max_new_tokens(), g.stop_token_ids(), g.context_ids(), g.cached_ids());   // history: then the steps' tokens
-                sess->text = g.context_text();   // (not progress: --session-ttl counts steps run)
+                sess->origin.client = reply;
+                sess->origin.gen.begin(g.max_new_tokens(), g.stop_token_ids(), g.context_ids(), g.cached_ids());   // history: then the steps' tokens
+                sess->origin.text = g.context_text();   // (not progress: --session-ttl counts steps run)
             }
             start_speculation(sess, g);
             return;
@@ -130,11 +130,11 @@ void StageWorker::on_frame(pb::Frame frame, const ReplyPtr & reply, const std::o
     if (info_.is_first) {
         {
             std::lock_guard<std::mutex> g(mu_);
-            if (!sess->client) sess->client = reply;
+            if (!sess->origin.client) sess->origin.client = reply;
             const auto & ids = frame.step().token_ids();
-            sess->gen.history.insert(sess->gen.history.end(), ids.begin(), ids.end());   // what draft sources look up
+            sess->origin.gen.history.insert(sess->origin.gen.history.end(), ids.begin(), ids.end());   // what draft sources look up
             // the prompt's last chunk: MTP drafts for the first decode step come back with the first token
-            if (sess->drafter && frame.step().sample()) frame.mutable_step()->set_mtp_drafts(sess->drafter->remote_k(int64_t(sess->draft_k)));
+            if (sess->origin.drafter && frame.step().sample()) frame.mutable_step()->set_mtp_drafts(sess->origin.drafter->remote_k(int64_t(sess->origin.draft_k)));
         }
         frame.set_origin_sent_ns(uint64_t(mono_ns()));
     }

@@ -7,7 +7,7 @@
 // each: Frames, the incoming stream and who may open one (this file); on_frame and check_step, a frame in
 // (frame_checks.cpp); FrameQueue, a stream's bounded reply queue (frame_queue.cpp); enqueue, ready_batch and
 // the engine thread (step_queue.cpp); run_batch, one batch through the engine (run_batch.cpp); Link, an
-// outgoing stream (link.cpp); emit_boundary and send, the ring relay (relay.cpp); emit_last, the last
+// outgoing stream (link.cpp); emit_boundary and send, what the stage sends round the ring (ring_out.cpp, over the relay: relay/relay.h); emit_last, the last
 // stage's draws (last_stage.cpp); deliver_to_client, next_step and send_token, the origin, and
 // start_speculation (origin.cpp; the drafts: speculation/drafts.cpp, whose twin for a client's own drafts is
 // dgr.runtime.wire.drafts); the metrics' counters (metrics/metrics.h). frames_internal.h holds what they share.
@@ -72,7 +72,6 @@ void StageWorker::check_stalls() {
         std::lock_guard<std::mutex> g(mu_);
         streams.assign(streams_.begin(), streams_.end());
     }
-    const std::vector<std::shared_ptr<Link>> links = links_.live();
     for (auto & q : streams) {
         bool stalled;
         {
@@ -81,7 +80,7 @@ void StageWorker::check_stalls() {
         }
         if (stalled) q->fail("its reader did not take a frame for " + std::to_string(timeout / 1000000) + " ms (--send-timeout)");
     }
-    for (auto & l : links) l->check_stall(now, timeout);
+    relay_.check_stalls(now, timeout);
 }
 
 // One incoming Frames call on gRPC's callback API: the thread that reads a frame (one of gRPC's) checks it
@@ -193,7 +192,7 @@ void StageWorker::stream_done(const ReplyPtr & out) {
     if (sched_.stopped()) return;                    // stop() closed every session already
     bool orphans = false;                            // a stream that carried no session (a Describe-like
     sessions_.for_each([&](const Key &, const SessionPtr & s) {   //   probe, a reset stream) needs no thread
-        orphans = orphans || (s->client == out && !s->gen.done);
+        orphans = orphans || (s->origin.client == out && !s->origin.gen.done);
     });
     if (!orphans) return;
     ++gone_running_;

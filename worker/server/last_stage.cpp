@@ -34,17 +34,17 @@ void StageWorker::emit_last(Work & w, const SessionPtr & sess, const float * log
         const pb::Sampling & sp = sess->sampling;
         for (int64_t j = 0; j <= k; ++j) {
             const float * row = vrows + j * n_vocab;
-            if (sess->grammar) {                     // never with drafts (start_speculation refuses it): k == 0
+            if (sess->last.grammar) {                     // never with drafts (start_speculation refuses it): k == 0
                 masked_.assign(row, row + n_vocab);
-                const int32_t st = lib.grammar_apply(sess->grammar.get(), masked_.data(), int32_t(n_vocab));
+                const int32_t st = lib.grammar_apply(sess->last.grammar.get(), masked_.data(), int32_t(n_vocab));
                 if (st != DGR_OK) throw std::runtime_error(lib.error(st));
                 row = masked_.data();
             }
             const int32_t token = lib.sample(row, int32_t(n_vocab), double(sp.temperature()), int32_t(sp.top_k()),
                                               double(sp.top_p()), sp.seed(), base + j);
             if (token < 0) throw std::runtime_error("dgr_sample refused the logits row");
-            if (sess->grammar) {
-                const int32_t st = lib.grammar_accept(sess->grammar.get(), token);
+            if (sess->last.grammar) {
+                const int32_t st = lib.grammar_accept(sess->last.grammar.get(), token);
                 if (st != DGR_OK) throw std::runtime_error(lib.error(st));
             }
             draws.push_back(token);

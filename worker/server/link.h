@@ -6,7 +6,7 @@
 // reused: its sessions hear HOP_UNREACHABLE and the next frame to that address opens a new link.
 //
 // It knows nothing of the worker: what it needs comes in LinkSettings, what it tells goes to a LinkOwner (the
-// worker: relay.cpp), and the links to every peer are kept by the link table (ring/link_table.h).
+// relay, relay/relay.h), and the links to every peer are kept by the link table (ring/link_table.h).
 #pragma once
 
 #include <condition_variable>

@@ -21,14 +21,14 @@ void StageWorker::deliver_to_client(pb::Frame frame) {
     ReplyPtr client;
     {
         std::lock_guard<std::mutex> g(mu_);
-        client = sess->client;
+        client = sess->origin.client;
     }
     if (!client) return;
     if (frame.has_error()) {
         // behind the tokens still being detokenized (jobs_, in order): an error never overtakes a token
         auto shared = std::make_shared<pb::Frame>(std::move(frame));
         std::lock_guard<std::mutex> g(mu_);
-        sess->gen.failed = true;
+        sess->origin.gen.failed = true;
         sched_.defer([client, shared] { client->put(std::move(*shared)); });
         return;
     }
@@ -50,16 +50,16 @@ void StageWorker::deliver_to_client(pb::Frame frame) {
     pb::Frame step;
     {
         std::lock_guard<std::mutex> g(mu_);
-        if (sess->drafter && tok->drafted()) sess->drafter->observe(tok->drafted(), uint32_t(tok->accepted_size()));
-        if (sess->drafter) sess->drafter->offer(std::vector<int32_t>(tok->next_drafts().begin(), tok->next_drafts().end()));
-        const Generation::Ring r = sess->gen.count(draws, first, info_.n_ctx);
+        if (sess->origin.drafter && tok->drafted()) sess->origin.drafter->observe(tok->drafted(), uint32_t(tok->accepted_size()));
+        if (sess->origin.drafter) sess->origin.drafter->offer(std::vector<int32_t>(tok->next_drafts().begin(), tok->next_drafts().end()));
+        const Generation::Ring r = sess->origin.gen.count(draws, first, info_.n_ctx);
         used = r.used;
         tok->set_done(r.done);
         pos = r.next;
         full = r.full;
         next = r.step;
         if (next) step = next_step(*sess, sess->sid, frame.epoch(), pos, r.last, tok->drafted() > 0);
-        n_ids = sess->gen.context_ids.size();
+        n_ids = sess->origin.gen.context_ids.size();
     }
     std::shared_ptr<pb::Frame> full_error;
     if (full) {                                      // sent after this ring's tokens (below)
@@ -117,10 +117,10 @@ void StageWorker::deliver_to_client(pb::Frame frame) {
 // speculative, so stages may hold rejected positions >= pos to drop. mu_ held.
 pb::Frame StageWorker::next_step(Session & s, const std::string & sid, uint64_t epoch, int64_t pos, int32_t token, bool after_drafts) {
     std::vector<int32_t> drafts;
-    if (s.drafter) {
-        const int64_t k = s.gen.draft_room(int64_t(s.draft_k), pos, int64_t(info_.n_ctx));
+    if (s.origin.drafter) {
+        const int64_t k = s.origin.gen.draft_room(int64_t(s.origin.draft_k), pos, int64_t(info_.n_ctx));
         if (k > 0) {
-            drafts = s.drafter->propose(s.gen.history, k);
+            drafts = s.origin.drafter->propose(s.origin.gen.history, k);
             if (int64_t(drafts.size()) > k) drafts.resize(size_t(k));
         }
     }
@@ -136,7 +136,7 @@ pb::Frame StageWorker::next_step(Session & s, const std::string & sid, uint64_t 
     st->set_sample(true);
     st->set_drafts(uint32_t(drafts.size()));
     st->set_rollback(after_drafts);
-    if (s.drafter) st->set_mtp_drafts(s.drafter->remote_k(int64_t(s.draft_k)));
+    if (s.origin.drafter) st->set_mtp_drafts(s.origin.drafter->remote_k(int64_t(s.origin.draft_k)));
     return f;
 }
 
@@ -157,21 +157,21 @@ void StageWorker::start_speculation(const SessionPtr & sess, const pb::Generate 
         throw Fault{pb::ENGINE, "speculative decoding with a grammar (sampling.grammar or sampling.json_schema) is not "
                                 "supported: generate without --speculate, or without the grammar"};
     }
-    if (!sess->can_roll_back) {
+    if (!sess->origin.can_roll_back) {
         throw Fault{pb::ENGINE, "speculative decoding needs every stage to drop rejected drafts from its cache, and " +
-                                    (sess->no_roll_back.empty() ? std::string("a hop of the route") : sess->no_roll_back) +
+                                    (sess->origin.no_roll_back.empty() ? std::string("a hop of the route") : sess->origin.no_roll_back) +
                                     " cannot (a recurrent or hybrid model keeps one running state, or the worker predates "
                                     "speculation): generate without --speculate"};
     }
-    if (g.draft_source() == "mtp" && !sess->last_has_mtp) {
-        throw Fault{pb::ENGINE, "--speculate mtp: the route's last stage " + (sess->last_hop.empty() ? std::string("") : sess->last_hop + " ") +
+    if (g.draft_source() == "mtp" && !sess->origin.last_has_mtp) {
+        throw Fault{pb::ENGINE, "--speculate mtp: the route's last stage " + (sess->origin.last_hop.empty() ? std::string("") : sess->origin.last_hop + " ") +
                                     "has no MTP block (or its engine cannot draft with one): MTP drafts come from the last stage of "
                                     "a bundle built with bundle.include_mtp = true (DeepSeek V4); use --speculate ngram or none"};
     }
-    sess->drafter = std::move(drafter);
-    uint64_t cap = std::min<uint64_t>(k, sess->spec_cap - 1);
-    if (sess->draft_max) cap = std::min<uint64_t>(cap, sess->draft_max);   // what every hop can roll back
-    sess->draft_k = uint32_t(cap);
+    sess->origin.drafter = std::move(drafter);
+    uint64_t cap = std::min<uint64_t>(k, sess->origin.spec_cap - 1);
+    if (sess->origin.draft_max) cap = std::min<uint64_t>(cap, sess->origin.draft_max);   // what every hop can roll back
+    sess->origin.draft_k = uint32_t(cap);
 }
 
 void StageWorker::note_route(Session & s, const google::protobuf::RepeatedPtrField<pb::StageDescription> & hops) {
@@ -187,20 +187,20 @@ void StageWorker::note_route(Session & s, const google::protobuf::RepeatedPtrFie
             cap = cap ? std::min(cap, t) : t;
         }
     }
-    s.can_roll_back = no.empty();
-    s.no_roll_back = no;
-    s.spec_cap = cap ? cap : MAX_DRAFT_K + 1;
+    s.origin.can_roll_back = no.empty();
+    s.origin.no_roll_back = no;
+    s.origin.spec_cap = cap ? cap : MAX_DRAFT_K + 1;
     uint32_t dmax = 0;
     for (int i = 0; i < hops.size(); ++i) {
         const uint32_t d = hops.Get(i).n_draft_max();
         if (d) dmax = dmax ? std::min(dmax, d) : d;
     }
-    s.draft_max = dmax;
+    s.origin.draft_max = dmax;
     if (hops.size()) {
         const int i = hops.size() - 1;
         const size_t at = size_t(s.hop_index) + size_t(i);
-        s.last_has_mtp = hops.Get(i).has_mtp();
-        s.last_hop = hop_name(hops.Get(i).identity().stage_index(), at < s.route.size() ? s.route[at].address() : std::string());
+        s.origin.last_has_mtp = hops.Get(i).has_mtp();
+        s.origin.last_hop = hop_name(hops.Get(i).identity().stage_index(), at < s.route.size() ? s.route[at].address() : std::string());
     }
 }
 
@@ -211,7 +211,7 @@ void StageWorker::send_token(const SessionPtr & sess, pb::Frame frame, size_t n_
         std::vector<int32_t> ids;
         {
             std::lock_guard<std::mutex> g(mu_);
-            ids.assign(sess->gen.context_ids.begin(), sess->gen.context_ids.begin() + long(std::min(n_ids, sess->gen.context_ids.size())));
+            ids.assign(sess->origin.gen.context_ids.begin(), sess->origin.gen.context_ids.begin() + long(std::min(n_ids, sess->origin.gen.context_ids.size())));
         }
         std::string buf(16 * ids.size() + 16, '\0');
         int32_t n;
@@ -234,10 +234,10 @@ void StageWorker::send_token(const SessionPtr & sess, pb::Frame frame, size_t n_
         if (unfinished && !tok->done()) {
             tok->set_text("");                       // an unfinished UTF-8 sequence: wait for more
         } else {
-            tok->set_text(full.substr(byte_offset(full, code_points(sess->text))));
-            sess->text = full;
+            tok->set_text(full.substr(byte_offset(full, code_points(sess->origin.text))));
+            sess->origin.text = full;
         }
-        client = sess->client;
+        client = sess->origin.client;
     }
     if (client) client->put(std::move(frame));
 }
@@ -248,8 +248,8 @@ void StageWorker::client_gone(const ReplyPtr & out) {
     {
         std::lock_guard<std::mutex> g(mu_);
         sessions_.for_each([&](const Key & k, const SessionPtr & s) {
-            if (s->client == out && !s->gen.done) {
-                s->gen.failed = true;
+            if (s->origin.client == out && !s->origin.gen.done) {
+                s->origin.gen.failed = true;
                 orphans.push_back(k);
             }
         });

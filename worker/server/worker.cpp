@@ -23,8 +23,10 @@ using Clock = std::chrono::steady_clock;
 
 StageWorker::StageWorker(const EngineLib & lib, dgr_engine * eng, StageIdentity identity, std::string address,
                          uint64_t max_message_bytes, Limits limits)
-    : engine_(lib, eng), address_(std::move(address)),
-      max_message_bytes_(max_message_bytes), limits_(limits), conns_(limits.max_connections), started_(Clock::now()),
+    : engine_(lib, eng), max_message_bytes_(max_message_bytes), limits_(limits),
+      relay_(*this, std::move(address), RelaySettings{max_message_bytes, limits.link_keepalive_timeout_s,
+                                                      limits.max_send_queue_bytes}),
+      conns_(limits.max_connections), started_(Clock::now()),
       sched_(StepBounds{limits.max_queued_steps, limits.max_session_steps, limits.max_queued_steps_per_member},
              BatchSettings{limits.max_batch_tokens, limits.max_batch_sessions, limits.hold_batch},
              {[this](std::vector<Work> & batch) { run_guarded(batch); },
@@ -68,13 +70,11 @@ StageWorker::StageWorker(const EngineLib & lib, dgr_engine * eng, StageIdentity 
 }
 
 std::string StageWorker::hop() const {
-    std::lock_guard<std::mutex> g(addr_mu_);
-    return hop_name(uint32_t(card_.id.stage_index), address_);
+    return hop_name(uint32_t(card_.id.stage_index), relay_.address());
 }
 
 void StageWorker::set_address(const std::string & address) {
-    std::lock_guard<std::mutex> g(addr_mu_);
-    address_ = address;
+    relay_.set_address(address);
 }
 
 void StageWorker::set_trust(Trust trust) {
@@ -83,10 +83,7 @@ void StageWorker::set_trust(Trust trust) {
     card_.mutual_tls = trust_.mutual;
     card_.member = trust_.member;
     names_ = SessionNames(trust_.mutual);
-}
-
-std::shared_ptr<grpc::ChannelCredentials> StageWorker::channel_credentials() const {
-    return trust_.channel ? trust_.channel : grpc::InsecureChannelCredentials();
+    relay_.set_credentials(trust_.channel);
 }
 
 // The card: the engine's stage info and memory and the worker's settings, copied once at start.
@@ -125,6 +122,8 @@ void StageWorker::fill_card(const dgr_memory & memory) {
 // order").
 StageLoad StageWorker::load() {
     StageLoad l;
+    l.address = relay_.address();
+    l.max_frame_bytes_sent = relay_.max_frame_bytes_sent();
     l.uptime_s = std::chrono::duration<double>(Clock::now() - started_).count();
     l.counts = metrics_.counts();
     l.decode = metrics_.times(0);
@@ -132,7 +131,6 @@ StageLoad StageWorker::load() {
     if (prefix_) l.prefix = prefix_->stats();
     {
         std::lock_guard<std::mutex> g(addr_mu_);
-        l.address = address_;
         l.metrics_url = metrics_url_;
     }
     std::lock_guard<std::mutex> g(mu_);
@@ -143,9 +141,8 @@ StageLoad StageWorker::load() {
     l.opened_sessions = opened_total_;
     l.reaped_sessions = reaped_;
     l.overloaded = overloaded_;
-    l.max_frame_bytes_sent = max_frame_bytes_sent_;
     l.serving = !stopping_;
-    l.outgoing_channels = links_.size();
+    l.outgoing_channels = relay_.size();
     if (calls_) {
         const UnaryCalls::Counts calls = calls_->counts();   // (its own lock, a leaf: never taken the other way)
         l.unary_running = calls.running, l.unary_waiting = calls.queued, l.unary_members = calls.members;
@@ -191,26 +188,11 @@ std::chrono::system_clock::time_point StageWorker::chain_deadline(size_t hops_af
     return now + std::chrono::duration_cast<std::chrono::system_clock::duration>(std::chrono::duration<double>(t));
 }
 
-std::shared_ptr<pb::Stage::Stub> StageWorker::link(const std::string & address) {
-    return links_.channel(address, [&] {
-        grpc::ChannelArguments args;
-        int limit = int(max_message_bytes_ + FRAME_OVERHEAD);
-        args.SetMaxSendMessageSize(limit);
-        args.SetMaxReceiveMessageSize(limit);
-        // its own connection: a peer restarted in place is not stuck behind a shared connection's backoff
-        args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
-        args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, RECONNECT_INITIAL_MS);   // as the links (wire_constants.h)
-        args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, CONNECT_TIMEOUT_MS);
-        args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, RECONNECT_MAX_MS);
-        return std::shared_ptr<pb::Stage::Stub>(pb::Stage::NewStub(grpc::CreateCustomChannel(address, channel_credentials(), args)));
-    });
-}
-
 // What a member's routes made this worker open outlives nothing: every few seconds the channels and links to
 // addresses no open session goes to are dropped, and broken links gRPC is done with are destroyed, so a member
 // naming ever new addresses cannot grow the worker (docs/security.md)
 void StageWorker::prune_links() {
-    LinkTable<Link, pb::Stage::Stub>::Pruned drop;
+    Relay::Dropped drop;
     {
         std::lock_guard<std::mutex> g(mu_);
         const auto now = Clock::now();
@@ -223,12 +205,12 @@ void StageWorker::prune_links() {
             if (!s.route.empty()) used.insert(s.route[0].address());
         });
         if (!closing_.empty()) return;               // a close chain may be using a channel right now
-        drop = links_.prune(used);                   // the table's lock, under mu_: no session opens meanwhile
+        drop = relay_.prune(used);                   // the link table's lock, under mu_: no session opens meanwhile
     }
-    for (auto & l : drop.links) l->close();          // outside every lock: gRPC's callbacks take them
+    Relay::close(drop);                              // outside every lock: gRPC's callbacks take them
 }
 
-StageWorker::SessionPtr StageWorker::session(const Key & key) {
+SessionPtr StageWorker::session(const Key & key) {
     return sessions_.find(key);                      // the table's lock alone (sessions/session_table.h)
 }
 
@@ -263,10 +245,10 @@ void StageWorker::stop() {
                 ReplyPtr client;
                 {
                     std::lock_guard<std::mutex> g(mu_);
-                    if (!sess->gen.done) client = sess->client;
+                    if (!sess->origin.gen.done) client = sess->origin.client;
                 }
                 if (client) client->put(std::move(f));
-            } else if (!sess->route.empty() && sess->route[0].address() != [&] { std::lock_guard<std::mutex> g(addr_mu_); return address_; }()) {
+            } else if (!sess->route.empty() && sess->route[0].address() != relay_.address()) {
                 send(sess->route[0].address(), 0, std::move(f), sess);
             }
         } catch (const std::exception & e) {
@@ -280,17 +262,14 @@ void StageWorker::stop() {
 }
 
 void StageWorker::shutdown_threads() {
-    std::vector<std::shared_ptr<Link>> links;
     sched_.stop();                                   // no batch or job starts from now on
-    links = links_.stop();                           // no link opens from now on
+    relay_.stop();                                   // no link opens from now on
     sched_.join();                                   // the engine thread, and a reader running a step inline
     if (!sched_.on_engine_thread()) {
         std::unique_lock<std::mutex> l(mu_);
         gone_cv_.wait(l, [&] { return gone_running_ == 0; });
     }
-    for (auto & l : links) l->close();
-    links.clear();
-    links_.clear();                                  // every link and channel destroyed here, outside the locks
+    relay_.close_all();                              // every link closed and destroyed here, outside the locks
 }
 
 StageWorker::~StageWorker() {

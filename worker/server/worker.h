@@ -35,6 +35,7 @@
 #include "engine_loop/stage_engine.h"
 #include "engine_loop/scheduler.h"
 #include "sessions/names.h"
+#include "sessions/session.h"
 #include "sessions/session_table.h"
 #include "cache/prefix_cache.h"
 #include "stage_calls.h"
@@ -49,8 +50,8 @@
 #include "grpc_status.h"
 #include "frame_queue.h"
 #include "link.h"
+#include "relay/relay.h"
 #include "ring/generation.h"
-#include "ring/link_table.h"
 #include "wire_constants.h"
 
 namespace dgr {
@@ -108,7 +109,7 @@ class StageWorker;
 
 // What the Stage service (rpc/stage_service.h, which knows nothing of this class) hands its calls to (stage_calls.h): the
 // session RPCs' bodies (SessionCalls, run on the unary calls' pool) and the Frames calls' reactors (FrameStreams).
-class StageWorker final : public SessionCalls, public FrameStreams, private LinkOwner {
+class StageWorker final : public SessionCalls, public FrameStreams, private RelayOwner {
     friend class FramesReactor;
 
   public:
@@ -134,7 +135,6 @@ class StageWorker final : public SessionCalls, public FrameStreams, private Link
     void set_address(const std::string & address);
     // TLS (before serving): the links' credentials, what Describe reports, the peer checks under mTLS
     void set_trust(Trust trust);
-    std::shared_ptr<grpc::ChannelCredentials> channel_credentials() const;
     // The send deadlines (--send-timeout) of every reply stream and link; called about 5 times a second.
     void check_stalls();
     // Idle sessions past --session-ttl are closed (once a second at most); returns how many. Outgoing links
@@ -157,48 +157,7 @@ class StageWorker final : public SessionCalls, public FrameStreams, private Link
 
   private:
     using Engine = StageEngine;
-    struct Session {
-        std::string sid;                             // this worker's key for it (sessions/names.h: key)
-        std::vector<dgr::v1::Hop> route;
-        uint32_t hop_index = 0;
-        dgr::v1::Sampling sampling;
-        int logits = 0;                              // dgr::v1::LogitsMode
-        // the last stage, Sampling.grammar / json_schema: llama.cpp's grammar sampler, advanced over every
-        // token drawn (used on the engine thread only; closed with the session)
-        std::shared_ptr<dgr_grammar> grammar;
-        std::string prefix_seed;                     // the prefix cache: what its state depends on (prefix_seed())
-        std::string prefix_owner;                    // the prefix cache: whose entries it may use and leave
-        // the id the route's later hops and its origin know it by (stage 0 draws one per session under mTLS:
-        // unguessable, so no member off the route can name it there; later stages pass on what they got)
-        std::string wire_down;
-        // stage 0: the token ids at positions [0, ran.size()) that this worker ran (or restored from its prefix
-        // cache): what the blocks it keeps are hashed from, never the client's word; ran_ok false once unknown
-        std::vector<int32_t> ran;
-        bool ran_ok = true;
-        uint64_t held = 0;                           // positions cached after its last step here
-        // origin (stage 0) only: the client's reply stream and generation control
-        ReplyPtr client;
-        Generation gen;                              // what it may make, has made and has run (ring/generation.h)
-        std::string text;                            // the generated tokens' text as the client has it
-        bool told_origin = false;                    // the last stage: its stream back to the origin broke (once)
-        SessionSenders senders;                      // mutual TLS (check_sender): who may send its frames here
-        // speculation. At the origin: the draft source and its k (drafts are looked up in gen.history), whether every hop can roll back,
-        // the positions a step may carry unsplit. On every stage: the first draft position of its last
-        // speculative step, below which a rollback never drops positions (-1: none).
-        std::unique_ptr<DraftSource> drafter;
-        uint32_t draft_k = 0;
-        bool can_roll_back = false;
-        std::string no_roll_back;
-        uint64_t spec_cap = MAX_DRAFT_K + 1;
-        int64_t spec_floor = -1;
-        // MTP: the route's last stage drafts with its MTP block (StageDescription.has_mtp); the most drafts a
-        // step may carry and still roll back at every hop (the least StageDescription.n_draft_max; 0: no limit)
-        bool last_has_mtp = false;
-        uint32_t draft_max = 0;
-        std::string last_hop;                        // its name, for errors
-    };
-    using Key = std::pair<std::string, uint64_t>;
-    using SessionPtr = std::shared_ptr<Session>;
+    using Key = SessionKey;                          // a session (sessions/session.h: by role)
     // One queued step: the frame, where errors about it go, its boundary decoded to float32.
     struct Work {
         dgr::v1::Frame frame;
@@ -241,8 +200,8 @@ class StageWorker final : public SessionCalls, public FrameStreams, private Link
     // an error about `frame` to its sender, naming the session as the sender does (as_named: the frame already
     // carries that name; else it carries this worker's key, wire_of)
     void reply_error(const ReplyPtr & reply, const dgr::v1::Frame & frame, dgr::v1::WireError e, bool as_named = false);
-    void on_link_reply(Link * link, dgr::v1::Frame frame) override;                                  // LinkOwner
-    void on_link_broken(Link * link, const std::string & why, const std::set<Key> & lost) override;  // LinkOwner
+    void on_reply(const Key & mine, dgr::v1::Frame frame) override;                                     // RelayOwner
+    void on_broken(const std::string & address, const std::string & why, const std::set<Key> & lost) override;  // RelayOwner
     void client_gone(const ReplyPtr & out);
     void stream_done(const ReplyPtr & out);        // a Frames call's OnDone: client_gone on a thread of its own
     // `keep`: the prefix blocks (and their size) the next hops keep the session's state under (keep_prefix's)
@@ -259,7 +218,6 @@ class StageWorker final : public SessionCalls, public FrameStreams, private Link
     // (trust/grammar_bounds.h)
     std::string refuse_grammar(const dgr::v1::Sampling & sp) const;
     SessionPtr session(const Key & key);
-    std::shared_ptr<Link> out_link(const std::string & address, uint32_t hop_index);
     void encode(const float * x, int64_t n_tokens, dgr::v1::Boundary * b) const;
     void shutdown_threads();
 
@@ -271,7 +229,6 @@ class StageWorker final : public SessionCalls, public FrameStreams, private Link
     void close_local(const std::string & sid, uint64_t epoch);
     uint32_t session_retry_ms();
     std::chrono::system_clock::time_point chain_deadline(size_t hops_after, const grpc::ServerContextBase * ctx) const;
-    std::shared_ptr<dgr::v1::Stage::Stub> link(const std::string & address);
 
     // --max-connections: connections (gRPC peers) with calls in progress
     friend struct Admit;
@@ -282,10 +239,12 @@ class StageWorker final : public SessionCalls, public FrameStreams, private Link
     std::optional<StageVocabulary> vocab_;           // Tokenize, Detokenize over engine_ (set once the stage is described)
     Trust trust_;
     NetPolicy net_;                                  // fixed once serving
-    mutable std::mutex addr_mu_;
-    std::string address_;                            // HOST:PORT as it names itself (addr_mu_)
+    mutable std::mutex addr_mu_;                     // metrics_url_
     uint64_t max_message_bytes_;
     Limits limits_;
+    // where this worker's frames and chained calls go: the links and channels to every peer, its address, the
+    // credentials (relay/relay.h; its own locks). Declared here: destroyed after everything that sends.
+    Relay relay_;
     ConnectionSlots conns_;                          // --max-connections: connections with calls in progress
                                                      //   (trust/connections.h; its own leaf lock)
     dgr_stage_info info_{};
@@ -324,13 +283,9 @@ class StageWorker final : public SessionCalls, public FrameStreams, private Link
     std::atomic<uint64_t> opened_total_{0};          // (read by the scheduler under its lock: --hold-batch)
     bool stopping_ = false;
     std::chrono::steady_clock::time_point pruned_;   // prune_links' last run
-    // the links to every peer (one Frames stream per address, the broken ones until gRPC is done with them) and
-    // the unary channels (open and close chains): a part with its own lock (ring/link_table.h)
-    LinkTable<Link, dgr::v1::Stage::Stub> links_;
     // the data path (mu_)
     std::map<Key, std::shared_future<void>> closing_;           // sessions being closed along the route now
     std::set<ReplyPtr> streams_;                     // reply queues of the incoming Frames calls
-    uint64_t max_frame_bytes_sent_ = 0;
     int64_t gone_running_ = 0;                       // stream_done's threads still closing sessions
     std::condition_variable gone_cv_;                // gone_running_ fell to 0
     // the queued steps (per session, bounded, round robin), the deferred jobs, the engine thread and which thread

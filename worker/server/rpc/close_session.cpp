@@ -18,7 +18,6 @@ using Clock = std::chrono::steady_clock;
 
 void StageWorker::close_local(const std::string & sid, uint64_t epoch) {
     bool held;
-    std::vector<std::shared_ptr<Link>> links;
     std::string wire;
     {
         // the table and the step queue together (mu_ held): nothing of a session outlives it (the table drops
@@ -29,8 +28,7 @@ void StageWorker::close_local(const std::string & sid, uint64_t epoch) {
         if (held) wire = s->wire_down;
         sched_.drop(Key{sid, epoch});               // its queued steps are forgotten
     }
-    if (held) links = links_.live();                // the links' note of it
-    for (auto & l : links) l->forget(Key{wire, epoch});
+    if (held) relay_.forget(Key{wire, epoch});       // the links' note of it
     if (held) {
         auto eg = engine_.lock();
         int32_t st = eg.session_close(sid.c_str(), int64_t(epoch));
@@ -94,7 +92,7 @@ void StageWorker::close_chained(const std::string & sid, uint64_t epoch, const g
         pb::CloseSessionReply theirs;
         grpc::ClientContext cc;
         cc.set_deadline(chain_deadline(route.size() - 1 - hop_index, ctx));
-        grpc::Status st = link(nxt.address())->CloseSession(&cc, req, &theirs);
+        grpc::Status st = relay_.channel(nxt.address())->CloseSession(&cc, req, &theirs);
         if (!st.ok() && reply) {
             *reply->mutable_error() = err(pb::HOP_UNREACHABLE, "could not close on " + hop_name(hop_index + 1, nxt.address()) +
                                                                    ": " + status_name(st.error_code()));
@@ -137,9 +135,9 @@ int StageWorker::reap() {
         ReplyPtr client;
         {
             std::lock_guard<std::mutex> g(mu_);
-            if (sess->client && !sess->gen.done) {
-                sess->gen.failed = true;
-                client = sess->client;
+            if (sess->origin.client && !sess->origin.gen.done) {
+                sess->origin.gen.failed = true;
+                client = sess->origin.client;
             }
         }
         if (client) {

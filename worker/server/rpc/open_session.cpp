@@ -226,12 +226,12 @@ grpc::Status StageWorker::open_session_rpc(const grpc::ServerContextBase * ctx, 
             s->sid = sid;
             s->wire_down = wire_down;
             s->prefix_owner = prefix_owner;
-            s->ran = std::move(ran);
+            s->origin.ran = std::move(ran);
             s->route.assign(req->route().begin(), req->route().end());
             s->hop_index = req->hop_index();
             s->sampling = req->sampling();
             s->sampling.clear_grammar_accepted();    // used above; not kept
-            s->grammar = std::move(grammar);
+            s->last.grammar = std::move(grammar);
             s->logits = int(req->logits());
             s->held = uint64_t(restored);
             s->prefix_seed = prefix_seed(req->upstream());
@@ -251,7 +251,7 @@ grpc::Status StageWorker::open_session_rpc(const grpc::ServerContextBase * ctx, 
             pb::OpenSessionReply theirs;
             grpc::ClientContext cc;
             cc.set_deadline(chain_deadline(size_t(req->route_size()) - 1 - req->hop_index(), ctx));
-            grpc::Status st = link(nxt.address())->OpenSession(&cc, fwd, &theirs);
+            grpc::Status st = relay_.channel(nxt.address())->OpenSession(&cc, fwd, &theirs);
             if (!st.ok()) {
                 std::string name = hop_name(req->hop_index() + 1, nxt.address());
                 count_error(pb::HOP_UNREACHABLE);
@@ -282,7 +282,7 @@ grpc::Status StageWorker::open_session_rpc(const grpc::ServerContextBase * ctx, 
                 std::lock_guard<std::mutex> g(mu_);
                 if (SessionPtr s = sessions_.find(key)) {
                     s->held = uint64_t(restored);
-                    if (s->ran.size() > size_t(restored)) s->ran.resize(size_t(restored));
+                    if (s->origin.ran.size() > size_t(restored)) s->origin.ran.resize(size_t(restored));
                 }
             }
         }

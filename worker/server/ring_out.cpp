@@ -1,5 +1,6 @@
-// The ring relay: a step's boundary encoded in the wire dtype and sent to the next hop in frames that fit,
-// frames sent over the links (to the origin, too), and what a broken link tells its sessions.
+// What this stage sends round the ring and what it hears back, over the relay (relay/relay.h, which owns the
+// links): a step's boundary encoded in the wire dtype and sent to the next hop in frames that fit, frames to the
+// origin, a peer's answers about a session, and what a broken link tells its sessions.
 #include <grpcpp/grpcpp.h>
 
 #include <algorithm>
@@ -82,21 +83,6 @@ void StageWorker::emit_boundary(Work & w, const SessionPtr & sess, const float *
     }
 }
 
-std::shared_ptr<Link> StageWorker::out_link(const std::string & address, uint32_t hop_index) {
-    std::shared_ptr<Link> lost;                      // made here while another thread's was kept: ended below
-    std::shared_ptr<Link> l = links_.open(address, [&] {
-        LinkSettings settings{channel_credentials(), max_message_bytes_, limits_.link_keepalive_timeout_s,
-                              limits_.max_send_queue_bytes};
-        LinkOwner * owner = this;                    // a private base: converted here, where it is reachable
-        return std::make_shared<Link>(owner, address, hop_name(hop_index, address), settings);
-    }, &lost);
-    if (lost) {                                      // never waited for: this may be one of gRPC's threads
-        lost->abandon();
-        links_.bury(std::move(lost));
-    }
-    return l;
-}
-
 void StageWorker::send(const std::string & address, uint32_t hop_index, pb::Frame frame, const SessionPtr & sess) {
     frame.set_sent_unix_ns(uint64_t(wall_ns()));
     const uint64_t size = frame.ByteSizeLong();
@@ -109,26 +95,12 @@ void StageWorker::send(const std::string & address, uint32_t hop_index, pb::Fram
         to_origin(sess, std::move(e));
         return;
     }
-    bool self;
-    {
-        std::lock_guard<std::mutex> g(mu_);
-        max_frame_bytes_sent_ = std::max(max_frame_bytes_sent_, size);
-    }
-    {
-        std::lock_guard<std::mutex> g(addr_mu_);
-        self = address == address_ && hop_index == 0 && info_.is_first;
-    }
-    if (self) {                                      // a one-stage route: the origin is this worker
+    if (hop_index == 0 && info_.is_first && address == relay_.address()) {                                      // a one-stage route: the origin is this worker
         frame.set_session_id(sess->sid);             // its own key: a frame it sends itself is not checked
         on_frame(std::move(frame), nullptr, nullptr);
         return;
     }
-    for (int attempt = 0; attempt < 2; ++attempt) {
-        std::shared_ptr<Link> l = out_link(address, hop_index);
-        if (!l) return;                              // stopping
-        if (l->send(frame, Key{sess->sid, frame.epoch()})) return;
-        links_.retire(address, l.get());            // broken but not yet forgotten: the next try opens a new one
-    }
+    relay_.send(address, hop_index, frame, Key{sess->sid, frame.epoch()});   // false: stopping, or its sessions are told
 }
 
 void StageWorker::to_origin(const SessionPtr & sess, pb::Frame frame) {
@@ -141,21 +113,14 @@ void StageWorker::to_origin(const SessionPtr & sess, pb::Frame frame) {
     }
 }
 
-// What the peer of an outgoing link writes back: errors about frames this worker sent it. Taken only for a
-// session this worker sent over this very link (a peer never reaches another session, whatever it names).
-void StageWorker::on_link_reply(Link * link, pb::Frame frame) {
-    std::optional<Key> mine = link->mine_of(frame.session_id(), frame.epoch());
-    if (!mine) {
-        fprintf(stderr, "dgr-worker: %s named session %s epoch %llu, which this worker never sent it: dropped\n",
-                link->label.c_str(), frame.session_id().c_str(), (unsigned long long)frame.epoch());
-        return;
-    }
-    SessionPtr sess = session(*mine);
+// A peer's answer about a session this worker sent it (the relay checked that it was sent over that very link):
+// to the session's origin.
+void StageWorker::on_reply(const Key & mine, pb::Frame frame) {
+    SessionPtr sess = session(mine);
     if (sess) to_origin(sess, std::move(frame));
 }
 
-void StageWorker::on_link_broken(Link * link, const std::string & why, const std::set<Key> & lost) {
-    links_.retire(link->address, link);              // never reused: the next frame opens a new one
+void StageWorker::on_broken(const std::string & address, const std::string & why, const std::set<Key> & lost) {
     std::vector<std::pair<Key, SessionPtr>> sessions;
     for (auto & k : lost) {                          // lookups: the session table's lock alone
         if (SessionPtr s = sessions_.find(k)) sessions.emplace_back(k, std::move(s));
@@ -164,9 +129,9 @@ void StageWorker::on_link_broken(Link * link, const std::string & why, const std
     for (auto & [key, sess] : sessions) {
         int idx = -1;
         for (size_t i = 0; i < sess->route.size(); ++i) {
-            if (sess->route[i].address() == link->address) { idx = int(i); break; }
+            if (sess->route[i].address() == address) { idx = int(i); break; }
         }
-        const std::string name = idx >= 0 ? hop_name(uint32_t(idx), link->address) : link->address;
+        const std::string name = idx >= 0 ? hop_name(uint32_t(idx), address) : address;
         pb::Frame f;
         f.set_session_id(key.first);
         f.set_epoch(key.second);
@@ -176,7 +141,7 @@ void StageWorker::on_link_broken(Link * link, const std::string & why, const std
         e->set_message(name + " is unreachable: " + hop() + " lost its stream to it (" + why + "); that worker died, stopped "
                        "answering (keepalive " + std::to_string(keepalive) + " ms) or shut down (a thin link carrying a long "
                        "prompt: raise --link-keepalive-timeout): use another replica or restart it");
-        if (link->address != sess->route[0].address()) {
+        if (address != sess->route[0].address()) {
             count_error(pb::HOP_UNREACHABLE);
             to_origin(sess, std::move(f));
             continue;
@@ -184,8 +149,8 @@ void StageWorker::on_link_broken(Link * link, const std::string & why, const std
         bool tell;
         {
             std::lock_guard<std::mutex> g(mu_);
-            tell = !sess->told_origin;
-            sess->told_origin = true;
+            tell = !sess->last.told_origin;
+            sess->last.told_origin = true;
         }
         if (tell) {
             // the ring's token may be lost and a live origin would wait for it: say so on a new stream (once)
