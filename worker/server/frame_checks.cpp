@@ -75,7 +75,7 @@ void StageWorker::on_frame(pb::Frame frame, const ReplyPtr & reply, const std::o
                 metrics_.transit_token.observe(double(transit) / 1e9);
             }
         }
-        deliver_to_client(std::move(frame));         // returns into the origin
+        origin_->deliver(std::move(frame));           // returns into the origin
         return;
     }
     std::vector<float> x;
@@ -106,13 +106,7 @@ void StageWorker::on_frame(pb::Frame frame, const ReplyPtr & reply, const std::o
                                                    " ids, more than the session's context (" + std::to_string(info_.n_ctx) + ")"};
                 }
             }
-            {
-                std::lock_guard<std::mutex> l(mu_);
-                sess->origin.client = reply;
-                sess->origin.gen.begin(g.max_new_tokens(), g.stop_token_ids(), g.context_ids(), g.cached_ids());   // history: then the steps' tokens
-                sess->origin.text = g.context_text();   // (not progress: --session-ttl counts steps run)
-            }
-            start_speculation(sess, g);
+            origin_->begin(sess, g, reply);             // its client, bounds and drafts (throws Fault)
             return;
         }
         if (kind != pb::Frame::kStep) throw Fault{pb::BAD_FRAME, std::string("unexpected frame body ") + body_name(kind)};
@@ -128,14 +122,7 @@ void StageWorker::on_frame(pb::Frame frame, const ReplyPtr & reply, const std::o
         return;
     }
     if (info_.is_first) {
-        {
-            std::lock_guard<std::mutex> g(mu_);
-            if (!sess->origin.client) sess->origin.client = reply;
-            const auto & ids = frame.step().token_ids();
-            sess->origin.gen.history.insert(sess->origin.gen.history.end(), ids.begin(), ids.end());   // what draft sources look up
-            // the prompt's last chunk: MTP drafts for the first decode step come back with the first token
-            if (sess->origin.drafter && frame.step().sample()) frame.mutable_step()->set_mtp_drafts(sess->origin.drafter->remote_k(int64_t(sess->origin.draft_k)));
-        }
+        origin_->on_client_step(sess, reply, frame.mutable_step());
         frame.set_origin_sent_ns(uint64_t(mono_ns()));
     }
     Work w;

@@ -8,8 +8,8 @@
 // (frame_checks.cpp); FrameQueue, a stream's bounded reply queue (frame_queue.cpp); enqueue, ready_batch and
 // the engine thread (step_queue.cpp); run_batch, one batch through the engine (run_batch.cpp); Link, an
 // outgoing stream (link.cpp); emit_boundary and send, what the stage sends round the ring (ring_out.cpp, over the relay: relay/relay.h); emit_last, the last
-// stage's draws (last_stage.cpp); deliver_to_client, next_step and send_token, the origin, and
-// start_speculation (origin.cpp; the drafts: speculation/drafts.cpp, whose twin for a client's own drafts is
+// stage's draws (last_stage.cpp); deliver, next_step and send_token, the origin, and
+// start_speculation (origin/origin.cpp; the drafts: speculation/drafts.cpp, whose twin for a client's own drafts is
 // dgr.runtime.wire.drafts); the metrics' counters (metrics/metrics.h). frames_internal.h holds what they share.
 // The draw is the engine library's dgr_sample (worker/engine/dgr_sample.cpp, the one sampler); wire dtypes
 // use ggml's own converters from the same library. Speculation (phase 4): the origin drafts, every stage
@@ -22,6 +22,8 @@
 // detokenizing after it). Each Link is a gRPC callback reactor too (no thread of its own: gRPC's threads
 // run its reads and write completions). No exception leaves any of them.
 #include <grpcpp/grpcpp.h>
+
+#include <algorithm>
 
 #include <memory>
 #include <optional>
@@ -190,15 +192,14 @@ void StageWorker::stream_done(const ReplyPtr & out) {
     std::lock_guard<std::mutex> g(mu_);
     streams_.erase(out);
     if (sched_.stopped()) return;                    // stop() closed every session already
-    bool orphans = false;                            // a stream that carried no session (a Describe-like
-    sessions_.for_each([&](const Key &, const SessionPtr & s) {   //   probe, a reset stream) needs no thread
-        orphans = orphans || (s->origin.client == out && !s->origin.gen.done);
-    });
-    if (!orphans) return;
+    std::vector<SessionPtr> open;                    // a stream that carried no session (a Describe-like
+    sessions_.for_each([&](const Key &, const SessionPtr & s) { open.push_back(s); });   //   probe, a reset stream)
+    if (std::none_of(open.begin(), open.end(), [&](const SessionPtr & s) { return origin_->serves(s, out); })) return;
+
     ++gone_running_;
     std::thread([this, out] {
         try {
-            client_gone(out);
+            origin_->client_gone(out);
         } catch (const std::exception & e) {
             fprintf(stderr, "dgr-worker: closing a gone client's sessions: %s\n", e.what());
         } catch (...) {

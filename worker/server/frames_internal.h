@@ -7,7 +7,8 @@
 #include <string>
 
 #include "clock.h"
-#include "worker.h"
+#include "dgr/v1/stage.pb.h"
+#include "wire_constants.h"
 
 namespace dgr {
 

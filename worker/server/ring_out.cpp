@@ -106,7 +106,7 @@ void StageWorker::send(const std::string & address, uint32_t hop_index, pb::Fram
 void StageWorker::to_origin(const SessionPtr & sess, pb::Frame frame) {
     if (info_.is_first) {
         frame.set_session_id(sess->sid);
-        deliver_to_client(std::move(frame));
+        origin_->deliver(std::move(frame));
     } else {
         frame.set_session_id(sess->wire_down);       // as the origin knows it
         send(sess->route[0].address(), 0, std::move(frame), sess);

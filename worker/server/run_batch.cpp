@@ -193,14 +193,14 @@ void StageWorker::run_batch(std::vector<Work> & batch) {
             sessions_.touch(Key{r.w->frame.session_id(), r.w->frame.epoch()}, r.sess, now);
             r.sess->held = uint64_t(std::max(0, r.o.n_cached));
             const pb::Step & s = r.w->frame.step();
-            if (info_.is_first && r.sess->origin.ran_ok) {  // what stage 0 ran: the prefix cache's blocks hash it
+            if (info_.is_first && r.sess->ran_ok) {  // what stage 0 ran: the prefix cache's blocks hash it
                 const size_t p0 = size_t(s.positions(0));
-                if (r.sess->origin.ran.size() < p0) {
-                    r.sess->origin.ran_ok = false;
+                if (r.sess->ran.size() < p0) {
+                    r.sess->ran_ok = false;
                 } else {
-                    r.sess->origin.ran.resize(p0);
-                    r.sess->origin.ran.insert(r.sess->origin.ran.end(), s.token_ids().begin(), s.token_ids().end());
-                    if (r.sess->origin.ran.size() > r.sess->held) r.sess->origin.ran.resize(size_t(r.sess->held));
+                    r.sess->ran.resize(p0);
+                    r.sess->ran.insert(r.sess->ran.end(), s.token_ids().begin(), s.token_ids().end());
+                    if (r.sess->ran.size() > r.sess->held) r.sess->ran.resize(size_t(r.sess->held));
                 }
             }
             r.sess->spec_floor = s.drafts() ? int64_t(s.positions(0)) + 1 : -1;   // where a rollback may start

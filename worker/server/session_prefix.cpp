@@ -31,10 +31,10 @@ std::vector<std::string> StageWorker::keep_prefix(const std::string & sid, uint6
     std::string owner;
     {
         std::lock_guard<std::mutex> g(mu_);
-        if (sess->origin.gen.failed || sched_.has(Key{sid, epoch})) return {};   // failed or mid-step: keep nothing
+        if (origin_->failed(sess) || sched_.has(Key{sid, epoch})) return {};   // failed or mid-step: keep nothing
         if (info_.is_first) {
-            if (!sess->origin.ran_ok) return {};
-            ran = sess->origin.ran;
+            if (!sess->ran_ok) return {};
+            ran = sess->ran;
         }
         owner = sess->prefix_owner;
     }

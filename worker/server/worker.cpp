@@ -66,6 +66,8 @@ StageWorker::StageWorker(const EngineLib & lib, dgr_engine * eng, StageIdentity 
     schema_in_ = me.schema_in();
     schema_out_ = me.schema_out();
     seam_bytes_per_token_ = me.seam_bytes_per_token();
+    origin_.emplace(static_cast<OriginPort &>(*this), sessions_, names_, sched_, engine_,
+                    OriginSettings{info_.is_first != 0, info_.has_vocab != 0, int64_t(info_.n_ctx), max_message_bytes_});
     sched_.start();                                  // last: its engine thread reads all of the above
 }
 
@@ -242,12 +244,7 @@ void StageWorker::stop() {
             f.set_epoch(k.second);
             *f.mutable_error() = err(pb::HOP_UNREACHABLE, bye);
             if (info_.is_first) {
-                ReplyPtr client;
-                {
-                    std::lock_guard<std::mutex> g(mu_);
-                    if (!sess->origin.gen.done) client = sess->origin.client;
-                }
-                if (client) client->put(std::move(f));
+                if (ReplyPtr client = origin_->unfinished_client(sess)) client->put(std::move(f));
             } else if (!sess->route.empty() && sess->route[0].address() != relay_.address()) {
                 send(sess->route[0].address(), 0, std::move(f), sess);
             }

@@ -39,6 +39,7 @@
 #include "sessions/session_table.h"
 #include "cache/prefix_cache.h"
 #include "stage_calls.h"
+#include "step_work.h"
 #include "unary_calls.h"
 #include "metrics/description.h"
 #include "metrics/metrics.h"
@@ -51,6 +52,7 @@
 #include "frame_queue.h"
 #include "link.h"
 #include "relay/relay.h"
+#include "origin/origin.h"
 #include "ring/generation.h"
 #include "wire_constants.h"
 
@@ -109,7 +111,7 @@ class StageWorker;
 
 // What the Stage service (rpc/stage_service.h, which knows nothing of this class) hands its calls to (stage_calls.h): the
 // session RPCs' bodies (SessionCalls, run on the unary calls' pool) and the Frames calls' reactors (FrameStreams).
-class StageWorker final : public SessionCalls, public FrameStreams, private RelayOwner {
+class StageWorker final : public SessionCalls, public FrameStreams, private RelayOwner, private OriginPort {
     friend class FramesReactor;
 
   public:
@@ -158,32 +160,13 @@ class StageWorker final : public SessionCalls, public FrameStreams, private Rela
   private:
     using Engine = StageEngine;
     using Key = SessionKey;                          // a session (sessions/session.h: by role)
-    // One queued step: the frame, where errors about it go, its boundary decoded to float32.
-    struct Work {
-        dgr::v1::Frame frame;
-        ReplyPtr reply;
-        int64_t t_recv = 0;
-        std::vector<float> x;
-        uint64_t transit_ns = 0;
-    };
     std::vector<float> masked_;                      // engine thread: a logits row after the grammar's mask
-    struct Fault {                                   // a frame refused: becomes a WireError to its sender
-        dgr::v1::ErrorCode code;
-        std::string message;
-        uint64_t held = 0, expected = 0;
-        uint32_t retry_after_ms = 0;
-    };
 
     // the data path (frames.cpp lists its files)
     // peer: the sender's member name under mTLS (nullptr: this worker itself, never checked)
     void on_frame(dgr::v1::Frame frame, const ReplyPtr & reply, const std::optional<std::string> * peer);
     void check_sender(const char * kind, const SessionPtr & sess, const std::optional<std::string> * peer, const std::string & sid);
     void check_step(const dgr::v1::Step & step, std::vector<float> * x);
-    // OpenSession's reply hops (this stage's and those after it): can the route roll back, and how many
-    // positions fit one frame; mu_ held
-    void note_route(Session & s, const google::protobuf::RepeatedPtrField<dgr::v1::StageDescription> & hops);
-    void start_speculation(const SessionPtr & sess, const dgr::v1::Generate & g);
-    dgr::v1::Frame next_step(Session & s, const std::string & sid, uint64_t epoch, int64_t pos, int32_t token, bool after_drafts);
     void enqueue(Work w, const SessionPtr & sess, bool own);
     void run_guarded(std::vector<Work> & batch);     // one batch, for the scheduler (sched_)
     void run_batch(std::vector<Work> & batch);
@@ -195,14 +178,14 @@ class StageWorker final : public SessionCalls, public FrameStreams, private Rela
     void mtp_draft(Work & w, const SessionPtr & sess, int64_t next, int32_t token, uint32_t want, dgr::v1::Token * t);
     void send(const std::string & address, uint32_t hop_index, dgr::v1::Frame frame, const SessionPtr & sess);
     void to_origin(const SessionPtr & sess, dgr::v1::Frame frame);
-    void deliver_to_client(dgr::v1::Frame frame);
-    void send_token(const SessionPtr & sess, dgr::v1::Frame frame, size_t n_ids);
     // an error about `frame` to its sender, naming the session as the sender does (as_named: the frame already
     // carries that name; else it carries this worker's key, wire_of)
     void reply_error(const ReplyPtr & reply, const dgr::v1::Frame & frame, dgr::v1::WireError e, bool as_named = false);
     void on_reply(const Key & mine, dgr::v1::Frame frame) override;                                     // RelayOwner
     void on_broken(const std::string & address, const std::string & why, const std::set<Key> & lost) override;  // RelayOwner
-    void client_gone(const ReplyPtr & out);
+    void enqueue_next(Work w, const SessionPtr & sess) override { enqueue(std::move(w), sess, true); }           // OriginPort
+    dgr::v1::WireError error(dgr::v1::ErrorCode code, const std::string & message) override { return err(code, message); }
+    void close_route(const std::string & sid, uint64_t epoch) override { close_chained(sid, epoch, nullptr, nullptr); }
     void stream_done(const ReplyPtr & out);        // a Frames call's OnDone: client_gone on a thread of its own
     // `keep`: the prefix blocks (and their size) the next hops keep the session's state under (keep_prefix's)
     void close_chained(const std::string & sid, uint64_t epoch, const grpc::ServerContextBase * ctx, dgr::v1::CloseSessionReply * reply,
@@ -292,6 +275,9 @@ class StageWorker final : public SessionCalls, public FrameStreams, private Rela
     // runs a batch: a part with its own lock, taken under mu_ (engine_loop/scheduler.h); after everything its
     // Owner reads
     StepScheduler<Key, Work> sched_;
+    // the origin of the sessions that start here: each one's OriginRole, under its own lock (origin/origin.h); made
+    // once the stage is described, before the scheduler starts
+    std::optional<Origin> origin_;
     const UnaryCalls * calls_ = nullptr;             // count_calls
 };
 

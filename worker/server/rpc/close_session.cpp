@@ -132,15 +132,7 @@ int StageWorker::reap() {
     for (size_t n = 0; n < idle.size(); ++n) {
         const Key & k = idle[n];
         SessionPtr sess = told[n];
-        ReplyPtr client;
-        {
-            std::lock_guard<std::mutex> g(mu_);
-            if (sess->origin.client && !sess->origin.gen.done) {
-                sess->origin.gen.failed = true;
-                client = sess->origin.client;
-            }
-        }
-        if (client) {
+        if (ReplyPtr client = origin_->fail(sess)) {
             char ttl_s[32];
             snprintf(ttl_s, sizeof ttl_s, "%g", ttl);
             pb::Frame f;

@@ -226,7 +226,7 @@ grpc::Status StageWorker::open_session_rpc(const grpc::ServerContextBase * ctx, 
             s->sid = sid;
             s->wire_down = wire_down;
             s->prefix_owner = prefix_owner;
-            s->origin.ran = std::move(ran);
+            s->ran = std::move(ran);
             s->route.assign(req->route().begin(), req->route().end());
             s->hop_index = req->hop_index();
             s->sampling = req->sampling();
@@ -282,7 +282,7 @@ grpc::Status StageWorker::open_session_rpc(const grpc::ServerContextBase * ctx, 
                 std::lock_guard<std::mutex> g(mu_);
                 if (SessionPtr s = sessions_.find(key)) {
                     s->held = uint64_t(restored);
-                    if (s->origin.ran.size() > size_t(restored)) s->origin.ran.resize(size_t(restored));
+                    if (s->ran.size() > size_t(restored)) s->ran.resize(size_t(restored));
                 }
             }
         }
@@ -293,7 +293,7 @@ grpc::Status StageWorker::open_session_rpc(const grpc::ServerContextBase * ctx, 
             std::lock_guard<std::mutex> g(mu_);
             SessionPtr s = sessions_.find(key);
             if (s && reply->hops_size() > 0) {
-                note_route(*s, reply->hops());
+                origin_->note_route(*s, reply->hops());
                 s->senders.returner = reply->hops(reply->hops_size() - 1).member();
                 for (auto & h : reply->hops()) {
                     if (!h.member().empty()) s->senders.route_members.insert(h.member());

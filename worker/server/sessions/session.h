@@ -1,8 +1,9 @@
 // One open session on this worker, by role: what every stage keeps of it, what only its origin (stage 0)
-// keeps (the client, generation control, drafts, the tokens it ran), and what only the route's last stage keeps
-// (the grammar, whether it told the origin its stream broke). A value with no lock of its own: the session
-// table (sessions/session_table.h) holds it, and the worker's data-path lock guards its fields (docs/worker.md
-// "Locks and their order"); the engine thread alone reads `last.grammar`.
+// keeps (the client, generation control, drafts), and what only the route's last stage keeps (the grammar,
+// whether it told the origin its stream broke). A value with no lock of its own: the session table
+// (sessions/session_table.h) holds it; `origin` is the origin part's (origin/origin.h: under its lock), the rest
+// the worker's data-path lock guards (docs/worker.md "Locks and their order"); the engine thread alone reads
+// `last.grammar`.
 #pragma once
 
 #include <cstdint>
@@ -25,10 +26,6 @@ struct OriginRole {
     ReplyPtr client;                                 // the client's reply stream
     Generation gen;                                  // what it may make, has made and has run (ring/generation.h)
     std::string text;                                // the generated tokens' text as the client has it
-    // the token ids at positions [0, ran.size()) that this worker ran (or restored from its prefix cache): what
-    // the blocks it keeps are hashed from, never the client's word; ran_ok false once unknown
-    std::vector<int32_t> ran;
-    bool ran_ok = true;
     // speculation: the draft source and its k (drafts are looked up in gen.history), whether every hop can roll
     // back (and why not), the positions a step may carry unsplit
     std::unique_ptr<DraftSource> drafter;
@@ -63,6 +60,10 @@ struct Session {
     // unguessable, so no member off the route can name it there; later stages pass on what they got)
     std::string wire_down;
     uint64_t held = 0;                               // positions cached after its last step here
+    // stage 0: the token ids at positions [0, ran.size()) that this worker ran (or restored from its prefix cache):
+    // what the blocks it keeps are hashed from, never the client's word; ran_ok false once unknown
+    std::vector<int32_t> ran;
+    bool ran_ok = true;
     SessionSenders senders;                          // mutual TLS (check_sender): who may send its frames here
     // the first draft position of its last speculative step, below which a rollback never drops positions
     // (-1: none)

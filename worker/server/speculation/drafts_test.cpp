@@ -63,7 +63,7 @@ V reference(const V & h, int64_t k, int n_min, int n_max) {
 
 // a session's rings over `tokens` (what the last stage draws): propose k, accept the drafts that equal the
 // tokens, tell the source, go on after the accepted drafts and the token drawn (the origin's loop, next_step in
-// origin.cpp, with k fixed; tests/worker/test_worker_cpp_speculate.py's _predicted_rings); the drafts of every ring
+// origin/origin.cpp, with k fixed; tests/worker/test_worker_cpp_speculate.py's _predicted_rings); the drafts of every ring
 std::vector<V> rings(const V & tokens, int n_min, int n_max, int64_t k, size_t start) {
     NgramDrafts src(n_min, n_max);
     V history(tokens.begin(), tokens.begin() + int64_t(start));

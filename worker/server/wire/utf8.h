@@ -1,6 +1,6 @@
 // Bytes as text: each invalid UTF-8 sequence replaced by U+FFFD, as Python's bytes.decode(errors="replace") does
 // (the client compares the text a worker sends with its own decode). What Detokenize answers
-// (engine_loop/vocabulary.h) and what the origin streams to its client (origin.cpp).
+// (engine_loop/vocabulary.h) and what the origin streams to its client (origin/origin.cpp).
 //
 // Header-only and nothing but the standard library: a part's plain C++ test can use it without linking anything
 // of wire/ (wire/wire_common.h, which includes this, is over the generated messages).

@@ -1,22 +1,65 @@
-// The origin (stage 0): the ring's tokens counted against the generation's bounds and delivered to the
-// client with their text, the next step queued (with drafts when speculating), and a client gone.
-#include <grpcpp/grpcpp.h>
+// The origin (origin.h): the ring's tokens counted against the generation's bounds and delivered to the client
+// with their text, the next step queued (with drafts when speculating), and a client gone.
+#include "origin/origin.h"
 
 #include <algorithm>
 #include <stdexcept>
 
+#include "clock.h"
 #include "frames_internal.h"
+#include "wire/utf8.h"
 #include "wire/wire_common.h"
-#include "worker.h"
 
 namespace dgr {
 
-namespace pb = dgr::v1;
-using Clock = std::chrono::steady_clock;
+Origin::Origin(OriginPort & port, SessionTable<Session> & sessions, const SessionNames & names, Scheduler & sched,
+               StageEngine & engine, OriginSettings settings)
+    : port_(port), sessions_(sessions), names_(names), sched_(sched), engine_(engine), settings_(settings) {}
 
-void StageWorker::deliver_to_client(pb::Frame frame) {
-    SessionPtr sess = session(Key{frame.session_id(), frame.epoch()});
-    if (!sess || !info_.is_first) return;
+void Origin::begin(const SessionPtr & sess, const pb::Generate & g, const ReplyPtr & reply) {
+    {
+        std::lock_guard<std::mutex> l(mu_);
+        sess->origin.client = reply;
+        sess->origin.gen.begin(g.max_new_tokens(), g.stop_token_ids(), g.context_ids(), g.cached_ids());   // history: then the steps' tokens
+        sess->origin.text = g.context_text();   // (not progress: --session-ttl counts steps run)
+    }
+    start_speculation(sess, g);
+}
+
+void Origin::on_client_step(const SessionPtr & sess, const ReplyPtr & reply, pb::Step * step) {
+    std::lock_guard<std::mutex> g(mu_);
+    if (!sess->origin.client) sess->origin.client = reply;
+    const auto & ids = step->token_ids();
+    sess->origin.gen.history.insert(sess->origin.gen.history.end(), ids.begin(), ids.end());   // what draft sources look up
+    // the prompt's last chunk: MTP drafts for the first decode step come back with the first token
+    if (sess->origin.drafter && step->sample()) step->set_mtp_drafts(sess->origin.drafter->remote_k(int64_t(sess->origin.draft_k)));
+}
+
+bool Origin::serves(const SessionPtr & sess, const ReplyPtr & out) {
+    std::lock_guard<std::mutex> g(mu_);
+    return sess->origin.client == out && !sess->origin.gen.done;
+}
+
+ReplyPtr Origin::fail(const SessionPtr & sess) {
+    std::lock_guard<std::mutex> g(mu_);
+    if (!sess->origin.client || sess->origin.gen.done) return nullptr;
+    sess->origin.gen.failed = true;
+    return sess->origin.client;
+}
+
+ReplyPtr Origin::unfinished_client(const SessionPtr & sess) {
+    std::lock_guard<std::mutex> g(mu_);
+    return sess->origin.gen.done ? nullptr : sess->origin.client;
+}
+
+bool Origin::failed(const SessionPtr & sess) {
+    std::lock_guard<std::mutex> g(mu_);
+    return sess->origin.gen.failed;
+}
+
+void Origin::deliver(pb::Frame frame) {
+    SessionPtr sess = sessions_.find(SessionKey{frame.session_id(), frame.epoch()});
+    if (!sess || !settings_.is_first) return;
     frame.set_session_id(names_.wire_of(sess->sid));        // what the client gets names the session as it did
     ReplyPtr client;
     {
@@ -52,7 +95,7 @@ void StageWorker::deliver_to_client(pb::Frame frame) {
         std::lock_guard<std::mutex> g(mu_);
         if (sess->origin.drafter && tok->drafted()) sess->origin.drafter->observe(tok->drafted(), uint32_t(tok->accepted_size()));
         if (sess->origin.drafter) sess->origin.drafter->offer(std::vector<int32_t>(tok->next_drafts().begin(), tok->next_drafts().end()));
-        const Generation::Ring r = sess->origin.gen.count(draws, first, info_.n_ctx);
+        const Generation::Ring r = sess->origin.gen.count(draws, first, settings_.n_ctx);
         used = r.used;
         tok->set_done(r.done);
         pos = r.next;
@@ -66,14 +109,14 @@ void StageWorker::deliver_to_client(pb::Frame frame) {
         full_error = std::make_shared<pb::Frame>();
         full_error->set_session_id(frame.session_id());
         full_error->set_epoch(frame.epoch());
-        *full_error->mutable_error() = err(pb::ENGINE, context_full(pos, info_.n_ctx));
+        *full_error->mutable_error() = port_.error(pb::ENGINE, context_full(pos, settings_.n_ctx));
     } else if (next) {
         // queue the next decode step first: the ring goes on while this token is detokenized and sent
         Work w;
         w.frame = std::move(step);
         w.reply = client;
         w.t_recv = mono_ns();
-        enqueue(std::move(w), sess, true);
+        port_.enqueue_next(std::move(w), sess);
     }
     // What the client gets for the ring: a Token per draw (accepted drafts
     // marked speculated), the ring's own frame (timings, ring time) last; LOGITS_LAST rows split among them.
@@ -105,7 +148,7 @@ void StageWorker::deliver_to_client(pb::Frame frame) {
     // ring, and the engine is never called from two threads
     const size_t n0 = n_ids - out.size();
     auto shared = std::make_shared<std::vector<pb::Frame>>(std::move(out));
-    std::lock_guard<std::mutex> g(mu_);              // (in mu_'s order with an error's, as before)
+    std::lock_guard<std::mutex> g(mu_);              // (in this lock's order with an error's: never overtaken)
     sched_.defer([this, sess, shared, n0, client, full_error] {
         for (size_t i = 0; i < shared->size(); ++i) send_token(sess, std::move((*shared)[i]), n0 + i + 1);
         if (full_error) client->put(std::move(*full_error));   // the context is full: after its last token
@@ -115,10 +158,10 @@ void StageWorker::deliver_to_client(pb::Frame frame) {
 // The origin's next step: the last token at `pos`, plus what the session's draft source proposes (k+1
 // positions, verified by the last stage in the same ring). `after_drafts`: the step answered was
 // speculative, so stages may hold rejected positions >= pos to drop. mu_ held.
-pb::Frame StageWorker::next_step(Session & s, const std::string & sid, uint64_t epoch, int64_t pos, int32_t token, bool after_drafts) {
+pb::Frame Origin::next_step(Session & s, const std::string & sid, uint64_t epoch, int64_t pos, int32_t token, bool after_drafts) {
     std::vector<int32_t> drafts;
     if (s.origin.drafter) {
-        const int64_t k = s.origin.gen.draft_room(int64_t(s.origin.draft_k), pos, int64_t(info_.n_ctx));
+        const int64_t k = s.origin.gen.draft_room(int64_t(s.origin.draft_k), pos, int64_t(settings_.n_ctx));
         if (k > 0) {
             drafts = s.origin.drafter->propose(s.origin.gen.history, k);
             if (int64_t(drafts.size()) > k) drafts.resize(size_t(k));
@@ -142,7 +185,7 @@ pb::Frame StageWorker::next_step(Session & s, const std::string & sid, uint64_t 
 
 // Starting speculation: a Generate that asks for drafts gets its session's draft source, if
 // every hop of the route can roll back rejected drafts.
-void StageWorker::start_speculation(const SessionPtr & sess, const pb::Generate & g) {
+void Origin::start_speculation(const SessionPtr & sess, const pb::Generate & g) {
     if (g.draft_source().empty()) return;
     std::unique_ptr<DraftSource> drafter;
     uint32_t k;
@@ -174,7 +217,8 @@ void StageWorker::start_speculation(const SessionPtr & sess, const pb::Generate 
     sess->origin.draft_k = uint32_t(cap);
 }
 
-void StageWorker::note_route(Session & s, const google::protobuf::RepeatedPtrField<pb::StageDescription> & hops) {
+void Origin::note_route(Session & s, const google::protobuf::RepeatedPtrField<pb::StageDescription> & hops) {
+    std::lock_guard<std::mutex> g(mu_);
     std::string no;
     uint64_t cap = 0;
     for (int i = 0; i < hops.size(); ++i) {
@@ -183,7 +227,7 @@ void StageWorker::note_route(Session & s, const google::protobuf::RepeatedPtrFie
         const std::string address = at < s.route.size() ? s.route[at].address() : std::string();
         if (!h.can_roll_back()) no += (no.empty() ? "" : ", ") + hop_name(h.identity().stage_index(), address);
         if (h.has_schema_out() && h.seam_bytes_per_token()) {
-            uint64_t t = tokens_per_frame(std::min<uint64_t>(h.max_message_bytes(), max_message_bytes_), h.seam_bytes_per_token());
+            uint64_t t = tokens_per_frame(std::min<uint64_t>(h.max_message_bytes(), settings_.max_message_bytes), h.seam_bytes_per_token());
             cap = cap ? std::min(cap, t) : t;
         }
     }
@@ -204,10 +248,10 @@ void StageWorker::note_route(Session & s, const google::protobuf::RepeatedPtrFie
     }
 }
 
-void StageWorker::send_token(const SessionPtr & sess, pb::Frame frame, size_t n_ids) {
+void Origin::send_token(const SessionPtr & sess, pb::Frame frame, size_t n_ids) {
     pb::Token * tok = frame.mutable_token();
     std::string full;
-    if (info_.has_vocab) {
+    if (settings_.has_vocab) {
         std::vector<int32_t> ids;
         {
             std::lock_guard<std::mutex> g(mu_);
@@ -242,19 +286,21 @@ void StageWorker::send_token(const SessionPtr & sess, pb::Frame frame, size_t n_
     if (client) client->put(std::move(frame));
 }
 
-void StageWorker::client_gone(const ReplyPtr & out) {
+void Origin::client_gone(const ReplyPtr & out) {
     // the client's stream ended: stop decoding for it and free its sessions along the route
-    std::vector<Key> orphans;
+    std::vector<std::pair<SessionKey, SessionPtr>> open;
+    sessions_.for_each([&](const SessionKey & k, const SessionPtr & s) { open.emplace_back(k, s); });
+    std::vector<SessionKey> orphans;
     {
         std::lock_guard<std::mutex> g(mu_);
-        sessions_.for_each([&](const Key & k, const SessionPtr & s) {
+        for (auto & [k, s] : open) {
             if (s->origin.client == out && !s->origin.gen.done) {
                 s->origin.gen.failed = true;
                 orphans.push_back(k);
             }
-        });
+        }
     }
-    for (auto & k : orphans) close_chained(k.first, k.second, nullptr, nullptr);
+    for (auto & k : orphans) port_.close_route(k.first, k.second);
 }
 
 }  // namespace dgr
