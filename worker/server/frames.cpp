@@ -7,7 +7,7 @@
 // each: Frames, the incoming stream and who may open one (this file); on_frame and check_step, a frame in
 // (frame_checks.cpp); FrameQueue, a stream's bounded reply queue (frame_queue.cpp); enqueue, ready_batch and
 // the engine thread (step_queue.cpp); run_batch, one batch through the engine (run_batch.cpp); Link, an
-// outgoing stream (link.cpp); emit_boundary and send, what the stage sends round the ring (ring_out.cpp, over the relay: relay/relay.h); emit_last, the last
+// outgoing stream (link.cpp); emit_boundary and send, what the stage sends round the ring (relay/ring_out.cpp, over the relay: relay/relay.h); emit_last, the last
 // stage's draws (last_stage.cpp); deliver, next_step and send_token, the origin, and
 // start_speculation (origin/origin.cpp; the drafts: speculation/drafts.cpp, whose twin for a client's own drafts is
 // dgr.runtime.wire.drafts); the metrics' counters (metrics/metrics.h). frames_internal.h holds what they share.

@@ -114,7 +114,7 @@ void StageWorker::emit_last(Work & w, const SessionPtr & sess, const float * log
             *f.add_timings() = timing;
             *f.mutable_token()->mutable_timings() = f.timings();
         }
-        send(origin, 0, std::move(f), sess);
+        ring_out_->send(origin, 0, std::move(f), sess);
     }
 }
 

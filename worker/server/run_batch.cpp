@@ -215,7 +215,7 @@ void StageWorker::run_batch(std::vector<Work> & batch) {
         timing.set_compute_ns(uint64_t(compute));
         metrics_.step(r.w->frame.step().positions_size(), int64_t(timing.queue_ns()), compute);
         if (info_.is_last) emit_last(*r.w, r.sess, r.o.logits, r.o.n_logit_rows, timing);
-        else emit_boundary(*r.w, r.sess, r.out.data(), timing);
+        else ring_out_->emit_boundary(*r.w, r.sess, r.out.data(), timing);
     }
 }
 

@@ -68,6 +68,10 @@ StageWorker::StageWorker(const EngineLib & lib, dgr_engine * eng, StageIdentity 
     seam_bytes_per_token_ = me.seam_bytes_per_token();
     origin_.emplace(static_cast<OriginPort &>(*this), sessions_, names_, sched_, engine_,
                     OriginSettings{info_.is_first != 0, info_.has_vocab != 0, int64_t(info_.n_ctx), max_message_bytes_});
+    RingOutSettings out{info_.is_first != 0, int64_t(info_.n_streams) * info_.n_embd, int64_t(info_.n_streams),
+                        int64_t(info_.n_embd), dtype_, schema_out_, seam_bytes_per_token_, max_message_bytes_,
+                        limits_.link_keepalive_timeout_s};
+    ring_out_.emplace(static_cast<RingOutPort &>(*this), relay_, sessions_, *origin_, metrics_, lib, std::move(out));
     sched_.start();                                  // last: its engine thread reads all of the above
 }
 
@@ -246,7 +250,7 @@ void StageWorker::stop() {
             if (info_.is_first) {
                 if (ReplyPtr client = origin_->unfinished_client(sess)) client->put(std::move(f));
             } else if (!sess->route.empty() && sess->route[0].address() != relay_.address()) {
-                send(sess->route[0].address(), 0, std::move(f), sess);
+                ring_out_->send(sess->route[0].address(), 0, std::move(f), sess);
             }
         } catch (const std::exception & e) {
             fprintf(stderr, "dgr-worker: could not tell the origin of %s: %s\n", k.first.c_str(), e.what());

@@ -53,6 +53,7 @@
 #include "link.h"
 #include "relay/relay.h"
 #include "origin/origin.h"
+#include "relay/ring_out.h"
 #include "ring/generation.h"
 #include "wire_constants.h"
 
@@ -111,7 +112,8 @@ class StageWorker;
 
 // What the Stage service (rpc/stage_service.h, which knows nothing of this class) hands its calls to (stage_calls.h): the
 // session RPCs' bodies (SessionCalls, run on the unary calls' pool) and the Frames calls' reactors (FrameStreams).
-class StageWorker final : public SessionCalls, public FrameStreams, private RelayOwner, private OriginPort {
+class StageWorker final : public SessionCalls, public FrameStreams, private RelayOwner, private OriginPort,
+                          private RingOutPort {
     friend class FramesReactor;
 
   public:
@@ -133,7 +135,7 @@ class StageWorker final : public SessionCalls, public FrameStreams, private Rela
     void count_calls(const UnaryCalls * calls) { calls_ = calls; }
 
     const dgr_stage_info & info() const { return info_; }
-    std::string hop() const;
+    std::string hop() const override;                // this stage's name in messages (RingOutPort)
     void set_address(const std::string & address);
     // TLS (before serving): the links' credentials, what Describe reports, the peer checks under mTLS
     void set_trust(Trust trust);
@@ -173,16 +175,17 @@ class StageWorker final : public SessionCalls, public FrameStreams, private Rela
     void die_if_asked(size_t n, const std::function<const dgr::v1::Frame &(size_t)> & frame);
     // --test-evict-at, --test-break-origin-link-at: about to run this step (under the engine's lock: `eg`)
     void test_faults(Engine::Guard & eg, const dgr::v1::Frame & frame, const SessionPtr & sess);
-    void emit_boundary(Work & w, const SessionPtr & sess, const float * boundary, dgr::v1::HopTiming timing);
     void emit_last(Work & w, const SessionPtr & sess, const float * logits, int32_t rows, dgr::v1::HopTiming timing);
     void mtp_draft(Work & w, const SessionPtr & sess, int64_t next, int32_t token, uint32_t want, dgr::v1::Token * t);
-    void send(const std::string & address, uint32_t hop_index, dgr::v1::Frame frame, const SessionPtr & sess);
-    void to_origin(const SessionPtr & sess, dgr::v1::Frame frame);
     // an error about `frame` to its sender, naming the session as the sender does (as_named: the frame already
     // carries that name; else it carries this worker's key, wire_of)
     void reply_error(const ReplyPtr & reply, const dgr::v1::Frame & frame, dgr::v1::WireError e, bool as_named = false);
-    void on_reply(const Key & mine, dgr::v1::Frame frame) override;                                     // RelayOwner
-    void on_broken(const std::string & address, const std::string & why, const std::set<Key> & lost) override;  // RelayOwner
+    // RelayOwner: handed to the ring's outgoing side (relay/ring_out.h)
+    void on_reply(const Key & mine, dgr::v1::Frame frame) override { ring_out_->on_reply(mine, std::move(frame)); }
+    void on_broken(const std::string & address, const std::string & why, const std::set<Key> & lost) override {
+        ring_out_->on_broken(address, why, lost);
+    }
+    void take_own(dgr::v1::Frame frame) override { on_frame(std::move(frame), nullptr, nullptr); }             // RingOutPort
     void enqueue_next(Work w, const SessionPtr & sess) override { enqueue(std::move(w), sess, true); }           // OriginPort
     dgr::v1::WireError error(dgr::v1::ErrorCode code, const std::string & message) override { return err(code, message); }
     void close_route(const std::string & sid, uint64_t epoch) override { close_chained(sid, epoch, nullptr, nullptr); }
@@ -201,14 +204,13 @@ class StageWorker final : public SessionCalls, public FrameStreams, private Rela
     // (trust/grammar_bounds.h)
     std::string refuse_grammar(const dgr::v1::Sampling & sp) const;
     SessionPtr session(const Key & key);
-    void encode(const float * x, int64_t n_tokens, dgr::v1::Boundary * b) const;
     void shutdown_threads();
 
     // the card (metrics/description.h) from the engine's stage info and memory and the worker's own settings: once,
     // at start (set_trust and set_certificates add theirs before serving)
     void fill_card(const dgr_memory & memory);
     dgr::v1::WireError err(dgr::v1::ErrorCode code, const std::string & message, uint32_t retry_after_ms = 0);
-    void count_error(dgr::v1::ErrorCode code);
+    void count_error(dgr::v1::ErrorCode code) override;
     void close_local(const std::string & sid, uint64_t epoch);
     uint32_t session_retry_ms();
     std::chrono::system_clock::time_point chain_deadline(size_t hops_after, const grpc::ServerContextBase * ctx) const;
@@ -278,6 +280,8 @@ class StageWorker final : public SessionCalls, public FrameStreams, private Rela
     // the origin of the sessions that start here: each one's OriginRole, under its own lock (origin/origin.h); made
     // once the stage is described, before the scheduler starts
     std::optional<Origin> origin_;
+    // what this stage sends round the ring, over relay_ (relay/ring_out.h); made with the origin
+    std::optional<RingOut> ring_out_;
     const UnaryCalls * calls_ = nullptr;             // count_calls
 };
 

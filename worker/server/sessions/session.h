@@ -1,11 +1,13 @@
 // One open session on this worker, by role: what every stage keeps of it, what only its origin (stage 0)
 // keeps (the client, generation control, drafts), and what only the route's last stage keeps (the grammar,
 // whether it told the origin its stream broke). A value with no lock of its own: the session table
-// (sessions/session_table.h) holds it; `origin` is the origin part's (origin/origin.h: under its lock), the rest
-// the worker's data-path lock guards (docs/worker.md "Locks and their order"); the engine thread alone reads
-// `last.grammar`.
+// (sessions/session_table.h) holds it; `origin` is the origin part's (origin/origin.h: under its lock),
+// `last.told_origin` the ring's outgoing side's (relay/ring_out.h: an atomic), the engine thread alone uses
+// `last.grammar`, and the worker's data-path lock guards the rest that changes (docs/worker.md "Locks and their
+// order").
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -45,7 +47,7 @@ struct LastStageRole {
     // Sampling.grammar / json_schema: llama.cpp's grammar sampler, advanced over every token drawn (used on the
     // engine thread only; closed with the session)
     std::shared_ptr<dgr_grammar> grammar;
-    bool told_origin = false;                        // its stream back to the origin broke (told once)
+    std::atomic<bool> told_origin{false};            // its stream back to the origin broke (told once)
 };
 
 struct Session {

@@ -1,56 +1,59 @@
-// What this stage sends round the ring and what it hears back, over the relay (relay/relay.h, which owns the
-// links): a step's boundary encoded in the wire dtype and sent to the next hop in frames that fit, frames to the
-// origin, a peer's answers about a session, and what a broken link tells its sessions.
-#include <grpcpp/grpcpp.h>
+// The ring's outgoing side (ring_out.h): a step's boundary encoded in the wire dtype and sent to the next hop in
+// frames that fit, frames to the origin, a peer's answers about a session, and what a broken link tells its
+// sessions.
+#include "relay/ring_out.h"
 
 #include <algorithm>
 #include <cstdio>
 #include <cstring>
 #include <stdexcept>
 
+#include "clock.h"
 #include "frames_internal.h"
+#include "link.h"
 #include "wire/wire_common.h"
-#include "worker.h"
 
 namespace dgr {
 
-namespace pb = dgr::v1;
-using Clock = std::chrono::steady_clock;
+RingOut::RingOut(RingOutPort & port, Relay & relay, SessionTable<Session> & sessions, Origin & origin, Metrics & metrics,
+                 const EngineLib & lib, RingOutSettings settings)
+    : port_(port), relay_(relay), sessions_(sessions), origin_(origin), metrics_(metrics), lib_(lib),
+      settings_(std::move(settings)) {}
 
-void StageWorker::encode(const float * x, int64_t n_tokens, pb::Boundary * b) const {
-    const int64_t values = n_tokens * int64_t(info_.n_streams) * info_.n_embd;
-    b->set_dtype(dtype_code(*dtype_));
+void RingOut::encode(const float * x, int64_t n_tokens, pb::Boundary * b) const {
+    const int64_t values = n_tokens * settings_.width;
+    b->set_dtype(dtype_code(*settings_.dtype));
     b->add_shape(uint32_t(n_tokens));
-    b->add_shape(uint32_t(info_.n_streams));
-    b->add_shape(uint32_t(info_.n_embd));
+    b->add_shape(uint32_t(settings_.n_streams));
+    b->add_shape(uint32_t(settings_.n_embd));
     std::string * data = b->mutable_data();
-    data->resize(nbytes(*dtype_, uint64_t(values)));
-    switch (dtype_->code) {
+    data->resize(nbytes(*settings_.dtype, uint64_t(values)));
+    switch (settings_.dtype->code) {
         case pb::F32: std::memcpy(&(*data)[0], x, size_t(values) * 4); break;
         case pb::F16: {
             std::vector<uint16_t> h(static_cast<size_t>(values));
-            engine_.lib().fp32_to_fp16(x, h.data(), values);
+            lib_.fp32_to_fp16(x, h.data(), values);
             std::memcpy(&(*data)[0], h.data(), size_t(values) * 2);
             break;
         }
         case pb::BF16: {
             std::vector<uint16_t> h(static_cast<size_t>(values));
-            engine_.lib().fp32_to_bf16(x, h.data(), values);
+            lib_.fp32_to_bf16(x, h.data(), values);
             std::memcpy(&(*data)[0], h.data(), size_t(values) * 2);
             break;
         }
-        case pb::Q8_0: engine_.lib().quantize_q8_0(x, &(*data)[0], values); break;
-        default: throw std::runtime_error("cannot encode wire dtype " + std::string(dtype_->name));
+        case pb::Q8_0: lib_.quantize_q8_0(x, &(*data)[0], values); break;
+        default: throw std::runtime_error("cannot encode wire dtype " + std::string(settings_.dtype->name));
     }
 }
 
-void StageWorker::emit_boundary(Work & w, const SessionPtr & sess, const float * boundary, pb::HopTiming timing) {
+void RingOut::emit_boundary(const Work & w, const SessionPtr & sess, const float * boundary, pb::HopTiming timing) {
     const int64_t t0 = mono_ns();
     const pb::Step & s = w.frame.step();
     const pb::Hop & nxt = sess->route[sess->hop_index + 1];
-    const pb::BoundarySchema & schema = schema_out_;
-    const int64_t width = int64_t(info_.n_streams) * info_.n_embd;
-    const int64_t per = int64_t(tokens_per_frame(max_message_bytes_, seam_bytes_per_token_));
+    const pb::BoundarySchema & schema = settings_.schema_out;
+    const int64_t width = settings_.width;
+    const int64_t per = int64_t(tokens_per_frame(settings_.max_message_bytes, settings_.seam_bytes_per_token));
     const int64_t n = s.positions_size();
     std::vector<pb::Frame> frames;
     for (int64_t lo = 0; lo < n; lo += per) {
@@ -83,30 +86,30 @@ void StageWorker::emit_boundary(Work & w, const SessionPtr & sess, const float *
     }
 }
 
-void StageWorker::send(const std::string & address, uint32_t hop_index, pb::Frame frame, const SessionPtr & sess) {
+void RingOut::send(const std::string & address, uint32_t hop_index, pb::Frame frame, const SessionPtr & sess) {
     frame.set_sent_unix_ns(uint64_t(wall_ns()));
     const uint64_t size = frame.ByteSizeLong();
-    if (size > max_message_bytes_) {                 // a bug if it happens: frames are sized below the limit
+    if (size > settings_.max_message_bytes) {                 // a bug if it happens: frames are sized below the limit
         pb::Frame e;
         e.set_session_id(frame.session_id());
         e.set_epoch(frame.epoch());
-        *e.mutable_error() = err(pb::MESSAGE_TOO_LARGE, "a " + std::to_string(size) + "-byte frame would exceed the " +
-                                                            std::to_string(max_message_bytes_) + "-byte limit");
+        *e.mutable_error() = port_.error(pb::MESSAGE_TOO_LARGE, "a " + std::to_string(size) + "-byte frame would exceed the " +
+                                                            std::to_string(settings_.max_message_bytes) + "-byte limit");
         to_origin(sess, std::move(e));
         return;
     }
-    if (hop_index == 0 && info_.is_first && address == relay_.address()) {                                      // a one-stage route: the origin is this worker
+    if (hop_index == 0 && settings_.is_first && address == relay_.address()) {                                      // a one-stage route: the origin is this worker
         frame.set_session_id(sess->sid);             // its own key: a frame it sends itself is not checked
-        on_frame(std::move(frame), nullptr, nullptr);
+        port_.take_own(std::move(frame));
         return;
     }
-    relay_.send(address, hop_index, frame, Key{sess->sid, frame.epoch()});   // false: stopping, or its sessions are told
+    relay_.send(address, hop_index, frame, SessionKey{sess->sid, frame.epoch()});   // false: stopping, or its sessions are told
 }
 
-void StageWorker::to_origin(const SessionPtr & sess, pb::Frame frame) {
-    if (info_.is_first) {
+void RingOut::to_origin(const SessionPtr & sess, pb::Frame frame) {
+    if (settings_.is_first) {
         frame.set_session_id(sess->sid);
-        origin_->deliver(std::move(frame));
+        origin_.deliver(std::move(frame));
     } else {
         frame.set_session_id(sess->wire_down);       // as the origin knows it
         send(sess->route[0].address(), 0, std::move(frame), sess);
@@ -115,17 +118,17 @@ void StageWorker::to_origin(const SessionPtr & sess, pb::Frame frame) {
 
 // A peer's answer about a session this worker sent it (the relay checked that it was sent over that very link):
 // to the session's origin.
-void StageWorker::on_reply(const Key & mine, pb::Frame frame) {
-    SessionPtr sess = session(mine);
+void RingOut::on_reply(const SessionKey & mine, pb::Frame frame) {
+    SessionPtr sess = sessions_.find(mine);
     if (sess) to_origin(sess, std::move(frame));
 }
 
-void StageWorker::on_broken(const std::string & address, const std::string & why, const std::set<Key> & lost) {
-    std::vector<std::pair<Key, SessionPtr>> sessions;
+void RingOut::on_broken(const std::string & address, const std::string & why, const std::set<SessionKey> & lost) {
+    std::vector<std::pair<SessionKey, SessionPtr>> sessions;
     for (auto & k : lost) {                          // lookups: the session table's lock alone
         if (SessionPtr s = sessions_.find(k)) sessions.emplace_back(k, std::move(s));
     }
-    const int keepalive = LINK_KEEPALIVE_MS + int(limits_.link_keepalive_timeout_s * 1000);
+    const int keepalive = LINK_KEEPALIVE_MS + int(settings_.link_keepalive_timeout_s * 1000);
     for (auto & [key, sess] : sessions) {
         int idx = -1;
         for (size_t i = 0; i < sess->route.size(); ++i) {
@@ -138,25 +141,20 @@ void StageWorker::on_broken(const std::string & address, const std::string & why
         pb::WireError * e = f.mutable_error();
         e->set_code(pb::HOP_UNREACHABLE);
         e->set_hop(name);
-        e->set_message(name + " is unreachable: " + hop() + " lost its stream to it (" + why + "); that worker died, stopped "
+        e->set_message(name + " is unreachable: " + port_.hop() + " lost its stream to it (" + why + "); that worker died, stopped "
                        "answering (keepalive " + std::to_string(keepalive) + " ms) or shut down (a thin link carrying a long "
                        "prompt: raise --link-keepalive-timeout): use another replica or restart it");
         if (address != sess->route[0].address()) {
-            count_error(pb::HOP_UNREACHABLE);
+            port_.count_error(pb::HOP_UNREACHABLE);
             to_origin(sess, std::move(f));
             continue;
         }
-        bool tell;
-        {
-            std::lock_guard<std::mutex> g(mu_);
-            tell = !sess->last.told_origin;
-            sess->last.told_origin = true;
-        }
+        const bool tell = !sess->last.told_origin.exchange(true);
         if (tell) {
             // the ring's token may be lost and a live origin would wait for it: say so on a new stream (once)
-            count_error(pb::HOP_UNREACHABLE);
-            e->set_hop(hop());
-            e->set_message(hop() + " lost its stream back to the origin " + name + " (" + why +
+            port_.count_error(pb::HOP_UNREACHABLE);
+            e->set_hop(port_.hop());
+            e->set_message(port_.hop() + " lost its stream back to the origin " + name + " (" + why +
                            "): the ring's last token may be lost; the session goes on in a new epoch");
             fprintf(stderr, "dgr-worker: stream to the origin broke for session %s: %s; telling the origin on a new stream\n",
                     f.session_id().c_str(), why.c_str());
