@@ -8,7 +8,7 @@
 #include <set>
 #include <stdexcept>
 
-#include "frames_internal.h"
+#include "data_path.h"
 #include "trust/senders.h"
 #include "wire/wire_common.h"
 #include "worker.h"

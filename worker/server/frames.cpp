@@ -10,7 +10,7 @@
 // outgoing stream (link.cpp); emit_boundary and send, what the stage sends round the ring (relay/ring_out.cpp, over the relay: relay/relay.h); emit_last, the last
 // stage's draws (last_stage.cpp); deliver, next_step and send_token, the origin, and
 // start_speculation (origin/origin.cpp; the drafts: speculation/drafts.cpp, whose twin for a client's own drafts is
-// dgr.runtime.wire.drafts); the metrics' counters (metrics/metrics.h). frames_internal.h holds what they share.
+// dgr.runtime.wire.drafts); the metrics' counters (metrics/metrics.h). data_path.h holds what they share.
 // The draw is the engine library's dgr_sample (worker/engine/dgr_sample.cpp, the one sampler); wire dtypes
 // use ggml's own converters from the same library. Speculation (phase 4): the origin drafts, every stage
 // runs the k+1 positions and drops rejected drafts on the next step (rollback, dgr_session_truncate), the
@@ -30,7 +30,7 @@
 #include <stdexcept>
 #include <thread>
 
-#include "frames_internal.h"
+#include "data_path.h"
 #include "worker.h"
 
 namespace dgr {

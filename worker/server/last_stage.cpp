@@ -5,7 +5,7 @@
 #include <algorithm>
 #include <stdexcept>
 
-#include "frames_internal.h"
+#include "data_path.h"
 #include "worker.h"
 
 namespace dgr {

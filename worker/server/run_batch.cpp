@@ -8,7 +8,7 @@
 
 #include <unistd.h>
 
-#include "frames_internal.h"
+#include "data_path.h"
 #include "worker.h"
 
 namespace dgr {

@@ -4,7 +4,7 @@
 
 #include <cstdio>
 
-#include "frames_internal.h"
+#include "data_path.h"
 #include "worker.h"
 
 namespace dgr {

@@ -4,7 +4,7 @@
 // data path its own (frames.cpp lists them).
 #include "worker.h"
 
-#include "frames_internal.h"
+#include "data_path.h"
 #include "description/stage_description.h"
 #include "wire/wire_common.h"
 

@@ -6,7 +6,7 @@
 #include <stdexcept>
 
 #include "clock.h"
-#include "frames_internal.h"
+#include "data_path.h"
 #include "wire/utf8.h"
 #include "wire/wire_common.h"
 

@@ -9,7 +9,7 @@
 #include <stdexcept>
 
 #include "clock.h"
-#include "frames_internal.h"
+#include "data_path.h"
 #include "link.h"
 #include "wire/wire_common.h"
 
