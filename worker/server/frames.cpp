@@ -55,10 +55,7 @@ std::string StageWorker::admit(const grpc::ServerContextBase * ctx) {
     if (!ctx) return "";
     size_t held = 0;
     if (conns_.take(ctx->peer(), &held)) return "";
-    {
-        std::lock_guard<std::mutex> g(mu_);
-        ++overloaded_;
-    }
+    metrics_.count_overloaded();
     return hop() + ": " + std::to_string(held) + " connections have calls in progress (--max-connections " +
            std::to_string(conns_.max()) + "): retry later or use another replica";
 }

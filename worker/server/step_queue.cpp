@@ -37,10 +37,7 @@ void StageWorker::enqueue(Work w, const SessionPtr & sess, bool own) {
                   std::to_string(limits_.max_session_steps) + ")";
             break;
     }
-    {
-        std::lock_guard<std::mutex> g(mu_);
-        ++overloaded_;
-    }
+    metrics_.count_overloaded();
     reply_error(w.reply, w.frame, err(pb::OVERLOADED, why + ": retry later", pushed.retry_after_ms));
 }
 

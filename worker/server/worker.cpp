@@ -132,6 +132,9 @@ StageLoad StageWorker::load() {
     l.max_frame_bytes_sent = relay_.max_frame_bytes_sent();
     l.uptime_s = std::chrono::duration<double>(Clock::now() - started_).count();
     l.counts = metrics_.counts();
+    l.errors = l.counts.errors;
+    l.reaped_sessions = l.counts.reaped;
+    l.overloaded = l.counts.overloaded;
     l.decode = metrics_.times(0);
     l.prefill = metrics_.times(1);
     if (prefix_) l.prefix = prefix_->stats();
@@ -140,13 +143,10 @@ StageLoad StageWorker::load() {
         l.metrics_url = metrics_url_;
     }
     std::lock_guard<std::mutex> g(mu_);
-    l.errors = errors_;
     l.open_sessions = sessions_.size();
     sessions_.for_each([&](const Key &, const SessionPtr & s) { l.cached_positions += s->held; });
     l.queued_steps = sched_.steps();
     l.opened_sessions = opened_total_;
-    l.reaped_sessions = reaped_;
-    l.overloaded = overloaded_;
     l.serving = !stopping_;
     l.outgoing_channels = relay_.size();
     if (calls_) {
@@ -163,12 +163,7 @@ void StageWorker::set_metrics_url(const std::string & url) {
 }
 
 void StageWorker::count_error(pb::ErrorCode code) {
-    std::string name = pb::ErrorCode_Name(code);
-    std::lock_guard<std::mutex> g(mu_);
-    for (auto & e : errors_) {
-        if (e.first == name) { ++e.second; return; }
-    }
-    errors_.emplace_back(name, 1);
+    metrics_.count_error(pb::ErrorCode_Name(code));
 }
 
 pb::WireError StageWorker::err(pb::ErrorCode code, const std::string & message, uint32_t retry_after_ms) {

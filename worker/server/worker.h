@@ -263,8 +263,6 @@ class StageWorker final : public SessionCalls, public FrameStreams, private Rela
     // step queue and the links; reaping: the step queue) and around for_each, since mu_ guards what a session's
     // fields hold
     SessionTable<Session> sessions_;
-    std::vector<std::pair<std::string, uint64_t>> errors_;   // ErrorCode name -> answered, first seen first
-    uint64_t reaped_ = 0, overloaded_ = 0;
     std::atomic<uint64_t> opened_total_{0};          // (read by the scheduler under its lock: --hold-batch)
     bool stopping_ = false;
     std::chrono::steady_clock::time_point pruned_;   // prune_links' last run

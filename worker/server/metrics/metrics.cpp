@@ -17,6 +17,17 @@ void Histogram::observe(double s) {
     sum += s;
 }
 
+void Metrics::count_error(const std::string & code_name) {
+    std::lock_guard<std::mutex> g(mu);
+    for (auto & e : errors) {
+        if (e.first == code_name) {
+            ++e.second;
+            return;
+        }
+    }
+    errors.emplace_back(code_name, 1);
+}
+
 void Metrics::step(int64_t n_tokens, int64_t queue_ns, int64_t compute_ns) {
     std::lock_guard<std::mutex> g(mu);
     const int kind = n_tokens == 1 ? 0 : 1;          // a decode step is one position

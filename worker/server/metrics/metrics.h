@@ -37,6 +37,9 @@ struct MetricCounts {
     uint64_t mtp_drafted = 0;                        // tokens the MTP block drafted (the last stage)
     Histogram queue, compute, transit_step, transit_token;
     uint64_t forwards[2] = {0, 0};                   // engine forwards of [one session's steps, several sessions']
+    uint64_t reaped = 0;                             // sessions closed idle (--session-ttl)
+    uint64_t overloaded = 0;                         // refusals for a bound: sessions, queued steps, connections
+    std::vector<std::pair<std::string, uint64_t>> errors;   // typed errors answered, by code name, first seen first
 };
 
 // What the worker counts as it goes (one mutex: a few increments per step).
@@ -49,6 +52,15 @@ struct Metrics : MetricCounts {
     void forward(size_t n_steps) {
         std::lock_guard<std::mutex> g(mu);
         ++forwards[n_steps > 1 ? 1 : 0];
+    }
+    void count_error(const std::string & code_name);
+    void count_reaped() {
+        std::lock_guard<std::mutex> g(mu);
+        ++reaped;
+    }
+    void count_overloaded() {
+        std::lock_guard<std::mutex> g(mu);
+        ++overloaded;
     }
     // the counters and histograms at one moment (under the lock)
     MetricCounts counts() {

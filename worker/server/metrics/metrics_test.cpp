@@ -111,7 +111,28 @@ void threads_count_alike() {
 
 }  // namespace
 
+// Typed errors by code name, first seen first, each counted; refusals and reaped sessions counted; a copy taken
+// under the lock carries them (Describe's and the scrape's error counts come from it).
+static void errors_are_counted_by_name_in_first_seen_order() {
+    dgr::Metrics m;
+    m.count_error("OVERLOADED");
+    m.count_error("CACHE_MISS");
+    m.count_error("OVERLOADED");
+    m.count_overloaded();
+    m.count_overloaded();
+    m.count_reaped();
+    const dgr::MetricCounts c = m.counts();
+    CHECK(c.errors.size() == 2);
+    CHECK(c.errors.size() == 2 && c.errors[0].first == "OVERLOADED" && c.errors[0].second == 2);
+    CHECK(c.errors.size() == 2 && c.errors[1].first == "CACHE_MISS" && c.errors[1].second == 1);
+    CHECK(c.overloaded == 2 && c.reaped == 1);
+    m.count_error("CACHE_MISS");
+    CHECK(c.errors.size() == 2 && c.errors[1].second == 1);   // a copy: later counts are not in it
+    CHECK(m.counts().errors[1].second == 2);
+}
+
 int main() {
+    errors_are_counted_by_name_in_first_seen_order();
     observations_land_in_their_bucket();
     steps_are_counted_by_kind_and_their_times_kept();
     the_text_is_prometheus_clients();

@@ -143,8 +143,7 @@ int StageWorker::reap() {
             client->put(std::move(f));
         }
         close_local(k.first, k.second);
-        std::lock_guard<std::mutex> g(mu_);
-        ++reaped_;
+        metrics_.count_reaped();
     }
     return int(idle.size());
 }

@@ -173,14 +173,14 @@ grpc::Status StageWorker::open_session_rpc(const grpc::ServerContextBase * ctx, 
                     return fail(pb::STALE_EPOCH, "session " + req->session_id() + " is already at epoch " +
                                                      std::to_string(a.at) + "; open a newer epoch");
                 case Refused::member_full:
-                    ++overloaded_;
                     g.unlock();
+                    metrics_.count_overloaded();
                     return fail(pb::OVERLOADED, "this member holds " + std::to_string(a.member_held) + " sessions here (--max-sessions-per-member " +
                                                     std::to_string(limits_.max_sessions_per_member) + "): close one, or retry later", 1000);
                 case Refused::worker_full: {
-                    ++overloaded_;
                     uint32_t retry = session_retry_ms();
                     g.unlock();
+                    metrics_.count_overloaded();
                     return fail(pb::OVERLOADED, "all " + std::to_string(info_.max_sessions) +
                                                     " sessions are in use: retry later or use another route", retry);
                 }
