@@ -89,7 +89,7 @@ void RingOut::emit_boundary(const Work & w, const SessionPtr & sess, const float
 void RingOut::send(const std::string & address, uint32_t hop_index, pb::Frame frame, const SessionPtr & sess) {
     frame.set_sent_unix_ns(uint64_t(wall_ns()));
     const uint64_t size = frame.ByteSizeLong();
-    if (size > settings_.max_message_bytes) {                 // a bug if it happens: frames are sized below the limit
+    if (size > settings_.max_message_bytes) {        // a bug if it happens: frames are sized below the limit
         pb::Frame e;
         e.set_session_id(frame.session_id());
         e.set_epoch(frame.epoch());
@@ -98,7 +98,7 @@ void RingOut::send(const std::string & address, uint32_t hop_index, pb::Frame fr
         to_origin(sess, std::move(e));
         return;
     }
-    if (hop_index == 0 && settings_.is_first && address == relay_.address()) {                                      // a one-stage route: the origin is this worker
+    if (hop_index == 0 && settings_.is_first && address == relay_.address()) {   // a one-stage route: the origin is this worker
         frame.set_session_id(sess->sid);             // its own key: a frame it sends itself is not checked
         port_.take_own(std::move(frame));
         return;
