@@ -20,16 +20,12 @@ using Clock = std::chrono::steady_clock;
 
 // mTLS (docs/worker.md "Peer checks under mutual TLS"): a session's frames come only from the peer that opened it here;
 // tokens back into the origin only from its last hop, errors from a hop of its route (the part trust/senders.h).
-// The part runs under mu_, over the session's senders in place: no copy of the route's members per frame.
+// The session's senders answer under their own lock (trust/senders.h).
 void StageWorker::check_sender(const char * kind, const SessionPtr & sess, const std::optional<std::string> * peer,
                                const std::string & sid) {
     if (!trust_.mutual || !peer || !sess) return;
     const std::string who_opens = info_.is_first ? "the client" : "stage " + std::to_string(card_.id.stage_index - 1);
-    std::string why;
-    {
-        std::lock_guard<std::mutex> g(mu_);
-        why = refuse_sender(kind, sess->senders, *peer, who_opens, sid);
-    }
+    const std::string why = sess->senders.refuse(kind, *peer, who_opens, sid);
     if (!why.empty()) throw Fault{pb::WRONG_STAGE, why};
 }
 
@@ -37,7 +33,7 @@ void StageWorker::on_frame(pb::Frame frame, const ReplyPtr & reply, const std::o
     const auto kind = frame.body_case();
     const int64_t sent = int64_t(frame.sent_unix_ns());
     const uint64_t transit = sent ? uint64_t(std::max<int64_t>(0, wall_ns() - sent)) : 0;
-    // the id as the sender named it; this worker's key for the session (owners.cpp): a client's or a previous
+    // the id as the sender named it; this worker's key for the session (sessions/names.h): a client's or a previous
     // hop's frame names a session in the sender's own namespace; what returns into the origin names the id
     // stage 0 gave the route (wire_down), and a frame this worker sent itself names its own key
     const std::string named = frame.session_id();
@@ -46,11 +42,11 @@ void StageWorker::on_frame(pb::Frame frame, const ReplyPtr & reply, const std::o
         if (!returning) {
             frame.set_session_id(names_.key(*peer, named));
         } else {
-            frame.set_session_id(info_.is_first ? origin_key(named) : std::string());
+            frame.set_session_id(info_.is_first ? life_->origin_key(named) : std::string());
         }
     }
     const Key key{frame.session_id(), frame.epoch()};
-    SessionPtr sess = key.first.empty() ? nullptr : session(key);
+    SessionPtr sess = key.first.empty() ? nullptr : sessions_.find(key);   // the table's lock alone
     if (returning) {
         if (!sess) {                                 // no session of this origin's route has that id
             if (kind != pb::Frame::kError) {

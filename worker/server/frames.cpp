@@ -66,11 +66,7 @@ void StageWorker::check_stalls() {
     const int64_t timeout = int64_t(limits_.send_timeout_s * 1e9);
     if (timeout <= 0) return;
     const int64_t now = mono_ns();
-    std::vector<ReplyPtr> streams;
-    {
-        std::lock_guard<std::mutex> g(mu_);
-        streams.assign(streams_.begin(), streams_.end());
-    }
+    const std::vector<ReplyPtr> streams = streams_.all();
     for (auto & q : streams) {
         bool stalled;
         {
@@ -98,9 +94,7 @@ class FramesReactor final : public grpc::ServerBidiReactor<pb::Frame, pb::Frame>
             out->stream = this;                      // before stop() can see it in streams_ and finish it
             if (w->trust_.mutual) peer_ = peer_identity(ctx);
             out_ = out;
-            std::lock_guard<std::mutex> g(w->mu_);
-            if (w->stopping_) refused = w->hop() + " is shutting down";
-            else w->streams_.insert(out);
+            if (!w->streams_.add(out)) refused = w->hop() + " is shutting down";
         }
         if (!refused.empty()) {
             out_.reset();                            // never in streams_: nothing to undo in OnDone
@@ -186,14 +180,13 @@ grpc::ServerBidiReactor<pb::Frame, pb::Frame> * StageWorker::frames(grpc::Callba
 // A Frames call is over: its sessions' client is gone. Closing them chains CloseSession along the route
 // (blocking calls), so it runs on a thread of its own, never in gRPC's reaction; stop() waits for it.
 void StageWorker::stream_done(const ReplyPtr & out) {
-    std::lock_guard<std::mutex> g(mu_);
-    streams_.erase(out);
+    streams_.remove(out);
     if (sched_.stopped()) return;                    // stop() closed every session already
     std::vector<SessionPtr> open;                    // a stream that carried no session (a Describe-like
     sessions_.for_each([&](const Key &, const SessionPtr & s) { open.push_back(s); });   //   probe, a reset stream)
     if (std::none_of(open.begin(), open.end(), [&](const SessionPtr & s) { return origin_->serves(s, out); })) return;
 
-    ++gone_running_;
+    if (!streams_.cleanup_started()) return;         // shutdown_threads waits for it, or the end began
     std::thread([this, out] {
         try {
             origin_->client_gone(out);
@@ -201,8 +194,7 @@ void StageWorker::stream_done(const ReplyPtr & out) {
             fprintf(stderr, "dgr-worker: closing a gone client's sessions: %s\n", e.what());
         } catch (...) {
         }
-        std::lock_guard<std::mutex> g2(mu_);
-        if (--gone_running_ == 0) gone_cv_.notify_all();
+        streams_.cleanup_ended();
     }).detach();
 }
 

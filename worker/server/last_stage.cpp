@@ -143,10 +143,7 @@ void StageWorker::mtp_draft(Work & w, const SessionPtr & sess, int64_t next, int
                 (long long)next, engine_.lib().error(st).c_str());
         return;
     }
-    {
-        std::lock_guard<std::mutex> g(mu_);
-        sess->held = uint64_t(next);
-    }
+    sess->steps.hold(uint64_t(next));
     for (int32_t d : drafts) t->add_next_drafts(d);
     std::lock_guard<std::mutex> g(metrics_.mu);
     metrics_.mtp_drafted += uint64_t(k);

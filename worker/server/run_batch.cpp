@@ -14,6 +14,12 @@
 namespace dgr {
 
 namespace pb = dgr::v1;
+
+// The tests' hooks (--test-die-at SESSION:...) name a session as its client did (SessionNames::client_name)
+bool StageWorker::hook_at(const std::set<std::tuple<std::string, uint64_t, int64_t>> & at, const std::string & key,
+                          uint64_t epoch, int64_t p) const {
+    return !at.empty() && at.count({names_.client_name(key), epoch, p}) > 0;
+}
 using Clock = std::chrono::steady_clock;
 
 // --test-die-at (tests: a kill -9 at an exact step): about to run a step
@@ -76,7 +82,7 @@ void StageWorker::run_batch(std::vector<Work> & batch) {
         auto eg = engine_.lock();
         for (auto & w : batch) {
             const Key key{w.frame.session_id(), w.frame.epoch()};
-            SessionPtr sess = session(key);
+            SessionPtr sess = sessions_.find(key);
             if (!sess) continue;                     // closed while queued
             if (!limits_.evict_at.empty() || !limits_.break_origin_link_at.empty()) test_faults(eg, w.frame, sess);
             int32_t held = 0;
@@ -87,11 +93,7 @@ void StageWorker::run_batch(std::vector<Work> & batch) {
             }
             const pb::Step & s = w.frame.step();
             const uint64_t expect = s.cache_expect();
-            int64_t floor;
-            {
-                std::lock_guard<std::mutex> g(mu_);
-                floor = sess->spec_floor;
-            }
+            const int64_t floor = sess->steps.spec_floor();
             // a step flagged rollback drops the drafts the last stage rejected, never below the first draft
             // of the session's last speculative step here
             if (uint64_t(held) > expect && s.rollback() && floor >= 0 && int64_t(expect) >= floor) {
@@ -185,26 +187,14 @@ void StageWorker::run_batch(std::vector<Work> & batch) {
     }
     auto now = Clock::now();
     sched_.note_batch(double(compute) / 1e6);
-    {
-        std::lock_guard<std::mutex> g(mu_);
-        for (auto & r : ready) {
-            if (!r.ok) continue;
-            // --session-ttl counts real progress: a step that ran
-            sessions_.touch(Key{r.w->frame.session_id(), r.w->frame.epoch()}, r.sess, now);
-            r.sess->held = uint64_t(std::max(0, r.o.n_cached));
-            const pb::Step & s = r.w->frame.step();
-            if (info_.is_first && r.sess->ran_ok) {  // what stage 0 ran: the prefix cache's blocks hash it
-                const size_t p0 = size_t(s.positions(0));
-                if (r.sess->ran.size() < p0) {
-                    r.sess->ran_ok = false;
-                } else {
-                    r.sess->ran.resize(p0);
-                    r.sess->ran.insert(r.sess->ran.end(), s.token_ids().begin(), s.token_ids().end());
-                    if (r.sess->ran.size() > r.sess->held) r.sess->ran.resize(size_t(r.sess->held));
-                }
-            }
-            r.sess->spec_floor = s.drafts() ? int64_t(s.positions(0)) + 1 : -1;   // where a rollback may start
-        }
+    for (auto & r : ready) {
+        if (!r.ok) continue;
+        // --session-ttl counts real progress: a step that ran
+        sessions_.touch(Key{r.w->frame.session_id(), r.w->frame.epoch()}, r.sess, now);
+        // what stage 0 ran (the prefix cache's blocks hash it), and where a rollback may start
+        const pb::Step & s = r.w->frame.step();
+        r.sess->steps.ran_step(uint64_t(std::max(0, r.o.n_cached)), info_.is_first != 0, size_t(s.positions(0)),
+                               s.token_ids().data(), size_t(s.token_ids_size()), s.drafts() ? int64_t(s.positions(0)) + 1 : -1);
     }
     for (auto & r : ready) {
         if (!r.ok) continue;

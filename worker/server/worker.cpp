@@ -30,7 +30,7 @@ StageWorker::StageWorker(const EngineLib & lib, dgr_engine * eng, StageIdentity 
       sched_(StepBounds{limits.max_queued_steps, limits.max_session_steps, limits.max_queued_steps_per_member},
              BatchSettings{limits.max_batch_tokens, limits.max_batch_sessions, limits.hold_batch},
              {[this](std::vector<Work> & batch) { run_guarded(batch); },
-              [this] { return std::pair<uint64_t, size_t>(opened_total_.load(), sessions_.size()); }}) {
+              [this] { return std::pair<uint64_t, size_t>(life_->opened_total(), sessions_.size()); }}) {
     card_.id = std::move(identity);
     dgr_memory memory{};
     {
@@ -72,6 +72,12 @@ StageWorker::StageWorker(const EngineLib & lib, dgr_engine * eng, StageIdentity 
                         int64_t(info_.n_embd), dtype_, schema_out_, seam_bytes_per_token_, max_message_bytes_,
                         limits_.link_keepalive_timeout_s};
     ring_out_.emplace(static_cast<RingOutPort &>(*this), relay_, sessions_, *origin_, metrics_, lib, std::move(out));
+    SessionLifeSettings life{info_.is_first != 0, info_.is_last != 0, int64_t(info_.n_ctx), int64_t(info_.n_vocab),
+                             int64_t(info_.max_sessions), uint32_t(card_.id.stage_count), max_message_bytes_,
+                             limits_.max_sessions_per_member, limits_.session_ttl_s, limits_.rpc_timeout_s,
+                             limits_.prefix_cache_shared, limits_.max_grammar_bytes, limits_.max_grammar_depth};
+    life_.emplace(static_cast<SessionLifePort &>(*this), sessions_, engine_, relay_, sched_, *origin_, metrics_, prefix_.get(),
+                  trust_, names_, net_, std::move(life));
     sched_.start();                                  // last: its engine thread reads all of the above
 }
 
@@ -123,9 +129,9 @@ void StageWorker::fill_card(const dgr_memory & memory) {
 }
 
 // What metrics/description.h and rpc/describe.h write out: each counter under its own lock, one at a time
-// (Metrics::mu, the prefix cache's, addr_mu_), then mu_ with what it guards and the parts asked under it: the
-// session table, the step queue, the link table's size, the unary calls' counts (docs/worker.md "Locks and their
-// order").
+// (Metrics::mu, the prefix cache's, addr_mu_, the session table's, each session's record, the step queue's, the
+// session life's, the link table's, the unary calls'): a snapshot of counters, not one instant (docs/worker.md
+// "Locks and their order").
 StageLoad StageWorker::load() {
     StageLoad l;
     l.address = relay_.address();
@@ -142,12 +148,13 @@ StageLoad StageWorker::load() {
         std::lock_guard<std::mutex> g(addr_mu_);
         l.metrics_url = metrics_url_;
     }
-    std::lock_guard<std::mutex> g(mu_);
     l.open_sessions = sessions_.size();
-    sessions_.for_each([&](const Key &, const SessionPtr & s) { l.cached_positions += s->held; });
+    std::vector<SessionPtr> open;                    // copied out: a record's lock is never taken under the table's
+    sessions_.for_each([&](const Key &, const SessionPtr & s) { open.push_back(s); });
+    for (auto & s : open) l.cached_positions += s->steps.held();
     l.queued_steps = sched_.steps();
-    l.opened_sessions = opened_total_;
-    l.serving = !stopping_;
+    l.opened_sessions = life_->opened_total();
+    l.serving = life_->serving();
     l.outgoing_channels = relay_.size();
     if (calls_) {
         const UnaryCalls::Counts calls = calls_->counts();   // (its own lock, a leaf: never taken the other way)
@@ -155,6 +162,10 @@ StageLoad StageWorker::load() {
         l.unary_refused = calls.refused;
     }
     return l;
+}
+
+void StageWorker::describe(pb::StageDescription * me) {
+    describe_msg(card_, load(), me);
 }
 
 void StageWorker::set_metrics_url(const std::string & url) {
@@ -176,45 +187,6 @@ pb::WireError StageWorker::err(pb::ErrorCode code, const std::string & message, 
     return e;
 }
 
-std::chrono::system_clock::time_point StageWorker::chain_deadline(size_t hops_after, const grpc::ServerContextBase * ctx) const {
-    // one rpc_timeout per hop still to go (the hop nearest a fault times out first), never past the
-    // caller's own deadline (less 0.2 s to answer), at least 0.1 s
-    double t = limits_.rpc_timeout_s * double(std::max<size_t>(1, hops_after));
-    auto now = std::chrono::system_clock::now();
-    auto theirs = ctx ? ctx->deadline() : std::chrono::system_clock::time_point::max();
-    if (theirs != std::chrono::system_clock::time_point::max()) {
-        double left = std::chrono::duration<double>(theirs - now).count();
-        t = std::max(0.1, std::min(t, left - 0.2));
-    }
-    return now + std::chrono::duration_cast<std::chrono::system_clock::duration>(std::chrono::duration<double>(t));
-}
-
-// What a member's routes made this worker open outlives nothing: every few seconds the channels and links to
-// addresses no open session goes to are dropped, and broken links gRPC is done with are destroyed, so a member
-// naming ever new addresses cannot grow the worker (docs/security.md)
-void StageWorker::prune_links() {
-    Relay::Dropped drop;
-    {
-        std::lock_guard<std::mutex> g(mu_);
-        const auto now = Clock::now();
-        if (now - pruned_ < std::chrono::seconds(2) || sched_.stopped()) return;
-        pruned_ = now;
-        std::set<std::string> used;                  // where open sessions (and sessions being closed) still go
-        sessions_.for_each([&](const Key &, const SessionPtr & p) {
-            const Session & s = *p;
-            if (s.hop_index + 1 < s.route.size()) used.insert(s.route[s.hop_index + 1].address());
-            if (!s.route.empty()) used.insert(s.route[0].address());
-        });
-        if (!closing_.empty()) return;               // a close chain may be using a channel right now
-        drop = relay_.prune(used);                   // the link table's lock, under mu_: no session opens meanwhile
-    }
-    Relay::close(drop);                              // outside every lock: gRPC's callbacks take them
-}
-
-SessionPtr StageWorker::session(const Key & key) {
-    return sessions_.find(key);                      // the table's lock alone (sessions/session_table.h)
-}
-
 void StageWorker::reply_error(const ReplyPtr & reply, const pb::Frame & frame, pb::WireError e, bool as_named) {
     if (!reply) return;
     pb::Frame f;
@@ -225,14 +197,8 @@ void StageWorker::reply_error(const ReplyPtr & reply, const pb::Frame & frame, p
 }
 
 void StageWorker::stop() {
-    std::vector<std::pair<Key, SessionPtr>> open;
-    std::set<ReplyPtr> streams;
-    {
-        std::lock_guard<std::mutex> g(mu_);
-        stopping_ = true;
-        sessions_.for_each([&](const Key & k, const SessionPtr & s) { open.emplace_back(k, s); });
-        streams = streams_;
-    }
+    const std::vector<std::pair<Key, SessionPtr>> open = life_->stop();   // no session opens from now on
+    const std::vector<ReplyPtr> streams = streams_.stop();                 // no Frames call starts
     // tell the clients (through the origin) first, so they re-route (docs/worker.md, "Failures, drain, speculation,
     // metrics")
     const std::string bye = hop() + " is shutting down (SIGTERM): the session is closed; use another replica";
@@ -253,7 +219,7 @@ void StageWorker::stop() {
     }
     if (!open.empty()) std::this_thread::sleep_for(std::chrono::milliseconds(200));   // let those errors leave
     for (auto & s : streams) s->finish(true);
-    for (auto & [k, sess] : open) close_local(k.first, k.second);
+    for (auto & [k, sess] : open) life_->close_local(k.first, k.second);
     shutdown_threads();
 }
 
@@ -261,10 +227,7 @@ void StageWorker::shutdown_threads() {
     sched_.stop();                                   // no batch or job starts from now on
     relay_.stop();                                   // no link opens from now on
     sched_.join();                                   // the engine thread, and a reader running a step inline
-    if (!sched_.on_engine_thread()) {
-        std::unique_lock<std::mutex> l(mu_);
-        gone_cv_.wait(l, [&] { return gone_running_ == 0; });
-    }
+    if (!sched_.on_engine_thread()) streams_.wait_cleanups();   // stream_done's threads
     relay_.close_all();                              // every link closed and destroyed here, outside the locks
 }
 

@@ -53,6 +53,8 @@
 #include "link.h"
 #include "relay/relay.h"
 #include "origin/origin.h"
+#include "lifecycle/session_life.h"
+#include "streams/open_streams.h"
 #include "relay/ring_out.h"
 #include "ring/generation.h"
 #include "wire_constants.h"
@@ -112,18 +114,16 @@ class StageWorker;
 
 // What the Stage service (rpc/stage_service.h, which knows nothing of this class) hands its calls to (stage_calls.h): the
 // session RPCs' bodies (SessionCalls, run on the unary calls' pool) and the Frames calls' reactors (FrameStreams).
-class StageWorker final : public SessionCalls, public FrameStreams, private RelayOwner, private OriginPort,
-                          private RingOutPort {
+class StageWorker final : public FrameStreams, private RelayOwner, private OriginPort, private RingOutPort,
+                          private SessionLifePort {
     friend class FramesReactor;
 
   public:
     StageWorker(const EngineLib & lib, dgr_engine * eng, StageIdentity identity, std::string address,
                 uint64_t max_message_bytes, Limits limits);
 
-    grpc::Status open_session_rpc(const grpc::ServerContextBase * ctx, const dgr::v1::OpenSessionRequest * req,
-                                  dgr::v1::OpenSessionReply * reply) override;
-    grpc::Status close_session_rpc(const grpc::ServerContextBase * ctx, const dgr::v1::CloseSessionRequest * req,
-                                   dgr::v1::CloseSessionReply * reply) override;
+    // what the service's OpenSession and CloseSession are handed: the sessions' life (lifecycle/session_life.h)
+    SessionCalls & session_calls() { return *life_; }
     grpc::ServerBidiReactor<dgr::v1::Frame, dgr::v1::Frame> * frames(grpc::CallbackServerContext * ctx) override;
     // what the service's Describe, Tokenize and Detokenize are handed: the card (fixed once serving), a snapshot of
     // the load (every counter read under its lock), the vocabulary
@@ -143,8 +143,7 @@ class StageWorker final : public SessionCalls, public FrameStreams, private Rela
     void check_stalls();
     // Idle sessions past --session-ttl are closed (once a second at most); returns how many. Outgoing links
     // and channels no open session uses any more are closed and forgotten (prune_links).
-    int reap();
-    void prune_links();
+    int reap() { return life_->reap(); }
     // SIGTERM: refuse new sessions, tell the clients, end every stream, close every session (engine
     // included), stop the engine thread and the links.
     void stop();
@@ -188,22 +187,18 @@ class StageWorker final : public SessionCalls, public FrameStreams, private Rela
     void take_own(dgr::v1::Frame frame) override { on_frame(std::move(frame), nullptr, nullptr); }             // RingOutPort
     void enqueue_next(Work w, const SessionPtr & sess) override { enqueue(std::move(w), sess, true); }           // OriginPort
     dgr::v1::WireError error(dgr::v1::ErrorCode code, const std::string & message) override { return err(code, message); }
-    void close_route(const std::string & sid, uint64_t epoch) override { close_chained(sid, epoch, nullptr, nullptr); }
+    void close_route(const std::string & sid, uint64_t epoch) override { life_->close_chained(sid, epoch, nullptr, nullptr); }
+    // SessionLifePort: this stage's description now, a typed error with its retry hint
+    void describe(dgr::v1::StageDescription * me) override;
+    dgr::v1::WireError error(dgr::v1::ErrorCode code, const std::string & message, uint32_t retry_after_ms) override {
+        return err(code, message, retry_after_ms);
+    }
     void stream_done(const ReplyPtr & out);        // a Frames call's OnDone: client_gone on a thread of its own
-    // `keep`: the prefix blocks (and their size) the next hops keep the session's state under (keep_prefix's)
-    void close_chained(const std::string & sid, uint64_t epoch, const grpc::ServerContextBase * ctx, dgr::v1::CloseSessionReply * reply,
-                       const std::pair<std::vector<std::string>, uint32_t> * keep = nullptr);
     // Owners (docs/security.md): under mutual TLS a session lives in the namespace of the member that opened
     // it here; this worker's key for it is names_.key(member, id as named). Plaintext: one tenant, the id.
     SessionNames names_;                             // whose a session is, from its key (sessions/names.h); set
                                                      //   with the trust, before serving
-    // stage 0: this worker's key of a session that the route's hops name by its wire_down id ("" if none)
-    std::string origin_key(const std::string & wire) const;
     bool hook_at(const std::set<std::tuple<std::string, uint64_t, int64_t>> & at, const std::string & key, uint64_t epoch, int64_t p) const;
-    // Sampling.grammar / json_schema within --max-grammar-bytes and --max-grammar-depth: "" or why not
-    // (trust/grammar_bounds.h)
-    std::string refuse_grammar(const dgr::v1::Sampling & sp) const;
-    SessionPtr session(const Key & key);
     void shutdown_threads();
 
     // the card (metrics/description.h) from the engine's stage info and memory and the worker's own settings: once,
@@ -211,9 +206,6 @@ class StageWorker final : public SessionCalls, public FrameStreams, private Rela
     void fill_card(const dgr_memory & memory);
     dgr::v1::WireError err(dgr::v1::ErrorCode code, const std::string & message, uint32_t retry_after_ms = 0);
     void count_error(dgr::v1::ErrorCode code) override;
-    void close_local(const std::string & sid, uint64_t epoch);
-    uint32_t session_retry_ms();
-    std::chrono::system_clock::time_point chain_deadline(size_t hops_after, const grpc::ServerContextBase * ctx) const;
 
     // --max-connections: connections (gRPC peers) with calls in progress
     friend struct Admit;
@@ -238,11 +230,6 @@ class StageWorker final : public SessionCalls, public FrameStreams, private Rela
     // prefix of a session: no truncation, results that depend on the batch, an engine built before it)
     std::unique_ptr<PrefixCache> prefix_;
     std::string prefix_off_;                         // why it is off ("" when on)
-    std::vector<std::string> prefix_blocks(const google::protobuf::RepeatedPtrField<std::string> & b) const;
-    std::string prefix_seed(const dgr::v1::StageDescription & upstream) const;
-    // Keep a closing session's state; returns the blocks it was kept under (stage 0: hashed from the tokens it
-    // ran; later stages: those their opener passed on), for the next hop
-    std::vector<std::string> keep_prefix(const std::string & sid, uint64_t epoch, const dgr::v1::CloseSessionRequest & req);
     const WireDtype * dtype_;
     dgr::v1::BoundarySchema schema_in_, schema_out_;   // what this stage takes and sends (rpc/describe.h's describe_msg)
     uint64_t seam_bytes_per_token_ = 0;
@@ -251,28 +238,15 @@ class StageWorker final : public SessionCalls, public FrameStreams, private Rela
     std::string metrics_url_;                        // (addr_mu_)
     StageCard card_;                                 // fixed once serving (fill_card, set_trust, set_certificates)
 
-    // grammar opens running at once (rpc/open_session.cpp): within DGR_GRAMMAR_MAX_EXPANSION a conversion takes
-    // up to ~0.3 s and ~100 MiB, so at most GRAMMARS_AT_ONCE run and the rest wait, members taking turns
-    // (trust/turns.h; its own leaf lock)
-    static constexpr int GRAMMARS_AT_ONCE = 2;
-    FairTurns grammar_turns_{GRAMMARS_AT_ONCE};
-    std::mutex mu_;                                  // everything below
-    // the open sessions, their epochs, stage 0's wire_down ids, their owners' counts and when each was last used:
-    // a part with its own (leaf) lock (sessions/session_table.h). A lookup takes only its lock; mu_ is held around
-    // it where its answer and the worker's state go together (opening: the bounds and the counters; closing: the
-    // step queue and the links; reaping: the step queue) and around for_each, since mu_ guards what a session's
-    // fields hold
+    // the open sessions, their epochs, stage 0's wire_down ids, their owners' counts and when each was last used: a
+    // part with its own leaf lock (sessions/session_table.h), shared with the parts that find sessions there; a
+    // session's changing fields have their own owners (sessions/session.h)
     SessionTable<Session> sessions_;
-    std::atomic<uint64_t> opened_total_{0};          // (read by the scheduler under its lock: --hold-batch)
-    bool stopping_ = false;
-    std::chrono::steady_clock::time_point pruned_;   // prune_links' last run
-    // the data path (mu_)
-    std::map<Key, std::shared_future<void>> closing_;           // sessions being closed along the route now
-    std::set<ReplyPtr> streams_;                     // reply queues of the incoming Frames calls
-    int64_t gone_running_ = 0;                       // stream_done's threads still closing sessions
-    std::condition_variable gone_cv_;                // gone_running_ fell to 0
+    // the incoming Frames calls' reply streams and the threads closing a gone client's sessions (streams/
+    // open_streams.h; its own leaf lock)
+    OpenStreams<ReplyPtr> streams_;
     // the queued steps (per session, bounded, round robin), the deferred jobs, the engine thread and which thread
-    // runs a batch: a part with its own lock, taken under mu_ (engine_loop/scheduler.h); after everything its
+    // runs a batch: a part with its own lock (engine_loop/scheduler.h); after everything its
     // Owner reads
     StepScheduler<Key, Work> sched_;
     // the origin of the sessions that start here: each one's OriginRole, under its own lock (origin/origin.h); made
@@ -280,6 +254,9 @@ class StageWorker final : public SessionCalls, public FrameStreams, private Rela
     std::optional<Origin> origin_;
     // what this stage sends round the ring, over relay_ (relay/ring_out.h); made with the origin
     std::optional<RingOut> ring_out_;
+    // a session's life here: open, close, reap, prune, stop (lifecycle/session_life.h; its own lock); made with
+    // the origin
+    std::optional<SessionLife> life_;
     const UnaryCalls * calls_ = nullptr;             // count_calls
 };
 

@@ -9,7 +9,7 @@
 // positions. Bounded by bytes (--prefix-cache-mib), least recently used first out. Thread-safe.
 //
 // A part of the worker (docs/worker.md "Parts and their owners"): it owns its entries, index and LRU list under
-// its one lock (mu_), and nothing of gRPC or the engine is in it; session_prefix.cpp and rpc/open_session.cpp
+// its one lock (mu_), and nothing of gRPC or the engine is in it; lifecycle/keep_prefix.cpp and lifecycle/open.cpp
 // are the worker's glue. Its test: cache/prefix_cache_test.cpp.
 #pragma once
 

@@ -71,7 +71,7 @@ class LockedEngine {
 
     // A grammar (Sampling.grammar / json_schema) is converted outside the lock: it reads only the model's
     // vocabulary, which no step changes, so a slow conversion holds up its own request alone (the worker bounds
-    // how many run at once: rpc/open_session.cpp). The grammar it makes is then used by the engine thread alone.
+    // how many run at once: lifecycle/open.cpp). The grammar it makes is then used by the engine thread alone.
     template <class... A> auto grammar_open(A &&... a) const {
         return lib_.grammar_open(eng_, std::forward<A>(a)...);
     }

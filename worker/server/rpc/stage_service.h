@@ -3,8 +3,8 @@
 //
 // - Describe, Tokenize, Detokenize, OpenSession, CloseSession run on the unary calls' pool (unary_calls.h: bounded,
 //   per member), whose thread runs the handler: rpc/describe.h over the stage's card and a snapshot of its load,
-//   rpc/tokenize.h over its vocabulary, and the session RPCs over `SessionCalls` (the stage's session table and its
-//   chain along the route: rpc/open_session.cpp, rpc/close_session.cpp);
+//   rpc/tokenize.h over its vocabulary, and the session RPCs over `SessionCalls` (a session's life, here and along the
+//   route: lifecycle/session_life.h);
 // - Frames is a reactor the data path makes (`FrameStreams`: frames.cpp).
 //
 // It holds no state of the stage's: what it needs is handed to it (`Parts`), so the stage (StageWorker) is not

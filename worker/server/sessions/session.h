@@ -2,9 +2,9 @@
 // keeps (the client, generation control, drafts), and what only the route's last stage keeps (the grammar,
 // whether it told the origin its stream broke). A value with no lock of its own: the session table
 // (sessions/session_table.h) holds it; `origin` is the origin part's (origin/origin.h: under its lock),
-// `last.told_origin` the ring's outgoing side's (relay/ring_out.h: an atomic), the engine thread alone uses
-// `last.grammar`, and the worker's data-path lock guards the rest that changes (docs/worker.md "Locks and their
-// order").
+// `last.told_origin` the ring's outgoing side's (relay/ring_out.h: an atomic), `steps` has its own lock, the engine
+// thread alone uses `last.grammar`, and the rest is fixed once the session is open, but for `senders` (the
+// frames' checks: docs/worker.md "Locks and their order").
 #pragma once
 
 #include <atomic>
@@ -19,6 +19,7 @@
 #include "frame_queue.h"
 #include "ring/generation.h"
 #include "speculation/drafts.h"
+#include "sessions/step_record.h"
 #include "trust/senders.h"
 
 namespace dgr {
@@ -61,15 +62,10 @@ struct Session {
     // the id the route's later hops and its origin know it by (stage 0 draws one per session under mTLS:
     // unguessable, so no member off the route can name it there; later stages pass on what they got)
     std::string wire_down;
-    uint64_t held = 0;                               // positions cached after its last step here
-    // stage 0: the token ids at positions [0, ran.size()) that this worker ran (or restored from its prefix cache):
-    // what the blocks it keeps are hashed from, never the client's word; ran_ok false once unknown
-    std::vector<int32_t> ran;
-    bool ran_ok = true;
-    SessionSenders senders;                          // mutual TLS (check_sender): who may send its frames here
-    // the first draft position of its last speculative step, below which a rollback never drops positions
-    // (-1: none)
-    int64_t spec_floor = -1;
+    // what its steps left here: the positions held, stage 0's record of the tokens it ran, where a rollback may
+    // start (sessions/step_record.h: its own lock)
+    StepRecord steps;
+    Senders senders;                                 // mutual TLS (check_sender): who may send its frames here (its own lock)
     OriginRole origin;                               // stage 0
     LastStageRole last;                              // the last stage
 };

@@ -10,10 +10,12 @@
 #include <cstdio>
 #include <optional>
 #include <string>
+#include <thread>
 
 namespace {
 
 using dgr::refuse_sender;
+using dgr::Senders;
 using dgr::SessionSenders;
 using Peer = std::optional<std::string>;
 
@@ -111,6 +113,19 @@ void nothing_known_checks_nothing() {
     CHECK(refused("error", routed, "mallory", HOP, "stage-a or stage-b or stage-c"));
 }
 
+void the_route_named_while_frames_are_checked() {
+    // OpenSession names the route on its call's thread while a frame's check reads the senders on gRPC's: the
+    // guarded senders (under TSan this is the check) refuse nothing before the route is known, the wrong hop after
+    Senders s;
+    s.set_opener(std::string("client-a"));
+    std::thread named([&] { s.set_route("stage-c", {"stage-a", "stage-b", "stage-c"}); });
+    for (int i = 0; i < 1000; ++i) CHECK(s.refuse("step", std::string("client-a"), "the client", "s").empty());
+    named.join();
+    CHECK(s.refuse("token", std::string("stage-c"), "the client", "s").empty());
+    CHECK(!s.refuse("token", std::string("stage-b"), "the client", "s").empty());
+    CHECK(!s.refuse("step", std::string("mallory"), "the client", "s").empty());
+}
+
 }  // namespace
 
 int main() {
@@ -119,5 +134,6 @@ int main() {
     only_a_hop_of_the_route_sends_errors();
     no_certificate_name_is_nobody();
     nothing_known_checks_nothing();
+    the_route_named_while_frames_are_checked();
     return dgr::unit::finish("senders_test");
 }

@@ -1,13 +1,15 @@
-// Closing sessions: CloseSession, here and along the route (once, however many callers), and idle ones
-// past --session-ttl (reap).
+// Closing sessions (session_life.h): CloseSession, here and along the route (once, however many callers), idle
+// ones past --session-ttl (reap), and the links and channels no open session uses any more (prune_links).
+#include "grpc_status.h"
 #include "rpc/guarded.h"
 #include "wire/wire_common.h"
-#include "worker.h"
+#include "lifecycle/session_life.h"
 
 #include <grpcpp/grpcpp.h>
 
 #include <cstdio>
 #include <future>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -16,18 +18,17 @@ namespace dgr {
 namespace pb = dgr::v1;
 using Clock = std::chrono::steady_clock;
 
-void StageWorker::close_local(const std::string & sid, uint64_t epoch) {
-    bool held;
-    std::string wire;
+void SessionLife::close_local(const std::string & sid, uint64_t epoch) {
+    SessionPtr s;                                    // dropped after the lock: its grammar is freed outside it
     {
         // the table and the step queue together (mu_ held): nothing of a session outlives it (the table drops
         // its wire_down id, its owner's count and, once no epoch is open, its latest epoch)
         std::lock_guard<std::mutex> g(mu_);
-        SessionPtr s = sessions_.erase(Key{sid, epoch});
-        held = s != nullptr;
-        if (held) wire = s->wire_down;
+        s = sessions_.erase(Key{sid, epoch});
         sched_.drop(Key{sid, epoch});               // its queued steps are forgotten
     }
+    const bool held = s != nullptr;
+    const std::string wire = held ? s->wire_down : std::string();
     if (held) relay_.forget(Key{wire, epoch});       // the links' note of it
     if (held) {
         auto eg = engine_.lock();
@@ -37,7 +38,7 @@ void StageWorker::close_local(const std::string & sid, uint64_t epoch) {
     }
 }
 
-void StageWorker::close_chained(const std::string & sid, uint64_t epoch, const grpc::ServerContextBase * ctx,
+void SessionLife::close_chained(const std::string & sid, uint64_t epoch, const grpc::ServerContextBase * ctx,
                                 pb::CloseSessionReply * reply, const std::pair<std::vector<std::string>, uint32_t> * keep) {
     std::vector<pb::Hop> route;
     uint32_t hop_index = 0;
@@ -63,11 +64,11 @@ void StageWorker::close_chained(const std::string & sid, uint64_t epoch, const g
     if (!had) {
         // e.g. the client's stream ended (client_gone) just before its CloseSession came: answer once that
         // close has gone along the route, never while later hops still hold the session
-        if (theirs.valid()) theirs.wait_for(std::chrono::duration<double>(limits_.rpc_timeout_s * double(card_.id.stage_count + 1)));
+        if (theirs.valid()) theirs.wait_for(std::chrono::duration<double>(set_.rpc_timeout_s * double(set_.stage_count + 1)));
         return;
     }
     struct Done {                                    // however this returns: waiters go on, the entry goes
-        StageWorker * w;
+        SessionLife * w;
         Key key;
         std::shared_ptr<std::promise<void>> p;
         ~Done() {
@@ -79,7 +80,7 @@ void StageWorker::close_chained(const std::string & sid, uint64_t epoch, const g
         }
     } done{this, key, mine};
     close_local(sid, epoch);
-    if (!info_.is_last && hop_index + 1 < route.size()) {
+    if (!set_.is_last && hop_index + 1 < route.size()) {
         const pb::Hop & nxt = route[hop_index + 1];
         pb::CloseSessionRequest req;
         req.set_session_id(wire);                    // as the next hop knows it
@@ -100,10 +101,10 @@ void StageWorker::close_chained(const std::string & sid, uint64_t epoch, const g
     }
 }
 
-grpc::Status StageWorker::close_session_rpc(const grpc::ServerContextBase * ctx, const pb::CloseSessionRequest * req,
+grpc::Status SessionLife::close_session_rpc(const grpc::ServerContextBase * ctx, const pb::CloseSessionRequest * req,
                                             pb::CloseSessionReply * reply) {
     return guarded("CloseSession", [&] {
-        // the caller's own session: its namespace (owners.cpp); another member's id names nothing here, so
+        // the caller's own session: its namespace (sessions/names.h); another member's id names nothing here, so
         // no member can close another's
         const std::string sid = names_.key(trust_.mutual ? peer_identity(ctx) : std::nullopt, req->session_id());
         std::pair<std::vector<std::string>, uint32_t> keep{{}, req->prefix_block_tokens()};
@@ -114,9 +115,9 @@ grpc::Status StageWorker::close_session_rpc(const grpc::ServerContextBase * ctx,
     });
 }
 
-int StageWorker::reap() {
+int SessionLife::reap() {
     prune_links();
-    double ttl = limits_.session_ttl_s;
+    double ttl = set_.session_ttl_s;
     if (ttl <= 0) return 0;
     std::vector<Key> idle;
     std::vector<SessionPtr> told;
@@ -132,7 +133,7 @@ int StageWorker::reap() {
     for (size_t n = 0; n < idle.size(); ++n) {
         const Key & k = idle[n];
         SessionPtr sess = told[n];
-        if (ReplyPtr client = origin_->fail(sess)) {
+        if (ReplyPtr client = origin_.fail(sess)) {
             char ttl_s[32];
             snprintf(ttl_s, sizeof ttl_s, "%g", ttl);
             pb::Frame f;
@@ -146,6 +147,41 @@ int StageWorker::reap() {
         metrics_.count_reaped();
     }
     return int(idle.size());
+}
+
+std::chrono::system_clock::time_point SessionLife::chain_deadline(size_t hops_after, const grpc::ServerContextBase * ctx) const {
+    // one rpc_timeout per hop still to go (the hop nearest a fault times out first), never past the
+    // caller's own deadline (less 0.2 s to answer), at least 0.1 s
+    double t = set_.rpc_timeout_s * double(std::max<size_t>(1, hops_after));
+    auto now = std::chrono::system_clock::now();
+    auto theirs = ctx ? ctx->deadline() : std::chrono::system_clock::time_point::max();
+    if (theirs != std::chrono::system_clock::time_point::max()) {
+        double left = std::chrono::duration<double>(theirs - now).count();
+        t = std::max(0.1, std::min(t, left - 0.2));
+    }
+    return now + std::chrono::duration_cast<std::chrono::system_clock::duration>(std::chrono::duration<double>(t));
+}
+
+// What a member's routes made this worker open outlives nothing: every few seconds the channels and links to
+// addresses no open session goes to are dropped, and broken links gRPC is done with are destroyed, so a member
+// naming ever new addresses cannot grow the worker (docs/security.md)
+void SessionLife::prune_links() {
+    Relay::Dropped drop;
+    {
+        std::lock_guard<std::mutex> g(mu_);
+        const auto now = Clock::now();
+        if (now - pruned_ < std::chrono::seconds(2) || sched_.stopped()) return;
+        pruned_ = now;
+        std::set<std::string> used;                  // where open sessions (and sessions being closed) still go
+        sessions_.for_each([&](const Key &, const SessionPtr & p) {
+            const Session & s = *p;
+            if (s.hop_index + 1 < s.route.size()) used.insert(s.route[s.hop_index + 1].address());
+            if (!s.route.empty()) used.insert(s.route[0].address());
+        });
+        if (!closing_.empty()) return;               // a close chain may be using a channel right now
+        drop = relay_.prune(used);                   // the link table's lock, under mu_: no session opens meanwhile
+    }
+    Relay::close(drop);                              // outside every lock: gRPC's callbacks take them
 }
 
 }  // namespace dgr

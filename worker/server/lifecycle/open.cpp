@@ -1,15 +1,18 @@
-// OpenSession: the route's hop checked against this stage, the session opened in the engine (from the prefix
-// cache where it can), then chained to the next hop; what the route can do (roll back, frame sizes) noted.
+// OpenSession (session_life.h): the route's hop checked against this stage, the session opened in the engine (from
+// the prefix cache where it can), then chained to the next hop; what the route can do (roll back, frame sizes)
+// noted.
 #include "description/stage_description.h"
+#include "grpc_status.h"
 #include "rpc/guarded.h"
 #include "wire/wire_common.h"
-#include "worker.h"
+#include "lifecycle/session_life.h"
 
 #include <grpcpp/grpcpp.h>
 
 #include <algorithm>
 #include <memory>
 #include <optional>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -20,15 +23,15 @@ using Clock = std::chrono::steady_clock;
 
 static const char * py_bool(bool b) { return b ? "True" : "False"; }
 
-uint32_t StageWorker::session_retry_ms() {
+uint32_t SessionLife::session_retry_ms() {
     // when a slot may free up: the next idle session's reaping, else a second (mu_ held)
-    double ttl = limits_.session_ttl_s;
+    double ttl = set_.session_ttl_s;
     if (ttl <= 0 || sessions_.size() == 0) return 1000;
     const double idle = sessions_.longest_idle_s(Clock::now());
     return uint32_t(std::min(ttl, std::max(0.1, ttl - idle)) * 1000);
 }
 
-grpc::Status StageWorker::open_session_rpc(const grpc::ServerContextBase * ctx, const pb::OpenSessionRequest * req,
+grpc::Status SessionLife::open_session_rpc(const grpc::ServerContextBase * ctx, const pb::OpenSessionRequest * req,
                                            pb::OpenSessionReply * reply) {
     const EngineLib & lib = engine_.lib();
     return guarded("OpenSession", [&] {
@@ -40,7 +43,7 @@ grpc::Status StageWorker::open_session_rpc(const grpc::ServerContextBase * ctx, 
         { std::lock_guard<std::mutex> g(mu_); stopping = stopping_; }
         if (stopping) return fail(pb::HOP_UNREACHABLE, "this worker is shutting down: open the session on another replica");
         pb::StageDescription me;
-        describe_msg(card_, load(), &me);
+        port_.describe(&me);
         const auto & ident = me.identity();
         if (req->hop_index() >= uint32_t(req->route_size())) return fail(pb::BAD_FRAME, "hop_index is outside the route");
         const pb::Hop & at = req->route(int(req->hop_index()));
@@ -64,9 +67,9 @@ grpc::Status StageWorker::open_session_rpc(const grpc::ServerContextBase * ctx, 
             }
         }
         const bool last_hop = req->hop_index() == uint32_t(req->route_size() - 1);
-        if ((req->hop_index() == 0) != bool(info_.is_first) || last_hop != bool(info_.is_last)) {
-            return fail(pb::WRONG_STAGE, "this worker serves " + mine + " (first=" + py_bool(info_.is_first) + ", last=" +
-                                             py_bool(info_.is_last) + ") but is hop " + std::to_string(req->hop_index()) +
+        if ((req->hop_index() == 0) != bool(set_.is_first) || last_hop != bool(set_.is_last)) {
+            return fail(pb::WRONG_STAGE, "this worker serves " + mine + " (first=" + py_bool(set_.is_first) + ", last=" +
+                                             py_bool(set_.is_last) + ") but is hop " + std::to_string(req->hop_index()) +
                                              " of a " + std::to_string(req->route_size()) +
                                              "-hop route: the route must cover every layer in order");
         }
@@ -93,11 +96,11 @@ grpc::Status StageWorker::open_session_rpc(const grpc::ServerContextBase * ctx, 
                                                  " but this stage begins at layer " + std::to_string(si.layer()));
             }
         }
-        if (info_.is_last) {
-            uint64_t vocab_bytes = uint64_t(info_.n_vocab) * 4 + FRAME_OVERHEAD;
-            if (req->logits() != pb::LOGITS_NONE && vocab_bytes > max_message_bytes_) {
+        if (set_.is_last) {
+            uint64_t vocab_bytes = uint64_t(set_.n_vocab) * 4 + FRAME_OVERHEAD;
+            if (req->logits() != pb::LOGITS_NONE && vocab_bytes > set_.max_message_bytes) {
                 return fail(pb::MESSAGE_TOO_LARGE, "one logits row needs " + std::to_string(vocab_bytes) + " bytes, over the " +
-                                                       std::to_string(max_message_bytes_) + "-byte message limit");
+                                                       std::to_string(set_.max_message_bytes) + "-byte message limit");
             }
         }
         // what the last stage does with each draw: log-probabilities, a grammar
@@ -119,7 +122,7 @@ grpc::Status StageWorker::open_session_rpc(const grpc::ServerContextBase * ctx, 
             if (!turn) turn.emplace(grammar_turns_.take(trust_.mutual ? peer_identity(ctx).value_or("") : std::string()));
         };
         std::shared_ptr<dgr_grammar> grammar;
-        if (info_.is_last) {
+        if (set_.is_last) {
             if ((sp.logprobs() || sp.top_logprobs()) && !lib.logprobs) {
                 return fail(pb::ENGINE, "sampling.logprobs: " + lib.path + " reports no log-probabilities (built before "
                                         "them): rebuild it (`dgr build-engine`)");
@@ -151,12 +154,12 @@ grpc::Status StageWorker::open_session_rpc(const grpc::ServerContextBase * ctx, 
                 turn.reset();                        // converted: the next member's turn
             }
         }
-        if (has_grammar && !info_.is_last) take_turn();   // an earlier stage: for its chain to the last
-        // the session in the caller's own namespace (owners.cpp): no other member's id can be named here
+        if (has_grammar && !set_.is_last) take_turn();   // an earlier stage: for its chain to the last
+        // the session in the caller's own namespace (sessions/names.h): no other member's id can be named here
         const std::string sid = names_.key(trust_.mutual ? peer_identity(ctx) : std::nullopt, req->session_id());
         const Key key{sid, req->epoch()};
         // the id the route's later hops know it by: stage 0 adds 128 random bits under mutual TLS
-        const std::string wire_down = trust_.mutual && info_.is_first ? SessionNames::wire_down(req->session_id()) : names_.wire_of(sid);
+        const std::string wire_down = trust_.mutual && set_.is_first ? SessionNames::wire_down(req->session_id()) : names_.wire_of(sid);
         // its owner: whose count it is in (--max-sessions-per-member)
         const std::string owner = names_.owner_of(sid);
         std::vector<Key> old;
@@ -164,7 +167,7 @@ grpc::Status StageWorker::open_session_rpc(const grpc::ServerContextBase * ctx, 
             // the table's answer and the overload counter (and the retry hint) go together: mu_ held around it
             std::unique_lock<std::mutex> g(mu_);
             using Refused = SessionTable<Session>::Refused;
-            auto a = sessions_.admit(key, owner, limits_.max_sessions_per_member, info_.max_sessions);
+            auto a = sessions_.admit(key, owner, set_.max_sessions_per_member, set_.max_sessions);
             switch (a.refused) {
                 case Refused::none:
                     break;
@@ -176,12 +179,12 @@ grpc::Status StageWorker::open_session_rpc(const grpc::ServerContextBase * ctx, 
                     g.unlock();
                     metrics_.count_overloaded();
                     return fail(pb::OVERLOADED, "this member holds " + std::to_string(a.member_held) + " sessions here (--max-sessions-per-member " +
-                                                    std::to_string(limits_.max_sessions_per_member) + "): close one, or retry later", 1000);
+                                                    std::to_string(set_.max_sessions_per_member) + "): close one, or retry later", 1000);
                 case Refused::worker_full: {
                     uint32_t retry = session_retry_ms();
                     g.unlock();
                     metrics_.count_overloaded();
-                    return fail(pb::OVERLOADED, "all " + std::to_string(info_.max_sessions) +
+                    return fail(pb::OVERLOADED, "all " + std::to_string(set_.max_sessions) +
                                                     " sessions are in use: retry later or use another route", retry);
                 }
             }
@@ -202,11 +205,11 @@ grpc::Status StageWorker::open_session_rpc(const grpc::ServerContextBase * ctx, 
         int32_t restored = 0;
         size_t matched = 0;
         std::vector<int32_t> ran;
-        const std::string prefix_owner = info_.is_first && limits_.prefix_cache_shared ? std::string("*") : names_.owner_of(sid);
+        const std::string prefix_owner = set_.is_first && set_.prefix_cache_shared ? std::string("*") : names_.owner_of(sid);
         const std::string seed = prefix_owner + "|" + prefix_seed(req->upstream());
         if (prefix_ && req->prefix_blocks_size() > 0 && req->prefix_block_tokens() > 0) {
             PrefixCache::Hit hit = prefix_->find(seed, prefix_blocks(req->prefix_blocks()), req->prefix_block_tokens());
-            if (hit.n_keep > 0 && info_.is_first && (!hit.tokens || hit.tokens->size() < size_t(hit.n_keep))) hit = {};
+            if (hit.n_keep > 0 && set_.is_first && (!hit.tokens || hit.tokens->size() < size_t(hit.n_keep))) hit = {};
             if (hit.n_keep > 0) {
                 auto eg = engine_.lock();
                 int32_t st = eg.state_set(sid.c_str(), int64_t(req->epoch()), hit.state->data(),
@@ -214,7 +217,7 @@ grpc::Status StageWorker::open_session_rpc(const grpc::ServerContextBase * ctx, 
                 if (st == DGR_OK) {
                     restored = hit.n_keep;
                     matched = hit.blocks;
-                    if (info_.is_first) ran.assign(hit.tokens->begin(), hit.tokens->begin() + hit.n_keep);
+                    if (set_.is_first) ran.assign(hit.tokens->begin(), hit.tokens->begin() + hit.n_keep);
                 } else {                             // an ordinary miss: prefill it all
                     fprintf(stderr, "dgr-worker: the prefix cache's state did not load: %s\n", lib.error(st).c_str());
                 }
@@ -226,22 +229,21 @@ grpc::Status StageWorker::open_session_rpc(const grpc::ServerContextBase * ctx, 
             s->sid = sid;
             s->wire_down = wire_down;
             s->prefix_owner = prefix_owner;
-            s->ran = std::move(ran);
             s->route.assign(req->route().begin(), req->route().end());
             s->hop_index = req->hop_index();
             s->sampling = req->sampling();
             s->sampling.clear_grammar_accepted();    // used above; not kept
             s->last.grammar = std::move(grammar);
             s->logits = int(req->logits());
-            s->held = uint64_t(restored);
+            s->steps.restore(uint64_t(restored), std::move(ran));
             s->prefix_seed = prefix_seed(req->upstream());
-            if (trust_.mutual) s->senders.opener = peer_identity(ctx);
+            if (trust_.mutual) s->senders.set_opener(peer_identity(ctx));
             // its id is at this epoch from now on; stage 0 under mTLS: the route's hops name it by wire_down
-            sessions_.insert(key, std::move(s), owner, trust_.mutual && info_.is_first ? wire_down : std::string(), Clock::now());
+            sessions_.insert(key, std::move(s), owner, trust_.mutual && set_.is_first ? wire_down : std::string(), Clock::now());
             ++opened_total_;
         }
         *reply->add_hops() = me;
-        if (!info_.is_last) {
+        if (!set_.is_last) {
             const pb::Hop & nxt = req->route(int(req->hop_index()) + 1);
             pb::OpenSessionRequest fwd = *req;
             fwd.set_session_id(wire_down);
@@ -254,7 +256,7 @@ grpc::Status StageWorker::open_session_rpc(const grpc::ServerContextBase * ctx, 
             grpc::Status st = relay_.channel(nxt.address())->OpenSession(&cc, fwd, &theirs);
             if (!st.ok()) {
                 std::string name = hop_name(req->hop_index() + 1, nxt.address());
-                count_error(pb::HOP_UNREACHABLE);
+                port_.count_error(pb::HOP_UNREACHABLE);
                 theirs.Clear();
                 auto * e = theirs.mutable_error();
                 e->set_code(pb::HOP_UNREACHABLE);
@@ -263,7 +265,7 @@ grpc::Status StageWorker::open_session_rpc(const grpc::ServerContextBase * ctx, 
                 // in this worker's log, for its operator)
                 fprintf(stderr, "dgr-worker: opening a session on %s: %s: %s\n", name.c_str(), status_name(st.error_code()).c_str(),
                         st.error_message().c_str());
-                e->set_message(name + " is unreachable: " + hop() + " could not open the session there (no dgr "
+                e->set_message(name + " is unreachable: " + port_.hop() + " could not open the session there (no dgr "
                                "worker answered at that address): is that worker running, and is its address in "
                                "the route right? (this worker's log says why)");
             }
@@ -279,25 +281,21 @@ grpc::Status StageWorker::open_session_rpc(const grpc::ServerContextBase * ctx, 
                 int32_t st = eg.truncate(sid.c_str(), int64_t(req->epoch()), int32_t(theirs.cached_tokens()));
                 if (st != DGR_OK) return fail(pb::ENGINE, lib.error(st));
                 restored = int32_t(theirs.cached_tokens());
-                std::lock_guard<std::mutex> g(mu_);
-                if (SessionPtr s = sessions_.find(key)) {
-                    s->held = uint64_t(restored);
-                    if (s->ran.size() > size_t(restored)) s->ran.resize(size_t(restored));
-                }
+                if (SessionPtr s = sessions_.find(key)) s->steps.hold(uint64_t(restored));
             }
         }
         reply->set_cached_tokens(uint32_t(restored));
         if (prefix_ && restored > 0) prefix_->note_hit(restored);
         {
             // the origin takes tokens back only from the last hop, errors from any hop of the route (mTLS)
-            std::lock_guard<std::mutex> g(mu_);
             SessionPtr s = sessions_.find(key);
             if (s && reply->hops_size() > 0) {
-                origin_->note_route(*s, reply->hops());
-                s->senders.returner = reply->hops(reply->hops_size() - 1).member();
+                origin_.note_route(*s, reply->hops());
+                std::set<std::string> members;
                 for (auto & h : reply->hops()) {
-                    if (!h.member().empty()) s->senders.route_members.insert(h.member());
+                    if (!h.member().empty()) members.insert(h.member());
                 }
+                s->senders.set_route(reply->hops(reply->hops_size() - 1).member(), std::move(members));
             }
         }
         return grpc::Status::OK;

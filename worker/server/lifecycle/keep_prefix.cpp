@@ -1,9 +1,10 @@
 // What the prefix cache (cache/prefix_cache.h) keeps of a closing session, and what a state depends on besides
 // its tokens.
-#include "worker.h"
+#include "lifecycle/session_life.h"
 
 #include <algorithm>
 #include <cstdio>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -12,32 +13,29 @@ namespace dgr {
 namespace pb = dgr::v1;
 using Clock = std::chrono::steady_clock;
 
-std::vector<std::string> StageWorker::prefix_blocks(const google::protobuf::RepeatedPtrField<std::string> & b) const {
+std::vector<std::string> SessionLife::prefix_blocks(const google::protobuf::RepeatedPtrField<std::string> & b) const {
     return std::vector<std::string>(b.begin(), b.end());
 }
 
 // What a stage's state depends on besides the tokens: the boundary dtype the previous hop sent (a lossy
 // wire dtype gives other values), and which upstream layer it came from
-std::string StageWorker::prefix_seed(const pb::StageDescription & upstream) const {
+std::string SessionLife::prefix_seed(const pb::StageDescription & upstream) const {
     return std::to_string(int(upstream.schema_out().dtype())) + "/" + std::to_string(upstream.schema_out().layer());
 }
 
-std::vector<std::string> StageWorker::keep_prefix(const std::string & sid, uint64_t epoch, const pb::CloseSessionRequest & req) {
+std::vector<std::string> SessionLife::keep_prefix(const std::string & sid, uint64_t epoch, const pb::CloseSessionRequest & req) {
     const uint32_t block_tokens = req.prefix_block_tokens();
-    if (!prefix_ || block_tokens == 0 || int64_t(block_tokens) > int64_t(info_.n_ctx)) return {};
-    SessionPtr sess = session(Key{sid, epoch});
+    if (!prefix_ || block_tokens == 0 || int64_t(block_tokens) > int64_t(set_.n_ctx)) return {};
+    SessionPtr sess = sessions_.find(Key{sid, epoch});
     if (!sess) return {};
+    if (origin_.failed(sess) || sched_.has(Key{sid, epoch})) return {};   // failed or mid-step: keep nothing
     std::vector<int32_t> ran;
-    std::string owner;
-    {
-        std::lock_guard<std::mutex> g(mu_);
-        if (origin_->failed(sess) || sched_.has(Key{sid, epoch})) return {};   // failed or mid-step: keep nothing
-        if (info_.is_first) {
-            if (!sess->ran_ok) return {};
-            ran = sess->ran;
-        }
-        owner = sess->prefix_owner;
+    if (set_.is_first) {
+        std::optional<std::vector<int32_t>> known = sess->steps.ran();
+        if (!known) return {};
+        ran = std::move(*known);
     }
+    const std::string & owner = sess->prefix_owner;  // fixed at open
     uint64_t size = 0;
     int32_t n = 0;
     std::string state;
@@ -55,7 +53,7 @@ std::vector<std::string> StageWorker::keep_prefix(const std::string & sid, uint6
     // Stage 0 hashes the blocks from the tokens it ran itself: a client's hashes are never filed. A later stage
     // files what its opener (the previous hop, a worker) passed on, in that opener's own namespace.
     std::vector<std::string> blocks;
-    if (info_.is_first) {
+    if (set_.is_first) {
         if (ran.size() < size_t(n)) return {};
         blocks = PrefixCache::block_hashes(ran.data(), size_t(n), block_tokens);
         ran.resize(size_t(n));
