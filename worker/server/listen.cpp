@@ -210,7 +210,7 @@ Serving serve(const Options & o, const Trust & trust, const Listen & l, Stage & 
     worker->count_calls(sv.calls.get());
     dgr::StageWorker * w = worker.get();
     sv.service = std::make_unique<dgr::StageService>(dgr::StageService::Parts{
-        *sv.calls, w->card(), [w] { return w->load(); }, w->vocabulary(), w->session_calls(), *w, [w] { return w->hop(); }});
+        *sv.calls, w->card(), [w] { return w->load(); }, w->vocabulary(), w->session_calls(), w->frame_streams(), [w] { return w->hop(); }});
     b.RegisterService(sv.service.get());
     auto & server = sv.server;
     server = b.BuildAndStart();

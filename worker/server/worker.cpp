@@ -23,13 +23,12 @@ using Clock = std::chrono::steady_clock;
 
 StageWorker::StageWorker(const EngineLib & lib, dgr_engine * eng, StageIdentity identity, std::string address,
                          uint64_t max_message_bytes, Limits limits)
-    : engine_(lib, eng), max_message_bytes_(max_message_bytes), limits_(limits),
+    : engine_(lib, eng), max_message_bytes_(max_message_bytes), limits_(limits), started_(Clock::now()),
       relay_(*this, std::move(address), RelaySettings{max_message_bytes, limits.link_keepalive_timeout_s,
                                                       limits.max_send_queue_bytes}),
-      conns_(limits.max_connections), started_(Clock::now()),
       sched_(StepBounds{limits.max_queued_steps, limits.max_session_steps, limits.max_queued_steps_per_member},
              BatchSettings{limits.max_batch_tokens, limits.max_batch_sessions, limits.hold_batch},
-             {[this](std::vector<Work> & batch) { run_guarded(batch); },
+             {[this](std::vector<Work> & batch) { engine_run_->run(batch); },
               [this] { return std::pair<uint64_t, size_t>(life_->opened_total(), sessions_.size()); }}) {
     card_.id = std::move(identity);
     dgr_memory memory{};
@@ -78,6 +77,19 @@ StageWorker::StageWorker(const EngineLib & lib, dgr_engine * eng, StageIdentity 
                              limits_.prefix_cache_shared, limits_.max_grammar_bytes, limits_.max_grammar_depth};
     life_.emplace(static_cast<SessionLifePort &>(*this), sessions_, engine_, relay_, sched_, *origin_, metrics_, prefix_.get(),
                   trust_, names_, net_, std::move(life));
+    EngineRunSettings run{info_.is_first != 0, info_.is_last != 0, info_.has_mtp != 0, int64_t(info_.n_vocab),
+                          int64_t(info_.n_ctx), int64_t(info_.n_draft_max), int64_t(info_.n_streams) * info_.n_embd,
+                          uint32_t(card_.id.stage_index), max_message_bytes_, limits_.die_at, limits_.stop_at,
+                          limits_.evict_at, limits_.break_origin_link_at};
+    engine_run_.emplace(static_cast<EngineRunPort &>(*this), engine_, sessions_, sched_, *ring_out_, relay_, metrics_,
+                        names_, std::move(run));
+    FrameIntakeSettings in{info_.is_first != 0, info_.needs_token_ids != 0, int64_t(info_.n_ctx), int64_t(info_.n_streams),
+                           int64_t(info_.n_embd), int64_t(info_.layer_begin), int64_t(info_.layer_end),
+                           int64_t(card_.id.stage_index), dtype_, schema_in_, limits_.send_timeout_s,
+                           limits_.max_send_queue_bytes, limits_.max_queued_steps, limits_.max_session_steps,
+                           limits_.max_queued_steps_per_member};
+    intake_.emplace(static_cast<FrameIntakePort &>(*this), engine_, sessions_, *life_, *origin_, sched_, relay_, metrics_,
+                    trust_, names_, limits_.max_connections, std::move(in));
     sched_.start();                                  // last: its engine thread reads all of the above
 }
 
@@ -187,18 +199,9 @@ pb::WireError StageWorker::err(pb::ErrorCode code, const std::string & message, 
     return e;
 }
 
-void StageWorker::reply_error(const ReplyPtr & reply, const pb::Frame & frame, pb::WireError e, bool as_named) {
-    if (!reply) return;
-    pb::Frame f;
-    f.set_session_id(as_named ? frame.session_id() : names_.wire_of(frame.session_id()));
-    f.set_epoch(frame.epoch());
-    *f.mutable_error() = std::move(e);
-    reply->put(std::move(f));
-}
-
 void StageWorker::stop() {
     const std::vector<std::pair<Key, SessionPtr>> open = life_->stop();   // no session opens from now on
-    const std::vector<ReplyPtr> streams = streams_.stop();                 // no Frames call starts
+    const std::vector<ReplyPtr> streams = intake_->stop();                 // no Frames call starts
     // tell the clients (through the origin) first, so they re-route (docs/worker.md, "Failures, drain, speculation,
     // metrics")
     const std::string bye = hop() + " is shutting down (SIGTERM): the session is closed; use another replica";
@@ -227,7 +230,7 @@ void StageWorker::shutdown_threads() {
     sched_.stop();                                   // no batch or job starts from now on
     relay_.stop();                                   // no link opens from now on
     sched_.join();                                   // the engine thread, and a reader running a step inline
-    if (!sched_.on_engine_thread()) streams_.wait_cleanups();   // stream_done's threads
+    if (!sched_.on_engine_thread()) intake_->wait_cleanups();   // the gone clients' cleanups
     relay_.close_all();                              // every link closed and destroyed here, outside the locks
 }
 

@@ -1,12 +1,13 @@
-// dgr-worker's stage: what it serves (identity, engine, sessions) and the dgr.v1.Stage service over it.
+// dgr-worker's stage: the composition root. It opens the engine, describes the stage (its card), makes the parts
+// that serve it and hands each what it needs (docs/worker.md "Parts and their owners"): the relay (links and
+// channels to every peer), the origin, the ring's outgoing side, a session's life (OpenSession, CloseSession, the
+// reaper), the engine thread's work, the incoming frames, and the scheduler between them. Each part owns its state
+// under its own lock; this object keeps only the settings fixed before serving, and answers the parts' ports:
+// the stage's name, its typed errors, its description. The Stage service (rpc/stage_service.h) is handed the parts,
+// never this object; serve.h is its one includer besides worker.cpp.
 //
-// The unary RPCs (docs/worker.md): Describe (with the descriptor JSON), Tokenize/Detokenize,
-// OpenSession/CloseSession (the session table, chained along the route), the standard health service.
-// Phase 2 (frames.cpp and the files it lists): the Frames data path, the ring relay over one outgoing
-// stream per next hop (Link), the engine thread batching steps across sessions, sampling and generation
-// control at the origin. Behaviour, errors and messages are those the retired Python worker had
-// (docs/worker.md); tests/worker/test_worker_cpp*.py hold them against the bundle, the engine and the messages
-// they write out.
+// Behaviour, errors and messages are those the retired Python worker had (docs/worker.md);
+// tests/worker/test_worker_cpp*.py hold them against the bundle, the engine and the messages they write out.
 #pragma once
 
 #include <atomic>
@@ -54,7 +55,8 @@
 #include "relay/relay.h"
 #include "origin/origin.h"
 #include "lifecycle/session_life.h"
-#include "streams/open_streams.h"
+#include "engine_run/engine_run.h"
+#include "frames/frame_intake.h"
 #include "relay/ring_out.h"
 #include "ring/generation.h"
 #include "wire_constants.h"
@@ -110,21 +112,17 @@ struct Limits {
     std::set<std::tuple<std::string, uint64_t, int64_t>> break_origin_link_at;
 };
 
-class StageWorker;
-
-// What the Stage service (rpc/stage_service.h, which knows nothing of this class) hands its calls to (stage_calls.h): the
-// session RPCs' bodies (SessionCalls, run on the unary calls' pool) and the Frames calls' reactors (FrameStreams).
-class StageWorker final : public FrameStreams, private RelayOwner, private OriginPort, private RingOutPort,
-                          private SessionLifePort {
-    friend class FramesReactor;
-
+class StageWorker final : private RelayOwner, private OriginPort, private RingOutPort, private SessionLifePort,
+                          private EngineRunPort, private FrameIntakePort {
   public:
     StageWorker(const EngineLib & lib, dgr_engine * eng, StageIdentity identity, std::string address,
                 uint64_t max_message_bytes, Limits limits);
 
-    // what the service's OpenSession and CloseSession are handed: the sessions' life (lifecycle/session_life.h)
+    // what the Stage service (rpc/stage_service.h, which knows nothing of this class) hands its calls to
+    // (stage_calls.h): the session RPCs' bodies (the session life, lifecycle/session_life.h, on the unary calls'
+    // pool) and the Frames calls' reactors (the incoming frames, frames/frame_intake.h)
     SessionCalls & session_calls() { return *life_; }
-    grpc::ServerBidiReactor<dgr::v1::Frame, dgr::v1::Frame> * frames(grpc::CallbackServerContext * ctx) override;
+    FrameStreams & frame_streams() { return *intake_; }
     // what the service's Describe, Tokenize and Detokenize are handed: the card (fixed once serving), a snapshot of
     // the load (every counter read under its lock), the vocabulary
     const StageCard & card() const { return card_; }
@@ -135,19 +133,19 @@ class StageWorker final : public FrameStreams, private RelayOwner, private Origi
     void count_calls(const UnaryCalls * calls) { calls_ = calls; }
 
     const dgr_stage_info & info() const { return info_; }
-    std::string hop() const override;                // this stage's name in messages (RingOutPort)
+    std::string hop() const override;                // this stage's name in messages (the parts' ports)
     void set_address(const std::string & address);
     // TLS (before serving): the links' credentials, what Describe reports, the peer checks under mTLS
     void set_trust(Trust trust);
     // The send deadlines (--send-timeout) of every reply stream and link; called about 5 times a second.
-    void check_stalls();
+    void check_stalls() { intake_->check_stalls(); }
     // Idle sessions past --session-ttl are closed (once a second at most); returns how many. Outgoing links
     // and channels no open session uses any more are closed and forgotten (prune_links).
     int reap() { return life_->reap(); }
     // SIGTERM: refuse new sessions, tell the clients, end every stream, close every session (engine
     // included), stop the engine thread and the links.
     void stop();
-    ~StageWorker() override;
+    ~StageWorker();
     // --metrics-listen: the Prometheus text (metrics/description.h, from card_ and a snapshot of its load; the names
     // in docs/wire.md "Metrics and the descriptor"). Describe writes the descriptor JSON from the same two.
     std::string metrics_text() { return dgr::metrics_text(card_, load()); }
@@ -159,105 +157,82 @@ class StageWorker final : public FrameStreams, private RelayOwner, private Origi
     void set_net_policy(NetPolicy p) { net_ = std::move(p); }
 
   private:
-    using Engine = StageEngine;
     using Key = SessionKey;                          // a session (sessions/session.h: by role)
-    std::vector<float> masked_;                      // engine thread: a logits row after the grammar's mask
 
-    // the data path (frames.cpp lists its files)
-    // peer: the sender's member name under mTLS (nullptr: this worker itself, never checked)
-    void on_frame(dgr::v1::Frame frame, const ReplyPtr & reply, const std::optional<std::string> * peer);
-    void check_sender(const char * kind, const SessionPtr & sess, const std::optional<std::string> * peer, const std::string & sid);
-    void check_step(const dgr::v1::Step & step, std::vector<float> * x);
-    void enqueue(Work w, const SessionPtr & sess, bool own);
-    void run_guarded(std::vector<Work> & batch);     // one batch, for the scheduler (sched_)
-    void run_batch(std::vector<Work> & batch);
-    void die_if_asked(size_t n, const std::function<const dgr::v1::Frame &(size_t)> & frame);
-    // --test-evict-at, --test-break-origin-link-at: about to run this step (under the engine's lock: `eg`)
-    void test_faults(Engine::Guard & eg, const dgr::v1::Frame & frame, const SessionPtr & sess);
-    void emit_last(Work & w, const SessionPtr & sess, const float * logits, int32_t rows, dgr::v1::HopTiming timing);
-    void mtp_draft(Work & w, const SessionPtr & sess, int64_t next, int32_t token, uint32_t want, dgr::v1::Token * t);
-    // an error about `frame` to its sender, naming the session as the sender does (as_named: the frame already
-    // carries that name; else it carries this worker's key, wire_of)
-    void reply_error(const ReplyPtr & reply, const dgr::v1::Frame & frame, dgr::v1::WireError e, bool as_named = false);
-    // RelayOwner: handed to the ring's outgoing side (relay/ring_out.h)
+    // the parts' ports: each hands a part's question to the part that answers it, or answers it from the card
+    // RelayOwner: the relay's news, to the ring's outgoing side (relay/ring_out.h)
     void on_reply(const Key & mine, dgr::v1::Frame frame) override { ring_out_->on_reply(mine, std::move(frame)); }
     void on_broken(const std::string & address, const std::string & why, const std::set<Key> & lost) override {
         ring_out_->on_broken(address, why, lost);
     }
-    void take_own(dgr::v1::Frame frame) override { on_frame(std::move(frame), nullptr, nullptr); }             // RingOutPort
-    void enqueue_next(Work w, const SessionPtr & sess) override { enqueue(std::move(w), sess, true); }           // OriginPort
+    // RingOutPort: a one-stage route's own frame, taken as if it came in (unchecked)
+    void take_own(dgr::v1::Frame frame) override { intake_->on_frame(std::move(frame), nullptr, nullptr); }
+    // OriginPort: the origin's next step, and a client's sessions closed along the route
+    void enqueue_next(Work w, const SessionPtr & sess) override { intake_->enqueue(std::move(w), sess, true); }
     dgr::v1::WireError error(dgr::v1::ErrorCode code, const std::string & message) override { return err(code, message); }
     void close_route(const std::string & sid, uint64_t epoch) override { life_->close_chained(sid, epoch, nullptr, nullptr); }
-    // SessionLifePort: this stage's description now, a typed error with its retry hint
+    // SessionLifePort, EngineRunPort, FrameIntakePort: this stage's description now, a typed error with its retry
+    // hint, an error about a step to its sender
     void describe(dgr::v1::StageDescription * me) override;
     dgr::v1::WireError error(dgr::v1::ErrorCode code, const std::string & message, uint32_t retry_after_ms) override {
         return err(code, message, retry_after_ms);
     }
-    void stream_done(const ReplyPtr & out);        // a Frames call's OnDone: client_gone on a thread of its own
-    // Owners (docs/security.md): under mutual TLS a session lives in the namespace of the member that opened
-    // it here; this worker's key for it is names_.key(member, id as named). Plaintext: one tenant, the id.
-    SessionNames names_;                             // whose a session is, from its key (sessions/names.h); set
-                                                     //   with the trust, before serving
-    bool hook_at(const std::set<std::tuple<std::string, uint64_t, int64_t>> & at, const std::string & key, uint64_t epoch, int64_t p) const;
+    void answer_error(const ReplyPtr & reply, const dgr::v1::Frame & frame, dgr::v1::WireError e) override {
+        intake_->reply_error(reply, frame, std::move(e));
+    }
+    void count_error(dgr::v1::ErrorCode code) override;
+    dgr::v1::WireError err(dgr::v1::ErrorCode code, const std::string & message, uint32_t retry_after_ms = 0);
     void shutdown_threads();
-
     // the card (metrics/description.h) from the engine's stage info and memory and the worker's own settings: once,
     // at start (set_trust and set_certificates add theirs before serving)
     void fill_card(const dgr_memory & memory);
-    dgr::v1::WireError err(dgr::v1::ErrorCode code, const std::string & message, uint32_t retry_after_ms = 0);
-    void count_error(dgr::v1::ErrorCode code) override;
 
-    // --max-connections: connections (gRPC peers) with calls in progress
-    friend struct Admit;
-    std::string admit(const grpc::ServerContextBase * ctx);   // "" admitted, else why not
-    void release(const std::string & peer);
-
-    Engine engine_;                                  // the engine under its lock: calls through engine_.lock()'s guard
+    // fixed before serving (the constructor, then set_trust, set_net_policy, set_certificates), read by the parts
+    StageEngine engine_;                             // the engine under its lock: calls through engine_.lock()'s guard
     std::optional<StageVocabulary> vocab_;           // Tokenize, Detokenize over engine_ (set once the stage is described)
     Trust trust_;
-    NetPolicy net_;                                  // fixed once serving
-    mutable std::mutex addr_mu_;                     // metrics_url_
+    // Owners (docs/security.md): under mutual TLS a session lives in the namespace of the member that opened
+    // it here; this worker's key for it is names_.key(member, id as named). Plaintext: one tenant, the id.
+    SessionNames names_;                             // whose a session is, from its key (sessions/names.h)
+    NetPolicy net_;
     uint64_t max_message_bytes_;
     Limits limits_;
-    // where this worker's frames and chained calls go: the links and channels to every peer, its address, the
-    // credentials (relay/relay.h; its own locks). Declared here: destroyed after everything that sends.
-    Relay relay_;
-    ConnectionSlots conns_;                          // --max-connections: connections with calls in progress
-                                                     //   (trust/connections.h; its own leaf lock)
     dgr_stage_info info_{};
     bool can_truncate_ = false;
-    // the prefix cache (cache/prefix_cache.h); null where off (--prefix-cache-mib 0, or an engine that cannot keep a
-    // prefix of a session: no truncation, results that depend on the batch, an engine built before it)
-    std::unique_ptr<PrefixCache> prefix_;
-    std::string prefix_off_;                         // why it is off ("" when on)
     const WireDtype * dtype_;
     dgr::v1::BoundarySchema schema_in_, schema_out_;   // what this stage takes and sends (rpc/describe.h's describe_msg)
     uint64_t seam_bytes_per_token_ = 0;
     std::chrono::steady_clock::time_point started_;
-    Metrics metrics_;
-    std::string metrics_url_;                        // (addr_mu_)
     StageCard card_;                                 // fixed once serving (fill_card, set_trust, set_certificates)
-
-    // the open sessions, their epochs, stage 0's wire_down ids, their owners' counts and when each was last used: a
-    // part with its own leaf lock (sessions/session_table.h), shared with the parts that find sessions there; a
-    // session's changing fields have their own owners (sessions/session.h)
-    SessionTable<Session> sessions_;
-    // the incoming Frames calls' reply streams and the threads closing a gone client's sessions (streams/
-    // open_streams.h; its own leaf lock)
-    OpenStreams<ReplyPtr> streams_;
-    // the queued steps (per session, bounded, round robin), the deferred jobs, the engine thread and which thread
-    // runs a batch: a part with its own lock (engine_loop/scheduler.h); after everything its
-    // Owner reads
-    StepScheduler<Key, Work> sched_;
-    // the origin of the sessions that start here: each one's OriginRole, under its own lock (origin/origin.h); made
-    // once the stage is described, before the scheduler starts
-    std::optional<Origin> origin_;
-    // what this stage sends round the ring, over relay_ (relay/ring_out.h); made with the origin
-    std::optional<RingOut> ring_out_;
-    // a session's life here: open, close, reap, prune, stop (lifecycle/session_life.h; its own lock); made with
-    // the origin
-    std::optional<SessionLife> life_;
+    mutable std::mutex addr_mu_;                     // metrics_url_
+    std::string metrics_url_;                        // (addr_mu_)
     const UnaryCalls * calls_ = nullptr;             // count_calls
+
+    // the parts, each owning its state under its own lock (docs/worker.md "Locks and their order")
+    // where this worker's frames and chained calls go: the links and channels to every peer, its address, the
+    // credentials (relay/relay.h). Declared first of them: destroyed after everything that sends.
+    Relay relay_;
+    Metrics metrics_;                                // what is counted (metrics/metrics.h)
+    // the prefix cache (cache/prefix_cache.h); null where off (--prefix-cache-mib 0, or an engine that cannot keep a
+    // prefix of a session: no truncation, results that depend on the batch, an engine built before it)
+    std::unique_ptr<PrefixCache> prefix_;
+    std::string prefix_off_;                         // why it is off ("" when on)
+    // the open sessions, their epochs, stage 0's wire_down ids, their owners' counts and when each was last used
+    // (sessions/session_table.h), shared with the parts that find sessions there; a session's changing fields
+    // have their own owners (sessions/session.h)
+    SessionTable<Session> sessions_;
+    // the queued steps (per session, bounded, round robin), the deferred jobs, the engine thread and which thread
+    // runs a batch (engine_loop/scheduler.h); after everything its Owner reads
+    StepScheduler<Key, Work> sched_;
+    // made once the stage is described, before the scheduler starts: the origin of the sessions that start here
+    // (origin/origin.h), what this stage sends round the ring (relay/ring_out.h), a session's life here
+    // (lifecycle/session_life.h), the engine thread's work (engine_run/engine_run.h) and the incoming frames
+    // (frames/frame_intake.h)
+    std::optional<Origin> origin_;
+    std::optional<RingOut> ring_out_;
+    std::optional<SessionLife> life_;
+    std::optional<EngineRun> engine_run_;
+    std::optional<FrameIntake> intake_;
 };
 
 }  // namespace dgr

@@ -3,14 +3,15 @@
 // generation control at the origin.
 //
 // It took over the retired Python worker's behaviour part for part (a route of dgr-workers generates the
-// tokens and bit-identical logits of the whole model: tests/worker/test_worker_cpp_frames.py). The parts, a file
-// each: Frames, the incoming stream and who may open one (this file); on_frame and check_step, a frame in
-// (frame_checks.cpp); FrameQueue, a stream's bounded reply queue (frame_queue.cpp); enqueue, ready_batch and
-// the engine thread (step_queue.cpp); run_batch, one batch through the engine (run_batch.cpp); Link, an
-// outgoing stream (link.cpp); emit_boundary and send, what the stage sends round the ring (relay/ring_out.cpp, over the relay: relay/relay.h); emit_last, the last
-// stage's draws (last_stage.cpp); deliver, next_step and send_token, the origin, and
-// start_speculation (origin/origin.cpp; the drafts: speculation/drafts.cpp, whose twin for a client's own drafts is
-// dgr.runtime.wire.drafts); the metrics' counters (metrics/metrics.h). data_path.h holds what they share.
+// tokens and bit-identical logits of the whole model: tests/worker/test_worker_cpp_frames.py). The parts: the
+// incoming frames (frame_intake.h, FrameIntake): the Frames calls and who may open one (this file), on_frame and
+// check_step, a frame in (frame_checks.cpp), enqueue, steps into the scheduler (step_queue.cpp,
+// engine_loop/scheduler.h); FrameQueue, a stream's bounded reply queue (frame_queue.cpp); run_batch, one batch
+// through the engine, and emit_last, the last stage's draws (engine_run/); Link, an outgoing stream (link.cpp);
+// emit_boundary and send, what the stage sends round the ring (relay/ring_out.cpp, over the relay: relay/relay.h);
+// deliver, next_step and send_token, the origin, and start_speculation (origin/origin.cpp; the drafts:
+// speculation/drafts.cpp, whose twin for a client's own drafts is dgr.runtime.wire.drafts); a session's life
+// (lifecycle/); the metrics' counters (metrics/metrics.h). data_path.h holds what they share.
 // The draw is the engine library's dgr_sample (worker/engine/dgr_sample.cpp, the one sampler); wire dtypes
 // use ggml's own converters from the same library. Speculation (phase 4): the origin drafts, every stage
 // runs the k+1 positions and drops rejected drafts on the next step (rollback, dgr_session_truncate), the
@@ -31,18 +32,24 @@
 #include <thread>
 
 #include "data_path.h"
-#include "worker.h"
+#include "frames/frame_intake.h"
 
 namespace dgr {
 
 namespace pb = dgr::v1;
 using Clock = std::chrono::steady_clock;
 
+FrameIntake::FrameIntake(FrameIntakePort & port, StageEngine & engine, SessionTable<Session> & sessions, SessionLife & life,
+                         Origin & origin, Scheduler & sched, Relay & relay, Metrics & metrics, const Trust & trust,
+                         const SessionNames & names, int64_t max_connections, FrameIntakeSettings settings)
+    : port_(port), engine_(engine), sessions_(sessions), life_(life), origin_(origin), sched_(sched), relay_(relay),
+      metrics_(metrics), trust_(trust), names_(names), set_(std::move(settings)), conns_(max_connections) {}
+
 // --max-connections: every call of the Stage service holds its connection's slot while it runs
 struct Admit {
-    StageWorker * w;
+    FrameIntake * w;
     std::string peer, why;
-    Admit(StageWorker * w_, const grpc::ServerContextBase * ctx) : w(w_) {
+    Admit(FrameIntake * w_, const grpc::ServerContextBase * ctx) : w(w_) {
         why = w->admit(ctx);
         if (why.empty() && ctx) peer = ctx->peer();
     }
@@ -51,7 +58,7 @@ struct Admit {
     }
 };
 
-std::string StageWorker::admit(const grpc::ServerContextBase * ctx) {
+std::string FrameIntake::admit(const grpc::ServerContextBase * ctx) {
     if (!ctx) return "";
     size_t held = 0;
     if (conns_.take(ctx->peer(), &held)) return "";
@@ -60,10 +67,10 @@ std::string StageWorker::admit(const grpc::ServerContextBase * ctx) {
            std::to_string(conns_.max()) + "): retry later or use another replica";
 }
 
-void StageWorker::release(const std::string & peer) { conns_.give_back(peer); }
+void FrameIntake::release(const std::string & peer) { conns_.give_back(peer); }
 
-void StageWorker::check_stalls() {
-    const int64_t timeout = int64_t(limits_.send_timeout_s * 1e9);
+void FrameIntake::check_stalls() {
+    const int64_t timeout = int64_t(set_.send_timeout_s * 1e9);
     if (timeout <= 0) return;
     const int64_t now = mono_ns();
     const std::vector<ReplyPtr> streams = streams_.all();
@@ -84,11 +91,11 @@ void StageWorker::check_stalls() {
 // the call, and no exception leaves a reaction.
 class FramesReactor final : public grpc::ServerBidiReactor<pb::Frame, pb::Frame> {
   public:
-    FramesReactor(StageWorker * w, grpc::CallbackServerContext * ctx) : w_(w), admitted_(w, ctx) {
+    FramesReactor(FrameIntake * w, grpc::CallbackServerContext * ctx) : w_(w), admitted_(w, ctx) {
         std::string refused = admitted_.why;
         if (refused.empty()) {
             auto out = std::make_shared<FrameQueue>();
-            out->cap = w->limits_.max_send_queue_bytes;
+            out->cap = w->set_.max_send_queue_bytes;
             out->ctx = ctx;
             out->who = w->hop();
             out->stream = this;                      // before stop() can see it in streams_ and finish it
@@ -165,7 +172,7 @@ class FramesReactor final : public grpc::ServerBidiReactor<pb::Frame, pb::Frame>
     void ordered() { std::lock_guard<std::mutex> g(order_); }
 
     std::mutex order_;
-    StageWorker * w_;
+    FrameIntake * w_;
     Admit admitted_;                                 // --max-connections: held until the call is done
     std::optional<std::string> peer_;
     grpc::Status refusal_;                           // why the call is refused (--max-connections, SIGTERM)
@@ -173,29 +180,38 @@ class FramesReactor final : public grpc::ServerBidiReactor<pb::Frame, pb::Frame>
     pb::Frame in_;
 };
 
-grpc::ServerBidiReactor<pb::Frame, pb::Frame> * StageWorker::frames(grpc::CallbackServerContext * ctx) {
+grpc::ServerBidiReactor<pb::Frame, pb::Frame> * FrameIntake::frames(grpc::CallbackServerContext * ctx) {
     return new FramesReactor(this, ctx);
 }
 
 // A Frames call is over: its sessions' client is gone. Closing them chains CloseSession along the route
 // (blocking calls), so it runs on a thread of its own, never in gRPC's reaction; stop() waits for it.
-void StageWorker::stream_done(const ReplyPtr & out) {
+void FrameIntake::stream_done(const ReplyPtr & out) {
     streams_.remove(out);
     if (sched_.stopped()) return;                    // stop() closed every session already
     std::vector<SessionPtr> open;                    // a stream that carried no session (a Describe-like
     sessions_.for_each([&](const Key &, const SessionPtr & s) { open.push_back(s); });   //   probe, a reset stream)
-    if (std::none_of(open.begin(), open.end(), [&](const SessionPtr & s) { return origin_->serves(s, out); })) return;
+    if (std::none_of(open.begin(), open.end(), [&](const SessionPtr & s) { return origin_.serves(s, out); })) return;
 
     if (!streams_.cleanup_started()) return;         // shutdown_threads waits for it, or the end began
     std::thread([this, out] {
         try {
-            origin_->client_gone(out);
+            origin_.client_gone(out);
         } catch (const std::exception & e) {
             fprintf(stderr, "dgr-worker: closing a gone client's sessions: %s\n", e.what());
         } catch (...) {
         }
         streams_.cleanup_ended();
     }).detach();
+}
+
+void FrameIntake::reply_error(const ReplyPtr & reply, const pb::Frame & frame, pb::WireError e, bool as_named) {
+    if (!reply) return;
+    pb::Frame f;
+    f.set_session_id(as_named ? frame.session_id() : names_.wire_of(frame.session_id()));
+    f.set_epoch(frame.epoch());
+    *f.mutable_error() = std::move(e);
+    reply->put(std::move(f));
 }
 
 }  // namespace dgr

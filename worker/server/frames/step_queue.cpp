@@ -1,11 +1,11 @@
 // Steps into the scheduler (engine_loop/scheduler.h): a refused step is answered OVERLOADED with the bound that
-// refused it, and a batch the engine failed on is answered INTERNAL, step by step.
+// refused it. The scheduler hands each batch to the engine thread's work (engine_run/engine_run.h).
 #include <grpcpp/grpcpp.h>
 
 #include <cstdio>
 
 #include "data_path.h"
-#include "worker.h"
+#include "frames/frame_intake.h"
 
 namespace dgr {
 
@@ -13,7 +13,7 @@ namespace pb = dgr::v1;
 
 thread_local bool t_reads_frames = false;
 
-void StageWorker::enqueue(Work w, const SessionPtr & sess, bool own) {
+void FrameIntake::enqueue(Work w, const SessionPtr & sess, bool own) {
     const Key key{w.frame.session_id(), w.frame.epoch()};
     using Refused = StepScheduler<Key, Work>::Refused;
     const int64_t positions = w.frame.step().positions_size();
@@ -24,31 +24,21 @@ void StageWorker::enqueue(Work w, const SessionPtr & sess, bool own) {
         case Refused::none:
             return;
         case Refused::worker_full:
-            why = std::to_string(pushed.queued) + " steps are queued (--max-queued-steps " + std::to_string(limits_.max_queued_steps) + ")";
+            why = std::to_string(pushed.queued) + " steps are queued (--max-queued-steps " + std::to_string(set_.max_queued_steps) + ")";
             break;
         case Refused::member_full: {
-            const int64_t cap = limits_.max_queued_steps_per_member;
+            const int64_t cap = set_.max_queued_steps_per_member;
             why = "this member has " + std::to_string(cap) + " steps queued here (--max-queued-steps-per-member " +
                   std::to_string(cap) + ")";
             break;
         }
         case Refused::session_full:               // (--session-ttl counts steps run, not steps asked for)
             why = "session " + names_.wire_of(key.first) + " has " + std::to_string(pushed.queued) + " steps queued (--max-session-steps " +
-                  std::to_string(limits_.max_session_steps) + ")";
+                  std::to_string(set_.max_session_steps) + ")";
             break;
     }
     metrics_.count_overloaded();
     reply_error(w.reply, w.frame, err(pb::OVERLOADED, why + ": retry later", pushed.retry_after_ms));
-}
-
-void StageWorker::run_guarded(std::vector<Work> & batch) {
-    if (batch.empty()) return;
-    try {
-        run_batch(batch);
-    } catch (const std::exception & e) {
-        fprintf(stderr, "dgr-worker: engine batch failed: %s\n", e.what());
-        for (auto & w : batch) reply_error(w.reply, w.frame, err(pb::INTERNAL, "the worker failed on this step; see its log"));
-    }
 }
 
 }  // namespace dgr

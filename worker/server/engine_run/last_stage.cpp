@@ -1,4 +1,4 @@
-// The last stage's answer to a step: the draws (the one sampler, after the grammar's mask; a speculative
+// The last stage's answer to a step (engine_run.h): the draws (the one sampler, after the grammar's mask; a speculative
 // step verified at every position), their log-probabilities, logits rows, sent back to the origin.
 #include <grpcpp/grpcpp.h>
 
@@ -6,20 +6,20 @@
 #include <stdexcept>
 
 #include "data_path.h"
-#include "worker.h"
+#include "engine_run/engine_run.h"
 
 namespace dgr {
 
 namespace pb = dgr::v1;
 using Clock = std::chrono::steady_clock;
 
-void StageWorker::emit_last(Work & w, const SessionPtr & sess, const float * logits, int32_t rows, pb::HopTiming timing) {
+void EngineRun::emit_last(Work & w, const SessionPtr & sess, const float * logits, int32_t rows, pb::HopTiming timing) {
     const EngineLib & lib = engine_.lib();
     const int64_t t0 = mono_ns();
     const pb::Step & s = w.frame.step();
     const std::string origin = sess->route[0].address();
     const int64_t n = s.positions_size();
-    const int64_t n_vocab = info_.n_vocab;
+    const int64_t n_vocab = set_.n_vocab;
     std::vector<pb::Frame> frames;
     // The draws of a sampled step: at each of its last drafts+1 positions the token a
     // plain decode would draw there (greedy argmax, or the (seed, position)-keyed draw), while they match the
@@ -56,7 +56,7 @@ void StageWorker::emit_last(Work & w, const SessionPtr & sess, const float * log
         metrics_.sampled += draws.size();
     }
     if (sess->logits == pb::LOGITS_ALL && logits && rows > 0) {
-        const int64_t per = std::max<int64_t>(1, int64_t(max_message_bytes_ - FRAME_OVERHEAD) / (n_vocab * 4 + 8));
+        const int64_t per = std::max<int64_t>(1, int64_t(set_.max_message_bytes - FRAME_OVERHEAD) / (n_vocab * 4 + 8));
         // positions computed from rejected drafts get no rows
         const int64_t valid = std::min<int64_t>(n, rows) - (s.sample() ? k + 1 - int64_t(draws.size()) : 0);
         for (int64_t lo = 0; lo < valid; lo += per) {
@@ -114,7 +114,7 @@ void StageWorker::emit_last(Work & w, const SessionPtr & sess, const float * log
             *f.add_timings() = timing;
             *f.mutable_token()->mutable_timings() = f.timings();
         }
-        ring_out_->send(origin, 0, std::move(f), sess);
+        ring_out_.send(origin, 0, std::move(f), sess);
     }
 }
 
@@ -123,11 +123,11 @@ void StageWorker::emit_last(Work & w, const SessionPtr & sess, const float * log
 // finds exactly `next` positions), then up to `want` chained greedy MTP drafts into Token.next_drafts. A stage
 // without MTP, or a rollback the engine refuses, drafts nothing: the origin then sends a plain step, and the
 // next step's own rollback says what was wrong.
-void StageWorker::mtp_draft(Work & w, const SessionPtr & sess, int64_t next, int32_t token, uint32_t want, pb::Token * t) {
-    if (!info_.has_mtp || !engine_.lib().mtp_draft) return;
+void EngineRun::mtp_draft(Work & w, const SessionPtr & sess, int64_t next, int32_t token, uint32_t want, pb::Token * t) {
+    if (!set_.has_mtp || !engine_.lib().mtp_draft) return;
     const std::string & sid = w.frame.session_id();
     const int64_t epoch = int64_t(w.frame.epoch());
-    const int64_t k = std::min<int64_t>({int64_t(want), int64_t(info_.n_draft_max), int64_t(info_.n_ctx) - next - 1});
+    const int64_t k = std::min<int64_t>({int64_t(want), int64_t(set_.n_draft_max), int64_t(set_.n_ctx) - next - 1});
     if (k <= 0) return;
     std::vector<int32_t> drafts(size_t(k), 0);
     int32_t st = DGR_OK;

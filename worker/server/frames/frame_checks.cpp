@@ -11,7 +11,7 @@
 #include "data_path.h"
 #include "trust/senders.h"
 #include "wire/wire_common.h"
-#include "worker.h"
+#include "frames/frame_intake.h"
 
 namespace dgr {
 
@@ -21,15 +21,15 @@ using Clock = std::chrono::steady_clock;
 // mTLS (docs/worker.md "Peer checks under mutual TLS"): a session's frames come only from the peer that opened it here;
 // tokens back into the origin only from its last hop, errors from a hop of its route (the part trust/senders.h).
 // The session's senders answer under their own lock (trust/senders.h).
-void StageWorker::check_sender(const char * kind, const SessionPtr & sess, const std::optional<std::string> * peer,
+void FrameIntake::check_sender(const char * kind, const SessionPtr & sess, const std::optional<std::string> * peer,
                                const std::string & sid) {
     if (!trust_.mutual || !peer || !sess) return;
-    const std::string who_opens = info_.is_first ? "the client" : "stage " + std::to_string(card_.id.stage_index - 1);
+    const std::string who_opens = set_.is_first ? "the client" : "stage " + std::to_string(set_.stage_index - 1);
     const std::string why = sess->senders.refuse(kind, *peer, who_opens, sid);
     if (!why.empty()) throw Fault{pb::WRONG_STAGE, why};
 }
 
-void StageWorker::on_frame(pb::Frame frame, const ReplyPtr & reply, const std::optional<std::string> * peer) {
+void FrameIntake::on_frame(pb::Frame frame, const ReplyPtr & reply, const std::optional<std::string> * peer) {
     const auto kind = frame.body_case();
     const int64_t sent = int64_t(frame.sent_unix_ns());
     const uint64_t transit = sent ? uint64_t(std::max<int64_t>(0, wall_ns() - sent)) : 0;
@@ -42,7 +42,7 @@ void StageWorker::on_frame(pb::Frame frame, const ReplyPtr & reply, const std::o
         if (!returning) {
             frame.set_session_id(names_.key(*peer, named));
         } else {
-            frame.set_session_id(info_.is_first ? life_->origin_key(named) : std::string());
+            frame.set_session_id(set_.is_first ? life_.origin_key(named) : std::string());
         }
     }
     const Key key{frame.session_id(), frame.epoch()};
@@ -71,7 +71,7 @@ void StageWorker::on_frame(pb::Frame frame, const ReplyPtr & reply, const std::o
                 metrics_.transit_token.observe(double(transit) / 1e9);
             }
         }
-        origin_->deliver(std::move(frame));           // returns into the origin
+        origin_.deliver(std::move(frame));           // returns into the origin
         return;
     }
     std::vector<float> x;
@@ -92,17 +92,17 @@ void StageWorker::on_frame(pb::Frame frame, const ReplyPtr & reply, const std::o
             throw;
         }
         if (kind == pb::Frame::kGenerate) {
-            if (!info_.is_first) throw Fault{pb::BAD_FRAME, "generate frames go to stage 0 only"};
+            if (!set_.is_first) throw Fault{pb::BAD_FRAME, "generate frames go to stage 0 only"};
             const auto & g = frame.generate();
             // every repeated field bounded by what one session can hold (n_ctx positions)
             for (auto [field, n] : {std::pair<const char *, int>{"context_ids", g.context_ids_size()},
                                     {"cached_ids", g.cached_ids_size()}, {"stop_token_ids", g.stop_token_ids_size()}}) {
-                if (int64_t(n) > int64_t(info_.n_ctx)) {
+                if (int64_t(n) > int64_t(set_.n_ctx)) {
                     throw Fault{pb::BAD_FRAME, std::string("generate.") + field + " holds " + std::to_string(n) +
-                                                   " ids, more than the session's context (" + std::to_string(info_.n_ctx) + ")"};
+                                                   " ids, more than the session's context (" + std::to_string(set_.n_ctx) + ")"};
                 }
             }
-            origin_->begin(sess, g, reply);             // its client, bounds and drafts (throws Fault)
+            origin_.begin(sess, g, reply);             // its client, bounds and drafts (throws Fault)
             return;
         }
         if (kind != pb::Frame::kStep) throw Fault{pb::BAD_FRAME, std::string("unexpected frame body ") + body_name(kind)};
@@ -117,8 +117,8 @@ void StageWorker::on_frame(pb::Frame frame, const ReplyPtr & reply, const std::o
         reply_error(reply, frame, std::move(e));
         return;
     }
-    if (info_.is_first) {
-        origin_->on_client_step(sess, reply, frame.mutable_step());
+    if (set_.is_first) {
+        origin_.on_client_step(sess, reply, frame.mutable_step());
         frame.set_origin_sent_ns(uint64_t(mono_ns()));
     }
     Work w;
@@ -131,7 +131,7 @@ void StageWorker::on_frame(pb::Frame frame, const ReplyPtr & reply, const std::o
 }
 
 // A step frame's checks: malformed frames never reach the engine queue; *x gets the boundary
-void StageWorker::check_step(const pb::Step & step, std::vector<float> * x) {
+void FrameIntake::check_step(const pb::Step & step, std::vector<float> * x) {
     const int64_t n = step.positions_size();
     if (n == 0) throw Fault{pb::BAD_FRAME, "a step needs at least one position"};
     const int64_t p0 = step.positions(0);
@@ -141,7 +141,7 @@ void StageWorker::check_step(const pb::Step & step, std::vector<float> * x) {
     if (int64_t(step.cache_expect()) != p0) {
         throw Fault{pb::BAD_FRAME, "cache_expect " + std::to_string(step.cache_expect()) + " != first position " + std::to_string(p0)};
     }
-    if (p0 + n > info_.n_ctx) throw Fault{pb::ENGINE, context_full(p0 + n - 1, info_.n_ctx)};
+    if (p0 + n > set_.n_ctx) throw Fault{pb::ENGINE, context_full(p0 + n - 1, set_.n_ctx)};
     if (step.drafts() && (int64_t(step.drafts()) >= n || !step.sample())) {
         throw Fault{pb::BAD_FRAME, "a speculative step carries its last token and then " + std::to_string(step.drafts()) +
                                        " drafts (" + std::to_string(step.drafts() + 1) + " positions, sampled), got " +
@@ -156,7 +156,7 @@ void StageWorker::check_step(const pb::Step & step, std::vector<float> * x) {
         throw Fault{pb::BAD_FRAME, "a speculative step carries one token id per position (" + std::to_string(n) + "), got " +
                                        std::to_string(step.token_ids_size())};
     }
-    if (info_.is_first) {
+    if (set_.is_first) {
         if (step.drafts() || step.rollback() || step.mtp_drafts()) {
             throw Fault{pb::BAD_FRAME, "drafts and rollbacks are the origin's own steps: a client sends "
                                        "Generate(draft_source=...) instead"};
@@ -168,7 +168,7 @@ void StageWorker::check_step(const pb::Step & step, std::vector<float> * x) {
         if (step.has_boundary()) throw Fault{pb::SCHEMA_MISMATCH, "stage 0 takes token ids, not a boundary"};
         return;
     }
-    const pb::BoundarySchema & want = schema_in_;
+    const pb::BoundarySchema & want = set_.schema_in;
     if (!step.has_schema()) throw Fault{pb::SCHEMA_MISMATCH, "the frame names no schema; this stage takes " + schema_str(want)};
     const auto & got = step.schema();
     std::string diff;
@@ -182,14 +182,14 @@ void StageWorker::check_step(const pb::Step & step, std::vector<float> * x) {
     }
     if (got.layer() != want.layer()) {
         throw Fault{pb::WRONG_RANGE, "the boundary is for layer " + std::to_string(got.layer()) + " but this stage owns [" +
-                                         std::to_string(info_.layer_begin) + ", " + std::to_string(info_.layer_end) + ")"};
+                                         std::to_string(set_.layer_begin) + ", " + std::to_string(set_.layer_end) + ")"};
     }
-    if (info_.needs_token_ids && step.token_ids_size() != n) {
+    if (set_.needs_token_ids && step.token_ids_size() != n) {
         throw Fault{pb::SCHEMA_MISMATCH, "this stage owns token-id layers and needs the token-id sideband (" + std::to_string(n) +
                                              " ids), got " + std::to_string(step.token_ids_size())};
     }
     const auto & b = step.boundary();
-    std::vector<int64_t> shape = {n, info_.n_streams, info_.n_embd};
+    std::vector<int64_t> shape = {n, set_.n_streams, set_.n_embd};
     std::vector<int64_t> got_shape(b.shape().begin(), b.shape().end());
     if (got_shape != shape) {
         throw Fault{pb::BAD_FRAME, "boundary shape " + list_str(got_shape) + " != " + list_str(shape) + " [n_tokens, n_streams, n_embd]"};
@@ -197,17 +197,17 @@ void StageWorker::check_step(const pb::Step & step, std::vector<float> * x) {
     if (b.dtype() != want.dtype()) {
         const WireDtype * d = dtype_of(b.dtype());
         throw Fault{pb::SCHEMA_MISMATCH, "boundary dtype " + (d ? std::string(d->name) : std::to_string(int(b.dtype()))) +
-                                             " != schema dtype " + dtype_->name};
+                                             " != schema dtype " + set_.dtype->name};
     }
-    const uint64_t values = uint64_t(n) * uint64_t(info_.n_streams) * uint64_t(info_.n_embd);
-    const uint64_t need = nbytes(*dtype_, values);
+    const uint64_t values = uint64_t(n) * uint64_t(set_.n_streams) * uint64_t(set_.n_embd);
+    const uint64_t need = nbytes(*set_.dtype, values);
     if (b.data().size() != need) {
-        throw Fault{pb::BAD_FRAME, "boundary of shape " + list_str(got_shape) + " in " + dtype_->name + " needs " +
+        throw Fault{pb::BAD_FRAME, "boundary of shape " + list_str(got_shape) + " in " + set_.dtype->name + " needs " +
                                        std::to_string(need) + " bytes, got " + std::to_string(b.data().size())};
     }
     x->resize(values);
     const char * src = b.data().data();
-    switch (dtype_->code) {
+    switch (set_.dtype->code) {
         case pb::F32: std::memcpy(x->data(), src, values * 4); break;
         case pb::F16: {
             std::vector<uint16_t> h(values);
