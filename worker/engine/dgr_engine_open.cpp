@@ -275,9 +275,19 @@ int32_t dgr_engine_open(const char * path_c, const dgr_open_params * params, dgr
         mp.kv_overrides = kvo.empty() ? nullptr : kvo.data();
         // batch invariance: a repacked weight layout (ggml's CPU "extra" buffer types: repack, AMX) is
         // multiplied by one kernel for a single row (gemv) and another for several (gemm), which round
-        // differently. Off with fast_kernels too: the AMX path crashed on this machine with one KV stream
-        // per session (SIGSEGV in ggml_backend_amx_mul_mat), and fast_kernels only measures the CPU kernels.
-        mp.use_extra_bufts = false;
+        // differently. The invariant kernel set takes the repacked layouts whose two kernels give a row the same
+        // bits (patch 0028: Q4_K as 8x8 on AVX2; the switch is process-wide and stays on, and only engines
+        // that ask for extra buffer types see it). The reference kernels, a GPU lane and fast_kernels keep them
+        // off: the AMX path crashed on this machine with one KV stream per session (SIGSEGV in
+        // ggml_backend_amx_mul_mat), and fast_kernels only measures the CPU kernels.
+        const bool invariant_layouts = DGR_WITH_HOOKS && params->fast_kernels == DGR_KERNELS_INVARIANT &&
+                                       std::strcmp(dgr_engine_lane(), "cpu") == 0;
+#if DGR_WITH_HOOKS
+        if (invariant_layouts) {
+            dgr_cpu_invariant_layouts();
+        }
+#endif
+        mp.use_extra_bufts = invariant_layouts;
         take_log_errors();
         eng->model = llama_model_load_from_file(path.c_str(), mp);
         if (!eng->model) {

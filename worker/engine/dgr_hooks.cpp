@@ -288,6 +288,16 @@ int dgr_cpu_kernels() {
     return g_cpu_kernels.load();
 }
 
+void dgr_cpu_invariant_layouts() {
+    ggml_backend_reg_t reg = ggml_backend_reg_by_name("CPU");
+    using set_t = void (*)(bool);
+    auto set = reg ? (set_t) ggml_backend_reg_get_proc_address(reg, "ggml_cpu_set_batch_invariant_layouts") : nullptr;
+    if (!set) {
+        throw std::runtime_error("dgr: the CPU backend has no ggml_cpu_set_batch_invariant_layouts: the invariant kernels need it");
+    }
+    set(true);
+}
+
 void dgr_configure_cpu_backend(ggml_backend * backend_cpu) {
     ggml_backend_dev_t dev = ggml_backend_get_device(backend_cpu);
     ggml_backend_reg_t reg = dev ? ggml_backend_dev_backend_reg(dev) : nullptr;

@@ -67,3 +67,7 @@ struct ggml_backend;
 void dgr_set_cpu_kernels(int kernels);
 int dgr_cpu_kernels();
 void dgr_configure_cpu_backend(ggml_backend * backend_cpu);
+// The invariant kernel set's weight layouts, process-wide, before a model loads: the CPU's extra buffer types take
+// only the repacked layouts whose one-row and many-row kernels give a row the same bits (patch 0028: Q4_K as 8x8 on
+// AVX2), never AMX. Throws when the CPU backend lacks the switch.
+void dgr_cpu_invariant_layouts();
