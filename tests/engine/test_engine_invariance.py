@@ -7,8 +7,9 @@ here, forward by forward, through the engine itself: nothing depends on timing. 
 (test_wire_engine.py, test_wire_recovery.py) force them through real workers.
 
 Both invariant kernel sets are checked: "reference" (the default: ggml's reference kernels, every row alone) and
-"invariant" (ggml's batch_invariant switch: vec_dot for every matrix row, flash attention's tiled kernel for every
-number of queries), at 1 and 2 compute threads. This machine's build is x86-64-v3 (AVX2 code paths).
+"invariant" (ggml's batch_invariant switch: flash attention's tiled kernel for every number of queries; repacked
+Q4_K's gemm and Q6_K's tiled GEMM with one-row paths of their float order, vec_dot for the other types), at 1 and
+2 compute threads. This machine's build is x86-64-v3 (AVX2 code paths, FMA, F16C; no AVX-512, no AMX).
 """
 
 from __future__ import annotations

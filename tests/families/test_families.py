@@ -47,6 +47,21 @@ def test_a_kept_prefix_and_a_rollback_equal_the_cold_whole_model_or_are_refused_
     assert rs["rollback"].refused == expect_refused, rs["rollback"].verdict
 
 
+@pytest.mark.engine
+@pytest.mark.parametrize("arch", ARCHS)
+def test_the_feature_matrix_holds_on_the_invariant_kernels(arch, engine_lib, tmp_path, repo_root):
+    """The same engine calls on kernels="invariant" (the fast invariant set: the tiled attention for every number
+    of queries, repacked Q4_K and tiled Q6_K with one-row paths of their order; docs/batching.md), the baseline
+    and every stage on it: docs/families.md's verdicts, exact or refused by name, as on the reference kernels."""
+    from dgr.toolchain.synth.features import run_features
+
+    rs = run_features(arch, tmp_path, lib=engine_lib, kernels="invariant")
+    row = read_table(repo_root / "docs" / "families.md")[arch]
+    for name, r in rs.items():
+        assert r.exact or r.refused, f"{name} (invariant kernels): {r.verdict}"
+        assert row[name.replace(" ", "_")] == r.verdict, f"{name} (invariant kernels)"
+
+
 def test_synth_list_names_every_architecture(capsys):
     assert main(["synth", "--list"]) == 0
     listed = capsys.readouterr().out.split()

@@ -185,7 +185,9 @@ class Engine:
         """`kernels` (CPU): "reference" (the default: ggml's reference kernels, every row alone, so a
         session's logits do not depend on what shares its forwards or how its tokens are batched),
         "invariant" (ggml's batch_invariant switch: flash attention's tiled kernel for every number of queries,
-        vec_dot for every row; also batch invariant, much faster prefill of long prompts; docs/batching.md) or
+        and for each matrix a kernel chosen by its type, never by the row count: repacked Q4_K's gemm, Q6_K's tiled
+        GEMM, each with a one-row path of the same float order, vec_dot for the other types; also batch
+        invariant, prefill as fast as llama.cpp's own on K-quant models; docs/batching.md) or
         "fast" (llama.cpp's shape-dependent choice: results depend on the batch; for measuring only).
         `fast_kernels=True` is `kernels="fast"`.
         `n_draft_max`: the longest draft a truncate must roll back after a verification step (V4's snapshot

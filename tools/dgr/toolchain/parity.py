@@ -96,13 +96,15 @@ def parse_ranges(text: str) -> list[tuple[int, int]]:
 def open_stages(paths: list[Path], *, n_ubatch: int, n_ctx: int, max_sessions: int,
                 ranges: list[tuple[int, int]] | None = None, lib: str | Path | None = None,
                 n_threads: int = 0, kv_dtype: str = "f16", fast_kernels: bool = False,
-                n_draft_max: int = 0) -> list[Engine]:
+                n_draft_max: int = 0, kernels: str = "reference") -> list[Engine]:
+    """`kernels`: the CPU kernel set (Engine.open); `fast_kernels=True` is kernels="fast"."""
     engines: list[Engine] = []
     try:
         for i, p in enumerate(paths):
             engines.append(Engine.open(p, layer_range=ranges[i] if ranges else None, n_ctx=n_ctx,
                                        max_sessions=max_sessions, n_ubatch=n_ubatch, n_threads=n_threads, lib=lib,
-                                       kv_dtype=kv_dtype, fast_kernels=fast_kernels, n_draft_max=n_draft_max))
+                                       kv_dtype=kv_dtype, fast_kernels=fast_kernels, n_draft_max=n_draft_max,
+                                       kernels="fast" if fast_kernels else kernels))
     except BaseException:
         for e in engines:
             e.close()
@@ -205,10 +207,11 @@ def run_pipeline(engines: list[Engine], sched: Schedule, *,
 
 
 def run_baseline(model: str | Path, sched: Schedule, lib: str | Path | None = None, n_threads: int = 0,
-                 kv_dtype: str = "f16") -> RunResult:
+                 kv_dtype: str = "f16", kernels: str = "reference") -> RunResult:
     """`sched` through the whole model alone (no range: llama.cpp's plain path)."""
     [eng] = open_stages([Path(model)], n_ubatch=sched.n_ubatch, n_ctx=ctx_for(sched.prompts, sched.steps),
-                        max_sessions=len(sched.prompts), lib=lib, n_threads=n_threads, kv_dtype=kv_dtype)
+                        max_sessions=len(sched.prompts), lib=lib, n_threads=n_threads, kv_dtype=kv_dtype,
+                        kernels=kernels)
     try:
         info = eng.describe()
         if info.layer_begin != 0 or info.layer_end != info.n_layer:

@@ -1,8 +1,10 @@
 """`dgr bench kernels`: what batch invariance costs on the CPU, side by side in one run (docs/batching.md).
 
 For each model and thread count, the same whole model on the same machine, rounds alternating between:
-- **invariant**: ggml's batch_invariant switch (patch 0026, `kernels="invariant"`): flash attention's tiled
-  kernel for every number of queries, vec_dot for every matrix row, no fused ops, no repacked weights.
+- **invariant**: ggml's batch_invariant switch (patches 0026-0030, `kernels="invariant"`): flash attention's tiled
+  kernel for every number of queries; repacked Q4_K through its gemm and, for the rows left over, a gemv in the
+  gemm's float order; Q6_K through the tiled GEMM from 8 rows and its float order below; vec_dot (up to 4 columns
+  at once for Q4_K and Q6_K) for every other matrix; no fused ops.
 - **reference**: dgr's default, ggml's reference kernels (every row alone through vec_dot, the one-query
   attention).
 - **fast**: dgr's engine with llama.cpp's shape-dependent choice (results depend on the batch), no repacking.

@@ -89,18 +89,20 @@ class Case:
         self.base_prefill, self.base_decode, self.tokens = base_prefill, base_decode, list(tokens)
 
     @classmethod
-    def synth(cls, arch: str, workdir: Path, lib, n_threads: int) -> "Case":
-        """A tiny model of `arch` split in three (parity's cuts); the caller closes the engines."""
+    def synth(cls, arch: str, workdir: Path, lib, n_threads: int, kernels: str = "reference") -> "Case":
+        """A tiny model of `arch` split in three (parity's cuts), on the `kernels` set (Engine.open) in the
+        baseline and every stage; the caller closes the engines."""
         n_prompt, keep, n_ubatch, ran = _OWN.get(arch, (PROMPT, KEEP, N_UBATCH, RAN))
         layers = model_layers(arch)
         ranges = choose_ranges(layer_kinds(arch, layers, EMBD), 3)
         model = synth_model(arch, Path(workdir) / f"{arch}-{layers}L-features.gguf", layers=layers)
         prompt = np.random.default_rng(11).integers(0, 256, size=n_prompt).tolist()
         base: RunResult = run_baseline(model, Schedule(prompts=[prompt], steps=STEPS, n_ubatch=n_ubatch), lib,
-                                       n_threads)
+                                       n_threads, kernels=kernels)
         # as a worker opens its engine: rollback depth from Limits().draft_max (V4's snapshots)
         engines = open_stages([model] * 3, n_ubatch=n_ubatch, n_ctx=ctx_for([prompt], STEPS + 4), max_sessions=2,
-                              ranges=ranges, lib=lib, n_threads=n_threads, n_draft_max=Limits().draft_max)
+                              ranges=ranges, lib=lib, n_threads=n_threads, n_draft_max=Limits().draft_max,
+                              kernels=kernels)
         return cls(engines, prompt, base.prefill_logits[0], base.decode_logits[0], base.generated[0], keep, ran)
 
     def close(self) -> None:
@@ -177,9 +179,9 @@ FEATURES: dict[str, Callable[[Case], str]] = {"prefix cache": prefix_cache, "rol
 
 
 def run_features(arch: str, workdir: Path, *, lib: str | Path | None = None, n_threads: int = 1,
-                 features: tuple[str, ...] = tuple(FEATURES)) -> dict[str, FeatureResult]:
-    """Every feature in `features` on `arch` split in three: feature -> result."""
-    case = Case.synth(arch, workdir, lib, n_threads)
+                 features: tuple[str, ...] = tuple(FEATURES), kernels: str = "reference") -> dict[str, FeatureResult]:
+    """Every feature in `features` on `arch` split in three, on the `kernels` set: feature -> result."""
+    case = Case.synth(arch, workdir, lib, n_threads, kernels)
     try:
         return check_features(case, arch, features)
     finally:
