@@ -280,8 +280,10 @@ int32_t dgr_engine_open(const char * path_c, const dgr_open_params * params, dgr
         // that ask for extra buffer types see it). The reference kernels, a GPU lane and fast_kernels keep them
         // off: the AMX path crashed on this machine with one KV stream per session (SIGSEGV in
         // ggml_backend_amx_mul_mat), and fast_kernels only measures the CPU kernels.
-        const bool invariant_layouts = DGR_WITH_HOOKS && params->fast_kernels == DGR_KERNELS_INVARIANT &&
-                                       std::strcmp(dgr_engine_lane(), "cpu") == 0;
+        // without the hooks (an engine over the unpatched tree) the CPU backend keeps its fast kernels; a GPU
+        // lane's kernels (and llama.cpp's offload of large batches to the GPU) are chosen by the batch's shape
+        const bool gpu_lane = std::strcmp(dgr_engine_lane(), "cpu") != 0;
+        const bool invariant_layouts = DGR_WITH_HOOKS && params->fast_kernels == DGR_KERNELS_INVARIANT && !gpu_lane;
 #if DGR_WITH_HOOKS
         if (invariant_layouts) {
             dgr_cpu_invariant_layouts();
@@ -371,9 +373,6 @@ int32_t dgr_engine_open(const char * path_c, const dgr_open_params * params, dgr
         in.has_vocab   = in.n_vocab > 0;
         in.n_ctx       = n_ctx_seq;
         in.max_sessions = max_sessions;
-        // without the hooks (an engine over the unpatched tree) the CPU backend keeps its fast kernels; a GPU
-        // lane's kernels (and llama.cpp's offload of large batches to the GPU) are chosen by the batch's shape
-        const bool gpu_lane = std::strcmp(dgr_engine_lane(), "cpu") != 0;
         in.batch_invariant = DGR_WITH_HOOKS && params->fast_kernels != DGR_KERNELS_FAST && !shared_kv && !gpu_lane;
         in.has_mtp     = eng->mtp != nullptr;
         eng->numerics  = open_numerics(DGR_WITH_HOOKS ? params->fast_kernels : DGR_KERNELS_FAST, params->kv_f32 != 0);
