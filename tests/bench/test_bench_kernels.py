@@ -44,3 +44,18 @@ def test_kernels_measures_every_kernel_set_and_stock_llama_cpp_on_one_model(tmp_
 def test_kernels_refuses_an_unknown_kernel_set_by_name(tmp_path):
     with pytest.raises(DgrError, match="--kernels 'reference,turbo': choose from invariant, reference, fast, stock"):
         _kernels(tmp_path, "--kernels", "reference,turbo")
+
+
+@pytest.mark.engine
+def test_kernels_names_a_model_the_engine_cannot_read(tmp_path, engine_lib):
+    bad = tmp_path / "truncated.gguf"
+    bad.write_bytes(b"GGUF\x03\x00\x00\x00")
+    with pytest.raises(DgrError, match=r"(?s)dgr-engine-bench on truncated.gguf \(invariant, 1 thread\(s\)\) failed "
+                                       r"\(exit 1\):.*truncated.gguf: not a readable GGUF file"):
+        _kernels(tmp_path, "--model", str(bad), "--kernels", "invariant", "--threads", "1", "--rounds", "1",
+                 "--lib", str(engine_lib))
+
+
+def test_kernels_refuses_zero_rounds(tmp_path):
+    with pytest.raises(DgrError, match="--rounds and --tokens must be at least 1"):
+        _kernels(tmp_path, "--model", str(tmp_path / "m.gguf"), "--kernels", "invariant", "--rounds", "0")

@@ -11,6 +11,10 @@ For each model and thread count, the same whole model on the same machine, round
 - **stock**: llama.cpp itself (`llama-batched-bench` from the pinned, unpatched tree, `dgr.toolchain.rpcbuild`):
   its own kernels with repacked weights where it has them, what a user of `llama-server` gets.
 
+Both sides are measured by a C++ program, one process a round: dgr's kernel sets by `dgr-engine-bench`
+(worker/tools/engine_bench.cpp: the engine library through its C ABI, as dgr-worker drives it), stock by
+`llama-batched-bench`. Neither carries a harness the other has not (dgr's engine driven from Python decoded
+3-6% slower than from C++: ctypes, numpy and their threads on every token).
 Prefill: one forward of a prompt of each length (random tokens, n_ubatch 512 as llama.cpp's default); tokens/s.
 Decode: greedy tokens after the shortest prompt, one per forward; tokens/s. The figure per cell is the median over
 the rounds. Ratios: invariant / stock and invariant / reference.
@@ -18,19 +22,20 @@ the rounds. Ratios: invariant / stock and invariant / reference.
 
 from __future__ import annotations
 
+import json
+import os
 import statistics
+import subprocess
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import gguf
-import numpy as np
 
 from dgr.app.bench.batched_bench import batched_bench_rows
-from dgr.app.demo import whole_model_run
 from dgr.core.errors import DgrError
 from dgr.core.log import get_logger
-from dgr.runtime.engine import Engine, quantize
+from dgr.runtime.engine import quantize
+from dgr.toolchain.enginebuild import ensure_tool
 from dgr.toolchain.rpcbuild import ensure_rpc
 from dgr.toolchain.source import resolve
 from dgr.toolchain.synth.generic import synth
@@ -39,6 +44,7 @@ from dgr.toolchain.synth.shapes import synth_shape
 log = get_logger(__name__)
 
 VARIANTS = ("invariant", "reference", "fast", "stock")
+ENGINE_BENCH = "dgr-engine-bench"
 DEFAULT_PREFILLS = (64, 256, 1024)
 DEFAULT_THREADS = (1, 2)
 
@@ -72,19 +78,23 @@ def default_models(root: Path, lib: Path, *, large_layers: int = 8) -> list[tupl
             (f"Llama-2-7B shape, {large_layers} layers, Q4_K_M", big)]
 
 
-def _vocab_size(model: Path) -> int:
-    r = gguf.GGUFReader(str(model))
-    return len(r.fields["tokenizer.ggml.tokens"].data)
+def _engine_round(exe: Path, lib: Path, model: Path, variant: str, prefills: tuple[int, ...], tokens: int,
+                  threads: int) -> tuple[dict, float, str]:
+    """dgr-engine-bench, one process: prefill of each length; decode after the shortest prompt (as
+    llama-batched-bench's S_TG of that row); and the numerics the engine ran."""
+    cmd = [str(exe), "--model", str(model), "--kernels", variant, "--threads", str(threads),
+           "--npp", ",".join(map(str, prefills)), "--ntg", str(tokens)]
+    out = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "DGR_ENGINE_LIB": str(lib)})
+    if out.returncode != 0:
+        raise DgrError(f"{ENGINE_BENCH} on {model.name} ({variant}, {threads} thread(s)) failed "
+                       f"(exit {out.returncode}): {out.stderr.strip()[-2000:]}")
+    rep = json.loads(out.stdout)
+    return {str(n): float(rep["prefill_tok_s"][str(n)]) for n in prefills}, float(rep["decode_tok_s"]), \
+        rep["numerics"]
 
 
-def _engine_round(eng: Engine, ids: list[int], prefills: tuple[int, ...], tokens: int) -> tuple[dict, float]:
-    """Prefill of each length; decode after the shortest prompt (as llama-batched-bench's S_TG of that row)."""
-    pre = {str(n): whole_model_run(eng, ids[:n], 1).prefill_tokens_per_s for n in prefills}
-    dec = whole_model_run(eng, ids[:min(prefills)], tokens + 1).decode_tokens_per_s
-    return pre, dec
-
-
-def _stock_round(exe: Path, model: Path, prefills: tuple[int, ...], tokens: int, threads: int) -> tuple[dict, float]:
+def _stock_round(exe: Path, model: Path, prefills: tuple[int, ...], tokens: int,
+                 threads: int) -> tuple[dict, float, str]:
     """llama-batched-bench, one sequence: prefill of each length (S_PP), decode after it (S_TG of the shortest)."""
     cmd = [str(exe), "-m", str(model), "-ngl", "0", "-t", str(threads), "-tb", str(threads),
            "-c", str(max(prefills) + tokens + 64), "-b", "2048", "-ub", "512", "-npp", ",".join(map(str, prefills)),
@@ -92,46 +102,43 @@ def _stock_round(exe: Path, model: Path, prefills: tuple[int, ...], tokens: int,
     rows = {int(r["pp"]): r for r in batched_bench_rows(cmd, len(prefills))}
     if set(rows) != set(prefills):
         raise DgrError(f"llama-batched-bench printed rows for {sorted(rows)}, not {list(prefills)}")
-    return {str(n): float(rows[n]["speed_pp"]) for n in prefills}, float(rows[min(prefills)]["speed_tg"])
+    return {str(n): float(rows[n]["speed_pp"]) for n in prefills}, float(rows[min(prefills)]["speed_tg"]), \
+        "llama.cpp stock (pinned, unpatched)"
 
 
 def bench_kernels(models: list[tuple[str, Path]], lib: Path, *, threads=DEFAULT_THREADS, prefills=DEFAULT_PREFILLS,
                   tokens: int = 32, rounds: int = 3, variants=VARIANTS, stock_exe: Path | None = None) -> dict:
     """Every (model, threads, variant) measured in alternating rounds; the first round warms up and is not
-    counted. `stock_exe`: llama-batched-bench for the "stock" variant (default: llama.cpp's own tools, built from
-    the pinned tree once, `dgr.toolchain.rpcbuild`)."""
+    counted. `lib`: the engine library dgr's kernel sets run (dgr-engine-bench is built once in the CPU lane's
+    CMake tree). `stock_exe`: llama-batched-bench for the "stock" variant (default: llama.cpp's own tools, built
+    from the pinned tree once, `dgr.toolchain.rpcbuild`)."""
+    if rounds < 1 or tokens < 1 or not prefills or min(prefills) < 1:
+        raise DgrError(f"dgr bench kernels: --rounds and --tokens must be at least 1 and every prompt length at "
+                       f"least 1 (got rounds {rounds}, tokens {tokens}, prompt lengths {list(prefills)})")
     if "stock" in variants and stock_exe is None:
         stock_exe = ensure_rpc()["llama-batched-bench"]
+    engine_exe = ensure_tool(ENGINE_BENCH) if any(v != "stock" for v in variants) else None
     rows: list[KernelRow] = []
     t_start = time.monotonic()
     for name, path in models:
         for t in threads:
-            engines = {v: Engine.open(path, lib=lib, n_threads=t, n_ctx=max(prefills) + tokens + 128, kernels=v)
-                       for v in variants if v != "stock"}
-            try:
-                n_vocab = _vocab_size(path)
-                ids = np.random.default_rng(7).integers(100, min(n_vocab, 30000), size=max(prefills)).tolist()
-                got: dict[str, list[tuple[dict, float]]] = {v: [] for v in variants}
-                for k in range(rounds + 1):
-                    order = variants if k % 2 else list(reversed(variants))
-                    for v in order:
-                        r = _stock_round(stock_exe, path, prefills, tokens, t) if v == "stock" else \
-                            _engine_round(engines[v], ids, prefills, tokens)
-                        if k:
-                            got[v].append(r)
-                    log.info("bench kernels: %s, %d thread(s), round %d/%d done", name, t, k, rounds)
-                for v in variants:
-                    rows.append(KernelRow(
-                        name, v, t,
-                        {str(n): statistics.median(r[0][str(n)] for r in got[v]) for n in prefills},
-                        statistics.median(r[1] for r in got[v]),
-                        engines[v].numerics if v in engines else "llama.cpp stock (pinned, unpatched)"))
-                    log.info("bench kernels: %s, %d thread(s), %s: prefill %s tok/s, decode %.1f tok/s", name, t,
-                             v, ", ".join(f"{n}: {rows[-1].prefill_tok_s[str(n)]:.1f}" for n in prefills),
-                             rows[-1].decode_tok_s)
-            finally:
-                for e in engines.values():
-                    e.close()
+            got: dict[str, list[tuple[dict, float, str]]] = {v: [] for v in variants}
+            for k in range(rounds + 1):
+                order = variants if k % 2 else list(reversed(variants))
+                for v in order:
+                    r = _stock_round(stock_exe, path, prefills, tokens, t) if v == "stock" else \
+                        _engine_round(engine_exe, lib, path, v, prefills, tokens, t)
+                    if k:
+                        got[v].append(r)
+                log.info("bench kernels: %s, %d thread(s), round %d/%d done", name, t, k, rounds)
+            for v in variants:
+                rows.append(KernelRow(
+                    name, v, t,
+                    {str(n): statistics.median(r[0][str(n)] for r in got[v]) for n in prefills},
+                    statistics.median(r[1] for r in got[v]), got[v][-1][2]))
+                log.info("bench kernels: %s, %d thread(s), %s: prefill %s tok/s, decode %.1f tok/s", name, t,
+                         v, ", ".join(f"{n}: {rows[-1].prefill_tok_s[str(n)]:.1f}" for n in prefills),
+                         rows[-1].decode_tok_s)
     return {"measured_at": time.strftime("%Y-%m-%d %H:%M:%S"), "seconds": round(time.monotonic() - t_start, 1),
             "prefills": list(prefills), "tokens": tokens, "rounds": rounds, "rows": [asdict(r) for r in rows]}
 
