@@ -71,6 +71,21 @@ def test_every_weight_type_is_batch_invariant(qtype, kernels, threads, quantized
     assert diffs == dict.fromkeys(diffs, 0.0), f"{qtype} ({kernels}, {threads} threads): {diffs}"
 
 
+@pytest.fixture(scope="module")
+def wide_ffn(tmp_path_factory):
+    # an FFN of 11008 (Llama-2-7B's): ffn_down's rows are 43 blocks of 256, past the one-row Q6_K kernel's groups of
+    # 32 blocks and of 8 sums and into their tails, and the repacked Q4_K gemv's longest rows
+    return synth("llama", 1, 256, 1, tmp_path_factory.mktemp("w") / "wide-ffn.gguf", n_ff=11008)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K"])
+def test_rows_of_many_blocks_are_batch_invariant(qtype, threads, wide_ffn, engine_lib, tmp_path):
+    model = quantize(wide_ffn, tmp_path / f"{qtype}.gguf", qtype, lib=engine_lib)
+    diffs = batching_differences(model, engine_lib, kernels="invariant", n_threads=threads)
+    assert diffs == dict.fromkeys(diffs, 0.0), f"{qtype} (invariant, {threads} threads): {diffs}"
+
+
 @pytest.mark.parametrize("kernels", ["reference", "invariant"])
 def test_long_prompts_over_several_attention_tiles_are_batch_invariant(kernels, quantized, engine_lib):
     """300 tokens: several 64-row query tiles and 64-cell KV tiles (the online softmax rescales across tiles, a
