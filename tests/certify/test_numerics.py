@@ -225,7 +225,13 @@ def test_a_route_on_the_invariant_kernels_is_exact_against_the_whole_model_alone
     args = [_args(k, "--kernels", "invariant", "--hold-batch", "3", "--metrics-listen", "127.0.0.1:0") for k in range(3)]
     with LocalRoute(args, env={"DGR_ENGINE_LIB": str(engine_lib)}, timeout=300) as route:
         with RouteClient(route.addresses, prefix_cache=False) as c:
-            assert all(d.identity.numerics.endswith(" invariant kv-f16 fa-auto") for d in c.describe())
+            descs = c.describe()
+            assert all(d.identity.numerics.endswith(" invariant kv-f16 fa-auto") for d in descs)
+            # and which kernel each weight type takes: SmolLM2's Q4_1 matrices have no invariant fast path
+            for d in descs:
+                groups = dict(part.split(": ", 1) for part in d.matmul_kernels.split("; "))
+                [q4_1] = [k for types, k in groups.items() if "Q4_1" in types.split(", ")]
+                assert q4_1 == "vec_dot, each row alone (the reference kernel: no invariant fast path)", d.matmul_kernels
             ids = [c.tokenize(p) for p in prompts]
         got: dict[int, list[int]] = {}
 

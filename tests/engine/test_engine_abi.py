@@ -130,3 +130,12 @@ def test_the_bindings_kernel_names_are_the_headers_values():
     defined = {m.group(1).lower(): int(m.group(2))
                for m in re.finditer(r"^#define DGR_KERNELS_(\w+)\s+(\d+)$", HEADER.read_text(), re.M)}
     assert defined == engine_abi.KERNELS
+
+
+def test_the_engine_doc_names_the_current_version():
+    """docs/engine.md says which version the ABI is and what each added; it said 6 while the header said 8."""
+    doc = (REPO / "docs" / "engine.md").read_text()
+    [said] = re.findall(r"`dgr_abi_version\(\)` is (\d+)", doc)
+    version = header_version(HEADER.read_text())
+    assert int(said) == version, f"docs/engine.md says C ABI {said}, dgr_engine.h {version}"
+    assert f"v{version} " in " ".join(doc.split()), f"docs/engine.md does not say what C ABI {version} added"

@@ -116,6 +116,50 @@ def test_the_invariant_kernels_run_the_tiled_attention(quantized, engine_lib):
     assert np.abs(inv - ref).max() > 0, "the invariant kernels computed exactly what the reference ones do"
 
 
+FALLBACK = "(the reference kernel: no invariant fast path)"
+
+
+def _kernel_pairs(text: str) -> set[tuple[str, str]]:
+    """"Q4_1, Q8_0: kernel; Q4_K: kernel" -> {(type, kernel)}"""
+    out = set()
+    for part in text.split("; "):
+        types, kernel = part.split(": ", 1)
+        out |= {(t, kernel) for t in types.split(", ")}
+    return out
+
+
+def _expected_kernel(t, tied: bool) -> str:
+    """What patches 0027-0031 give a matrix on this x86-64-v3 build: Q4_K with rows in eights repacked (not the
+    token embedding, which llama.cpp keeps in plain memory for its lookups), Q6_K the tiled GEMM, the rest vec_dot."""
+    q = t.tensor_type.name
+    if q == "Q4_K" and t.shape[1] % 8 == 0 and t.name != "token_embd.weight":
+        return "repacked gemm, gemv in its float order"
+    if q == "Q6_K":
+        return "tiled GEMM from 8 rows, its float order below"
+    if q in ("Q4_K", "Q6_K"):
+        return "vec_dot, 4 columns at once " + FALLBACK
+    return "vec_dot, each row alone " + FALLBACK
+
+
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q4_1", "Q8_0"])
+def test_describe_names_the_kernel_of_every_weight_type_and_the_fallbacks(qtype, quantized, engine_lib):
+    """Under the invariant kernels Describe says which weight types run a fast kernel (repacked Q4_K, Q6_K's tiled
+    GEMM) and which fall back to the reference vec_dot, for every matrix of the model."""
+    model = quantized(qtype)
+    r = gguf.GGUFReader(model)
+    tied = "output.weight" not in {t.name for t in r.tensors}
+    # the matrices the stage multiplies: the token embedding only where it is also the output (tied)
+    want = {(t.tensor_type.name, _expected_kernel(t, tied)) for t in r.tensors
+            if len(t.shape) >= 2 and "norm" not in t.name and (t.name != "token_embd.weight" or tied)}
+    with Engine.open(model, kernels="invariant", lib=engine_lib) as e:
+        said = e.describe().matmul_kernels
+    assert _kernel_pairs(said) == want, said
+    for kernels, says in (("reference", "every matrix: vec_dot, each row alone (the reference kernels)"),
+                          ("fast", "llama.cpp's own choice by the number of rows (not batch invariant)")):
+        with Engine.open(model, kernels=kernels, lib=engine_lib) as e:
+            assert e.describe().matmul_kernels == says
+
+
 def test_the_check_sees_what_llama_cpps_fast_kernels_change(llama256, engine_lib, tmp_path):
     """The negative control: with llama.cpp's shape-dependent CPU kernels (the tiled K-quant GEMM from
     8 rows on) the same comparisons differ, so the checks above can fail."""

@@ -23,7 +23,7 @@ extern "C" {
 // A caller checks both when it loads a library and refuses one of another version or other struct sizes
 // (dgr-worker: worker/server/engine_lib.cpp). The fake engine (worker/fake), a test stand-in of the same
 // version, leaves out what its toy model has no use for: dgr_quantize, the session state, the grammar sampler.
-#define DGR_ABI_VERSION 8
+#define DGR_ABI_VERSION 9
 
 enum dgr_status {
     DGR_OK              = 0,
@@ -81,6 +81,9 @@ typedef struct dgr_stage_info {
     int32_t batch_invariant;   // 1: results do not depend on the batch (see dgr_open_params.fast_kernels)
     int32_t has_mtp;           // 1: the last stage of an include_mtp bundle (dgr.mtp): owns the MTP block, drafts
     int32_t n_draft_max;       // positions a truncate may roll back after one step (0: a V4 stage cannot truncate)
+    // The kernel each weight type of the stage's matrices takes on the CPU, "TYPES: kernel; ...": under the
+    // invariant kernels, which run a fast kernel and which fall back to the reference vec_dot (docs/batching.md)
+    char    matmul_kernels[512];
 } dgr_stage_info;
 
 // The vocabulary's special tokens, as llama.cpp itself sees them (llama_vocab_* over the loaded vocabulary).

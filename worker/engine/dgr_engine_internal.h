@@ -60,6 +60,9 @@ std::string take_log_errors();
 void init_backend_once();
 // dgr_engine_numerics of an engine opened with these switches (dgr_engine_numerics.cpp)
 std::string open_numerics(int kernels, bool kv_f32);
+// the kernel each weight type of the stage's matrices takes on the CPU (Describe's matmul_kernels): under the
+// invariant kernels, which types run a fast kernel and which fall back to the reference vec_dot
+std::string open_matmul_kernels(const llama_model & model, int kernels, bool gpu_lane, bool is_last);
 
 // Runs f; no exception escapes: DGR_OK, or the error's code with dgr_last_error() set.
 template <typename F>

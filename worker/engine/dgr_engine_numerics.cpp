@@ -8,7 +8,14 @@
 #include "ggml-backend.h"
 #include "ggml-cpu.h"
 
+#include "llama-model.h"
+
+#include <algorithm>
+#include <cctype>
 #include <cstdlib>
+#include <cstring>
+#include <map>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -122,6 +129,55 @@ std::string open_numerics(int kernels, bool kv_f32) {
     const bool tiled_forced = kernels != DGR_KERNELS_REFERENCE && forced && std::atoi(forced) == 1;
     return std::string(dgr_numerics_build()) + name + (tiled_forced ? "+tiled-mm" : "") +
            (kv_f32 ? " kv-f32" : " kv-f16") + " fa-auto";
+}
+
+std::string open_matmul_kernels(const llama_model & model, int kernels, bool gpu_lane, bool is_last) {
+    if (gpu_lane) {
+        return "the lane's device kernels (not batch invariant)";
+    }
+    if (!DGR_WITH_HOOKS || kernels == DGR_KERNELS_FAST) {
+        return "llama.cpp's own choice by the number of rows (not batch invariant)";
+    }
+    if (kernels == DGR_KERNELS_REFERENCE) {
+        return "every matrix: vec_dot, each row alone (the reference kernels)";
+    }
+#if DGR_WITH_HOOKS
+    // the weights the stage multiplies: 2-D and larger, not norms, not the rows looked up by id (token and
+    // position embeddings, except a last stage's token embedding that is also its output matrix), not the
+    // recurrent blocks' element-wise tensors
+    const bool tied = model.tensors_by_name.end() == std::find_if(model.tensors_by_name.begin(),
+        model.tensors_by_name.end(), [](const auto & nt) { return nt.first == "output.weight"; });
+    std::map<std::string, std::set<std::string>> by_kernel;   // kernel -> weight types
+    for (const auto & [name, t] : model.tensors_by_name) {
+        if (ggml_n_dims(t) < 2 || name.find("norm") != std::string::npos || name.rfind("pos_embd", 0) == 0 ||
+            name.find("ssm_a") != std::string::npos || name.find("ssm_d") != std::string::npos ||
+            name.find("conv1d") != std::string::npos || (name.rfind("token_embd", 0) == 0 && !(tied && is_last))) {
+            continue;
+        }
+        const char * buft = t->buffer ? ggml_backend_buft_name(ggml_backend_buffer_get_type(t->buffer)) : "";
+        const bool repacked = std::strncmp(buft, "CPU_REPACK", 10) == 0;
+        const bool mul_mat_id = name.find("_exps") != std::string::npos;
+        std::string k = ggml_cpu_batch_invariant_matmul(t->type, repacked, mul_mat_id);
+        if (k.rfind("vec_dot", 0) == 0) {
+            k += k == "vec_dot" ? ", each row alone" : "";
+            k += " (the reference kernel: no invariant fast path)";
+        }
+        std::string type = ggml_type_name(t->type);   // "q4_K": named as GGUF files and quantizers name it
+        std::transform(type.begin(), type.end(), type.begin(), [](unsigned char c) { return (char) std::toupper(c); });
+        by_kernel[k].insert(type);
+    }
+    std::string out;
+    for (const auto & [k, types] : by_kernel) {
+        std::string names;
+        for (const auto & ty : types) names += (names.empty() ? "" : ", ") + ty;
+        out += (out.empty() ? "" : "; ") + names + ": " + k;
+    }
+    return out;
+#else
+    (void) model;
+    (void) is_last;
+    return "";
+#endif
 }
 
 }  // namespace dgr_engine_detail

@@ -377,6 +377,8 @@ int32_t dgr_engine_open(const char * path_c, const dgr_open_params * params, dgr
         in.has_mtp     = eng->mtp != nullptr;
         eng->numerics  = open_numerics(DGR_WITH_HOOKS ? params->fast_kernels : DGR_KERNELS_FAST, params->kv_f32 != 0);
         in.n_draft_max = eng->n_rs_seq;
+        snprintf(in.matmul_kernels, sizeof(in.matmul_kernels), "%s",
+                 open_matmul_kernels(*eng->model, params->fast_kernels, gpu_lane, is_last).c_str());
         for (int32_t s = max_sessions - 1; s >= 0; --s) {
             eng->free_seqs.push_back(s);
         }

@@ -121,6 +121,7 @@ void StageWorker::fill_card(const dgr_memory & memory) {
     c.needs_token_ids = i.needs_token_ids != 0, c.has_vocab = i.has_vocab != 0;
     c.n_ctx = i.n_ctx, c.max_sessions = i.max_sessions;
     c.batch_invariant = i.batch_invariant != 0;
+    c.matmul_kernels = i.matmul_kernels;
     c.has_mtp = i.has_mtp != 0 && engine_.lib().mtp_draft != nullptr;
     c.n_draft_max = i.n_draft_max;
     c.weights_bytes = memory.weights_bytes, c.kv_bytes = memory.kv_bytes, c.compute_bytes = memory.compute_bytes;

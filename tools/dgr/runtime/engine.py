@@ -282,7 +282,8 @@ class Engine:
             bool(self._lib.dgr_engine_can_truncate(self._handle()))
         return StageInfo(arch=s.arch.decode(), contract=contract, n_vocab=s.n_vocab,
                          has_vocab=bool(s.has_vocab), n_ctx=s.n_ctx, max_sessions=s.max_sessions,
-                         can_truncate=can_truncate, batch_invariant=bool(s.batch_invariant))
+                         can_truncate=can_truncate, batch_invariant=bool(s.batch_invariant),
+                         matmul_kernels=s.matmul_kernels.decode())
 
     def describe(self) -> StageInfo:
         return self._info

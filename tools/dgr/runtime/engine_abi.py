@@ -12,7 +12,7 @@ from pathlib import Path
 from dgr.core.errors import CacheMiss, EngineError, SchemaMismatch, Unsupported
 from dgr.core.paths import default_engine_library
 
-ABI_VERSION = 8                 # worker/engine/dgr_engine.h's DGR_ABI_VERSION (tests/engine/test_engine_abi.py holds them equal)
+ABI_VERSION = 9                 # worker/engine/dgr_engine.h's DGR_ABI_VERSION (tests/engine/test_engine_abi.py holds them equal)
 LIB_ENV = "DGR_ENGINE_LIB"
 
 OK, E_ENGINE, E_CACHE_MISS, E_SCHEMA, E_ARTIFACT, E_UNSUPPORTED = range(6)
@@ -36,7 +36,8 @@ class CStageInfo(C.Structure):
                 ("n_embd", C.c_int32), ("n_streams", C.c_int32), ("n_vocab", C.c_int32),
                 ("is_first", C.c_int32), ("is_last", C.c_int32), ("needs_token_ids", C.c_int32),
                 ("has_vocab", C.c_int32), ("n_ctx", C.c_int32), ("max_sessions", C.c_int32),
-                ("batch_invariant", C.c_int32), ("has_mtp", C.c_int32), ("n_draft_max", C.c_int32)]
+                ("batch_invariant", C.c_int32), ("has_mtp", C.c_int32), ("n_draft_max", C.c_int32),
+                ("matmul_kernels", C.c_char * 512)]
 
 
 class CStep(C.Structure):

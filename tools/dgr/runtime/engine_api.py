@@ -33,6 +33,9 @@ class StageInfo:
     # a session's results do not depend on the batch: not on the sessions that share its forwards, nor on
     # how its own tokens are cut into prefill chunks, decode steps or verification steps (CPU, exact)
     batch_invariant: bool = True
+    # the kernel each weight type of the stage's matrices takes on the CPU, "TYPES: kernel; ...": under the
+    # invariant kernels, which run a fast kernel and which fall back to the reference vec_dot (docs/batching.md)
+    matmul_kernels: str = ""
 
     # The contract's facts, read-only, under the names callers have always used.
     @property

@@ -40,6 +40,7 @@ void describe_msg(const StageCard & c, const StageLoad & l, pb::StageDescription
     d->set_has_mtp(c.has_mtp);
     d->set_n_draft_max(uint32_t(std::max(0, c.n_draft_max)));
     d->set_batch_invariant(c.batch_invariant);
+    d->set_matmul_kernels(c.matmul_kernels);
     d->set_prefix_cache_off(c.prefix_cache_off);
     if (l.prefix) {
         const PrefixCache::Stats & ps = *l.prefix;

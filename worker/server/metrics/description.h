@@ -45,6 +45,7 @@ struct StageCard {
     bool is_first = false, is_last = false, needs_token_ids = false, has_vocab = false;
     int n_ctx = 0, max_sessions = 0;
     bool batch_invariant = false;
+    std::string matmul_kernels;   // dgr_stage_info.matmul_kernels
     bool has_mtp = false;                            // an MTP block and an engine library that drafts with it
     int n_draft_max = 0;
     // dgr_memory

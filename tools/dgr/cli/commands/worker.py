@@ -244,5 +244,11 @@ def _describe(args) -> int:
         raise WireError(f"{args.address} sent no descriptor: it runs a dgr older than this one, or its "
                         "descriptor failed (see its log)")
     desc = Descriptor.model_validate_json(d.descriptor_json)
-    print(desc.model_dump_json(indent=2) if args.json else desc.summary())
+    if args.json:
+        print(desc.model_dump_json(indent=2))
+        return 0
+    print(desc.summary())
+    # the engine's own word on its matrices' kernels (Describe's matmul_kernels; not part of the descriptor)
+    if d.matmul_kernels:
+        print(f"  matmul kernels: {d.matmul_kernels}")
     return 0

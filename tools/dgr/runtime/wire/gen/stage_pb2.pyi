@@ -108,7 +108,7 @@ class DescribeRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StageDescription(_message.Message):
-    __slots__ = ("identity", "schema_in", "schema_out", "is_first", "is_last", "has_vocab", "n_vocab", "n_ctx", "max_sessions", "open_sessions", "queued_steps", "max_message_bytes", "max_frame_bytes_sent", "seam_bytes_per_token", "engine", "eos_token_ids", "reaped_sessions", "session_ttl_s", "max_queued_steps", "overloaded", "tls", "mutual_tls", "cached_positions", "member", "chat_template", "descriptor_json", "can_roll_back", "batch_invariant", "prefix_cache_capacity_bytes", "prefix_cache_bytes", "prefix_cache_entries", "prefix_cache_hits", "prefix_cache_lookups", "has_mtp", "n_draft_max", "prefix_cache_off")
+    __slots__ = ("identity", "schema_in", "schema_out", "is_first", "is_last", "has_vocab", "n_vocab", "n_ctx", "max_sessions", "open_sessions", "queued_steps", "max_message_bytes", "max_frame_bytes_sent", "seam_bytes_per_token", "engine", "eos_token_ids", "reaped_sessions", "session_ttl_s", "max_queued_steps", "overloaded", "tls", "mutual_tls", "cached_positions", "member", "chat_template", "descriptor_json", "can_roll_back", "batch_invariant", "prefix_cache_capacity_bytes", "prefix_cache_bytes", "prefix_cache_entries", "prefix_cache_hits", "prefix_cache_lookups", "has_mtp", "n_draft_max", "prefix_cache_off", "matmul_kernels")
     IDENTITY_FIELD_NUMBER: _ClassVar[int]
     SCHEMA_IN_FIELD_NUMBER: _ClassVar[int]
     SCHEMA_OUT_FIELD_NUMBER: _ClassVar[int]
@@ -145,6 +145,7 @@ class StageDescription(_message.Message):
     HAS_MTP_FIELD_NUMBER: _ClassVar[int]
     N_DRAFT_MAX_FIELD_NUMBER: _ClassVar[int]
     PREFIX_CACHE_OFF_FIELD_NUMBER: _ClassVar[int]
+    MATMUL_KERNELS_FIELD_NUMBER: _ClassVar[int]
     identity: Identity
     schema_in: BoundarySchema
     schema_out: BoundarySchema
@@ -181,7 +182,8 @@ class StageDescription(_message.Message):
     has_mtp: bool
     n_draft_max: int
     prefix_cache_off: str
-    def __init__(self, identity: _Optional[_Union[Identity, _Mapping]] = ..., schema_in: _Optional[_Union[BoundarySchema, _Mapping]] = ..., schema_out: _Optional[_Union[BoundarySchema, _Mapping]] = ..., is_first: _Optional[bool] = ..., is_last: _Optional[bool] = ..., has_vocab: _Optional[bool] = ..., n_vocab: _Optional[int] = ..., n_ctx: _Optional[int] = ..., max_sessions: _Optional[int] = ..., open_sessions: _Optional[int] = ..., queued_steps: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., max_frame_bytes_sent: _Optional[int] = ..., seam_bytes_per_token: _Optional[int] = ..., engine: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., reaped_sessions: _Optional[int] = ..., session_ttl_s: _Optional[float] = ..., max_queued_steps: _Optional[int] = ..., overloaded: _Optional[int] = ..., tls: _Optional[bool] = ..., mutual_tls: _Optional[bool] = ..., cached_positions: _Optional[int] = ..., member: _Optional[str] = ..., chat_template: _Optional[str] = ..., descriptor_json: _Optional[str] = ..., can_roll_back: _Optional[bool] = ..., batch_invariant: _Optional[bool] = ..., prefix_cache_capacity_bytes: _Optional[int] = ..., prefix_cache_bytes: _Optional[int] = ..., prefix_cache_entries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., prefix_cache_lookups: _Optional[int] = ..., has_mtp: _Optional[bool] = ..., n_draft_max: _Optional[int] = ..., prefix_cache_off: _Optional[str] = ...) -> None: ...
+    matmul_kernels: str
+    def __init__(self, identity: _Optional[_Union[Identity, _Mapping]] = ..., schema_in: _Optional[_Union[BoundarySchema, _Mapping]] = ..., schema_out: _Optional[_Union[BoundarySchema, _Mapping]] = ..., is_first: _Optional[bool] = ..., is_last: _Optional[bool] = ..., has_vocab: _Optional[bool] = ..., n_vocab: _Optional[int] = ..., n_ctx: _Optional[int] = ..., max_sessions: _Optional[int] = ..., open_sessions: _Optional[int] = ..., queued_steps: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., max_frame_bytes_sent: _Optional[int] = ..., seam_bytes_per_token: _Optional[int] = ..., engine: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., reaped_sessions: _Optional[int] = ..., session_ttl_s: _Optional[float] = ..., max_queued_steps: _Optional[int] = ..., overloaded: _Optional[int] = ..., tls: _Optional[bool] = ..., mutual_tls: _Optional[bool] = ..., cached_positions: _Optional[int] = ..., member: _Optional[str] = ..., chat_template: _Optional[str] = ..., descriptor_json: _Optional[str] = ..., can_roll_back: _Optional[bool] = ..., batch_invariant: _Optional[bool] = ..., prefix_cache_capacity_bytes: _Optional[int] = ..., prefix_cache_bytes: _Optional[int] = ..., prefix_cache_entries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., prefix_cache_lookups: _Optional[int] = ..., has_mtp: _Optional[bool] = ..., n_draft_max: _Optional[int] = ..., prefix_cache_off: _Optional[str] = ..., matmul_kernels: _Optional[str] = ...) -> None: ...
 
 class TokenizeRequest(_message.Message):
     __slots__ = ("text", "add_special")
