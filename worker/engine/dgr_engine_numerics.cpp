@@ -172,6 +172,11 @@ std::string open_matmul_kernels(const llama_model & model, int kernels, bool gpu
         for (const auto & ty : types) names += (names.empty() ? "" : ", ") + ty;
         out += (out.empty() ? "" : "; ") + names + ": " + k;
     }
+    // a build with AMX (--cpu-variant native on such a host) keeps it off under invariance: its kernels are not
+    // proved batch invariant (ggml_cpu_set_batch_invariant_layouts leaves its buffer type out)
+    if (ggml_cpu_has_amx_int8()) {
+        out += std::string(out.empty() ? "" : "; ") + "AMX: built in, not used (not proved batch invariant)";
+    }
     return out;
 #else
     (void) model;

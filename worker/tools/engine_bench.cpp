@@ -11,8 +11,8 @@
 //
 // - prefill: for each --npp length, a new session, one forward of that many tokens (the engine cuts it into
 //   --n-ubatch batches), the last position's logits; tokens/s (llama-batched-bench's S_PP, one sequence);
-// - decode: after a prompt of the shortest length, --ntg forwards of one token each, each the greedy token
-//   of the one before (the engine's argmax, as a route's last stage gives it); tokens/s (S_TG).
+// - decode: after the prompt of the shortest length, in its session, --ntg forwards of one token each, each the
+//   greedy token of the one before (the engine's argmax, as a route's last stage gives it); tokens/s (S_TG).
 // Before measuring, one small forward warms the caches and the thread pool (llama-batched-bench warms up
 // too). Prompt tokens are random ids in [100, min(n_vocab, 30000)) from --seed.
 // Output: one JSON object on stdout: {"kernels", "threads", "numerics", "load_s", "prefill_tok_s":
@@ -27,6 +27,7 @@
 #include <random>
 #include <stdexcept>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -129,28 +130,22 @@ struct Bench {
         return out.next_token;
     }
 
-    // seconds for one prefill of `ids`, in a session of its own
-    double prefill(const std::vector<int32_t> & ids, const char * session) {
+    // seconds for one prefill of `ids` in a new session, and (ntg > 0) for ntg one-token forwards after it,
+    // each the greedy token of the one before: llama-batched-bench's pp then tg in one sequence
+    std::pair<double, double> run(const std::vector<int32_t> & ids, int ntg) {
+        const char * session = "bench";
         check(lib->session_open(eng, session, 1), "dgr_session_open");
         double t0 = now_s();
-        forward(session, ids.data(), int(ids.size()), 0);
-        double t = now_s() - t0;
-        check(lib->session_close(eng, session, 1), "dgr_session_close");
-        return t;
-    }
-
-    // seconds for `ntg` one-token forwards after a prompt of `ids`
-    double decode(const std::vector<int32_t> & ids, int ntg) {
-        check(lib->session_open(eng, "decode", 1), "dgr_session_open");
-        int32_t tok = forward("decode", ids.data(), int(ids.size()), 0);
+        int32_t tok = forward(session, ids.data(), int(ids.size()), 0);
+        const double tp = now_s() - t0;
         int pos = int(ids.size());
-        double t0 = now_s();
+        t0 = now_s();
         for (int i = 0; i < ntg; ++i, ++pos) {
-            tok = forward("decode", &tok, 1, pos);
+            tok = forward(session, &tok, 1, pos);
         }
-        double t = now_s() - t0;
-        check(lib->session_close(eng, "decode", 1), "dgr_session_close");
-        return t;
+        const double tg = now_s() - t0;
+        check(lib->session_close(eng, session, 1), "dgr_session_close");
+        return {tp, tg};
     }
 };
 
@@ -195,14 +190,17 @@ int main(int argc, char ** argv) {
         std::vector<int32_t> ids(static_cast<size_t>(longest));
         for (auto & t : ids) t = pick(rng);
 
-        b.prefill(std::vector<int32_t>(ids.begin(), ids.begin() + std::min(longest, 16)), "warm-up");
+        b.run(std::vector<int32_t>(ids.begin(), ids.begin() + std::min(longest, 16)), 0);   // warm-up
 
         std::string pre;
+        double td = 0.0;
+        bool decoded = false;
         for (int n : o.npp) {
-            double t = b.prefill(std::vector<int32_t>(ids.begin(), ids.begin() + n), "prefill");
-            pre += (pre.empty() ? "" : ", ") + ("\"" + std::to_string(n) + "\": ") + std::to_string(n / t);
+            const bool tg = n == shortest && !decoded;
+            auto [tp, t] = b.run(std::vector<int32_t>(ids.begin(), ids.begin() + n), tg ? o.ntg : 0);
+            pre += (pre.empty() ? "" : ", ") + ("\"" + std::to_string(n) + "\": ") + std::to_string(n / tp);
+            if (tg) td = t, decoded = true;
         }
-        double td = b.decode(std::vector<int32_t>(ids.begin(), ids.begin() + shortest), o.ntg);
         std::string numerics = lib->numerics(eng);
         for (char & c : numerics) {
             if (c == '"' || c == '\\' || (unsigned char) c < 0x20) c = ' ';
