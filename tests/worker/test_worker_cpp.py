@@ -97,7 +97,7 @@ def expected_description(bundle: Path, stage: int, engine: Engine, *, n_ctx: int
         n_ctx=n_ctx, max_sessions=max_sessions, max_message_bytes=MAX_MESSAGE_BYTES, engine="llama.cpp",
         eos_token_ids=list(engine.vocab().stop_ids), session_ttl_s=SESSION_TTL_S, max_queued_steps=MAX_QUEUED_STEPS,
         chat_template=template if isinstance(template, str) else "", can_roll_back=info.can_truncate,
-        batch_invariant=info.batch_invariant,
+        batch_invariant=info.batch_invariant, matmul_kernels=info.matmul_kernels,
         # the prefix cache: on by default where the engine can keep a prefix (docs/worker.md "Prefix cache")
         prefix_cache_capacity_bytes=Limits().prefix_cache_mib << 20 if info.can_truncate and info.batch_invariant else 0)
     dtype = pb.Dtype.Value(wire.upper())
