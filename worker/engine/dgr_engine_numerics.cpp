@@ -145,8 +145,7 @@ std::string open_matmul_kernels(const llama_model & model, int kernels, bool gpu
     // the weights the stage multiplies: 2-D and larger, not norms, not the rows looked up by id (token and
     // position embeddings, except a last stage's token embedding that is also its output matrix), not the
     // recurrent blocks' element-wise tensors
-    const bool tied = model.tensors_by_name.end() == std::find_if(model.tensors_by_name.begin(),
-        model.tensors_by_name.end(), [](const auto & nt) { return nt.first == "output.weight"; });
+    const bool tied = model.get_tensor("output.weight") == nullptr;
     std::map<std::string, std::set<std::string>> by_kernel;   // kernel -> weight types
     for (const auto & [name, t] : model.tensors_by_name) {
         if (ggml_n_dims(t) < 2 || name.find("norm") != std::string::npos || name.rfind("pos_embd", 0) == 0 ||
