@@ -81,6 +81,20 @@ def test_removing_a_patch_rebuilds_what_it_touched(standin, tmp_path):
 
 
 @pytest.mark.skipif(not (shutil.which("cmake") and shutil.which("ninja")), reason="needs cmake and ninja")
+def test_undoing_an_edit_in_the_patched_tree_rebuilds_the_pinned_engine(standin, tmp_path):
+    # Patch development: an edit in the patched tree is built as it is; once undone, the next build must be the
+    # pinned patches' again, not the edited library left behind under the old stamp.
+    kw = dict(pin=standin["pin_obj"], ws=standin["ws"], worker_dir=standin["worker"])
+    assert _value(enginebuild.ensure_engine("cpu", **kw), tmp_path) == 42
+    header = upstream.ensure_patched(standin["pin_obj"], standin["ws"]) / "include" / "llama.h"
+    pinned = header.read_bytes()
+    header.write_text("#pragma once\n#define TINY_LLAMA_VALUE 43\n")
+    assert _value(enginebuild.ensure_engine("cpu", **kw), tmp_path) == 43
+    header.write_bytes(pinned)
+    assert _value(enginebuild.ensure_engine("cpu", **kw), tmp_path) == 42
+
+
+@pytest.mark.skipif(not (shutil.which("cmake") and shutil.which("ninja")), reason="needs cmake and ninja")
 def test_a_library_in_the_wrong_place_is_reported(standin):
     (standin["worker"] / "CMakeLists.txt").write_text(STANDIN_CMAKE.replace(
         "LIBRARY_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}", "LIBRARY_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/lib"))

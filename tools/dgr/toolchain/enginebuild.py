@@ -283,8 +283,9 @@ def _build(lane: str, bdir: Path, lib: Path, stamp_path: Path, args: list[str], 
         raise EngineError(f"the build did not produce {lib}{where}: worker/CMakeLists.txt must put target "
                           f"{TARGET} in the build folder's top level (LIBRARY_OUTPUT_DIRECTORY)")
     seconds = round(time.monotonic() - t0, 1)
-    stamp_path.write_text(json.dumps({"inputs": inputs, "library_blake3": file_blake3(lib),
-                                      "build_seconds": seconds}, indent=2) + "\n")
+    if not dirty:  # a library built from local edits is not the pinned one: no stamp, so the next call builds
+        stamp_path.write_text(json.dumps({"inputs": inputs, "library_blake3": file_blake3(lib),
+                                          "build_seconds": seconds}, indent=2) + "\n")
     log.info("engine (%s) built in %ss: %s", lane, seconds, lib)
     return lib
 
