@@ -123,10 +123,14 @@ struct dgr_engine {
     int32_t n_rs_seq = 0;           // the main context's rollback depth (llama_n_rs_seq)
     bool batch_token_ids = false;   // the main batch carries the ids (its graph reads them: the sideband)
     std::string numerics;           // dgr_engine_numerics
+    // the CPU backend's compute threads, kept for the engine's life (attach_threadpool), else null
+    struct ggml_threadpool * threadpool = nullptr;
+    void (*threadpool_free)(struct ggml_threadpool *) = nullptr;
 
     ~dgr_engine() {
         if (mtp)   llama_free(mtp);
         if (ctx)   llama_free(ctx);
+        if (threadpool) threadpool_free(threadpool);  // after the contexts that compute with it
         if (model) llama_model_free(model);
     }
 

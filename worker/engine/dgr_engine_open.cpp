@@ -8,6 +8,8 @@
 #endif
 
 #include "ggml.h"
+#include "ggml-backend.h"
+#include "ggml-cpu.h"
 #include "gguf.h"
 #include "llama.h"
 
@@ -24,6 +26,35 @@
 using namespace dgr_engine_detail;
 
 namespace {
+
+// Given no threadpool, llama.cpp's CPU backend makes one for every graph it computes and joins it after: with
+// n_threads > 1 each decode step starts threads on fresh stacks and joins them. llama.cpp's own tools attach one
+// pool for a context's life (common_threadpools); so does the engine, for its contexts (their forwards never run
+// at once: the engine is used under one lock). Threads still split only rows and columns: no bit changes.
+// Looked up through the CPU backend's registry, as llama.cpp's tools do: where it has none, each graph keeps
+// making its own.
+// The pool's threads sleep as soon as a graph is done (llama.cpp's tools spin a while first: poll 50). A stage
+// waits for its next step most of the time, beside other stages on the same cores. SmolLM2's decode at 2 threads,
+// 6 alternating runs each (2026-12-07): 91.0 tok/s with this pool, 89.8 spinning, 88.3 with a pool per graph.
+constexpr int kThreadpoolPoll = 0;
+
+void attach_threadpool(dgr_engine * eng, int32_t n_threads) {
+    if (n_threads < 2) return;  // one thread: the caller's own, no pool
+    ggml_backend_dev_t cpu = ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_CPU);
+    ggml_backend_reg_t reg = cpu ? ggml_backend_dev_backend_reg(cpu) : nullptr;
+    auto make = reg ? (decltype(ggml_threadpool_new) *) ggml_backend_reg_get_proc_address(reg, "ggml_threadpool_new")
+                    : nullptr;
+    auto release = reg ? (decltype(ggml_threadpool_free) *) ggml_backend_reg_get_proc_address(reg, "ggml_threadpool_free")
+                       : nullptr;
+    if (!make || !release) return;
+    ggml_threadpool_params tp = ggml_threadpool_params_default(n_threads);
+    tp.poll = kThreadpoolPoll;
+    eng->threadpool = make(&tp);
+    if (!eng->threadpool) return;
+    eng->threadpool_free = release;
+    llama_attach_threadpool(eng->ctx, eng->threadpool, nullptr);
+    if (eng->mtp) llama_attach_threadpool(eng->mtp, eng->threadpool, nullptr);
+}
 
 // --- what the stage file says about itself (read before llama.cpp loads it)
 
@@ -355,6 +386,7 @@ int32_t dgr_engine_open(const char * path_c, const dgr_open_params * params, dgr
                 mtp_open(eng.get(), cp);
             }
         }
+        attach_threadpool(eng.get(), nt);
         eng->n_rs_seq = (int32_t) llama_n_rs_seq(eng->ctx);
 
         dgr_stage_info & in = eng->info;
