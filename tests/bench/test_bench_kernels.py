@@ -28,6 +28,7 @@ def test_kernels_measures_every_kernel_set_and_stock_llama_cpp_on_one_model(tmp_
     rc, rep = _kernels(tmp_path, "--model", str(model), "--threads", "1", "--prompt-lengths", "8,16", "--tokens",
                        "4", "--rounds", "1", "--lib", str(engine_lib), "--plot", str(png))
     assert rc == 0
+    assert rep["poll"] == 50  # both sides' threads as llama.cpp's tools run them
     rows = {r["variant"]: r for r in rep["rows"]}
     assert list(rows) == ["invariant", "reference", "fast", "stock"]
     for v, r in rows.items():
@@ -54,6 +55,11 @@ def test_kernels_names_a_model_the_engine_cannot_read(tmp_path, engine_lib):
                                        r"\(exit 1\):.*truncated.gguf: not a readable GGUF file"):
         _kernels(tmp_path, "--model", str(bad), "--kernels", "invariant", "--threads", "1", "--rounds", "1",
                  "--lib", str(engine_lib))
+
+
+def test_kernels_refuses_a_polling_level_outside_0_to_100(tmp_path):
+    with pytest.raises(DgrError, match=r"--poll is 0-100 \(ggml's polling level\), got 101"):
+        _kernels(tmp_path, "--poll", "101", "--model", str(tmp_path / "never-read.gguf"), "--rounds", "1")
 
 
 def test_kernels_refuses_zero_rounds(tmp_path):

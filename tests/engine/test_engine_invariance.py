@@ -18,6 +18,7 @@ import gguf
 import numpy as np
 import pytest
 
+from dgr.core.errors import EngineError
 from dgr.runtime.engine import QUANT_FTYPES, Engine, quantize
 from dgr.toolchain.synth.generic import known_archs, synth
 from dgr.toolchain.synth.parity import NOT_BATCH_INVARIANT, synth_model as synth_parity_model
@@ -128,6 +129,23 @@ def test_the_invariant_kernels_compute_what_the_reference_ones_do_to_rounding(sm
     assert float(np.abs(inv - ref).max()) < 0.1 * scale
     assert float(np.mean(np.abs(inv - ref))) < 0.01 * scale
     assert float((inv.argmax(-1) == ref.argmax(-1)).mean()) >= 0.9
+
+
+@pytest.mark.parametrize("kernels", ["reference", "invariant"])
+def test_threads_and_their_polling_change_no_bit(kernels, quantized, engine_lib):
+    """Threads split rows and columns only, in one pool kept for the engine's life: 1 thread, 2 sleeping between
+    graphs (poll 0) and 2 spinning (poll 50, llama.cpp's default) give the same bits, prefill and decode."""
+    tokens = np.random.default_rng(4).integers(0, 200, size=40).tolist()
+    cuts = [32] + [1] * 8
+    runs = [logits_by_cuts(quantized("Q4_K"), [(tokens, cuts)], engine_lib, kernels=kernels, n_threads=t, poll=p)[0]
+            for t, p in ((1, 0), (2, 0), (2, 50))]
+    for got in runs[1:]:
+        assert np.array_equal(got.view(np.uint32), runs[0].view(np.uint32))
+
+
+def test_a_polling_level_outside_0_to_100_is_refused(quantized, engine_lib):
+    with pytest.raises(EngineError, match=r"poll = 101: the threads' polling level must be 0-100"):
+        Engine.open(quantized("Q4_K"), n_threads=2, poll=101, lib=engine_lib)
 
 
 FALLBACK = "(the reference kernel: no invariant fast path)"

@@ -153,12 +153,12 @@ def cut(n: int, sizes) -> list[int]:
 
 
 def logits_by_cuts(path, sessions, lib, *, kernels: str = "reference", n_threads: int = 0, n_ubatch: int = 512,
-                   n_ctx: int = 256):
+                   n_ctx: int = 256, poll: int = 0):
     """Every position's logits [n_tokens, n_vocab] of each session in `sessions` ((tokens, chunk sizes)),
     the sessions run side by side in one engine: forward k holds chunk k of every session that has one
     (so sessions share forwards at different positions and with different chunk sizes)."""
     with Engine.open(path, n_ctx=n_ctx, max_sessions=len(sessions), n_ubatch=n_ubatch,
-                     kernels=kernels, n_threads=n_threads, lib=lib) as e:
+                     kernels=kernels, n_threads=n_threads, poll=poll, lib=lib) as e:
         for i in range(len(sessions)):
             e.open_session(f"s{i}", 0)
         offs, outs, k = [0] * len(sessions), [[] for _ in sessions], 0

@@ -83,3 +83,8 @@ def test_a_bound_not_given_is_left_to_dgr_worker(flag):
     """These have their defaults in dgr-worker alone (one source): the front end passes them only when given."""
     args = _serve_parser().parse_args(["--fake-engine", "layers=4,embd=8,cuts=2", "--stage", "0"])
     assert flag not in worker_argv(args)
+
+
+def test_a_polling_level_outside_0_to_100_is_refused_by_name(worker_bin):
+    out = subprocess.run([str(worker_bin), "--poll", "101", "--help"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "argument --poll: must be 0-100, got 101" in out.stderr, out

@@ -23,7 +23,7 @@ extern "C" {
 // A caller checks both when it loads a library and refuses one of another version or other struct sizes
 // (dgr-worker: worker/server/engine_lib.cpp). The fake engine (worker/fake), a test stand-in of the same
 // version, leaves out what its toy model has no use for: dgr_quantize, the session state, the grammar sampler.
-#define DGR_ABI_VERSION 9
+#define DGR_ABI_VERSION 10
 
 enum dgr_status {
     DGR_OK              = 0,
@@ -63,6 +63,11 @@ typedef struct dgr_open_params {
     // (llama.cpp's n_rs_seq, for architectures whose cache keeps per-step snapshots: DeepSeek V4). 0: none,
     // as before (a V4 stage then cannot truncate), except on an MTP last stage: DGR_MTP_MAX_K.
     int32_t n_draft_max;
+    // With n_threads > 1: how long the compute threads wait for the next graph spinning before they sleep,
+    // ggml's polling level (0-100; llama.cpp's tools use 50, about 0.1-0.4 s of spinning after each graph).
+    // 0 (the default): they sleep at once, for a stage that shares its cores; 50 keeps a dedicated host's
+    // threads hot between decode steps, as llama.cpp does. No bit of a result depends on it.
+    int32_t poll;
 } dgr_open_params;
 
 #define DGR_KERNELS_REFERENCE 0

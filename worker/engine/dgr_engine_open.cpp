@@ -33,12 +33,8 @@ namespace {
 // at once: the engine is used under one lock). Threads still split only rows and columns: no bit changes.
 // Looked up through the CPU backend's registry, as llama.cpp's tools do: where it has none, each graph keeps
 // making its own.
-// The pool's threads sleep as soon as a graph is done (llama.cpp's tools spin a while first: poll 50). A stage
-// waits for its next step most of the time, beside other stages on the same cores. SmolLM2's decode at 2 threads,
-// 6 alternating runs each (2026-12-07): 91.0 tok/s with this pool, 89.8 spinning, 88.3 with a pool per graph.
-constexpr int kThreadpoolPoll = 0;
-
-void attach_threadpool(dgr_engine * eng, int32_t n_threads) {
+// `poll`: dgr_open_params.poll (checked by the caller).
+void attach_threadpool(dgr_engine * eng, int32_t n_threads, int32_t poll) {
     if (n_threads < 2) return;  // one thread: the caller's own, no pool
     ggml_backend_dev_t cpu = ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_CPU);
     ggml_backend_reg_t reg = cpu ? ggml_backend_dev_backend_reg(cpu) : nullptr;
@@ -48,7 +44,7 @@ void attach_threadpool(dgr_engine * eng, int32_t n_threads) {
                        : nullptr;
     if (!make || !release) return;
     ggml_threadpool_params tp = ggml_threadpool_params_default(n_threads);
-    tp.poll = kThreadpoolPoll;
+    tp.poll = poll;
     eng->threadpool = make(&tp);
     if (!eng->threadpool) return;
     eng->threadpool_free = release;
@@ -300,6 +296,10 @@ int32_t dgr_engine_open(const char * path_c, const dgr_open_params * params, dgr
         if (params->n_draft_max < 0) {
             throw dgr_exc(DGR_E_ENGINE, fmt("n_draft_max = %d: must be >= 0", params->n_draft_max));
         }
+        if (params->poll < 0 || params->poll > 100) {
+            throw dgr_exc(DGR_E_ENGINE, fmt("poll = %d: the threads' polling level must be 0-100 (0: sleep "
+                                            "between graphs, 50: llama.cpp's default)", params->poll));
+        }
         llama_model_params mp = llama_model_default_params();
         mp.load_mtp = f.mtp; // the MTP block (dgr_hooks: owned by the dgr.mtp last stage only)
         mp.n_gpu_layers = params->n_gpu_layers; // < 0: every owned layer on the lane's device, if it has one
@@ -386,7 +386,7 @@ int32_t dgr_engine_open(const char * path_c, const dgr_open_params * params, dgr
                 mtp_open(eng.get(), cp);
             }
         }
-        attach_threadpool(eng.get(), nt);
+        attach_threadpool(eng.get(), nt, params->poll);
         eng->n_rs_seq = (int32_t) llama_n_rs_seq(eng->ctx);
 
         dgr_stage_info & in = eng->info;

@@ -34,6 +34,9 @@ struct Options {
     // --draft-max: the drafted positions a step may roll back on an architecture whose cache keeps per-step
     // snapshots (DeepSeek V4; llama.cpp's n_rs_seq, 0 on others); 0: such a stage cannot roll back
     int64_t draft_max = DGR_MTP_MAX_K;
+    // --poll: with --threads > 1, how long the compute threads spin waiting for the next step before they sleep
+    // (dgr_open_params.poll, 0-100); 0: at once, beside other stages on the same cores
+    int64_t poll = 0;
     dgr::Limits limits;
     std::string tls_cert, tls_key, tls_ca, metrics_listen, certs, contract, advertise;
     // --handshake-timeout: a connection that has not finished its TLS handshake and HTTP/2 preface by then is

@@ -149,6 +149,7 @@ void open_stage(const Options & o, Stage & s) {
     p.n_threads = int32_t(o.threads);
     p.n_gpu_layers = -1;
     p.n_draft_max = int32_t(o.draft_max);        // V4 and other snapshot caches: how far a step rolls back
+    p.poll = int32_t(o.poll);
     // the kernel set (dgr_open_params.fast_kernels holds a DGR_KERNELS_* code): --kernels, or --fast-kernels
     p.fast_kernels = o.kernels == "invariant" ? DGR_KERNELS_INVARIANT
                    : (o.kernels == "fast" || o.fast_kernels) ? DGR_KERNELS_FAST : DGR_KERNELS_REFERENCE;

@@ -3,7 +3,7 @@
 // It is the dgr side of that benchmark's comparison with llama.cpp's own `llama-batched-bench`, and it
 // measures the same things the same way, so that neither side carries a harness the other has not:
 //
-//   dgr-engine-bench --model MODEL.gguf [--kernels reference|invariant|fast] [--threads 1]
+//   dgr-engine-bench --model MODEL.gguf [--kernels reference|invariant|fast] [--threads 1] [--poll 50]
 //                    [--npp 64,256,1024] [--ntg 32] [--n-ubatch 512] [--seed 7]
 //
 // The engine library is loaded as dgr-worker loads it (worker/server/engine_lib.cpp: $DGR_ENGINE_LIB, else
@@ -13,6 +13,7 @@
 //   --n-ubatch batches), the last position's logits; tokens/s (llama-batched-bench's S_PP, one sequence);
 // - decode: after the prompt of the shortest length, in its session, --ntg forwards of one token each, each the
 //   greedy token of the one before (the engine's argmax, as a route's last stage gives it); tokens/s (S_TG).
+// --poll: the compute threads' polling level (dgr_open_params.poll), by default llama-batched-bench's (50).
 // Before measuring, one small forward warms the caches and the thread pool (llama-batched-bench warms up
 // too). Prompt tokens are random ids in [100, min(n_vocab, 30000)) from --seed.
 // Output: one JSON object on stdout: {"kernels", "threads", "numerics", "load_s", "prefill_tok_s":
@@ -40,6 +41,7 @@ struct Options {
     std::string model;
     std::string kernels = "reference";
     int threads = 1;
+    int poll = 50;
     std::vector<int> npp = {64, 256, 1024};
     int ntg = 32;
     int n_ubatch = 512;
@@ -72,6 +74,9 @@ Options parse(int argc, char ** argv) {
             o.kernels = v;
         } else if (a == "--threads") {
             o.threads = to_int(a, v, 1);
+        } else if (a == "--poll") {
+            o.poll = to_int(a, v, 0);
+            if (o.poll > 100) throw Usage("--poll is 0-100, got '" + v + "'");
         } else if (a == "--ntg") {
             o.ntg = to_int(a, v, 1);
         } else if (a == "--n-ubatch") {
@@ -157,7 +162,7 @@ int main(int argc, char ** argv) {
         o = parse(argc, argv);
     } catch (const Usage & e) {
         if (*e.what()) fprintf(stderr, "dgr-engine-bench: %s\n", e.what());
-        fprintf(stderr, "usage: %s --model MODEL.gguf [--kernels reference|invariant|fast] [--threads 1] "
+        fprintf(stderr, "usage: %s --model MODEL.gguf [--kernels reference|invariant|fast] [--threads 1] [--poll 50] "
                         "[--npp 64,256,1024] [--ntg 32] [--n-ubatch 512] [--seed 7]\n", argv[0]);
         return *e.what() ? 2 : 0;
     }
@@ -173,6 +178,7 @@ int main(int argc, char ** argv) {
         p.max_sessions = 1;
         p.n_ubatch = o.n_ubatch;
         p.n_threads = o.threads;
+        p.poll = o.poll;
         p.n_gpu_layers = -1;
         p.fast_kernels = kernel_set(o.kernels);
         double t0 = now_s();

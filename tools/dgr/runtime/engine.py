@@ -180,7 +180,7 @@ class Engine:
     def open(cls, path: str | Path, *, layer_range: tuple[int, int] | None = None,
              n_ctx: int = DEFAULT_N_CTX, max_sessions: int = DEFAULT_MAX_SESSIONS, n_ubatch: int = 512,
              n_threads: int = 0, n_gpu_layers: int = -1, kv_dtype: str = "f16",
-             fast_kernels: bool = False, kernels: str = "reference", n_draft_max: int = 0,
+             fast_kernels: bool = False, kernels: str = "reference", n_draft_max: int = 0, poll: int = 0,
              lib: str | Path | None = None) -> "Engine":
         """`kernels` (CPU): "reference" (the default: ggml's reference kernels, every row alone, so a
         session's logits do not depend on what shares its forwards or how its tokens are batched),
@@ -191,7 +191,9 @@ class Engine:
         "fast" (llama.cpp's shape-dependent choice: results depend on the batch; for measuring only).
         `fast_kernels=True` is `kernels="fast"`.
         `n_draft_max`: the longest draft a truncate must roll back after a verification step (V4's snapshot
-        cache; 0: none, but an MTP last stage's default, DGR_MTP_MAX_K)."""
+        cache; 0: none, but an MTP last stage's default, DGR_MTP_MAX_K).
+        `poll` (with n_threads > 1): ggml's polling level, 0-100, how long the compute threads spin waiting for the
+        next graph before they sleep (0: at once; 50: llama.cpp's default). No bit depends on it."""
         h = load_library(lib)
         path = Path(path)
         if not path.is_file():
@@ -207,7 +209,8 @@ class Engine:
         p = COpenParams(n_ctx=n_ctx, max_sessions=max_sessions, n_ubatch=n_ubatch, n_threads=n_threads,
                         layer_begin=layer_range[0] if layer_range else 0,
                         layer_end=layer_range[1] if layer_range else 0, n_gpu_layers=n_gpu_layers,
-                        kv_f32=int(kv_dtype == "f32"), fast_kernels=KERNELS[kernels], n_draft_max=n_draft_max)
+                        kv_f32=int(kv_dtype == "f32"), fast_kernels=KERNELS[kernels], n_draft_max=n_draft_max,
+                        poll=poll)
         if layer_range and layer_range[1] <= 0:
             raise EngineError(f"layer range {layer_range} is empty; give [begin, end) with end > begin >= 0")
         _refuse_what_llama_aborts_on(path)

@@ -12,7 +12,7 @@ from pathlib import Path
 from dgr.core.errors import CacheMiss, EngineError, SchemaMismatch, Unsupported
 from dgr.core.paths import default_engine_library
 
-ABI_VERSION = 9                 # worker/engine/dgr_engine.h's DGR_ABI_VERSION (tests/engine/test_engine_abi.py holds them equal)
+ABI_VERSION = 10                # worker/engine/dgr_engine.h's DGR_ABI_VERSION (tests/engine/test_engine_abi.py holds them equal)
 LIB_ENV = "DGR_ENGINE_LIB"
 
 OK, E_ENGINE, E_CACHE_MISS, E_SCHEMA, E_ARTIFACT, E_UNSUPPORTED = range(6)
@@ -27,7 +27,7 @@ class COpenParams(C.Structure):
     _fields_ = [("n_ctx", C.c_int32), ("max_sessions", C.c_int32), ("n_ubatch", C.c_int32),
                 ("n_threads", C.c_int32), ("layer_begin", C.c_int32), ("layer_end", C.c_int32),
                 ("n_gpu_layers", C.c_int32), ("kv_f32", C.c_int32), ("fast_kernels", C.c_int32),
-                ("n_draft_max", C.c_int32)]
+                ("n_draft_max", C.c_int32), ("poll", C.c_int32)]
 
 
 class CStageInfo(C.Structure):

@@ -4,7 +4,8 @@ For each model and thread count, the same whole model on the same machine, round
 - **invariant**: ggml's batch_invariant switch (patches 0026-0030, `kernels="invariant"`): flash attention's tiled
   kernel for every number of queries; repacked Q4_K through its gemm and, for the rows left over, a gemv in the
   gemm's float order; Q6_K through the tiled GEMM from 8 rows and its float order below; vec_dot (up to 4 columns
-  at once for Q4_K and Q6_K) for every other matrix; no fused ops.
+  at once for Q4_K and Q6_K) for every other matrix; RMS norm and its weight fused as upstream fuses them (each
+  row alone, no bit changes).
 - **reference**: dgr's default, ggml's reference kernels (every row alone through vec_dot, the one-query
   attention).
 - **fast**: dgr's engine with llama.cpp's shape-dependent choice (results depend on the batch), no repacking.
@@ -15,6 +16,8 @@ Both sides are measured by a C++ program, one process a round: dgr's kernel sets
 (worker/tools/engine_bench.cpp: the engine library through its C ABI, as dgr-worker drives it), stock by
 `llama-batched-bench`. Neither carries a harness the other has not (dgr's engine driven from Python decoded
 3-6% slower than from C++: ctypes, numpy and their threads on every token).
+Both run their compute threads the same way: one pool for the process, polling at `poll` (default 50,
+llama-batched-bench's own default) before the threads sleep between graphs.
 Prefill: one forward of a prompt of each length (random tokens, n_ubatch 512 as llama.cpp's default); tokens/s.
 Decode: greedy tokens after the shortest prompt, one per forward; tokens/s. The figure per cell is the median over
 the rounds. Ratios: invariant / stock and invariant / reference.
@@ -47,6 +50,7 @@ VARIANTS = ("invariant", "reference", "fast", "stock")
 ENGINE_BENCH = "dgr-engine-bench"
 DEFAULT_PREFILLS = (64, 256, 1024)
 DEFAULT_THREADS = (1, 2)
+DEFAULT_POLL = 50   # llama.cpp's tools' polling level (common_cpu_params.poll): stock's own setting
 
 
 @dataclass
@@ -79,10 +83,10 @@ def default_models(root: Path, lib: Path, *, large_layers: int = 8) -> list[tupl
 
 
 def _engine_round(exe: Path, lib: Path, model: Path, variant: str, prefills: tuple[int, ...], tokens: int,
-                  threads: int) -> tuple[dict, float, str]:
+                  threads: int, poll: int = DEFAULT_POLL) -> tuple[dict, float, str]:
     """dgr-engine-bench, one process: prefill of each length; decode after the shortest prompt (as
     llama-batched-bench's S_TG of that row); and the numerics the engine ran."""
-    cmd = [str(exe), "--model", str(model), "--kernels", variant, "--threads", str(threads),
+    cmd = [str(exe), "--model", str(model), "--kernels", variant, "--threads", str(threads), "--poll", str(poll),
            "--npp", ",".join(map(str, prefills)), "--ntg", str(tokens)]
     out = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "DGR_ENGINE_LIB": str(lib)})
     if out.returncode != 0:
@@ -94,9 +98,9 @@ def _engine_round(exe: Path, lib: Path, model: Path, variant: str, prefills: tup
 
 
 def _stock_round(exe: Path, model: Path, prefills: tuple[int, ...], tokens: int,
-                 threads: int) -> tuple[dict, float, str]:
+                 threads: int, poll: int = DEFAULT_POLL) -> tuple[dict, float, str]:
     """llama-batched-bench, one sequence: prefill of each length (S_PP), decode after it (S_TG of the shortest)."""
-    cmd = [str(exe), "-m", str(model), "-ngl", "0", "-t", str(threads), "-tb", str(threads),
+    cmd = [str(exe), "-m", str(model), "-ngl", "0", "-t", str(threads), "-tb", str(threads), "--poll", str(poll),
            "-c", str(max(prefills) + tokens + 64), "-b", "2048", "-ub", "512", "-npp", ",".join(map(str, prefills)),
            "-ntg", str(tokens), "-npl", "1", "--output-format", "jsonl"]
     rows = {int(r["pp"]): r for r in batched_bench_rows(cmd, len(prefills))}
@@ -107,11 +111,14 @@ def _stock_round(exe: Path, model: Path, prefills: tuple[int, ...], tokens: int,
 
 
 def bench_kernels(models: list[tuple[str, Path]], lib: Path, *, threads=DEFAULT_THREADS, prefills=DEFAULT_PREFILLS,
-                  tokens: int = 32, rounds: int = 3, variants=VARIANTS, stock_exe: Path | None = None) -> dict:
+                  tokens: int = 32, rounds: int = 3, variants=VARIANTS, stock_exe: Path | None = None,
+                  poll: int = DEFAULT_POLL) -> dict:
     """Every (model, threads, variant) measured in alternating rounds; the first round warms up and is not
     counted. `lib`: the engine library dgr's kernel sets run (dgr-engine-bench is built once in the CPU lane's
     CMake tree). `stock_exe`: llama-batched-bench for the "stock" variant (default: llama.cpp's own tools, built
-    from the pinned tree once, `dgr.toolchain.rpcbuild`)."""
+    from the pinned tree once, `dgr.toolchain.rpcbuild`). `poll`: both sides' polling level (0-100)."""
+    if not 0 <= poll <= 100:
+        raise DgrError(f"dgr bench kernels: --poll is 0-100 (ggml's polling level), got {poll}")
     if rounds < 1 or tokens < 1 or not prefills or min(prefills) < 1:
         raise DgrError(f"dgr bench kernels: --rounds and --tokens must be at least 1 and every prompt length at "
                        f"least 1 (got rounds {rounds}, tokens {tokens}, prompt lengths {list(prefills)})")
@@ -126,8 +133,8 @@ def bench_kernels(models: list[tuple[str, Path]], lib: Path, *, threads=DEFAULT_
             for k in range(rounds + 1):
                 order = variants if k % 2 else list(reversed(variants))
                 for v in order:
-                    r = _stock_round(stock_exe, path, prefills, tokens, t) if v == "stock" else \
-                        _engine_round(engine_exe, lib, path, v, prefills, tokens, t)
+                    r = _stock_round(stock_exe, path, prefills, tokens, t, poll) if v == "stock" else \
+                        _engine_round(engine_exe, lib, path, v, prefills, tokens, t, poll)
                     if k:
                         got[v].append(r)
                 log.info("bench kernels: %s, %d thread(s), round %d/%d done", name, t, k, rounds)
@@ -140,7 +147,7 @@ def bench_kernels(models: list[tuple[str, Path]], lib: Path, *, threads=DEFAULT_
                          v, ", ".join(f"{n}: {rows[-1].prefill_tok_s[str(n)]:.1f}" for n in prefills),
                          rows[-1].decode_tok_s)
     return {"measured_at": time.strftime("%Y-%m-%d %H:%M:%S"), "seconds": round(time.monotonic() - t_start, 1),
-            "prefills": list(prefills), "tokens": tokens, "rounds": rounds, "rows": [asdict(r) for r in rows]}
+            "prefills": list(prefills), "tokens": tokens, "rounds": rounds, "poll": poll, "rows": [asdict(r) for r in rows]}
 
 
 def ratios(rep: dict, num: str = "invariant", den: str = "stock") -> list[dict]:

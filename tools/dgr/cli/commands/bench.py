@@ -117,7 +117,7 @@ def _peers(args) -> int:
 
 def _kernels(args) -> int:
     # lazy: dgr.app.bench.kernels costs 449 ms at start-up (python -X importtime, 2026-12-06)
-    from dgr.app.bench.kernels import VARIANTS, bench_kernels, default_models, plot, table
+    from dgr.app.bench.kernels import DEFAULT_POLL, VARIANTS, bench_kernels, default_models, plot, table
 
     def ints(text: str, flag: str) -> tuple[int, ...]:
         try:
@@ -134,7 +134,8 @@ def _kernels(args) -> int:
         default_models(workspace() / "bench-kernels", lib, large_layers=args.large_layers)
     rep = bench_kernels(models, lib, threads=ints(args.threads, "--threads"),
                         prefills=ints(args.prompt_lengths, "--prompt-lengths"), tokens=args.tokens,
-                        rounds=args.rounds, variants=variants)
+                        rounds=args.rounds, variants=variants,
+                        poll=DEFAULT_POLL if args.poll is None else args.poll)
     print(table(rep))
     _write_json(args.json, rep)
     if args.plot:
@@ -440,6 +441,8 @@ def register(sub) -> None:
     k.add_argument("--prompt-lengths", default="64,256,1024", help="prefill prompt lengths (default 64,256,1024)")
     k.add_argument("--tokens", type=int, default=32, help="decode tokens (default 32)")
     k.add_argument("--rounds", type=int, default=3, help="measured rounds after one warm-up (default 3)")
+    k.add_argument("--poll", type=int, metavar="N", help="both sides' compute threads spin at this polling level "
+                   "(0-100) before sleeping between graphs (default: llama.cpp's own, dgr.app.bench.kernels.DEFAULT_POLL)")
     k.add_argument("--lib", help="engine library (default: $DGR_ENGINE_LIB or the CPU build)")
     k.add_argument("--json", metavar="FILE", help="also write the report as JSON")
     k.add_argument("--plot", metavar="FILE.png", help="speed relative to stock llama.cpp, per model (matplotlib)")

@@ -63,6 +63,9 @@ def register(sub) -> None:
     s.add_argument("--max-sessions", type=int, default=DEFAULT_MAX_SESSIONS,
                    help="concurrent sessions (real engine)")
     s.add_argument("--threads", type=int, default=0, help="engine compute threads (0: the engine's default)")
+    s.add_argument("--poll", type=int, default=0, metavar="N", help="with --threads above 1: how long the compute "
+                   "threads spin waiting for the next step before they sleep, ggml's polling level 0-100 (default 0: "
+                   "at once, for a stage sharing its cores; 50: llama.cpp's default, for a dedicated host)")
     s.add_argument("--session-ttl", type=float, default=d.session_ttl_s, metavar="S",
                    help=f"close sessions idle for S seconds, freeing their cache (default {d.session_ttl_s:g}; "
                         "0: never); a session opened and never used counts as idle")
