@@ -147,7 +147,8 @@ def bench_kernels(models: list[tuple[str, Path]], lib: Path, *, threads=DEFAULT_
                          v, ", ".join(f"{n}: {rows[-1].prefill_tok_s[str(n)]:.1f}" for n in prefills),
                          rows[-1].decode_tok_s)
     return {"measured_at": time.strftime("%Y-%m-%d %H:%M:%S"), "seconds": round(time.monotonic() - t_start, 1),
-            "prefills": list(prefills), "tokens": tokens, "rounds": rounds, "poll": poll, "rows": [asdict(r) for r in rows]}
+            "prefills": list(prefills), "tokens": tokens, "rounds": rounds, "poll": poll,
+            "rows": [asdict(r) for r in rows]}
 
 
 def ratios(rep: dict, num: str = "invariant", den: str = "stock") -> list[dict]:
