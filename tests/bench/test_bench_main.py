@@ -166,6 +166,26 @@ def test_hop_figures_add_up_to_the_ring():
     assert fig["compute_ms"] == pytest.approx(11.0) and fig["stages"][2]["compute"] == pytest.approx(5.0)
 
 
+def test_concurrent_decode_counts_only_the_time_every_session_was_decoding():
+    """Sessions started together: one prefills for 2 s, the other decodes meanwhile; the aggregate is the tokens
+    that arrived while both decoded over that time, as llama-batched-bench's S_TG leaves prefill out (the wall
+    time from the start would have counted the 2 s of prefill), and a lone session is its own decode rate."""
+    from dgr.runtime.wire.stats import Generation, TokenEvent, concurrent_decode_tokens_per_s
+
+    def gen(times):
+        g = Generation(prompt_ids=[1], token_ids=list(range(len(times))),
+                       events=[TokenEvent(0, "", 0, 1, 0, 0, at=t) for t in times])
+        g.t_start, g.t_first, g.t_last = 0.0, times[0], times[-1]
+        return g
+
+    fast = gen([0.125 * (k + 1) for k in range(32)])             # decodes from 0.125 s to 4.0 s, 8 tok/s
+    slow = gen([2.0 + 0.25 * k for k in range(9)])                # its first token at 2.0 s, then 4 tok/s to 4.0 s
+    # in (2.0, 4.0]: fast's tokens at 2.125 .. 4.0 (16) and slow's at 2.25 .. 4.0 (8)
+    assert concurrent_decode_tokens_per_s([fast, slow]) == pytest.approx(24 / 2.0)
+    assert concurrent_decode_tokens_per_s([fast]) == pytest.approx(31 / 3.875)
+    assert concurrent_decode_tokens_per_s([fast, gen([5.0, 5.5])]) == 0.0   # never both decoding
+
+
 def test_device_check_is_valid_bash_and_its_dry_run_stops_before_the_gpu(repo_root, tmp_path):
     script = repo_root / "scripts" / "device-check"
     assert os.access(script, os.X_OK)

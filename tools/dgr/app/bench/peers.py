@@ -12,7 +12,8 @@ Every link (dgr: each hop; RPC: client to each server) goes through an emulated 
 given round trip, which also counts the bytes and the turns (a reply after a request: round trips) it carries.
 Per-token bytes and round trips are the difference between two runs of different lengths, so loading, warm-up
 and prefill cancel out. Figures: TPOT (decode), TTFT per prompt length (prefill of that many tokens, one chunk
-stream), aggregate decode of 4 concurrent sessions, per link bytes and round trips per token. With `speculate`
+stream), aggregate decode of 4 concurrent sessions (prefill left out on both sides: llama-batched-bench's S_TG, and
+dgr's tokens while all 4 decode), per link bytes and round trips per token. With `speculate`
 (`--speculate ngram`), dgr's side also decodes `dgr.app.bench.speculate_ngram`'s repetitive workload with and without
 drafts: its TPOT with them, and whether the text is the same (RPC has no speculation to set beside it).
 """
@@ -44,7 +45,7 @@ from dgr.runtime.engine import Engine
 from dgr.runtime.engine_abi import EXACT_KERNELS, build_numerics, library_path
 from dgr.runtime.wire.client import RouteClient
 from dgr.runtime.wire.drafts import check_k, check_source
-from dgr.runtime.wire.stats import tokens_per_ring
+from dgr.runtime.wire.stats import concurrent_decode_tokens_per_s, tokens_per_ring
 from dgr.toolchain.bundle import build, load_bundle
 from dgr.toolchain.rpcbuild import ensure_rpc
 from dgr.toolchain.source import resolve
@@ -59,7 +60,7 @@ DEFAULT_PROMPTS = (64, 512, 2048)
 class SideFigures:
     tpot_ms: float = 0.0                                     # one session's decode, ms per token
     ttft_ms: dict[str, float] = field(default_factory=dict)  # prompt length -> ms to the first token
-    decode_tok_s_4: float = 0.0                              # 4 concurrent sessions' decode, tokens/s in all
+    decode_tok_s_4: float = 0.0                              # 4 concurrent sessions' decode, tokens/s in all (no prefill)
     link_bytes_per_token: list[float] = field(default_factory=list)    # per link, both directions
     link_round_trips_per_token: list[float] = field(default_factory=list)
     # dgr with speculation (`speculate`): the repetitive workload's TPOT with drafts and without, tokens per ring,
@@ -165,13 +166,12 @@ def _dgr_side(bundle, rtt_ms: float, prompts: list[int], tokens: int, vocab: int
         def one(i: int) -> None:
             gens[i] = clients[i].run(short, max_new_tokens=tokens, stop_token_ids=[])
 
-        t0 = time.perf_counter()
         threads_ = [threading.Thread(target=one, args=(i,)) for i in range(4)]
         for t in threads_:
             t.start()
         for t in threads_:
             t.join()
-        fig.decode_tok_s_4 = 4 * tokens / (time.perf_counter() - t0)
+        fig.decode_tok_s_4 = concurrent_decode_tokens_per_s(gens)   # prefill left out, as S_TG on RPC's side
     return fig
 
 

@@ -34,7 +34,7 @@ from dgr.runtime.engine import Engine
 from dgr.runtime.engine_abi import build_numerics
 from dgr.runtime.wire.client import RouteClient
 from dgr.runtime.wire.codec import DTYPE_NAMES
-from dgr.runtime.wire.stats import decode_events
+from dgr.runtime.wire.stats import concurrent_decode_tokens_per_s, decode_events
 from dgr.toolchain.bundle import build, load_bundle
 from dgr.toolchain.parity import bundle_source
 from dgr.toolchain.synth.generic import layer_kinds
@@ -212,8 +212,9 @@ class _Acc:
 
 
 def _concurrent(addresses: list[str], prompts: list[list[int]], tokens: int) -> float:
-    """Aggregate tok/s of len(prompts) sessions generating at once, each on its own client: every
-    token they generated over the wall time from a common start to the last one done."""
+    """Aggregate decode tok/s of len(prompts) sessions generating at once, each on its own client, from a common
+    start: the tokens that arrived while every one of them was decoding, over that time (prefill left out, as
+    llama-batched-bench's S_TG leaves it out: `concurrent_decode_tokens_per_s`)."""
     clients = [RouteClient(addresses, prefix_cache=False) for _ in prompts]
     try:
         for c in clients:
@@ -232,17 +233,15 @@ def _concurrent(addresses: list[str], prompts: list[list[int]], tokens: int) -> 
         for t in ts:
             t.start()
         gate.wait()
-        t0 = time.perf_counter()
         for t in ts:
             t.join()
-        dt = time.perf_counter() - t0
     finally:
         for c in clients:
             c.close()
     for r in out:
         if isinstance(r, BaseException):
             raise r
-    return sum(len(g.token_ids) for g in out) / dt
+    return concurrent_decode_tokens_per_s(out)
 
 
 def run_bench(setup: Setup, *, tokens: int = 64, prompt_lengths=PROMPT_LENGTHS, sessions: int = 4,
@@ -416,7 +415,8 @@ def _report(setup: Setup, acc: _Acc, lengths, tokens, rounds, sessions, chunk, w
                      "aggregate_over_single": _ratio(acc.multi, acc.single),
                      "unbatched_aggregate_tok_s": _med(acc.multi_unbatched),
                      "batched_over_unbatched": _ratio(acc.multi, acc.multi_unbatched),
-                     "how": "every token M concurrent sessions generate over the wall time from a common start; "
+                     "how": "M sessions started at once: the tokens that arrived while all of them were decoding, over that "
+                            "time (prefill left out, as llama-batched-bench's S_TG); "
                             "unbatched: the same bundle with --max-batch-sessions 1 (no forward shared)"},
         # what no worker can beat: one bare loopback message between two processes after the ring's idle
         "floor": {"gap_ms": _med(f["gap_ms"] for f in acc.floor), "one_way_ms": _med(f["one_way_ms"] for f in acc.floor),

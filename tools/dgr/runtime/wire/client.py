@@ -452,7 +452,7 @@ class RouteClient(Hops):
                                 sum(h.compute_ns for h in t.timings), row,
                                 [(h.stage_index, h.transit_ns, h.queue_ns, h.compute_ns, h.wire_ns)
                                  for h in t.timings], t.return_ns, speculated=t.speculated,
-                                drafted=t.drafted, accepted=len(t.accepted))
+                                drafted=t.drafted, accepted=len(t.accepted), at=now)
                 if t.logprobs:
                     ev.logprob = t.logprobs[0].logprob
                     ev.top_logprobs = [(e.token_id, e.logprob) for e in t.logprobs[0].top]

@@ -30,6 +30,7 @@ class TokenEvent:
     # likely tokens at its position as (token id, logprob), most likely first
     logprob: float | None = None
     top_logprobs: list[tuple[int, float]] = field(default_factory=list)
+    at: float = 0.0                      # the client's time.perf_counter() when the token arrived
 
 
 @dataclass
@@ -72,6 +73,19 @@ class Generation:
     def decode_tokens_per_s(self) -> float:
         dt = self.t_last - self.t_first
         return (len(self.token_ids) - 1) / dt if dt > 0 and len(self.token_ids) > 1 else 0.0
+
+
+def concurrent_decode_tokens_per_s(gens) -> float:
+    """Aggregate decode rate of sessions that ran at once, as llama-batched-bench's S_TG measures its parallel
+    sequences: the tokens that arrived while every session was decoding (after the last one's first token, up to
+    the first one's last token) over that window; 0.0 when there was no such time. Prefill is left out, and so is
+    a tail where some sessions had finished."""
+    gens = [g for g in gens if g.events]
+    if not gens:
+        return 0.0
+    t0, t1 = max(g.t_first for g in gens), min(g.t_last for g in gens)
+    n = sum(1 for g in gens for e in g.events if t0 < e.at <= t1)
+    return n / (t1 - t0) if t1 > t0 else 0.0
 
 
 def _median(xs) -> float:
