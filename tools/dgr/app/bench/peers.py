@@ -327,7 +327,8 @@ def table(rep: dict) -> str:
             f = run[side]
             lines.append(f"| {run['rtt_ms']:g} | {side} | {f['tpot_ms']:.1f} | " +
                          " | ".join(f"{f['ttft_ms'].get(str(p), 0):.0f}" for p in rep["prompts"]) +
-                         f" | {f['decode_tok_s_4']:.1f} ({f['decode_tok_s_4'] * f['tpot_ms'] / 1e3:.2f}x one) | " + ", ".join(f"{b:,.0f}" for b in f["link_bytes_per_token"]) +
+                         f" | {f['decode_tok_s_4']:.1f} ({f['decode_tok_s_4'] * f['tpot_ms'] / 1e3:.2f}x one) | " +
+                         ", ".join(f"{b:,.0f}" for b in f["link_bytes_per_token"]) +
                          " | " + ", ".join(f"{t:.1f}" for t in f["link_round_trips_per_token"]) + " |")
         lines.append(f"| {run['rtt_ms']:g} | dgr/rpc | {run['tpot_ratio']:.2f}x | " + " | ".join(
             f"{run['dgr']['ttft_ms'].get(str(p), 0) / max(run['rpc']['ttft_ms'].get(str(p), 1e-9), 1e-9):.2f}x"
